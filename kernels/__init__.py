@@ -1,1 +1,149 @@
-"""placeholder"""
+"""The FP8 grouped GEMM with block-wise scales (SPEC 1), on whichever backend the device has.
+
+    out = grouped_gemm(xq, wq, x_scale, w_scale, m_sizes)
+
+``grouped_gemm`` takes plain ``[G, N, K]`` weights, ``grouped_gemm_preshuffled``
+weights in the MFMA B layout of SPEC 1.3. Both check the contract, allocate the
+output when none is given, and hand the call to ``get_backend(xq.device).run``.
+A server that keeps weights resident should prepare them once with
+``backend.prepare_weights`` and call ``backend.run`` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import Backend, BackendUnavailable
+from ._select import get_backend
+from .layout import preshuffle, unshuffle
+from .quant import fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
+from .reference import reference_float64
+
+__all__ = [
+    "Backend",
+    "BackendUnavailable",
+    "fn_to_fnuz",
+    "fnuz_to_fn",
+    "fp8_max",
+    "get_backend",
+    "grouped_gemm",
+    "grouped_gemm_preshuffled",
+    "preshuffle",
+    "quantize_activations",
+    "quantize_weights",
+    "reference_float64",
+    "unshuffle",
+]
+
+_BLOCK = 128
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def _check_contract(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
+    """Raise TypeError/ValueError unless the arguments meet SPEC 1 (no host reads)."""
+    tensors = {"xq": xq, "wq": wq, "x_scale": x_scale, "w_scale": w_scale, "m_sizes": m_sizes}
+    if out is not None:
+        tensors["out"] = out
+    for what, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != xq.device:
+            raise ValueError(f"{what} is on {t.device}, xq on {xq.device}: all must share one device")
+    if xq.dtype not in _FP8_DTYPES:
+        raise TypeError(f"xq must be float8_e4m3fn or float8_e4m3fnuz, got {xq.dtype}")
+    if wq.dtype != xq.dtype:
+        raise TypeError(f"wq must have xq's dtype {xq.dtype}, got {wq.dtype}")
+    for what, t in (("x_scale", x_scale), ("w_scale", w_scale)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{what} must be float32, got {t.dtype}")
+    if m_sizes.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"m_sizes must be int64 or int32, got {m_sizes.dtype}")
+    if xq.dim() != 2:
+        raise ValueError(f"xq must be 2-D [M, K], got shape {tuple(xq.shape)}")
+    if wq.dim() != 3:
+        raise ValueError(f"wq must be 3-D [G, N, K], got shape {tuple(wq.shape)}")
+    m, k = xq.shape
+    g, n, wk = wq.shape
+    if wk != k:
+        raise ValueError(f"wq's K ({wk}) differs from xq's K ({k})")
+    if g < 1:
+        raise ValueError("wq must hold at least one group (G >= 1)")
+    if n % _BLOCK or k % _BLOCK:
+        raise ValueError(f"N and K must be multiples of {_BLOCK}, got N={n}, K={k}")
+    expected = {
+        "x_scale": (x_scale, (m, k // _BLOCK)),
+        "w_scale": (w_scale, (g, k // _BLOCK, n // _BLOCK)),
+        "m_sizes": (m_sizes, (g,)),
+    }
+    if out is not None:
+        expected["out"] = (out, (m, n))
+    for what, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{what} must have shape {list(shape)}, got {list(t.shape)}")
+    if not wq.is_contiguous():
+        raise ValueError("wq must be contiguous (row-major [G, N, K])")
+    if out is not None:
+        if out.dtype != torch.bfloat16:
+            raise TypeError(f"out must be bfloat16, got {out.dtype}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+
+
+def _dispatch(backend: Backend, xq, wq_prepared, x_scale, w_scale, m_sizes, out):
+    if backend.name != "reference" and xq.dtype != backend.fp8_dtype:
+        # The reference decodes either format; a GPU kernel computes in one.
+        raise TypeError(
+            f"the {backend.name} backend computes in {backend.fp8_dtype}, got {xq.dtype}: "
+            "convert with fn_to_fnuz / fnuz_to_fn"
+        )
+    if out is None:
+        out = torch.empty((xq.shape[0], wq_prepared.shape[1]), dtype=torch.bfloat16,
+                          device=xq.device)
+    return backend.run(
+        xq.contiguous(), wq_prepared, x_scale.contiguous(), w_scale.contiguous(),
+        m_sizes.contiguous(), out,
+    )
+
+
+def grouped_gemm(
+    xq: torch.Tensor,
+    wq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    m_sizes: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SPEC 1: ``out[r, n] = bf16(sum_k xq[r,k] x_scale[r,k//128] wq[g(r),n,k] w_scale[g(r),k//128,n//128])``.
+
+    ``xq`` ``[M, K]`` fp8 e4m3, ``wq`` ``[G, N, K]`` plain row-major in the same
+    dtype, ``x_scale`` ``[M, K/128]`` and ``w_scale`` ``[G, K/128, N/128]``
+    float32, ``m_sizes`` ``[G]`` int64/int32 (rows per group, summing to M; not
+    checked here, because that would read the device). Returns bf16 ``[M, N]``,
+    written into ``out`` when given. Raises TypeError/ValueError on a contract
+    violation.
+    """
+    _check_contract(xq, wq, x_scale, w_scale, m_sizes, out)
+    backend = get_backend(xq.device)
+    if backend.weight_layout == "preshuffled":
+        # Correct but slow: the weights are reshuffled on every call.
+        wq = preshuffle(wq)
+    return _dispatch(backend, xq, wq, x_scale, w_scale, m_sizes, out)
+
+
+def grouped_gemm_preshuffled(
+    xq: torch.Tensor,
+    wq_shuffled: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    m_sizes: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`grouped_gemm` with weights in the MFMA B layout of SPEC 1.3 (see :func:`preshuffle`)."""
+    _check_contract(xq, wq_shuffled, x_scale, w_scale, m_sizes, out)
+    backend = get_backend(xq.device)
+    if backend.weight_layout == "plain":
+        # Correct but slow: the weights are unshuffled on every call.
+        wq_shuffled = unshuffle(wq_shuffled)
+    return _dispatch(backend, xq, wq_shuffled, x_scale, w_scale, m_sizes, out)

@@ -1,0 +1,114 @@
+"""The backend selector: one backend per device, chosen once, lazily.
+
+``MOEGEMM_BACKEND`` (or an explicit ``name``) is one of ``auto``, ``reference``,
+``triton``, ``flydsl``. ``auto`` picks the reference on CPU; on ROCm it tries
+FlyDSL, then Triton; on NVIDIA CUDA it tries Triton; the reference is the last
+resort. An explicitly named GPU backend that cannot load raises
+:class:`BackendUnavailable` instead of falling back.
+
+GPU backend modules are imported only when tried, and never both: FlyDSL and
+Triton each bring their own LLVM, and one process holding both crashes. Once
+either library is imported, the other is not tried.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import threading
+
+import torch
+
+from . import reference
+from ._backend import Backend, BackendUnavailable
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "reference", "triton", "flydsl")
+
+# backend name -> (module that defines create(), the third-party library it pulls in)
+_GPU_BACKENDS = {
+    "triton": ("moegemm.kernels.triton_kernel", "triton"),
+    "flydsl": ("moegemm.kernels.flydsl_kernel", "flydsl"),
+}
+_RIVAL = {"triton": "flydsl", "flydsl": "triton"}
+
+_lock = threading.Lock()
+_cache: dict[tuple[torch.device, str], Backend] = {}
+
+
+def _normalize(device: torch.device | str | int) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # "cuda" and "cuda:0" must share one cache entry.
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _requested(name: str | None) -> str:
+    name = (name or os.environ.get("MOEGEMM_BACKEND") or "auto").strip().lower()
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"MOEGEMM_BACKEND must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    return name
+
+
+def _load_gpu(name: str, device: torch.device) -> Backend:
+    """Import one GPU backend module and create its Backend, or raise BackendUnavailable."""
+    module_name, _ = _GPU_BACKENDS[name]
+    rival_library = _GPU_BACKENDS[_RIVAL[name]][1]
+    if rival_library in sys.modules:
+        raise BackendUnavailable(
+            f"{name} cannot load: {rival_library} is already imported in this process"
+        )
+    if device.type != "cuda":
+        raise BackendUnavailable(f"{name} needs a CUDA or ROCm device, got {device}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailable(f"{name} cannot load: {exc}") from exc
+    return module.create(device)
+
+
+def _choose(device: torch.device, requested: str) -> Backend:
+    if requested == "reference":
+        return reference.create(device)
+    if requested in _GPU_BACKENDS:
+        return _load_gpu(requested, device)
+    if device.type != "cuda":
+        return reference.create(device)
+    order = ("flydsl", "triton") if torch.version.hip else ("triton",)
+    for name in order:
+        try:
+            return _load_gpu(name, device)
+        except BackendUnavailable as exc:
+            log.warning("backend %s unavailable on %s: %s", name, device, exc)
+    log.warning("no GPU backend loads on %s: using the slow reference backend", device)
+    return reference.create(device)
+
+
+def get_backend(device: torch.device | str | int, name: str | None = None) -> Backend:
+    """The backend that computes the grouped GEMM on ``device``.
+
+    Chosen on the first call for the device (``name``, else ``MOEGEMM_BACKEND``,
+    else ``auto``) and cached for the life of the process. Raises
+    :class:`BackendUnavailable` when an explicitly requested backend cannot run,
+    and ``ValueError`` for an unknown name.
+    """
+    device = _normalize(device)
+    requested = _requested(name)
+    key = (device, requested)
+    with _lock:
+        backend = _cache.get(key)
+        if backend is None:
+            backend = _choose(device, requested)
+            log.info("grouped GEMM backend on %s: %s", device, backend.name)
+            _cache[key] = backend
+        return backend
+
+
+def _clear_cache() -> None:
+    """Forget every choice (for tests that change MOEGEMM_BACKEND)."""
+    with _lock:
+        _cache.clear()

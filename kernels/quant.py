@@ -1,0 +1,115 @@
+"""Block-wise FP8 quantization (SPEC 1.1) and the e4m3fn <-> e4m3fnuz conversion (SPEC 1.2).
+
+Every function here is plain torch: it runs on CPU and GPU tensors and reads no
+tensor contents on the host, so it may be captured into a CUDA/HIP graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128
+"""Width of a scale block along K (and along N for weights)."""
+
+# The SPEC names the two maxima explicitly; torch.finfo agrees, but a table keeps
+# an unsupported dtype from silently getting some other format's maximum.
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
+
+# A block of zeros still gets a positive, finite scale (SPEC 1.1).
+_AMAX_FLOOR = 1e-12
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an fp8 e4m3 format: 448 for e4m3fn, 240 for e4m3fnuz."""
+    try:
+        return _FP8_MAX[dtype]
+    except KeyError:
+        raise TypeError(
+            f"fp8 dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {dtype}"
+        ) from None
+
+
+def _check_float_input(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{what} must be bfloat16, float16 or float32, got {t.dtype}")
+
+
+def _to_fp8(values: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    # Clamping first matters: torch's cast does not saturate, an overflow would be NaN.
+    limit = fp8_max(fp8_dtype)
+    return (values / scale).clamp_(-limit, limit).to(fp8_dtype)
+
+
+def quantize_activations(
+    x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations per token and per 128-wide K block (SPEC 1.1).
+
+    ``x`` is ``[M, K]`` bfloat16/float16/float32 with ``K % 128 == 0``. Returns
+    ``(xq, x_scale)``: ``xq`` ``[M, K]`` in ``fp8_dtype`` and ``x_scale``
+    ``[M, K/128]`` float32, with ``x ~= xq * x_scale`` block-wise.
+    """
+    limit = fp8_max(fp8_dtype)
+    _check_float_input(x, "x")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    m, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"K must be a multiple of {BLOCK}, got K={k}")
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    scale = amax.clamp_(min=_AMAX_FLOOR) / limit
+    xq = _to_fp8(blocks, scale, fp8_dtype).reshape(m, k)
+    return xq, scale.reshape(m, k // BLOCK).contiguous()
+
+
+def quantize_weights(
+    w: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize weights per group and per 128x128 block of ``[N, K]`` (SPEC 1.1).
+
+    ``w`` is ``[G, N, K]`` (or ``[N, K]``) bfloat16/float16/float32 with
+    ``N % 128 == 0`` and ``K % 128 == 0``. Returns ``(wq, w_scale)``: ``wq`` of
+    ``w``'s shape in ``fp8_dtype`` and ``w_scale`` ``[G, K/128, N/128]`` (or
+    ``[K/128, N/128]``) float32 -- note the K-major scale layout of the SPEC.
+    """
+    limit = fp8_max(fp8_dtype)
+    _check_float_input(w, "w")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w must be [G, N, K] or [N, K], got shape {tuple(w.shape)}")
+    *lead, n, k = w.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"N and K must be multiples of {BLOCK}, got N={n}, K={k}")
+    nb, kb = n // BLOCK, k // BLOCK
+    blocks = w.float().reshape(*lead, nb, BLOCK, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)  # [..., nb, 1, kb, 1]
+    scale = amax.clamp_(min=_AMAX_FLOOR) / limit
+    wq = _to_fp8(blocks, scale, fp8_dtype).reshape(w.shape)
+    w_scale = scale.reshape(*lead, nb, kb).transpose(-1, -2).contiguous()
+    return wq, w_scale
+
+
+def fn_to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-encode e4m3fn data as e4m3fnuz, exactly (SPEC 1.2).
+
+    The bits are kept (an fnuz pattern is worth half the fn one), the scales
+    doubled, and 0x80 (-0 in fn, NaN in fnuz) becomes 0x00. Returns new tensors.
+    """
+    if q.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fn_to_fnuz expects torch.float8_e4m3fn data, got {q.dtype}")
+    bits = q.view(torch.uint8)
+    bits = torch.where(bits == 0x80, torch.zeros_like(bits), bits)
+    return bits.view(torch.float8_e4m3fnuz), scale * 2
+
+
+def fnuz_to_fn(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convert e4m3fnuz data to e4m3fn values at the same scale (SPEC 1.2).
+
+    Every fnuz value fits in fn; values below 2^-6 may lose their last mantissa
+    bit (round to nearest even). The bits are never reinterpreted: fnuz's block
+    maxima 0x7F/0xFF are +-240, but NaN in fn. Returns ``(q_fn, scale)``, the
+    scale tensor unchanged.
+    """
+    if q.dtype != torch.float8_e4m3fnuz:
+        raise TypeError(f"fnuz_to_fn expects torch.float8_e4m3fnuz data, got {q.dtype}")
+    return q.to(torch.float32).to(torch.float8_e4m3fn), scale

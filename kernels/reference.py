@@ -1,0 +1,142 @@
+"""The torch reference backend and the float64 oracle (SPEC 1).
+
+``grouped_gemm`` evaluates the SPEC formula the way the GPU kernels do: per
+128-wide K block a float32 dot product, scaled by ``x_scale[r, kb] *
+w_scale[g, kb, n // 128]``, the blocks summed in float32, the sum cast to
+bfloat16. It runs on any device, reads ``m_sizes`` on the host (so it is not
+capture-safe) and handles every valid input: M = 0, empty groups, any G.
+
+``reference_float64`` is the same formula in float64: the oracle of the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import Backend
+
+BLOCK = 128
+
+# Rows per chunk are chosen so the [K/128, rows, N] float32 block products stay
+# near this many elements (~128 MiB): fast batched matmuls without a memory blow-up
+# at K = 7168, N = 4096.
+_CHUNK_ELEMENTS = 1 << 25
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def _host_sizes(m_sizes: torch.Tensor, rows: int) -> list[int]:
+    sizes = [int(s) for s in m_sizes.tolist()]
+    if any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(f"m_sizes must be >= 0 and sum to M={rows}, got {sizes}")
+    return sizes
+
+
+def _check(xq, wq, x_scale, w_scale, m_sizes) -> None:
+    # The public entry checks the full contract; this guards direct callers
+    # (tests, the server) against the mistakes that would silently give garbage.
+    if xq.dtype not in _FP8_DTYPES or wq.dtype not in _FP8_DTYPES:
+        raise TypeError(f"xq and wq must be fp8 e4m3, got {xq.dtype} and {wq.dtype}")
+    if xq.dim() != 2 or wq.dim() != 3 or xq.shape[1] != wq.shape[2]:
+        raise ValueError(f"need xq [M, K] and wq [G, N, K], got {tuple(xq.shape)}, {tuple(wq.shape)}")
+    m, k = xq.shape
+    g, n, _ = wq.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"N and K must be multiples of {BLOCK}, got N={n}, K={k}")
+    if tuple(x_scale.shape) != (m, k // BLOCK):
+        raise ValueError(f"x_scale must be [{m}, {k // BLOCK}], got {tuple(x_scale.shape)}")
+    if tuple(w_scale.shape) != (g, k // BLOCK, n // BLOCK):
+        raise ValueError(
+            f"w_scale must be [{g}, {k // BLOCK}, {n // BLOCK}], got {tuple(w_scale.shape)}"
+        )
+    if tuple(m_sizes.shape) != (g,):
+        raise ValueError(f"m_sizes must be [{g}], got {tuple(m_sizes.shape)}")
+
+
+def grouped_gemm(
+    xq: torch.Tensor,
+    wq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    m_sizes: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SPEC 1 in plain torch: bf16 ``[M, N]`` from plain ``[G, N, K]`` weights.
+
+    Writes into ``out`` (bf16 ``[M, N]``) when given and returns it.
+    """
+    _check(xq, wq, x_scale, w_scale, m_sizes)
+    m, k = xq.shape
+    g, n, _ = wq.shape
+    kb = k // BLOCK
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
+    chunk = max(1, _CHUNK_ELEMENTS // (kb * n))
+    start = 0
+    for group, rows in enumerate(_host_sizes(m_sizes, m)):
+        if rows == 0:
+            continue
+        # [kb, 128, N]: each K block of this expert's weights, ready for bmm.
+        w = wq[group].float().reshape(n, kb, BLOCK).permute(1, 2, 0)
+        ws = w_scale[group].float().repeat_interleave(BLOCK, dim=1).unsqueeze(1)  # [kb, 1, N]
+        for lo in range(start, start + rows, chunk):
+            hi = min(lo + chunk, start + rows)
+            x = xq[lo:hi].float().reshape(hi - lo, kb, BLOCK).transpose(0, 1)  # [kb, rows, 128]
+            partial = torch.bmm(x, w)  # [kb, rows, N]: float32 dot per K block
+            partial.mul_(x_scale[lo:hi].float().t().unsqueeze(2)).mul_(ws)
+            out[lo:hi] = partial.sum(dim=0).to(torch.bfloat16)
+        start += rows
+    return out
+
+
+def reference_float64(
+    xq: torch.Tensor,
+    wq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    m_sizes: torch.Tensor,
+) -> torch.Tensor:
+    """The SPEC 1 formula evaluated in float64: ``[M, N]`` float64, the test oracle.
+
+    ``wq`` is plain ``[G, N, K]``. The scales are folded into the operands before
+    one float64 matmul per group: the same sum as the SPEC, at float64 rounding.
+    """
+    _check(xq, wq, x_scale, w_scale, m_sizes)
+    m, k = xq.shape
+    g, n, _ = wq.shape
+    kb = k // BLOCK
+    out = torch.zeros((m, n), dtype=torch.float64, device=xq.device)
+    start = 0
+    for group, rows in enumerate(_host_sizes(m_sizes, m)):
+        if rows == 0:
+            continue
+        stop = start + rows
+        x = xq[start:stop].double().reshape(rows, kb, BLOCK)
+        x = (x * x_scale[start:stop].double().unsqueeze(2)).reshape(rows, k)
+        w = wq[group].double().reshape(n // BLOCK, BLOCK, kb, BLOCK)
+        # w_scale[g, kb, nb] scales weight block (nb, kb).
+        w = w * w_scale[group].double().t().reshape(n // BLOCK, 1, kb, 1)
+        out[start:stop] = x @ w.reshape(n, k).t()
+        start = stop
+    return out
+
+
+def _prepare_weights(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return wq.contiguous(), w_scale.contiguous()
+
+
+def _run(xq, wq, x_scale, w_scale, m_sizes, out):
+    return grouped_gemm(xq, wq, x_scale, w_scale, m_sizes, out)
+
+
+def create(device: torch.device) -> Backend:
+    """The reference backend for ``device`` (any device torch runs on)."""
+    return Backend(
+        name="reference",
+        device=torch.device(device),
+        fp8_dtype=torch.float8_e4m3fn,
+        weight_layout="plain",
+        prepare_weights=_prepare_weights,
+        run=_run,
+        capture_safe=False,
+    )
