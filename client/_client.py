@@ -1,0 +1,367 @@
+"""Client and AsyncClient: the thin SDK over SPEC 2.1, on one pooled httpx client each.
+
+Both classes share the request building and the response handling below; they
+differ only in whether they await the transport. Arrays go in and come back in
+the caller's kind: numpy (bf16/fp8 via ml_dtypes) or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+
+from ._errors import APIError, InternalError, TransportError, error_for
+from ._wire import decode_tensor, encode_tensor, packb, unpackb
+
+__all__ = ["AsyncClient", "Client"]
+
+MSGPACK = "application/vnd.msgpack"
+_MSGPACK_TYPES = (MSGPACK, "application/msgpack", "application/x-msgpack")
+DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+# httpcore already sets TCP_NODELAY on sync sockets and asyncio does on async
+# ones; asking explicitly keeps small requests from waiting on Nagle whatever
+# the backend does.
+_SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+
+
+@dataclass
+class _Call:
+    """One HTTP request to make and how to read its answer."""
+
+    method: str
+    path: str
+    body: bytes | None = None
+    expect: str = "json"  # "json" | "gemm" | "none"
+    like_torch: Any = None  # the torch tensor whose kind (and device) the output takes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _weights_path(name: str) -> str:
+    # Quote everything so a bad name reaches the server intact (and gets bad_name)
+    # instead of changing the route; "." and ".." would be dot segments otherwise.
+    quoted = quote(name, safe="")
+    if quoted in (".", ".."):
+        quoted = quoted.replace(".", "%2E")
+    return f"/v1/weights/{quoted}"
+
+
+def _m_sizes_int64(m_sizes: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(m_sizes, torch.Tensor):
+        if m_sizes.dtype.is_floating_point or m_sizes.dtype.is_complex:
+            raise TypeError(f"m_sizes must hold integers, got {m_sizes.dtype}")
+        return m_sizes.to(torch.int64)
+    arr = np.asarray(m_sizes)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"m_sizes must hold integers, got {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any) -> _Call:
+    body: dict[str, Any] = {"x": encode_tensor(x), "m_sizes": encode_tensor(_m_sizes_int64(m_sizes))}
+    if x_scale is not None:
+        body["x_scale"] = encode_tensor(x_scale)
+    torch = sys.modules.get("torch")
+    like = x if torch is not None and isinstance(x, torch.Tensor) else None
+    return _Call(
+        "POST", _weights_path(name) + "/gemm", packb(body), expect="gemm", like_torch=like
+    )
+
+
+def _load_call(name: str, w: Any, w_scale: Any) -> _Call:
+    body: dict[str, Any] = {"w": encode_tensor(w)}
+    if w_scale is not None:
+        body["w_scale"] = encode_tensor(w_scale)
+    return _Call("PUT", _weights_path(name), packb(body))
+
+
+def _load_file_call(name: str, file: str | os.PathLike, w_key: str, w_scale_key: str | None) -> _Call:
+    body: dict[str, Any] = {"file": os.fspath(file), "w": w_key}
+    if w_scale_key is not None:
+        body["w_scale"] = w_scale_key
+    return _Call("PUT", _weights_path(name), packb(body))
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:  # an HTTP-date: rare enough not to parse
+        return None
+
+
+def _raise_for_error(response: httpx.Response, request_id: str) -> None:
+    if response.status_code < 400:
+        return
+    request_id = response.headers.get("x-request-id", request_id)
+    code, message = None, response.text[:1000] or response.reason_phrase
+    try:
+        payload = response.json()
+        error = payload["error"]
+        code, message = error.get("code"), str(error.get("message", message))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass  # not the JSON error body: the class comes from the status alone
+    raise error_for(
+        response.status_code,
+        code if isinstance(code, str) else None,
+        message,
+        request_id=request_id,
+        retry_after=_retry_after(response),
+    )
+
+
+def _result(call: _Call, response: httpx.Response, request_id: str) -> Any:
+    _raise_for_error(response, request_id)
+    request_id = response.headers.get("x-request-id", request_id)
+    if call.expect == "none":
+        return None
+    try:
+        if call.expect == "json":
+            return response.json()
+        media = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media not in _MSGPACK_TYPES:
+            raise ValueError(f"content type {media!r} is not msgpack")
+        out = decode_tensor(unpackb(response.content)["out"])
+    except (ValueError, KeyError, APIError) as exc:
+        # A 2xx answer we cannot read is the server's fault, not the request's.
+        raise InternalError(
+            f"malformed {response.status_code} response to {call.method} {call.path}: {exc}",
+            request_id=request_id,
+        ) from exc
+    if call.like_torch is None:
+        return out.numpy()  # a read-only view on the response body; .copy() to write
+    return _to_torch(out, call.like_torch)
+
+
+def _to_torch(out, like: Any) -> Any:
+    import torch  # already imported by the caller: `like` is a torch tensor
+
+    dtype = getattr(torch, out.dtype)
+    # One copy into a writable tensor (torch refuses read-only memory without a warning).
+    result = torch.empty(out.shape, dtype=dtype)
+    if out.nbytes:
+        result.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(out.data, np.uint8)
+    return result if like.device.type == "cpu" else result.to(like.device)
+
+
+class _Base:
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        headers: dict[str, str] | None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._headers = {"Accept": f"{MSGPACK}, application/json"}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._headers.update(headers or {})
+
+    def _request_args(self, call: _Call) -> tuple[str, dict[str, Any]]:
+        request_id = uuid.uuid4().hex
+        headers = {"X-Request-Id": request_id, **call.headers}
+        if call.body is not None:
+            headers["Content-Type"] = MSGPACK
+        return request_id, {
+            "method": call.method,
+            "url": call.path,
+            "content": call.body,
+            "headers": headers,
+        }
+
+
+class Client(_Base):
+    """A blocking moegemm client; one pooled connection set, reuse it.
+
+    ``Client(url, token=..., timeout=..., headers=...)``; use it as a context
+    manager or call ``close()``. Errors raise the `moegemm.client` tree:
+    `APIError` subclasses for error answers, `TransportError` for no answer.
+    ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        headers: dict[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(url, token, headers)
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=self._headers,
+            timeout=timeout,
+            transport=transport or httpx.HTTPTransport(socket_options=_SOCKET_OPTIONS),
+        )
+
+    def _send(self, call: _Call) -> Any:
+        request_id, args = self._request_args(call)
+        try:
+            response = self._http.request(**args)
+        except httpx.TransportError as exc:
+            raise TransportError(
+                f"{call.method} {self.url}{call.path} failed: {exc!r} (request {request_id})"
+            ) from exc
+        return _result(call, response, request_id)
+
+    def grouped_gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None) -> Any:
+        """Run the grouped GEMM of SPEC 1 on weight set ``name``; returns bf16 ``[M, N]``.
+
+        ``x`` is fp8 ``[M, K]`` with ``x_scale`` float32 ``[M, K/128]``, or
+        bf16/fp16/fp32 ``[M, K]`` that the server quantizes. ``m_sizes`` (list,
+        numpy or torch ints) are the rows of each group, sent as int64. The
+        result is numpy (``ml_dtypes.bfloat16``, read-only) for numpy input, or
+        a torch bfloat16 tensor on ``x``'s device for torch input.
+        """
+        return self._send(_gemm_call(name, x, m_sizes, x_scale))
+
+    def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict:
+        """Load or replace weight set ``name`` from ``w`` ``[G, N, K]`` (fp8 with
+        ``w_scale`` ``[G, K/128, N/128]``, or bf16/fp16/fp32 to be quantized)."""
+        return self._send(_load_call(name, w, w_scale))
+
+    def load_weights_file(
+        self,
+        name: str,
+        file: str | os.PathLike,
+        w_key: str,
+        w_scale_key: str | None = None,
+    ) -> dict:
+        """Load weight set ``name`` from a safetensors file under the server's
+        weights directory (``file`` is relative to it), tensors ``w_key`` and
+        ``w_scale_key``."""
+        return self._send(_load_file_call(name, file, w_key, w_scale_key))
+
+    def weights(self) -> list[dict]:
+        """The loaded weight sets: name, G, N, K, layout, bytes, created."""
+        return _weight_list(self._send(_Call("GET", "/v1/weights")))
+
+    def delete_weights(self, name: str) -> None:
+        """Unload weight set ``name``."""
+        self._send(_Call("DELETE", _weights_path(name), expect="none"))
+
+    def health(self) -> dict:
+        """The readiness answer; raises `NotReady` while the server starts."""
+        return self._send(_Call("GET", "/v1/health/ready"))
+
+    def live(self) -> dict:
+        """The liveness answer: the process responds."""
+        return self._send(_Call("GET", "/v1/health/live"))
+
+    def info(self) -> dict:
+        """Version, backend, device, ``fp8_format``, buckets and limits."""
+        return self._send(_Call("GET", "/v1/info"))
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """The asyncio twin of `Client`: the same methods, awaited.
+
+    Encoding and decoding run on the event loop; they are memory copies, not
+    compute, but very large uploads may want ``asyncio.to_thread``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        headers: dict[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(url, token, headers)
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=self._headers,
+            timeout=timeout,
+            transport=transport or httpx.AsyncHTTPTransport(socket_options=_SOCKET_OPTIONS),
+        )
+
+    async def _send(self, call: _Call) -> Any:
+        request_id, args = self._request_args(call)
+        try:
+            response = await self._http.request(**args)
+        except httpx.TransportError as exc:
+            raise TransportError(
+                f"{call.method} {self.url}{call.path} failed: {exc!r} (request {request_id})"
+            ) from exc
+        return _result(call, response, request_id)
+
+    async def grouped_gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None) -> Any:
+        """See `Client.grouped_gemm`."""
+        return await self._send(_gemm_call(name, x, m_sizes, x_scale))
+
+    async def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict:
+        """See `Client.load_weights`."""
+        return await self._send(_load_call(name, w, w_scale))
+
+    async def load_weights_file(
+        self,
+        name: str,
+        file: str | os.PathLike,
+        w_key: str,
+        w_scale_key: str | None = None,
+    ) -> dict:
+        """See `Client.load_weights_file`."""
+        return await self._send(_load_file_call(name, file, w_key, w_scale_key))
+
+    async def weights(self) -> list[dict]:
+        """See `Client.weights`."""
+        return _weight_list(await self._send(_Call("GET", "/v1/weights")))
+
+    async def delete_weights(self, name: str) -> None:
+        """See `Client.delete_weights`."""
+        await self._send(_Call("DELETE", _weights_path(name), expect="none"))
+
+    async def health(self) -> dict:
+        """See `Client.health`."""
+        return await self._send(_Call("GET", "/v1/health/ready"))
+
+    async def live(self) -> dict:
+        """See `Client.live`."""
+        return await self._send(_Call("GET", "/v1/health/live"))
+
+    async def info(self) -> dict:
+        """See `Client.info`."""
+        return await self._send(_Call("GET", "/v1/info"))
+
+    async def close(self) -> None:
+        """Close the pooled connections (awaited)."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+def _weight_list(payload: Any) -> list[dict]:
+    # SPEC 2.1 names the fields, not the envelope: accept a bare list or {"weights": [...]}.
+    if isinstance(payload, dict) and isinstance(payload.get("weights"), list):
+        return payload["weights"]
+    if isinstance(payload, list):
+        return payload
+    raise InternalError(f"GET /v1/weights answered {type(payload).__name__}, expected a list")

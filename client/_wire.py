@@ -1,0 +1,203 @@
+"""The wire format of SPEC 2: tensors as msgpack maps, bodies as one msgpack map.
+
+A tensor on the wire is ``{"dtype": name, "shape": [d0, ...], "data": bin}``,
+little-endian, row-major, no padding. The server imports this module too, so
+both sides refuse exactly the same malformed input with the same error.
+
+Nothing here imports torch: a torch tensor is recognised only when torch is
+already imported by the caller (``sys.modules``), and crosses as raw bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from ._errors import BadDtype, BadMsgpack, BadTensor
+
+__all__ = ["DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "packb", "unpackb"]
+
+DTYPES: dict[str, np.dtype] = {
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+}
+
+# Torch dtypes by their attribute name on the torch module; the wire names are
+# chosen to equal them, so the lookup needs no torch at import time.
+_TORCH_NAMES = tuple(DTYPES)
+
+_TENSOR_KEYS = frozenset(("dtype", "shape", "data"))
+
+# Our bodies are a few small maps around big bins: these bounds refuse
+# pathological nesting and huge containers before they cost memory. Bins are
+# bounded by the body itself (and by the server's body limit).
+_MAX_STR_LEN = 1 << 20
+_MAX_ARRAY_LEN = 1 << 16
+_MAX_MAP_LEN = 1 << 12
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """A validated tensor map: its dtype name, shape and raw little-endian bytes.
+
+    ``data`` is a byte-format memoryview on the decoded body, not a copy.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        """The size of ``data`` in bytes."""
+        return self.data.nbytes
+
+    def numpy(self) -> np.ndarray:
+        """A numpy view on ``data`` (zero-copy; read-only when the body is bytes)."""
+        return np.frombuffer(self.data, dtype=DTYPES[self.dtype]).reshape(self.shape)
+
+
+def _torch_tensor(a: Any):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        return torch
+    return None
+
+
+def encode_tensor(a: Any) -> dict:
+    """The wire map of a numpy array or a torch tensor (SPEC 2).
+
+    ``data`` is a read-only memoryview of contiguous little-endian bytes (msgpack
+    packs it as bin); it is a view on ``a`` when ``a`` is already contiguous
+    little-endian on the CPU, so do not write to ``a`` before packing. Torch fp8
+    and bf16 cross through a uint8 view, never through a float conversion.
+    """
+    torch = _torch_tensor(a)
+    if torch is not None:
+        name = next((n for n in _TORCH_NAMES if getattr(torch, n, None) == a.dtype), None)
+        if name is None:
+            raise TypeError(f"dtype {a.dtype} cannot go on the wire; it takes {sorted(DTYPES)}")
+        t = a.detach().to("cpu").contiguous()
+        shape = list(t.shape)
+        # Reinterpret as bytes: numpy has no fp8/bf16 dtype torch could hand over.
+        # Torch's hosts are little-endian, so its memory is already wire order.
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        return {"dtype": name, "shape": shape, "data": _bytes_view(raw)}
+    arr = np.asarray(a)
+    name = _wire_name(arr.dtype)
+    # astype, not ascontiguousarray: the latter turns a 0-d array into shape [1].
+    arr = arr.astype(DTYPES[name], order="C", copy=False)
+    return {"dtype": name, "shape": list(arr.shape), "data": _bytes_view(arr)}
+
+
+def _wire_name(dtype: np.dtype) -> str:
+    little = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+    for name, wire in DTYPES.items():
+        if little == wire:
+            return name
+    raise TypeError(f"dtype {dtype} cannot go on the wire; it takes {sorted(DTYPES)}")
+
+
+def _bytes_view(arr: np.ndarray) -> memoryview:
+    # reshape(-1) of a contiguous array is a view; uint8 makes the memoryview byte-format.
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)).toreadonly()
+
+
+def decode_tensor(obj: Any) -> WireTensor:
+    """Validate a decoded tensor map and wrap it without copying its bytes.
+
+    Raises BadTensor for a map that is not exactly {dtype, shape, data}, a shape
+    that is not a list of non-negative ints, or data that is not bin of exactly
+    ``prod(shape) * itemsize`` bytes; BadDtype for a dtype name outside SPEC 2.
+    """
+    if not isinstance(obj, dict):
+        raise BadTensor(f"a tensor is a map {{dtype, shape, data}}, got {type(obj).__name__}")
+    keys = set(obj)
+    if keys != _TENSOR_KEYS:
+        missing = sorted(_TENSOR_KEYS - keys)
+        extra = sorted(map(repr, keys - _TENSOR_KEYS))
+        raise BadTensor(
+            f"a tensor map has exactly the keys dtype, shape, data; missing {missing}, "
+            f"unknown {extra}"
+        )
+    name = obj["dtype"]
+    if not isinstance(name, str) or name not in DTYPES:
+        raise BadDtype(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    shape = obj["shape"]
+    if not isinstance(shape, (list, tuple)) or not all(
+        type(d) is int and d >= 0 for d in shape  # bool is an int subclass: refused
+    ):
+        raise BadTensor(f"shape must be a list of non-negative ints, got {shape!r:.200}")
+    data = obj["data"]
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise BadTensor(f"data must be bin, got {type(data).__name__}")
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise BadTensor("data must be one contiguous buffer")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    expected = math.prod(shape) * DTYPES[name].itemsize
+    if view.nbytes != expected:
+        raise BadTensor(
+            f"data holds {view.nbytes} bytes; {name} {list(shape)} needs {expected}"
+        )
+    return WireTensor(name, tuple(shape), view)
+
+
+def packb(obj: Any) -> bytes:
+    """Serialize a body (a map) to msgpack, bytes as bin and str as str."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise BadMsgpack(f"msgpack ext type {code} is not allowed")
+
+
+def _pairs_to_dict(pairs: list) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if not isinstance(key, str):
+            raise BadMsgpack(f"map keys must be strings, got {type(key).__name__}")
+        if key in out:
+            raise BadMsgpack(f"duplicate map key {key!r:.100}")
+        out[key] = value
+    return out
+
+
+def unpackb(body: bytes | bytearray | memoryview) -> dict:
+    """Decode a body that must be exactly one msgpack map, else raise BadMsgpack.
+
+    Bins become bytes (the only copy of tensor data); keys must be unique
+    strings; ext types, invalid UTF-8, truncation and trailing bytes are refused.
+    """
+    try:
+        obj = msgpack.unpackb(
+            body,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            object_pairs_hook=_pairs_to_dict,
+            ext_hook=_refuse_ext,
+            max_str_len=_MAX_STR_LEN,
+            max_array_len=_MAX_ARRAY_LEN,
+            max_map_len=_MAX_MAP_LEN,
+            max_ext_len=0,  # every ext, the built-in timestamp (-1) included
+        )
+    except BadMsgpack:
+        raise
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        # ValueError covers ExtraData, FormatError, StackError and UnicodeDecodeError.
+        raise BadMsgpack(f"the body is not one msgpack map: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise BadMsgpack(f"the body must be a msgpack map, got {type(obj).__name__}")
+    return obj
