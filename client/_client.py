@@ -12,7 +12,7 @@ import socket
 import sys
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -20,6 +20,9 @@ import numpy as np
 
 from ._errors import APIError, InternalError, TransportError, error_for
 from ._wire import decode_tensor, encode_tensor, packb, unpackb
+
+if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
+    from typing_extensions import Self
 
 __all__ = ["AsyncClient", "Client"]
 
@@ -66,14 +69,15 @@ def _m_sizes_int64(m_sizes: Any) -> Any:
 
 
 def _gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any) -> _Call:
-    body: dict[str, Any] = {"x": encode_tensor(x), "m_sizes": encode_tensor(_m_sizes_int64(m_sizes))}
+    body: dict[str, Any] = {
+        "x": encode_tensor(x),
+        "m_sizes": encode_tensor(_m_sizes_int64(m_sizes)),
+    }
     if x_scale is not None:
         body["x_scale"] = encode_tensor(x_scale)
     torch = sys.modules.get("torch")
     like = x if torch is not None and isinstance(x, torch.Tensor) else None
-    return _Call(
-        "POST", _weights_path(name) + "/gemm", packb(body), expect="gemm", like_torch=like
-    )
+    return _Call("POST", _weights_path(name) + "/gemm", packb(body), expect="gemm", like_torch=like)
 
 
 def _load_call(name: str, w: Any, w_scale: Any) -> _Call:
@@ -83,7 +87,9 @@ def _load_call(name: str, w: Any, w_scale: Any) -> _Call:
     return _Call("PUT", _weights_path(name), packb(body))
 
 
-def _load_file_call(name: str, file: str | os.PathLike, w_key: str, w_scale_key: str | None) -> _Call:
+def _load_file_call(
+    name: str, file: str | os.PathLike, w_key: str, w_scale_key: str | None
+) -> _Call:
     body: dict[str, Any] = {"file": os.fspath(file), "w": w_key}
     if w_scale_key is not None:
         body["w_scale"] = w_scale_key
@@ -268,7 +274,7 @@ class Client(_Base):
         """Close the pooled connections."""
         self._http.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -351,7 +357,7 @@ class AsyncClient(_Base):
         """Close the pooled connections (awaited)."""
         await self._http.aclose()
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -290,9 +290,7 @@ def error_for(
     cls = _BY_CODE.get(code) if code is not None else None
     if cls is not None:
         return cls(message, request_id=request_id, retry_after=retry_after)
-    err = _BY_STATUS.get(status, APIError)(
-        message, request_id=request_id, retry_after=retry_after
-    )
+    err = _BY_STATUS.get(status, APIError)(message, request_id=request_id, retry_after=retry_after)
     err.status = status
     if code is not None:
         err.code = code

@@ -136,7 +136,8 @@ def decode_tensor(obj: Any) -> WireTensor:
         raise BadDtype(f"dtype {name!r} is not one of {sorted(DTYPES)}")
     shape = obj["shape"]
     if not isinstance(shape, (list, tuple)) or not all(
-        type(d) is int and d >= 0 for d in shape  # bool is an int subclass: refused
+        type(d) is int and d >= 0
+        for d in shape  # bool is an int subclass: refused
     ):
         raise BadTensor(f"shape must be a list of non-negative ints, got {shape!r:.200}")
     data = obj["data"]
@@ -148,9 +149,7 @@ def decode_tensor(obj: Any) -> WireTensor:
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     expected = math.prod(shape) * DTYPES[name].itemsize
     if view.nbytes != expected:
-        raise BadTensor(
-            f"data holds {view.nbytes} bytes; {name} {list(shape)} needs {expected}"
-        )
+        raise BadTensor(f"data holds {view.nbytes} bytes; {name} {list(shape)} needs {expected}")
     return WireTensor(name, tuple(shape), view)
 
 
