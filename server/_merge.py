@@ -1,0 +1,108 @@
+"""Merging calls for one weight set into one launch, and splitting the result back.
+
+Several callers' activations are laid out one after another (the *concatenated*
+order: call 0's rows, then call 1's, ...). The kernel needs rows grouped per
+expert (the *merged* order: group 0 of every call, then group 1 of every call,
+...). A :class:`MergePlan` holds the permutation between the two orders, built
+from the ``m_sizes`` alone (host data that came with the requests; no tensor
+contents are read), and the row ranges that give each caller its rows back.
+
+Everything here is a pure function of its arguments and works on numpy arrays
+and on torch tensors of any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """How ``len(offsets) - 1`` calls merge into one grouped launch.
+
+    ``m_sizes``: the merged ``[G]`` group sizes (the sum over calls).
+    ``gather``: ``[total]`` int64; merged row ``r`` is concatenated row ``gather[r]``.
+    ``scatter``: ``[total]`` int64, the inverse; concatenated row ``c`` is merged
+    row ``scatter[c]``.
+    ``offsets``: ``[calls + 1]``; call ``i`` owns concatenated rows
+    ``offsets[i]:offsets[i + 1]``.
+    """
+
+    m_sizes: np.ndarray
+    gather: np.ndarray
+    scatter: np.ndarray
+    offsets: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        """Rows of the merged launch."""
+        return self.offsets[-1]
+
+    @property
+    def calls(self) -> int:
+        """How many calls were merged."""
+        return len(self.offsets) - 1
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the merged order equals the concatenated one (no gather needed)."""
+        return bool(np.array_equal(self.gather, np.arange(self.total)))
+
+
+def plan_merge(m_sizes: Sequence[np.ndarray | Sequence[int]]) -> MergePlan:
+    """Plan the merge of calls with these group sizes (each ``[G]``, the same G).
+
+    Raises ``ValueError`` when the calls disagree on G or a size is negative.
+    """
+    if not m_sizes:
+        raise ValueError("plan_merge needs at least one call")
+    sizes = np.stack([np.asarray(s, dtype=np.int64).reshape(-1) for s in m_sizes])
+    if (sizes < 0).any():
+        raise ValueError("group sizes must be >= 0")
+    calls, groups = sizes.shape
+    per_call = sizes.sum(axis=1)
+    offsets = np.concatenate(([0], np.cumsum(per_call)))
+    total = int(offsets[-1])
+    # Where each (call, group) segment starts in the concatenated order...
+    src_start = offsets[:-1, None] + np.cumsum(sizes, axis=1) - sizes
+    # ...and in the merged order, where segments are ordered by group, then call.
+    by_group = sizes.T  # [G, calls]
+    dst_start = (np.cumsum(by_group.reshape(-1)) - by_group.reshape(-1)).reshape(groups, calls).T
+    # One segment per (group, call) in merged order: merged row = dst_start + j,
+    # concatenated row = src_start + j, so gather = merged index + (src - dst).
+    lengths = by_group.reshape(-1)
+    shift = (src_start.T - dst_start.T).reshape(-1)
+    gather = np.arange(total, dtype=np.int64) + np.repeat(shift, lengths)
+    scatter = np.empty(total, dtype=np.int64)
+    scatter[gather] = np.arange(total, dtype=np.int64)
+    return MergePlan(
+        m_sizes=by_group.sum(axis=1),
+        gather=gather,
+        scatter=scatter,
+        offsets=tuple(int(o) for o in offsets),
+    )
+
+
+def _index(rows: np.ndarray, like: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    if isinstance(like, torch.Tensor):
+        return torch.from_numpy(rows).to(like.device, non_blocking=True)
+    return rows
+
+
+def regroup(concatenated: torch.Tensor | np.ndarray, plan: MergePlan):
+    """Rows of the concatenated calls in merged (per-expert) order: ``x[gather]``."""
+    if concatenated.shape[0] != plan.total:
+        raise ValueError(f"expected {plan.total} rows, got {concatenated.shape[0]}")
+    return concatenated[_index(plan.gather, concatenated)]
+
+
+def split(merged_out: torch.Tensor | np.ndarray, plan: MergePlan) -> list:
+    """Each call's own rows of the merged output, in the call's own order."""
+    if merged_out.shape[0] != plan.total:
+        raise ValueError(f"expected {plan.total} rows, got {merged_out.shape[0]}")
+    back = merged_out[_index(plan.scatter, merged_out)]
+    return [back[a:b] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
