@@ -1,0 +1,30 @@
+"""The public surface of moegemm.kernels is pinned: changing it is a deliberate act."""
+
+import moegemm.kernels as kernels
+
+EXPECTED = [
+    "Backend",
+    "BackendUnavailable",
+    "fn_to_fnuz",
+    "fnuz_to_fn",
+    "fp8_max",
+    "get_backend",
+    "grouped_gemm",
+    "grouped_gemm_preshuffled",
+    "preshuffle",
+    "quantize_activations",
+    "quantize_weights",
+    "reference_float64",
+    "unshuffle",
+]
+
+
+def test_all_is_pinned_and_sorted():
+    assert kernels.__all__ == EXPECTED
+    assert kernels.__all__ == sorted(kernels.__all__)
+
+
+def test_every_public_name_exists_and_is_documented():
+    for name in kernels.__all__:
+        obj = getattr(kernels, name)
+        assert obj.__doc__, f"{name} has no docstring"

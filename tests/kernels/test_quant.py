@@ -1,0 +1,142 @@
+"""SPEC 1.1 quantization and the SPEC 1.2 fn <-> fnuz conversions."""
+
+import pytest
+import torch
+
+from moegemm.kernels import fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+ALL_BYTES = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+
+
+def test_fp8_max():
+    assert fp8_max(torch.float8_e4m3fn) == 448.0
+    assert fp8_max(torch.float8_e4m3fnuz) == 240.0
+    with pytest.raises(TypeError):
+        fp8_max(torch.float8_e5m2)
+
+
+def _dequant_bound(v, scale):
+    # Round to nearest even: half an ulp. Normal e4m3 values have 3 mantissa bits
+    # (|error| <= |v| / 16); subnormals have a fixed step of 2^-9 (fn) / 2^-10 (fnuz).
+    return torch.maximum(v.abs() / 16, torch.full_like(v, 2.0**-10)) * scale
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_scale_formula_and_round_trip(fp8_dtype, dtype):
+    m, k = 37, 384
+    x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1) * 2)).to(dtype)
+    x[5, 128:256] = 0  # an all-zero block still gets a positive scale
+    xq, x_scale = quantize_activations(x, fp8_dtype)
+    assert xq.dtype == fp8_dtype and xq.shape == (m, k)
+    assert x_scale.dtype == torch.float32 and x_scale.shape == (m, k // 128)
+    limit = fp8_max(fp8_dtype)
+    xf = x.float()
+    for kb in range(k // 128):
+        amax = xf[:, kb * 128 : (kb + 1) * 128].abs().max(dim=1).values
+        torch.testing.assert_close(x_scale[:, kb], amax.clamp(min=1e-12) / limit, rtol=0, atol=0)
+    assert x_scale[5, 1] == pytest.approx(1e-12 / limit)
+    assert torch.all(xq[5, 128:256].float() == 0)
+    # Each non-zero block's largest element lands exactly on the format's maximum.
+    blocks = xq.float().reshape(m, k // 128, 128).abs().amax(dim=2)
+    nonzero = torch.ones_like(blocks, dtype=torch.bool)
+    nonzero[5, 1] = False
+    assert torch.all(blocks[nonzero] == limit)
+    scale = x_scale.repeat_interleave(128, dim=1)
+    v = xf / scale
+    err = (xq.float() * scale - xf).abs()
+    assert torch.all(err <= _dequant_bound(v, scale) * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_weights_scale_formula_and_round_trip(fp8_dtype):
+    g, n, k = 3, 256, 384
+    w = torch.randn(g, n, k) * torch.exp(torch.randn(g, n // 128, 1, k // 128, 1)).expand(
+        g, n // 128, 128, k // 128, 128
+    ).reshape(g, n, k)
+    wq, w_scale = quantize_weights(w, fp8_dtype)
+    assert wq.dtype == fp8_dtype and wq.shape == (g, n, k)
+    assert w_scale.shape == (g, k // 128, n // 128)  # K-major, as the SPEC has it
+    limit = fp8_max(fp8_dtype)
+    for gi in range(g):
+        for nb in range(n // 128):
+            for kb in range(k // 128):
+                block = w[gi, nb * 128 : (nb + 1) * 128, kb * 128 : (kb + 1) * 128]
+                assert w_scale[gi, kb, nb] == block.abs().max() / limit
+                qblock = wq[gi, nb * 128 : (nb + 1) * 128, kb * 128 : (kb + 1) * 128].float()
+                assert qblock.abs().max() == limit
+                s = w_scale[gi, kb, nb]
+                err = (qblock * s - block).abs()
+                assert torch.all(err <= _dequant_bound(block / s, s) * (1 + 1e-6))
+
+
+def test_two_dimensional_weights():
+    w = torch.randn(256, 128)
+    wq, w_scale = quantize_weights(w)
+    assert wq.shape == (256, 128) and w_scale.shape == (1, 2)
+
+
+def test_quantizers_reject_bad_inputs():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_activations(torch.randn(4, 200))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_weights(torch.randn(2, 100, 128))
+    with pytest.raises(TypeError):
+        quantize_activations(torch.randint(0, 5, (4, 128)))
+    with pytest.raises(TypeError):
+        quantize_activations(torch.randn(4, 128), torch.bfloat16)
+
+
+def test_fn_to_fnuz_keeps_bits_and_value_on_every_byte():
+    q = ALL_BYTES.view(torch.float8_e4m3fn)
+    scale = torch.rand(256) + 0.5
+    q2, scale2 = fn_to_fnuz(q, scale)
+    assert q2.dtype == torch.float8_e4m3fnuz
+    expected_bits = ALL_BYTES.clone()
+    expected_bits[0x80] = 0
+    assert torch.equal(q2.view(torch.uint8), expected_bits)
+    assert torch.equal(scale2, scale * 2)
+    before = q.double() * scale.double()
+    after = q2.double() * scale2.double()
+    finite = ~before.isnan()  # 0x7F / 0xFF are NaN in fn
+    assert int(finite.sum()) == 254
+    assert torch.equal(before[finite], after[finite])
+    assert not after.isnan().any()  # 0x80 (-0 in fn) did not become fnuz's NaN
+
+
+def test_fnuz_to_fn_converts_values_on_every_byte():
+    q = ALL_BYTES.view(torch.float8_e4m3fnuz)
+    scale = torch.rand(256) + 0.5
+    q2, scale2 = fnuz_to_fn(q, scale)
+    assert q2.dtype == torch.float8_e4m3fn
+    assert torch.equal(scale2, scale)
+    v_in, v_out = q.double(), q2.double()
+    valid = ~v_in.isnan()  # only 0x80 is NaN in fnuz
+    assert int(valid.sum()) == 255
+    big = valid & (v_in.abs() >= 2.0**-6)
+    assert torch.equal(v_out[big], v_in[big])  # includes the block maxima +-240 at 0x7F/0xFF
+    assert v_out[0x7F] == 240 and v_out[0xFF] == -240
+    small = valid & ~big
+    # Below 2^-6 fn's step is 2^-9: at most half of it is lost, and it rounds to even.
+    assert torch.all((v_out[small] - v_in[small]).abs() <= 2.0**-10)
+    assert not v_out[valid].isnan().any()
+
+
+def test_fn_fnuz_round_trip_on_quantized_data():
+    x = torch.randn(16, 256) * 10
+    xq, x_scale = quantize_activations(x, torch.float8_e4m3fn)
+    back, back_scale = fnuz_to_fn(*fn_to_fnuz(xq, x_scale))
+    deq = xq.double() * x_scale.double().repeat_interleave(128, 1)
+    deq_back = back.double() * back_scale.double().repeat_interleave(128, 1)
+    # Only values below 2^-6 can lose a bit on the way back: tiny against the block max.
+    assert torch.all((deq - deq_back).abs() <= x_scale.double().repeat_interleave(128, 1) * 2**-9)
+    assert (deq - deq_back).abs().max() < 1e-5 * deq.abs().max()
+
+
+def test_conversions_reject_the_wrong_format():
+    q = torch.randn(4, 128).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError):
+        fnuz_to_fn(q, torch.ones(4, 1))
+    with pytest.raises(TypeError):
+        fn_to_fnuz(q.float().to(torch.float8_e4m3fnuz), torch.ones(4, 1))

@@ -1,0 +1,169 @@
+"""The reference backend against the float64 SPEC formula, and the public entry points."""
+
+import pytest
+import torch
+
+from moegemm.kernels import (
+    fn_to_fnuz,
+    grouped_gemm,
+    grouped_gemm_preshuffled,
+    preshuffle,
+    reference_float64,
+)
+from moegemm.kernels.testing import (
+    SPEC_TOLERANCE,
+    poisoned_out,
+    random_m_sizes,
+    random_problem,
+    rel_error,
+)
+
+SHAPES = [  # (M, N, K, G)
+    (0, 128, 256, 3),
+    (1, 256, 384, 1),
+    (1, 128, 1024, 8),
+    (83, 384, 512, 3),
+    (83, 1024, 256, 8),
+    (1335, 256, 1024, 3),
+    (1335, 512, 768, 8),
+    (1335, 128, 128, 1),
+]
+
+
+@pytest.mark.parametrize("m, n, k, g", SHAPES)
+def test_reference_meets_the_spec_bound(m, n, k, g):
+    p = random_problem(m, n, k, g)
+    out = grouped_gemm(*p.args(), out=poisoned_out(m, n))
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()  # also: the NaN poison was overwritten everywhere
+    if m == 0:
+        return
+    ref = reference_float64(*p.args())
+    assert torch.isfinite(ref).all()
+    assert rel_error(out, ref) <= SPEC_TOLERANCE
+
+
+@pytest.mark.parametrize("m, n, k, g", [(83, 256, 512, 3), (1335, 384, 768, 8)])
+def test_wrong_scales_break_the_bound(m, n, k, g):
+    """The bound is tight enough that the classic scale mix-ups fail it by far."""
+    p = random_problem(m, n, k, g)
+    out = grouped_gemm(*p.args())
+    assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
+    wrong = {
+        "K blocks of x_scale reversed": (p.xq, p.wq, p.x_scale.flip(1), p.w_scale, p.m_sizes),
+        "another group's w_scale": (p.xq, p.wq, p.x_scale, p.w_scale.roll(1, 0), p.m_sizes),
+        "w_scale's K and N blocks swapped": (
+            p.xq, p.wq, p.x_scale, p.w_scale.flip(1).flip(2), p.m_sizes
+        ),
+        "rows shifted to the next group": (p.xq, p.wq.roll(1, 0), p.x_scale, p.w_scale.roll(1, 0),
+                                           p.m_sizes),
+    }
+    for what, args in wrong.items():
+        assert rel_error(out, reference_float64(*args)) > 20 * SPEC_TOLERANCE, what
+
+
+def test_ragged_groups_land_on_their_own_rows():
+    g, n, k = 5, 256, 256
+    sizes = torch.tensor([0, 7, 0, 1, 12])
+    p = random_problem(int(sizes.sum()), n, k, g, m_sizes=sizes)
+    out = grouped_gemm(*p.args())
+    start = 0
+    for gi, rows in enumerate(sizes.tolist()):
+        # Each group alone, as a G=1 problem, must give the same rows bit for bit.
+        alone = grouped_gemm(
+            p.xq[start : start + rows], p.wq[gi : gi + 1].contiguous(),
+            p.x_scale[start : start + rows], p.w_scale[gi : gi + 1], torch.tensor([rows]),
+        )
+        assert torch.equal(out[start : start + rows], alone)
+        start += rows
+
+
+def test_large_k_uses_row_chunks():
+    p = random_problem(300, 1024, 7168, 2)
+    out = grouped_gemm(*p.args())
+    assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
+
+
+def test_int32_m_sizes_and_many_groups():
+    g = 256
+    p = random_problem(600, 128, 256, g)
+    out = grouped_gemm(p.xq, p.wq, p.x_scale, p.w_scale, p.m_sizes.to(torch.int32))
+    assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
+
+
+def test_fnuz_inputs_give_the_same_output():
+    """fn -> fnuz halves values and doubles scales, both exact: the output is identical."""
+    p = random_problem(83, 256, 384, 3)
+    out_fn = grouped_gemm(*p.args())
+    xq, x_scale = fn_to_fnuz(p.xq, p.x_scale)
+    wq, w_scale = fn_to_fnuz(p.wq, p.w_scale)
+    out_fnuz = grouped_gemm(xq, wq, x_scale, w_scale, p.m_sizes)
+    assert torch.equal(out_fn.view(torch.int16), out_fnuz.view(torch.int16))
+
+
+def test_fnuz_problem_meets_the_bound():
+    p = random_problem(83, 256, 384, 3, fp8_dtype=torch.float8_e4m3fnuz)
+    out = grouped_gemm(*p.args())
+    assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
+
+
+def test_preshuffled_entry_matches_plain():
+    p = random_problem(83, 256, 512, 3)
+    plain = grouped_gemm(*p.args())
+    out = poisoned_out(83, 256)
+    shuffled = grouped_gemm_preshuffled(
+        p.xq, preshuffle(p.wq), p.x_scale, p.w_scale, p.m_sizes, out=out
+    )
+    assert shuffled is out
+    assert torch.equal(shuffled.view(torch.int16), plain.view(torch.int16))
+
+
+def test_random_m_sizes_are_ragged_with_empty_groups():
+    for g, m in [(3, 83), (8, 1335), (64, 5)]:
+        sizes = random_m_sizes(g, m)
+        assert sizes.dtype == torch.int64 and sizes.shape == (g,)
+        assert int(sizes.sum()) == m and bool((sizes >= 0).all())
+        assert bool((sizes == 0).any())
+    assert random_m_sizes(1, 9).tolist() == [9]
+
+
+def _args(m=4, n=256, k=384, g=2):
+    return list(random_problem(m, n, k, g, m_sizes=torch.tensor([m] + [0] * (g - 1))).args())
+
+
+@pytest.mark.parametrize(
+    "index, bad, error",
+    [
+        (0, lambda t: t.float(), TypeError),  # xq not fp8
+        (1, lambda t: t.view(torch.uint8).view(torch.float8_e4m3fnuz), TypeError),  # mixed fp8
+        (2, lambda t: t.double(), TypeError),  # x_scale not float32
+        (3, lambda t: t.half(), TypeError),  # w_scale not float32
+        (4, lambda t: t.float(), TypeError),  # m_sizes not integer
+        (0, lambda t: t[:, :128], ValueError),  # K disagrees
+        (1, lambda t: t[:, :200], ValueError),  # N % 128
+        (2, lambda t: t[:, :1], ValueError),  # x_scale shape
+        (3, lambda t: t.transpose(1, 2), ValueError),  # w_scale shape
+        (4, lambda t: t[:1], ValueError),  # m_sizes length
+        (1, lambda t: t.transpose(1, 2).contiguous().transpose(1, 2), ValueError),  # strided wq
+    ],
+)
+def test_contract_violations_raise(index, bad, error):
+    args = _args()
+    args[index] = bad(args[index])
+    with pytest.raises(error):
+        grouped_gemm(*args)
+
+
+def test_bad_out_buffer_raises():
+    args = _args()
+    with pytest.raises(TypeError):
+        grouped_gemm(*args, out=torch.empty(4, 256))
+    with pytest.raises(ValueError):
+        grouped_gemm(*args, out=torch.empty(4, 128, dtype=torch.bfloat16))
+
+
+def test_m_sizes_that_do_not_sum_to_m_raise_in_the_reference():
+    args = _args()
+    args[4] = torch.tensor([3, 0])
+    with pytest.raises(ValueError, match="sum to M"):
+        grouped_gemm(*args)
