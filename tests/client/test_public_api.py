@@ -1,0 +1,70 @@
+"""The public surface of moegemm.client, pinned, and its independence from torch."""
+
+import subprocess
+import sys
+
+from moegemm import client
+
+EXPECTED = [
+    "APIError",
+    "AsyncClient",
+    "BadDtype",
+    "BadField",
+    "BadMSizes",
+    "BadMsgpack",
+    "BadName",
+    "BadShape",
+    "BadTensor",
+    "Client",
+    "DeadlineExceeded",
+    "InternalError",
+    "InvalidRequest",
+    "MoegemmError",
+    "NoSuchFile",
+    "NoSuchWeights",
+    "NotFinite",
+    "NotFound",
+    "NotReady",
+    "OutOfMemory",
+    "Overloaded",
+    "TooLarge",
+    "TransportError",
+    "Unauthorized",
+    "Unavailable",
+    "UnsupportedMediaType",
+]
+
+
+def test_all_is_pinned_and_sorted():
+    assert client.__all__ == EXPECTED
+    assert client.__all__ == sorted(client.__all__)
+
+
+def test_every_public_name_exists_and_is_public():
+    for name in client.__all__:
+        assert not name.startswith("_")
+        obj = getattr(client, name)
+        assert obj.__module__.startswith("moegemm.client")
+        assert obj.__doc__
+
+
+def test_imports_without_torch():
+    # sys.modules["torch"] = None makes any `import torch` raise ImportError.
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "import numpy as np, ml_dtypes\n"
+        "import moegemm.client as c\n"
+        "from moegemm.client import _wire\n"
+        "t = _wire.encode_tensor(np.ones((2, 3), ml_dtypes.bfloat16))\n"
+        "w = _wire.decode_tensor(_wire.unpackb(_wire.packb({'t': t}))['t'])\n"
+        "assert w.numpy().shape == (2, 3)\n"
+        "c.Client('http://127.0.0.1:1').close()\n"
+        "assert sys.modules['torch'] is None\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"

@@ -1,0 +1,248 @@
+"""The wire format (SPEC 2): round trips of every dtype and refusal of malformed input."""
+
+import math
+
+import ml_dtypes
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from moegemm.client import BadDtype, BadMsgpack, BadTensor
+from moegemm.client._wire import DTYPES, WireTensor, decode_tensor, encode_tensor, packb, unpackb
+
+try:
+    import torch
+except ImportError:  # the client installs without torch; so do these tests
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+SPEC_NAMES = [
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "bfloat16",
+    "float16",
+    "float32",
+    "int32",
+    "int64",
+]
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4)
+
+
+def _random_array(data, name, shape):
+    """An array of ``name`` whose bytes are arbitrary (NaN patterns included)."""
+    dtype = DTYPES[name]
+    raw = data.draw(
+        st.binary(
+            min_size=math.prod(shape) * dtype.itemsize, max_size=math.prod(shape) * dtype.itemsize
+        )
+    )
+    return np.frombuffer(raw, dtype=dtype).reshape(shape), raw
+
+
+def _wire_round_trip(t):
+    return decode_tensor(unpackb(packb({"t": encode_tensor(t)}))["t"])
+
+
+def test_dtypes_are_the_spec_names():
+    assert sorted(DTYPES) == sorted(SPEC_NAMES)
+    assert DTYPES["float8_e4m3fn"] == np.dtype(ml_dtypes.float8_e4m3fn)
+    assert DTYPES["float8_e4m3fnuz"] == np.dtype(ml_dtypes.float8_e4m3fnuz)
+    assert DTYPES["bfloat16"] == np.dtype(ml_dtypes.bfloat16)
+    assert [DTYPES[n].itemsize for n in SPEC_NAMES] == [1, 1, 2, 2, 4, 4, 8]
+
+
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), name=st.sampled_from(SPEC_NAMES), shape=shapes)
+def test_numpy_round_trip_is_bit_exact(data, name, shape):
+    arr, raw = _random_array(data, name, shape)
+    enc = encode_tensor(arr)
+    assert enc["dtype"] == name and enc["shape"] == shape
+    assert bytes(enc["data"]) == raw
+    wire = _wire_round_trip(arr)
+    assert isinstance(wire, WireTensor)
+    assert (wire.dtype, wire.shape, bytes(wire.data)) == (name, tuple(shape), raw)
+    back = wire.numpy()
+    assert back.dtype == DTYPES[name] and back.shape == tuple(shape)
+    assert back.tobytes() == raw
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    data=st.data(),
+    name=st.sampled_from(["float16", "float32", "int32", "int64"]),
+    shape=st.lists(st.integers(1, 4), min_size=2, max_size=3),
+)
+def test_big_endian_and_strided_numpy_go_out_little_endian_row_major(data, name, shape):
+    arr, _ = _random_array(data, name, shape)
+    expected = np.ascontiguousarray(arr.T).tobytes()
+    swapped = arr.T.astype(arr.dtype.newbyteorder(">"))  # strided and big-endian
+    enc = encode_tensor(swapped)
+    assert enc["shape"] == list(arr.T.shape)
+    assert bytes(enc["data"]) == expected
+
+
+def test_numpy_scalar_keeps_shape_empty():
+    enc = encode_tensor(np.float32(np.random.rand()))
+    assert enc["shape"] == [] and len(enc["data"]) == 4
+
+
+def test_encode_refuses_dtypes_outside_the_wire():
+    with pytest.raises(TypeError, match="float64"):
+        encode_tensor(np.random.rand(2, 2))
+    with pytest.raises(TypeError):
+        encode_tensor(np.array([True, False]))
+
+
+def test_decode_is_zero_copy():
+    body = packb({"t": encode_tensor(np.random.rand(8, 4).astype(np.float32))})
+    msg = unpackb(body)
+    wire = decode_tensor(msg["t"])
+    arr = wire.numpy()
+    # The array is a view on the bytes msgpack decoded, not a fresh copy.
+    assert np.shares_memory(arr, np.frombuffer(msg["t"]["data"], np.uint8))
+    assert not arr.flags.writeable
+
+
+# --- torch -----------------------------------------------------------------
+
+
+@needs_torch
+@settings(deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), name=st.sampled_from(SPEC_NAMES), shape=shapes)
+def test_torch_round_trip_is_bit_exact(data, name, shape):
+    arr, raw = _random_array(data, name, shape)
+    # Build the torch tensor from raw bytes, never through a float conversion.
+    t = (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if raw
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    t = t.view(getattr(torch, name)).reshape(shape)
+    enc = encode_tensor(t)
+    assert enc["dtype"] == name and enc["shape"] == shape
+    assert bytes(enc["data"]) == raw
+    wire = _wire_round_trip(t)
+    assert wire.numpy().tobytes() == arr.tobytes()
+
+
+@needs_torch
+def test_torch_non_contiguous_and_requires_grad():
+    t = torch.randn(5, 3, requires_grad=True)
+    enc = encode_tensor(t.T)
+    assert enc["shape"] == [3, 5]
+    np.testing.assert_array_equal(
+        np.frombuffer(enc["data"], np.float32).reshape(3, 5), t.detach().T.numpy()
+    )
+    with pytest.raises(TypeError):
+        encode_tensor(torch.randn(2, dtype=torch.float64))
+
+
+# --- decode_tensor refusals ------------------------------------------------
+
+
+def _good():
+    return encode_tensor(np.random.rand(2, 3).astype(np.float32)) | {}
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda t: [t], BadTensor),  # not a map
+        (lambda t: b"raw", BadTensor),
+        (lambda t: {k: v for k, v in t.items() if k != "data"}, BadTensor),
+        (lambda t: {k: v for k, v in t.items() if k != "shape"}, BadTensor),
+        (lambda t: {k: v for k, v in t.items() if k != "dtype"}, BadTensor),
+        (lambda t: t | {"extra": 1}, BadTensor),
+        (lambda t: t | {"shape": "2,3"}, BadTensor),
+        (lambda t: t | {"shape": [2, -3]}, BadTensor),
+        (lambda t: t | {"shape": [2, 3.0]}, BadTensor),
+        (lambda t: t | {"shape": [True, 3]}, BadTensor),
+        (lambda t: t | {"shape": [2, None]}, BadTensor),
+        (lambda t: t | {"shape": 6}, BadTensor),
+        (lambda t: t | {"shape": [3, 3]}, BadTensor),  # bytes != shape x itemsize
+        (lambda t: t | {"data": bytes(t["data"])[:-1]}, BadTensor),
+        (lambda t: t | {"data": bytes(t["data"]) + b"\0"}, BadTensor),
+        (lambda t: t | {"data": list(bytes(t["data"]))}, BadTensor),
+        (lambda t: t | {"data": "not bin"}, BadTensor),
+        (lambda t: t | {"dtype": "float64"}, BadDtype),
+        (lambda t: t | {"dtype": "Float32"}, BadDtype),
+        (lambda t: t | {"dtype": 5}, BadDtype),
+        (lambda t: t | {"dtype": None}, BadDtype),
+    ],
+)
+def test_decode_refuses_malformed_maps(mutate, error):
+    with pytest.raises(error) as info:
+        decode_tensor(mutate(_good()))
+    assert type(info.value) is error
+
+
+def test_decode_accepts_zero_size():
+    wire = decode_tensor({"dtype": "bfloat16", "shape": [0, 7168], "data": b""})
+    assert wire.numpy().shape == (0, 7168)
+
+
+# --- unpackb ---------------------------------------------------------------
+
+
+def test_unpackb_gives_the_map():
+    body = packb({"x": encode_tensor(np.arange(3, dtype=np.int64)), "file": "a/b.safetensors"})
+    msg = unpackb(memoryview(body))
+    assert msg["file"] == "a/b.safetensors"
+    assert decode_tensor(msg["x"]).numpy().tolist() == [0, 1, 2]
+
+
+GOOD = msgpack.packb({"a": 1}, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"\xc1",  # never-used byte
+        b"not msgpack at all",
+        GOOD[:-1],  # truncated
+        GOOD + b"\x00",  # trailing bytes
+        GOOD + GOOD,  # two maps
+        msgpack.packb([1, 2, 3]),  # not a map
+        msgpack.packb("just a string"),
+        msgpack.packb(7),
+        msgpack.packb(None),
+        msgpack.packb({"a": msgpack.ExtType(5, b"xyz")}),
+        msgpack.packb({"a": msgpack.Timestamp(1, 2)}),  # ext -1, decoded by msgpack itself
+        msgpack.packb({1: "int key"}),
+        msgpack.packb({b"k": 1}, use_bin_type=True),  # bin key
+        b"\x81\xa2\xff\xfe\x01",  # {invalid utf-8: 1}
+        b"\x82\xa1a\x01\xa1a\x02",  # duplicate key "a"
+        b"\x81\xa1a" + b"\x91" * 5000 + b"\x00",  # nesting deeper than the unpacker's stack
+        b"\xdf\xff\xff\xff\xff",  # a map claiming 4G entries
+        b"\x81\xa1a\xc6\xff\xff\xff\xff",  # a bin claiming 4 GiB
+    ],
+)
+def test_unpackb_refuses(body):
+    with pytest.raises(BadMsgpack):
+        unpackb(body)
+
+
+@settings(deadline=None, max_examples=500)
+@given(st.binary(max_size=64))
+def test_unpackb_any_bytes_is_a_map_or_bad_msgpack(body):
+    try:
+        msg = unpackb(body)
+    except BadMsgpack:
+        return
+    assert isinstance(msg, dict)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.binary(min_size=1, max_size=64), st.integers(0, 63))
+def test_unpackb_corrupted_valid_body(noise, cut):
+    body = packb({"x": encode_tensor(np.random.rand(2, 2).astype(np.float32)), "n": "w"})
+    mutated = body[:cut] + noise + body[cut + len(noise) :]
+    try:
+        msg = unpackb(mutated)
+    except BadMsgpack:
+        return
+    assert isinstance(msg, dict)
