@@ -1,0 +1,95 @@
+"""Wire tensors to torch and back, and the checks every tensor input shares.
+
+The wire format itself (msgpack maps, SPEC 2) lives in ``moegemm.client._wire``;
+this module only bridges its ``WireTensor`` to torch without copying, and holds
+the dtype tables and validation helpers that the store and the engine share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moegemm.client._errors import BadDtype, BadShape, NotFinite
+
+BLOCK = 128
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+WIRE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def to_torch(wire) -> torch.Tensor:
+    """A CPU torch view of a decoded wire tensor (no copy; do not write to it).
+
+    The body's bytes are immutable, so torch warns once per process that the
+    tensor is not writable; nothing in the server writes to its inputs.
+    """
+    dtype = TORCH_DTYPES.get(wire.dtype)
+    if dtype is None:  # _wire already refused it; this guards a seam change
+        raise BadDtype(f"dtype {wire.dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+    shape = tuple(wire.shape)
+    if len(wire.data) == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(wire.data, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+def require_dtype(t: torch.Tensor, allowed: tuple[torch.dtype, ...], what: str) -> None:
+    """Raise BadDtype unless ``t.dtype`` is one of ``allowed``."""
+    if t.dtype not in allowed:
+        names = ", ".join(WIRE_NAMES[d] for d in allowed)
+        raise BadDtype(f"{what} is {WIRE_NAMES.get(t.dtype, t.dtype)}; expected one of: {names}")
+
+
+def require_shape(t: torch.Tensor, shape: tuple[int, ...], what: str, meaning: str) -> None:
+    """Raise BadShape unless ``t`` has exactly ``shape`` (``meaning`` names the axes)."""
+    if tuple(t.shape) != tuple(shape):
+        raise BadShape(f"{what} has shape {list(t.shape)}; expected {list(shape)} ({meaning})")
+
+
+def require_positive_finite_scales(scale: torch.Tensor, what: str) -> None:
+    """Raise NotFinite unless every scale is finite and > 0 (NaN fails both tests)."""
+    if scale.numel() and not bool(((scale > 0) & torch.isfinite(scale)).all()):
+        raise NotFinite(f"{what} holds a NaN, Inf or a value <= 0; scales are finite and > 0")
+
+
+def require_finite(t: torch.Tensor, what: str) -> None:
+    """Raise NotFinite if a float tensor holds NaN or Inf."""
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise NotFinite(f"{what} holds NaN or Inf")
+
+
+def require_fp8_not_nan(t: torch.Tensor, what: str) -> None:
+    """Raise NotFinite if fp8 data holds a NaN encoding (fn: 0x7F/0xFF, fnuz: 0x80)."""
+    if t.numel() == 0:
+        return
+    bits = t.view(torch.uint8)
+    if t.dtype == torch.float8_e4m3fn:
+        bad = (bits & 0x7F) == 0x7F
+    else:
+        bad = bits == 0x80
+    if bool(bad.any()):
+        raise NotFinite(f"{what} holds fp8 NaN encodings")
+
+
+def to_backend_fp8(
+    q: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convert fp8 data and its scales to the format the device computes in (SPEC 1.2)."""
+    from moegemm.kernels import fn_to_fnuz, fnuz_to_fn
+
+    if q.dtype == fp8_dtype:
+        return q, scale
+    if fp8_dtype == torch.float8_e4m3fnuz:
+        return fn_to_fnuz(q, scale)
+    return fnuz_to_fn(q, scale)

@@ -1,0 +1,227 @@
+"""create_app(settings): the wiring, and nothing else.
+
+The lifespan picks the device and backend, creates the engine (the device's only
+owner) and the weight store, and loads the start-up weight sets on the engine's
+thread while the server already answers (``/v1/health/ready`` says when it is
+done). Routers come from ``routes.py``; domain errors become SPEC 2 JSON here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moegemm.client._errors import APIError, BadField, InternalError
+from moegemm.kernels import get_backend
+
+from . import routes
+from .config import Settings, get_settings
+from .engine import Engine
+from .metrics import Metrics
+from .store import WeightStore
+
+log = logging.getLogger("moegemm.server")
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is the first CUDA/ROCm device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """The SPEC 2 JSON body for a domain error, with Retry-After when it has one."""
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+
+
+def _device_memory(device: torch.device):
+    if device.type == "cuda":
+        return lambda: torch.cuda.memory_allocated(device)
+    return lambda: 0
+
+
+async def _load_startup_sets(svc: routes.Services) -> None:
+    """Preload files (or the demo set), then mark the server ready."""
+    settings, store, engine = svc.settings, svc.store, svc.engine
+    started = time.monotonic()
+    for entry in settings.preload_entries():
+        log.info("preloading %r from %s", entry.name, entry.file)
+        ws = await engine.run(
+            lambda e=entry: store.build_from_file(e.name, e.file, e.w_key, e.w_scale_key)
+        )
+        store.put(ws)
+    if settings.wants_demo():
+        store.put(await engine.run(store.build_demo))
+        log.info("loaded the random demo weight set 'demo'")
+    svc.ready = True
+    log.info("ready in %.2f s: %d weight sets on %s", time.monotonic() - started,
+             len(store.list()), engine.device)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    settings: Settings = app.state.settings
+    device = resolve_device(settings.device)
+    backend = get_backend(device, None if settings.backend == "auto" else settings.backend)
+    log.info("device %s, backend %s (%s, %s weights)", device, backend.name,
+             backend.fp8_dtype, backend.weight_layout)
+    metrics: Metrics = app.state.metrics
+    engine = Engine(
+        backend,
+        queue_size=settings.queue_size,
+        max_m=settings.max_m,
+        max_bucket_m=settings.max_bucket_m,
+        merge_window_us=settings.merge_window_us,
+        metrics=metrics,
+    )
+    store = WeightStore(backend, settings.weights_dir)
+    metrics.watch(store.total_bytes, _device_memory(device))
+    svc = routes.Services(settings=settings, engine=engine, store=store, metrics=metrics)
+    app.state.services = svc
+    engine.start()
+    loading = asyncio.create_task(_load_startup_sets(svc))
+    # A failed start-up load is fatal: a server that silently lacks its weights
+    # would answer no_such_weights forever while claiming to be healthy.
+    loading.add_done_callback(_fail_loudly)
+    try:
+        yield
+    finally:
+        loading.cancel()
+        await asyncio.to_thread(engine.close)
+
+
+def _fail_loudly(task: asyncio.Task) -> None:
+    if task.cancelled() or task.exception() is None:
+        return
+    log.error("start-up loading failed; the server stays not ready", exc_info=task.exception())
+
+
+class RequestContext:
+    """Pure ASGI middleware: X-Request-Id, request metrics, and a last-resort 500.
+
+    Pure ASGI (not BaseHTTPMiddleware) so a request costs one extra function
+    call, and the body streams through untouched.
+    """
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        status = 500
+        response_started = False
+        metrics = self.metrics
+
+        async def counting_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                metrics.bytes_in.inc(len(message.get("body", b"")))
+            return message
+
+        async def tagging_send(message):
+            nonlocal status, response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body":
+                metrics.bytes_out.inc(len(message.get("body", b"")))
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tagging_send)
+        except Exception as exc:
+            # Never a crash: log the traceback, answer 500 if nothing went out yet.
+            log.exception("request %s %s failed (request id %s)", scope.get("method"),
+                          scope.get("path"), request_id)
+            if not response_started:
+                response = error_response(
+                    InternalError(f"unexpected {type(exc).__name__}; see the server log")
+                )
+                await response(scope, counting_receive, tagging_send)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", "unmatched")
+            metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            metrics.request_seconds.labels(endpoint=endpoint).observe(
+                time.perf_counter() - started
+            )
+
+
+def _request_id(scope) -> str:
+    for key, value in scope["headers"]:
+        if key == b"x-request-id":
+            text = value.decode("latin-1")
+            # Echo only what is safe in a header and a log line.
+            if 0 < len(text) <= 200 and text.isprintable():
+                return text
+            break
+    return uuid.uuid4().hex
+
+
+async def _api_error(request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(BadField(f"invalid request: {exc.errors()!s:.500}"))
+
+
+async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
+    body = {"error": {"code": _HTTP_CODES.get(exc.status_code, "http_error"),
+                      "message": str(exc.detail)}}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The moegemm FastAPI app for ``settings`` (default: the environment's)."""
+    settings = settings if settings is not None else get_settings()
+    metrics = Metrics()
+    app = FastAPI(
+        title="moegemm",
+        summary="FP8 grouped GEMM with block-wise scales for MoE routers",
+        lifespan=_lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.include_router(routes.health)
+    app.include_router(routes.api)
+    app.include_router(routes.weights_admin)
+    app.include_router(routes.metrics_router)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(RequestContext, metrics=metrics)
+    return app

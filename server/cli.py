@@ -1,0 +1,78 @@
+"""``moegemm serve``: run the server (one process, one worker, owning one device).
+
+Flags override the environment (``MOEGEMM_*``); anything without a flag is
+still read from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from .config import Settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moegemm", description="moegemm server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the grouped GEMM over HTTP")
+    # Every default is None: only flags actually given override the environment.
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    serve.add_argument("--backend", help="auto, reference, triton or flydsl")
+    serve.add_argument("--weights-dir", dest="weights_dir")
+    serve.add_argument("--preload", action="append",
+                       help="name=file:w_key[:w_scale_key], repeatable")
+    serve.add_argument("--demo", action=argparse.BooleanOptionalAction, default=None,
+                       help="load the random 'demo' weight set (default: when nothing is preloaded)")
+    serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
+    serve.add_argument("--max-m", dest="max_m", type=int)
+    serve.add_argument("--max-bucket-m", dest="max_bucket_m", type=int)
+    serve.add_argument("--merge-window-us", dest="merge_window_us", type=int)
+    serve.add_argument("--queue-size", dest="queue_size", type=int)
+    serve.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None)
+    serve.add_argument("--log-level", dest="log_level")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``moegemm <args>``; returns the exit status."""
+    args = vars(_parser().parse_args(argv))
+    args.pop("command")
+    overrides = {key: value for key, value in args.items() if value is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        print(f"moegemm serve: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+def serve(settings: Settings) -> int:
+    """Run uvicorn with the app until interrupted."""
+    import uvicorn
+
+    from .app import create_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("moegemm").info("starting moegemm on %s:%d", settings.host, settings.port)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        workers=1,
+        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        log_level=settings.log_level,
+        # The body limit is enforced per request; this bounds idle keep-alives.
+        timeout_keep_alive=30,
+    )
+    return 0

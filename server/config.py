@@ -1,0 +1,127 @@
+"""Server settings: read once from the environment (prefix ``MOEGEMM_``).
+
+Tests and the CLI construct :class:`Settings` directly (keyword arguments win
+over the environment); everything else calls :func:`get_settings`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Literal, NamedTuple
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MiB = 1 << 20
+
+# One preload entry: "name=file:w_key" or "name=file:w_key:w_scale_key". Keys
+# may not contain ':'; the file is resolved under weights_dir like an upload.
+_PRELOAD_RE = re.compile(r"(?P<name>[^=]+)=(?P<file>[^:]+):(?P<w>[^:]+)(?::(?P<w_scale>[^:]+))?")
+
+
+class PreloadEntry(NamedTuple):
+    """A parsed preload entry."""
+
+    name: str
+    file: str
+    w_key: str
+    w_scale_key: str | None
+
+
+def parse_preload(entry: str) -> PreloadEntry:
+    """Parse ``name=file:w_key[:w_scale_key]``; raise ValueError when malformed."""
+    match = _PRELOAD_RE.fullmatch(entry.strip())
+    if match is None:
+        raise ValueError(f"preload entry {entry!r} is not 'name=file:w_key[:w_scale_key]'")
+    return PreloadEntry(match["name"], match["file"], match["w"], match["w_scale"])
+
+
+class Settings(BaseSettings):
+    """Everything the server reads from its environment, validated once."""
+
+    model_config = SettingsConfigDict(env_prefix="MOEGEMM_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # "auto": the first CUDA/ROCm device when there is one, else the CPU.
+    device: str = "auto"
+    # "auto" lets the kernels pick; any other value must name the backend they pick.
+    backend: str = "auto"
+    weights_dir: Path | None = None
+    # Weight sets loaded at start-up; from the environment either a JSON list
+    # or comma-separated entries.
+    preload: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # None: load the random "demo" set only when nothing is preloaded.
+    demo: bool | None = None
+    token: SecretStr | None = None
+    admin_token: SecretStr | None = None
+    max_body_bytes: int = Field(256 * MiB, gt=0)
+    max_m: int = Field(65536, gt=0)
+    max_bucket_m: int = Field(8192, gt=0)
+    merge_window_us: int = Field(0, ge=0, le=1_000_000)
+    queue_size: int = Field(256, gt=0)
+    graphs: bool = True
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("preload", mode="before")
+    @classmethod
+    def _split_preload(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part for part in (p.strip() for p in text.split(",")) if part]
+        return value
+
+    @field_validator("preload")
+    @classmethod
+    def _check_preload(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            parse_preload(entry)
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError("device is 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("max_bucket_m")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("max_bucket_m is a power of two (buckets are powers of two)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> Settings:
+        if self.preload and self.weights_dir is None:
+            raise ValueError("preload needs weights_dir (files are resolved under it)")
+        return self
+
+    def preload_entries(self) -> list[PreloadEntry]:
+        """The preload list, parsed."""
+        return [parse_preload(entry) for entry in self.preload]
+
+    def wants_demo(self) -> bool:
+        """Whether start-up loads the random demo weight set."""
+        return bool(self.demo) if self.demo is not None else not self.preload
+
+    def buckets(self) -> list[int]:
+        """The total_M buckets: powers of two up to ``max_bucket_m``."""
+        return [1 << i for i in range(self.max_bucket_m.bit_length())]
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read from the environment once."""
+    return Settings()

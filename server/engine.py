@@ -1,0 +1,368 @@
+"""The engine: the only owner of the device.
+
+One worker thread runs all device work, so the event loop never blocks on it.
+Requests are validated on the caller's side (cheap host checks), then queued;
+the worker loops "collect a batch, run it, complete the futures":
+
+- a batch is one call, or, with ``merge_window_us > 0``, the calls for the same
+  weight set that arrive within the window: their rows are regrouped per expert
+  into one launch and the result rows are handed back to each caller (SPEC 3);
+- a launch over more than ``max_bucket_m`` rows is split along M into chunks,
+  each with the group sizes of its own row range (this is where CUDA graphs per
+  total_M bucket will slot in: ``_launch`` is the only place that runs kernels);
+- other device work (building weight sets) is queued as a plain job, so it
+  never races a kernel.
+
+The queue is bounded (``queue_size`` gemm calls): a full queue answers
+``Overloaded`` at once rather than letting latency grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from moegemm.client._errors import (
+    APIError,
+    BadField,
+    BadMSizes,
+    BadShape,
+    DeadlineExceeded,
+    InternalError,
+    NotReady,
+    OutOfMemory,
+    Overloaded,
+    TooLarge,
+)
+from moegemm.kernels._backend import Backend
+
+from ._tensors import (
+    BLOCK,
+    FLOATS,
+    FP8,
+    require_dtype,
+    require_finite,
+    require_fp8_not_nan,
+    require_positive_finite_scales,
+    require_shape,
+    to_backend_fp8,
+)
+from ._merge import plan_merge, regroup, split
+from .store import WeightSet
+
+log = logging.getLogger("moegemm.server.engine")
+
+T = TypeVar("T")
+
+# A full queue tells the caller to come back after this many seconds.
+_RETRY_AFTER_S = 1
+
+
+@dataclass
+class GemmCall:
+    """One validated gemm request waiting for the worker (host tensors)."""
+
+    ws: WeightSet
+    x: torch.Tensor
+    x_scale: torch.Tensor | None
+    m_sizes: list[int]
+    deadline: float | None
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    enqueued: float = field(default_factory=time.monotonic)
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+
+@dataclass
+class _Job:
+    """Any other device work (e.g. building a weight set)."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+def split_m_sizes(m_sizes: list[int], start: int, stop: int) -> list[int]:
+    """Group sizes of rows ``[start, stop)`` of a call with group sizes ``m_sizes``."""
+    sizes, lo = [], 0
+    for m in m_sizes:
+        hi = lo + m
+        sizes.append(max(0, min(hi, stop) - max(lo, start)))
+        lo = hi
+    return sizes
+
+
+class Engine:
+    """Owns the device: a worker thread, a bounded queue, batching and chunking."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        queue_size: int = 256,
+        max_m: int = 65536,
+        max_bucket_m: int = 8192,
+        merge_window_us: int = 0,
+        metrics: Any = None,
+    ) -> None:
+        self.backend = backend
+        self.device = backend.device
+        self.queue_size = queue_size
+        self.max_m = max_m
+        self.max_bucket_m = max_bucket_m
+        self.merge_window_s = merge_window_us / 1e6
+        self.metrics = metrics
+        self._items: deque[GemmCall | _Job] = deque()
+        self._pending_calls = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- life cycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread = threading.Thread(target=self._loop, name="moegemm-engine", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Refuse new work, fail what is queued, and wait for the running batch."""
+        with self._cv:
+            self._closed = True
+            dropped = list(self._items)
+            self._items.clear()
+            self._pending_calls = 0
+            self._cv.notify_all()
+        for item in dropped:
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(NotReady("the server is shutting down"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the public calls --------------------------------------------------------
+
+    def validate(
+        self,
+        ws: WeightSet,
+        x: torch.Tensor,
+        x_scale: torch.Tensor | None,
+        m_sizes: torch.Tensor,
+    ) -> list[int]:
+        """Check a gemm request against SPEC 2.2 and ``ws``; return the group sizes."""
+        require_dtype(x, FP8 + FLOATS, "x")
+        require_dtype(m_sizes, (torch.int64, torch.int32), "m_sizes")
+        if x.dim() != 2:
+            raise BadShape(f"x has shape {list(x.shape)}; expected 2-D [M, K]")
+        M, K = x.shape
+        if K != ws.K:
+            raise BadShape(f"x has K={K}; weight set {ws.name!r} has K={ws.K}")
+        require_shape(m_sizes, (ws.G,), "m_sizes", f"[G], G={ws.G} groups")
+        if M > self.max_m:
+            raise TooLarge(f"x has M={M} rows; this server takes at most {self.max_m} per call")
+        if x.dtype in FP8:
+            if x_scale is None:
+                raise BadField("fp8 x needs x_scale (float32 [M, K/128])")
+            require_dtype(x_scale, (torch.float32,), "x_scale")
+            require_shape(x_scale, (M, K // BLOCK), "x_scale", "[M, K/128]")
+            require_positive_finite_scales(x_scale, "x_scale")
+            require_fp8_not_nan(x, "x")
+        else:
+            if x_scale is not None:
+                raise BadField("x_scale is only for fp8 x; bf16/fp16/fp32 x is quantized by the server")
+            require_finite(x, "x")
+        sizes = [int(m) for m in m_sizes.tolist()]
+        if any(m < 0 for m in sizes):
+            raise BadMSizes(f"m_sizes {sizes} holds a negative size")
+        if sum(sizes) != M:
+            raise BadMSizes(f"m_sizes sum to {sum(sizes)}; x has M={M} rows")
+        return sizes
+
+    async def gemm(
+        self,
+        ws: WeightSet,
+        x: torch.Tensor,
+        x_scale: torch.Tensor | None,
+        m_sizes: torch.Tensor,
+        *,
+        deadline: float | None = None,
+    ) -> torch.Tensor:
+        """SPEC 1 on ``ws``: validate, queue, await; bf16 ``[M, N]`` on the host.
+
+        ``deadline`` is a ``time.monotonic()`` instant: a call still queued then
+        fails with DeadlineExceeded instead of running.
+        """
+        sizes = self.validate(ws, x, x_scale, m_sizes)
+        call = GemmCall(ws, x, x_scale, sizes, deadline)
+        with self._cv:
+            if self._closed:
+                raise NotReady("the server is shutting down")
+            if self._pending_calls >= self.queue_size:
+                raise Overloaded(
+                    f"{self._pending_calls} calls are queued (the limit); retry later",
+                    retry_after=_RETRY_AFTER_S,
+                )
+            self._items.append(call)
+            self._pending_calls += 1
+            self._cv.notify()
+        return await asyncio.wrap_future(call.future)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the worker thread (device work other than gemm calls)."""
+        job = _Job(fn)
+        with self._cv:
+            if self._closed:
+                raise NotReady("the server is shutting down")
+            self._items.append(job)
+            self._cv.notify()
+        return await asyncio.wrap_future(job.future)
+
+    def queued(self) -> int:
+        """Gemm calls waiting for the worker."""
+        with self._cv:
+            return self._pending_calls
+
+    # -- the worker ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            if isinstance(item, _Job):
+                if item.future.set_running_or_notify_cancel():
+                    try:
+                        item.future.set_result(item.fn())
+                    except BaseException as exc:  # handed to the awaiting request
+                        item.future.set_exception(exc)
+                continue
+            batch = self._collect(item)
+            self._run_batch(batch)
+
+    def _next(self) -> GemmCall | _Job | None:
+        with self._cv:
+            while not self._items and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                return None
+            item = self._items.popleft()
+            if isinstance(item, GemmCall):
+                self._pending_calls -= 1
+            return item
+
+    def _collect(self, first: GemmCall) -> list[GemmCall]:
+        """``first`` plus the calls for the same weight set within the merge window."""
+        batch = [first]
+        if self.merge_window_s <= 0:
+            return batch
+        rows = first.rows
+        close_at = time.monotonic() + self.merge_window_s
+        with self._cv:
+            while rows < self.max_bucket_m:
+                for item in list(self._items):
+                    if (
+                        isinstance(item, GemmCall)
+                        and item.ws is first.ws
+                        and rows + item.rows <= self.max_bucket_m
+                    ):
+                        self._items.remove(item)
+                        self._pending_calls -= 1
+                        batch.append(item)
+                        rows += item.rows
+                left = close_at - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._cv.wait(left)
+        return batch
+
+    def _run_batch(self, batch: list[GemmCall]) -> None:
+        started = time.monotonic()
+        live = []
+        for call in batch:
+            if not call.future.set_running_or_notify_cancel():
+                continue  # the client went away
+            if call.deadline is not None and started > call.deadline:
+                call.future.set_exception(
+                    DeadlineExceeded("the request's deadline passed while it was queued")
+                )
+                continue
+            live.append(call)
+            if self.metrics is not None:
+                self.metrics.queue_seconds.observe(started - call.enqueued)
+        if not live:
+            return
+        try:
+            outs = self._compute(live)
+        except APIError as exc:
+            for call in live:
+                call.future.set_exception(exc)
+            return
+        except torch.OutOfMemoryError as exc:
+            error = OutOfMemory(f"the device ran out of memory for this call: {exc}")
+            for call in live:
+                call.future.set_exception(error)
+            return
+        except Exception as exc:
+            log.exception("a batch of %d calls failed", len(live))
+            error = InternalError(f"the kernel failed: {type(exc).__name__}")
+            for call in live:
+                call.future.set_exception(error)
+            return
+        if self.metrics is not None:
+            self.metrics.kernel_seconds.observe(time.monotonic() - started)
+            self.metrics.batch_calls.observe(len(live))
+        for call, out in zip(live, outs):
+            call.future.set_result(out)
+
+    def _quantized(self, call: GemmCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's activations on the device, in the backend's fp8 format."""
+        from moegemm.kernels import quantize_activations
+
+        fp8 = self.backend.fp8_dtype
+        x = call.x.to(self.device, non_blocking=True)
+        if call.x_scale is None:
+            return quantize_activations(x, fp8)
+        return to_backend_fp8(x, call.x_scale.to(self.device, non_blocking=True), fp8)
+
+    def _compute(self, calls: list[GemmCall]) -> list[torch.Tensor]:
+        ws = calls[0].ws
+        parts = [self._quantized(call) for call in calls]
+        if len(calls) == 1:
+            xq, xs = parts[0]
+            sizes = calls[0].m_sizes
+            out = self._launch(ws, xq, xs, sizes)
+            return [out.cpu()]
+        # Merge: regroup every caller's rows per expert, one launch, then hand
+        # each caller its own rows back (SPEC 3).
+        plan = plan_merge([call.m_sizes for call in calls])
+        xq = regroup(torch.cat([p[0] for p in parts]), plan)
+        xs = regroup(torch.cat([p[1] for p in parts]), plan)
+        merged = self._launch(ws, xq, xs, [int(m) for m in plan.m_sizes])
+        return [out.cpu() for out in split(merged, plan)]
+
+    def _launch(
+        self, ws: WeightSet, xq: torch.Tensor, xs: torch.Tensor, sizes: list[int]
+    ) -> torch.Tensor:
+        """Run the kernel over all rows, in chunks of at most ``max_bucket_m`` rows."""
+        M = xq.shape[0]
+        out = torch.empty((M, ws.N), dtype=torch.bfloat16, device=self.device)
+        for start in range(0, M, self.max_bucket_m):
+            stop = min(M, start + self.max_bucket_m)
+            chunk = split_m_sizes(sizes, start, stop)
+            m_dev = torch.tensor(chunk, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.backend.run(
+                xq[start:stop], ws.wq, xs[start:stop], ws.w_scale, m_dev, out[start:stop]
+            )
+            if self.metrics is not None:
+                self.metrics.launches.labels(mode="eager").inc()
+        return out
+

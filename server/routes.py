@@ -1,0 +1,252 @@
+"""The endpoints of SPEC 2.1: decode -> validate -> engine -> encode.
+
+Each handler reads a straight line: check the name and the media type, read the
+body within its limit, decode the msgpack map and its tensors, hand host tensors
+to the store or the engine, encode the answer. Errors are raised as the domain
+errors of ``moegemm.client._errors``; ``app.py`` turns them into JSON.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+import moegemm
+from moegemm.client._errors import (
+    BadField,
+    NotReady,
+    TooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
+)
+from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
+
+from ._tensors import WIRE_NAMES, to_torch
+from .config import Settings
+from .engine import Engine
+from .metrics import Metrics
+from .store import WeightStore, check_name
+
+MSGPACK = "application/vnd.msgpack"
+MSGPACK_TYPES = frozenset({MSGPACK, "application/msgpack", "application/x-msgpack"})
+
+# A relative deadline in milliseconds: a gemm call still queued when it passes
+# answers 504 timeout instead of running.
+DEADLINE_HEADER = "x-deadline-ms"
+
+
+@dataclass
+class Services:
+    """What the handlers use; built in the app's lifespan, kept on ``app.state``."""
+
+    settings: Settings
+    engine: Engine
+    store: WeightStore
+    metrics: Metrics
+    ready: bool = False
+
+
+def services(request: Request) -> Services:
+    """The app's services (a FastAPI dependency)."""
+    return request.app.state.services
+
+
+def _bearer(request: Request) -> bytes | None:
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip().encode()
+
+
+def _matches(given: bytes | None, secrets: list) -> bool:
+    # Compare against every secret, constant-time each, so timing reveals nothing.
+    ok = False
+    for secret in secrets:
+        if given is not None and hmac.compare_digest(given, secret.get_secret_value().encode()):
+            ok = True
+    return ok
+
+
+async def require_token(request: Request) -> None:
+    """With a token configured, the request carries it (or the admin token)."""
+    settings = services(request).settings
+    if settings.token is None:
+        return
+    secrets = [s for s in (settings.token, settings.admin_token) if s is not None]
+    if not _matches(_bearer(request), secrets):
+        raise Unauthorized("send 'Authorization: Bearer <token>' with this server's token")
+
+
+async def require_admin(request: Request) -> None:
+    """Weight changes need the admin token when one is configured, else the token."""
+    settings = services(request).settings
+    if settings.admin_token is None:
+        await require_token(request)
+    elif not _matches(_bearer(request), [settings.admin_token]):
+        raise Unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
+
+
+def require_ready(request: Request) -> None:
+    """The weight and gemm endpoints answer 503 until start-up loading is done."""
+    if not services(request).ready:
+        raise NotReady("the server is still loading its weights", retry_after=1)
+
+
+async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
+    """The body as one msgpack map: media type checked, size bounded while reading."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media not in MSGPACK_TYPES:
+        raise UnsupportedMediaType(
+            f"send the body as {MSGPACK} (or application/msgpack), got {media or 'none'!r}"
+        )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the body is {declared} bytes; this server takes at most {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
+        chunks.append(chunk)
+    return unpackb(b"".join(chunks))
+
+
+def check_fields(body: dict, required: set[str], optional: set[str] = frozenset()) -> None:
+    """BadField unless ``body`` has every required key and no unknown one."""
+    missing = sorted(required - body.keys())
+    unknown = sorted(body.keys() - required - optional)
+    if missing or unknown:
+        raise BadField(
+            f"fields: missing {missing}, unknown {unknown}; this endpoint takes "
+            f"{sorted(required)} and optionally {sorted(optional)}"
+        )
+
+
+def _tensor(body: dict, key: str) -> torch.Tensor | None:
+    return to_torch(decode_tensor(body[key])) if key in body else None
+
+
+def _string(body: dict, key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise BadField(f"{key} is a string here, got {type(value).__name__}")
+    return value
+
+
+def _deadline(request: Request) -> float | None:
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not ms > 0 or ms == float("inf"):
+        raise BadField(f"{DEADLINE_HEADER} is a positive number of milliseconds, got {raw!r}")
+    return time.monotonic() + ms / 1000
+
+
+health = APIRouter(prefix="/v1/health")
+api = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+weights_admin = APIRouter(
+    prefix="/v1", dependencies=[Depends(require_admin), Depends(require_ready)]
+)
+metrics_router = APIRouter(dependencies=[Depends(require_token)])
+
+
+@health.get("/live")
+async def live() -> dict:
+    """The process answers."""
+    return {"status": "live"}
+
+
+@health.get("/ready")
+async def ready(svc: Services = Depends(services)) -> dict:
+    """200 once start-up loading is done, 503 not_ready before."""
+    if not svc.ready:
+        raise NotReady("the server is still loading its weights", retry_after=1)
+    return {"status": "ready"}
+
+
+@api.get("/info")
+async def info(svc: Services = Depends(services)) -> dict:
+    """Version, backend, device, fp8 format, buckets and limits."""
+    s, backend = svc.settings, svc.engine.backend
+    return {
+        "version": moegemm.__version__,
+        "backend": backend.name,
+        "device": str(backend.device),
+        "fp8_format": WIRE_NAMES[backend.fp8_dtype],
+        "weight_layout": backend.weight_layout,
+        "buckets": s.buckets(),
+        "limits": {
+            "max_body_bytes": s.max_body_bytes,
+            "max_m": s.max_m,
+            "max_bucket_m": s.max_bucket_m,
+            "queue_size": s.queue_size,
+            "merge_window_us": s.merge_window_us,
+        },
+    }
+
+
+@api.get("/weights", dependencies=[Depends(require_ready)])
+async def list_weights(svc: Services = Depends(services)) -> dict:
+    """Every loaded weight set."""
+    return {"weights": [ws.describe() for ws in svc.store.list()]}
+
+
+@weights_admin.put("/weights/{name}")
+async def put_weights(name: str, request: Request, svc: Services = Depends(services)):
+    """Load or replace a weight set, from tensors in the body or from a file (201/200)."""
+    check_name(name)
+    body = await read_msgpack(request, svc.settings.max_body_bytes)
+    if "file" in body:
+        check_fields(body, {"file", "w"}, {"w_scale"})
+        file, w_key, scale_key = (_string(body, k) for k in ("file", "w", "w_scale"))
+        ws = await svc.engine.run(
+            lambda: svc.store.build_from_file(name, file, w_key, scale_key)
+        )
+    else:
+        check_fields(body, {"w"}, {"w_scale"})
+        if isinstance(body["w"], str):
+            raise BadField("w is a tensor; to name a tensor in a file, send 'file' too")
+        w, w_scale = _tensor(body, "w"), _tensor(body, "w_scale")
+        ws = await svc.engine.run(lambda: svc.store.build(name, w, w_scale))
+    created = svc.store.put(ws)
+    return JSONResponse(ws.describe(), status_code=201 if created else 200)
+
+
+@weights_admin.delete("/weights/{name}", status_code=204)
+async def delete_weights(name: str, svc: Services = Depends(services)) -> Response:
+    """Unload a weight set."""
+    check_name(name)
+    svc.store.delete(name)
+    return Response(status_code=204)
+
+
+@api.post("/weights/{name}/gemm", dependencies=[Depends(require_ready)])
+async def gemm(name: str, request: Request, svc: Services = Depends(services)) -> Response:
+    """SPEC 1 on a loaded weight set: msgpack {x, x_scale?, m_sizes} -> {out}."""
+    check_name(name)
+    deadline = _deadline(request)
+    body = await read_msgpack(request, svc.settings.max_body_bytes)
+    check_fields(body, {"x", "m_sizes"}, {"x_scale"})
+    x, x_scale, m_sizes = (_tensor(body, k) for k in ("x", "x_scale", "m_sizes"))
+    ws = svc.store.get(name)
+    out = await svc.engine.gemm(ws, x, x_scale, m_sizes, deadline=deadline)
+    return Response(packb({"out": encode_tensor(out)}), media_type=MSGPACK)
+
+
+@metrics_router.get("/metrics")
+async def metrics(svc: Services = Depends(services)) -> Response:
+    """Prometheus text exposition."""
+    return Response(svc.metrics.render(), media_type=svc.metrics.content_type)

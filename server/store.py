@@ -1,0 +1,272 @@
+"""Weight sets resident on the device, and the atomic name -> set table.
+
+A :class:`WeightSet` is immutable: replacing one swaps a dict entry under a
+lock, and a call that already holds the old set finishes on it. Building a
+set (validation, fn/fnuz conversion, quantization, the backend's layout) is
+device work: the app runs the ``build*`` methods on the engine's worker thread.
+
+Decision (SPEC 2.1 leaves it open): bf16/fp16/fp32 weights are quantized by
+the server, so a ``w_scale`` sent with them is refused as ``bad_field`` rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from moegemm.client._errors import (
+    BadDtype,
+    BadField,
+    BadName,
+    BadShape,
+    NoSuchFile,
+    NoSuchWeights,
+    OutOfMemory,
+)
+from moegemm.kernels._backend import Backend
+
+from ._tensors import (
+    BLOCK,
+    FLOATS,
+    FP8,
+    WIRE_NAMES,
+    require_dtype,
+    require_finite,
+    require_fp8_not_nan,
+    require_positive_finite_scales,
+    require_shape,
+    to_backend_fp8,
+)
+
+log = logging.getLogger("moegemm.server.store")
+
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+# safetensors' dtype names for the dtypes a weight file may hold.
+_SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+}
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is a valid weight-set name, else raise BadName."""
+    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
+        raise BadName(f"weight-set name {name!r} must match [A-Za-z0-9._-]{{1,128}}")
+    return name
+
+
+@dataclass(frozen=True, eq=False)
+class WeightSet:
+    """One loaded weight set, in the backend's layout on the device. Never mutated."""
+
+    name: str
+    G: int
+    N: int
+    K: int
+    layout: str
+    wq: torch.Tensor
+    w_scale: torch.Tensor
+    bytes: int
+    created: str
+
+    def describe(self) -> dict:
+        """The JSON description of SPEC 2.1 (``GET /v1/weights``)."""
+        return {
+            "name": self.name,
+            "G": self.G,
+            "N": self.N,
+            "K": self.K,
+            "layout": self.layout,
+            "bytes": self.bytes,
+            "created": self.created,
+        }
+
+
+class WeightStore:
+    """Name -> WeightSet, with builders that validate and place sets on the device."""
+
+    def __init__(self, backend: Backend, weights_dir: Path | None = None) -> None:
+        self.backend = backend
+        self.device = backend.device
+        self.weights_dir = weights_dir
+        self._sets: dict[str, WeightSet] = {}
+        self._lock = threading.Lock()
+
+    # -- the table -----------------------------------------------------------
+
+    def get(self, name: str) -> WeightSet:
+        """The set called ``name``; NoSuchWeights if there is none."""
+        with self._lock:
+            ws = self._sets.get(name)
+        if ws is None:
+            raise NoSuchWeights(f"no weight set named {name!r} is loaded")
+        return ws
+
+    def list(self) -> list[WeightSet]:
+        """All loaded sets, by name."""
+        with self._lock:
+            return sorted(self._sets.values(), key=lambda ws: ws.name)
+
+    def put(self, ws: WeightSet) -> bool:
+        """Install ``ws`` under its name, replacing atomically; True if it is new."""
+        with self._lock:
+            created = ws.name not in self._sets
+            self._sets[ws.name] = ws
+        return created
+
+    def delete(self, name: str) -> None:
+        """Unload ``name``; its memory returns to the allocator once in-flight calls end."""
+        with self._lock:
+            if self._sets.pop(name, None) is None:
+                raise NoSuchWeights(f"no weight set named {name!r} is loaded")
+
+    def total_bytes(self) -> int:
+        """Device bytes held by all loaded sets."""
+        with self._lock:
+            return sum(ws.bytes for ws in self._sets.values())
+
+    # -- builders (device work: run them on the engine's thread) ---------------
+
+    def build(self, name: str, w: torch.Tensor, w_scale: torch.Tensor | None) -> WeightSet:
+        """Build a set from host tensors: fp8 ``w`` with ``w_scale``, or float ``w``."""
+        check_name(name)
+        require_dtype(w, FP8 + FLOATS, "w")
+        if w.dim() != 3:
+            raise BadShape(f"w has shape {list(w.shape)}; expected 3-D [G, N, K]")
+        return self._assemble(name, tuple(w.shape), w.dtype, lambda g: w[g], w_scale)
+
+    def build_from_file(
+        self, name: str, file: str, w_key: str, w_scale_key: str | None
+    ) -> WeightSet:
+        """Build a set from a safetensors file under ``weights_dir``, group by group."""
+        from safetensors import safe_open
+
+        check_name(name)
+        path = self.resolve(file)
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types
+            raise BadField(f"file {file!r} is not a readable safetensors file: {exc}") from exc
+        with handle as f:
+            keys = set(f.keys())
+            for key in (w_key, w_scale_key):
+                if key is not None and key not in keys:
+                    raise NoSuchFile(f"file {file!r} holds no tensor {key!r}")
+            w_slice = f.get_slice(w_key)
+            dtype = _SAFETENSORS_DTYPES.get(w_slice.get_dtype())
+            if dtype is None:
+                raise BadDtype(
+                    f"tensor {w_key!r} is {w_slice.get_dtype()}; expected one of "
+                    f"{sorted(_SAFETENSORS_DTYPES)}"
+                )
+            shape = tuple(w_slice.get_shape())
+            if len(shape) != 3:
+                raise BadShape(f"tensor {w_key!r} has shape {list(shape)}; expected [G, N, K]")
+            w_scale = f.get_tensor(w_scale_key) if w_scale_key is not None else None
+            log.info("loading %r from %s (%s %s)", name, path, WIRE_NAMES[dtype], list(shape))
+            # Each slice is read from the memory map on demand: host memory holds
+            # one group at a time, never the whole set.
+            return self._assemble(name, shape, dtype, lambda g: w_slice[g], w_scale)
+
+    def build_demo(self, name: str = "demo", G: int = 8, N: int = 256, K: int = 512) -> WeightSet:
+        """A random bf16 set quantized by the server, so a fresh server answers calls."""
+        gen = torch.Generator().manual_seed(0)
+        w = (torch.randn((G, N, K), generator=gen) * 0.05).to(torch.bfloat16)
+        return self.build(name, w, None)
+
+    def resolve(self, file: str) -> Path:
+        """``file`` resolved (symlinks too) strictly under ``weights_dir``."""
+        if self.weights_dir is None:
+            raise BadField("this server has no weights directory (MOEGEMM_WEIGHTS_DIR)")
+        if not isinstance(file, str) or not file or "\x00" in file:
+            raise BadField("file is a non-empty path relative to the weights directory")
+        root = self.weights_dir.resolve()
+        path = (root / file).resolve()
+        if not path.is_relative_to(root) or path == root:
+            raise BadField(f"file {file!r} resolves outside the weights directory")
+        if not path.is_file():
+            raise NoSuchFile(f"no file {file!r} in the weights directory")
+        return path
+
+    def _assemble(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        group: Callable[[int], torch.Tensor],
+        w_scale: torch.Tensor | None,
+    ) -> WeightSet:
+        G, N, K = shape
+        if G < 1 or N < 1 or K < 1 or N % BLOCK or K % BLOCK:
+            raise BadShape(
+                f"w has shape [G={G}, N={N}, K={K}]; need G >= 1 and N, K positive "
+                f"multiples of {BLOCK}"
+            )
+        scale_shape = (G, K // BLOCK, N // BLOCK)
+        if dtype in FP8:
+            if w_scale is None:
+                raise BadField("fp8 weights need w_scale (float32 [G, K/128, N/128])")
+            require_dtype(w_scale, (torch.float32,), "w_scale")
+            require_shape(w_scale, scale_shape, "w_scale", "[G, K/128, N/128]")
+            require_positive_finite_scales(w_scale, "w_scale")
+        elif w_scale is not None:
+            raise BadField(
+                "w_scale is only for fp8 weights; bf16/fp16/fp32 weights are quantized "
+                "by the server"
+            )
+        fp8 = self.backend.fp8_dtype
+        try:
+            wq = torch.empty(shape, dtype=fp8, device=self.device)
+            scales = torch.empty(scale_shape, dtype=torch.float32, device=self.device)
+            step = max(1, G // 10)
+            for g in range(G):
+                host = group(g)
+                if dtype in FP8:
+                    require_fp8_not_nan(host, f"w[{g}]")
+                    q, s = to_backend_fp8(
+                        host.to(self.device), w_scale[g].to(self.device), fp8
+                    )
+                else:
+                    require_finite(host, f"w[{g}]")
+                    q, s = _quantize_group(host.to(self.device), fp8)
+                wq[g].copy_(q)
+                scales[g].copy_(s)
+                if (g + 1) % step == 0 or g + 1 == G:
+                    log.debug("%r: %d/%d groups on %s", name, g + 1, G, self.device)
+            wq, scales = self.backend.prepare_weights(wq, scales)
+        except torch.OutOfMemoryError as exc:
+            # Everything built so far is local: dropping it leaves other sets intact.
+            raise OutOfMemory(
+                f"the device cannot hold weight set {name!r} ([{G}, {N}, {K}]): {exc}"
+            ) from exc
+        nbytes = wq.numel() * wq.element_size() + scales.numel() * scales.element_size()
+        log.info("weight set %r ready: G=%d N=%d K=%d, %d bytes", name, G, N, K, nbytes)
+        return WeightSet(
+            name=name,
+            G=G,
+            N=N,
+            K=K,
+            layout=self.backend.weight_layout,
+            wq=wq,
+            w_scale=scales,
+            bytes=nbytes,
+            created=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        )
+
+
+def _quantize_group(w: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from moegemm.kernels import quantize_weights
+
+    q, s = quantize_weights(w.unsqueeze(0), fp8)
+    return q[0], s[0]
