@@ -48,7 +48,9 @@ def _check_contract(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
         if t.device != xq.device:
-            raise ValueError(f"{what} is on {t.device}, xq on {xq.device}: all must share one device")
+            raise ValueError(
+                f"{what} is on {t.device}, xq on {xq.device}: all must share one device"
+            )
     if xq.dtype not in _FP8_DTYPES:
         raise TypeError(f"xq must be float8_e4m3fn or float8_e4m3fnuz, got {xq.dtype}")
     if wq.dtype != xq.dtype:
@@ -97,11 +99,16 @@ def _dispatch(backend: Backend, xq, wq_prepared, x_scale, w_scale, m_sizes, out)
             "convert with fn_to_fnuz / fnuz_to_fn"
         )
     if out is None:
-        out = torch.empty((xq.shape[0], wq_prepared.shape[1]), dtype=torch.bfloat16,
-                          device=xq.device)
+        out = torch.empty(
+            (xq.shape[0], wq_prepared.shape[1]), dtype=torch.bfloat16, device=xq.device
+        )
     return backend.run(
-        xq.contiguous(), wq_prepared, x_scale.contiguous(), w_scale.contiguous(),
-        m_sizes.contiguous(), out,
+        xq.contiguous(),
+        wq_prepared,
+        x_scale.contiguous(),
+        w_scale.contiguous(),
+        m_sizes.contiguous(),
+        out,
     )
 
 

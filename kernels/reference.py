@@ -38,7 +38,9 @@ def _check(xq, wq, x_scale, w_scale, m_sizes) -> None:
     if xq.dtype not in _FP8_DTYPES or wq.dtype not in _FP8_DTYPES:
         raise TypeError(f"xq and wq must be fp8 e4m3, got {xq.dtype} and {wq.dtype}")
     if xq.dim() != 2 or wq.dim() != 3 or xq.shape[1] != wq.shape[2]:
-        raise ValueError(f"need xq [M, K] and wq [G, N, K], got {tuple(xq.shape)}, {tuple(wq.shape)}")
+        raise ValueError(
+            f"need xq [M, K] and wq [G, N, K], got {tuple(xq.shape)}, {tuple(wq.shape)}"
+        )
     m, k = xq.shape
     g, n, _ = wq.shape
     if n % BLOCK or k % BLOCK:
@@ -67,7 +69,7 @@ def grouped_gemm(
     """
     _check(xq, wq, x_scale, w_scale, m_sizes)
     m, k = xq.shape
-    g, n, _ = wq.shape
+    _, n, _ = wq.shape
     kb = k // BLOCK
     if out is None:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
@@ -103,7 +105,7 @@ def reference_float64(
     """
     _check(xq, wq, x_scale, w_scale, m_sizes)
     m, k = xq.shape
-    g, n, _ = wq.shape
+    _, n, _ = wq.shape
     kb = k // BLOCK
     out = torch.zeros((m, n), dtype=torch.float64, device=xq.device)
     start = 0

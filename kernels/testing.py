@@ -62,7 +62,9 @@ def random_m_sizes(
     return sizes
 
 
-def _blockwise_random(shape: tuple[int, ...], block_shape: tuple[int, ...], generator) -> torch.Tensor:
+def _blockwise_random(
+    shape: tuple[int, ...], block_shape: tuple[int, ...], generator
+) -> torch.Tensor:
     # Gaussian values times a log-normal magnitude per block, so scales differ.
     values = torch.randn(shape, generator=generator)
     blocks = [s // b for s, b in zip(shape, block_shape)]
@@ -108,9 +110,7 @@ def random_problem(
     w = _blockwise_random((g, n, k), (1, 128, 128), generator)
     xq, x_scale = quantize_activations(x, fp8_dtype)
     wq, w_scale = quantize_weights(w, fp8_dtype)
-    return Problem(
-        *(t.to(device) for t in (xq, wq, x_scale, w_scale, m_sizes.to(torch.int64)))
-    )
+    return Problem(*(t.to(device) for t in (xq, wq, x_scale, w_scale, m_sizes.to(torch.int64))))
 
 
 def poisoned_out(m: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from moegemm.kernels import preshuffle, unshuffle
 
 
@@ -24,9 +23,7 @@ def test_preshuffle_places_every_element_where_spec_says():
     g, n, k = 2, 48, 192
     w = torch.randn(g, n, k)
     flat = preshuffle(w).reshape(g, -1)
-    gi, ni, ki = torch.meshgrid(
-        torch.arange(g), torch.arange(n), torch.arange(k), indexing="ij"
-    )
+    gi, ni, ki = torch.meshgrid(torch.arange(g), torch.arange(n), torch.arange(k), indexing="ij")
     # (N0, NLane, K0, KLane, KPack) -> (N0, K0, KLane, NLane, KPack), written out by hand.
     n0, n_lane = ni // 16, ni % 16
     k0, k_lane, k_pack = ki // 64, (ki % 64) // 16, ki % 16

@@ -1,6 +1,6 @@
 """The public surface of moegemm.kernels is pinned: changing it is a deliberate act."""
 
-import moegemm.kernels as kernels
+from moegemm import kernels
 
 EXPECTED = [
     "Backend",

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from moegemm.kernels import fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from moegemm.kernels import (
     fn_to_fnuz,
     grouped_gemm,
@@ -53,10 +52,19 @@ def test_wrong_scales_break_the_bound(m, n, k, g):
         "K blocks of x_scale reversed": (p.xq, p.wq, p.x_scale.flip(1), p.w_scale, p.m_sizes),
         "another group's w_scale": (p.xq, p.wq, p.x_scale, p.w_scale.roll(1, 0), p.m_sizes),
         "w_scale's K and N blocks swapped": (
-            p.xq, p.wq, p.x_scale, p.w_scale.flip(1).flip(2), p.m_sizes
+            p.xq,
+            p.wq,
+            p.x_scale,
+            p.w_scale.flip(1).flip(2),
+            p.m_sizes,
         ),
-        "rows shifted to the next group": (p.xq, p.wq.roll(1, 0), p.x_scale, p.w_scale.roll(1, 0),
-                                           p.m_sizes),
+        "rows shifted to the next group": (
+            p.xq,
+            p.wq.roll(1, 0),
+            p.x_scale,
+            p.w_scale.roll(1, 0),
+            p.m_sizes,
+        ),
     }
     for what, args in wrong.items():
         assert rel_error(out, reference_float64(*args)) > 20 * SPEC_TOLERANCE, what
@@ -71,8 +79,11 @@ def test_ragged_groups_land_on_their_own_rows():
     for gi, rows in enumerate(sizes.tolist()):
         # Each group alone, as a G=1 problem, must give the same rows bit for bit.
         alone = grouped_gemm(
-            p.xq[start : start + rows], p.wq[gi : gi + 1].contiguous(),
-            p.x_scale[start : start + rows], p.w_scale[gi : gi + 1], torch.tensor([rows]),
+            p.xq[start : start + rows],
+            p.wq[gi : gi + 1].contiguous(),
+            p.x_scale[start : start + rows],
+            p.w_scale[gi : gi + 1],
+            torch.tensor([rows]),
         )
         assert torch.equal(out[start : start + rows], alone)
         start += rows
@@ -167,3 +178,16 @@ def test_m_sizes_that_do_not_sum_to_m_raise_in_the_reference():
     args[4] = torch.tensor([3, 0])
     with pytest.raises(ValueError, match="sum to M"):
         grouped_gemm(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+def test_reference_runs_on_the_gpu():
+    p = random_problem(83, 256, 384, 3)
+    on_cpu = grouped_gemm(*p.args())
+    gpu_args = [t.cuda() for t in p.args()]
+    from moegemm.kernels import reference
+
+    on_gpu = reference.grouped_gemm(*gpu_args, poisoned_out(83, 256, "cuda"))
+    assert rel_error(on_gpu, reference_float64(*p.args())) <= SPEC_TOLERANCE
+    assert rel_error(on_gpu, on_cpu) <= 1e-2 * SPEC_TOLERANCE
