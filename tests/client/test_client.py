@@ -1,0 +1,355 @@
+"""Client and AsyncClient against a fake server (httpx.MockTransport) and a tiny real one."""
+
+import asyncio
+import http.server
+import json
+import pathlib
+import socket
+import threading
+import uuid
+
+import httpx
+import ml_dtypes
+import moegemm.client as mc
+import numpy as np
+import pytest
+from moegemm.client import APIError, AsyncClient, Client, TransportError
+from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
+
+try:
+    import torch
+except ImportError:  # the client installs without torch; so do these tests
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+URL = "http://moegemm.test:8000"
+TOKEN = "s3cret-" + uuid.uuid4().hex
+
+
+class FakeServer:
+    """Records each request and answers like SPEC 2.1 would; `reply` overrides."""
+
+    def __init__(self, n=256):
+        self.n = n
+        self.requests: list[httpx.Request] = []
+        self.bodies: list[dict] = []
+        self.outputs: list[np.ndarray] = []
+        self.reply = None
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        rid = request.headers.get("x-request-id", "generated")
+        if self.reply is not None:
+            return self.reply(request)
+        body = unpackb(request.content) if request.content else None
+        self.bodies.append(body)
+        path, method = request.url.path, request.method
+        if method == "POST" and path.endswith("/gemm"):
+            m = decode_tensor(body["x"]).shape[0]
+            out = np.random.randn(m, self.n).astype(ml_dtypes.bfloat16)
+            self.outputs.append(out)
+            return httpx.Response(
+                200,
+                content=packb({"out": encode_tensor(out)}),
+                headers={"content-type": "application/vnd.msgpack", "x-request-id": rid},
+            )
+        if method == "PUT":
+            return httpx.Response(201, json={"name": path.rsplit("/", 1)[1], "G": 4})
+        if method == "DELETE":
+            return httpx.Response(204, headers={"x-request-id": rid})
+        if path == "/v1/weights":
+            return httpx.Response(200, json=[{"name": "w0", "G": 4, "N": 256, "K": 512}])
+        return httpx.Response(200, json={"path": path})
+
+
+def _error_reply(status, code, message, headers=None):
+    def reply(request):
+        rid = request.headers["x-request-id"]
+        return httpx.Response(
+            status,
+            json={"error": {"code": code, "message": message}},
+            headers={"x-request-id": rid, **(headers or {})},
+        )
+
+    return reply
+
+
+@pytest.fixture
+def fake():
+    return FakeServer()
+
+
+@pytest.fixture
+def client(fake):
+    with Client(URL, token=TOKEN, transport=httpx.MockTransport(fake)) as c:
+        yield c
+
+
+def _fp8_inputs(m_sizes, k=256):
+    m = sum(m_sizes)
+    x = np.random.randn(m, k).astype(ml_dtypes.float8_e4m3fn)
+    scale = (np.random.rand(m, k // 128) + 0.5).astype(np.float32)
+    return x, scale
+
+
+def test_grouped_gemm_numpy_sends_the_wire_and_returns_bf16(fake, client):
+    m_sizes = [3, 0, 5, 1]
+    x, x_scale = _fp8_inputs(m_sizes)
+    out = client.grouped_gemm("layer.0", x, m_sizes, x_scale)
+
+    (req,) = fake.requests
+    assert req.method == "POST"
+    assert req.url.path == "/v1/weights/layer.0/gemm"
+    assert req.headers["content-type"] == "application/vnd.msgpack"
+    assert req.headers["authorization"] == f"Bearer {TOKEN}"
+    assert uuid.UUID(req.headers["x-request-id"])
+    body = fake.bodies[0]
+    assert set(body) == {"x", "x_scale", "m_sizes"}
+    assert decode_tensor(body["x"]).numpy().tobytes() == x.tobytes()
+    assert decode_tensor(body["x"]).dtype == "float8_e4m3fn"
+    assert decode_tensor(body["x_scale"]).numpy().tobytes() == x_scale.tobytes()
+    sizes = decode_tensor(body["m_sizes"])
+    assert sizes.dtype == "int64" and sizes.numpy().tolist() == m_sizes
+
+    assert isinstance(out, np.ndarray)
+    assert out.dtype == ml_dtypes.bfloat16 and out.shape == (9, 256)
+    assert out.tobytes() == fake.outputs[0].tobytes()
+
+
+def test_request_ids_are_fresh_and_x_scale_is_optional(fake, client):
+    x = np.random.randn(4, 128).astype(np.float32)
+    client.grouped_gemm("w", x, np.array([4], dtype=np.int32))
+    client.grouped_gemm("w", x, (2, 2))
+    assert "x_scale" not in fake.bodies[0] and "x_scale" not in fake.bodies[1]
+    assert decode_tensor(fake.bodies[0]["x"]).dtype == "float32"
+    assert decode_tensor(fake.bodies[0]["m_sizes"]).dtype == "int64"
+    ids = {r.headers["x-request-id"] for r in fake.requests}
+    assert len(ids) == 2
+
+
+def test_m_sizes_must_be_integers(client):
+    x = np.random.randn(4, 128).astype(np.float32)
+    with pytest.raises(TypeError, match="m_sizes"):
+        client.grouped_gemm("w", x, [1.5, 2.5])
+
+
+@needs_torch
+def test_grouped_gemm_torch_in_torch_out(fake, client):
+    m_sizes = torch.tensor([2, 0, 3], dtype=torch.int32)
+    x = torch.randn(5, 256).to(torch.float8_e4m3fn)
+    x_scale = torch.rand(5, 2) + 0.5
+    out = client.grouped_gemm("w", x, m_sizes, x_scale)
+    assert isinstance(out, torch.Tensor)
+    assert out.dtype == torch.bfloat16 and out.device.type == "cpu"
+    assert tuple(out.shape) == (5, 256)
+    assert out.view(torch.uint8).numpy().tobytes() == fake.outputs[0].tobytes()
+    out.add_(1)  # writable, not a view on the response body
+    body = fake.bodies[0]
+    assert decode_tensor(body["x"]).numpy().tobytes() == x.view(torch.uint8).numpy().tobytes()
+    assert decode_tensor(body["m_sizes"]).dtype == "int64"
+    with pytest.raises(TypeError, match="m_sizes"):
+        client.grouped_gemm("w", x, torch.tensor([2.0, 3.0]), x_scale)
+
+
+@needs_torch
+def test_torch_zero_rows(fake, client):
+    out = client.grouped_gemm("w", torch.randn(0, 128), torch.tensor([0, 0]))
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (0, 256)
+
+
+def test_weights_endpoints(fake, client, tmp_path):
+    w = np.random.randn(2, 128, 256).astype(ml_dtypes.float8_e4m3fnuz)
+    w_scale = (np.random.rand(2, 2, 1) + 0.1).astype(np.float32)
+    assert client.load_weights("e0", w, w_scale) == {"name": "e0", "G": 4}
+    body = fake.bodies[-1]
+    assert fake.requests[-1].method == "PUT"
+    assert fake.requests[-1].headers["content-type"] == "application/vnd.msgpack"
+    assert decode_tensor(body["w"]).dtype == "float8_e4m3fnuz"
+    assert decode_tensor(body["w"]).numpy().tobytes() == w.tobytes()
+    assert decode_tensor(body["w_scale"]).shape == (2, 2, 1)
+
+    client.load_weights("e1", np.random.randn(1, 128, 128).astype(np.float16))
+    assert set(fake.bodies[-1]) == {"w"}
+
+    client.load_weights_file("e2", pathlib.Path("layer3/experts.safetensors"), "wq", "ws")
+    assert fake.bodies[-1] == {"file": "layer3/experts.safetensors", "w": "wq", "w_scale": "ws"}
+    client.load_weights_file("e3", "a.safetensors", "wq")
+    assert fake.bodies[-1] == {"file": "a.safetensors", "w": "wq"}
+
+    assert client.weights() == [{"name": "w0", "G": 4, "N": 256, "K": 512}]
+    assert client.delete_weights("e0") is None
+    assert (fake.requests[-1].method, fake.requests[-1].url.path) == ("DELETE", "/v1/weights/e0")
+    assert client.health() == {"path": "/v1/health/ready"}
+    assert client.live() == {"path": "/v1/health/live"}
+    assert client.info() == {"path": "/v1/info"}
+    # No body, no content type on GET.
+    assert "content-type" not in fake.requests[-1].headers
+
+
+def test_weights_accepts_an_envelope(fake, client):
+    fake.reply = lambda r: httpx.Response(200, json={"weights": [{"name": "a"}]})
+    assert client.weights() == [{"name": "a"}]
+
+
+def test_names_cannot_change_the_route(fake, client):
+    for name, raw_path in [("a/b", "/v1/weights/a%2Fb"), ("..", "/v1/weights/%2E%2E")]:
+        client.delete_weights(name)
+        assert fake.requests[-1].url.raw_path.decode() == raw_path
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "cls"),
+    [
+        (400, "bad_shape", mc.BadShape),
+        (400, "bad_m_sizes", mc.BadMSizes),
+        (401, "unauthorized", mc.Unauthorized),
+        (404, "no_such_weights", mc.NoSuchWeights),
+        (413, "too_large", mc.TooLarge),
+        (415, "unsupported_media_type", mc.UnsupportedMediaType),
+        (503, "overloaded", mc.Overloaded),
+        (504, "timeout", mc.DeadlineExceeded),
+        (507, "out_of_memory", mc.OutOfMemory),
+    ],
+)
+def test_error_answers_raise_the_mapped_class(fake, client, status, code, cls):
+    fake.reply = _error_reply(status, code, f"detail {code}", {"retry-after": "3"})
+    x, x_scale = _fp8_inputs([2])
+    with pytest.raises(cls) as info:
+        client.grouped_gemm("w", x, [2], x_scale)
+    err = info.value
+    assert (err.status, err.code, err.message) == (status, code, f"detail {code}")
+    assert err.request_id == fake.requests[-1].headers["x-request-id"]
+    assert err.retry_after == 3.0
+
+
+def test_non_json_error_maps_by_status(fake, client):
+    fake.reply = lambda r: httpx.Response(502, text="<html>bad gateway</html>")
+    with pytest.raises(APIError) as info:
+        client.info()
+    assert info.value.status == 502 and "bad gateway" in info.value.message
+    assert info.value.request_id == fake.requests[-1].headers["x-request-id"]
+
+    fake.reply = lambda r: httpx.Response(503, text="starting")
+    with pytest.raises(mc.Unavailable):
+        client.health()
+
+
+def test_unreadable_success_is_an_internal_error(fake, client):
+    fake.reply = lambda r: httpx.Response(
+        200, content=b"\x92\x01\x02", headers={"content-type": "application/vnd.msgpack"}
+    )
+    with pytest.raises(mc.InternalError):
+        client.grouped_gemm("w", np.random.randn(1, 128).astype(np.float32), [1])
+    fake.reply = lambda r: httpx.Response(200, json={"out": 1})
+    with pytest.raises(mc.InternalError, match="not msgpack"):
+        client.grouped_gemm("w", np.random.randn(1, 128).astype(np.float32), [1])
+
+
+def test_transport_failure_raises_transport_error(fake, client):
+    def reply(request):
+        raise httpx.ConnectError("connection refused", request=request)
+
+    fake.reply = reply
+    with pytest.raises(TransportError) as info:
+        client.info()
+    assert isinstance(info.value.__cause__, httpx.ConnectError)
+    assert not isinstance(info.value, APIError)
+
+
+def test_no_token_no_authorization_and_custom_headers(fake):
+    transport = httpx.MockTransport(fake)
+    with Client(URL + "/", headers={"X-Tenant": "t1"}, transport=transport) as c:
+        c.info()
+    req = fake.requests[-1]
+    assert "authorization" not in req.headers
+    assert req.headers["x-tenant"] == "t1"
+    assert str(req.url) == URL + "/v1/info"
+
+
+def test_async_client_mirrors_the_sync_one(fake):
+    async def scenario():
+        transport = httpx.MockTransport(fake)
+        async with AsyncClient(URL, token=TOKEN, transport=transport) as c:
+            x, x_scale = _fp8_inputs([1, 2])
+            out = await c.grouped_gemm("w", x, [1, 2], x_scale)
+            await c.load_weights("w", np.random.randn(1, 128, 128).astype(np.float32))
+            await c.load_weights_file("w", "f.safetensors", "k")
+            listed = await c.weights()
+            await c.delete_weights("w")
+            health, info = await c.health(), await c.info()
+            fake.reply = _error_reply(404, "no_such_weights", "no w")
+            with pytest.raises(mc.NoSuchWeights) as err:
+                await c.grouped_gemm("w", x, [1, 2], x_scale)
+            return out, listed, health, info, err.value
+
+    out, listed, health, info, err = asyncio.run(scenario())
+    assert out.dtype == ml_dtypes.bfloat16 and out.tobytes() == fake.outputs[0].tobytes()
+    assert listed[0]["name"] == "w0"
+    assert health == {"path": "/v1/health/ready"} and info == {"path": "/v1/info"}
+    assert err.request_id == fake.requests[-1].headers["x-request-id"]
+    assert all(r.headers["authorization"] == f"Bearer {TOKEN}" for r in fake.requests)
+    assert [r.method for r in fake.requests] == [
+        "POST",
+        "PUT",
+        "PUT",
+        "GET",
+        "DELETE",
+        "GET",
+        "GET",
+        "POST",
+    ]
+
+
+def test_async_transport_failure():
+    def reply(request):
+        raise httpx.ReadTimeout("slow", request=request)
+
+    async def scenario():
+        async with AsyncClient(URL, transport=httpx.MockTransport(reply)) as c:
+            await c.info()
+
+    with pytest.raises(TransportError):
+        asyncio.run(scenario())
+
+
+class _InfoHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, so the client can reuse its connection
+
+    def do_GET(self):
+        body = json.dumps({"peer_port": self.client_address[1]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):  # keep the test output clean
+        pass
+
+
+@pytest.fixture
+def real_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _InfoHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_real_socket_is_reused_and_no_delay(real_server):
+    with Client(real_server) as c:
+        first, second = c.info(), c.info()
+        assert first["peer_port"] == second["peer_port"]  # one connection, reused
+        (conn,) = c._http._transport._pool.connections
+        sock = conn._connection._network_stream.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def test_real_connection_refused_is_transport_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connecting is refused
+        with Client(f"http://127.0.0.1:{port}", timeout=5) as c, pytest.raises(TransportError):
+            c.live()
