@@ -246,3 +246,25 @@ def test_unpackb_corrupted_valid_body(noise, cut):
     except BadMsgpack:
         return
     assert isinstance(msg, dict)
+
+
+_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text()
+    | st.binary()
+)
+_values = st.recursive(
+    _leaves,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.dictionaries(st.text(), _values, max_size=5))
+def test_unpackb_round_trips_any_string_keyed_map(msg):
+    back = unpackb(packb(msg))
+    assert packb(back) == packb(msg)  # bytes compare: NaN != NaN as floats
