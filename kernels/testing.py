@@ -39,7 +39,7 @@ def random_m_sizes(
     """Ragged int64 group sizes ``[g]`` summing to ``m``.
 
     With ``empty_groups`` (and g > 1), about a third of the groups get no rows,
-    always at least one, while at least two (when g > 2) get some.
+    always at least one, while at least two (when g > 2) may get rows.
     """
     if g < 1 or m < 0:
         raise ValueError(f"need g >= 1 and m >= 0, got g={g}, m={m}")
@@ -63,15 +63,15 @@ def random_m_sizes(
 
 
 def _blockwise_random(
-    shape: tuple[int, ...], block_shape: tuple[int, ...], generator
+    shape: tuple[int, ...], block_shape: tuple[int, ...], device: torch.device, generator
 ) -> torch.Tensor:
     # Gaussian values times a log-normal magnitude per block, so scales differ.
-    values = torch.randn(shape, generator=generator)
+    values = torch.randn(shape, generator=generator, device=device)
     blocks = [s // b for s, b in zip(shape, block_shape)]
-    magnitude = torch.exp(torch.randn(blocks, generator=generator))
+    magnitude = torch.exp(torch.randn(blocks, generator=generator, device=device))
     for dim, b in enumerate(block_shape):
         magnitude = magnitude.repeat_interleave(b, dim=dim)
-    return values * magnitude
+    return values.mul_(magnitude)
 
 
 @dataclass(frozen=True)
@@ -100,17 +100,26 @@ def random_problem(
     m_sizes: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> Problem:
-    """Fresh random quantized inputs via the SPEC 1.1 quantizers (data built on CPU, moved).
+    """Fresh random quantized inputs on ``device`` via the SPEC 1.1 quantizers.
 
-    ``m_sizes`` defaults to :func:`random_m_sizes` with empty groups.
+    ``m_sizes`` defaults to :func:`random_m_sizes` with empty groups. Data is
+    drawn on ``generator``'s device (``device`` without one), the weights one
+    group at a time, so G=256 DeepSeek-size sets fit in device memory.
     """
+    device = torch.device(device)
+    draw_on = generator.device if generator is not None else device
     if m_sizes is None:
-        m_sizes = random_m_sizes(g, m, generator=generator)
-    x = _blockwise_random((m, k), (1, 128), generator)
-    w = _blockwise_random((g, n, k), (1, 128, 128), generator)
+        on_cpu = generator if draw_on.type == "cpu" else None
+        m_sizes = random_m_sizes(g, m, generator=on_cpu)
+    x = _blockwise_random((m, k), (1, 128), draw_on, generator).to(device)
     xq, x_scale = quantize_activations(x, fp8_dtype)
-    wq, w_scale = quantize_weights(w, fp8_dtype)
-    return Problem(*(t.to(device) for t in (xq, wq, x_scale, w_scale, m_sizes.to(torch.int64))))
+    del x
+    wq = torch.empty((g, n, k), dtype=fp8_dtype, device=device)
+    w_scale = torch.empty((g, k // 128, n // 128), dtype=torch.float32, device=device)
+    for group in range(g):
+        w = _blockwise_random((n, k), (128, 128), draw_on, generator).to(device)
+        wq[group], w_scale[group] = quantize_weights(w, fp8_dtype)
+    return Problem(xq, wq, x_scale, w_scale, m_sizes.to(device=device, dtype=torch.int64))
 
 
 def poisoned_out(m: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
