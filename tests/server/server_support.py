@@ -1,0 +1,122 @@
+"""Helpers of the server tests: a real uvicorn server on a free loopback port (in a
+background thread), raw requests, and the SPEC 1 accuracy check."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import torch
+import uvicorn
+
+from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
+from moegemm.server import Settings, create_app
+
+MSGPACK = {"content-type": "application/vnd.msgpack"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A server the tests talk to: its URL, app, and an httpx client."""
+
+    def __init__(self, url: str, app, server: uvicorn.Server) -> None:
+        self.url = url
+        self.app = app
+        self.server = server
+        self.http = httpx.Client(base_url=url, timeout=60)
+
+    @property
+    def services(self):
+        return self.app.state.services
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.http.get("/v1/health/ready").status_code == 200:
+                return
+            time.sleep(0.02)
+        raise TimeoutError("the server did not become ready")
+
+    def put(self, name: str, body: dict, **kw) -> httpx.Response:
+        return self.http.put(f"/v1/weights/{name}", content=packb(body), headers=MSGPACK, **kw)
+
+    def gemm(self, name: str, body: dict, **kw) -> httpx.Response:
+        headers = {**MSGPACK, **kw.pop("headers", {})}
+        return self.http.post(f"/v1/weights/{name}/gemm", content=packb(body), headers=headers,
+                              **kw)
+
+
+@contextmanager
+def serve(settings: Settings, wait: bool = True) -> Iterator[Running]:
+    """Start the app on a free port; stop it on exit."""
+    port = _free_port()
+    app = create_app(settings)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    running = Running(f"http://127.0.0.1:{port}", app, server)
+    try:
+        if wait:
+            running.wait_ready()
+        yield running
+    finally:
+        running.http.close()
+        server.should_exit = True
+        thread.join(30)
+
+
+def out_of(response: httpx.Response) -> torch.Tensor:
+    """The ``out`` tensor of a gemm answer, as a torch bf16 tensor."""
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/vnd.msgpack"
+    wire = decode_tensor(unpackb(response.content)["out"])
+    assert wire.dtype == "bfloat16"
+    return torch.from_numpy(wire.numpy().view("<i2").copy()).view(torch.bfloat16)
+
+
+def wire(t: torch.Tensor) -> dict:
+    return encode_tensor(t)
+
+
+def assert_error(response: httpx.Response, status: int, code: str) -> None:
+    """An SPEC 2 error: status, JSON content type and code."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    assert response.json()["error"]["code"] == code, response.text
+    assert response.json()["error"]["message"]
+
+
+def fp8_problem(m: int, n: int, k: int, g: int, m_sizes=None):
+    """Fresh random fp8 inputs (moegemm.kernels.testing) for one weight set."""
+    from moegemm.kernels.testing import random_problem
+
+    return random_problem(m, n, k, g, m_sizes=m_sizes)
+
+
+def reference(xq, x_scale, wq, w_scale, m_sizes) -> torch.Tensor:
+    from moegemm.kernels import reference_float64
+
+    return reference_float64(xq, wq, x_scale, w_scale, torch.as_tensor(m_sizes))
+
+
+def close_to(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """SPEC 1 accuracy: relative Frobenius error <= 5e-3 and nothing non-finite."""
+    from moegemm.kernels.testing import SPEC_TOLERANCE, rel_error
+
+    return bool(torch.isfinite(out).all()) and rel_error(out, ref) <= SPEC_TOLERANCE

@@ -1,0 +1,146 @@
+"""The happy paths of SPEC 2.1 through a real server: load, list, gemm, replace, delete."""
+
+from __future__ import annotations
+
+import torch
+from server_support import close_to, fp8_problem, out_of, reference, wire
+
+from moegemm.client import Client
+from moegemm.kernels import quantize_activations, quantize_weights
+from moegemm.kernels.testing import random_m_sizes
+
+
+def test_health_and_info(server):
+    assert server.http.get("/v1/health/live").json() == {"status": "live"}
+    assert server.http.get("/v1/health/ready").status_code == 200
+    info = server.http.get("/v1/info").json()
+    assert info["backend"] == "reference"
+    assert info["device"] == "cpu"
+    assert info["fp8_format"] == "float8_e4m3fn"
+    assert info["buckets"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert info["limits"]["max_m"] == 4096
+    assert info["version"]
+
+
+def test_fp8_weights_and_fp8_activations(server):
+    p = fp8_problem(83, 256, 384, 5)
+    r = server.put("fp8set", {"w": wire(p.wq), "w_scale": wire(p.w_scale)})
+    assert r.status_code in (200, 201), r.text
+    assert r.json() | {"created": None, "bytes": None} == {
+        "name": "fp8set", "G": 5, "N": 256, "K": 384, "layout": "plain",
+        "created": None, "bytes": None,
+    }
+    assert r.json()["bytes"] >= 5 * 256 * 384
+    out = out_of(server.gemm("fp8set", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
+                                        "m_sizes": wire(p.m_sizes)}))
+    assert out.shape == (83, 256)
+    assert close_to(out, reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes))
+
+
+def test_bf16_weights_and_float_activations(server):
+    w = torch.randn(3, 128, 256) * torch.rand(3, 1, 1)
+    assert server.put("bf16set", {"w": wire(w.bfloat16())}).status_code in (200, 201)
+    wq, w_scale = quantize_weights(w.bfloat16())
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(41, 256).to(dtype)
+        m_sizes = random_m_sizes(3, 41).to(torch.int32)  # int32 is accepted on the wire
+        out = out_of(server.gemm("bf16set", {"x": wire(x), "m_sizes": wire(m_sizes)}))
+        xq, x_scale = quantize_activations(x)
+        assert close_to(out, reference(xq, x_scale, wq, w_scale, m_sizes.long()))
+
+
+def test_fnuz_inputs_are_converted(server):
+    from moegemm.kernels import fn_to_fnuz
+
+    p = fp8_problem(64, 128, 256, 2)
+    wq, w_scale = fn_to_fnuz(p.wq, p.w_scale)
+    assert server.put("fnuz", {"w": wire(wq), "w_scale": wire(w_scale)}).status_code in (200, 201)
+    xq, x_scale = fn_to_fnuz(p.xq, p.x_scale)
+    out = out_of(server.gemm("fnuz", {"x": wire(xq), "x_scale": wire(x_scale),
+                                      "m_sizes": wire(p.m_sizes)}))
+    assert close_to(out, reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes))
+
+
+def test_empty_and_chunked_calls(server):
+    p = fp8_problem(8, 128, 128, 4)
+    server.put("small", {"w": wire(p.wq), "w_scale": wire(p.w_scale)})
+    empty = out_of(server.gemm("small", {
+        "x": wire(p.xq[:0]), "x_scale": wire(p.x_scale[:0]),
+        "m_sizes": wire(torch.zeros(4, dtype=torch.int64))}))
+    assert empty.shape == (0, 128)
+    # max_bucket_m is 256: 1335 rows run as 6 chunks whose groups straddle chunk edges.
+    big = fp8_problem(1335, 128, 128, 4, m_sizes=torch.tensor([300, 0, 700, 335]))
+    big_out = out_of(server.gemm("small", {
+        "x": wire(big.xq), "x_scale": wire(big.x_scale), "m_sizes": wire(big.m_sizes)}))
+    assert close_to(big_out, reference(big.xq, big.x_scale, p.wq, p.w_scale, big.m_sizes))
+
+
+def test_list_replace_delete(server):
+    first = fp8_problem(16, 128, 128, 2)
+    r1 = server.put("cycle", {"w": wire(first.wq), "w_scale": wire(first.w_scale)})
+    assert r1.status_code == 201
+    names = [ws["name"] for ws in server.http.get("/v1/weights").json()["weights"]]
+    assert "cycle" in names and "demo" in names
+    second = fp8_problem(16, 256, 128, 3)
+    r2 = server.put("cycle", {"w": wire(second.wq), "w_scale": wire(second.w_scale)})
+    assert r2.status_code == 200
+    listed = {ws["name"]: ws for ws in server.http.get("/v1/weights").json()["weights"]}
+    assert (listed["cycle"]["G"], listed["cycle"]["N"]) == (3, 256)
+    out = out_of(server.gemm("cycle", {"x": wire(second.xq), "x_scale": wire(second.x_scale),
+                                       "m_sizes": wire(second.m_sizes)}))
+    assert close_to(out, reference(second.xq, second.x_scale, second.wq, second.w_scale,
+                                   second.m_sizes))
+    assert server.http.delete("/v1/weights/cycle").status_code == 204
+    names = [ws["name"] for ws in server.http.get("/v1/weights").json()["weights"]]
+    assert "cycle" not in names
+
+
+def test_demo_set_answers(server):
+    demo = next(ws for ws in server.http.get("/v1/weights").json()["weights"]
+                if ws["name"] == "demo")
+    x = torch.randn(37, demo["K"], dtype=torch.bfloat16)
+    m_sizes = random_m_sizes(demo["G"], 37)
+    out = out_of(server.gemm("demo", {"x": wire(x), "m_sizes": wire(m_sizes)}))
+    ws = server.services.store.get("demo")
+    xq, x_scale = quantize_activations(x)
+    assert close_to(out, reference(xq, x_scale, ws.wq, ws.w_scale, m_sizes))
+
+
+def test_request_id_is_echoed_or_generated(server):
+    r = server.http.get("/v1/info", headers={"X-Request-Id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    a = server.http.get("/v1/info").headers["x-request-id"]
+    b = server.http.get("/v1/info").headers["x-request-id"]
+    assert a and b and a != b
+    # Errors carry it too.
+    r = server.http.get("/v1/nowhere", headers={"X-Request-Id": "trace-43"})
+    assert r.status_code == 404 and r.headers["x-request-id"] == "trace-43"
+
+
+def test_metrics(server):
+    x = torch.randn(5, 512)
+    out_of(server.gemm("demo", {"x": wire(x), "m_sizes": wire(random_m_sizes(8, 5))}))
+    text = server.http.get("/metrics").text
+    assert 'moegemm_requests_total{endpoint="/v1/weights/{name}/gemm",status="200"}' in text
+    for name in ("moegemm_request_seconds_bucket", "moegemm_queue_seconds_bucket",
+                 "moegemm_kernel_seconds_bucket", "moegemm_batch_calls_bucket",
+                 "moegemm_bytes_in_total", "moegemm_bytes_out_total",
+                 "moegemm_weight_bytes", "moegemm_device_memory_bytes",
+                 'moegemm_launches_total{mode="eager"}', 'moegemm_launches_total{mode="graph"}'):
+        assert name in text, name
+    weight_bytes = next(float(line.split()[-1]) for line in text.splitlines()
+                        if line.startswith("moegemm_weight_bytes "))
+    assert weight_bytes == server.services.store.total_bytes() > 0
+
+
+def test_client_round_trip(server):
+    p = fp8_problem(50, 128, 256, 3)
+    with Client(server.url) as client:
+        desc = client.load_weights("via-client", p.wq, p.w_scale)
+        assert desc["name"] == "via-client"
+        out = client.grouped_gemm("via-client", p.xq, p.m_sizes, x_scale=p.x_scale)
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+        assert close_to(out, reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes))
+        assert "via-client" in [ws["name"] for ws in client.weights()]
+        client.delete_weights("via-client")
+        assert "via-client" not in [ws["name"] for ws in client.weights()]
