@@ -8,17 +8,17 @@ the caller's kind: numpy (bf16/fp8 via ml_dtypes) or torch.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 import httpx
 import numpy as np
 
-from ._errors import APIError, InternalError, TransportError, error_for
+from ._errors import APIError, BadName, InternalError, TransportError, error_for
 from ._wire import decode_tensor, encode_tensor, packb, unpackb
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
@@ -33,6 +33,7 @@ DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 # ones; asking explicitly keeps small requests from waiting on Nagle whatever
 # the backend does.
 _SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 @dataclass
@@ -48,11 +49,12 @@ class _Call:
 
 
 def _weights_path(name: str) -> str:
-    # Quote everything so a bad name reaches the server intact (and gets bad_name)
-    # instead of changing the route; "." and ".." would be dot segments otherwise.
-    quoted = quote(name, safe="")
-    if quoted in (".", ".."):
-        quoted = quoted.replace(".", "%2E")
+    # Refused here because no server can answer it well: ASGI servers decode
+    # %2F before routing, so "a/b" would reach a route-level 404, not bad_name.
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise BadName(f"weight-set name {name!r:.200} does not match [A-Za-z0-9._-]{{1,128}}")
+    # "." and ".." are valid names but dot segments in a URL: spell the dots.
+    quoted = name.replace(".", "%2E") if name in (".", "..") else name
     return f"/v1/weights/{quoted}"
 
 
@@ -191,7 +193,9 @@ class Client(_Base):
 
     ``Client(url, token=..., timeout=..., headers=...)``; use it as a context
     manager or call ``close()``. Errors raise the `moegemm.client` tree:
-    `APIError` subclasses for error answers, `TransportError` for no answer.
+    `APIError` subclasses for error answers, `TransportError` for no answer;
+    a weight-set name outside ``[A-Za-z0-9._-]{1,128}`` raises `BadName` before
+    anything is sent.
     ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
     """
 

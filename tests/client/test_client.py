@@ -193,9 +193,19 @@ def test_weights_accepts_an_envelope(fake, client):
 
 
 def test_names_cannot_change_the_route(fake, client):
-    for name, raw_path in [("a/b", "/v1/weights/a%2Fb"), ("..", "/v1/weights/%2E%2E")]:
-        client.delete_weights(name)
-        assert fake.requests[-1].url.raw_path.decode() == raw_path
+    client.delete_weights("..")  # a valid name that is also a dot segment
+    assert fake.requests[-1].url.raw_path.decode() == "/v1/weights/%2E%2E"
+    client.delete_weights("Layer-3_e.v2")
+    assert fake.requests[-1].url.path == "/v1/weights/Layer-3_e.v2"
+    sent = len(fake.requests)
+    x = np.random.randn(1, 128).astype(np.float32)
+    for bad in ["a/b", "", "x" * 129, "sp ace", "caf\u00e9", "a?b"]:
+        with pytest.raises(mc.BadName):
+            client.grouped_gemm(bad, x, [1])
+        with pytest.raises(mc.BadName):
+            client.load_weights_file(bad, "f.safetensors", "w")
+    assert len(fake.requests) == sent  # refused before anything went out
+    client.delete_weights("x" * 128)
 
 
 @pytest.mark.parametrize(
