@@ -12,7 +12,7 @@ import re
 import socket
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -45,7 +45,6 @@ class _Call:
     body: bytes | None = None
     expect: str = "json"  # "json" | "gemm" | "none"
     like_torch: Any = None  # the torch tensor whose kind (and device) the output takes
-    headers: dict[str, str] = field(default_factory=dict)
 
 
 def _weights_path(name: str) -> str:
@@ -177,7 +176,7 @@ class _Base:
 
     def _request_args(self, call: _Call) -> tuple[str, dict[str, Any]]:
         request_id = uuid.uuid4().hex
-        headers = {"X-Request-Id": request_id, **call.headers}
+        headers = {"X-Request-Id": request_id}
         if call.body is not None:
             headers["Content-Type"] = MSGPACK
         return request_id, {
