@@ -1,0 +1,180 @@
+"""From validated host calls to host results: staging, merging, chunking, graphs.
+
+The engine's worker thread hands :meth:`Executor.run` a batch of calls for one
+weight set; this module does everything between the host tensors and the
+output rows, on one code path for a GPU (graphs, pinned memory, copy stream)
+and a CPU (eager, plain memory):
+
+1. stage every call's rows side by side in one pinned buffer (the only host
+   copy of the rows) and upload it on the copy stream;
+2. when calls were merged, regroup the rows per expert on the device
+   (:mod:`._merge`), so the kernel sees one grouped launch;
+3. run the family's graph for the smallest bucket holding the rows, in chunks
+   of the largest bucket when there are more;
+4. undo the regrouping, download into a pinned buffer, and hand each caller a
+   view of its own rows.
+
+The common case -- one call in the device's fp8 format or bf16, at most one
+bucket -- uploads straight into the graph's static buffers and skips every
+device copy between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moegemm.kernels import quantize_activations
+
+from ._graphs import Family, GraphPool
+from ._merge import MergePlan, plan_merge
+from ._staging import Staging
+from ._tensors import to_backend_fp8
+
+
+@dataclass(frozen=True)
+class Part:
+    """One caller's validated inputs (host tensors) and its group sizes."""
+
+    x: torch.Tensor
+    x_scale: torch.Tensor | None
+    m_sizes: Sequence[int]
+
+
+@dataclass
+class Launches:
+    """What one :meth:`Executor.run` did: graph replays and eager launches."""
+
+    graph: int = 0
+    eager: int = 0
+
+    def add(self, mode: str) -> None:
+        if mode == "graph":
+            self.graph += 1
+        else:
+            self.eager += 1
+
+
+def chunk_sizes(m_sizes: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Group sizes of rows ``[start, stop)`` of a launch with group sizes ``m_sizes``."""
+    ends = np.cumsum(m_sizes)
+    begins = ends - m_sizes
+    return np.clip(np.minimum(ends, stop) - np.maximum(begins, start), 0, None)
+
+
+class Executor:
+    """Runs batches of calls on the device through a :class:`GraphPool`."""
+
+    def __init__(self, pool: GraphPool, staging: Staging) -> None:
+        self.pool = pool
+        self.staging = staging
+        self.backend = pool.backend
+        self.device = pool.device
+
+    def family(self, G: int, N: int, K: int, x_dtype: torch.dtype) -> Family:
+        """The family that runs inputs of ``x_dtype``: bf16 is quantized in the graph,
+        everything else becomes the device's fp8 format first."""
+        return Family(G, N, K, quantize=x_dtype == torch.bfloat16)
+
+    def prepare(self, G: int, N: int, K: int, wq: torch.Tensor, w_scale: torch.Tensor) -> int:
+        """Capture the graphs a weight set of this shape needs (fp8 and bf16 inputs)."""
+        return sum(
+            self.pool.capture(Family(G, N, K, quantize), wq, w_scale) for quantize in (False, True)
+        )
+
+    def run(self, ws, parts: Sequence[Part]) -> tuple[list[torch.Tensor], Launches]:
+        """SPEC 1 for every part on weight set ``ws``; bf16 ``[M_i, N]`` host tensors.
+
+        Parts may differ in dtype: each dtype runs as its own merged launch.
+        """
+        launches = Launches()
+        outs: list[torch.Tensor | None] = [None] * len(parts)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, part in enumerate(parts):
+            by_dtype.setdefault(part.x.dtype, []).append(i)
+        for dtype, idx in by_dtype.items():
+            for i, out in zip(idx, self._run_same_dtype(ws, [parts[i] for i in idx], launches)):
+                outs[i] = out
+        return outs, launches
+
+    # -- one dtype --------------------------------------------------------------------
+
+    def _run_same_dtype(self, ws, parts: list[Part], launches: Launches) -> list[torch.Tensor]:
+        plan = plan_merge([p.m_sizes for p in parts])
+        family = self.family(ws.G, ws.N, ws.K, parts[0].x.dtype)
+        x_host = self.staging.gather_rows([p.x for p in parts])
+        xs_host = None
+        if parts[0].x_scale is not None:
+            xs_host = self.staging.gather_rows([p.x_scale for p in parts])
+        direct = (
+            plan.total <= self.pool.max_bucket
+            and plan.is_identity
+            and (family.quantize or x_host.dtype == self.backend.fp8_dtype)
+        )
+        if direct:
+            out_dev = self._run_direct(ws, family, x_host, xs_host, plan, launches)
+        else:
+            out_dev = self._run_general(ws, family, x_host, xs_host, plan, launches)
+        out = self.staging.download(out_dev)
+        return [out[a:b] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
+
+    def _upload_sizes(self, bufs, sizes: np.ndarray) -> None:
+        host = self.staging.host_empty((len(sizes),), torch.int64)
+        host.numpy()[:] = sizes
+        self.staging.upload(bufs.m_sizes, host)
+
+    def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches) -> torch.Tensor:
+        """One bucket, no regrouping: upload straight into the static buffers."""
+        bufs = self.pool.buffers(family)
+        rows = plan.total
+        self.staging.upload(bufs.x[:rows], x_host)
+        if xs_host is not None:
+            self.staging.upload(bufs.x_scale[:rows], xs_host)
+        self._upload_sizes(bufs, plan.m_sizes)
+        self.staging.handoff()
+        launches.add(self.pool.launch(family, ws.wq, ws.w_scale, rows))
+        return bufs.out[:rows]
+
+    def _run_general(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
+        """Regrouping, format conversion or several chunks: go through device scratch."""
+        rows = plan.total
+        x_dev = torch.empty(x_host.shape, dtype=x_host.dtype, device=self.device)
+        self.staging.upload(x_dev, x_host)
+        xs_dev = None
+        if xs_host is not None:
+            xs_dev = torch.empty(xs_host.shape, dtype=xs_host.dtype, device=self.device)
+            self.staging.upload(xs_dev, xs_host)
+        self.staging.handoff()
+        if not family.quantize:
+            x_dev, xs_dev = self._to_device_fp8(x_dev, xs_dev)
+        if not plan.is_identity:
+            gather = torch.from_numpy(plan.gather).to(self.device, non_blocking=True)
+            x_dev = x_dev.index_select(0, gather)
+            xs_dev = None if xs_dev is None else xs_dev.index_select(0, gather)
+        bufs = self.pool.buffers(family)
+        out_dev = torch.empty((rows, ws.N), dtype=torch.bfloat16, device=self.device)
+        step = self.pool.max_bucket
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            n = stop - start
+            bufs.x[:n].copy_(x_dev[start:stop])
+            if xs_dev is not None:
+                bufs.x_scale[:n].copy_(xs_dev[start:stop])
+            self._upload_sizes(bufs, chunk_sizes(plan.m_sizes, start, stop))
+            self.staging.handoff()
+            launches.add(self.pool.launch(family, ws.wq, ws.w_scale, n))
+            out_dev[start:stop].copy_(bufs.out[:n])
+        if not plan.is_identity:
+            scatter = torch.from_numpy(plan.scatter).to(self.device, non_blocking=True)
+            out_dev = out_dev.index_select(0, scatter)
+        return out_dev
+
+    def _to_device_fp8(self, x_dev, xs_dev):
+        """fp16/fp32 quantized, fp8 of the other format converted (SPEC 1.1, 1.2)."""
+        fp8 = self.backend.fp8_dtype
+        if xs_dev is None:
+            return quantize_activations(x_dev, fp8)
+        return to_backend_fp8(x_dev, xs_dev, fp8)

@@ -1,0 +1,226 @@
+"""The graph pool: one captured CUDA/HIP graph per shape family and total_M bucket.
+
+A *family* is what a graph depends on: the weight-set shape ``(G, N, K)`` and
+whether the activations arrive as bf16 (then the SPEC 1.1 quantization runs
+inside the graph, before the GEMM) or as fp8 with scales. Each family owns one
+set of static device buffers sized for the largest bucket; every bucket's graph
+reads and writes leading slices of them, so buffers do not multiply with the
+buckets either.
+
+Weight sets of one family share its graphs when the backend offers
+``run_table(xq, table, x_scale, m_sizes, out)``: the kernel then reads the
+weight and weight-scale addresses from a two-entry int64 device table that is
+rewritten (16 bytes, stream-ordered) before each replay. Without it, a graph captures the addresses of one weight
+set, and graphs are keyed by weight set as well (correct, but they multiply).
+
+The pool computes the same way with graphs off (eager) and on a CPU: the same
+body runs on the same static buffers, so captured and eager runs are
+comparable bit for bit. A capture-safe backend is launched over the whole
+bucket either way (rows past ``sum(m_sizes)`` belong to no group and are
+never written); a backend that is not (the CPU reference) gets the real rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moegemm.kernels import quantize_activations
+from moegemm.kernels._backend import Backend
+
+log = logging.getLogger("moegemm.server.graphs")
+
+BLOCK = 128
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a captured graph depends on, besides the bucket."""
+
+    G: int
+    N: int
+    K: int
+    quantize: bool  # x is bf16 and is quantized inside the graph
+
+
+@dataclass
+class Buffers:
+    """The static device buffers of one family (leading ``bucket`` rows are used)."""
+
+    x: torch.Tensor  # [max_bucket, K], the backend's fp8 dtype, or bf16 when quantizing
+    x_scale: torch.Tensor | None  # [max_bucket, K/128] float32; None when quantizing
+    m_sizes: torch.Tensor  # [G] int64
+    table: torch.Tensor  # [2] int64: addresses of wq and w_scale (table mode)
+    table_host: torch.Tensor  # the same, on the host (pinned on a GPU)
+    out: torch.Tensor  # [max_bucket, N] bfloat16
+
+
+def buckets_up_to(max_bucket: int) -> list[int]:
+    """Powers of two from 1 to ``max_bucket`` (itself a power of two)."""
+    return [1 << i for i in range(max_bucket.bit_length())]
+
+
+def bucket_for(rows: int, buckets: list[int]) -> int:
+    """The smallest bucket holding ``rows`` (``rows`` <= the largest bucket)."""
+    for bucket in buckets:
+        if bucket >= rows:
+            return bucket
+    raise ValueError(f"{rows} rows exceed the largest bucket {buckets[-1]}")
+
+
+class GraphPool:
+    """Static buffers and captured graphs, by family and bucket; eager when graphs are off."""
+
+    def __init__(self, backend: Backend, max_bucket: int, *, graphs: bool = True) -> None:
+        self.backend = backend
+        self.device = backend.device
+        self.buckets = buckets_up_to(max_bucket)
+        self.max_bucket = max_bucket
+        is_gpu = self.device.type == "cuda"
+        self.use_graphs = bool(graphs and is_gpu and backend.capture_safe)
+        self.pad_to_bucket = bool(is_gpu and backend.capture_safe)
+        self.run_table: Callable | None = getattr(backend, "run_table", None) if is_gpu else None
+        self._buffers: dict[Family, Buffers] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.replays = 0
+        self.eager_runs = 0
+
+    # -- buffers ------------------------------------------------------------------
+
+    def buffers(self, family: Family) -> Buffers:
+        """The family's static buffers, allocated on first use."""
+        bufs = self._buffers.get(family)
+        if bufs is None:
+            bufs = self._allocate(family)
+            self._buffers[family] = bufs
+        return bufs
+
+    def _allocate(self, f: Family) -> Buffers:
+        dev, rows = self.device, self.max_bucket
+        x_dtype = torch.bfloat16 if f.quantize else self.backend.fp8_dtype
+        # Zeros, not garbage: rows past a call's end are read (never stored) by the
+        # kernel and quantized in bf16 graphs, and must stay finite.
+        return Buffers(
+            x=torch.zeros((rows, f.K), dtype=x_dtype, device=dev),
+            x_scale=None if f.quantize
+            else torch.ones((rows, f.K // BLOCK), dtype=torch.float32, device=dev),
+            m_sizes=torch.zeros((f.G,), dtype=torch.int64, device=dev),
+            table=torch.zeros((2,), dtype=torch.int64, device=dev),
+            table_host=torch.zeros((2,), dtype=torch.int64, pin_memory=dev.type == "cuda"),
+            out=torch.zeros((rows, f.N), dtype=torch.bfloat16, device=dev),
+        )
+
+    # -- the computation ----------------------------------------------------------
+
+    def _body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
+        """Quantize (bf16 families) and run the GEMM over the first ``rows`` buffer rows."""
+        bufs = self._buffers[family]
+        x = bufs.x[:rows]
+        if family.quantize:
+            xq, xs = quantize_activations(x, self.backend.fp8_dtype)
+        else:
+            xq, xs = x, bufs.x_scale[:rows]
+        out = bufs.out[:rows]
+        if self.run_table is not None:
+            self.run_table(xq, bufs.table, xs, bufs.m_sizes, out)
+        else:
+            self.backend.run(xq, wq, xs, w_scale, bufs.m_sizes, out)
+
+    def _set_table(self, bufs: Buffers, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
+        # Stream-ordered: the previous replay has already read the old table, and
+        # the engine synchronizes each batch before touching table_host again.
+        bufs.table_host[0] = wq.data_ptr()
+        bufs.table_host[1] = w_scale.data_ptr()
+        bufs.table.copy_(bufs.table_host, non_blocking=True)
+
+    def _graph_key(
+        self, family: Family, bucket: int, wq: torch.Tensor, w_scale: torch.Tensor
+    ) -> tuple:
+        if self.run_table is not None:
+            return (family, bucket)
+        return (family, bucket, wq.data_ptr(), w_scale.data_ptr())
+
+    def launch_rows(self, rows: int) -> int:
+        """How many buffer rows a launch over ``rows`` real rows covers."""
+        return bucket_for(rows, self.buckets) if self.pad_to_bucket else rows
+
+    def launch(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor, rows: int) -> str:
+        """Run the family's GEMM over the buffers' first ``rows`` rows; "graph" or "eager".
+
+        The caller has written ``x`` (and ``x_scale``) rows ``[:rows]`` and
+        ``m_sizes`` (summing to ``rows``); the result is in ``out[:rows]``.
+        """
+        bufs = self.buffers(family)
+        if self.run_table is not None:
+            self._set_table(bufs, wq, w_scale)
+        if rows == 0:
+            return "eager"
+        graph = self._graphs.get(self._graph_key(family, self.launch_rows(rows), wq, w_scale))
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return "graph"
+        self._body(family, self.launch_rows(rows), wq, w_scale)
+        self.eager_runs += 1
+        return "eager"
+
+    # -- capture --------------------------------------------------------------------
+
+    def capture(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor) -> int:
+        """Capture every bucket's graph for ``family`` (largest first); return how many are new.
+
+        Runs each bucket eagerly first (Triton compiles there, never inside a
+        capture). Logs progress. A no-op with graphs off.
+        """
+        if not self.use_graphs:
+            return 0
+        bufs = self.buffers(family)
+        if self.run_table is not None:
+            self._set_table(bufs, wq, w_scale)
+        # All m_sizes in the first group: a valid split for every bucket.
+        new, started = 0, time.monotonic()
+        side = torch.cuda.Stream(self.device)
+        for bucket in reversed(self.buckets):
+            key = self._graph_key(family, bucket, wq, w_scale)
+            if key in self._graphs:
+                continue
+            bufs.m_sizes.zero_()
+            bufs.m_sizes[0] = bucket
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._body(family, bucket, wq, w_scale)  # warm-up: compiles the kernel
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                self._body(family, bucket, wq, w_scale)
+            self._graphs[key] = graph
+            new += 1
+            log.info("captured graph %s bucket %d (%d/%d)", _describe(family), bucket,
+                     len(self.buckets) - self.buckets.index(bucket), len(self.buckets))
+        torch.cuda.synchronize(self.device)
+        if new:
+            log.info("graphs for %s ready: %d captured in %.1f s", _describe(family), new,
+                     time.monotonic() - started)
+        return new
+
+    def forget(self, wq: torch.Tensor) -> None:
+        """Drop graphs that captured ``wq``'s address (only without a weight table)."""
+        if self.run_table is not None:
+            return
+        ptr = wq.data_ptr()
+        for key in [k for k in self._graphs if len(k) == 4 and k[2] == ptr]:
+            del self._graphs[key]
+
+    def graph_count(self) -> int:
+        """Graphs currently held."""
+        return len(self._graphs)
+
+
+def _describe(f: Family) -> str:
+    kind = "bf16" if f.quantize else "fp8"
+    return f"G={f.G} N={f.N} K={f.K} {kind}"

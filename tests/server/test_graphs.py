@@ -1,0 +1,117 @@
+"""The graph pool and executor on the CPU: eager, same code path as the GPU.
+
+Every call goes through staging, merging, chunking and the pool's static
+buffers; the results must meet the SPEC tolerance against the float64 oracle
+for each caller separately.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moegemm.kernels import quantize_activations, reference_float64
+from moegemm.kernels.reference import create as reference_backend
+from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
+from moegemm.server._executor import Executor, Part, chunk_sizes
+from moegemm.server._graphs import Family, GraphPool, bucket_for, buckets_up_to
+from moegemm.server._staging import Staging
+
+N, K, G = 256, 256, 5
+
+
+def _executor(max_bucket: int = 64) -> Executor:
+    backend = reference_backend(torch.device("cpu"))
+    return Executor(GraphPool(backend, max_bucket, graphs=True), Staging(backend.device))
+
+
+def _weights(gen: torch.Generator):
+    p = random_problem(1, N, K, G, generator=gen)
+    return SimpleNamespace(G=G, N=N, K=K, wq=p.wq, w_scale=p.w_scale)
+
+
+def _fp8_part(ws, m: int, gen: torch.Generator) -> Part:
+    p = random_problem(m, N, K, G, generator=gen)
+    return Part(p.xq, p.x_scale, random_m_sizes(G, m, generator=gen).tolist())
+
+
+def _check(ws, part: Part, out: torch.Tensor) -> None:
+    xq, xs = part.x, part.x_scale
+    if xs is None:
+        xq, xs = quantize_activations(part.x, torch.float8_e4m3fn)
+    ref = reference_float64(xq, ws.wq, xs, ws.w_scale, torch.tensor(part.m_sizes))
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    if out.shape[0]:
+        assert rel_error(out, ref) <= SPEC_TOLERANCE
+
+
+def test_buckets():
+    assert buckets_up_to(8) == [1, 2, 4, 8]
+    assert [bucket_for(r, [1, 2, 4, 8]) for r in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    with pytest.raises(ValueError):
+        bucket_for(9, [1, 2, 4, 8])
+
+
+def test_chunk_sizes_cover_each_group_once():
+    gen = torch.Generator().manual_seed(torch.seed())
+    sizes = random_m_sizes(7, 201, generator=gen).numpy()
+    chunks = [chunk_sizes(sizes, a, min(201, a + 32)) for a in range(0, 201, 32)]
+    assert all(c.sum() == min(32, 201 - a) for c, a in zip(chunks, range(0, 201, 32)))
+    assert (sum(chunks) == sizes).all()
+
+
+def test_single_fp8_call_on_the_cpu():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ex, ws = _executor(), _weights(gen)
+    part = _fp8_part(ws, 37, gen)
+    [out], launches = ex.run(ws, [part])
+    _check(ws, part, out)
+    assert (launches.graph, launches.eager) == (0, 1)  # no graphs on a CPU
+    assert ex.pool.use_graphs is False
+
+
+@pytest.mark.parametrize("rows", [[3, 0, 17, 1], [64], [50, 50, 29]])
+def test_merged_and_chunked_calls_each_get_their_rows(rows):
+    gen = torch.Generator().manual_seed(torch.seed())
+    ex, ws = _executor(max_bucket=32), _weights(gen)
+    parts = [_fp8_part(ws, m, gen) for m in rows]
+    outs, launches = ex.run(ws, parts)
+    assert launches.eager == -(-sum(rows) // 32)  # ceil: chunks of the largest bucket
+    for part, out in zip(parts, outs):
+        _check(ws, part, out)
+
+
+def test_mixed_input_dtypes_in_one_batch():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ex, ws = _executor(), _weights(gen)
+    fp8 = _fp8_part(ws, 9, gen)
+    parts = [fp8]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(11, K, generator=gen).to(dtype)
+        parts.append(Part(x, None, random_m_sizes(G, 11, generator=gen).tolist()))
+    # fnuz input: the server converts it to the device's fn format (SPEC 1.2).
+    xq_fnuz = (fp8.x.float() * 0.5).to(torch.float8_e4m3fnuz)
+    parts.append(Part(xq_fnuz, fp8.x_scale * 2, fp8.m_sizes))
+    outs, _ = ex.run(ws, parts)
+    for part, out in zip(parts[:4], outs[:4]):
+        _check(ws, part, out)
+    torch.testing.assert_close(outs[4], outs[0], rtol=0, atol=0)
+
+
+def test_empty_call():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ex, ws = _executor(), _weights(gen)
+    part = Part(torch.empty(0, K, dtype=torch.float8_e4m3fn), torch.empty(0, K // 128), [0] * G)
+    [out], _ = ex.run(ws, [part])
+    assert out.shape == (0, N)
+
+
+def test_static_buffers_are_shared_per_family():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ex = _executor()
+    a, b = _weights(gen), _weights(gen)
+    ex.run(a, [_fp8_part(a, 5, gen)])
+    ex.run(b, [_fp8_part(b, 40, gen)])
+    assert list(ex.pool._buffers) == [Family(G, N, K, quantize=False)]
