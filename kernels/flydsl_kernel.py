@@ -1,0 +1,395 @@
+"""The FlyDSL backend: the grouped FP8 GEMM on AMD MI300 (gfx942) and MI350 (gfx950).
+
+| tensor    | shape               | dtype                                 |
+|-----------|---------------------|---------------------------------------|
+| `xq`      | `[M, K]`            | e4m3fnuz (gfx942) / e4m3fn (gfx950)   |
+| `wq`      | `[G, N, K]`         | same; plain or preshuffled (SPEC 1.3) |
+| `x_scale` | `[M, K/128]`        | float32                               |
+| `w_scale` | `[G, K/128, N/128]` | float32                               |
+| `m_sizes` | `[G]`               | int64 or int32                        |
+| `out`     | `[M, N]`            | bfloat16                              |
+
+Two launchers, named for the weight layout they read: :func:`run_preshuffled`
+(the MFMA B layout the server keeps resident, shuffled once at load) and
+:func:`run_plain` (row-major ``[G, N, K]``). Both check the call, then launch
+one kernel whose grid depends only on M, N and G; the group of each tile is
+found inside the kernel, so a launch reads nothing on the host and can be
+captured into a HIP graph. The kernel itself is in ``_flydsl_gemm.py``.
+
+FlyDSL is imported lazily, on the first compile, and never into a process
+that already imported Triton (each brings its own LLVM; one process holding
+both crashes). :func:`create` is what the backend selector calls.
+
+Tiles: :data:`DEFAULT_TILES` per arch; with ``MOEGEMM_AUTOTUNE=1`` the first
+call of each (nextPow2(M), N, K, G, device) times :data:`AUTOTUNE_TILES` and
+keeps the fastest, on disk under ``MOEGEMM_CACHE_DIR`` (default
+``~/.cache/moegemm``). Every tile passes :func:`check_tile` (the per-arch LDS
+budget) before it is traced.
+
+Verification here: compiled and ISA-checked for gfx942 and gfx950 without a
+GPU (:func:`compile_only`, driven by ``_flydsl_isa.py``); never executed on
+AMD hardware in this repository's CI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from ._backend import Backend, BackendUnavailable
+from ._flydsl_tiles import (
+    AUTOTUNE_TILES,
+    DEFAULT_TILES,
+    FP8_DTYPE,
+    LDS_BUDGET,
+    MFMA_INSTRUCTION,
+    SUPPORTED_ARCHS,
+    WEIGHT_LAYOUTS,
+    FlyTile,
+    TileTooLarge,
+    check_arch,
+    check_tile,
+    fit_tile,
+)
+from .layout import preshuffle
+
+__all__ = [
+    "AUTOTUNE_TILES",
+    "DEFAULT_TILES",
+    "FP8_DTYPE",
+    "LDS_BUDGET",
+    "MFMA_INSTRUCTION",
+    "SUPPORTED_ARCHS",
+    "FlyTile",
+    "TileTooLarge",
+    "autotune_key",
+    "check_tile",
+    "compile_only",
+    "create",
+    "device_arch",
+    "run_plain",
+    "run_preshuffled",
+]
+
+log = logging.getLogger(__name__)
+
+_BLOCK = 128
+_ALIGN = 16  # bytes: the kernel issues 16-byte vector loads from each base pointer
+
+_lock = threading.Lock()
+_launchers: dict[tuple, object] = {}  # (KernelShape, m_sizes dtype) -> CompiledFunction
+_arch_of: dict[torch.device, str] = {}
+_tuned: dict[str, FlyTile] | None = None  # autotune winners, loaded from disk once
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _compile_only_mode() -> bool:
+    return _env_flag("COMPILE_ONLY")
+
+
+def _import_kernel_module():
+    """Import FlyDSL and the kernel module, or raise BackendUnavailable."""
+    if "triton" in sys.modules:
+        raise BackendUnavailable("flydsl cannot load: triton is already imported in this process")
+    try:
+        return importlib.import_module("moegemm.kernels._flydsl_gemm")
+    except ImportError as exc:
+        raise BackendUnavailable(f"flydsl cannot load: {exc}") from exc
+
+
+def device_arch(device: torch.device) -> str:
+    """The gfx target of ``device``: its ``gcnArchName``, or ``FLYDSL_GPU_ARCH`` in compile-only mode.
+
+    Raises BackendUnavailable when the device is not a supported ROCm GPU.
+    """
+    if _compile_only_mode() and os.environ.get("FLYDSL_GPU_ARCH"):
+        arch = os.environ["FLYDSL_GPU_ARCH"].strip().lower()
+    else:
+        if not torch.version.hip:
+            raise BackendUnavailable(
+                "flydsl needs a ROCm build of torch (torch.version.hip is unset)"
+            )
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise BackendUnavailable(f"flydsl needs a ROCm GPU, got {device}")
+        arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+    if arch not in SUPPORTED_ARCHS:
+        raise BackendUnavailable(f"flydsl kernel targets {', '.join(SUPPORTED_ARCHS)}, not {arch}")
+    return arch
+
+
+def _arch(device: torch.device) -> str:
+    arch = _arch_of.get(device)
+    if arch is None:
+        arch = _arch_of[device] = device_arch(device)
+    return arch
+
+
+# --------------------------------------------------------------------------- compile
+
+
+def _jit_tensor(flyc, t: torch.Tensor):
+    """A flat, layout-dynamic view of ``t``, so one compile serves every M."""
+    flat = t.view(torch.uint8) if t.element_size() == 1 else t
+    return flyc.from_torch_tensor(flat.reshape(-1), assumed_align=_ALIGN).mark_layout_dynamic()
+
+
+def _kernel_shape(module, arch: str, layout: str, tile: FlyTile, n: int, k: int):
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
+    tile = check_tile(fit_tile(tile, n, k), arch)
+    return module.KernelShape(arch=arch, weight_layout=layout, tile=tile, n=n, k=k)
+
+
+def compile_only(
+    arch: str,
+    layout: str,
+    tile: FlyTile,
+    n: int = 512,
+    k: int = 1024,
+    m_sizes_dtype: torch.dtype = torch.int64,
+) -> None:
+    """Trace and compile one kernel for ``arch`` without a GPU (FlyDSL's ``COMPILE_ONLY=1``).
+
+    The process must run with ``COMPILE_ONLY=1`` and ``FLYDSL_GPU_ARCH=arch``
+    (FlyDSL reads the target from there) and a linker at
+    ``$ROCM_PATH/llvm/bin/ld.lld``; ``FLYDSL_DEBUG_DUMP_ASM=1`` makes FlyDSL
+    write the ISA. Raises TileTooLarge before tracing when ``tile`` exceeds the
+    arch's LDS budget.
+    """
+    check_arch(arch)
+    if not _compile_only_mode() or os.environ.get("FLYDSL_GPU_ARCH", "").lower() != arch:
+        raise RuntimeError(
+            f"compile_only needs COMPILE_ONLY=1 and FLYDSL_GPU_ARCH={arch} in the environment"
+        )
+    check_tile(fit_tile(tile, n, k), arch)  # before importing anything heavy
+    module = _import_kernel_module()
+    import flydsl.compiler as flyc
+
+    shape = _kernel_shape(module, arch, layout, tile, n, k)
+    m, g = 64, 4  # placeholders: every tensor is layout-dynamic, so sizes do not matter
+    fp8 = torch.uint8
+    tensors = (
+        torch.empty(m * k, dtype=fp8),
+        torch.empty(g * n * k, dtype=fp8),
+        torch.empty(m * k // _BLOCK, dtype=torch.float32),
+        torch.empty(g * (k // _BLOCK) * (n // _BLOCK), dtype=torch.float32),
+        torch.empty(g, dtype=m_sizes_dtype),
+        torch.empty(m * n, dtype=torch.bfloat16),
+    )
+    launcher = module.build_launcher(shape)
+    flyc.compile(launcher, *(_jit_tensor(flyc, t) for t in tensors), m, g)
+
+
+def _launch(shape_key, module, flyc, args: tuple, m: int, g: int, stream) -> None:
+    """Run the compiled kernel for ``shape_key``, compiling (and launching) it on first use."""
+    fn = _launchers.get(shape_key)
+    if fn is not None:
+        fn(*args, m, g, stream)
+        return
+    with _lock:
+        fn = _launchers.get(shape_key)
+        if fn is None:
+            # flyc.compile launches once with live device arguments, so this call is the run.
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"flydsl kernel {shape_key[0]} is not compiled yet; run it once before graph capture"
+                )
+            launcher = module.build_launcher(shape_key[0])
+            _launchers[shape_key] = flyc.compile(launcher, *args, m, g, stream)
+            return
+    fn(*args, m, g, stream)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _check_call(xq, wq, x_scale, w_scale, m_sizes, out, fp8_dtype) -> None:
+    """The cheap checks a launch needs; none reads tensor contents."""
+    if xq.dtype != fp8_dtype or wq.dtype != fp8_dtype:
+        raise TypeError(f"this device computes in {fp8_dtype}, got xq {xq.dtype} and wq {wq.dtype}")
+    if x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32:
+        raise TypeError("x_scale and w_scale must be float32")
+    if m_sizes.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"m_sizes must be int64 or int32, got {m_sizes.dtype}")
+    if out.dtype != torch.bfloat16:
+        raise TypeError(f"out must be bfloat16, got {out.dtype}")
+    m, k = xq.shape
+    g, n, wk = wq.shape
+    if wk != k or n % _BLOCK or k % _BLOCK:
+        raise ValueError(
+            f"need N, K multiples of {_BLOCK} and matching K, got xq {tuple(xq.shape)}, wq {tuple(wq.shape)}"
+        )
+    expected = {
+        "x_scale": (x_scale, (m, k // _BLOCK)),
+        "w_scale": (w_scale, (g, k // _BLOCK, n // _BLOCK)),
+        "m_sizes": (m_sizes, (g,)),
+        "out": (out, (m, n)),
+    }
+    for what, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{what} must have shape {shape}, got {tuple(t.shape)}")
+    for what, t in (
+        ("xq", xq),
+        ("wq", wq),
+        ("x_scale", x_scale),
+        ("w_scale", w_scale),
+        ("m_sizes", m_sizes),
+        ("out", out),
+    ):
+        if not t.is_contiguous():
+            raise ValueError(f"{what} must be contiguous")
+        if t.data_ptr() % _ALIGN:
+            raise ValueError(f"{what} must start on a {_ALIGN}-byte boundary")
+
+
+def _run(layout: str, xq, wq, x_scale, w_scale, m_sizes, out, tile: FlyTile | None) -> torch.Tensor:
+    arch = _arch(xq.device)
+    _check_call(xq, wq, x_scale, w_scale, m_sizes, out, FP8_DTYPE[arch])
+    m = xq.shape[0]
+    g, n, k = wq.shape
+    if m == 0:
+        return out
+    module = _import_kernel_module()
+    import flydsl.compiler as flyc
+    import flydsl.expr as fx
+
+    if tile is None:
+        tile = _tile_for(layout, arch, xq, wq, x_scale, w_scale, m_sizes, out)
+    shape = _kernel_shape(module, arch, layout, tile, n, k)
+    args = tuple(_jit_tensor(flyc, t) for t in (xq, wq, x_scale, w_scale, m_sizes, out))
+    stream = fx.Stream(torch.cuda.current_stream(xq.device))
+    _launch((shape, m_sizes.dtype), module, flyc, args, m, g, stream)
+    return out
+
+
+def run_preshuffled(
+    xq, wq_shuffled, x_scale, w_scale, m_sizes, out, *, tile: FlyTile | None = None
+):
+    """SPEC 1 into ``out`` with weights in the MFMA B layout of SPEC 1.3; returns ``out``.
+
+    ``tile`` overrides the default (or autotuned) tile; it is checked against the
+    arch's LDS budget first and raises TileTooLarge if it does not fit.
+    """
+    return _run("preshuffled", xq, wq_shuffled, x_scale, w_scale, m_sizes, out, tile)
+
+
+def run_plain(xq, wq, x_scale, w_scale, m_sizes, out, *, tile: FlyTile | None = None):
+    """SPEC 1 into ``out`` with plain row-major ``[G, N, K]`` weights; returns ``out``."""
+    return _run("plain", xq, wq, x_scale, w_scale, m_sizes, out, tile)
+
+
+# --------------------------------------------------------------------------- autotune
+
+
+def autotune_key(m: int, n: int, k: int, g: int, device_name: str, layout: str) -> str:
+    """The autotune cache key: (nextPow2(M), N, K, G, device), as the CUDA backend's, plus the layout."""
+    bucket = 1 << max(0, (m - 1).bit_length())
+    return f"{bucket},{n},{k},{g},{device_name},{layout}"
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("MOEGEMM_CACHE_DIR") or Path.home() / ".cache" / "moegemm"
+    return Path(root) / "flydsl-autotune.json"
+
+
+def _load_tuned() -> dict[str, FlyTile]:
+    global _tuned
+    if _tuned is None:
+        try:
+            raw = json.loads(_cache_file().read_text())
+            _tuned = {key: FlyTile(*value) for key, value in raw.items()}
+        except (OSError, ValueError, TypeError):
+            _tuned = {}
+    return _tuned
+
+
+def _save_tuned() -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        raw = {key: [t.block_m, t.block_n, t.block_k] for key, t in (_tuned or {}).items()}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(raw, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("cannot save flydsl autotune results to %s: %s", path, exc)
+
+
+def _tile_for(layout, arch, xq, wq, x_scale, w_scale, m_sizes, out) -> FlyTile:
+    """The default tile, or with MOEGEMM_AUTOTUNE=1 the fastest candidate for this shape."""
+    default = DEFAULT_TILES[arch]
+    if not _env_flag("MOEGEMM_AUTOTUNE"):
+        return default
+    g, n, k = wq.shape
+    key = autotune_key(xq.shape[0], n, k, g, torch.cuda.get_device_name(xq.device), layout)
+    tuned = _load_tuned()
+    if key in tuned:
+        return tuned[key]
+    if torch.cuda.is_current_stream_capturing():
+        return default  # never benchmark inside a graph capture
+    best, best_ms = default, float("inf")
+    for tile in AUTOTUNE_TILES:
+        try:
+            check_tile(fit_tile(tile, n, k), arch)
+        except ValueError:  # TileTooLarge included: this arch cannot hold it
+            continue
+        ms = _time_tile(layout, tile, xq, wq, x_scale, w_scale, m_sizes, out)
+        log.info("flydsl autotune %s: tile %s %.4f ms", key, tile, ms)
+        if ms < best_ms:
+            best, best_ms = tile, ms
+    tuned[key] = best
+    _save_tuned()
+    return best
+
+
+def _time_tile(layout, tile, xq, wq, x_scale, w_scale, m_sizes, out, reps: int = 5) -> float:
+    """Median milliseconds of one launch with ``tile`` (after a compile-and-warm-up run)."""
+    run = run_preshuffled if layout == "preshuffled" else run_plain
+    run(xq, wq, x_scale, w_scale, m_sizes, out, tile=tile)
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(xq, wq, x_scale, w_scale, m_sizes, out, tile=tile)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+# --------------------------------------------------------------------------- backend
+
+
+def _prepare_weights(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return preshuffle(wq), w_scale.contiguous()
+
+
+def create(device: torch.device) -> Backend:
+    """The FlyDSL Backend for a ROCm ``device`` (gfx942 or gfx950); BackendUnavailable otherwise."""
+    device = torch.device(device)
+    arch = device_arch(device)
+    _import_kernel_module()  # fail here, in the selector, rather than on the first request
+
+    def run(xq, wq_prepared, x_scale, w_scale, m_sizes, out):
+        return run_preshuffled(xq, wq_prepared, x_scale, w_scale, m_sizes, out)
+
+    return Backend(
+        name="flydsl",
+        device=device,
+        fp8_dtype=FP8_DTYPE[arch],
+        weight_layout="preshuffled",
+        prepare_weights=_prepare_weights,
+        run=run,
+        capture_safe=True,
+    )
