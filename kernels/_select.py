@@ -8,7 +8,7 @@ resort. An explicitly named GPU backend that cannot load raises
 
 GPU backend modules are imported only when tried, and never both: FlyDSL and
 Triton each bring their own LLVM, and one process holding both crashes. Once
-either library is imported, the other is not tried.
+either library is imported, or either backend created, the other is not tried.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ _RIVAL = {"triton": "flydsl", "flydsl": "triton"}
 
 _lock = threading.Lock()
 _cache: dict[tuple[torch.device, str], Backend] = {}
+# The GPU backend created in this process, if any: a backend may import its
+# library late (FlyDSL on the first compile), so sys.modules alone is not enough.
+_created_gpu: set[str] = set()
 
 
 def _normalize(device: torch.device | str | int) -> torch.device:
@@ -57,18 +60,23 @@ def _requested(name: str | None) -> str:
 def _load_gpu(name: str, device: torch.device) -> Backend:
     """Import one GPU backend module and create its Backend, or raise BackendUnavailable."""
     module_name, _ = _GPU_BACKENDS[name]
-    rival_library = _GPU_BACKENDS[_RIVAL[name]][1]
+    rival = _RIVAL[name]
+    rival_library = _GPU_BACKENDS[rival][1]
     if rival_library in sys.modules:
         raise BackendUnavailable(
             f"{name} cannot load: {rival_library} is already imported in this process"
         )
+    if rival in _created_gpu:
+        raise BackendUnavailable(f"{name} cannot load: this process already runs {rival}")
     if device.type != "cuda":
         raise BackendUnavailable(f"{name} needs a CUDA or ROCm device, got {device}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise BackendUnavailable(f"{name} cannot load: {exc}") from exc
-    return module.create(device)
+    backend = module.create(device)
+    _created_gpu.add(name)
+    return backend
 
 
 def _choose(device: torch.device, requested: str) -> Backend:
@@ -112,3 +120,4 @@ def _clear_cache() -> None:
     """Forget every choice (for tests that change MOEGEMM_BACKEND)."""
     with _lock:
         _cache.clear()
+        _created_gpu.clear()

@@ -125,3 +125,14 @@ def test_explicit_gpu_backend_that_fails_raises(fake_gpu, monkeypatch):
     with pytest.raises(BackendUnavailable, match="fake triton"):
         get_backend("cuda:0")
     assert imported == ["triton"]
+
+
+def test_a_second_device_never_gets_the_rival(fake_gpu, monkeypatch):
+    """FlyDSL imports its library late: once it runs on one device, no triton anywhere."""
+    imported, available = fake_gpu
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    available.update({"flydsl", "triton"})
+    assert get_backend("cuda:0").name == "flydsl"
+    available.discard("flydsl")
+    assert get_backend("cuda:1").name == "reference"
+    assert imported == ["flydsl", "flydsl"]
