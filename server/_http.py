@@ -1,0 +1,357 @@
+"""A small HTTP/1.1 server for the ASGI app, built for megabyte msgpack bodies.
+
+Why not uvicorn: measured on the H200 machine (``shared/bench/http_baseline.json``),
+uvicorn's body path costs ~1.9 ms for a 0.9 MB request and tops out near 630
+calls/s, while the GPU copies of the same bytes take ~60 us. Its protocol
+appends every 64 KB socket read to the previous ones and pauses and resumes the
+socket at each, a round trip through the event loop per chunk. Here:
+
+- each request's body is received straight into one buffer allocated for its
+  ``Content-Length`` (``asyncio.BufferedProtocol``: the kernel copies into it,
+  nothing is accumulated), page-locked when a GPU is present so the engine
+  uploads from it without another host copy;
+- the app gets the whole body in one ``http.request`` message, as a memoryview
+  (Starlette and our routes read bytes-like bodies);
+- response parts go to the socket as they are (``transport.writelines``), so a
+  route can answer with a memoryview of a pinned output buffer;
+- sockets get TCP_NODELAY and large buffers.
+
+The app, its routes, middleware and error handling are unchanged: this is only
+the transport, selected with ``MOEGEMM_HTTP=fast`` (``uvicorn`` stays available).
+Deliberate limits: HTTP/1.1 and 1.0 only, one request at a time per connection
+(pipelined requests wait in the socket), request bodies must carry a
+``Content-Length`` (chunked uploads get 411), no TLS (terminate it in front).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote
+
+log = logging.getLogger("moegemm.server.http")
+
+_HEAD_LIMIT = 64 * 1024
+_SOCKET_BUFFER = 4 << 20
+_REASONS = {
+    100: "Continue", 200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request",
+    401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
+    413: "Content Too Large", 415: "Unsupported Media Type", 431: "Request Header Fields Too Large",
+    500: "Internal Server Error", 503: "Service Unavailable", 504: "Gateway Timeout",
+    507: "Insufficient Storage",
+}
+
+
+def _plain_body(size: int) -> memoryview:
+    return memoryview(bytearray(size))
+
+
+def _error_bytes(status: int, code: str, message: str) -> bytes:
+    body = ('{"error": {"code": "%s", "message": "%s"}}' % (code, message)).encode()
+    return (
+        f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One client connection: parse a head, receive the body in place, run the app."""
+
+    def __init__(self, server: FastHttpServer) -> None:
+        self.server = server
+        self.head = bytearray(_HEAD_LIMIT)
+        self.head_view = memoryview(self.head)
+        self.head_used = 0
+        self.body: memoryview | None = None
+        self.body_used = 0
+        self.scope: dict | None = None
+        self.keep_alive = True
+        self.transport: asyncio.Transport | None = None
+        self.task: asyncio.Task | None = None
+        self.disconnected: asyncio.Event | None = None
+
+    # -- asyncio callbacks ------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.disconnected = asyncio.Event()
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+            except OSError:
+                pass  # e.g. a Unix socket: nothing to tune
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.server.connections.discard(self)
+        self.disconnected.set()
+        self.transport = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.body is not None and self.body_used < len(self.body):
+            return self.body[self.body_used:]
+        if self.head_used >= _HEAD_LIMIT:
+            # Only reachable while a request runs and the client pipelines a lot.
+            self.transport.pause_reading()
+            return memoryview(bytearray(1))
+        return self.head_view[self.head_used:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.body is not None and self.body_used < len(self.body):
+            self.body_used += nbytes
+            if self.body_used == len(self.body):
+                self._dispatch()
+            return
+        self.head_used += nbytes
+        if self.task is None:
+            self._parse_head()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    # -- parsing ------------------------------------------------------------------------
+
+    def _parse_head(self) -> None:
+        end = self.head.find(b"\r\n\r\n", 0, self.head_used)
+        if end < 0:
+            if self.head_used >= _HEAD_LIMIT:
+                self._refuse(431, "bad_request", "the request head is over 64 KiB")
+            return
+        try:
+            scope, length, expect_continue = self._scope(bytes(self.head_view[:end]))
+        except ValueError as exc:
+            self._refuse(400, "bad_request", str(exc))
+            return
+        if length is None:
+            self._refuse(411, "bad_request", "send a Content-Length (chunked bodies are not taken)")
+            return
+        self.scope = scope
+        start = end + 4
+        if length > self.server.max_body_bytes:
+            # The app answers 413 from the declared length; the unread body
+            # means the connection cannot be reused.
+            self.keep_alive = False
+            length = 0
+        self.body = self.server.allocate(length)
+        have = min(length, self.head_used - start)
+        self.body[:have] = self.head_view[start:start + have]
+        self.body_used = have
+        rest = self.head_used - start - have
+        self.head_view[:rest] = self.head_view[start + have:self.head_used]
+        self.head_used = rest
+        if expect_continue and have < length:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self.body_used == length:
+            self._dispatch()
+
+    def _scope(self, head: bytes) -> tuple[dict, int | None, bool]:
+        lines = head.split(b"\r\n")
+        try:
+            method, target, version = lines[0].split(b" ")
+        except ValueError:
+            raise ValueError("malformed request line") from None
+        if version not in (b"HTTP/1.1", b"HTTP/1.0"):
+            raise ValueError("only HTTP/1.1 and HTTP/1.0 are served")
+        headers = []
+        length: int | None = 0
+        expect_continue = False
+        keep_alive = version == b"HTTP/1.1"
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep or not name or name != name.strip():
+                raise ValueError("malformed header line")
+            name = name.lower()
+            value = value.strip()
+            headers.append((name, value))
+            if name == b"content-length":
+                if not value.isdigit():
+                    raise ValueError("Content-Length is not a number")
+                length = int(value)
+            elif name == b"transfer-encoding" and value.lower() != b"identity":
+                length = None
+            elif name == b"connection":
+                tokens = value.lower()
+                if b"close" in tokens:
+                    keep_alive = False
+                elif b"keep-alive" in tokens:
+                    keep_alive = True
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expect_continue = True
+        self.keep_alive = keep_alive
+        path, _, query = target.partition(b"?")
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": version[5:].decode(),
+            "method": method.decode("ascii"),
+            "scheme": "http",
+            "path": unquote(path.decode("latin-1")),
+            "raw_path": path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": self.transport.get_extra_info("peername"),
+            "server": self.transport.get_extra_info("sockname"),
+            "state": dict(self.server.state),
+        }
+        return scope, length, expect_continue
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        if self.transport is not None:
+            self.transport.write(_error_bytes(status, code, message))
+            self.transport.close()
+
+    # -- running the app ------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        self.transport.pause_reading()
+        self.task = asyncio.get_running_loop().create_task(self._run(self.scope, self.body))
+        self.scope, self.body, self.body_used = None, None, 0
+
+    async def _run(self, scope: dict, body: memoryview) -> None:
+        response = _Response(self)
+        delivered = False
+
+        async def receive() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await self.disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        try:
+            await self.server.app(scope, receive, response.send)
+        except Exception:
+            log.exception("the app failed on %s %s", scope["method"], scope["path"])
+            if not response.started and self.transport is not None:
+                self.transport.write(_error_bytes(500, "internal", "unexpected server error"))
+            self.keep_alive = False
+        if not response.finished:
+            self.keep_alive = False
+        self.task = None
+        if self.transport is None:
+            return
+        if not self.keep_alive:
+            self.transport.close()
+            return
+        self.transport.resume_reading()
+        if self.head_used:
+            self._parse_head()  # a pipelined request already waits in the head buffer
+
+
+class _Response:
+    """The ASGI ``send`` of one request: status line and headers, then body parts."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+        self.started = False
+        self.finished = False
+        self.chunked = False
+        self.head: list[bytes] = []
+
+    async def send(self, message: dict) -> None:
+        kind = message["type"]
+        transport = self.conn.transport
+        if kind == "http.response.start":
+            status = message["status"]
+            lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n".encode()]
+            has_length = False
+            for name, value in message.get("headers", ()):
+                if name.lower() == b"content-length":
+                    has_length = True
+                lines += [name, b": ", value, b"\r\n"]
+            if not has_length and status not in (204, 304):
+                self.chunked = True
+                lines.append(b"transfer-encoding: chunked\r\n")
+            if not self.conn.keep_alive:
+                lines.append(b"connection: close\r\n")
+            lines.append(b"\r\n")
+            self.head = lines
+            self.started = True
+        elif kind == "http.response.body":
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            parts = self.head
+            self.head = []
+            if self.chunked:
+                if len(body):
+                    parts += [b"%x\r\n" % len(body), body, b"\r\n"]
+                if not more:
+                    parts.append(b"0\r\n\r\n")
+            elif len(body):
+                parts.append(body)
+            if transport is not None and parts:
+                transport.writelines(parts)
+            if not more:
+                self.finished = True
+
+
+class FastHttpServer:
+    """Serve an ASGI app on ``host:port`` with :class:`_Connection` until stopped."""
+
+    def __init__(
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        *,
+        max_body_bytes: int,
+        allocate: Callable[[int], memoryview] | None = None,
+    ) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self.max_body_bytes = max_body_bytes
+        self.allocate = allocate or _plain_body
+        self.connections: set[_Connection] = set()
+        self.state: dict = {}
+        self._server: asyncio.base_events.Server | None = None
+
+    async def _lifespan(self) -> tuple[asyncio.Task, asyncio.Queue, asyncio.Queue]:
+        to_app: asyncio.Queue = asyncio.Queue()
+        from_app: asyncio.Queue = asyncio.Queue()
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"},
+                 "state": self.state}
+        task = asyncio.get_running_loop().create_task(self.app(scope, to_app.get, from_app.put))
+        await to_app.put({"type": "lifespan.startup"})
+        message = await from_app.get()
+        if message["type"] != "lifespan.startup.complete":
+            raise RuntimeError(f"the app failed to start: {message.get('message', message)}")
+        return task, to_app, from_app
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        """Start the app, accept connections until ``stop`` (or SIGINT/SIGTERM), shut down."""
+        loop = asyncio.get_running_loop()
+        stop = stop or asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread (tests): the caller sets ``stop``
+        task, to_app, from_app = await self._lifespan()
+        self._server = await loop.create_server(
+            lambda: _Connection(self), self.host, self.port, backlog=1024, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("listening on http://%s:%d (fast HTTP transport)", self.host, self.port)
+        try:
+            await stop.wait()
+        finally:
+            self._server.close()
+            running = [c.task for c in self.connections if c.task is not None]
+            if running:
+                await asyncio.wait(running, timeout=30)
+            for conn in list(self.connections):
+                if conn.transport is not None:
+                    conn.transport.close()
+            await to_app.put({"type": "lifespan.shutdown"})
+            await from_app.get()
+            await task
