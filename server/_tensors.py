@@ -8,7 +8,6 @@ the dtype tables and validation helpers that the store and the engine share.
 from __future__ import annotations
 
 import torch
-
 from moegemm.client._errors import BadDtype, BadShape, NotFinite
 
 BLOCK = 128

@@ -19,10 +19,9 @@ import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from moegemm.client._errors import APIError, BadField, InternalError
 from moegemm.kernels import get_backend
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import routes
 from .config import Settings, get_settings
@@ -67,12 +66,11 @@ async def _load_startup_sets(svc: routes.Services) -> None:
     started = time.monotonic()
     for entry in settings.preload_entries():
         log.info("preloading %r from %s", entry.name, entry.file)
-        ws = await engine.run(
-            lambda e=entry: store.build_from_file(e.name, e.file, e.w_key, e.w_scale_key)
+        await routes.install(
+            svc, lambda e=entry: store.build_from_file(e.name, e.file, e.w_key, e.w_scale_key)
         )
-        store.put(ws)
     if settings.wants_demo():
-        store.put(await engine.run(store.build_demo))
+        await routes.install(svc, store.build_demo)
         log.info("loaded the random demo weight set 'demo'")
     svc.ready = True
     log.info("ready in %.2f s: %d weight sets on %s", time.monotonic() - started,
@@ -93,6 +91,7 @@ async def _lifespan(app: FastAPI):
         max_m=settings.max_m,
         max_bucket_m=settings.max_bucket_m,
         merge_window_us=settings.merge_window_us,
+        graphs=settings.graphs,
         metrics=metrics,
     )
     store = WeightStore(backend, settings.weights_dir)

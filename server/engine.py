@@ -7,9 +7,8 @@ the worker loops "collect a batch, run it, complete the futures":
 - a batch is one call, or, with ``merge_window_us > 0``, the calls for the same
   weight set that arrive within the window: their rows are regrouped per expert
   into one launch and the result rows are handed back to each caller (SPEC 3);
-- a launch over more than ``max_bucket_m`` rows is split along M into chunks,
-  each with the group sizes of its own row range (this is where CUDA graphs per
-  total_M bucket will slot in: ``_launch`` is the only place that runs kernels);
+- the batch runs through the executor (``_executor.py``): staging, regrouping,
+  chunks of at most ``max_bucket_m`` rows, a CUDA graph per total_M bucket;
 - other device work (building weight sets) is queued as a plain job, so it
   never races a kernel.
 
@@ -30,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-
 from moegemm.client._errors import (
     APIError,
     BadField,
@@ -45,6 +43,9 @@ from moegemm.client._errors import (
 )
 from moegemm.kernels._backend import Backend
 
+from ._executor import Executor, Part
+from ._graphs import GraphPool
+from ._staging import Staging
 from ._tensors import (
     BLOCK,
     FLOATS,
@@ -54,9 +55,7 @@ from ._tensors import (
     require_fp8_not_nan,
     require_positive_finite_scales,
     require_shape,
-    to_backend_fp8,
 )
-from ._merge import plan_merge, regroup, split
 from .store import WeightSet
 
 log = logging.getLogger("moegemm.server.engine")
@@ -92,18 +91,8 @@ class _Job:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-def split_m_sizes(m_sizes: list[int], start: int, stop: int) -> list[int]:
-    """Group sizes of rows ``[start, stop)`` of a call with group sizes ``m_sizes``."""
-    sizes, lo = [], 0
-    for m in m_sizes:
-        hi = lo + m
-        sizes.append(max(0, min(hi, stop) - max(lo, start)))
-        lo = hi
-    return sizes
-
-
 class Engine:
-    """Owns the device: a worker thread, a bounded queue, batching and chunking."""
+    """Owns the device: a worker thread, a bounded queue, batching, graphs."""
 
     def __init__(
         self,
@@ -113,6 +102,7 @@ class Engine:
         max_m: int = 65536,
         max_bucket_m: int = 8192,
         merge_window_us: int = 0,
+        graphs: bool = True,
         metrics: Any = None,
     ) -> None:
         self.backend = backend
@@ -122,6 +112,11 @@ class Engine:
         self.max_bucket_m = max_bucket_m
         self.merge_window_s = merge_window_us / 1e6
         self.metrics = metrics
+        # Staging, merging, chunking and CUDA graphs live in the executor; the
+        # engine decides what runs when, the executor how.
+        self._executor = Executor(
+            GraphPool(backend, max_bucket_m, graphs=graphs), Staging(backend.device)
+        )
         self._items: deque[GemmCall | _Job] = deque()
         self._pending_calls = 0
         self._cv = threading.Condition()
@@ -242,7 +237,7 @@ class Engine:
                 if item.future.set_running_or_notify_cancel():
                     try:
                         item.future.set_result(item.fn())
-                    except BaseException as exc:  # handed to the awaiting request
+                    except Exception as exc:  # noqa: BLE001 -- handed to the awaiting request
                         item.future.set_exception(exc)
                 continue
             batch = self._collect(item)
@@ -323,46 +318,22 @@ class Engine:
         for call, out in zip(live, outs):
             call.future.set_result(out)
 
-    def _quantized(self, call: GemmCall) -> tuple[torch.Tensor, torch.Tensor]:
-        """The call's activations on the device, in the backend's fp8 format."""
-        from moegemm.kernels import quantize_activations
-
-        fp8 = self.backend.fp8_dtype
-        x = call.x.to(self.device, non_blocking=True)
-        if call.x_scale is None:
-            return quantize_activations(x, fp8)
-        return to_backend_fp8(x, call.x_scale.to(self.device, non_blocking=True), fp8)
-
     def _compute(self, calls: list[GemmCall]) -> list[torch.Tensor]:
-        ws = calls[0].ws
-        parts = [self._quantized(call) for call in calls]
-        if len(calls) == 1:
-            xq, xs = parts[0]
-            sizes = calls[0].m_sizes
-            out = self._launch(ws, xq, xs, sizes)
-            return [out.cpu()]
-        # Merge: regroup every caller's rows per expert, one launch, then hand
-        # each caller its own rows back (SPEC 3).
-        plan = plan_merge([call.m_sizes for call in calls])
-        xq = regroup(torch.cat([p[0] for p in parts]), plan)
-        xs = regroup(torch.cat([p[1] for p in parts]), plan)
-        merged = self._launch(ws, xq, xs, [int(m) for m in plan.m_sizes])
-        return [out.cpu() for out in split(merged, plan)]
+        """Run one batch on the device; each caller's bf16 rows on the host."""
+        parts = [Part(call.x, call.x_scale, call.m_sizes) for call in calls]
+        outs, launches = self._executor.run(calls[0].ws, parts)
+        if self.metrics is not None:
+            self.metrics.launches.labels(mode="graph").inc(launches.graph)
+            self.metrics.launches.labels(mode="eager").inc(launches.eager)
+        return outs
 
-    def _launch(
-        self, ws: WeightSet, xq: torch.Tensor, xs: torch.Tensor, sizes: list[int]
-    ) -> torch.Tensor:
-        """Run the kernel over all rows, in chunks of at most ``max_bucket_m`` rows."""
-        M = xq.shape[0]
-        out = torch.empty((M, ws.N), dtype=torch.bfloat16, device=self.device)
-        for start in range(0, M, self.max_bucket_m):
-            stop = min(M, start + self.max_bucket_m)
-            chunk = split_m_sizes(sizes, start, stop)
-            m_dev = torch.tensor(chunk, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.backend.run(
-                xq[start:stop], ws.wq, xs[start:stop], ws.w_scale, m_dev, out[start:stop]
-            )
-            if self.metrics is not None:
-                self.metrics.launches.labels(mode="eager").inc()
-        return out
+    # -- weight sets (call these on the worker, through ``run``) -----------------------
 
+    def prepare(self, ws: WeightSet) -> WeightSet:
+        """Capture the graphs ``ws``'s shape needs (a no-op on the CPU); return ``ws``."""
+        self._executor.prepare(ws.G, ws.N, ws.K, ws.wq, ws.w_scale)
+        return ws
+
+    def forget(self, ws: WeightSet) -> None:
+        """Drop graphs bound to ``ws``'s memory (after it was replaced or deleted)."""
+        self._executor.pool.forget(ws.wq)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
-
-import moegemm
 from moegemm.client._errors import (
     BadField,
     NotReady,
@@ -27,11 +26,13 @@ from moegemm.client._errors import (
 )
 from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
 
+import moegemm
+
 from ._tensors import WIRE_NAMES, to_torch
 from .config import Settings
 from .engine import Engine
 from .metrics import Metrics
-from .store import WeightStore, check_name
+from .store import WeightSet, WeightStore, check_name
 
 MSGPACK = "application/vnd.msgpack"
 MSGPACK_TYPES = frozenset({MSGPACK, "application/msgpack", "application/x-msgpack"})
@@ -55,6 +56,9 @@ class Services:
 def services(request: Request) -> Services:
     """The app's services (a FastAPI dependency)."""
     return request.app.state.services
+
+
+ServicesDep = Annotated[Services, Depends(services)]
 
 
 def _bearer(request: Request) -> bytes | None:
@@ -155,6 +159,19 @@ def _deadline(request: Request) -> float | None:
     return time.monotonic() + ms / 1000
 
 
+async def install(svc: Services, build: Callable[[], WeightSet]) -> tuple[WeightSet, bool]:
+    """Build a set and capture its graphs on the engine's thread, then swap it in.
+
+    Returns the set and whether it replaced one; the replaced set's graphs are
+    dropped (calls still holding it finish on it, eagerly if need be).
+    """
+    ws = await svc.engine.run(lambda: svc.engine.prepare(build()))
+    old = svc.store.put(ws)
+    if old is not None:
+        await svc.engine.run(lambda: svc.engine.forget(old))
+    return ws, old is not None
+
+
 health = APIRouter(prefix="/v1/health")
 api = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
 weights_admin = APIRouter(
@@ -170,7 +187,7 @@ async def live() -> dict:
 
 
 @health.get("/ready")
-async def ready(svc: Services = Depends(services)) -> dict:
+async def ready(svc: ServicesDep) -> dict:
     """200 once start-up loading is done, 503 not_ready before."""
     if not svc.ready:
         raise NotReady("the server is still loading its weights", retry_after=1)
@@ -178,7 +195,7 @@ async def ready(svc: Services = Depends(services)) -> dict:
 
 
 @api.get("/info")
-async def info(svc: Services = Depends(services)) -> dict:
+async def info(svc: ServicesDep) -> dict:
     """Version, backend, device, fp8 format, buckets and limits."""
     s, backend = svc.settings, svc.engine.backend
     return {
@@ -199,42 +216,40 @@ async def info(svc: Services = Depends(services)) -> dict:
 
 
 @api.get("/weights", dependencies=[Depends(require_ready)])
-async def list_weights(svc: Services = Depends(services)) -> dict:
+async def list_weights(svc: ServicesDep) -> dict:
     """Every loaded weight set."""
     return {"weights": [ws.describe() for ws in svc.store.list()]}
 
 
 @weights_admin.put("/weights/{name}")
-async def put_weights(name: str, request: Request, svc: Services = Depends(services)):
+async def put_weights(name: str, request: Request, svc: ServicesDep):
     """Load or replace a weight set, from tensors in the body or from a file (201/200)."""
     check_name(name)
     body = await read_msgpack(request, svc.settings.max_body_bytes)
     if "file" in body:
         check_fields(body, {"file", "w"}, {"w_scale"})
         file, w_key, scale_key = (_string(body, k) for k in ("file", "w", "w_scale"))
-        ws = await svc.engine.run(
-            lambda: svc.store.build_from_file(name, file, w_key, scale_key)
-        )
+        ws, replaced = await install(svc, lambda: svc.store.build_from_file(name, file, w_key, scale_key))
     else:
         check_fields(body, {"w"}, {"w_scale"})
         if isinstance(body["w"], str):
             raise BadField("w is a tensor; to name a tensor in a file, send 'file' too")
         w, w_scale = _tensor(body, "w"), _tensor(body, "w_scale")
-        ws = await svc.engine.run(lambda: svc.store.build(name, w, w_scale))
-    created = svc.store.put(ws)
-    return JSONResponse(ws.describe(), status_code=201 if created else 200)
+        ws, replaced = await install(svc, lambda: svc.store.build(name, w, w_scale))
+    return JSONResponse(ws.describe(), status_code=200 if replaced else 201)
 
 
 @weights_admin.delete("/weights/{name}", status_code=204)
-async def delete_weights(name: str, svc: Services = Depends(services)) -> Response:
+async def delete_weights(name: str, svc: ServicesDep) -> Response:
     """Unload a weight set."""
     check_name(name)
-    svc.store.delete(name)
+    old = svc.store.delete(name)
+    await svc.engine.run(lambda: svc.engine.forget(old))
     return Response(status_code=204)
 
 
 @api.post("/weights/{name}/gemm", dependencies=[Depends(require_ready)])
-async def gemm(name: str, request: Request, svc: Services = Depends(services)) -> Response:
+async def gemm(name: str, request: Request, svc: ServicesDep) -> Response:
     """SPEC 1 on a loaded weight set: msgpack {x, x_scale?, m_sizes} -> {out}."""
     check_name(name)
     deadline = _deadline(request)
@@ -247,6 +262,6 @@ async def gemm(name: str, request: Request, svc: Services = Depends(services)) -
 
 
 @metrics_router.get("/metrics")
-async def metrics(svc: Services = Depends(services)) -> Response:
+async def metrics(svc: ServicesDep) -> Response:
     """Prometheus text exposition."""
     return Response(svc.metrics.render(), media_type=svc.metrics.content_type)

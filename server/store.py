@@ -21,7 +21,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-
 from moegemm.client._errors import (
     BadDtype,
     BadField,
@@ -118,18 +117,21 @@ class WeightStore:
         with self._lock:
             return sorted(self._sets.values(), key=lambda ws: ws.name)
 
-    def put(self, ws: WeightSet) -> bool:
-        """Install ``ws`` under its name, replacing atomically; True if it is new."""
+    def put(self, ws: WeightSet) -> WeightSet | None:
+        """Install ``ws`` under its name, atomically; return the set it replaced, if any."""
         with self._lock:
-            created = ws.name not in self._sets
+            old = self._sets.get(ws.name)
             self._sets[ws.name] = ws
-        return created
+        return old
 
-    def delete(self, name: str) -> None:
-        """Unload ``name``; its memory returns to the allocator once in-flight calls end."""
+    def delete(self, name: str) -> WeightSet:
+        """Unload ``name`` and return it; its memory returns to the allocator once the
+        calls still holding it end."""
         with self._lock:
-            if self._sets.pop(name, None) is None:
-                raise NoSuchWeights(f"no weight set named {name!r} is loaded")
+            ws = self._sets.pop(name, None)
+        if ws is None:
+            raise NoSuchWeights(f"no weight set named {name!r} is loaded")
+        return ws
 
     def total_bytes(self) -> int:
         """Device bytes held by all loaded sets."""

@@ -12,9 +12,8 @@ import pytest
 # their helpers by this (unique) module name.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from server_support import Running, serve  # noqa: E402
-
-from moegemm.server import Settings  # noqa: E402
+from moegemm.server import Settings
+from server_support import Running, serve
 
 
 @pytest.fixture(scope="module")

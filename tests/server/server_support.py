@@ -12,7 +12,6 @@ from contextlib import contextmanager
 import httpx
 import torch
 import uvicorn
-
 from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
 from moegemm.server import Settings, create_app
 
@@ -47,7 +46,8 @@ class Running:
         raise TimeoutError("the server did not become ready")
 
     def put(self, name: str, body: dict, **kw) -> httpx.Response:
-        return self.http.put(f"/v1/weights/{name}", content=packb(body), headers=MSGPACK, **kw)
+        headers = {**MSGPACK, **kw.pop("headers", {})}
+        return self.http.put(f"/v1/weights/{name}", content=packb(body), headers=headers, **kw)
 
     def gemm(self, name: str, body: dict, **kw) -> httpx.Response:
         headers = {**MSGPACK, **kw.pop("headers", {})}

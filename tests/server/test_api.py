@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from server_support import close_to, fp8_problem, out_of, reference, wire
-
 from moegemm.client import Client
 from moegemm.kernels import quantize_activations, quantize_weights
 from moegemm.kernels.testing import random_m_sizes
+from server_support import close_to, fp8_problem, out_of, reference, wire
 
 
 def test_health_and_info(server):
