@@ -86,7 +86,7 @@ _ALIGN = 16  # bytes: the kernel issues 16-byte vector loads from each base poin
 _lock = threading.Lock()
 _launchers: dict[tuple, object] = {}  # (KernelShape, m_sizes dtype) -> CompiledFunction
 _arch_of: dict[torch.device, str] = {}
-_tuned: dict[str, FlyTile] | None = None  # autotune winners, loaded from disk once
+_tuned: dict[str, dict[str, FlyTile]] = {}  # layout -> autotune key -> winner
 
 
 def _env_flag(name: str) -> bool:
@@ -292,36 +292,41 @@ def run_plain(xq, wq, x_scale, w_scale, m_sizes, out, *, tile: FlyTile | None = 
 # --------------------------------------------------------------------------- autotune
 
 
-def autotune_key(m: int, n: int, k: int, g: int, device_name: str, layout: str) -> str:
-    """The autotune cache key: (nextPow2(M), N, K, G, device), as the CUDA backend's, plus the layout."""
-    bucket = 1 << max(0, (m - 1).bit_length())
-    return f"{bucket},{n},{k},{g},{device_name},{layout}"
+def autotune_key(m: int, n: int, k: int, g: int, device_name: str) -> str:
+    """The autotune cache key, the CUDA backend's: ``nextPow2(M):N:K:G:device name``.
+
+    The weight layout is not in the key: each layout has its own file.
+    """
+    m_bucket = 1 if m <= 1 else 1 << (m - 1).bit_length()
+    return f"{m_bucket}:{n}:{k}:{g}:{device_name}"
 
 
-def _cache_file() -> Path:
+def _cache_file(layout: str) -> Path:
     root = os.environ.get("MOEGEMM_CACHE_DIR") or Path.home() / ".cache" / "moegemm"
-    return Path(root) / "flydsl-autotune.json"
+    return Path(root) / f"flydsl_{layout}_tiles.json"
 
 
-def _load_tuned() -> dict[str, FlyTile]:
-    global _tuned
-    if _tuned is None:
+def _load_tuned(layout: str) -> dict[str, FlyTile]:
+    """The winners on disk for ``layout`` (read once per process)."""
+    tuned = _tuned.get(layout)
+    if tuned is None:
         try:
-            raw = json.loads(_cache_file().read_text())
-            _tuned = {key: FlyTile(*value) for key, value in raw.items()}
+            raw = json.loads(_cache_file(layout).read_text())
+            tuned = {key: FlyTile(*value) for key, value in raw.items()}
         except (OSError, ValueError, TypeError):
-            _tuned = {}
-    return _tuned
+            tuned = {}
+        _tuned[layout] = tuned
+    return tuned
 
 
-def _save_tuned() -> None:
-    path = _cache_file()
+def _save_tuned(layout: str) -> None:
+    path = _cache_file(layout)
+    raw = {key: [t.block_m, t.block_n, t.block_k] for key, t in _tuned[layout].items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        raw = {key: [t.block_m, t.block_n, t.block_k] for key, t in (_tuned or {}).items()}
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(raw, indent=1, sort_keys=True))
-        tmp.replace(path)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
     except OSError as exc:
         log.warning("cannot save flydsl autotune results to %s: %s", path, exc)
 
@@ -332,8 +337,8 @@ def _tile_for(layout, arch, xq, wq, x_scale, w_scale, m_sizes, out) -> FlyTile:
     if not _env_flag("MOEGEMM_AUTOTUNE"):
         return default
     g, n, k = wq.shape
-    key = autotune_key(xq.shape[0], n, k, g, torch.cuda.get_device_name(xq.device), layout)
-    tuned = _load_tuned()
+    key = autotune_key(xq.shape[0], n, k, g, torch.cuda.get_device_name(xq.device))
+    tuned = _load_tuned(layout)
     if key in tuned:
         return tuned[key]
     if torch.cuda.is_current_stream_capturing():
@@ -349,7 +354,7 @@ def _tile_for(layout, arch, xq, wq, x_scale, w_scale, m_sizes, out) -> FlyTile:
         if ms < best_ms:
             best, best_ms = tile, ms
     tuned[key] = best
-    _save_tuned()
+    _save_tuned(layout)
     return best
 
 
