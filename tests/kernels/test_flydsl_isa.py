@@ -19,7 +19,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from moegemm.kernels._flydsl_isa import compile_case, toolchain_problem
 from moegemm.kernels._flydsl_tiles import (
     AUTOTUNE_TILES,
