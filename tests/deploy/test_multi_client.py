@@ -7,101 +7,28 @@ missing endpoint gives a clear error or a failover to a replica.
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
 import pytest
-from moegemm.client import Client, MoegemmError, NoSuchWeights, TransportError
+from moegemm.client import Client, NoSuchWeights, TransportError
 from moegemm.client._multi import MultiClient
 from moegemm.client._placement import normalize_endpoint, place
 
-TOKEN = "deploy-test-token"
 G, N, K = 3, 128, 256
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Server:
-    """One `moegemm serve` subprocess on a free loopback port, CPU backend."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGEMM_")}
-        # Settings only from the environment, as in the images.
-        env.update(
-            MOEGEMM_HOST="127.0.0.1",
-            MOEGEMM_PORT=str(self.port),
-            MOEGEMM_DEVICE="cpu",
-            MOEGEMM_DEMO="false",
-            MOEGEMM_TOKEN=TOKEN,
-            MOEGEMM_LOG_LEVEL="warning",
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moegemm.cli", "serve"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        with Client(self.url, token=TOKEN, timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    err = self.proc.stderr.read().decode(errors="replace")
-                    raise RuntimeError(f"moegemm serve exited {self.proc.returncode}:\n{err}")
-                try:
-                    client.health()
-                    return
-                except MoegemmError:  # not listening or not ready yet
-                    time.sleep(0.2)
-        raise TimeoutError(f"{self.url} not ready after {timeout} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stderr.close()
-
-
-def _start(count: int) -> list[_Server]:
-    servers = [_Server() for _ in range(count)]
-    try:
-        for server in servers:
-            server.wait_ready()
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-    return servers
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[list[_Server]]:
-    started = _start(3)
-    yield started
-    for server in started:
-        server.stop()
+def servers(start_servers):
+    return start_servers(3)
 
 
 def _dead_endpoint() -> str:
     # A port nothing listens on: bound and closed, so connects are refused.
-    return f"http://127.0.0.1:{_free_port()}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def _name_placed(endpoints: list[str], replicas: int, want: list[str]) -> str:
@@ -125,10 +52,10 @@ def _call(rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
     return x, m_sizes
 
 
-def _holders(servers: list[_Server], name: str) -> set[str]:
+def _holders(servers: list, name: str) -> set[str]:
     held = set()
     for server in servers:
-        with Client(server.url, token=TOKEN) as client:
+        with Client(server.url, token=servers[0].token) as client:
             if any(entry["name"] == name for entry in client.weights()):
                 held.add(normalize_endpoint(server.url))
     return held
@@ -139,7 +66,7 @@ def test_weight_sets_land_where_the_placement_says(servers):
     urls = [s.url for s in servers]
     names = [f"layer{i}-{rng.integers(1 << 30)}" for i in range(6)]
     hot = {names[0]: 2, names[1]: 3}
-    with MultiClient(urls, replicas=1, hot=hot, token=TOKEN) as multi:
+    with MultiClient(urls, replicas=1, hot=hot, token=servers[0].token) as multi:
         for name in names:
             answers = multi.load_weights(name, _weights(rng))
             assert list(answers) == multi.placement(name)
@@ -148,7 +75,7 @@ def test_weight_sets_land_where_the_placement_says(servers):
             assert len(placed) == hot.get(name, 1)
             assert _holders(servers, name) == set(placed)
         # Another router, given the endpoints in another order, agrees.
-        with MultiClient(urls[::-1], replicas=1, hot=hot, token=TOKEN) as other:
+        with MultiClient(urls[::-1], replicas=1, hot=hot, token=servers[0].token) as other:
             assert all(other.placement(n) == multi.placement(n) for n in names)
         listed = multi.weights()
         assert set(listed) == {normalize_endpoint(u) for u in urls}
@@ -162,7 +89,7 @@ def test_weight_sets_land_where_the_placement_says(servers):
 def test_grouped_gemm_goes_to_the_holder_and_matches_it(servers):
     rng = np.random.default_rng()
     urls = [s.url for s in servers]
-    with MultiClient(urls, token=TOKEN) as multi:
+    with MultiClient(urls, token=servers[0].token) as multi:
         name = f"experts-{rng.integers(1 << 30)}"
         multi.load_weights(name, _weights(rng))
         (holder,) = multi.placement(name)
@@ -172,11 +99,11 @@ def test_grouped_gemm_goes_to_the_holder_and_matches_it(servers):
         assert (
             np.isfinite(out.astype(np.float32)).all() and np.abs(out.astype(np.float32)).max() > 0
         )
-        with Client(holder, token=TOKEN) as direct:
+        with Client(holder, token=servers[0].token) as direct:
             np.testing.assert_array_equal(direct.grouped_gemm(name, x, m_sizes), out)
         for url in urls:
             if normalize_endpoint(url) != holder:
-                with Client(url, token=TOKEN) as other, pytest.raises(NoSuchWeights):
+                with Client(url, token=servers[0].token) as other, pytest.raises(NoSuchWeights):
                     other.grouped_gemm(name, x, m_sizes)
         multi.delete_weights(name)
 
@@ -186,7 +113,7 @@ def test_an_endpoint_down_without_replica_is_named(servers):
     dead = _dead_endpoint()
     urls = [*(s.url for s in servers), dead]
     name = _name_placed(urls, 1, [dead])
-    with MultiClient(urls, token=TOKEN, timeout=5.0) as multi:
+    with MultiClient(urls, token=servers[0].token, timeout=5.0) as multi:
         with pytest.raises(TransportError, match=f"{normalize_endpoint(dead)}.*did not answer"):
             multi.load_weights(name, _weights(rng))
         x, m_sizes = _call(rng)
@@ -201,13 +128,13 @@ def test_an_endpoint_down_without_replica_is_named(servers):
         multi.delete_weights(live_name)
 
 
-def test_a_replicated_set_fails_over_when_its_first_endpoint_dies(servers):
+def test_a_replicated_set_fails_over_when_its_first_endpoint_dies(servers, start_servers):
     rng = np.random.default_rng()
-    (victim,) = _start(1)
+    (victim,) = start_servers(1)
     try:
         urls = [*(s.url for s in servers), victim.url]
         name = _name_placed(urls, 2, [victim.url, servers[1].url])
-        with MultiClient(urls, replicas=2, token=TOKEN, timeout=5.0) as multi:
+        with MultiClient(urls, replicas=2, token=servers[0].token, timeout=5.0) as multi:
             multi.load_weights(name, _weights(rng))
             x, m_sizes = _call(rng)
             before = multi.grouped_gemm(name, x, m_sizes)
@@ -218,7 +145,7 @@ def test_a_replicated_set_fails_over_when_its_first_endpoint_dies(servers):
             # Loading needs every replica: the dead one is named.
             with pytest.raises(TransportError, match=normalize_endpoint(victim.url)):
                 multi.load_weights(name, _weights(rng))
-            Client(servers[1].url, token=TOKEN).delete_weights(name)
+            Client(servers[1].url, token=servers[0].token).delete_weights(name)
     finally:
         victim.stop()
 
@@ -228,16 +155,16 @@ def test_a_replica_that_lost_its_sets_is_skipped(servers):
     rng = np.random.default_rng()
     urls = [s.url for s in servers]
     name = _name_placed(urls, 2, [servers[2].url, servers[0].url])
-    with Client(servers[0].url, token=TOKEN) as second:
+    with Client(servers[0].url, token=servers[0].token) as second:
         second.load_weights(name, _weights(rng))
         x, m_sizes = _call(rng)
-        with MultiClient(urls, replicas=2, token=TOKEN) as multi:
+        with MultiClient(urls, replicas=2, token=servers[0].token) as multi:
             np.testing.assert_array_equal(
                 multi.grouped_gemm(name, x, m_sizes), second.grouped_gemm(name, x, m_sizes)
             )
         # With one replica there is nowhere to go: the holder's 404, named.
         with (
-            MultiClient(urls, replicas=1, token=TOKEN) as single,
+            MultiClient(urls, replicas=1, token=servers[0].token) as single,
             pytest.raises(NoSuchWeights, match=normalize_endpoint(servers[2].url)),
         ):
             single.grouped_gemm(name, x, m_sizes)
