@@ -19,8 +19,8 @@ socket at each, a round trip through the event loop per chunk. Here:
 The app, its routes, middleware and error handling are unchanged: this is only
 the transport, selected with ``MOEGEMM_HTTP=fast`` (``uvicorn`` stays available).
 Deliberate limits: HTTP/1.1 and 1.0 only, one request at a time per connection
-(pipelined requests wait in the socket), request bodies must carry a
-``Content-Length`` (chunked uploads get 411), no TLS (terminate it in front).
+(pipelined requests wait in the socket), no TLS (terminate it in front).
+Chunked uploads work on a slower path (accumulated, bounded by the body limit).
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.task: asyncio.Task | None = None
         self.disconnected: asyncio.Event | None = None
+        # Chunked uploads: the body so far, and the bytes left of the current chunk
+        # (None while a chunk-size line is expected).
+        self.chunked: bytearray | None = None
+        self.chunk_left: int | None = None
 
     # -- asyncio callbacks ------------------------------------------------------------
 
@@ -111,7 +115,10 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self.head_used += nbytes
         if self.task is None:
-            self._parse_head()
+            if self.chunked is not None:
+                self._feed_chunked()
+            else:
+                self._parse_head()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -129,11 +136,15 @@ class _Connection(asyncio.BufferedProtocol):
         except ValueError as exc:
             self._refuse(400, "bad_request", str(exc))
             return
-        if length is None:
-            self._refuse(411, "bad_request", "send a Content-Length (chunked bodies are not taken)")
-            return
         self.scope = scope
         start = end + 4
+        if length is None:
+            self._consume(start)
+            self.chunked, self.chunk_left = bytearray(), None
+            if expect_continue:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._feed_chunked()
+            return
         if length > self.server.max_body_bytes:
             # The app answers 413 from the declared length; the unread body
             # means the connection cannot be reused.
@@ -150,6 +161,60 @@ class _Connection(asyncio.BufferedProtocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if self.body_used == length:
             self._dispatch()
+
+    def _consume(self, n: int) -> None:
+        """Drop the first ``n`` bytes of the head buffer."""
+        rest = self.head_used - n
+        self.head_view[:rest] = self.head_view[n:self.head_used]
+        self.head_used = rest
+
+    def _feed_chunked(self) -> None:
+        """Decode chunked framing from the head buffer into ``self.chunked``."""
+        while True:
+            if self.chunk_left is None:
+                eol = self.head.find(b"\r\n", 0, self.head_used)
+                if eol < 0:
+                    if self.head_used >= _HEAD_LIMIT:
+                        self._refuse(400, "bad_request", "malformed chunked body")
+                    return
+                line = bytes(self.head_view[:eol]).partition(b";")[0].strip()
+                try:
+                    size = int(line, 16)
+                except ValueError:
+                    self._refuse(400, "bad_request", "malformed chunk size")
+                    return
+                if size == 0:
+                    # The last chunk: skip trailer lines up to the empty one.
+                    stop = self.head.find(b"\r\n\r\n", eol, self.head_used)
+                    if stop < 0:
+                        return
+                    self._consume(stop + 4)
+                    self.body, self.chunked = memoryview(self.chunked), None
+                    self.body_used = len(self.body)
+                    self._dispatch()
+                    return
+                self._consume(eol + 2)
+                self.chunk_left = size
+            take = min(self.chunk_left, self.head_used)
+            self.chunked += self.head_view[:take]
+            self._consume(take)
+            self.chunk_left -= take
+            if len(self.chunked) > self.server.max_body_bytes:
+                # The app sees a body over its limit and answers 413; the rest
+                # of the upload is never read, so the connection closes after.
+                self.keep_alive = False
+                self.body, self.chunked = memoryview(self.chunked), None
+                self._dispatch()
+                return
+            if self.chunk_left:
+                return
+            if self.head_used < 2:
+                return  # wait for the CRLF after the chunk data
+            if bytes(self.head_view[:2]) != b"\r\n":
+                self._refuse(400, "bad_request", "malformed chunked body")
+                return
+            self._consume(2)
+            self.chunk_left = None
 
     def _scope(self, head: bytes) -> tuple[dict, int | None, bool]:
         lines = head.split(b"\r\n")

@@ -1,0 +1,96 @@
+"""Zero-copy msgpack bodies: the same result and the same errors as the wire decoder."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moegemm.client._errors import BadMsgpack
+from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
+from moegemm.server._body import tensor_body_parts, unpack_body
+
+scalars = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False, width=32) | st.text(max_size=40) | st.binary(max_size=300)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=5),
+    max_leaves=20,
+)
+bodies = st.dictionaries(st.text(max_size=10), values, max_size=6)
+
+
+def _plain(obj):
+    """Bins as bytes, so results of both decoders compare equal."""
+    if isinstance(obj, memoryview):
+        return obj.tobytes()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=bodies, single_floats=st.booleans())
+def test_same_result_as_unpackb(body, single_floats):
+    data = msgpack.packb(body, use_bin_type=True, use_single_float=single_floats)
+    assert _plain(unpack_body(data)) == _plain(unpackb(data))
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=bodies, cut=st.integers(0, 10_000), junk=st.binary(min_size=1, max_size=4))
+def test_same_error_as_unpackb_on_damaged_bodies(body, cut, junk):
+    data = msgpack.packb(body, use_bin_type=True)
+    for damaged in (data[: cut % max(1, len(data))], data + junk, junk + data):
+        try:
+            expected = unpackb(damaged)
+        except BadMsgpack as exc:
+            with pytest.raises(BadMsgpack) as got:
+                unpack_body(damaged)
+            assert str(got.value) == str(exc)
+        else:
+            assert _plain(unpack_body(damaged)) == _plain(expected)
+
+
+def test_refusals_match():
+    cases = [
+        b"\xc1",  # never used
+        msgpack.packb({"a": msgpack.ExtType(3, b"x")}),
+        b"\x82\xa1a\x01\xa1a\x02",  # duplicate key
+        b"\x81\x01\x02",  # int key
+        b"\x81\xa1a\xa2\xff\xfe",  # bad utf-8
+        msgpack.packb([1, 2]),  # not a map
+    ]
+    for data in cases:
+        with pytest.raises(BadMsgpack) as expected:
+            unpackb(data)
+        with pytest.raises(BadMsgpack) as got:
+            unpack_body(data)
+        assert str(got.value) == str(expected.value)
+
+
+def test_tensor_bins_are_views_on_the_body():
+    x = torch.randn(33, 256).to(torch.bfloat16)
+    body = bytearray(packb({"x": encode_tensor(x), "m_sizes": encode_tensor(torch.tensor([33]))}))
+    decoded = unpack_body(memoryview(body))
+    data = decoded["x"]["data"]
+    assert isinstance(data, memoryview) and data.obj is body
+    wire = decode_tensor(decoded["x"])
+    assert wire.shape == (33, 256) and wire.data.tobytes() == x.view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (1, 7), (129, 300), (3, 70000)])
+def test_tensor_response_parts_are_the_packed_map(shape):
+    t = torch.randn(shape).to(torch.bfloat16)
+    header, data = tensor_body_parts("out", t)
+    assert isinstance(data, memoryview)
+    decoded = unpackb(header + data.tobytes())
+    assert decoded["out"]["dtype"] == "bfloat16" and decoded["out"]["shape"] == list(shape)
+    raw = bytes(decoded["out"]["data"])
+    assert raw == t.view(torch.uint8).numpy().tobytes() and len(raw) == t.numel() * 2

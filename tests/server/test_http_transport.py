@@ -1,0 +1,175 @@
+"""The fast HTTP transport serves the same app with the same contract.
+
+The whole API and error suites (test_api.py, test_errors.py) run again here
+against ``FastHttpServer`` instead of uvicorn, plus the transport's own cases:
+keep-alive, pipelining, Expect: 100-continue, oversize and chunked bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from server_support import MSGPACK, Running, _free_port
+from test_api import *  # noqa: F401,F403  (re-run every API test over this transport)
+from test_errors import *  # noqa: F401,F403
+
+from moegemm.client import Client
+from moegemm.client._wire import encode_tensor, packb, unpackb
+from moegemm.kernels import quantize_activations, reference_float64
+from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
+from moegemm.server import Settings, create_app
+from moegemm.server._http import FastHttpServer
+
+
+@contextmanager
+def fast_serve(settings: Settings) -> Iterator[Running]:
+    """Start the app behind FastHttpServer on a free port (own thread and loop)."""
+    port = _free_port()
+    app = create_app(settings)
+    server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=settings.max_body_bytes)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(server.serve(stop))
+        except BaseException as exc:  # surfaced to the test below
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    running = Running(f"http://127.0.0.1:{port}", app, None)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                running.wait_ready()
+                break
+            except Exception:
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"the fast server did not start: {failed}") from None
+                time.sleep(0.05)
+        yield running
+    finally:
+        running.http.close()
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Running]:
+    """The same CPU server as conftest's, behind the fast transport."""
+    root = tmp_path_factory.mktemp("weights")
+    settings = Settings(device="cpu", weights_dir=root, demo=True, max_body_bytes=8 << 20,
+                        max_m=4096, max_bucket_m=256)
+    with fast_serve(settings) as running:
+        running.weights_dir = root
+        yield running
+
+
+def _raw(server: Running, data: bytes, reads: int = 1, timeout: float = 20) -> bytes:
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(data)
+        got = b""
+        deadline = time.monotonic() + timeout
+        while got.count(b"HTTP/1.1 ") < reads and time.monotonic() < deadline:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            got += chunk
+        return got
+
+
+def _gemm_request(body: bytes, extra: str = "") -> bytes:
+    return (f"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\ncontent-type: "
+            f"application/vnd.msgpack\r\ncontent-length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+def _demo_body(rows: int, gen: torch.Generator) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    x = torch.randn(rows, 512, generator=gen).to(torch.bfloat16)
+    m = random_m_sizes(8, rows, generator=gen)
+    return packb({"x": encode_tensor(x), "m_sizes": encode_tensor(m)}), x, m
+
+
+def test_client_round_trip_meets_the_spec(server):
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = server.services.store.get("demo")
+    with Client(server.url) as client:
+        for rows in (1, 83, 300):
+            x = torch.randn(rows, ws.K, generator=gen).to(torch.bfloat16)
+            m = random_m_sizes(ws.G, rows, generator=gen)
+            out = client.grouped_gemm("demo", x, m)
+            xq, xs = quantize_activations(x, torch.float8_e4m3fn)
+            ref = reference_float64(xq, ws.wq, xs, ws.w_scale, m)
+            assert rel_error(out, ref) <= SPEC_TOLERANCE
+
+
+def test_keep_alive_and_pipelined_requests(server):
+    gen = torch.Generator().manual_seed(torch.seed())
+    bodies = [_demo_body(rows, gen)[0] for rows in (3, 17)]
+    got = _raw(server, b"".join(_gemm_request(b) for b in bodies), reads=2)
+    assert got.count(b"HTTP/1.1 200 OK") == 2
+    assert got.count(b"content-type: application/vnd.msgpack") == 2
+
+
+def test_expect_100_continue(server):
+    gen = torch.Generator().manual_seed(torch.seed())
+    body, x, m = _demo_body(5, gen)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        head = _gemm_request(body, "expect: 100-continue\r\n")[: -len(body)]
+        sock.sendall(head)
+        assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(body)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += sock.recv(1 << 16)
+        assert got.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_oversize_body_is_refused_before_reading(server):
+    limit = server.services.settings.max_body_bytes
+    head = (f"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\ncontent-type: "
+            f"application/vnd.msgpack\r\ncontent-length: {limit + 1}\r\n\r\n").encode()
+    got = _raw(server, head)
+    assert got.startswith(b"HTTP/1.1 413")
+    assert b'"too_large"' in got and b"connection: close" in got
+
+
+def test_chunked_upload_with_odd_framing(server):
+    gen = torch.Generator().manual_seed(torch.seed())
+    body = _demo_body(7, gen)[0]
+    cut = [0, 1, 100, len(body) // 2, len(body)]
+    chunks = b"".join(b"%x;ext=1\r\n" % (b - a) + body[a:b] + b"\r\n"
+                      for a, b in zip(cut[:-1], cut[1:]))
+    head = (b"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\ncontent-type: "
+            b"application/vnd.msgpack\r\ntransfer-encoding: chunked\r\n\r\n")
+    got = _raw(server, head + chunks + b"0\r\ntrailer: x\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 OK"), got[:200]
+    bad = head + b"zz\r\nhello\r\n0\r\n\r\n"
+    assert _raw(server, bad).startswith(b"HTTP/1.1 400")
+
+
+def test_malformed_request_line(server):
+    assert _raw(server, b"NOT HTTP\r\n\r\n").startswith(b"HTTP/1.1 400")
+
+
+def test_response_parts_decode(server):
+    gen = torch.Generator().manual_seed(torch.seed())
+    body, x, m = _demo_body(9, gen)
+    r = server.http.post("/v1/weights/demo/gemm", content=body, headers=MSGPACK)
+    assert r.status_code == 200
+    out = unpackb(r.content)["out"]
+    assert out["dtype"] == "bfloat16" and out["shape"] == [9, 256]
+    assert len(out["data"]) == 9 * 256 * 2
+    assert np.isfinite(np.frombuffer(out["data"], dtype=np.uint16).astype(np.float32)).all()
