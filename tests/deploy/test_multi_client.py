@@ -180,3 +180,12 @@ def test_multi_client_refuses_bad_configuration():
         MultiClient(["http://127.0.0.1:1", "http://127.0.0.1:2"], replicas=3)
     with pytest.raises(ValueError, match="between 1 and 1"):
         MultiClient(["http://127.0.0.1:1"], hot={"x": 0})
+
+
+def test_probes_need_no_token(servers):
+    # Kubernetes probes and the image's HEALTHCHECK send no Authorization.
+    import httpx
+
+    for path in ("/v1/health/live", "/v1/health/ready"):
+        assert httpx.get(servers[0].url + path, timeout=5).status_code == 200
+    assert httpx.get(servers[0].url + "/v1/weights", timeout=5).status_code == 401
