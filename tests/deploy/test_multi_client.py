@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 
+import httpx
 import ml_dtypes
 import numpy as np
 import pytest
@@ -184,8 +185,6 @@ def test_multi_client_refuses_bad_configuration():
 
 def test_probes_need_no_token(servers):
     # Kubernetes probes and the image's HEALTHCHECK send no Authorization.
-    import httpx
-
     for path in ("/v1/health/live", "/v1/health/ready"):
         assert httpx.get(servers[0].url + path, timeout=5).status_code == 200
     assert httpx.get(servers[0].url + "/v1/weights", timeout=5).status_code == 401
