@@ -7,10 +7,14 @@ the caller's kind: numpy (bf16/fp8 via ml_dtypes) or torch.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
+import random
 import re
 import socket
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
-from ._errors import APIError, BadName, InternalError, TransportError, error_for
+from ._errors import (
+    APIError,
+    BadName,
+    DeadlineExceeded,
+    InternalError,
+    MoegemmError,
+    TransportError,
+    Unavailable,
+    error_for,
+)
 from ._wire import decode_tensor, encode_tensor, packb, unpackb
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
@@ -34,6 +47,9 @@ DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 # the backend does.
 _SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# The server's relative deadline header (milliseconds): a call still queued when
+# it passes is answered 504 instead of running.
+DEADLINE_HEADER = "X-Deadline-Ms"
 
 
 @dataclass
@@ -45,6 +61,58 @@ class _Call:
     body: bytes | None = None
     expect: str = "json"  # "json" | "gemm" | "none"
     like_torch: Any = None  # the torch tensor whose kind (and device) the output takes
+    retry: bool = True  # health probes report 503 instead of waiting it out
+    deadline: float | None = None  # time.monotonic() instant by which to give up
+
+
+@dataclass(frozen=True)
+class _Retry:
+    """When to send a call again: after a 503 (the server did nothing with it) or
+    a refused connection (nothing was sent), never after anything else."""
+
+    retries: int
+    backoff: float
+    max_backoff: float
+
+    def wait(self, attempt: int, error: MoegemmError, deadline: float | None) -> float | None:
+        """Seconds to sleep before attempt ``attempt + 1``, or None to give up."""
+        if attempt >= self.retries:
+            return None
+        if isinstance(error, Unavailable):
+            hint = error.retry_after
+        elif isinstance(error, TransportError) and isinstance(error.__cause__, httpx.ConnectError):
+            hint = None
+        else:
+            return None
+        # Exponential backoff with jitter, so a fleet of routers turned away
+        # together does not come back together; the server's Retry-After is a floor.
+        wait = min(self.max_backoff, self.backoff * 2**attempt) * random.uniform(0.5, 1.0)
+        if hint is not None:
+            wait = max(wait, hint)
+        if deadline is not None and time.monotonic() + wait >= deadline:
+            return None  # the retry could not be answered in time: report the 503 now
+        return wait
+
+
+def _budget(deadline: float | None) -> float | None:
+    """A relative deadline in seconds as a ``time.monotonic()`` instant."""
+    if deadline is None:
+        return None
+    if not deadline > 0 or math.isinf(deadline):
+        raise ValueError(f"deadline is a positive, finite number of seconds, got {deadline!r}")
+    return time.monotonic() + deadline
+
+
+def _capped(timeout: httpx.Timeout, left: float) -> httpx.Timeout:
+    """``timeout`` with no phase longer than ``left`` seconds."""
+
+    def cap(value: float | None) -> float:
+        return left if value is None else min(value, left)
+
+    return httpx.Timeout(
+        connect=cap(timeout.connect), read=cap(timeout.read),
+        write=cap(timeout.write), pool=cap(timeout.pool),
+    )
 
 
 def _weights_path(name: str) -> str:
@@ -69,7 +137,7 @@ def _m_sizes_int64(m_sizes: Any) -> Any:
     return arr.astype(np.int64)
 
 
-def _gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any) -> _Call:
+def _gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None) -> _Call:
     body: dict[str, Any] = {
         "x": encode_tensor(x),
         "m_sizes": encode_tensor(_m_sizes_int64(m_sizes)),
@@ -78,7 +146,8 @@ def _gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any) -> _Call:
         body["x_scale"] = encode_tensor(x_scale)
     torch = sys.modules.get("torch")
     like = x if torch is not None and isinstance(x, torch.Tensor) else None
-    return _Call("POST", _weights_path(name) + "/gemm", packb(body), expect="gemm", like_torch=like)
+    return _Call("POST", _weights_path(name) + "/gemm", packb(body), expect="gemm",
+                 like_torch=like, deadline=_budget(deadline))
 
 
 def _load_call(name: str, w: Any, w_scale: Any) -> _Call:
@@ -167,24 +236,69 @@ class _Base:
         url: str,
         token: str | None,
         headers: dict[str, str] | None,
+        timeout: float | httpx.Timeout | None,
+        retries: int,
+        backoff: float,
+        max_backoff: float,
+        deadline: float | None,
     ) -> None:
+        if retries < 0 or not backoff >= 0 or not max_backoff >= 0:
+            raise ValueError("retries, backoff and max_backoff are >= 0")
+        _budget(deadline)  # refuse a bad default now, not at the first call
         self.url = url.rstrip("/")
         self._headers = {"Accept": f"{MSGPACK}, application/json"}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
         self._headers.update(headers or {})
+        self._timeout = httpx.Timeout(timeout)
+        self._retry = _Retry(retries, backoff, max_backoff)
+        self._deadline = deadline
 
     def _request_args(self, call: _Call) -> tuple[str, dict[str, Any]]:
         request_id = uuid.uuid4().hex
         headers = {"X-Request-Id": request_id}
         if call.body is not None:
             headers["Content-Type"] = MSGPACK
-        return request_id, {
+        args = {
             "method": call.method,
             "url": call.path,
             "content": call.body,
             "headers": headers,
         }
+        if call.deadline is not None:
+            left = call.deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"the deadline of {call.method} {call.path} passed before it was sent",
+                    request_id=request_id,
+                )
+            # The server refuses to start the call after this; the client never
+            # waits past it either.
+            headers[DEADLINE_HEADER] = str(max(1, math.floor(left * 1000)))
+            args["timeout"] = _capped(self._timeout, left)
+        return request_id, args
+
+    def _failed(self, call: _Call, exc: httpx.TransportError, request_id: str) -> MoegemmError:
+        """The error for a request that got no answer."""
+        if isinstance(exc, httpx.TimeoutException) and call.deadline is not None \
+                and time.monotonic() >= call.deadline:
+            return DeadlineExceeded(
+                f"no answer to {call.method} {call.path} within its deadline",
+                request_id=request_id,
+            )
+        return TransportError(
+            f"{call.method} {self.url}{call.path} failed: {exc!r} (request {request_id})"
+        )
+
+    def _wait(self, call: _Call, attempt: int, error: MoegemmError) -> float | None:
+        if not call.retry:
+            return None
+        return self._retry.wait(attempt, error, call.deadline)
+
+    def _gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: Any) -> _Call:
+        if deadline is None:
+            deadline = self._deadline
+        return _gemm_call(name, x, m_sizes, x_scale, deadline)
 
 
 class Client(_Base):
@@ -196,6 +310,19 @@ class Client(_Base):
     a weight-set name outside ``[A-Za-z0-9._-]{1,128}`` raises `BadName` before
     anything is sent.
     ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
+
+    Retries: a call answered 503 (`NotReady`, `Overloaded`: the server did
+    nothing with it) or refused at connect (nothing was sent) is sent again up to
+    ``retries`` times, after an exponential backoff from ``backoff`` seconds up
+    to ``max_backoff``, with jitter, and never sooner than the server's
+    ``Retry-After``. The default is 0: a `MultiClient` fails over to another
+    replica instead, which is faster than waiting.
+
+    Deadlines: ``grouped_gemm(..., deadline=s)`` (or ``deadline=`` here, the
+    default of every call) is a budget in seconds for the whole call, retries
+    included. The server is told the time left (``X-Deadline-Ms``) and answers
+    504 rather than start the call late; the client never waits past the
+    budget either, and raises `DeadlineExceeded` when it passes.
     """
 
     def __init__(
@@ -206,8 +333,12 @@ class Client(_Base):
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         headers: dict[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
+        retries: int = 0,
+        backoff: float = 0.05,
+        max_backoff: float = 2.0,
+        deadline: float | None = None,
     ) -> None:
-        super().__init__(url, token, headers)
+        super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline)
         self._http = httpx.Client(
             base_url=self.url,
             headers=self._headers,
@@ -216,25 +347,37 @@ class Client(_Base):
         )
 
     def _send(self, call: _Call) -> Any:
-        request_id, args = self._request_args(call)
-        try:
-            response = self._http.request(**args)
-        except httpx.TransportError as exc:
-            raise TransportError(
-                f"{call.method} {self.url}{call.path} failed: {exc!r} (request {request_id})"
-            ) from exc
-        return _result(call, response, request_id)
+        attempt = 0
+        while True:
+            request_id, args = self._request_args(call)
+            try:
+                response = self._http.request(**args)
+                return _result(call, response, request_id)
+            except httpx.TransportError as exc:
+                error, cause = self._failed(call, exc, request_id), exc
+                error.__cause__ = exc
+            except Unavailable as exc:
+                error, cause = exc, exc.__cause__
+            wait = self._wait(call, attempt, error)
+            if wait is None:
+                raise error from cause
+            time.sleep(wait)
+            attempt += 1
 
-    def grouped_gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None) -> Any:
+    def grouped_gemm(
+        self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
+        deadline: float | None = None,
+    ) -> Any:
         """Run the grouped GEMM of SPEC 1 on weight set ``name``; returns bf16 ``[M, N]``.
 
         ``x`` is fp8 ``[M, K]`` with ``x_scale`` float32 ``[M, K/128]``, or
         bf16/fp16/fp32 ``[M, K]`` that the server quantizes. ``m_sizes`` (list,
         numpy or torch ints) are the rows of each group, sent as int64. The
         result is numpy (``ml_dtypes.bfloat16``, read-only) for numpy input, or
-        a torch bfloat16 tensor on ``x``'s device for torch input.
+        a torch bfloat16 tensor on ``x``'s device for torch input. ``deadline``
+        is this call's budget in seconds (see the class).
         """
-        return self._send(_gemm_call(name, x, m_sizes, x_scale))
+        return self._send(self._gemm(name, x, m_sizes, x_scale, deadline))
 
     def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict:
         """Load or replace weight set ``name`` from ``w`` ``[G, N, K]`` (fp8 with
@@ -263,11 +406,11 @@ class Client(_Base):
 
     def health(self) -> dict:
         """The readiness answer; raises `NotReady` while the server starts."""
-        return self._send(_Call("GET", "/v1/health/ready"))
+        return self._send(_Call("GET", "/v1/health/ready", retry=False))
 
     def live(self) -> dict:
         """The liveness answer: the process responds."""
-        return self._send(_Call("GET", "/v1/health/live"))
+        return self._send(_Call("GET", "/v1/health/live", retry=False))
 
     def info(self) -> dict:
         """Version, backend, device, ``fp8_format``, buckets and limits."""
@@ -299,8 +442,12 @@ class AsyncClient(_Base):
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         headers: dict[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        retries: int = 0,
+        backoff: float = 0.05,
+        max_backoff: float = 2.0,
+        deadline: float | None = None,
     ) -> None:
-        super().__init__(url, token, headers)
+        super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline)
         self._http = httpx.AsyncClient(
             base_url=self.url,
             headers=self._headers,
@@ -309,18 +456,29 @@ class AsyncClient(_Base):
         )
 
     async def _send(self, call: _Call) -> Any:
-        request_id, args = self._request_args(call)
-        try:
-            response = await self._http.request(**args)
-        except httpx.TransportError as exc:
-            raise TransportError(
-                f"{call.method} {self.url}{call.path} failed: {exc!r} (request {request_id})"
-            ) from exc
-        return _result(call, response, request_id)
+        attempt = 0
+        while True:
+            request_id, args = self._request_args(call)
+            try:
+                response = await self._http.request(**args)
+                return _result(call, response, request_id)
+            except httpx.TransportError as exc:
+                error, cause = self._failed(call, exc, request_id), exc
+                error.__cause__ = exc
+            except Unavailable as exc:
+                error, cause = exc, exc.__cause__
+            wait = self._wait(call, attempt, error)
+            if wait is None:
+                raise error from cause
+            await asyncio.sleep(wait)
+            attempt += 1
 
-    async def grouped_gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None) -> Any:
+    async def grouped_gemm(
+        self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
+        deadline: float | None = None,
+    ) -> Any:
         """See `Client.grouped_gemm`."""
-        return await self._send(_gemm_call(name, x, m_sizes, x_scale))
+        return await self._send(self._gemm(name, x, m_sizes, x_scale, deadline))
 
     async def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict:
         """See `Client.load_weights`."""
@@ -346,11 +504,11 @@ class AsyncClient(_Base):
 
     async def health(self) -> dict:
         """See `Client.health`."""
-        return await self._send(_Call("GET", "/v1/health/ready"))
+        return await self._send(_Call("GET", "/v1/health/ready", retry=False))
 
     async def live(self) -> dict:
         """See `Client.live`."""
-        return await self._send(_Call("GET", "/v1/health/live"))
+        return await self._send(_Call("GET", "/v1/health/live", retry=False))
 
     async def info(self) -> dict:
         """See `Client.info`."""
