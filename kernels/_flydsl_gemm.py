@@ -57,13 +57,28 @@ import flydsl.expr as fx
 from flydsl.expr import arith, const_expr, gpu, range_constexpr, rocdl
 from flydsl.expr.typing import T
 
+from ._flydsl_index import (
+    CHUNK,
+    SCALE_BLOCK,
+    THREADS,
+    WAVE_SIZE,
+    WAVES,
+    a_global_offset,
+    a_lds_offset,
+    a_operand_chunk,
+    a_piece,
+    acc_row,
+    b_offset_plain,
+    b_offset_preshuffled,
+    lane_coords,
+    owner_step,
+    w_scale_offset,
+    x_scale_global_offset,
+    x_scale_lds_offset,
+    x_scale_piece,
+)
 from ._flydsl_tiles import FlyTile
 
-WAVES = 4
-WAVE_SIZE = 64
-THREADS = WAVES * WAVE_SIZE
-SCALE_BLOCK = 128  # the K and N extent of one block scale (SPEC 1)
-CHUNK = 16  # bytes one lane moves per load
 E8M0_ONE = 127  # 2^0: the scaled MFMA leaves the product unscaled
 
 
@@ -76,6 +91,22 @@ class KernelShape:
     tile: FlyTile
     n: int
     k: int
+
+
+def _bytes16():
+    """vector<16xi8>: one lane's 16-byte load (built during a trace: it needs an MLIR context)."""
+    return fx.Vector.make_type(16, fx.Uint8)
+
+
+def _floats4():
+    """vector<4xf32>: four consecutive x scales, one per accumulator row of a lane."""
+    return fx.Vector.make_type(4, fx.Float32)
+
+
+def _concat_i32(halves):
+    """Two 16-byte operands as the 8 x i32 (32 fp8) one scaled MFMA lane reads."""
+    words = [h.bitcast(fx.Int32) for h in halves]
+    return fx.Vector.from_elements([w[e] for w in words for e in range(4)], dtype=fx.Int32)
 
 
 def build_launcher(shape: KernelShape) -> Callable:
@@ -102,8 +133,7 @@ def build_launcher(shape: KernelShape) -> Callable:
     xs_passes = -(-xs_count // THREADS)
     a_stage = bm * bk  # bytes of one A stage
     xs_stage = xs_count  # floats of one x-scale stage
-    k64 = k_dim // 64  # 64-wide K chunks per weight row (preshuffled tiles)
-    group_elems = n_dim * k_dim
+    group_bytes = n_dim * k_dim
 
     @fx.struct
     class Staging:
@@ -125,9 +155,8 @@ def build_launcher(shape: KernelShape) -> Callable:
         tile_m = fx.Int64(fx.block_idx.x)
         tile_n = fx.block_idx.y
         wave = tid // WAVE_SIZE
-        lane = tid % WAVE_SIZE
-        lane_row = lane % 16  # row of A / column of B this lane feeds
-        lane_k = lane // 16  # which 16-byte slice of a 64-wide K chunk
+        lane_row, lane_k = lane_coords(tid % WAVE_SIZE)
+        lane_row64, lane_k64 = fx.Int64(lane_row), fx.Int64(lane_k)
 
         xq_p = fx.get_iter(xq)
         wq_p = fx.get_iter(wq)
@@ -137,117 +166,102 @@ def build_launcher(shape: KernelShape) -> Callable:
         out_p = fx.get_iter(out)
 
         # Group ownership: walk m_sizes, counting M tiles, until this block's tile.
-        c_bm = fx.Int64(bm)
-        rows_before = fx.Int64(0)
-        tiles_before = fx.Int64(0)
-        group = fx.Int64(-1)
-        row0 = fx.Int64(0)
-        row_end = fx.Int64(0)
+        zero64 = fx.Int64(0)
+        rows_before, tiles_before, group, row0, row_end = (
+            zero64,
+            zero64,
+            fx.Int64(-1),
+            zero64,
+            zero64,
+        )
         for g in range(G):
             rows = fx.Int64(fx.ptr_load(ms_p + fx.Int64(g)))
-            tiles = (rows + c_bm - 1) // c_bm
-            mine = (tile_m >= tiles_before) & (tile_m < tiles_before + tiles)
-            group = arith.select(mine, fx.Int64(g), group)
-            row0 = arith.select(mine, rows_before + (tile_m - tiles_before) * c_bm, row0)
-            row_end = arith.select(mine, rows_before + rows, row_end)
-            rows_before = rows_before + rows
-            tiles_before = tiles_before + tiles
+            rows_before, tiles_before, group, row0, row_end = owner_step(
+                (rows_before, tiles_before, group, row0, row_end),
+                fx.Int64(g),
+                rows,
+                tile_m,
+                bm,
+                arith.select,
+            )
 
         if group >= 0:
             lds = fx.SharedAllocator().allocate(Staging).peek()
             lds_a = lds.a.ptr
             lds_xs = lds.xs.ptr
             last_row = fx.Int64(M) - 1
-            col0 = tile_n * bn + wave * wave_n  # first output column of this wave
-            w_base = group * group_elems
-            ws_base = group * (k_scales * n_scales) + fx.Int64(col0 // SCALE_BLOCK)
+            col0 = fx.Int64(tile_n * bn + wave * wave_n)  # first output column of this wave
+            w_base = group * group_bytes
+            b_offset = b_offset_preshuffled if const_expr(preshuffled) else b_offset_plain
 
             def load_a(step):
-                """This thread's 16-byte pieces of the A tile and x scales of K step ``step``."""
+                """This thread's 16-byte A pieces and x scales of K step ``step`` (rows clamped to M)."""
                 pieces = []
                 for p in range_constexpr(a_passes):
-                    c = p * THREADS + tid
-                    row = fx.min(row0 + fx.Int64(c // chunks_per_row), last_row)
-                    off = row * k_dim + step * bk + fx.Int64((c % chunks_per_row) * CHUNK)
-                    pieces.append(
-                        fx.ptr_load(xq_p + off, result_type=fx.Vector.make_type(16, fx.Uint8))
-                    )
+                    row, chunk = a_piece(p * THREADS + tid, chunks_per_row)
+                    grow = fx.min(row0 + fx.Int64(row), last_row)
+                    off = a_global_offset(grow, k_dim, step, bk, fx.Int64(chunk))
+                    pieces.append(fx.ptr_load(xq_p + off, result_type=_bytes16()))
                 scales = []
                 for p in range_constexpr(xs_passes):
-                    i = fx.min(p * THREADS + tid, xs_count - 1)
-                    row = fx.min(row0 + fx.Int64(i % bm), last_row)
-                    scales.append(
-                        fx.ptr_load(xs_p + (row * k_scales + step * k_sub + fx.Int64(i // bm)))
-                    )
+                    row, sub = x_scale_piece(fx.min(p * THREADS + tid, xs_count - 1), bm)
+                    grow = fx.min(row0 + fx.Int64(row), last_row)
+                    off = x_scale_global_offset(grow, k_scales, step, k_sub, fx.Int64(sub))
+                    scales.append(fx.ptr_load(xs_p + off))
                 return pieces, scales
 
             def store_a(stage, pieces, scales):
                 """Write one step's A pieces (swizzled) and x scales into LDS stage ``stage``."""
                 for p in range_constexpr(a_passes):
-                    c = p * THREADS + tid
-                    row = c // chunks_per_row
-                    slot = (c % chunks_per_row) ^ (row % 8)
-                    fx.ptr_store(
-                        pieces[p], lds_a + fx.Int64(stage * a_stage + row * bk + slot * CHUNK)
-                    )
+                    row, chunk = a_piece(p * THREADS + tid, chunks_per_row)
+                    off = a_lds_offset(stage, a_stage, row, bk, chunk)
+                    fx.ptr_store(pieces[p], lds_a + fx.Int64(off))
                 for p in range_constexpr(xs_passes):
                     # Threads past the end repeat the last scale: same value, same place.
-                    i = fx.min(p * THREADS + tid, xs_count - 1)
-                    fx.ptr_store(scales[p], lds_xs + fx.Int64(stage * xs_stage + i))
+                    row, sub = x_scale_piece(fx.min(p * THREADS + tid, xs_count - 1), bm)
+                    off = x_scale_lds_offset(stage, xs_stage, sub, bm, row)
+                    fx.ptr_store(scales[p], lds_xs + fx.Int64(off))
 
             def load_b(step):
-                """This lane's B operands of K step ``step``: [scale block][n tile][64-chunk]."""
+                """This lane's B operands of K step ``step``: [128-block][16-col tile][64-half]."""
                 regs = []
-                for s in range_constexpr(k_sub):
+                for sub in range_constexpr(k_sub):
                     per_n = []
                     for j in range_constexpr(n_sub):
-                        per_c = []
-                        for c in range_constexpr(2):
-                            k0 = step * (bk // 64) + (s * 2 + c)  # 64-wide chunk index
-                            n16 = fx.Int64((col0 + j * 16) // 16)
-                            if const_expr(preshuffled):
-                                # One contiguous 1 KiB tile per (n16, k0); lane l reads bytes 16l..16l+15.
-                                off = w_base + (n16 * k64 + k0) * 1024 + fx.Int64(lane * CHUNK)
-                            else:
-                                n = n16 * 16 + fx.Int64(lane_row)
-                                off = w_base + n * k_dim + k0 * 64 + fx.Int64(lane_k * CHUNK)
-                            per_c.append(
-                                fx.ptr_load(
-                                    wq_p + off, result_type=fx.Vector.make_type(16, fx.Uint8)
-                                )
-                            )
-                        per_n.append(per_c)
+                        n16 = (col0 + j * 16) // 16
+                        per_half = []
+                        for half in range_constexpr(2):
+                            k64 = step * (bk // 64) + (sub * 2 + half)
+                            off = b_offset(w_base, n16, k64, lane_row64, lane_k64, k_dim)
+                            per_half.append(fx.ptr_load(wq_p + off, result_type=_bytes16()))
+                        per_n.append(per_half)
                     regs.append(per_n)
                 return regs
 
             def load_ws(step):
-                """The w scale of each scale block of K step ``step`` for this wave's columns."""
+                """The w scale of each 128-block of K step ``step`` for this wave's columns."""
                 return [
-                    fx.ptr_load(ws_p + (ws_base + (step * k_sub + s) * n_scales))
-                    for s in range_constexpr(k_sub)
+                    fx.ptr_load(
+                        ws_p + w_scale_offset(group, k_scales, n_scales, col0, step * k_sub + sub)
+                    )
+                    for sub in range_constexpr(k_sub)
                 ]
 
             def block_product(a, b):
                 """One 16x16 tile over one 128-wide K block: unscaled FP32 partial sums."""
                 zero = fx.Vector.filled(4, 0.0, fx.Float32)
                 if const_expr(arch == "gfx950"):
-                    a32 = [a[0].bitcast(fx.Int32), a[1].bitcast(fx.Int32)]
-                    b32 = [b[0].bitcast(fx.Int32), b[1].bitcast(fx.Int32)]
-                    a8 = fx.Vector.from_elements(
-                        [a32[c][e] for c in range(2) for e in range(4)], dtype=fx.Int32
-                    )
-                    b8 = fx.Vector.from_elements(
-                        [b32[c][e] for c in range(2) for e in range(4)], dtype=fx.Int32
-                    )
+                    a8 = _concat_i32(a)
+                    b8 = _concat_i32(b)
                     return fx.Vector(
                         rocdl.mfma_scale_f32_16x16x128_f8f6f4(
                             T.f32x4, [a8, b8, zero, 0, 0, 0, E8M0_ONE, 0, E8M0_ONE]
                         )
                     )
                 part = zero
-                for c in range_constexpr(2):
-                    a64 = a[c].bitcast(fx.Int64)
-                    b64 = b[c].bitcast(fx.Int64)
+                for half in range_constexpr(2):
+                    a64 = a[half].bitcast(fx.Int64)
+                    b64 = b[half].bitcast(fx.Int64)
                     for h in range_constexpr(2):
                         part = rocdl.mfma_f32_16x16x32_fp8_fp8(
                             T.f32x4, [a64[h], b64[h], part, 0, 0, 0]
@@ -255,10 +269,10 @@ def build_launcher(shape: KernelShape) -> Callable:
                 return fx.Vector(part)
 
             # Prologue: step 0 into stage 0.
-            pieces, scales = load_a(fx.Int64(0))
+            pieces, scales = load_a(zero64)
             store_a(0, pieces, scales)
-            b_cur = load_b(fx.Int64(0))
-            ws_cur = load_ws(fx.Int64(0))
+            b_cur = load_b(zero64)
+            ws_cur = load_ws(zero64)
             gpu.barrier()
 
             acc = [
@@ -272,38 +286,33 @@ def build_launcher(shape: KernelShape) -> Callable:
                 b_next = load_b(nxt)
                 ws_next = load_ws(nxt)
 
-                for s in range_constexpr(k_sub):
+                for sub in range_constexpr(k_sub):
                     for i in range_constexpr(m_sub):
                         row = i * 16 + lane_row
                         a = []
-                        for c in range_constexpr(2):
-                            slot = (s * 8 + c * 4 + lane_k) ^ (row % 8)
-                            a.append(
-                                fx.ptr_load(
-                                    lds_a + fx.Int64(stage * a_stage + row * bk + slot * CHUNK),
-                                    result_type=fx.Vector.make_type(16, fx.Uint8),
-                                )
-                            )
-                        xs4 = fx.ptr_load(
-                            lds_xs + fx.Int64(stage * xs_stage + s * bm + i * 16 + lane_k * 4),
-                            result_type=fx.Vector.make_type(4, fx.Float32),
-                        )
-                        scale4 = xs4 * ws_cur[s]
+                        for half in range_constexpr(2):
+                            chunk = a_operand_chunk(sub, half, lane_k)
+                            off = a_lds_offset(stage, a_stage, row, bk, chunk)
+                            a.append(fx.ptr_load(lds_a + fx.Int64(off), result_type=_bytes16()))
+                        # The 4 accumulator rows of this lane: consecutive scales in LDS.
+                        off = x_scale_lds_offset(stage, xs_stage, sub, bm, acc_row(i, lane_k, 0))
+                        xs4 = fx.ptr_load(lds_xs + fx.Int64(off), result_type=_floats4())
+                        scale4 = xs4 * ws_cur[sub]
                         for j in range_constexpr(n_sub):
-                            acc[i][j] = acc[i][j] + block_product(a, b_cur[s][j]) * scale4
+                            acc[i][j] = acc[i][j] + block_product(a, b_cur[sub][j]) * scale4
 
                 store_a(1 - stage, pieces, scales)
                 gpu.barrier()
                 b_cur = b_next
                 ws_cur = ws_next
 
-            # Epilogue: each lane holds rows 4*lane_k + r of its tiles, column lane_row.
+            # Epilogue: a lane holds rows acc_row(i, lane_k, r) of column lane_row of each tile.
             for i in range_constexpr(m_sub):
                 for j in range_constexpr(n_sub):
                     vals = acc[i][j].to(fx.BFloat16)
-                    col = fx.Int64(col0 + j * 16 + lane_row)
+                    col = col0 + j * 16 + lane_row64
                     for r in range_constexpr(4):
-                        row = row0 + fx.Int64(i * 16 + lane_k * 4 + r)
+                        row = row0 + fx.Int64(acc_row(i, lane_k, r))
                         if row < row_end:
                             fx.ptr_store(vals[r], out_p + (row * n_dim + col))
 
