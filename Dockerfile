@@ -20,17 +20,21 @@ FROM rocm/pytorch:rocm7.14.1_ubuntu24.04_py3.12_pytorch_release_2.12.0
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # Only what the wheel needs; .dockerignore keeps the rest of the tree out.
-WORKDIR /opt/moegemm/src
-COPY pyproject.toml README.md ./
-COPY moegemm/ moegemm/
-COPY kernels/ kernels/
-COPY server/ server/
-COPY client/ client/
+COPY pyproject.toml README.md /opt/moegemm/src/
+COPY moegemm/ /opt/moegemm/src/moegemm/
+COPY kernels/ /opt/moegemm/src/kernels/
+COPY server/ /opt/moegemm/src/server/
+COPY client/ /opt/moegemm/src/client/
 
-# Freeze the image's own torch (and its Triton, if any) so that resolving our
-# extras can never downgrade or swap the ROCm build.
-RUN python3 -m pip freeze | grep -iE '^(torch|triton|pytorch-triton-rocm)==' > /tmp/keep.txt \
-    && python3 -m pip install --no-cache-dir -c /tmp/keep.txt '.[server,rocm]' \
+# The base's python3 must be the interpreter that holds its ROCm torch (a
+# wrong PATH would install into a torch-less Python): fail the build if not.
+# Then freeze the image's own torch (and Triton) as constraints, so that
+# resolving our extras can never swap them for other builds ("pip list" and
+# not "pip freeze": a torch installed from a local wheel freezes as "@ file:").
+RUN python3 -c "import torch, sys; sys.exit(0 if torch.version.hip else 'python3 has no ROCm torch')" \
+    && python3 -m pip list --format=freeze | grep -iE '^(torch|triton|pytorch-triton-rocm)==' > /tmp/keep.txt \
+    && python3 -m pip install --no-cache-dir -c /tmp/keep.txt '/opt/moegemm/src[server,rocm]' \
+    && moegemm serve --help > /dev/null \
     && rm -rf /opt/moegemm/src /tmp/keep.txt
 
 # A non-root user; "video" gives it the GPU device nodes that the runtime
