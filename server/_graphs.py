@@ -8,7 +8,8 @@ reads and writes leading slices of them, so buffers do not multiply with the
 buckets either.
 
 Weight sets of one family share its graphs when the backend offers
-``run_table(xq, table, x_scale, m_sizes, out)``: the kernel then reads the
+``run_table(xq, table, x_scale, m_sizes, out)`` (for triton, ``_table.py``
+wraps the backend's kernel until it does): the kernel then reads the
 weight and weight-scale addresses from a two-entry int64 device table that is
 rewritten (16 bytes, stream-ordered) before each replay. Without it, a graph captures the addresses of one weight
 set, and graphs are keyed by weight set as well (correct, but they multiply).
@@ -75,7 +76,9 @@ def bucket_for(rows: int, buckets: list[int]) -> int:
 class GraphPool:
     """Static buffers and captured graphs, by family and bucket; eager when graphs are off."""
 
-    def __init__(self, backend: Backend, max_bucket: int, *, graphs: bool = True) -> None:
+    def __init__(
+        self, backend: Backend, max_bucket: int, *, graphs: bool = True, weight_table: bool = True
+    ) -> None:
         self.backend = backend
         self.device = backend.device
         self.buckets = buckets_up_to(max_bucket)
@@ -83,7 +86,7 @@ class GraphPool:
         is_gpu = self.device.type == "cuda"
         self.use_graphs = bool(graphs and is_gpu and backend.capture_safe)
         self.pad_to_bucket = bool(is_gpu and backend.capture_safe)
-        self.run_table: Callable | None = getattr(backend, "run_table", None) if is_gpu else None
+        self.run_table: Callable | None = _table_runner(backend) if is_gpu and weight_table else None
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -219,6 +222,14 @@ class GraphPool:
     def graph_count(self) -> int:
         """Graphs currently held."""
         return len(self._graphs)
+
+
+def _table_runner(backend: Backend) -> Callable | None:
+    """The backend's table-reading launcher, or our wrapper of the triton kernel."""
+    runner = getattr(backend, "run_table", None)
+    if runner is None and backend.name == "triton":
+        from ._table import run_table as runner
+    return runner
 
 
 def _describe(f: Family) -> str:

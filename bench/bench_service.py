@@ -1,0 +1,405 @@
+"""Service benchmark: the real server on loopback, measured as a router sees it.
+
+    python bench/bench_service.py --out bench/results/service_h200.json      # on the GPU box
+    python bench/bench_service.py --cpu --out /tmp/service_cpu.json          # tiny smoke run
+
+What one run does:
+
+1. writes the weight sets as safetensors files (the main set G=8, N=2048,
+   K=7168, and a DeepSeek-V3-like set: 256 experts of the gate projection,
+   N=2048, K=7168, 3.8 GB), and starts several ``moegemm serve`` processes on
+   loopback that preload them: ``default`` (graphs, merging, fast transport),
+   ``graphs_off``, ``merge_off`` and ``uvicorn`` (the stock transport);
+2. times the kernel's own graph replay for every shape in this process (the
+   servers idle meanwhile);
+3. drives each server from client processes (``moegemm.client.Client``, one
+   keep-alive connection each) at M in {1, 32, 128, 1024} rows per call, 1 and
+   32 concurrent clients, fp8 and bf16 inputs: p50/p99 latency, calls/s, and
+   the overhead (p50 latency minus the kernel's own time);
+4. writes everything, with each server's graph-replay/eager and merge-size
+   metrics, to one JSON file and prints a table.
+
+Client processes are forked before torch or CUDA are touched here and import
+only the client (no torch), as a router would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FP8_MAX = 448.0
+
+
+# -- client workers (forked first; no torch) ----------------------------------------
+
+
+def _inputs(rng: np.random.Generator, m: int, k: int, g: int, kind: str):
+    import ml_dtypes
+
+    sizes = rng.multinomial(m, np.full(g, 1.0 / g)).astype(np.int64)
+    if kind == "bf16":
+        return rng.standard_normal((m, k), dtype=np.float32).astype(ml_dtypes.bfloat16), None, sizes
+    x = rng.uniform(-FP8_MAX, FP8_MAX, size=(m, k)).astype(np.float32)
+    xq = x.astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(1e-4, 1e-3, size=(m, k // 128)).astype(np.float32)
+    return xq, scale, sizes
+
+
+def _worker(conn, index: int) -> None:
+    from moegemm.client import Client
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    clients: dict[str, Client] = {}
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        rng = np.random.default_rng(job["seed"] + index)
+        x, scale, sizes = _inputs(rng, job["m"], job["k"], job["g"], job["kind"])
+        client = clients.get(job["url"])
+        if client is None:
+            client = clients[job["url"]] = Client(job["url"], timeout=120, retries=0)
+        errors, lat = 0, []
+        for _ in range(3):  # warm the connection and the server's path
+            client.grouped_gemm(job["name"], x, sizes, x_scale=scale)
+        while time.time() < job["start_at"]:
+            time.sleep(0.0005)
+        stop_at = job["start_at"] + job["duration"]
+        while True:
+            t0 = time.perf_counter()
+            try:
+                client.grouped_gemm(job["name"], x, sizes, x_scale=scale)
+                lat.append(time.perf_counter() - t0)
+            except Exception:  # counted, never hidden
+                errors += 1
+            if time.time() >= stop_at and len(lat) >= job["min_calls"]:
+                break
+        conn.send({"lat": lat, "errors": errors, "end": time.time()})
+
+
+class Workers:
+    """Client processes, each on its own pipe."""
+
+    def __init__(self, count: int) -> None:
+        ctx = mp.get_context("fork")
+        self.pipes, self.procs = [], []
+        for i in range(count):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child, i), daemon=True)
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+
+    def run(self, clients: int, job: dict) -> dict:
+        start_at = time.time() + 0.3 + 0.02 * clients
+        for pipe in self.pipes[:clients]:
+            pipe.send({**job, "start_at": start_at})
+        results = [pipe.recv() for pipe in self.pipes[:clients]]
+        lat = sorted(x for r in results for x in r["lat"])
+        wall = max(r["end"] for r in results) - start_at
+        calls = len(lat)
+        return {
+            "clients": clients,
+            "calls": calls,
+            "errors": sum(r["errors"] for r in results),
+            "p50_us": 1e6 * lat[calls // 2] if calls else None,
+            "p99_us": 1e6 * lat[min(calls - 1, int(calls * 0.99))] if calls else None,
+            "mean_us": 1e6 * statistics.fmean(lat) if calls else None,
+            "calls_per_s": calls / wall if wall > 0 else None,
+        }
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for proc in self.procs:
+            proc.join(5)
+
+
+# -- weight files ------------------------------------------------------------------
+
+
+def write_weights(path: Path, g: int, n: int, k: int, seed: int) -> None:
+    """A safetensors file {"w": fp8 [G,N,K], "w_scale": f32 [G,K/128,N/128]}, random."""
+    rng = np.random.default_rng(seed)
+    w_bytes = g * n * k
+    s_shape = (g, k // 128, n // 128)
+    s_bytes = 4 * g * (k // 128) * (n // 128)
+    header = {
+        "w": {"dtype": "F8_E4M3", "shape": [g, n, k], "data_offsets": [0, w_bytes]},
+        "w_scale": {"dtype": "F32", "shape": list(s_shape),
+                    "data_offsets": [w_bytes, w_bytes + s_bytes]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    # A few distinct random experts, repeated: writing 3.8 GB of fresh randomness
+    # would cost more than the benchmark; values still vary within each expert.
+    # Bytes 0x00-0x7E and 0x80-0xFE are finite e4m3fn values (0x7F/0xFF are NaN).
+    distinct = [rng.integers(0, 0x7F, size=n * k, dtype=np.uint8)
+                | (rng.integers(0, 2, size=n * k, dtype=np.uint8) << 7) for _ in range(4)]
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for e in range(g):
+            f.write(distinct[e % len(distinct)].tobytes())
+        f.write(rng.uniform(1e-4, 1e-3, size=s_shape).astype("<f4").tobytes())
+
+
+# -- servers -----------------------------------------------------------------------
+
+
+class Server:
+    """One ``moegemm serve`` process on loopback."""
+
+    def __init__(self, name: str, port: int, args: list[str], env: dict, log_dir: Path) -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_dir / f"server_{name}.log", "w")
+        cmd = [sys.executable, "-m", "moegemm.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(port), *args]
+        self.cmd = cmd
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.ready_s: float | None = None
+
+    def wait_ready(self, timeout: float) -> bool:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                if httpx.get(self.url + "/v1/health/ready", timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - self.started
+                    return True
+            except Exception:
+                pass
+            time.sleep(0.2)
+        return False
+
+    def metrics(self) -> dict:
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        found = {}
+        for key, pattern in (
+            ("graph_replays", r'^moegemm_launches_total\{mode="graph"\} (\S+)'),
+            ("eager_runs", r'^moegemm_launches_total\{mode="eager"\} (\S+)'),
+            ("batches", r"^moegemm_batch_calls_count (\S+)"),
+            ("batched_calls", r"^moegemm_batch_calls_sum (\S+)"),
+        ):
+            match = re.search(pattern, text, re.M)
+            found[key] = float(match.group(1)) if match else None
+        if found["batches"]:
+            found["mean_merge_size"] = found["batched_calls"] / found["batches"]
+        return found
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+# -- kernel time -------------------------------------------------------------------
+
+
+def kernel_times(shapes: list[tuple], device: str) -> dict:
+    """The kernel's own time (graph replay median, us) per (set, G, N, K, M, kind)."""
+    import torch
+
+    from moegemm.kernels import get_backend, quantize_activations
+
+    out = {}
+    dev = torch.device(device)
+    backend = get_backend(dev)
+    weights = {}
+    for set_name, g, n, k, m, kind in shapes:
+        if (g, n, k) not in weights:
+            wq = torch.randint(0, 0x7F, (g, n, k), dtype=torch.uint8, device=dev)
+            weights[(g, n, k)] = (
+                wq.view(backend.fp8_dtype),
+                torch.rand((g, k // 128, n // 128), device=dev) * 1e-3 + 1e-4,
+            )
+        wq, ws = weights[(g, n, k)]
+        rng = np.random.default_rng(m)
+        sizes = torch.tensor(rng.multinomial(m, np.full(g, 1.0 / g)), device=dev)
+        x = torch.randn((m, k), device=dev).to(torch.bfloat16)
+        xq, xs = quantize_activations(x, backend.fp8_dtype)
+        o = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+        if kind == "bf16":
+            def step():
+                q, s = quantize_activations(x, backend.fp8_dtype)
+                backend.run(q, wq, s, ws, sizes, o)
+        else:
+            def step():
+                backend.run(xq, wq, xs, ws, sizes, o)
+        out[f"{set_name}/M{m}/{kind}"] = _time_us(step, dev)
+    return out
+
+
+def _time_us(step, dev) -> float:
+    import torch
+
+    if dev.type != "cuda":
+        step()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        return (time.perf_counter() - t0) / 3 * 1e6
+    import triton.testing
+
+    step()
+    torch.cuda.synchronize()
+    return 1e3 * triton.testing.do_bench_cudagraph(step, rep=50)
+
+
+# -- the run -----------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (smoke test)")
+    ap.add_argument("--duration", type=float, default=1.0, help="seconds per point")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--servers", default="default,graphs_off,merge_off,uvicorn")
+    ap.add_argument("--merge-window-us", type=int, default=200)
+    ap.add_argument("--no-deepseek", action="store_true")
+    ap.add_argument("--port", type=int, default=18600)
+    ap.add_argument("--budget-s", type=float, default=300, help="stop starting points after this")
+    ap.add_argument("--ready-timeout", type=float, default=240)
+    args = ap.parse_args()
+    began = time.monotonic()
+    workers = Workers(args.clients)  # before torch/CUDA exist in this process
+
+    if args.cpu:
+        main_set, ds_set, ms = (8, 256, 512), (32, 256, 512), [1, 32]
+        device, kinds = "cpu", ["fp8", "bf16"]
+    else:
+        main_set, ds_set, ms = (8, 2048, 7168), (256, 2048, 7168), [1, 32, 128, 1024]
+        device, kinds = "cuda", ["fp8", "bf16"]
+    sets = {"main": main_set}
+    if not args.no_deepseek:
+        sets["deepseek"] = ds_set
+
+    work = Path(tempfile.mkdtemp(prefix="moegemm_bench_"))
+    wdir = work / "weights"
+    wdir.mkdir()
+    t0 = time.monotonic()
+    for i, (name, (g, n, k)) in enumerate(sets.items()):
+        write_weights(wdir / f"{name}.safetensors", g, n, k, seed=i)
+    files_s = time.monotonic() - t0
+
+    env = dict(os.environ)
+    common = ["--device", device, "--weights-dir", str(wdir), "--no-demo",
+              "--max-bucket-m", "1024" if args.cpu else "8192"]
+    preload_all = [a for name in sets for a in ("--preload", f"{name}={name}.safetensors:w:w_scale")]
+    preload_main = ["--preload", "main=main.safetensors:w:w_scale"]
+    window = str(args.merge_window_us)
+    plans = {
+        "default": preload_all + ["--graphs", "--merge-window-us", window, "--http", "fast"],
+        "graphs_off": preload_main + ["--no-graphs", "--merge-window-us", window, "--http", "fast"],
+        "merge_off": preload_main + ["--graphs", "--merge-window-us", "0", "--http", "fast"],
+        "uvicorn": preload_main + ["--graphs", "--merge-window-us", window, "--http", "uvicorn"],
+    }
+    wanted = [s for s in args.servers.split(",") if s]
+    servers = {}
+    for i, name in enumerate(wanted):
+        servers[name] = Server(name, args.port + i, common + plans[name], env, work)
+
+    result: dict = {
+        "what": "moegemm service benchmark: real servers on loopback, client processes "
+                "(moegemm.client.Client, one keep-alive connection each) on the same machine",
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(sys.argv),
+        "sets": {k: dict(zip("GNK", v)) for k, v in sets.items()},
+        "merge_window_us": args.merge_window_us,
+        "weight_files_s": files_s,
+        "servers": {}, "kernel_us": {}, "points": [],
+    }
+    try:
+        for name, srv in servers.items():
+            ok = srv.wait_ready(args.ready_timeout)
+            result["servers"][name] = {"cmd": srv.cmd, "ready": ok, "ready_s": srv.ready_s}
+            if not ok:
+                print(f"server {name} not ready; see {srv.log.name}", file=sys.stderr)
+        shapes = [(s, *sets[s], m, kind) for s in sets for m in ms for kind in kinds]
+        result["kernel_us"] = kernel_times(shapes, device)
+
+        points = []
+        for m in ms:
+            for kind in kinds:
+                for clients in (1, args.clients):
+                    points.append(("default", "main", m, kind, clients))
+        if "deepseek" in sets:
+            points += [("default", "deepseek", m, "fp8", c) for m in ms for c in (1, args.clients)]
+        points += [("graphs_off", "main", m, "fp8", c) for m in ms for c in (1, args.clients)]
+        points += [("merge_off", "main", m, "fp8", args.clients) for m in ms]
+        points += [("merge_off", "main", 1, "fp8", 1)]
+        points += [("uvicorn", "main", m, "fp8", c) for m in ms[:3] for c in (1, args.clients)]
+        for server, set_name, m, kind, clients in points:
+            srv = servers.get(server)
+            if srv is None or not result["servers"][server]["ready"]:
+                continue
+            if time.monotonic() - began > args.budget_s:
+                result["stopped_early"] = "time budget"
+                break
+            g, n, k = sets[set_name]
+            job = {"url": srv.url, "name": set_name, "m": m, "k": k, "g": g, "kind": kind,
+                   "duration": args.duration, "seed": m * 7 + clients,
+                   "min_calls": 20 if clients == 1 else 3}
+            row = {"server": server, "set": set_name, "M": m, "input": kind, **workers.run(clients, job)}
+            kern = result["kernel_us"].get(f"{set_name}/M{m}/{kind}")
+            row["kernel_us"] = kern
+            row["overhead_p50_us"] = row["p50_us"] - kern if row["p50_us"] and kern else None
+            points_done = result["points"]
+            points_done.append(row)
+            print(_fmt(row), flush=True)
+        for name, srv in servers.items():
+            if result["servers"][name]["ready"]:
+                result["servers"][name]["metrics"] = srv.metrics()
+    finally:
+        workers.close()
+        for srv in servers.values():
+            srv.stop()
+        result["wall_s"] = time.monotonic() - began
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        for name in servers:
+            log = work / f"server_{name}.log"
+            if log.exists():
+                tail = log.read_text().splitlines()[-30:]
+                result["servers"].setdefault(name, {})["log_tail"] = tail
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        for f in wdir.iterdir():
+            f.unlink()
+    return 0
+
+
+def _fmt(row: dict) -> str:
+    def num(v, spec=".0f"):
+        return "-" if v is None else format(v, spec)
+    return (f"{row['server']:10s} {row['set']:8s} M={row['M']:5d} {row['input']:4s} "
+            f"c={row['clients']:2d}  p50 {num(row['p50_us']):>7s} us  p99 {num(row['p99_us']):>7s} us  "
+            f"{num(row['calls_per_s']):>6s} calls/s  kernel {num(row['kernel_us'], '.1f'):>7s} us  "
+            f"overhead {num(row['overhead_p50_us']):>6s} us  errors {row['errors']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
