@@ -152,8 +152,7 @@ def write_weights(path: Path, g: int, n: int, k: int, seed: int) -> None:
                 | (rng.integers(0, 2, size=n * k, dtype=np.uint8) << 7) for _ in range(4)]
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for e in range(g):
-            f.write(distinct[e % len(distinct)].tobytes())
+        f.writelines(distinct[e % len(distinct)].tobytes() for e in range(g))
         f.write(rng.uniform(1e-4, 1e-3, size=s_shape).astype("<f4").tobytes())
 
 
@@ -201,7 +200,7 @@ class Server:
             ("batches", r"^moegemm_batch_calls_count (\S+)"),
             ("batched_calls", r"^moegemm_batch_calls_sum (\S+)"),
         ):
-            match = re.search(pattern, text, re.M)
+            match = re.search(pattern, text, re.MULTILINE)
             found[key] = float(match.group(1)) if match else None
         if found["batches"]:
             found["mean_merge_size"] = found["batched_calls"] / found["batches"]
@@ -222,7 +221,6 @@ class Server:
 def kernel_times(shapes: list[tuple], device: str) -> dict:
     """The kernel's own time (graph replay median, us) per (set, G, N, K, M, kind)."""
     import torch
-
     from moegemm.kernels import get_backend, quantize_activations
 
     out = {}
@@ -243,11 +241,11 @@ def kernel_times(shapes: list[tuple], device: str) -> dict:
         xq, xs = quantize_activations(x, backend.fp8_dtype)
         o = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
         if kind == "bf16":
-            def step():
+            def step(x=x, wq=wq, ws=ws, sizes=sizes, o=o):
                 q, s = quantize_activations(x, backend.fp8_dtype)
                 backend.run(q, wq, s, ws, sizes, o)
         else:
-            def step():
+            def step(xq=xq, wq=wq, xs=xs, ws=ws, sizes=sizes, o=o):
                 backend.run(xq, wq, xs, ws, sizes, o)
         out[f"{set_name}/M{m}/{kind}"] = _time_us(step, dev)
     return out

@@ -20,9 +20,8 @@ import struct
 from typing import Any
 
 import torch
-from starlette.responses import Response
-
 from moegemm.client._wire import unpackb
+from starlette.responses import Response
 
 from ._tensors import WIRE_NAMES
 

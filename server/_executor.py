@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from moegemm.kernels import quantize_activations
 
 from ._graphs import Family, GraphPool
@@ -95,7 +94,7 @@ class Executor:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, part in enumerate(parts):
             by_dtype.setdefault(part.x.dtype, []).append(i)
-        for dtype, idx in by_dtype.items():
+        for idx in by_dtype.values():
             for i, out in zip(idx, self._run_same_dtype(ws, [parts[i] for i in idx], launches)):
                 outs[i] = out
         return outs, launches

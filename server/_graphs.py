@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 from moegemm.kernels import quantize_activations
 from moegemm.kernels._backend import Backend
 

@@ -26,6 +26,7 @@ Chunked uploads work on a slower path (accumulated, bounded by the body limit).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -51,7 +52,7 @@ def _plain_body(size: int) -> memoryview:
 
 
 def _error_bytes(status: int, code: str, message: str) -> bytes:
-    body = ('{"error": {"code": "%s", "message": "%s"}}' % (code, message)).encode()
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
     return (
         f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from moegemm.kernels import triton_kernel as tk
 from moegemm.kernels._triton_gemm import grouped_fp8_kernel
 

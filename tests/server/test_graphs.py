@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error

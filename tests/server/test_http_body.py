@@ -7,7 +7,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from moegemm.client._errors import BadMsgpack
 from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
 from moegemm.server._body import tensor_body_parts, unpack_body

@@ -17,16 +17,15 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from server_support import MSGPACK, Running, _free_port
-from test_api import *  # noqa: F401,F403  (re-run every API test over this transport)
-from test_errors import *  # noqa: F401,F403
-
 from moegemm.client import Client
 from moegemm.client._wire import encode_tensor, packb, unpackb
 from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
 from moegemm.server import Settings, create_app
 from moegemm.server._http import FastHttpServer
+from server_support import MSGPACK, Running, _free_port
+from test_api import *
+from test_errors import *
 
 
 @contextmanager
@@ -124,7 +123,7 @@ def test_keep_alive_and_pipelined_requests(server):
 
 def test_expect_100_continue(server):
     gen = torch.Generator().manual_seed(torch.seed())
-    body, x, m = _demo_body(5, gen)
+    body = _demo_body(5, gen)[0]
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=20) as sock:
         head = _gemm_request(body, "expect: 100-continue\r\n")[: -len(body)]
@@ -166,7 +165,7 @@ def test_malformed_request_line(server):
 
 def test_response_parts_decode(server):
     gen = torch.Generator().manual_seed(torch.seed())
-    body, x, m = _demo_body(9, gen)
+    body = _demo_body(9, gen)[0]
     r = server.http.post("/v1/weights/demo/gemm", content=body, headers=MSGPACK)
     assert r.status_code == 200
     out = unpackb(r.content)["out"]

@@ -7,7 +7,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from moegemm.server._merge import plan_merge, regroup, split
 
 

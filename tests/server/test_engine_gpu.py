@@ -1,0 +1,146 @@
+"""Captured and merged execution return exactly what the eager path returns (GPU).
+
+Each check runs the same fresh random calls through executors that differ only
+in one respect -- graphs on or off, calls merged or one by one, a shared
+weight table or one weight set per graph -- and demands bit-identical outputs,
+plus the SPEC tolerance against the float64 oracle. Skipped without an NVIDIA
+Hopper GPU and triton.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.version.hip:
+    pytest.skip("needs an NVIDIA CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs compute capability 9.0 (Hopper)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from moegemm.kernels import get_backend, quantize_activations, reference_float64
+from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
+from moegemm.server._executor import Executor, Part
+from moegemm.server._graphs import GraphPool
+from moegemm.server._staging import Staging
+
+DEV = torch.device("cuda")
+FP8 = torch.float8_e4m3fn
+N, K = 512, 1024
+MAX_BUCKET = 1024
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = get_backend(DEV, "triton")
+    assert b.capture_safe
+    return b
+
+
+def _executor(backend, *, graphs: bool, table: bool = True, max_bucket: int = MAX_BUCKET):
+    pool = GraphPool(backend, max_bucket, graphs=graphs, weight_table=table)
+    return Executor(pool, Staging(DEV))
+
+
+def _weights(g: int, gen: torch.Generator):
+    p = random_problem(1, N, K, g, device=DEV, generator=gen)
+    return SimpleNamespace(G=g, N=N, K=K, wq=p.wq, w_scale=p.w_scale)
+
+
+def _part(g: int, m: int, kind: str, gen: torch.Generator) -> Part:
+    sizes = random_m_sizes(g, m).tolist()
+    if kind == "bf16":
+        x = torch.randn(m, K, generator=gen, device=DEV).to(torch.bfloat16).cpu()
+        return Part(x, None, sizes)
+    p = random_problem(m, N, K, g, device=DEV, generator=gen, m_sizes=torch.tensor(sizes))
+    return Part(p.xq.cpu(), p.x_scale.cpu(), sizes)
+
+
+def _check_spec(ws, part: Part, out: torch.Tensor) -> None:
+    xq, xs = part.x.to(DEV), None if part.x_scale is None else part.x_scale.to(DEV)
+    if xs is None:
+        xq, xs = quantize_activations(xq, FP8)
+    ref = reference_float64(xq, ws.wq, xs, ws.w_scale, torch.tensor(part.m_sizes, device=DEV))
+    if out.shape[0]:
+        assert torch.isfinite(out.float()).all()
+        assert rel_error(out, ref) <= SPEC_TOLERANCE
+
+
+def _run(ex, ws, parts):
+    outs, launches = ex.run(ws, parts)
+    torch.cuda.synchronize()
+    return outs, launches
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator(device=DEV).manual_seed(torch.seed())
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_captured_equals_eager(backend, kind, gen):
+    g = 8
+    ws = _weights(g, gen)
+    captured, eager = _executor(backend, graphs=True), _executor(backend, graphs=False)
+    assert captured.prepare(g, N, K, ws.wq, ws.w_scale) == 2 * len(captured.pool.buckets)
+    for m in (1, 7, 83, 128, 1000):
+        part = _part(g, m, kind, gen)
+        [got], launches = _run(captured, ws, [part])
+        [want], eager_launches = _run(eager, ws, [part])
+        assert (launches.graph, launches.eager) == (1, 0)
+        assert (eager_launches.graph, eager_launches.eager) == (0, 1)
+        assert torch.equal(got, want), f"M={m}: max diff {(got.float() - want.float()).abs().max()}"
+        _check_spec(ws, part, got)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_merged_equals_one_by_one(backend, kind, gen):
+    g = 8
+    ws = _weights(g, gen)
+    merged_ex, eager = _executor(backend, graphs=True), _executor(backend, graphs=False)
+    merged_ex.prepare(g, N, K, ws.wq, ws.w_scale)
+    parts = [_part(g, m, kind, gen) for m in (3, 50, 1, 17, 0, 128)]
+    outs, launches = _run(merged_ex, ws, parts)
+    assert launches.graph == 1  # one launch for all six calls
+    for part, out in zip(parts, outs):
+        [alone], _ = _run(eager, ws, [part])
+        assert torch.equal(out, alone)
+        _check_spec(ws, part, out)
+
+
+def test_chunks_above_the_largest_bucket(backend, gen):
+    g = 8
+    ws = _weights(g, gen)
+    captured = _executor(backend, graphs=True, max_bucket=256)
+    eager = _executor(backend, graphs=False, max_bucket=256)
+    captured.prepare(g, N, K, ws.wq, ws.w_scale)
+    parts = [_part(g, 700, "fp8", gen), _part(g, 90, "fp8", gen)]
+    outs, launches = _run(captured, ws, parts)
+    assert launches.graph == 4  # 790 rows in chunks of 256
+    want, _ = _run(eager, ws, parts)
+    for part, out, ref in zip(parts, outs, want):
+        assert torch.equal(out, ref)
+        _check_spec(ws, part, out)
+
+
+def test_weight_sets_of_one_shape_share_graphs(backend, gen):
+    g = 8
+    a, b = _weights(g, gen), _weights(g, gen)
+    captured = _executor(backend, graphs=True)
+    plain = _executor(backend, graphs=False, table=False)  # backend.run, no table
+    assert captured.pool.run_table is not None
+    captured.prepare(g, N, K, a.wq, a.w_scale)
+    held = captured.pool.graph_count()
+    assert captured.prepare(g, N, K, b.wq, b.w_scale) == 0  # nothing new to capture
+    assert captured.pool.graph_count() == held
+    for ws in (a, b, a):
+        part = _part(g, 83, "fp8", gen)
+        [got], launches = _run(captured, ws, [part])
+        [want], _ = _run(plain, ws, [part])
+        assert launches.graph == 1
+        assert torch.equal(got, want)
+        _check_spec(ws, part, got)
