@@ -1,0 +1,184 @@
+"""The FlyDSL backend's host side: tile checks, arch detection, selection, autotune cache, ISA parsing.
+
+None of this imports FlyDSL: the checks that must run before tracing are plain
+Python, and the module keeps FlyDSL out of any process that merely imports it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from moegemm.kernels import BackendUnavailable
+from moegemm.kernels import flydsl_kernel as fk
+from moegemm.kernels._flydsl_isa import parse_isa
+from moegemm.kernels._flydsl_tiles import (
+    AUTOTUNE_TILES,
+    DEFAULT_TILES,
+    LDS_BUDGET,
+    FlyTile,
+    TileTooLarge,
+    check_tile,
+    fit_tile,
+)
+
+
+def test_importing_the_backend_does_not_import_flydsl():
+    code = (
+        "import sys\n"
+        "import moegemm.kernels.flydsl_kernel, moegemm.kernels._flydsl_isa\n"
+        "assert 'flydsl' not in sys.modules, sorted(m for m in sys.modules if 'fly' in m)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("arch", sorted(DEFAULT_TILES))
+def test_default_tiles_pass_their_arch_checks(arch):
+    assert check_tile(DEFAULT_TILES[arch], arch) is DEFAULT_TILES[arch]
+
+
+def test_lds_budget_is_per_arch():
+    tile = FlyTile(128, 128, 256)  # 2 x (32 KiB A + 1 KiB scales) = 66 KiB
+    assert tile.lds_bytes == 2 * (128 * 256 + 4 * 128 * 2)
+    with pytest.raises(TileTooLarge, match=r"67584 bytes of LDS.*gfx942 gives a workgroup 65536"):
+        check_tile(tile, "gfx942")
+    assert check_tile(tile, "gfx950") is tile
+    with pytest.raises(TileTooLarge, match="gfx950 gives a workgroup 163840"):
+        check_tile(FlyTile(512, 128, 256), "gfx950")
+
+
+def test_every_candidate_is_judged_by_the_budget_alone():
+    """Each candidate is well formed; only LDS decides whether an arch takes it."""
+    for arch, budget in LDS_BUDGET.items():
+        for tile in AUTOTUNE_TILES:
+            if tile.lds_bytes > budget:
+                with pytest.raises(TileTooLarge):
+                    check_tile(tile, arch)
+            else:
+                check_tile(tile, arch)
+
+
+@pytest.mark.parametrize(
+    ("tile", "message"),
+    [
+        (FlyTile(48, 128, 128), "block_m"),
+        (FlyTile(64, 96, 128), "block_n"),
+        (FlyTile(64, 1024, 128), "block_n"),
+        (FlyTile(64, 128, 192), "block_k"),
+        (FlyTile(64, 128, 64), "block_k"),
+    ],
+)
+def test_malformed_tiles_are_refused(tile, message):
+    with pytest.raises(ValueError, match=message):
+        check_tile(tile, "gfx950")
+
+
+def test_unknown_arch_is_refused():
+    with pytest.raises(ValueError, match="gfx90a"):
+        check_tile(DEFAULT_TILES["gfx942"], "gfx90a")
+
+
+def test_fit_tile_shrinks_to_divide_n_and_k():
+    assert fit_tile(FlyTile(64, 256, 256), 384, 384) == FlyTile(64, 128, 128)
+    assert fit_tile(FlyTile(64, 256, 256), 512, 1024) == FlyTile(64, 256, 256)
+    assert fit_tile(FlyTile(32, 512, 128), 640, 128) == FlyTile(32, 128, 128)
+
+
+def test_device_arch_in_compile_only_mode(monkeypatch):
+    monkeypatch.setenv("COMPILE_ONLY", "1")
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "GFX950")
+    assert fk.device_arch(torch.device("cpu")) == "gfx950"
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx1201")
+    with pytest.raises(BackendUnavailable, match="gfx1201"):
+        fk.device_arch(torch.device("cpu"))
+
+
+@pytest.mark.skipif(bool(torch.version.hip), reason="this box has ROCm torch")
+def test_create_is_unavailable_without_rocm(monkeypatch):
+    monkeypatch.delenv("COMPILE_ONLY", raising=False)
+    with pytest.raises(BackendUnavailable, match="ROCm"):
+        fk.create(torch.device("cuda", 0))
+
+
+def test_the_kernel_is_not_loaded_next_to_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", object())
+    with pytest.raises(BackendUnavailable, match="triton is already imported"):
+        fk._import_kernel_module()
+
+
+def test_autotune_key_is_the_cuda_backends(monkeypatch):
+    triton_tune = pytest.importorskip("moegemm.kernels._triton_tune")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "AMD Instinct MI300X")
+    for m in (1, 2, 83, 1335, 4096):
+        ours = fk.autotune_key(m, 7168, 2048, 256, "AMD Instinct MI300X")
+        assert ours == triton_tune.cache_key(m, 7168, 2048, 256, torch.device("cuda", 0))
+
+
+def test_autotune_winners_persist_per_layout(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fk, "_tuned", {})
+    key = fk.autotune_key(100, 512, 1024, 8, "MI355X")
+    fk._load_tuned("preshuffled")[key] = FlyTile(128, 64, 256)
+    fk._save_tuned("preshuffled")
+    monkeypatch.setattr(fk, "_tuned", {})
+    assert fk._load_tuned("preshuffled") == {key: FlyTile(128, 64, 256)}
+    assert fk._load_tuned("plain") == {}
+    assert (tmp_path / "flydsl_preshuffled_tiles.json").exists()
+
+
+def _call_args(fp8=torch.float8_e4m3fnuz, m=5, n=256, k=256, g=3):
+    return (
+        torch.empty(m, k, dtype=fp8),
+        torch.empty(g, n, k, dtype=fp8),
+        torch.ones(m, k // 128),
+        torch.ones(g, k // 128, n // 128),
+        torch.tensor([2, 0, 3]),
+        torch.empty(m, n, dtype=torch.bfloat16),
+    )
+
+
+def test_call_checks_refuse_what_the_kernel_cannot_read():
+    fk._check_call(*_call_args(), torch.float8_e4m3fnuz)
+    with pytest.raises(TypeError, match="computes in"):
+        fk._check_call(*_call_args(torch.float8_e4m3fn), torch.float8_e4m3fnuz)
+    xq, wq, xs, ws, ms, out = _call_args()
+    with pytest.raises(ValueError, match="w_scale must have shape"):
+        fk._check_call(xq, wq, xs, ws[:, :1], ms, out, torch.float8_e4m3fnuz)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        fk._check_call(xq, wq, xs, ws, torch.tensor([0, 2, 0, 3])[1:], out, torch.float8_e4m3fnuz)
+    with pytest.raises(ValueError, match="contiguous"):
+        fk._check_call(
+            xq, wq, xs, ws, ms, torch.empty(256, 5, dtype=torch.bfloat16).t(), torch.float8_e4m3fnuz
+        )
+
+
+_ISA = """\
+grouped_fp8_gemm_kernel:
+\ts_load_dwordx2 s[0:1], s[0:1], 0x0
+\tv_mfma_f32_16x16x32_fp8_fp8 v[0:3], v[4:5], v[6:7], 0
+\tv_mfma_f32_16x16x32_fp8_fp8 v[0:3], v[8:9], v[10:11], v[0:3]
+\ts_endpgm
+\t.amdgpu_metadata
+---
+amdhsa.kernels:
+  - .agpr_count:     4
+    .group_segment_fixed_size: 16896
+    .private_segment_fixed_size: 0
+    .sgpr_count:     49
+    .sgpr_spill_count: 0
+    .vgpr_count:     119
+    .vgpr_spill_count: 2
+\t.end_amdgpu_metadata
+"""
+
+
+def test_parse_isa_reads_instructions_and_resources():
+    facts = parse_isa(_ISA)
+    assert facts.count("v_mfma_f32_16x16x32_fp8_fp8") == 2
+    assert facts.count("v_mfma_scale_f32_16x16x128_f8f6f4") == 0
+    assert (facts.lds_bytes, facts.scratch_bytes, facts.vgprs, facts.agprs) == (16896, 0, 119, 4)
+    assert (facts.vgpr_spills, facts.sgpr_spills) == (2, 0)
+    with pytest.raises(ValueError, match="group_segment_fixed_size"):
+        parse_isa(_ISA.replace(".group_segment_fixed_size", ".other"))
