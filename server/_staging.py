@@ -16,9 +16,30 @@ synchronous copies, so the engine has one code path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+
+# Bodies above this are weight uploads, not calls: pinning them would hold page-
+# locked memory the size of a weight set for one request.
+_PIN_BODIES_UP_TO = 64 << 20
+
+
+def pinned_body_allocator() -> Callable[[int], memoryview]:
+    """Request-body buffers in page-locked memory (for the HTTP transport).
+
+    The engine then uploads a call's rows straight from the body, with no host
+    copy. Blocks come from torch's caching host allocator and return to it when
+    the last view of the body is gone.
+    """
+
+    def allocate(size: int) -> memoryview:
+        if size > _PIN_BODIES_UP_TO:
+            return memoryview(bytearray(size))
+        return memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy())
+
+    return allocate
 
 
 class Staging:

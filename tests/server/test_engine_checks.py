@@ -1,0 +1,48 @@
+"""The numpy request checks agree with the torch ones on every byte pattern."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moegemm.server._checks import floats_finite, fp8_has_nan, scales_ok
+
+ALL_BYTES = torch.arange(256, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+def test_fp8_nan_on_every_byte(dtype):
+    for b in range(256):
+        t = torch.randint(0, 0x70, (33, 128), dtype=torch.uint8)
+        t[17, 5] = b
+        q = t.view(dtype)
+        assert fp8_has_nan(q) == bool(torch.isnan(q.float()).any()), hex(b)
+    assert fp8_has_nan(torch.empty(0, 128, dtype=dtype)) is False
+    with pytest.raises(TypeError):
+        fp8_has_nan(torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_floats_finite_matches_torch(dtype):
+    x = torch.randn(41, 256).to(dtype)
+    assert floats_finite(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[40, 255] = bad
+        assert not floats_finite(y)
+    # Every 16-bit pattern, compared with torch's own verdict.
+    if dtype != torch.float32:
+        every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        for chunk in every.split(4096):
+            assert floats_finite(chunk) == bool(torch.isfinite(chunk).all())
+    assert floats_finite(torch.empty(0, 8, dtype=dtype))
+
+
+def test_scales():
+    s = torch.rand(17, 56) + 1e-6
+    assert scales_ok(s)
+    for bad in (0.0, -1e-3, float("nan"), float("inf")):
+        t = s.clone()
+        t[3, 7] = bad
+        assert not scales_ok(t)
+    assert scales_ok(torch.empty(0, 56))
