@@ -66,7 +66,7 @@ T = TypeVar("T")
 _RETRY_AFTER_S = 1
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-wise (tensor) comparison, in the queue
 class GemmCall:
     """One validated gemm request waiting for the worker (host tensors)."""
 
@@ -83,7 +83,7 @@ class GemmCall:
         return self.x.shape[0]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     """Any other device work (e.g. building a weight set)."""
 
@@ -240,8 +240,15 @@ class Engine:
                     except Exception as exc:  # noqa: BLE001 -- handed to the awaiting request
                         item.future.set_exception(exc)
                 continue
-            batch = self._collect(item)
-            self._run_batch(batch)
+            batch = [item]
+            try:
+                batch = self._collect(item)
+                self._run_batch(batch)
+            except Exception:  # a bug here must not kill the device's only thread
+                log.exception("the engine failed a batch of %d calls", len(batch))
+                for call in batch:
+                    if not call.future.done():
+                        call.future.set_exception(InternalError("the engine failed this call"))
 
     def _next(self) -> GemmCall | _Job | None:
         with self._cv:

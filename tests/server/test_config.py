@@ -1,0 +1,115 @@
+"""Settings: defaults, the environment, validation; and the `moegemm serve` flags."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from moegemm.server import Settings
+from moegemm.server import cli as server_cli
+from moegemm.server.config import parse_preload
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch):
+    import os
+
+    for key in [k for k in os.environ if k.startswith("MOEGEMM_")]:
+        monkeypatch.delenv(key)
+
+
+def test_defaults():
+    s = Settings()
+    assert (s.host, s.port, s.device, s.backend) == ("127.0.0.1", 8000, "auto", "auto")
+    assert s.token is None and s.admin_token is None
+    assert s.wants_demo()  # nothing preloaded
+    assert s.buckets()[0] == 1 and s.buckets()[-1] == s.max_bucket_m
+
+
+def test_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEGEMM_PORT", "9123")
+    monkeypatch.setenv("MOEGEMM_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.setenv("MOEGEMM_PRELOAD", "l0=a.safetensors:w:s, l1=b.safetensors:w")
+    monkeypatch.setenv("MOEGEMM_TOKEN", "s3cret")
+    monkeypatch.setenv("MOEGEMM_LOG_LEVEL", "DEBUG")
+    s = Settings()
+    assert s.port == 9123 and s.weights_dir == tmp_path
+    assert [e.name for e in s.preload_entries()] == ["l0", "l1"]
+    assert s.preload_entries()[1].w_scale_key is None
+    assert s.token.get_secret_value() == "s3cret" and "s3cret" not in repr(s)
+    assert s.log_level == "debug"
+    assert not s.wants_demo()
+    monkeypatch.setenv("MOEGEMM_PRELOAD", '["l2=c.safetensors:w"]')
+    assert Settings().preload == ["l2=c.safetensors:w"]
+    # Keyword arguments win over the environment.
+    assert Settings(port=1).port == 1
+
+
+@pytest.mark.parametrize("bad", [
+    {"port": 70000}, {"max_body_bytes": 0}, {"max_m": -1}, {"max_bucket_m": 100},
+    {"queue_size": 0}, {"merge_window_us": -1}, {"device": "gpu"}, {"log_level": "loud"},
+    {"preload": ["nonsense"]}, {"preload": ["a=b:c"]},  # the second lacks weights_dir
+    {"unknown_setting": 1},
+])
+def test_invalid_values_are_refused(bad):
+    with pytest.raises(ValidationError):
+        Settings(**bad)
+
+
+def test_parse_preload():
+    e = parse_preload("layer-3=dir/file.safetensors:experts.w:experts.s")
+    assert e == ("layer-3", "dir/file.safetensors", "experts.w", "experts.s")
+    with pytest.raises(ValueError):
+        parse_preload("a=file")
+
+
+def test_cli_flags_override_settings(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(server_cli, "serve", lambda settings: seen.setdefault("s", settings) and 0)
+    monkeypatch.setenv("MOEGEMM_PORT", "9000")
+    assert server_cli.main(["serve", "--host", "0.0.0.0", "--device", "cpu", "--no-demo",
+                            "--merge-window-us", "50"]) == 0
+    s = seen["s"]
+    assert (s.host, s.port, s.device, s.demo, s.merge_window_us) == ("0.0.0.0", 9000, "cpu",
+                                                                    False, 50)
+
+
+def test_cli_refuses_bad_settings(capsys):
+    assert server_cli.main(["serve", "--port", "-5"]) == 2
+    assert "invalid settings" in capsys.readouterr().err
+
+
+def test_moegemm_serve_runs_a_server():
+    """The real command: starts, loads the demo set, answers, stops on SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from server_support import _free_port
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moegemm.cli", "serve", "--port", str(port), "--device", "cpu",
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/health/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "moegemm serve did not become ready"
+            time.sleep(0.1)
+        weights = httpx.get(f"http://127.0.0.1:{port}/v1/weights").json()["weights"]
+        assert [ws["name"] for ws in weights] == ["demo"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught.
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    assert b"Traceback" not in proc.stdout.read()

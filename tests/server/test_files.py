@@ -1,0 +1,120 @@
+"""Weight sets from safetensors files under the weights directory (SPEC 2.1)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from server_support import assert_error, close_to, fp8_problem, out_of, reference, serve, wire
+
+from moegemm.kernels import quantize_weights
+from moegemm.server import Settings
+
+N, K, G = 128, 256, 4
+
+
+@pytest.fixture(scope="module")
+def files(server):
+    """An fp8 file (w + w_scale), a bf16 file, and a file outside the directory."""
+    root = server.weights_dir
+    p = fp8_problem(30, N, K, G)
+    (root / "sub").mkdir()
+    save_file({"w": p.wq, "s": p.w_scale}, str(root / "sub" / "fp8.safetensors"))
+    w16 = (torch.randn(G, N, K) * 0.3).bfloat16()
+    save_file({"experts": w16}, str(root / "bf16.safetensors"))
+    outside = root.parent / "outside.safetensors"
+    save_file({"w": p.wq, "s": p.w_scale}, str(outside))
+    os.symlink(outside, root / "link.safetensors")
+    return p, w16, outside
+
+
+def test_fp8_file(server, files):
+    p, _, _ = files
+    r = server.put("from-file", {"file": "sub/fp8.safetensors", "w": "w", "w_scale": "s"})
+    assert r.status_code in (200, 201), r.text
+    assert (r.json()["G"], r.json()["N"], r.json()["K"]) == (G, N, K)
+    out = out_of(server.gemm("from-file", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
+                                           "m_sizes": wire(p.m_sizes)}))
+    assert close_to(out, reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes))
+
+
+def test_bf16_file_is_quantized(server, files):
+    p, w16, _ = files
+    assert server.put("bf16-file", {"file": "bf16.safetensors", "w": "experts"}).status_code in (
+        200, 201)
+    wq, w_scale = quantize_weights(w16)
+    ws = server.services.store.get("bf16-file")
+    assert torch.equal(ws.wq.view(torch.uint8), wq.view(torch.uint8))
+    assert torch.equal(ws.w_scale, w_scale)
+    out = out_of(server.gemm("bf16-file", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
+                                           "m_sizes": wire(p.m_sizes)}))
+    assert close_to(out, reference(p.xq, p.x_scale, wq, w_scale, p.m_sizes))
+
+
+@pytest.mark.parametrize("path", ["../outside.safetensors", "sub/../../outside.safetensors",
+                                  "link.safetensors", "/etc/passwd", ".", ""])
+def test_paths_outside_the_directory_are_refused(server, files, path):
+    _, _, outside = files
+    before = {ws.name: ws for ws in server.services.store.list()}
+    r = server.put("escape", {"file": path, "w": "w", "w_scale": "s"})
+    assert_error(r, 400, "bad_field")
+    assert_error(server.put("escape", {"file": str(outside), "w": "w", "w_scale": "s"}), 400,
+                 "bad_field")
+    assert {ws.name: ws for ws in server.services.store.list()} == before
+
+
+def test_missing_file_or_key(server, files):
+    assert_error(server.put("x", {"file": "nope.safetensors", "w": "w"}), 404, "no_such_file")
+    assert_error(server.put("x", {"file": "sub", "w": "w"}), 404, "no_such_file")  # a folder
+    assert_error(server.put("x", {"file": "sub/fp8.safetensors", "w": "nokey", "w_scale": "s"}),
+                 404, "no_such_file")
+    assert_error(server.put("x", {"file": "sub/fp8.safetensors", "w": "w", "w_scale": "nokey"}),
+                 404, "no_such_file")
+    # fp8 without its scale key, bf16 with one: the same rules as uploads.
+    assert_error(server.put("x", {"file": "sub/fp8.safetensors", "w": "w"}), 400, "bad_field")
+    assert "x" not in [ws.name for ws in server.services.store.list()]
+
+
+def test_not_a_safetensors_file(server, files):
+    (server.weights_dir / "junk.safetensors").write_bytes(os.urandom(200))
+    assert_error(server.put("x", {"file": "junk.safetensors", "w": "w"}), 400, "bad_field")
+
+
+def test_file_tensor_checks(server, files):
+    root = server.weights_dir
+    save_file({"w": torch.randn(2, 100, 128).bfloat16()}, str(root / "badshape.safetensors"))
+    assert_error(server.put("x", {"file": "badshape.safetensors", "w": "w"}), 400, "bad_shape")
+    save_file({"w": torch.randn(2, 128, 128).double()}, str(root / "f64.safetensors"))
+    assert_error(server.put("x", {"file": "f64.safetensors", "w": "w"}), 400, "bad_dtype")
+    nan = torch.randn(2, 128, 128)
+    nan[1, 3, 4] = float("nan")
+    save_file({"w": nan}, str(root / "nan.safetensors"))
+    assert_error(server.put("x", {"file": "nan.safetensors", "w": "w"}), 400, "not_finite")
+
+
+def test_no_weights_dir():
+    with serve(Settings(device="cpu", demo=False)) as srv:
+        assert_error(srv.put("x", {"file": "w.safetensors", "w": "w"}), 400, "bad_field")
+
+
+def test_preload_at_startup(tmp_path):
+    p = fp8_problem(12, N, K, G)
+    save_file({"w": p.wq, "s": p.w_scale}, str(tmp_path / "layer0.safetensors"))
+    settings = Settings(device="cpu", weights_dir=tmp_path,
+                        preload=["layer0=layer0.safetensors:w:s"])
+    with serve(settings) as srv:
+        names = [ws["name"] for ws in srv.http.get("/v1/weights").json()["weights"]]
+        assert names == ["layer0"]  # no demo set when something is preloaded
+        out = out_of(srv.gemm("layer0", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
+                                         "m_sizes": wire(p.m_sizes)}))
+        assert close_to(out, reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes))
+
+
+def test_failed_preload_keeps_the_server_not_ready(tmp_path):
+    settings = Settings(device="cpu", weights_dir=tmp_path, preload=["a=missing.safetensors:w"])
+    with serve(settings, wait=False) as srv:
+        with pytest.raises(TimeoutError):
+            srv.wait_ready(timeout=1)
+        assert_error(srv.http.get("/v1/health/ready"), 503, "not_ready")
