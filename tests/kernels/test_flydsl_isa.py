@@ -79,6 +79,9 @@ def test_default_tile_compiles_to_the_intended_isa(compiled, case):
     assert (isa.vgpr_spills, isa.sgpr_spills) == (0, 0)
     assert not [m for m in isa.instructions if m.startswith("scratch_")]
     assert isa.lds_bytes == tile.lds_bytes <= LDS_BUDGET[arch]
+    # 16-byte moves: global A/B loads, the swizzled LDS stores and the MFMA operand reads.
+    assert isa.count("global_load_dwordx4") > 0
+    assert isa.count("ds_write_b128") > 0 and isa.count("ds_read_b128") > 0
 
 
 @pytest.mark.parametrize("case", CANDIDATE_CASES, ids=_case_id)
