@@ -281,3 +281,20 @@ def test_services_and_budget_select_the_pods():
     assert {"name": "weights", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}} in (
         volumes
     )
+
+
+def test_dockerignore_lets_in_exactly_what_the_images_copy():
+    lines = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert lines[0] == "*", "everything is out unless let in"
+    let_in = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    for path in DOCKERFILES:
+        copied = set()
+        for keyword, args in _instructions(path):
+            if keyword == "COPY":
+                copied |= {src.rstrip("/") for src in args.split()[:-1]}
+        assert copied == let_in, path.name
+        assert all((ROOT / src).exists() for src in copied)
