@@ -337,9 +337,6 @@ def main() -> int:
             result["servers"][name] = {"cmd": srv.cmd, "ready": ok, "ready_s": srv.ready_s}
             if not ok:
                 print(f"server {name} not ready; see {srv.log.name}", file=sys.stderr)
-        shapes = [(s, *sets[s], m, kind) for s in sets for m in ms for kind in kinds]
-        result["kernel_us"] = kernel_times(shapes, device)
-
         points = []
         for m in ms:
             for kind in kinds:
@@ -351,10 +348,12 @@ def main() -> int:
         points += [("merge_off", "main", m, "fp8", args.clients) for m in ms]
         points += [("merge_off", "main", 1, "fp8", 1)]
         points += [("uvicorn", "main", m, "fp8", c) for m in ms[:3] for c in (1, args.clients)]
+        points = [p for p in points if p[0] in servers and result["servers"][p[0]]["ready"]]
+        shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points})
+        result["kernel_us"] = kernel_times(shapes, device)
+
         for server, set_name, m, kind, clients in points:
-            srv = servers.get(server)
-            if srv is None or not result["servers"][server]["ready"]:
-                continue
+            srv = servers[server]
             if time.monotonic() - began > args.budget_s:
                 result["stopped_early"] = "time budget"
                 break
@@ -362,7 +361,15 @@ def main() -> int:
             job = {"url": srv.url, "name": set_name, "m": m, "k": k, "g": g, "kind": kind,
                    "duration": args.duration, "seed": m * 7 + clients,
                    "min_calls": 20 if clients == 1 else 3}
+            before = srv.metrics()
             row = {"server": server, "set": set_name, "M": m, "input": kind, **workers.run(clients, job)}
+            after = srv.metrics()
+            # Per point (warm-up calls included): launches and calls per launch.
+            delta = {k: (after[k] or 0) - (before[k] or 0)
+                     for k in ("graph_replays", "eager_runs", "batches", "batched_calls")}
+            row["graph_replays"], row["eager_runs"] = delta["graph_replays"], delta["eager_runs"]
+            row["mean_merge_size"] = (delta["batched_calls"] / delta["batches"]
+                                      if delta["batches"] else None)
             kern = result["kernel_us"].get(f"{set_name}/M{m}/{kind}")
             row["kernel_us"] = kern
             row["overhead_p50_us"] = row["p50_us"] - kern if row["p50_us"] and kern else None
@@ -396,7 +403,8 @@ def _fmt(row: dict) -> str:
     return (f"{row['server']:10s} {row['set']:8s} M={row['M']:5d} {row['input']:4s} "
             f"c={row['clients']:2d}  p50 {num(row['p50_us']):>7s} us  p99 {num(row['p99_us']):>7s} us  "
             f"{num(row['calls_per_s']):>6s} calls/s  kernel {num(row['kernel_us'], '.1f'):>7s} us  "
-            f"overhead {num(row['overhead_p50_us']):>6s} us  errors {row['errors']}")
+            f"overhead {num(row['overhead_p50_us']):>6s} us  merge {num(row['mean_merge_size'], '.1f')}"
+            f"  graph/eager {row['graph_replays']:.0f}/{row['eager_runs']:.0f}  errors {row['errors']}")
 
 
 if __name__ == "__main__":
