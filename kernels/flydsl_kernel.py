@@ -22,13 +22,14 @@ both crashes). :func:`create` is what the backend selector calls.
 
 Tiles: :data:`DEFAULT_TILES` per arch; with ``MOEGEMM_AUTOTUNE=1`` the first
 call of each (nextPow2(M), N, K, G, device) times :data:`AUTOTUNE_TILES` and
-keeps the fastest, on disk under ``MOEGEMM_CACHE_DIR`` (default
-``~/.cache/moegemm``). Every tile passes :func:`check_tile` (the per-arch LDS
+keeps the fastest in ``$MOEGEMM_CACHE_DIR/flydsl_<layout>_tiles.json`` (default
+``~/.cache/moegemm``), keyed like the CUDA backend's cache. Every tile passes :func:`check_tile` (the per-arch LDS
 budget) before it is traced.
 
 Verification here: compiled and ISA-checked for gfx942 and gfx950 without a
-GPU (:func:`compile_only`, driven by ``_flydsl_isa.py``); never executed on
-AMD hardware in this repository's CI.
+GPU (:func:`compile_only`, driven by ``_flydsl_isa.py``), and its addressing
+replayed on the CPU against the float64 reference; never executed on AMD
+hardware in this repository's CI.
 """
 
 from __future__ import annotations
