@@ -4,18 +4,28 @@ Each server owns one GPU. A weight set lives on the ``replicas`` endpoints
 that rendezvous hashing ranks first for its name (``_placement``), so every
 router configured with the same endpoints and replica counts agrees on where
 each set is, and a model whose experts do not fit one GPU spreads over all of
-them. Calls go to the first endpoint of the set's placement and fail over to
-the next one when it cannot answer.
+them. Calls take turns over the endpoints of the set's placement and fail
+over to the next one when an endpoint cannot answer.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._client import Client
-from ._errors import APIError, MoegemmError, NoSuchWeights, TransportError, Unavailable
+from ._errors import (
+    APIError,
+    DeadlineExceeded,
+    MoegemmError,
+    NoSuchWeights,
+    TransportError,
+    Unavailable,
+)
 from ._placement import normalize_endpoint, place
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
@@ -67,11 +77,11 @@ class MultiClient:
 
     - ``load_weights`` / ``load_weights_file`` load on every endpoint of the
       placement; an unreachable one raises `TransportError` naming it.
-    - ``grouped_gemm`` asks the placement's endpoints in rank order and moves
-      to the next one on `TransportError`, 503 (`Unavailable`) or, when
-      another replica remains, `NoSuchWeights` (a restarted server that lost
-      its sets). Other errors (bad input) are raised at once: every replica
-      would answer the same. When no endpoint answers, the error names each
+    - ``grouped_gemm`` takes turns over the placement's endpoints and moves
+      on to the next one on `TransportError`, 503 (`Unavailable`) or
+      `NoSuchWeights` (a restarted server that lost its sets). Other errors
+      (bad input, a passed deadline) are raised at once: every replica would
+      answer the same. When no endpoint answers, the error names each
       endpoint and what went wrong there.
     """
 
@@ -93,6 +103,9 @@ class MultiClient:
             if not 1 <= count <= len(urls):
                 raise ValueError(f"replica counts are between 1 and {len(urls)}, got {count}")
         self._replicas = replicas
+        # Which replica a call tries first; itertools.count is safe to share
+        # between threads (next() on it is atomic under the GIL).
+        self._turns = itertools.count()
         self._clients: dict[str, Client] = {}
         try:
             for url in urls:
@@ -170,14 +183,45 @@ class MultiClient:
 
     # -- the operation: the first endpoint that answers -----------------------
 
-    def grouped_gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None) -> Any:
+    def grouped_gemm(
+        self,
+        name: str,
+        x: Any,
+        m_sizes: Any,
+        x_scale: Any = None,
+        *,
+        deadline: float | None = None,
+    ) -> Any:
         """Run the grouped GEMM on weight set ``name``; arguments and result as
-        `Client.grouped_gemm`, failing over between the set's replicas."""
+        `Client.grouped_gemm`, failing over between the set's replicas.
+
+        Calls for a replicated set take turns over its replicas (so hot sets
+        spread their load), each call failing over in rank order from its
+        first pick. ``deadline`` (seconds) bounds the whole call, failovers
+        included: each replica is given only the time left.
+        """
+        until = None
+        if deadline is not None:
+            if not (deadline > 0 and math.isfinite(deadline)):
+                raise ValueError(
+                    f"deadline is a positive, finite number of seconds, got {deadline!r}"
+                )
+            until = time.monotonic() + deadline
         placed = self.placement(name)
+        first = next(self._turns) % len(placed)
         failures: list[tuple[str, MoegemmError]] = []
-        for url in placed:
+        for url in placed[first:] + placed[:first]:
+            kwargs = {}
+            if until is not None:
+                kwargs["deadline"] = until - time.monotonic()
+                if kwargs["deadline"] <= 0:
+                    tried = "; ".join(f"{u}: {exc}" for u, exc in failures)
+                    raise DeadlineExceeded(
+                        f"the {deadline} s deadline for weight set {name!r} passed "
+                        f"while failing over ({tried})"
+                    ) from failures[-1][1]
             try:
-                return self._clients[url].grouped_gemm(name, x, m_sizes, x_scale)
+                return self._clients[url].grouped_gemm(name, x, m_sizes, x_scale, **kwargs)
             except (TransportError, Unavailable, NoSuchWeights) as exc:
                 failures.append((url, exc))
             except APIError as exc:

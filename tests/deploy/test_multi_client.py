@@ -14,8 +14,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from moegemm.client import Client, NoSuchWeights, TransportError
+from moegemm.client._client import DEADLINE_HEADER, MSGPACK
 from moegemm.client._multi import MultiClient
 from moegemm.client._placement import normalize_endpoint, place
+from moegemm.client._wire import encode_tensor, packb
 
 G, N, K = 3, 128, 256
 
@@ -140,9 +142,12 @@ def test_a_replicated_set_fails_over_when_its_first_endpoint_dies(servers, start
             x, m_sizes = _call(rng)
             before = multi.grouped_gemm(name, x, m_sizes)
             victim.stop()
-            after = multi.grouped_gemm(name, x, m_sizes)
-            # Both replicas quantized the same weights: the same answer.
-            np.testing.assert_array_equal(before, after)
+            # Calls take turns over the replicas: of two calls, one picks the
+            # dead endpoint first and must fail over.
+            for _ in range(2):
+                after = multi.grouped_gemm(name, x, m_sizes)
+                # Both replicas quantized the same weights: the same answer.
+                np.testing.assert_array_equal(before, after)
             # Loading needs every replica: the dead one is named.
             with pytest.raises(TransportError, match=normalize_endpoint(victim.url)):
                 multi.load_weights(name, _weights(rng))
@@ -188,3 +193,53 @@ def test_probes_need_no_token(servers):
     for path in ("/v1/health/live", "/v1/health/ready"):
         assert httpx.get(servers[0].url + path, timeout=5).status_code == 200
     assert httpx.get(servers[0].url + "/v1/weights", timeout=5).status_code == 401
+
+
+def _fake_servers(log: list, down: set[int] = frozenset()) -> httpx.MockTransport:
+    """Answers every gemm call with fresh random rows, recording who was asked."""
+    rng = np.random.default_rng()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        log.append((request.url.port, request.headers.get(DEADLINE_HEADER)))
+        if request.url.port in down:
+            raise httpx.ConnectError("connection refused", request=request)
+        out = rng.standard_normal((9, N)).astype(ml_dtypes.bfloat16)
+        body = packb({"out": encode_tensor(out)})
+        return httpx.Response(200, content=body, headers={"content-type": MSGPACK})
+
+    return httpx.MockTransport(handle)
+
+
+def test_calls_take_turns_over_the_replicas_of_a_hot_set():
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002, 9003, 9004)]
+    rng = np.random.default_rng()
+    x, m_sizes = _call(rng)
+    log: list = []
+    with MultiClient(urls, hot={"hot": 3}, transport=_fake_servers(log)) as multi:
+        placed = [int(u.rsplit(":", 1)[1]) for u in multi.placement("hot")]
+        for _ in range(6):
+            assert multi.grouped_gemm("hot", x, m_sizes).shape == (9, N)
+        assert [port for port, _ in log] == placed * 2
+        log.clear()
+        (single,) = [int(u.rsplit(":", 1)[1]) for u in multi.placement("cold")]
+        for _ in range(3):
+            multi.grouped_gemm("cold", x, m_sizes)
+        assert [port for port, _ in log] == [single] * 3
+
+
+def test_the_deadline_covers_the_failover():
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002)]
+    rng = np.random.default_rng()
+    x, m_sizes = _call(rng)
+    log: list = []
+    with MultiClient(urls, replicas=2, transport=_fake_servers(log)) as probe:
+        first, second = (int(u.rsplit(":", 1)[1]) for u in probe.placement("w"))
+    transport = _fake_servers(log, down={first})
+    with MultiClient(urls, replicas=2, transport=transport) as multi:
+        multi.grouped_gemm("w", x, m_sizes, deadline=5.0)
+        (tried_port, tried_budget), (used_port, used_budget) = log
+        assert (tried_port, used_port) == (first, second)
+        # Each replica is told the time left, never more than the whole budget.
+        assert 0 < int(used_budget) <= int(tried_budget) <= 5000
+        with pytest.raises(ValueError, match="deadline"):
+            multi.grouped_gemm("w", x, m_sizes, deadline=0)
