@@ -8,7 +8,7 @@ the dtype tables and validation helpers that the store and the engine share.
 from __future__ import annotations
 
 import torch
-from moegemm.client._errors import BadDtype, BadShape, NotFinite
+from moegemm.client._errors import BadDtype, BadShape, BadTensor, NotFinite
 
 BLOCK = 128
 
@@ -22,6 +22,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 WIRE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+_MAX_DIM = 1 << 63  # torch sizes are int64
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -37,6 +39,9 @@ def to_torch(wire) -> torch.Tensor:
     if dtype is None:  # _wire already refused it; this guards a seam change
         raise BadDtype(f"dtype {wire.dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     shape = tuple(wire.shape)
+    # A zero-sized tensor passes the wire's byte count with any other dims.
+    if any(d >= _MAX_DIM for d in shape):
+        raise BadTensor(f"shape {list(shape)} has a dimension over {_MAX_DIM - 1}")
     if len(wire.data) == 0:
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(wire.data, dtype=torch.uint8)

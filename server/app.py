@@ -169,7 +169,7 @@ class RequestContext:
                 await response(scope, counting_receive, tagging_send)
         finally:
             route = scope.get("route")
-            endpoint = getattr(route, "path", "unmatched")
+            endpoint = getattr(route, "path_format", "unmatched")
             metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
             metrics.request_seconds.labels(endpoint=endpoint).observe(
                 time.perf_counter() - started

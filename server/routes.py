@@ -25,6 +25,7 @@ from moegemm.client._errors import (
     UnsupportedMediaType,
 )
 from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
+from starlette.convertors import Convertor, register_url_convertor
 
 import moegemm
 
@@ -172,6 +173,23 @@ async def install(svc: Services, build: Callable[[], WeightSet]) -> tuple[Weight
     return ws, old is not None
 
 
+class _AnyName(Convertor):
+    """Matches any name, even empty or holding '/' or a newline, so that check_name
+    answers 400 bad_name for it instead of the router's 404."""
+
+    regex = r"[\s\S]*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+# Route paths are compiled when the decorators below run, so the convertor is
+# registered first (one entry in Starlette's convertor table).
+register_url_convertor("wsname", _AnyName())
+
 health = APIRouter(prefix="/v1/health")
 api = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
 weights_admin = APIRouter(
@@ -221,7 +239,7 @@ async def list_weights(svc: ServicesDep) -> dict:
     return {"weights": [ws.describe() for ws in svc.store.list()]}
 
 
-@weights_admin.put("/weights/{name}")
+@weights_admin.put("/weights/{name:wsname}")
 async def put_weights(name: str, request: Request, svc: ServicesDep):
     """Load or replace a weight set, from tensors in the body or from a file (201/200)."""
     check_name(name)
@@ -239,7 +257,7 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
     return JSONResponse(ws.describe(), status_code=200 if replaced else 201)
 
 
-@weights_admin.delete("/weights/{name}", status_code=204)
+@weights_admin.delete("/weights/{name:wsname}", status_code=204)
 async def delete_weights(name: str, svc: ServicesDep) -> Response:
     """Unload a weight set."""
     check_name(name)
@@ -248,7 +266,7 @@ async def delete_weights(name: str, svc: ServicesDep) -> Response:
     return Response(status_code=204)
 
 
-@api.post("/weights/{name}/gemm", dependencies=[Depends(require_ready)])
+@api.post("/weights/{name:wsname}/gemm", dependencies=[Depends(require_ready)])
 async def gemm(name: str, request: Request, svc: ServicesDep) -> Response:
     """SPEC 1 on a loaded weight set: msgpack {x, x_scale?, m_sizes} -> {out}."""
     check_name(name)
