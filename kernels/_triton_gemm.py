@@ -1,0 +1,161 @@
+"""The Triton grouped FP8 GEMM kernel with block-wise scales (SPEC 1), for sm_90.
+
+    tensor    shape             dtype      strides passed
+    xq        [M, K]            e4m3fn     stride_xm (K fastest)
+    wq        [G, N, K]         e4m3fn     stride_wg, stride_wn (K fastest)
+    x_scale   [M, K/128]        float32    stride_xsm (K/128 fastest)
+    w_scale   [G, K/128, N/128] float32    stride_wsg, stride_wsk (N/128 fastest)
+    m_sizes   [G]               int32/64   contiguous
+    out       [M, N]            bfloat16   stride_om (N fastest)
+
+One program computes one (row tile, column tile) of one group. The grid comes
+from static shapes only: a bound on the number of row tiles over all groups
+times the column tiles. Each program resolves its group from ``m_sizes`` in
+registers (prefix sums of rows and of row tiles), so no host code reads
+``m_sizes`` and no helper kernel runs: the launch can be captured in a CUDA
+graph. Programs past the last real row tile exit at once.
+
+Two orientations, chosen per shape class by the launcher:
+
+- ``SWAP_AB=False`` (prefill): ``acc[BLOCK_M, BLOCK_N] += dot(x, w^T) * (xs * ws)``.
+- ``SWAP_AB=True`` (decode): ``acc[BLOCK_N, BLOCK_M] += dot(w, x^T) * (ws * xs)``.
+  The weight tile is the MMA's M side (64 or 128 rows) and the few tokens of a
+  group its N side (16-64), so the tensor cores are not mostly padding.
+
+Every 128-wide K block's product is scaled and added to a float32 accumulator
+("promotion"), which is what SPEC 1 asks for and what keeps the FP8 MMA's
+reduced-precision accumulation short. Loads are never masked: rows past M are
+clamped to row M-1 and rows of the next group are computed and dropped; only
+the store is masked to the group's rows. Row and group offsets are int64, so
+operands of 2^31 elements or more work.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _locate_tile(m_sizes_ptr, G, tile_m, BLOCK_M: tl.constexpr, G_POW2: tl.constexpr):
+    """(group, first row of the tile, end row of the group, valid) of flat row tile ``tile_m``."""
+    offs_g = tl.arange(0, G_POW2)
+    sizes = tl.load(m_sizes_ptr + offs_g, mask=offs_g < G, other=0).to(tl.int32)
+    tiles = (sizes + (BLOCK_M - 1)) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    row_end = tl.cumsum(sizes, 0)
+    # The group is the first whose tiles end after tile_m; empty groups end
+    # where the previous one did and are skipped by the count.
+    group = tl.sum((tile_end <= tile_m).to(tl.int32), 0)
+    pick = offs_g == group
+    group_tile_end = tl.sum(tl.where(pick, tile_end, 0), 0)
+    group_tiles = tl.sum(tl.where(pick, tiles, 0), 0)
+    group_row_end = tl.sum(tl.where(pick, row_end, 0), 0)
+    group_size = tl.sum(tl.where(pick, sizes, 0), 0)
+    first_row = group_row_end - group_size + (tile_m - (group_tile_end - group_tiles)) * BLOCK_M
+    return group, first_row, group_row_end, group < G
+
+
+@triton.jit
+def grouped_fp8_kernel(
+    x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
+    M, N, K, G,
+    stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    G_POW2: tl.constexpr, SWAP_AB: tl.constexpr, EVICT_W: tl.constexpr,
+    GROUP_TILES_M: tl.constexpr, PRELOAD_SCALES: tl.constexpr, SCALE_CHUNK: tl.constexpr,
+):
+    """SPEC 1 for one output tile; see the module docstring for the layout."""
+    pid = tl.program_id(0)
+    num_n = N // BLOCK_N
+    # Super-grouping GROUP_TILES_M row tiles before moving along N keeps a band
+    # of activations and a band of weights hot in L2 at prefill sizes.
+    num_m = tl.num_programs(0) // num_n
+    band = GROUP_TILES_M * num_n
+    band_id = pid // band
+    first_m = band_id * GROUP_TILES_M
+    band_rows = tl.minimum(num_m - first_m, GROUP_TILES_M)
+    tile_m = first_m + (pid % band) % band_rows
+    tile_n = (pid % band) // band_rows
+
+    group, first_row, row_stop, valid = _locate_tile(m_sizes_ptr, G, tile_m, BLOCK_M, G_POW2)
+    if valid:
+        rows = first_row + tl.arange(0, BLOCK_M)
+        # Clamped, not masked: reads stay in bounds and the loads stay plain.
+        rows_in = tl.minimum(rows, M - 1).to(tl.int64)
+        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        group64 = group.to(tl.int64)
+
+        x_ptrs = x_ptr + rows_in[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = (w_ptr + group64 * stride_wg
+                  + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        num_k = K // BLOCK_K
+        if PRELOAD_SCALES:
+            # The scales are loaded SCALE_CHUNK K blocks at a time, before the
+            # inner loop: loads in the loop that do not feed the dot are not
+            # staged by the software pipeliner, so each would stall a full
+            # memory latency per K block (what limits a decode tile that has
+            # an SM to itself). The inner loop then holds only the x and w
+            # loads, which the pipeliner keeps num_stages deep. Only for
+            # BLOCK_N <= 128 (one weight-scale column per tile).
+            offs_c = tl.arange(0, SCALE_CHUNK)
+            xs_rows = xs_ptr + rows_in[:, None] * stride_xsm
+            ws_tile = ws_ptr + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
+            for chunk in range(0, num_k, SCALE_CHUNK):
+                in_k = chunk + offs_c < num_k
+                xs_all = tl.load(xs_rows + (chunk + offs_c)[None, :], mask=in_k[None, :], other=0.0)
+                ws_all = tl.load(ws_tile + (chunk + offs_c) * stride_wsk, mask=in_k, other=0.0)
+                s_all = xs_all * ws_all[None, :]  # [BLOCK_M, SCALE_CHUNK]
+                for j in range(tl.minimum(SCALE_CHUNK, num_k - chunk)):
+                    x = tl.load(x_ptrs)
+                    w = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                    s = tl.sum(tl.where((offs_c == j)[None, :], s_all, 0.0), 1)  # [BLOCK_M]
+                    if SWAP_AB:
+                        acc += tl.dot(w, tl.trans(x)) * s[None, :]
+                    else:
+                        acc += tl.dot(x, tl.trans(w)) * s[:, None]
+                    x_ptrs += BLOCK_K
+                    w_ptrs += BLOCK_K
+        else:
+            xs_ptrs = xs_ptr + rows_in * stride_xsm
+            if BLOCK_N <= 128:
+                # The whole column tile shares one 128-wide weight-scale block.
+                ws_ptrs = ws_ptr + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
+            else:
+                ws_ptrs = ws_ptr + group64 * stride_wsg + offs_n // 128
+            for _ in range(num_k):
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                xs = tl.load(xs_ptrs)
+                ws = tl.load(ws_ptrs)
+                if SWAP_AB:
+                    part = tl.dot(w, tl.trans(x))
+                    if BLOCK_N <= 128:
+                        acc += part * (xs[None, :] * ws)
+                    else:
+                        acc += part * (ws[:, None] * xs[None, :])
+                else:
+                    part = tl.dot(x, tl.trans(w))
+                    if BLOCK_N <= 128:
+                        acc += part * (xs[:, None] * ws)
+                    else:
+                        acc += part * (xs[:, None] * ws[None, :])
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+                xs_ptrs += 1
+                ws_ptrs += stride_wsk
+
+        # Only the store is masked: rows of the next group and rows past M drop here.
+        keep = rows < row_stop
+        rows64 = rows.to(tl.int64)
+        if SWAP_AB:
+            out_ptrs = out_ptr + rows64[None, :] * stride_om + offs_n[:, None]
+            tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[None, :])
+        else:
+            out_ptrs = out_ptr + rows64[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None])

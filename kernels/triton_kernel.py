@@ -1,0 +1,205 @@
+"""The ``triton`` backend: our grouped FP8 GEMM with block-wise scales on NVIDIA Hopper.
+
+    backend = create(torch.device("cuda"))
+    backend.run(xq, wq, x_scale, w_scale, m_sizes, out)   # capture-safe
+
+The kernel is in ``_triton_gemm.py``. This module checks the device, picks a
+tile configuration per shape class from a small table (or, with
+``MOEGEMM_AUTOTUNE=1``, from an on-disk cache filled by benchmarking on a
+miss, see ``_triton_tune.py``) and launches. Everything the launch needs comes
+from static shapes (M, N, K, G), so ``run`` reads no tensor contents on the
+host and can be captured into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._backend import Backend, BackendUnavailable
+
+try:
+    import triton
+except ImportError as exc:  # the selector turns this into BackendUnavailable
+    raise ImportError(f"the triton backend needs the triton package: {exc}") from exc
+
+from . import _triton_tune
+from ._triton_gemm import grouped_fp8_kernel
+
+_SCALE_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One tile shape and schedule for :func:`grouped_fp8_kernel`.
+
+    ``swap_ab`` puts the weight tile on the MMA's M side (decode); ``block_m``
+    is then the token tile (16-64). ``group_tiles_m`` row tiles are visited
+    before moving along N (L2 reuse at prefill sizes).
+    """
+
+    block_m: int
+    block_n: int
+    swap_ab: bool
+    num_warps: int = 4
+    num_stages: int = 4
+    group_tiles_m: int = 1
+    evict_w: str = ""
+    preload_scales: bool = False
+    scale_chunk: int = 32
+    block_k: int = _SCALE_BLOCK
+
+    def fits(self, n: int) -> bool:
+        """Whether this tile divides N (K is always a multiple of 128)."""
+        return n % self.block_n == 0 and (self.block_n <= 128 or self.block_n % 128 == 0)
+
+    def key(self) -> str:
+        """A short stable name, used in the autotune cache and benchmarks."""
+        mode = "swap" if self.swap_ab else "mn"
+        evict = "_ef" if self.evict_w else ""
+        preload = f"_pre{self.scale_chunk}" if self.preload_scales else ""
+        return (f"{mode}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+                f"_g{self.group_tiles_m}{evict}{preload}")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def row_tile_bound(m: int, g: int, block_m: int) -> int:
+    """The most row tiles ``m`` rows in ``g`` groups can need (each group rounds up)."""
+    if m == 0:
+        return 0
+    return min(m, (m + g * (block_m - 1)) // block_m, triton.cdiv(m, block_m) + g - 1)
+
+
+def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
+    """The table: a tile configuration per shape class, from static shapes only.
+
+    The class is the mean rows per group, ``m / g`` (the host never sees the
+    real split). Measured on one H200 (bench/NOTES.md, v2 sweep):
+
+    - up to 48 rows per group (decode): swap A and B, a token tile of the mean
+      rows (doubled for G >= 64, where routing is skewed), 128-row weight tiles,
+      3 stages. When fewer than 132 weight tiles of 128 rows exist and K is
+      long, each tile is latency-bound: 64-row tiles with the scales loaded
+      ahead of the K loop.
+    - more rows per group (prefill): 64 x 128 tiles, one warpgroup, 4 stages.
+    """
+    rows_per_group = max(1, m // max(g, 1))
+    if rows_per_group <= 48:
+        token_tile = min(64, max(16, _next_pow2(rows_per_group * (2 if g >= 64 else 1))))
+        # At most min(g, m) groups have rows.
+        if min(g, m) * n // 128 < 132 and k >= 4096:
+            return TileConfig(token_tile, 64, True, num_warps=4, num_stages=4,
+                              evict_w="evict_first", preload_scales=True, scale_chunk=8)
+        return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first")
+    return TileConfig(64, 128, False, num_warps=4, num_stages=4)
+
+
+def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
+    """What opt-in autotuning tries for a shape: the table's choice and its neighbours."""
+    found: list[TileConfig] = [default_config(m, n, k, g)]
+    rows_per_group = max(1, m // max(g, 1))
+    token_tile = min(64, max(16, _next_pow2(rows_per_group)))
+    if rows_per_group <= 192:
+        for tt in sorted({token_tile, min(64, 2 * token_tile)}):
+            for block_n in (64, 128):
+                for stages in (3, 4):
+                    found.append(TileConfig(tt, block_n, True, 4, stages, evict_w="evict_first"))
+            for stages in (3, 4):
+                found.append(TileConfig(tt, 64, True, 4, stages, evict_w="evict_first",
+                                        preload_scales=True, scale_chunk=8))
+    if rows_per_group > 24:
+        for bm, bn, warps, stages, group_tiles in (
+                (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1),
+                (128, 128, 8, 5, 1), (128, 128, 8, 4, 8), (128, 64, 4, 4, 1)):
+            found.append(TileConfig(bm, bn, False, warps, stages, group_tiles))
+    unique = []
+    for cfg in found:
+        if cfg.fits(n) and cfg not in unique:
+            unique.append(cfg)
+    return unique
+
+
+def launch(xq, wq, x_scale, w_scale, m_sizes, out, config: TileConfig) -> torch.Tensor:
+    """Launch one grouped GEMM with ``config`` into ``out`` (no checks, no host reads)."""
+    m, k = xq.shape
+    g, n, _ = wq.shape
+    if m == 0:
+        return out
+    num_m = row_tile_bound(m, g, config.block_m)
+    grid = (num_m * (n // config.block_n),)
+    grouped_fp8_kernel[grid](
+        xq, wq, x_scale, w_scale, m_sizes, out,
+        m, n, k, g,
+        xq.stride(0), wq.stride(0), wq.stride(1), x_scale.stride(0),
+        w_scale.stride(0), w_scale.stride(1), out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        G_POW2=max(16, _next_pow2(g)), SWAP_AB=config.swap_ab, EVICT_W=config.evict_w,
+        GROUP_TILES_M=config.group_tiles_m,
+        PRELOAD_SCALES=config.preload_scales and config.block_n <= 128,
+        SCALE_CHUNK=min(config.scale_chunk, _next_pow2(k // _SCALE_BLOCK)),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
+    """Layout facts the kernel relies on beyond what the public entry checks."""
+    if xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"the triton backend computes in float8_e4m3fn, got {xq.dtype}/{wq.dtype}")
+    if xq.stride(1) != 1 or not wq.is_contiguous() or out.stride(1) != 1:
+        raise ValueError("xq and out must be row-major and wq contiguous [G, N, K]")
+    if x_scale.stride(1) != 1 or w_scale.stride(2) != 1 or not m_sizes.is_contiguous():
+        raise ValueError("x_scale [M, K/128] and w_scale [G, K/128, N/128] must be row-major")
+    n, k = wq.shape[1], wq.shape[2]
+    if n % _SCALE_BLOCK or k % _SCALE_BLOCK:
+        raise ValueError(f"N and K must be multiples of 128, got N={n}, K={k}")
+
+
+def choose_config(xq, wq, x_scale, w_scale, m_sizes, out) -> TileConfig:
+    """The table's configuration, or the autotuned one when ``MOEGEMM_AUTOTUNE=1``."""
+    m, k = xq.shape
+    g, n, _ = wq.shape
+    if _triton_tune.enabled():
+        return _triton_tune.tuned_config(
+            (xq, wq, x_scale, w_scale, m_sizes, out), candidate_configs(m, n, k, g),
+            default_config(m, n, k, g), launch, TileConfig,
+        )
+    return default_config(m, n, k, g)
+
+
+def run(xq, wq, x_scale, w_scale, m_sizes, out) -> torch.Tensor:
+    """SPEC 1 into ``out`` on the GPU; returns ``out``. Capture-safe (no host reads)."""
+    _check(xq, wq, x_scale, w_scale, m_sizes, out)
+    return launch(xq, wq, x_scale, w_scale, m_sizes, out,
+                  choose_config(xq, wq, x_scale, w_scale, m_sizes, out))
+
+
+def _prepare_weights(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Plain row-major [G, N, K] is the layout the kernel reads.
+    return wq.contiguous(), w_scale.contiguous()
+
+
+def create(device: torch.device) -> Backend:
+    """The triton backend for ``device``; raises BackendUnavailable unless it is sm_90-capable CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.version.hip:
+        raise BackendUnavailable(f"the triton backend needs an NVIDIA CUDA device, got {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        # FP8 wgmma needs Hopper; sm_89 runs FP8 too but is not what we tune for.
+        raise BackendUnavailable(
+            f"the triton backend needs compute capability 9.0 or newer, {device} has {major}.{minor}"
+        )
+    return Backend(
+        name="triton",
+        device=device,
+        fp8_dtype=torch.float8_e4m3fn,
+        weight_layout="plain",
+        prepare_weights=_prepare_weights,
+        run=run,
+        capture_safe=True,
+    )

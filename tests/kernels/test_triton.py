@@ -1,0 +1,191 @@
+"""The triton backend against the float64 oracle, on an NVIDIA Hopper GPU.
+
+Skipped cleanly where there is no CUDA device of compute capability 9.0 or
+no triton. Every check draws fresh random data and poisons the output with NaN
+first, so a row the kernel skips fails the finiteness check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.version.hip:
+    pytest.skip("needs an NVIDIA CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs compute capability 9.0 (Hopper)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from moegemm.kernels import reference_float64
+from moegemm.kernels import triton_kernel as tk
+from moegemm.kernels.quant import quantize_activations, quantize_weights
+from moegemm.kernels.testing import (
+    SPEC_TOLERANCE,
+    poisoned_out,
+    random_m_sizes,
+    rel_error,
+)
+
+DEV = torch.device("cuda")
+FP8 = torch.float8_e4m3fn
+# The seed table's shapes (../shared/bench/seed_shapes.json), all with G = 8.
+SEED_SHAPES = [
+    (32, 1280, 8192), (128, 1280, 8192), (1024, 2048, 7168), (16384, 2048, 7168),
+    (1024, 7168, 2304), (16384, 7168, 2304), (32, 7168, 8192), (128, 7168, 8192),
+    (1, 8192, 1024), (128, 8192, 1024), (32, 8192, 3584), (128, 8192, 3584),
+    (32, 13312, 6656), (128, 13312, 6656), (32, 13312, 16384), (128, 13312, 16384),
+    (32, 16384, 6656), (128, 16384, 6656),
+]
+
+
+def _blockwise(shape, block, gen):
+    """Gaussian values times a log-normal magnitude per block, built on the GPU."""
+    blocks = [s // b for s, b in zip(shape, block)]
+    mag = torch.exp(torch.randn(blocks, generator=gen, device=DEV))
+    for dim, b in enumerate(block):
+        mag = mag.repeat_interleave(b, dim=dim)
+    return torch.randn(shape, generator=gen, device=DEV) * mag
+
+
+def make_problem(m, n, k, g, m_sizes, gen):
+    """Fresh quantized inputs on the GPU (SPEC 1.1 quantizers), weights group by group."""
+    xq = torch.empty((m, k), dtype=FP8, device=DEV)
+    x_scale = torch.empty((m, k // 128), dtype=torch.float32, device=DEV)
+    for lo in range(0, m, 1 << 15):
+        hi = min(m, lo + (1 << 15))
+        xq[lo:hi], x_scale[lo:hi] = quantize_activations(_blockwise((hi - lo, k), (1, 128), gen), FP8)
+    wq = torch.empty((g, n, k), dtype=FP8, device=DEV)
+    w_scale = torch.empty((g, k // 128, n // 128), dtype=torch.float32, device=DEV)
+    for i in range(g):
+        wq[i], w_scale[i] = quantize_weights(_blockwise((n, k), (128, 128), gen), FP8)
+    return xq, wq, x_scale, w_scale, m_sizes.to(device=DEV, dtype=torch.int64)
+
+
+def check(problem, out, rows=slice(None)):
+    """SPEC accuracy bound and finiteness of ``out[rows]`` against the float64 oracle."""
+    ref = reference_float64(*problem)[rows]
+    got = out[rows]
+    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
+    if got.numel():
+        err = rel_error(got, ref)
+        assert err <= SPEC_TOLERANCE, f"relative error {err:.2e} > {SPEC_TOLERANCE}"
+
+
+def run(problem, config=None):
+    xq, wq = problem[0], problem[1]
+    out = poisoned_out(xq.shape[0], wq.shape[1], DEV)
+    if config is None:
+        tk.run(*problem, out)
+    else:
+        tk.launch(*problem, out, config=config)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator(device=DEV)
+    g.manual_seed(torch.seed() % (1 << 62))  # fresh data on every run
+    return g
+
+
+def test_create_reports_the_seam():
+    backend = tk.create(DEV)
+    assert (backend.name, backend.fp8_dtype, backend.weight_layout, backend.capture_safe) == (
+        "triton", FP8, "plain", True)
+
+
+@pytest.mark.parametrize("g", [1, 8, 64, 256])
+@pytest.mark.parametrize("m", [0, 1, 7, 83, 1335, 16384])
+def test_ragged_groups_match_reference(m, g, gen):
+    n, k = (256, 512) if m * g < 16384 * 64 else (128, 256)
+    sizes = random_m_sizes(g, m)
+    problem = make_problem(m, n, k, g, sizes, gen)
+    check(problem, run(problem))
+
+
+@pytest.mark.parametrize("config", tk.candidate_configs(1024, 1280, 1024, 8) + tk.candidate_configs(64, 1280, 1024, 8),
+                         ids=lambda c: c.key())
+def test_every_candidate_config(config, gen):
+    sizes = torch.tensor([0, 301, 1, 0, 77, 500, 17, 128])
+    problem = make_problem(int(sizes.sum()), 1280, 1024, 8, sizes, gen)
+    check(problem, run(problem, config))
+
+
+def even_split(m, g):
+    base, extra = divmod(m, g)
+    return torch.tensor([base + (1 if i < extra else 0) for i in range(g)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m,n,k", SEED_SHAPES)
+def test_seed_shapes(m, n, k, gen):
+    problem = make_problem(m, n, k, 8, even_split(m, 8), gen)
+    check(problem, run(problem))
+
+
+@pytest.mark.slow
+def test_weights_past_2_31_elements(gen):
+    # 48 x 7168 x 7168 = 2.47e9 weight elements; rows only in low and high groups.
+    g, n, k = 48, 7168, 7168
+    assert g * n * k >= 2**31
+    sizes = torch.zeros(g, dtype=torch.int64)
+    sizes[0], sizes[g // 2], sizes[g - 1] = 5, 40, 83
+    problem = make_problem(int(sizes.sum()), n, k, g, sizes, gen)
+    check(problem, run(problem))
+
+
+@pytest.mark.slow
+def test_activations_past_2_31_elements(gen):
+    # 262400 x 8192 = 2.15e9 activation elements; check the first and last rows.
+    g, n, k, m = 4, 256, 8192, 262400
+    assert m * k >= 2**31
+    sizes = torch.tensor([1000, m // 2, 0, m - 1000 - m // 2])
+    problem = make_problem(m, n, k, g, sizes, gen)
+    out = run(problem)
+    xq, wq, xs, ws, _ = problem
+    tail = 3000
+    tail_problem = (xq[m - tail:], wq, xs[m - tail:], ws, torch.tensor([0, 0, 0, tail], device=DEV))
+    check(tail_problem, out[m - tail:])
+    head_problem = (xq[:1000], wq, xs[:1000], ws, torch.tensor([1000, 0, 0, 0], device=DEV))
+    check(head_problem, out[:1000])
+
+
+@pytest.mark.parametrize("m,g", [(83, 8), (1335, 64), (4096, 8)])
+def test_graph_replay_matches_eager_on_new_data(m, g, gen):
+    n, k = 512, 1024
+    problem = make_problem(m, n, k, g, random_m_sizes(g, m), gen)
+    out = poisoned_out(m, n, DEV)
+    tk.run(*problem, out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.run(*problem, out)
+    # New data and a new split in the same buffers: the graph must follow them.
+    fresh = make_problem(m, n, k, g, random_m_sizes(g, m), gen)
+    for dst, src in zip(problem, fresh):
+        dst.copy_(src)
+    out.fill_(math.nan)
+    graph.replay()
+    eager = run(problem)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    check(problem, out)
+
+
+def test_autotune_persists_the_winner(tmp_path, monkeypatch, gen):
+    monkeypatch.setenv("MOEGEMM_AUTOTUNE", "1")
+    monkeypatch.setenv("MOEGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tk._triton_tune, "_memory", None)
+    sizes = torch.tensor([40, 0, 24, 64])
+    problem = make_problem(128, 256, 512, 4, sizes, gen)
+    check(problem, run(problem))
+    entries = json.loads((tmp_path / "triton_tiles.json").read_text())
+    (key, cfg), = entries.items()
+    assert key.startswith("128:256:512:4:")
+    assert tk.TileConfig(**cfg) in tk.candidate_configs(128, 256, 512, 4)
