@@ -89,6 +89,7 @@ class GraphPool:
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._table_checked: set[tuple[int, int, int]] = set()
         self.replays = 0
         self.eager_runs = 0
 
@@ -140,6 +141,39 @@ class GraphPool:
         bufs.table_host[1] = w_scale.data_ptr()
         bufs.table.copy_(bufs.table_host, non_blocking=True)
 
+    def _check_table(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
+        """Once per shape: the table launcher must equal ``backend.run`` bit for bit.
+
+        The launcher wraps a kernel that another module owns; if the two ever
+        drift apart (a failure or a different answer), fall back to graphs per
+        weight set rather than serve wrong rows.
+        """
+        shape = (family.G, family.N, family.K)
+        if self.run_table is None or shape in self._table_checked:
+            return
+        self._table_checked.add(shape)
+        rows, fp8 = 64, self.backend.fp8_dtype
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        x = torch.randn((rows, family.K), generator=gen, device=self.device)
+        xq, xs = quantize_activations(x, fp8)
+        sizes = torch.zeros(family.G, dtype=torch.int64, device=self.device)
+        sizes[family.G - 1] = rows
+        table = torch.tensor([wq.data_ptr(), w_scale.data_ptr()], dtype=torch.int64,
+                             device=self.device)
+        want = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
+        self.backend.run(xq, wq, xs, w_scale, sizes, want)
+        try:
+            got = torch.full_like(want, float("nan"))
+            self.run_table(xq, table, xs, sizes, got)
+            same = bool(torch.equal(got, want))
+        except Exception:
+            log.exception("the weight-table launcher failed")
+            same = False
+        if not same:
+            log.warning("weight-table launcher disagrees with the backend: graphs are "
+                        "captured per weight set instead")
+            self.run_table = None
+
     def _graph_key(
         self, family: Family, bucket: int, wq: torch.Tensor, w_scale: torch.Tensor
     ) -> tuple:
@@ -158,6 +192,7 @@ class GraphPool:
         ``m_sizes`` (summing to ``rows``); the result is in ``out[:rows]``.
         """
         bufs = self.buffers(family)
+        self._check_table(family, wq, w_scale)
         if self.run_table is not None:
             self._set_table(bufs, wq, w_scale)
         if rows == 0:
@@ -182,6 +217,7 @@ class GraphPool:
         if not self.use_graphs:
             return 0
         bufs = self.buffers(family)
+        self._check_table(family, wq, w_scale)
         if self.run_table is not None:
             self._set_table(bufs, wq, w_scale)
         # All m_sizes in the first group: a valid split for every bucket.

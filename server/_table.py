@@ -30,7 +30,7 @@ def grouped_fp8_table_kernel(
     stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     G_POW2: tl.constexpr, SWAP_AB: tl.constexpr, EVICT_W: tl.constexpr,
-    GROUP_TILES_M: tl.constexpr,
+    GROUP_TILES_M: tl.constexpr, PRELOAD_SCALES: tl.constexpr, SCALE_CHUNK: tl.constexpr,
 ):
     """``grouped_fp8_kernel`` with ``w_ptr = table[0]``, ``ws_ptr = table[1]``."""
     w_ptr = tl.load(table_ptr).to(tl.pointer_type(tl.float8e4nv))
@@ -43,7 +43,9 @@ def grouped_fp8_table_kernel(
         x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
         M, N, K, G,
         stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
-        BLOCK_M, BLOCK_N, BLOCK_K, G_POW2, SWAP_AB, EVICT_W, GROUP_TILES_M,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, G_POW2=G_POW2, SWAP_AB=SWAP_AB,
+        EVICT_W=EVICT_W, GROUP_TILES_M=GROUP_TILES_M, PRELOAD_SCALES=PRELOAD_SCALES,
+        SCALE_CHUNK=SCALE_CHUNK,
     )
 
 
@@ -69,6 +71,9 @@ def run_table(xq: torch.Tensor, table: torch.Tensor, x_scale: torch.Tensor,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         G_POW2=max(16, tk._next_pow2(g)), SWAP_AB=config.swap_ab, EVICT_W=config.evict_w,
         GROUP_TILES_M=config.group_tiles_m,
+        # Mirrors tk.launch: keep in step with the backend's own launcher.
+        PRELOAD_SCALES=config.preload_scales and config.block_n <= 128,
+        SCALE_CHUNK=min(config.scale_chunk, tk._next_pow2(kb)),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -132,8 +132,8 @@ def test_weight_sets_of_one_shape_share_graphs(backend, gen):
     a, b = _weights(g, gen), _weights(g, gen)
     captured = _executor(backend, graphs=True)
     plain = _executor(backend, graphs=False, table=False)  # backend.run, no table
-    assert captured.pool.run_table is not None
     captured.prepare(g, N, K, a.wq, a.w_scale)
+    assert captured.pool.run_table is not None  # the table launcher passed its self-check
     held = captured.pool.graph_count()
     assert captured.prepare(g, N, K, b.wq, b.w_scale) == 0  # nothing new to capture
     assert captured.pool.graph_count() == held
