@@ -95,7 +95,7 @@ async def _lifespan(app: FastAPI):
         metrics=metrics,
     )
     store = WeightStore(backend, settings.weights_dir)
-    metrics.watch(store.total_bytes, _device_memory(device))
+    metrics.watch(store.total_bytes, _device_memory(device), engine.queued)
     svc = routes.Services(settings=settings, engine=engine, store=store, metrics=metrics)
     app.state.services = svc
     engine.start()

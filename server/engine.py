@@ -221,6 +221,11 @@ class Engine:
             self._cv.notify()
         return await asyncio.wrap_future(job.future)
 
+    @property
+    def graphs(self) -> bool:
+        """Whether calls replay captured CUDA graphs (False on the CPU)."""
+        return self._executor.pool.use_graphs
+
     def queued(self) -> int:
         """Gemm calls waiting for the worker."""
         with self._cv:
@@ -338,7 +343,12 @@ class Engine:
 
     def prepare(self, ws: WeightSet) -> WeightSet:
         """Capture the graphs ``ws``'s shape needs (a no-op on the CPU); return ``ws``."""
-        self._executor.prepare(ws.G, ws.N, ws.K, ws.wq, ws.w_scale)
+        try:
+            self._executor.prepare(ws.G, ws.N, ws.K, ws.wq, ws.w_scale)
+        except torch.OutOfMemoryError as exc:
+            raise OutOfMemory(
+                f"the device cannot hold the graphs of weight set {ws.name!r}: {exc}"
+            ) from exc
         return ws
 
     def forget(self, ws: WeightSet) -> None:

@@ -69,10 +69,20 @@ class Metrics:
             registry=r,
         )
 
-    def watch(self, weight_bytes: Callable[[], float], device_memory: Callable[[], float]) -> None:
-        """Read the two gauges from these functions at every scrape."""
+        self.queue_depth = Gauge(
+            "moegemm_queue_depth", "Gemm calls waiting for the engine", registry=r
+        )
+
+    def watch(
+        self,
+        weight_bytes: Callable[[], float],
+        device_memory: Callable[[], float],
+        queue_depth: Callable[[], float],
+    ) -> None:
+        """Read the gauges from these functions at every scrape."""
         self.weight_bytes.set_function(weight_bytes)
         self.device_memory_bytes.set_function(device_memory)
+        self.queue_depth.set_function(queue_depth)
 
     def render(self) -> bytes:
         """The text exposition of every collector."""

@@ -222,6 +222,7 @@ async def info(svc: ServicesDep) -> dict:
         "device": str(backend.device),
         "fp8_format": WIRE_NAMES[backend.fp8_dtype],
         "weight_layout": backend.weight_layout,
+        "graphs": svc.engine.graphs,
         "buckets": s.buckets(),
         "limits": {
             "max_body_bytes": s.max_body_bytes,

@@ -16,6 +16,7 @@ def test_health_and_info(server):
     assert info["backend"] == "reference"
     assert info["device"] == "cpu"
     assert info["fp8_format"] == "float8_e4m3fn"
+    assert info["graphs"] is False  # no CUDA graphs on the CPU
     assert info["buckets"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert info["limits"]["max_m"] == 4096
     assert info["version"]
@@ -124,7 +125,7 @@ def test_metrics(server):
     for name in ("moegemm_request_seconds_bucket", "moegemm_queue_seconds_bucket",
                  "moegemm_kernel_seconds_bucket", "moegemm_batch_calls_bucket",
                  "moegemm_bytes_in_total", "moegemm_bytes_out_total",
-                 "moegemm_weight_bytes", "moegemm_device_memory_bytes",
+                 "moegemm_weight_bytes", "moegemm_device_memory_bytes", "moegemm_queue_depth",
                  'moegemm_launches_total{mode="eager"}', 'moegemm_launches_total{mode="graph"}'):
         assert name in text, name
     weight_bytes = next(float(line.split()[-1]) for line in text.splitlines()

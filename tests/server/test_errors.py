@@ -225,6 +225,14 @@ def test_out_of_memory_leaves_other_sets(server, unchanged, loaded):
         assert_error(r, 507, "out_of_memory")
     finally:
         store.backend = real
+    # Capturing the graphs of a new set runs out of memory.
+    executor = server.services.engine._executor
+    executor.prepare = lambda *args: no_memory(None, None)
+    try:
+        r = server.put("newset", {"w": wire(torch.randn(G, N, K).bfloat16())})
+        assert_error(r, 507, "out_of_memory")
+    finally:
+        del executor.prepare
     assert "newset" not in [ws.name for ws in store.list()]
 
 
