@@ -1,4 +1,4 @@
-"""MultiClient: one router, several moegemm servers, no coordinator.
+"""MultiClient and AsyncMultiClient: one router, several moegemm servers, no coordinator.
 
 Each server owns one GPU. A weight set lives on the ``replicas`` endpoints
 that rendezvous hashing ranks first for its name (``_placement``), so every
@@ -6,18 +6,23 @@ router configured with the same endpoints and replica counts agrees on where
 each set is, and a model whose experts do not fit one GPU spreads over all of
 them. Calls take turns over the endpoints of the set's placement and fail
 over to the next one when an endpoint cannot answer.
+
+The two classes share everything but the awaiting: `_Fleet` holds the
+placement, the turn order, and the rules for which errors fail over and how
+the final error reads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ._client import Client
+from ._client import AsyncClient, Client
 from ._errors import (
     APIError,
     DeadlineExceeded,
@@ -31,9 +36,14 @@ from ._placement import normalize_endpoint, place
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
     from typing_extensions import Self
 
-__all__ = ["MultiClient"]
+__all__ = ["AsyncMultiClient", "MultiClient"]
 
 T = TypeVar("T")
+C = TypeVar("C", Client, AsyncClient)
+
+# Errors after which another replica may still answer: no answer at all, a
+# 503 (the server did nothing with the call), or a server that lost the set.
+_FAIL_OVER = (TransportError, Unavailable, NoSuchWeights)
 
 
 def _naming(endpoint: str, exc: APIError, context: str = "") -> APIError:
@@ -45,6 +55,16 @@ def _naming(endpoint: str, exc: APIError, context: str = "") -> APIError:
     )
     named.status, named.code = exc.status, exc.code  # kept for classes chosen by status only
     return named
+
+
+def _on_endpoint(name: str, url: str, rank: int, of: int, exc: MoegemmError) -> MoegemmError:
+    """A failure of a weight-set change on one endpoint of the placement, named."""
+    if isinstance(exc, APIError):
+        return _naming(url, exc)
+    return TransportError(
+        f"weight set {name!r} is placed on {url} (replica {rank} of {of}), "
+        f"which did not answer: {exc}"
+    )
 
 
 def _exhausted(
@@ -64,7 +84,76 @@ def _exhausted(
     )
 
 
-class MultiClient:
+class _Fleet(Generic[C]):
+    """Placement, turns and error rules shared by the blocking and async classes."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        replicas: int,
+        hot: Mapping[str, int] | None,
+        make_client: Callable[[str], C],
+    ) -> None:
+        if isinstance(endpoints, str):
+            raise TypeError("endpoints is a sequence of URLs, not one URL")
+        urls = list(dict.fromkeys(normalize_endpoint(url) for url in endpoints))
+        if not urls:
+            raise ValueError("a multi-endpoint client needs at least one endpoint")
+        self._hot = dict(hot or {})
+        for count in (replicas, *self._hot.values()):
+            if not 1 <= count <= len(urls):
+                raise ValueError(f"replica counts are between 1 and {len(urls)}, got {count}")
+        self._replicas = replicas
+        # Which replica a call tries first; next() on an itertools.count is
+        # atomic under the GIL, so threads may share it.
+        self._turns = itertools.count()
+        self._clients: dict[str, C] = {url: make_client(url) for url in urls}
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The endpoints, normalized, in the order given."""
+        return list(self._clients)
+
+    def placement(self, name: str) -> list[str]:
+        """The endpoints that hold weight set ``name``, the preferred one first."""
+        return place(name, self._clients, self._hot.get(name, self._replicas))
+
+    def _turn(self, name: str) -> list[str]:
+        # This call's order: the placement rotated by one per call, so calls on
+        # a replicated set spread over its replicas.
+        placed = self.placement(name)
+        first = next(self._turns) % len(placed)
+        return placed[first:] + placed[:first]
+
+    @staticmethod
+    def _until(deadline: float | None) -> float | None:
+        if deadline is None:
+            return None
+        if not (deadline > 0 and math.isfinite(deadline)):
+            raise ValueError(f"deadline is a positive, finite number of seconds, got {deadline!r}")
+        return time.monotonic() + deadline
+
+    @staticmethod
+    def _budget(
+        name: str,
+        deadline: float | None,
+        until: float | None,
+        failures: list[tuple[str, MoegemmError]],
+    ) -> dict[str, float]:
+        """The keyword arguments for the next attempt: the time left, if bounded."""
+        if until is None:
+            return {}
+        left = until - time.monotonic()
+        if left <= 0:
+            tried = "; ".join(f"{url}: {exc}" for url, exc in failures)
+            raise DeadlineExceeded(
+                f"the {deadline} s deadline for weight set {name!r} passed "
+                f"while failing over ({tried})"
+            ) from failures[-1][1]
+        return {"deadline": left}
+
+
+class MultiClient(_Fleet[Client]):
     """A blocking client over several moegemm endpoints, one `Client` each.
 
     ``MultiClient(endpoints, replicas=1, hot={"layer3": 3}, token=..., timeout=...)``:
@@ -93,37 +182,7 @@ class MultiClient:
         hot: Mapping[str, int] | None = None,
         **client_kwargs: Any,
     ) -> None:
-        if isinstance(endpoints, str):
-            raise TypeError("endpoints is a sequence of URLs, not one URL")
-        urls = list(dict.fromkeys(normalize_endpoint(url) for url in endpoints))
-        if not urls:
-            raise ValueError("MultiClient needs at least one endpoint")
-        self._hot = dict(hot or {})
-        for count in (replicas, *self._hot.values()):
-            if not 1 <= count <= len(urls):
-                raise ValueError(f"replica counts are between 1 and {len(urls)}, got {count}")
-        self._replicas = replicas
-        # Which replica a call tries first; itertools.count is safe to share
-        # between threads (next() on it is atomic under the GIL).
-        self._turns = itertools.count()
-        self._clients: dict[str, Client] = {}
-        try:
-            for url in urls:
-                self._clients[url] = Client(url, **client_kwargs)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The endpoints, normalized, in the order given."""
-        return list(self._clients)
-
-    def placement(self, name: str) -> list[str]:
-        """The endpoints that hold weight set ``name``, the preferred one first."""
-        return place(name, self._clients, self._hot.get(name, self._replicas))
-
-    # -- weight sets: on every endpoint of the placement ---------------------
+        super().__init__(endpoints, replicas, hot, lambda url: Client(url, **client_kwargs))
 
     def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict[str, dict]:
         """Load or replace ``name`` on each endpoint of its placement.
@@ -172,16 +231,9 @@ class MultiClient:
         for rank, url in enumerate(placed, start=1):
             try:
                 results[url] = action(self._clients[url])
-            except TransportError as exc:
-                raise TransportError(
-                    f"weight set {name!r} is placed on {url} (replica {rank} of "
-                    f"{len(placed)}), which did not answer: {exc}"
-                ) from exc
-            except APIError as exc:
-                raise _naming(url, exc) from exc
+            except MoegemmError as exc:
+                raise _on_endpoint(name, url, rank, len(placed), exc) from exc
         return results
-
-    # -- the operation: the first endpoint that answers -----------------------
 
     def grouped_gemm(
         self,
@@ -200,35 +252,19 @@ class MultiClient:
         first pick. ``deadline`` (seconds) bounds the whole call, failovers
         included: each replica is given only the time left.
         """
-        until = None
-        if deadline is not None:
-            if not (deadline > 0 and math.isfinite(deadline)):
-                raise ValueError(
-                    f"deadline is a positive, finite number of seconds, got {deadline!r}"
-                )
-            until = time.monotonic() + deadline
-        placed = self.placement(name)
-        first = next(self._turns) % len(placed)
+        until = self._until(deadline)
         failures: list[tuple[str, MoegemmError]] = []
-        for url in placed[first:] + placed[:first]:
-            kwargs = {}
-            if until is not None:
-                kwargs["deadline"] = until - time.monotonic()
-                if kwargs["deadline"] <= 0:
-                    tried = "; ".join(f"{u}: {exc}" for u, exc in failures)
-                    raise DeadlineExceeded(
-                        f"the {deadline} s deadline for weight set {name!r} passed "
-                        f"while failing over ({tried})"
-                    ) from failures[-1][1]
+        for url in self._turn(name):
+            budget = self._budget(name, deadline, until, failures)
             try:
-                return self._clients[url].grouped_gemm(name, x, m_sizes, x_scale, **kwargs)
-            except (TransportError, Unavailable, NoSuchWeights) as exc:
+                return self._clients[url].grouped_gemm(name, x, m_sizes, x_scale, **budget)
+            except _FAIL_OVER as exc:
                 failures.append((url, exc))
             except APIError as exc:
                 raise _naming(url, exc) from exc
-        raise _exhausted(name, placed, len(self._clients), failures) from failures[-1][1]
-
-    # -- every endpoint --------------------------------------------------------
+        raise _exhausted(name, self.placement(name), len(self._clients), failures) from (
+            failures[-1][1]
+        )
 
     def weights(self) -> dict[str, list[dict]]:
         """Each endpoint's loaded weight sets (as `Client.weights`)."""
@@ -260,3 +296,120 @@ class MultiClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class AsyncMultiClient(_Fleet[AsyncClient]):
+    """The asyncio twin of `MultiClient` over `AsyncClient`: the same methods
+    and placement, awaited. Loads and listings reach their endpoints
+    concurrently; a call still tries its replicas one after another."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        replicas: int = 1,
+        hot: Mapping[str, int] | None = None,
+        **client_kwargs: Any,
+    ) -> None:
+        super().__init__(endpoints, replicas, hot, lambda url: AsyncClient(url, **client_kwargs))
+
+    async def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict[str, dict]:
+        """See `MultiClient.load_weights`."""
+        return await self._on_placement(name, lambda c: c.load_weights(name, w, w_scale))
+
+    async def load_weights_file(
+        self,
+        name: str,
+        file: str | os.PathLike,
+        w_key: str,
+        w_scale_key: str | None = None,
+    ) -> dict[str, dict]:
+        """See `MultiClient.load_weights_file`."""
+        return await self._on_placement(
+            name, lambda c: c.load_weights_file(name, file, w_key, w_scale_key)
+        )
+
+    async def delete_weights(self, name: str) -> None:
+        """See `MultiClient.delete_weights`."""
+
+        async def delete(client: AsyncClient) -> NoSuchWeights | None:
+            try:
+                await client.delete_weights(name)
+            except NoSuchWeights as exc:
+                return exc
+            return None
+
+        answers = await self._on_placement(name, delete)
+        missing = [exc for exc in answers.values() if exc is not None]
+        if len(missing) == len(answers):
+            raise _naming(", ".join(answers), missing[-1]) from missing[-1]
+
+    async def _on_placement(
+        self, name: str, action: Callable[[AsyncClient], Awaitable[T]]
+    ) -> dict[str, T]:
+        placed = self.placement(name)
+        answers = await asyncio.gather(
+            *(action(self._clients[url]) for url in placed), return_exceptions=True
+        )
+        for rank, (url, answer) in enumerate(zip(placed, answers), start=1):
+            if isinstance(answer, MoegemmError):
+                raise _on_endpoint(name, url, rank, len(placed), answer) from answer
+            if isinstance(answer, BaseException):
+                raise answer
+        return dict(zip(placed, answers))
+
+    async def grouped_gemm(
+        self,
+        name: str,
+        x: Any,
+        m_sizes: Any,
+        x_scale: Any = None,
+        *,
+        deadline: float | None = None,
+    ) -> Any:
+        """See `MultiClient.grouped_gemm`."""
+        until = self._until(deadline)
+        failures: list[tuple[str, MoegemmError]] = []
+        for url in self._turn(name):
+            budget = self._budget(name, deadline, until, failures)
+            try:
+                return await self._clients[url].grouped_gemm(name, x, m_sizes, x_scale, **budget)
+            except _FAIL_OVER as exc:
+                failures.append((url, exc))
+            except APIError as exc:
+                raise _naming(url, exc) from exc
+        raise _exhausted(name, self.placement(name), len(self._clients), failures) from (
+            failures[-1][1]
+        )
+
+    async def weights(self) -> dict[str, list[dict]]:
+        """See `MultiClient.weights`."""
+        return await self._on_all(lambda c: c.weights())
+
+    async def health(self) -> dict[str, dict]:
+        """See `MultiClient.health`."""
+        return await self._on_all(lambda c: c.health())
+
+    async def _on_all(self, action: Callable[[AsyncClient], Awaitable[T]]) -> dict[str, T]:
+        urls = list(self._clients)
+        answers = await asyncio.gather(
+            *(action(self._clients[url]) for url in urls), return_exceptions=True
+        )
+        for url, answer in zip(urls, answers):
+            if isinstance(answer, TransportError):
+                raise TransportError(f"endpoint {url} did not answer: {answer}") from answer
+            if isinstance(answer, APIError):
+                raise _naming(url, answer) from answer
+            if isinstance(answer, BaseException):
+                raise answer
+        return dict(zip(urls, answers))
+
+    async def close(self) -> None:
+        """Close every endpoint's connections."""
+        await asyncio.gather(*(client.close() for client in self._clients.values()))
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

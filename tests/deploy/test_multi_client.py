@@ -7,6 +7,7 @@ missing endpoint gives a clear error or a failover to a replica.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import httpx
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from moegemm.client import Client, NoSuchWeights, TransportError
 from moegemm.client._client import DEADLINE_HEADER, MSGPACK
-from moegemm.client._multi import MultiClient
+from moegemm.client._multi import AsyncMultiClient, MultiClient
 from moegemm.client._placement import normalize_endpoint, place
 from moegemm.client._wire import encode_tensor, packb
 
@@ -243,3 +244,38 @@ def test_the_deadline_covers_the_failover():
         assert 0 < int(used_budget) <= int(tried_budget) <= 5000
         with pytest.raises(ValueError, match="deadline"):
             multi.grouped_gemm("w", x, m_sizes, deadline=0)
+
+
+def test_async_multi_client_places_calls_and_fails_over(servers):
+    rng = np.random.default_rng()
+    dead = _dead_endpoint()
+    urls = [*(s.url for s in servers), dead]
+    token = servers[0].token
+    replicated = _name_placed(urls, 2, [dead, servers[0].url])
+    single = _name_placed(urls, 1, [servers[1].url])
+    lost = _name_placed(urls, 1, [dead])
+    x, m_sizes = _call(rng)
+
+    async def scenario() -> None:
+        async with AsyncMultiClient(urls, hot={replicated: 2}, token=token, timeout=5.0) as multi:
+            await multi.load_weights(single, _weights(rng))
+            assert _holders(servers, single) == {normalize_endpoint(servers[1].url)}
+            out = await multi.grouped_gemm(single, x, m_sizes, deadline=30)
+            with Client(servers[1].url, token=token) as direct:
+                np.testing.assert_array_equal(direct.grouped_gemm(single, x, m_sizes), out)
+            with pytest.raises(TransportError, match=normalize_endpoint(dead)):
+                await multi.load_weights(replicated, _weights(rng))
+            with pytest.raises(TransportError, match="replicas=1"):
+                await multi.grouped_gemm(lost, x, m_sizes)
+            # The live replica got its copy before the dead one failed the load:
+            # both turns answer, the one that starts at the dead endpoint by failover.
+            for _ in range(2):
+                assert (await multi.grouped_gemm(replicated, x, m_sizes)).shape == (9, N)
+            with pytest.raises(TransportError, match=normalize_endpoint(dead)):
+                await multi.weights()
+            await multi.delete_weights(single)
+            assert _holders(servers, single) == set()
+
+    asyncio.run(scenario())
+    with Client(servers[0].url, token=token) as live:
+        live.delete_weights(replicated)
