@@ -21,6 +21,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -161,9 +162,26 @@ PEERS = {
 }
 
 
+def variant_configs(default):
+    """The table's choice with the scale prefetch at 0, 2 and 4 K blocks, and close neighbours."""
+    base = [default]
+    if default.preload_scales:
+        base.append(replace(default, preload_scales=False, num_stages=3))
+        base.append(replace(default, preload_scales=False, num_stages=3, block_n=128))
+    elif not default.swap_ab:
+        base.append(tk.TileConfig(128, 128, False, 8, 4))
+    found = []
+    for cfg in base:
+        for pf in (0, 2, 4):
+            variant = replace(cfg, prefetch_scales=0 if cfg.preload_scales else pf)
+            if variant not in found:
+                found.append(variant)
+    return found
+
+
 # ---- one shape -----------------------------------------------------------------------------
 
-def run_shape(name, m, n, k, g, sizes, ceilings, sweep, gen, log) -> dict:
+def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
     x, problem = make_inputs(m, n, k, g, sizes, gen)
     row = {"name": name, "m": m, "n": n, "k": k, "g": g, "active_groups": int((sizes > 0).sum()),
            "floor_us": floor_us(m, n, k, sizes), "peers_us": {}, "errors": {}}
@@ -177,7 +195,8 @@ def run_shape(name, m, n, k, g, sizes, ceilings, sweep, gen, log) -> dict:
     row["ours_us"] = bench(lambda: tk.launch(*problem, out, config=default))
     if sweep:
         row["sweep_us"] = {}
-        for cfg in tk.candidate_configs(m, n, k, g):
+        configs = tk.candidate_configs(m, n, k, g) if sweep == "all" else variant_configs(default)
+        for cfg in configs:
             try:
                 out.fill_(float("nan"))
                 tk.launch(*problem, out, config=cfg)
@@ -186,7 +205,7 @@ def run_shape(name, m, n, k, g, sizes, ceilings, sweep, gen, log) -> dict:
                 row["sweep_us"][cfg.key()] = (round(t, 2), float(f"{err:.2e}"))
             except Exception as exc:  # noqa: BLE001  keep sweeping past one bad candidate
                 row["sweep_us"][cfg.key()] = repr(exc)[:200]
-    for peer, build in PEERS.items():
+    for peer, build in PEERS.items() if peers else ():
         try:
             fn = build(x, problem)
             fn()
@@ -221,7 +240,10 @@ def main() -> None:
     """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
+    parser.add_argument("--sweep", choices=("all", "variants"),
+                        help="also time every candidate tile config, or the table's choice's variants")
+    parser.add_argument("--no-peers", action="store_true", help="time ours only")
+    parser.add_argument("--match", default="", help="only shapes whose name contains this")
     parser.add_argument("--only", choices=("seed", "deepseek"))
     args = parser.parse_args()
 
@@ -236,9 +258,10 @@ def main() -> None:
     if args.only != "seed":
         shapes += [(f"dsv3 m{m} n{n} k{k} g256 skew", m, n, k, 256, skewed_split(m, 256))
                    for m, n, k in DEEPSEEK_SHAPES]
+    shapes = [s for s in shapes if args.match in s[0]]
     rows = []
     for name, m, n, k, g, sizes in shapes:
-        rows.append(run_shape(name, m, n, k, g, sizes, ceilings, args.sweep, gen,
+        rows.append(run_shape(name, m, n, k, g, sizes, args.sweep, not args.no_peers, gen,
                               lambda r: print(json.dumps(r), flush=True)))
     seed_rows = [r for r in rows if r["name"].startswith("seed")]
     summary = {"measured_ceilings": ceilings, "floor_ceilings": FLOOR_CEILINGS, "device": torch.cuda.get_device_name(),

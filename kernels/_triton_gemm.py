@@ -57,6 +57,13 @@ def _locate_tile(m_sizes_ptr, G, tile_m, BLOCK_M: tl.constexpr, G_POW2: tl.const
 
 
 @triton.jit
+def _prefetch_l1(ptrs):
+    """Ask for ``ptrs`` in L1 without waiting: a hint with no result, so the loop carries nothing."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def grouped_fp8_kernel(
     x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
     M, N, K, G,
@@ -64,6 +71,7 @@ def grouped_fp8_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     G_POW2: tl.constexpr, SWAP_AB: tl.constexpr, EVICT_W: tl.constexpr,
     GROUP_TILES_M: tl.constexpr, PRELOAD_SCALES: tl.constexpr, SCALE_CHUNK: tl.constexpr,
+    PREFETCH_SCALES: tl.constexpr = 0,
 ):
     """SPEC 1 for one output tile; see the module docstring for the layout."""
     pid = tl.program_id(0)
@@ -128,7 +136,15 @@ def grouped_fp8_kernel(
                 ws_ptrs = ws_ptr + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
             else:
                 ws_ptrs = ws_ptr + group64 * stride_wsg + offs_n // 128
-            for _ in range(num_k):
+            for kb in range(num_k):
+                if PREFETCH_SCALES > 0:
+                    # The scale loads below wait a full L2 latency each K block
+                    # (the pipeliner stages only the dot operands); asking for
+                    # the scales PREFETCH_SCALES blocks ahead turns that into an
+                    # L1 hit. Clamped to the last block: never out of bounds.
+                    ahead = tl.minimum(kb + PREFETCH_SCALES, num_k - 1) - kb
+                    _prefetch_l1(xs_ptrs + ahead)
+                    _prefetch_l1(ws_ptrs + ahead * stride_wsk)
                 x = tl.load(x_ptrs)
                 w = tl.load(w_ptrs, eviction_policy=EVICT_W)
                 xs = tl.load(xs_ptrs)

@@ -13,7 +13,7 @@ host and can be captured into a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +48,7 @@ class TileConfig:
     evict_w: str = ""
     preload_scales: bool = False
     scale_chunk: int = 32
+    prefetch_scales: int = 0
     block_k: int = _SCALE_BLOCK
 
     def fits(self, n: int) -> bool:
@@ -59,8 +60,9 @@ class TileConfig:
         mode = "swap" if self.swap_ab else "mn"
         evict = "_ef" if self.evict_w else ""
         preload = f"_pre{self.scale_chunk}" if self.preload_scales else ""
+        prefetch = f"_pf{self.prefetch_scales}" if self.prefetch_scales else ""
         return (f"{mode}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
-                f"_g{self.group_tiles_m}{evict}{preload}")
+                f"_g{self.group_tiles_m}{evict}{preload}{prefetch}")
 
 
 def _next_pow2(x: int) -> int:
@@ -86,6 +88,9 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
       long, each tile is latency-bound: 64-row tiles with the scales loaded
       ahead of the K loop.
     - more rows per group (prefill): 64 x 128 tiles, one warpgroup, 4 stages.
+
+    Outside the preload case the scales are prefetched into L1 two K blocks
+    ahead (``prefetch_scales``; v4 in bench/NOTES.md).
     """
     rows_per_group = max(1, m // max(g, 1))
     if rows_per_group <= 48:
@@ -94,8 +99,9 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         if min(g, m) * n // 128 < 132 and k >= 4096:
             return TileConfig(token_tile, 64, True, num_warps=4, num_stages=4,
                               evict_w="evict_first", preload_scales=True, scale_chunk=8)
-        return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first")
-    return TileConfig(64, 128, False, num_warps=4, num_stages=4)
+        return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first",
+                          prefetch_scales=2)
+    return TileConfig(64, 128, False, num_warps=4, num_stages=4, prefetch_scales=2)
 
 
 def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
@@ -116,6 +122,12 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                 (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1),
                 (128, 128, 8, 5, 1), (128, 128, 8, 4, 8), (128, 64, 4, 4, 1)):
             found.append(TileConfig(bm, bn, False, warps, stages, group_tiles))
+    # The scale prefetch on the main shapes of each class.
+    found += [replace(cfg, prefetch_scales=pf) for pf in (0, 2, 4) for cfg in (
+        TileConfig(token_tile, 128, True, 4, 3, evict_w="evict_first"),
+        TileConfig(token_tile, 64, True, 4, 3, evict_w="evict_first"),
+        TileConfig(64, 128, False, 4, 4), TileConfig(128, 128, False, 8, 4),
+    ) if (cfg.swap_ab and rows_per_group <= 192) or (not cfg.swap_ab and rows_per_group > 24)]
     unique = []
     for cfg in found:
         if cfg.fits(n) and cfg not in unique:
@@ -141,6 +153,7 @@ def launch(xq, wq, x_scale, w_scale, m_sizes, out, config: TileConfig) -> torch.
         GROUP_TILES_M=config.group_tiles_m,
         PRELOAD_SCALES=config.preload_scales and config.block_n <= 128,
         SCALE_CHUNK=min(config.scale_chunk, _next_pow2(k // _SCALE_BLOCK)),
+        PREFETCH_SCALES=config.prefetch_scales,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
