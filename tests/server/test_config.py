@@ -113,3 +113,10 @@ def test_moegemm_serve_runs_a_server():
         # uvicorn shuts down gracefully, then re-raises the signal it caught.
         assert proc.wait(30) in (0, -signal.SIGTERM)
     assert b"Traceback" not in proc.stdout.read()
+
+
+def test_public_surface():
+    import moegemm.server
+
+    assert moegemm.server.__all__ == ["Settings", "create_app", "get_settings"]
+    assert moegemm.server.get_settings() is moegemm.server.get_settings()  # read once
