@@ -282,6 +282,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--budget-s", type=float, default=300, help="stop starting points after this")
     ap.add_argument("--ready-timeout", type=float, default=240)
+    ap.add_argument("--after-pid", type=int, help="measure only after this process ended "
+                    "(e.g. GPU tests running while the servers start)")
     args = ap.parse_args()
     began = time.monotonic()
     workers = Workers(args.clients)  # before torch/CUDA exist in this process
@@ -337,6 +339,10 @@ def main() -> int:
             result["servers"][name] = {"cmd": srv.cmd, "ready": ok, "ready_s": srv.ready_s}
             if not ok:
                 print(f"server {name} not ready; see {srv.log.name}", file=sys.stderr)
+        if args.after_pid:
+            while Path(f"/proc/{args.after_pid}").exists():
+                time.sleep(0.2)
+        result["measuring_from_s"] = time.monotonic() - began
         points = []
         for m in ms:
             for kind in kinds:
