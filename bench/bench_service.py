@@ -340,7 +340,7 @@ def main() -> int:
             if not ok:
                 print(f"server {name} not ready; see {srv.log.name}", file=sys.stderr)
         if args.after_pid:
-            while Path(f"/proc/{args.after_pid}").exists():
+            while _alive(args.after_pid):
                 time.sleep(0.2)
         result["measuring_from_s"] = time.monotonic() - began
         points = []
@@ -401,6 +401,14 @@ def main() -> int:
         for f in wdir.iterdir():
             f.unlink()
     return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
 
 
 def _fmt(row: dict) -> str:
