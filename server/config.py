@@ -42,7 +42,8 @@ def parse_preload(entry: str) -> PreloadEntry:
 class Settings(BaseSettings):
     """Everything the server reads from its environment, validated once."""
 
-    model_config = SettingsConfigDict(env_prefix="MOEGEMM_", extra="forbid")
+    # An empty variable (MOEGEMM_TOKEN= in an env file) means "not set".
+    model_config = SettingsConfigDict(env_prefix="MOEGEMM_", extra="forbid", env_ignore_empty=True)
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -82,6 +83,12 @@ class Settings(BaseSettings):
         for entry in value:
             parse_preload(entry)
         return value
+
+    @field_validator("token", "admin_token")
+    @classmethod
+    def _no_empty_token(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty token would lock every client out (no bearer can be empty).
+        return None if value is not None and not value.get_secret_value() else value
 
     @field_validator("device")
     @classmethod

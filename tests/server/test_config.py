@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
-
 from moegemm.server import Settings
 from moegemm.server import cli as server_cli
 from moegemm.server.config import parse_preload
+from pydantic import ValidationError
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +40,13 @@ def test_environment(monkeypatch, tmp_path):
     assert not s.wants_demo()
     monkeypatch.setenv("MOEGEMM_PRELOAD", '["l2=c.safetensors:w"]')
     assert Settings().preload == ["l2=c.safetensors:w"]
+    # Empty variables mean "not set".
+    for key in ("MOEGEMM_TOKEN", "MOEGEMM_PRELOAD", "MOEGEMM_WEIGHTS_DIR", "MOEGEMM_PORT"):
+        monkeypatch.setenv(key, "")
+    monkeypatch.setenv("MOEGEMM_DEMO", "")
+    s = Settings()
+    assert (s.token, s.preload, s.weights_dir, s.port, s.demo) == (None, [], None, 8000, None)
+    assert Settings(token="").token is None
     # Keyword arguments win over the environment.
     assert Settings(port=1).port == 1
 
