@@ -71,7 +71,7 @@ def grouped_fp8_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     G_POW2: tl.constexpr, SWAP_AB: tl.constexpr, EVICT_W: tl.constexpr,
     GROUP_TILES_M: tl.constexpr, PRELOAD_SCALES: tl.constexpr, SCALE_CHUNK: tl.constexpr,
-    PREFETCH_SCALES: tl.constexpr = 0,
+    PREFETCH_SCALES: tl.constexpr = 0, W_TABLE: tl.constexpr = False,
 ):
     """SPEC 1 for one output tile; see the module docstring for the layout."""
     pid = tl.program_id(0)
@@ -94,10 +94,20 @@ def grouped_fp8_kernel(
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         group64 = group.to(tl.int64)
+        if W_TABLE:
+            # w_ptr / ws_ptr are int64 tables of each group's weight and scale
+            # addresses, so one captured graph serves every weight set of a shape.
+            # The compiler knows nothing of a loaded address: say it is 16-byte
+            # aligned (torch allocations are), or the loads lose their width
+            # and the pipeliner drops them.
+            w_group = tl.multiple_of(tl.load(w_ptr + group64).to(tl.pointer_type(tl.float8e4nv)), 16)
+            ws_group = tl.load(ws_ptr + group64).to(tl.pointer_type(tl.float32))
+        else:
+            w_group = w_ptr + group64 * stride_wg
+            ws_group = ws_ptr + group64 * stride_wsg
 
         x_ptrs = x_ptr + rows_in[:, None] * stride_xm + offs_k[None, :]
-        w_ptrs = (w_ptr + group64 * stride_wg
-                  + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
+        w_ptrs = w_group + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         if SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
@@ -113,7 +123,7 @@ def grouped_fp8_kernel(
             # BLOCK_N <= 128 (one weight-scale column per tile).
             offs_c = tl.arange(0, SCALE_CHUNK)
             xs_rows = xs_ptr + rows_in[:, None] * stride_xsm
-            ws_tile = ws_ptr + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
+            ws_tile = ws_group + (tile_n * BLOCK_N) // 128
             for chunk in range(0, num_k, SCALE_CHUNK):
                 in_k = chunk + offs_c < num_k
                 xs_all = tl.load(xs_rows + (chunk + offs_c)[None, :], mask=in_k[None, :], other=0.0)
@@ -133,9 +143,9 @@ def grouped_fp8_kernel(
             xs_ptrs = xs_ptr + rows_in * stride_xsm
             if BLOCK_N <= 128:
                 # The whole column tile shares one 128-wide weight-scale block.
-                ws_ptrs = ws_ptr + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
+                ws_ptrs = ws_group + (tile_n * BLOCK_N) // 128
             else:
-                ws_ptrs = ws_ptr + group64 * stride_wsg + offs_n // 128
+                ws_ptrs = ws_group + offs_n // 128
             for kb in range(num_k):
                 if PREFETCH_SCALES > 0:
                     # The scale loads below wait a full L2 latency each K block

@@ -89,8 +89,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
       ahead of the K loop.
     - more rows per group (prefill): 64 x 128 tiles, one warpgroup, 4 stages.
 
-    Outside the preload case the scales are prefetched into L1 two K blocks
-    ahead (``prefetch_scales``; v4 in bench/NOTES.md).
+    The L1 prefetch of the scales (``prefetch_scales``) is off: it cost up to
+    1.8x on decode shapes (v4 in bench/NOTES.md); autotuning still tries it.
     """
     rows_per_group = max(1, m // max(g, 1))
     if rows_per_group <= 48:
@@ -99,9 +99,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         if min(g, m) * n // 128 < 132 and k >= 4096:
             return TileConfig(token_tile, 64, True, num_warps=4, num_stages=4,
                               evict_w="evict_first", preload_scales=True, scale_chunk=8)
-        return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first",
-                          prefetch_scales=2)
-    return TileConfig(64, 128, False, num_warps=4, num_stages=4, prefetch_scales=2)
+        return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first")
+    return TileConfig(64, 128, False, num_warps=4, num_stages=4)
 
 
 def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
@@ -135,28 +134,76 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
     return unique
 
 
-def launch(xq, wq, x_scale, w_scale, m_sizes, out, config: TileConfig) -> torch.Tensor:
-    """Launch one grouped GEMM with ``config`` into ``out`` (no checks, no host reads)."""
+def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_strides,
+            config: TileConfig, w_table: bool) -> torch.Tensor:
     m, k = xq.shape
-    g, n, _ = wq.shape
     if m == 0:
         return out
     num_m = row_tile_bound(m, g, config.block_m)
     grid = (num_m * (n // config.block_n),)
     grouped_fp8_kernel[grid](
-        xq, wq, x_scale, w_scale, m_sizes, out,
+        xq, w_arg, x_scale, ws_arg, m_sizes, out,
         m, n, k, g,
-        xq.stride(0), wq.stride(0), wq.stride(1), x_scale.stride(0),
-        w_scale.stride(0), w_scale.stride(1), out.stride(0),
+        xq.stride(0), w_strides[0], w_strides[1], x_scale.stride(0),
+        ws_strides[0], ws_strides[1], out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         G_POW2=max(16, _next_pow2(g)), SWAP_AB=config.swap_ab, EVICT_W=config.evict_w,
         GROUP_TILES_M=config.group_tiles_m,
         PRELOAD_SCALES=config.preload_scales and config.block_n <= 128,
         SCALE_CHUNK=min(config.scale_chunk, _next_pow2(k // _SCALE_BLOCK)),
-        PREFETCH_SCALES=config.prefetch_scales,
+        PREFETCH_SCALES=config.prefetch_scales, W_TABLE=w_table,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def launch(xq, wq, x_scale, w_scale, m_sizes, out, config: TileConfig) -> torch.Tensor:
+    """Launch one grouped GEMM with ``config`` into ``out`` (no checks, no host reads)."""
+    g, n, _ = wq.shape
+    return _launch(xq, wq, x_scale, w_scale, m_sizes, out, n, g,
+                   (wq.stride(0), wq.stride(1)), (w_scale.stride(0), w_scale.stride(1)),
+                   config, w_table=False)
+
+
+def make_weight_table(wq, w_scale) -> torch.Tensor:
+    """An int64 ``[2, G]`` device table of each group's weight and scale addresses, for :func:`run_table`.
+
+    ``wq`` is ``[G, N, K]`` fp8 (or a sequence of G contiguous ``[N, K]``) and
+    ``w_scale`` ``[G, K/128, N/128]`` float32 (or a sequence of ``[K/128, N/128]``).
+    The table holds raw addresses: the caller keeps the tensors alive while it
+    is in use. Building it copies to the device, so do it outside a capture;
+    to point a captured graph at another weight set of the same (G, N, K),
+    ``table.copy_(make_weight_table(...))`` between replays.
+    """
+    groups_w = list(wq.unbind(0)) if isinstance(wq, torch.Tensor) else list(wq)
+    groups_s = list(w_scale.unbind(0)) if isinstance(w_scale, torch.Tensor) else list(w_scale)
+    if len(groups_w) != len(groups_s) or not groups_w:
+        raise ValueError(f"need as many weight as scale groups (>= 1), got {len(groups_w)} and {len(groups_s)}")
+    n, k = groups_w[0].shape
+    for w, s in zip(groups_w, groups_s):
+        if (w.dtype != torch.float8_e4m3fn or tuple(w.shape) != (n, k) or not w.is_contiguous()
+                or s.dtype != torch.float32 or tuple(s.shape) != (k // 128, n // 128)
+                or not s.is_contiguous() or w.device != groups_w[0].device or s.device != w.device):
+            raise ValueError("each group needs contiguous e4m3fn [N, K] weights and float32 "
+                             "[K/128, N/128] scales, all of one shape, on one device")
+    addresses = [[w.data_ptr() for w in groups_w], [s.data_ptr() for s in groups_s]]
+    return torch.tensor(addresses, dtype=torch.int64).to(groups_w[0].device)
+
+
+def run_table(xq, table, x_scale, m_sizes, out, *, n: int, k: int) -> torch.Tensor:
+    """SPEC 1 like :func:`run`, the weights found through a :func:`make_weight_table` table.
+
+    ``table`` int64 ``[2, G]`` on the device; ``n`` and ``k`` the weights' shape.
+    Capture-safe: the graph captures the table's address, not its contents.
+    """
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] != 2 or not table.is_contiguous():
+        raise ValueError(f"table must be a contiguous int64 [2, G], got {table.dtype} {tuple(table.shape)}")
+    if xq.dtype != torch.float8_e4m3fn or xq.shape[1] != k or n % _SCALE_BLOCK or k % _SCALE_BLOCK:
+        raise ValueError(f"need e4m3fn xq [M, {k}] and N, K multiples of 128, got {tuple(xq.shape)}, N={n}")
+    g = table.shape[1]
+    config = default_config(xq.shape[0], n, k, g)
+    return _launch(xq, table[0], x_scale, table[1], m_sizes, out, n, g,
+                   (0, k), (0, n // _SCALE_BLOCK), config, w_table=True)
 
 
 def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:

@@ -189,3 +189,27 @@ def test_autotune_persists_the_winner(tmp_path, monkeypatch, gen):
     (key, cfg), = entries.items()
     assert key.startswith("128:256:512:4:")
     assert tk.TileConfig(**cfg) in tk.candidate_configs(128, 256, 512, 4)
+
+
+def test_weight_table_graph_follows_a_swapped_weight_set(gen):
+    m, n, k, g = 300, 512, 1024, 8
+    sizes = random_m_sizes(g, m)
+    first = make_problem(m, n, k, g, sizes, gen)
+    second = make_problem(m, n, k, g, sizes, gen)
+    xq, _, x_scale, _, m_sizes = first
+    table = tk.make_weight_table(first[1], first[3])
+    out = poisoned_out(m, n, DEV)
+    tk.run_table(xq, table, x_scale, m_sizes, out, n=n, k=k)  # compile outside the capture
+    torch.cuda.synchronize()
+    assert torch.equal(out, run(first))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.run_table(xq, table, x_scale, m_sizes, out, n=n, k=k)
+    # Point the captured graph at the second weight set: only the table changes.
+    table.copy_(tk.make_weight_table(second[1], second[3]))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    swapped = (xq, second[1], x_scale, second[3], m_sizes)
+    assert torch.equal(out, run(swapped))
+    check(swapped, out)

@@ -1,0 +1,92 @@
+"""The triton backend's host-side logic, on the CPU: tile table, grid bound, autotune cache.
+
+Needs the triton package (the ``cuda`` extra) but no GPU; no kernel is launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moegemm.kernels import _triton_tune
+from moegemm.kernels import triton_kernel as tk
+from moegemm.kernels.testing import random_m_sizes
+
+SHAPES = [(m, n, k, g) for m in (1, 7, 83, 1335, 16384) for n, k in ((1280, 8192), (7168, 2304), (384, 512))
+          for g in (1, 8, 256)]
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+def test_row_tile_bound_covers_every_split(block_m):
+    gen = torch.Generator().manual_seed(torch.seed() % (1 << 62))
+    for _ in range(200):
+        g = int(torch.randint(1, 300, (1,), generator=gen))
+        m = int(torch.randint(0, 5000, (1,), generator=gen))
+        sizes = random_m_sizes(g, m, generator=gen).tolist()
+        needed = sum(-(-s // block_m) for s in sizes)
+        assert needed <= tk.row_tile_bound(m, g, block_m)
+    # Tight where it can be: one group, or every row alone in a group.
+    assert tk.row_tile_bound(1000, 1, block_m) == -(-1000 // block_m)
+    assert tk.row_tile_bound(5, 5, block_m) == 5
+
+
+@pytest.mark.parametrize("m,n,k,g", SHAPES)
+def test_table_and_candidates_fit_the_shape(m, n, k, g):
+    default = tk.default_config(m, n, k, g)
+    assert default.fits(n)
+    candidates = tk.candidate_configs(m, n, k, g)
+    assert candidates[0] == default
+    assert len(set(candidates)) == len(candidates)
+    assert all(c.fits(n) for c in candidates)
+
+
+def test_decode_swaps_and_prefill_does_not():
+    assert tk.default_config(32, 7168, 8192, 8).swap_ab
+    assert not tk.default_config(16384, 7168, 2304, 8).swap_ab
+    # Narrow N with long K: 64-row weight tiles with preloaded scales, for more tiles.
+    narrow = tk.default_config(32, 1280, 8192, 8)
+    assert (narrow.block_n, narrow.preload_scales) == (64, True)
+
+
+def test_autotune_winner_is_persisted_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEGEMM_AUTOTUNE", "1")
+    monkeypatch.setenv("MOEGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_triton_tune, "_memory", None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    candidates = tk.candidate_configs(83, 1280, 8192, 8)
+    fastest = candidates[-1]
+    timings = {cfg: 1.0 + i for i, cfg in enumerate(candidates)}
+    timings[fastest] = 0.5
+    launched = []
+
+    def fake_launch(*args, config):
+        launched.append(config)
+
+    def fake_bench(fn):
+        fn()
+        return timings[launched[-1]]
+
+    monkeypatch.setattr(_triton_tune, "_bench", fake_bench)
+    xq = torch.empty((83, 8192), dtype=torch.float8_e4m3fn)
+    wq = torch.empty((8, 1280, 8192), dtype=torch.float8_e4m3fn)
+    args = (xq, wq, None, None, None, None)
+    got = _triton_tune.tuned_config(args, candidates, candidates[0], fake_launch, tk.TileConfig)
+    assert got == fastest and len(launched) == len(candidates)
+    stored = json.loads((tmp_path / "triton_tiles.json").read_text())
+    assert stored == {"128:1280:8192:8:FakeGPU": dataclasses.asdict(fastest)}
+    # A new process (fresh memory) reads the winner without benchmarking.
+    monkeypatch.setattr(_triton_tune, "_memory", None)
+    launched.clear()
+    assert _triton_tune.tuned_config(args, candidates, candidates[0], fake_launch, tk.TileConfig) == fastest
+    assert launched == []
+
+
+def test_autotune_off_by_default(monkeypatch):
+    monkeypatch.delenv("MOEGEMM_AUTOTUNE", raising=False)
+    assert not _triton_tune.enabled()
