@@ -232,6 +232,8 @@ class WeightStore:
             wq = torch.empty(shape, dtype=fp8, device=self.device)
             scales = torch.empty(scale_shape, dtype=torch.float32, device=self.device)
             step = max(1, G // 10)
+            # Progress of sets of a GiB or more is worth an operator's attention.
+            progress_level = logging.INFO if G * N * K >= 1 << 30 else logging.DEBUG
             for g in range(G):
                 host = group(g)
                 if dtype in FP8:
@@ -245,7 +247,8 @@ class WeightStore:
                 wq[g].copy_(q)
                 scales[g].copy_(s)
                 if (g + 1) % step == 0 or g + 1 == G:
-                    log.debug("%r: %d/%d groups on %s", name, g + 1, G, self.device)
+                    log.log(progress_level, "%r: %d/%d groups on %s", name, g + 1, G,
+                            self.device)
             wq, scales = self.backend.prepare_weights(wq, scales)
         except torch.OutOfMemoryError as exc:
             # Everything built so far is local: dropping it leaves other sets intact.
