@@ -8,11 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from server_support import MSGPACK, close_to, fp8_problem, out_of, reference, serve, wire
-
 from moegemm.client._wire import packb
 from moegemm.kernels.testing import random_m_sizes
 from moegemm.server import Settings
+from server_support import MSGPACK, close_to, fp8_problem, out_of, reference, serve, wire
 
 N, K, G = 128, 256, 4
 
@@ -106,7 +105,7 @@ def test_replacement_never_mixes_weight_sets():
         def reader():
             try:
                 read_until_stopped()
-            except Exception as exc:  # the test fails on it below
+            except Exception as exc:  # noqa: BLE001 -- the test fails on it below
                 failures.append(exc)
 
         def read_until_stopped():

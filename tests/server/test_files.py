@@ -6,11 +6,10 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from server_support import assert_error, close_to, fp8_problem, out_of, reference, serve, wire
-
 from moegemm.kernels import quantize_weights
 from moegemm.server import Settings
+from safetensors.torch import save_file
+from server_support import assert_error, close_to, fp8_problem, out_of, reference, serve, wire
 
 N, K, G = 128, 256, 4
 
