@@ -37,10 +37,12 @@ from ._errors import (
     Unavailable,
     UnsupportedMediaType,
 )
+from ._multi import AsyncMultiClient, MultiClient
 
 __all__ = [
     "APIError",
     "AsyncClient",
+    "AsyncMultiClient",
     "BadDtype",
     "BadField",
     "BadMSizes",
@@ -53,6 +55,7 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "MoegemmError",
+    "MultiClient",
     "NoSuchFile",
     "NoSuchWeights",
     "NotFinite",

@@ -8,6 +8,7 @@ from moegemm import client
 EXPECTED = [
     "APIError",
     "AsyncClient",
+    "AsyncMultiClient",
     "BadDtype",
     "BadField",
     "BadMSizes",
@@ -20,6 +21,7 @@ EXPECTED = [
     "InternalError",
     "InvalidRequest",
     "MoegemmError",
+    "MultiClient",
     "NoSuchFile",
     "NoSuchWeights",
     "NotFinite",
