@@ -93,8 +93,12 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
+        # A bare index is the N-th GPU (`moegemm serve --device 1`, one process per GPU);
+        # ROCm builds of torch name their GPUs "cuda" too.
+        if re.fullmatch(r"\d+", value):
+            return f"cuda:{value}"
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-            raise ValueError("device is 'auto', 'cpu', 'cuda' or 'cuda:N'")
+            raise ValueError("device is 'auto', 'cpu', 'cuda', 'cuda:N' or N")
         return value
 
     @field_validator("log_level", mode="before")

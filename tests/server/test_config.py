@@ -126,3 +126,8 @@ def test_public_surface():
 
     assert moegemm.server.__all__ == ["Settings", "create_app", "get_settings"]
     assert moegemm.server.get_settings() is moegemm.server.get_settings()  # read once
+
+
+def test_a_bare_device_index_means_that_gpu():
+    assert Settings(device="1").device == "cuda:1"
+    assert Settings(device="cuda:0").device == "cuda:0"
