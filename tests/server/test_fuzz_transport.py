@@ -23,13 +23,18 @@ from server_support import Running, _free_port, fp8_problem, wire
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
+ADMIN = "transport-admin"
 STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3}) ")
 
 
 @pytest.fixture(scope="module")
 def fast():
-    """The app behind FastHttpServer, on its own thread and loop, one set loaded."""
-    config = Settings(device="cpu", demo=False, max_body_bytes=64 << 10)
+    """The app behind FastHttpServer, on its own thread and loop, one set loaded.
+
+    Weight changes need the admin token, which the fuzzed requests never carry: a
+    well-formed DELETE of 'base' would otherwise be a legitimate change.
+    """
+    config = Settings(device="cpu", demo=False, max_body_bytes=64 << 10, admin_token=ADMIN)
     port = _free_port()
     app = create_app(config)
     server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=config.max_body_bytes)
@@ -48,7 +53,9 @@ def fast():
             assert time.monotonic() < deadline, "the fast server did not start"
             time.sleep(0.05)
     p = fp8_problem(8, 128, 128, 2)
-    assert running.put("base", {"w": wire(p.wq), "w_scale": wire(p.w_scale)}).status_code == 201
+    r = running.put("base", {"w": wire(p.wq), "w_scale": wire(p.w_scale)},
+                    headers={"authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 201, r.text
     running.base = running.services.store.get("base")
     try:
         yield running
