@@ -72,13 +72,19 @@ def grouped_fp8_kernel(
     G_POW2: tl.constexpr, SWAP_AB: tl.constexpr, EVICT_W: tl.constexpr,
     GROUP_TILES_M: tl.constexpr, PRELOAD_SCALES: tl.constexpr, SCALE_CHUNK: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr = 0, W_TABLE: tl.constexpr = False,
+    part_ptr=None, count_ptr=None, SPLIT_K: tl.constexpr = 1, DOT_PAIR: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = False,
 ):
     """SPEC 1 for one output tile; see the module docstring for the layout."""
     pid = tl.program_id(0)
+    # Split-K: SPLIT_K consecutive programs share one output tile, each over
+    # its own range of K blocks (SPLIT_K == 1: the whole K range).
+    split = pid % SPLIT_K
+    pid = pid // SPLIT_K
     num_n = N // BLOCK_N
     # Super-grouping GROUP_TILES_M row tiles before moving along N keeps a band
     # of activations and a band of weights hot in L2 at prefill sizes.
-    num_m = tl.num_programs(0) // num_n
+    num_m = tl.num_programs(0) // SPLIT_K // num_n
     band = GROUP_TILES_M * num_n
     band_id = pid // band
     first_m = band_id * GROUP_TILES_M
@@ -106,13 +112,20 @@ def grouped_fp8_kernel(
             w_group = w_ptr + group64 * stride_wg
             ws_group = ws_ptr + group64 * stride_wsg
 
-        x_ptrs = x_ptr + rows_in[:, None] * stride_xm + offs_k[None, :]
-        w_ptrs = w_group + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        num_k = K // BLOCK_K
+        if SPLIT_K > 1:
+            per_split = tl.cdiv(num_k, SPLIT_K)
+            k_lo = tl.minimum(split * per_split, num_k)
+            k_hi = tl.minimum(k_lo + per_split, num_k)
+        else:
+            k_lo = 0
+            k_hi = num_k
+        x_ptrs = x_ptr + rows_in[:, None] * stride_xm + (k_lo * BLOCK_K + offs_k)[None, :]
+        w_ptrs = w_group + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo * BLOCK_K + offs_k)[None, :]
         if SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        num_k = K // BLOCK_K
         if PRELOAD_SCALES:
             # The scales are loaded SCALE_CHUNK K blocks at a time, before the
             # inner loop: loads in the loop that do not feed the dot are not
@@ -124,12 +137,12 @@ def grouped_fp8_kernel(
             offs_c = tl.arange(0, SCALE_CHUNK)
             xs_rows = xs_ptr + rows_in[:, None] * stride_xsm
             ws_tile = ws_group + (tile_n * BLOCK_N) // 128
-            for chunk in range(0, num_k, SCALE_CHUNK):
-                in_k = chunk + offs_c < num_k
+            for chunk in range(k_lo, k_hi, SCALE_CHUNK):
+                in_k = chunk + offs_c < k_hi
                 xs_all = tl.load(xs_rows + (chunk + offs_c)[None, :], mask=in_k[None, :], other=0.0)
                 ws_all = tl.load(ws_tile + (chunk + offs_c) * stride_wsk, mask=in_k, other=0.0)
                 s_all = xs_all * ws_all[None, :]  # [BLOCK_M, SCALE_CHUNK]
-                for j in range(tl.minimum(SCALE_CHUNK, num_k - chunk)):
+                for j in range(tl.minimum(SCALE_CHUNK, k_hi - chunk)):
                     x = tl.load(x_ptrs)
                     w = tl.load(w_ptrs, eviction_policy=EVICT_W)
                     s = tl.sum(tl.where((offs_c == j)[None, :], s_all, 0.0), 1)  # [BLOCK_M]
@@ -139,20 +152,53 @@ def grouped_fp8_kernel(
                         acc += tl.dot(x, tl.trans(w)) * s[:, None]
                     x_ptrs += BLOCK_K
                     w_ptrs += BLOCK_K
+        elif DOT_PAIR:
+            # Two K blocks per iteration, two independent dots: the second
+            # block's wgmma can run while the first block's product is scaled
+            # and added (one wgmma -> wait -> FMA chain per block otherwise).
+            # An odd last block pairs with itself, its second copy scaled by 0.
+            xs_ptrs = xs_ptr + rows_in * stride_xsm + k_lo
+            ws_ptrs = ws_group + (tile_n * BLOCK_N) // 128 + k_lo * stride_wsk
+            for kb in range(k_lo, k_hi, 2):
+                step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
+                x0 = tl.load(x_ptrs)
+                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                x1 = tl.load(x_ptrs + step * BLOCK_K)
+                w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
+                xs0 = tl.load(xs_ptrs)
+                ws0 = tl.load(ws_ptrs)
+                xs1 = tl.load(xs_ptrs + step)
+                ws1 = tl.load(ws_ptrs + step * stride_wsk) * step.to(tl.float32)
+                if SWAP_AB:
+                    part0 = tl.dot(w0, tl.trans(x0))
+                    part1 = tl.dot(w1, tl.trans(x1))
+                    acc += part0 * (xs0[None, :] * ws0)
+                    acc += part1 * (xs1[None, :] * ws1)
+                else:
+                    part0 = tl.dot(x0, tl.trans(w0))
+                    part1 = tl.dot(x1, tl.trans(w1))
+                    acc += part0 * (xs0[:, None] * ws0)
+                    acc += part1 * (xs1[:, None] * ws1)
+                x_ptrs += 2 * BLOCK_K
+                w_ptrs += 2 * BLOCK_K
+                xs_ptrs += 2
+                ws_ptrs += 2 * stride_wsk
         else:
-            xs_ptrs = xs_ptr + rows_in * stride_xsm
+            xs_ptrs = xs_ptr + rows_in * stride_xsm + k_lo
             if BLOCK_N <= 128:
                 # The whole column tile shares one 128-wide weight-scale block.
-                ws_ptrs = ws_group + (tile_n * BLOCK_N) // 128
+                ws_ptrs = ws_group + (tile_n * BLOCK_N) // 128 + k_lo * stride_wsk
             else:
-                ws_ptrs = ws_group + offs_n // 128
-            for kb in range(num_k):
+                ws_ptrs = ws_group + offs_n // 128 + k_lo * stride_wsk
+            # WARP_SPEC: Triton's Hopper warp specialisation (producer warps
+            # load, consumer warpgroups compute); off, this is a plain range.
+            for kb in tl.range(k_lo, k_hi, warp_specialize=WARP_SPEC):
                 if PREFETCH_SCALES > 0:
                     # The scale loads below wait a full L2 latency each K block
                     # (the pipeliner stages only the dot operands); asking for
                     # the scales PREFETCH_SCALES blocks ahead turns that into an
                     # L1 hit. Clamped to the last block: never out of bounds.
-                    ahead = tl.minimum(kb + PREFETCH_SCALES, num_k - 1) - kb
+                    ahead = tl.minimum(kb + PREFETCH_SCALES, k_hi - 1) - kb
                     _prefetch_l1(xs_ptrs + ahead)
                     _prefetch_l1(ws_ptrs + ahead * stride_wsk)
                 x = tl.load(x_ptrs)
@@ -176,8 +222,32 @@ def grouped_fp8_kernel(
                 xs_ptrs += 1
                 ws_ptrs += stride_wsk
 
+        if SPLIT_K > 1:
+            # Each split parks its float32 partial in its own slot; the last
+            # split of the tile to arrive sums the slots in split order (the
+            # result does not depend on arrival order) and stores. It then
+            # resets the tile's counter, so the workspace is clean for the next
+            # launch or graph replay without a memset.
+            tile_id = pid.to(tl.int64)
+            if SWAP_AB:
+                offs_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            else:
+                offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            slots = part_ptr + tile_id * (SPLIT_K * BLOCK_M * BLOCK_N) + offs_tile
+            tl.store(slots + split * (BLOCK_M * BLOCK_N), acc)
+            # Every thread's partial is written before one thread announces it.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+            last = arrived == SPLIT_K - 1
+            if last:
+                acc = tl.load(slots, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    acc += tl.load(slots + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+                tl.store(count_ptr + tile_id, 0)
+        else:
+            last = True
         # Only the store is masked: rows of the next group and rows past M drop here.
-        keep = rows < row_stop
+        keep = (rows < row_stop) & last
         rows64 = rows.to(tl.int64)
         if SWAP_AB:
             out_ptrs = out_ptr + rows64[None, :] * stride_om + offs_n[:, None]

@@ -13,6 +13,7 @@ host and can be captured into a CUDA graph.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,7 +37,11 @@ class TileConfig:
 
     ``swap_ab`` puts the weight tile on the MMA's M side (decode); ``block_m``
     is then the token tile (16-64). ``group_tiles_m`` row tiles are visited
-    before moving along N (L2 reuse at prefill sizes).
+    before moving along N (L2 reuse at prefill sizes). ``split_k`` > 1 splits
+    the K blocks of each output tile over that many programs of the same
+    launch (the last to finish reduces, see :func:`_split_workspace`);
+    ``dot_pair`` runs two K blocks per loop iteration as two independent dots
+    (``block_n`` <= 128, not with ``preload_scales``).
     """
 
     block_m: int
@@ -50,9 +55,13 @@ class TileConfig:
     scale_chunk: int = 32
     prefetch_scales: int = 0
     block_k: int = _SCALE_BLOCK
+    split_k: int = 1
+    dot_pair: bool = False
 
     def fits(self, n: int) -> bool:
         """Whether this tile divides N (K is always a multiple of 128)."""
+        if self.dot_pair and (self.block_n > 128 or self.preload_scales):
+            return False
         return n % self.block_n == 0 and (self.block_n <= 128 or self.block_n % 128 == 0)
 
     def key(self) -> str:
@@ -61,8 +70,10 @@ class TileConfig:
         evict = "_ef" if self.evict_w else ""
         preload = f"_pre{self.scale_chunk}" if self.preload_scales else ""
         prefetch = f"_pf{self.prefetch_scales}" if self.prefetch_scales else ""
+        split = f"_sk{self.split_k}" if self.split_k > 1 else ""
+        pair = "_pair" if self.dot_pair else ""
         return (f"{mode}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
-                f"_g{self.group_tiles_m}{evict}{preload}{prefetch}")
+                f"_g{self.group_tiles_m}{evict}{preload}{prefetch}{split}{pair}")
 
 
 def _next_pow2(x: int) -> int:
@@ -134,13 +145,47 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
     return unique
 
 
+# Split-K workspaces: (device, stream, tiles, slot elements) -> (partials, counters).
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_workspaces_lock = threading.Lock()
+
+
+def _split_workspace(device: torch.device, tiles: int, split_k: int, tile_elems: int):
+    """The float32 partial slots ``[tiles * split_k * tile_elems]`` and int32 counters ``[tiles]``.
+
+    Allocated once per (device, stream, shape) and kept for the process's
+    life: the counters start at zero and the kernel's last split of each tile
+    puts its counter back to zero, so reuse needs no memset, and a graph
+    captured with them stays valid (they are never freed or replaced). Keyed
+    on the current stream because two launches in flight at once must not
+    share counters: do not run split-K launches of one shape concurrently on
+    one stream's workspace from several graphs replayed on different streams.
+    An allocation during a capture lands in the graph's pool and its zeroing
+    is captured too (harmless: it only clears counters that are already 0).
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, tiles, split_k * tile_elems)
+    with _workspaces_lock:
+        found = _workspaces.get(key)
+        if found is None:
+            found = (torch.empty(tiles * split_k * tile_elems, dtype=torch.float32, device=device),
+                     torch.zeros(tiles, dtype=torch.int32, device=device))
+            _workspaces[key] = found
+    return found
+
+
 def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_strides,
             config: TileConfig, w_table: bool) -> torch.Tensor:
     m, k = xq.shape
     if m == 0:
         return out
     num_m = row_tile_bound(m, g, config.block_m)
-    grid = (num_m * (n // config.block_n),)
+    tiles = num_m * (n // config.block_n)
+    split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
+    parts = counts = None
+    if split_k > 1:
+        parts, counts = _split_workspace(xq.device, tiles, split_k, config.block_m * config.block_n)
+    grid = (tiles * split_k,)
     grouped_fp8_kernel[grid](
         xq, w_arg, x_scale, ws_arg, m_sizes, out,
         m, n, k, g,
@@ -152,6 +197,7 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
         PRELOAD_SCALES=config.preload_scales and config.block_n <= 128,
         SCALE_CHUNK=min(config.scale_chunk, _next_pow2(k // _SCALE_BLOCK)),
         PREFETCH_SCALES=config.prefetch_scales, W_TABLE=w_table,
+        part_ptr=parts, count_ptr=counts, SPLIT_K=split_k, DOT_PAIR=config.dot_pair,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
