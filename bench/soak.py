@@ -81,6 +81,8 @@ class Config:
     check_rows: int = 0  # rows checked per call; 0: all of them
     check_fraction: float = 1.0  # calls whose rows are checked (all are counted)
     retries: int = 1
+    fill_memory: bool = False  # mid-run, load copies of a set until 507, then drop them
+    fill_G: int = 0  # the fill set's G (its N and K are the soak's); 0: G
     server_pid: int | None = None
     seed: int = 0
 
@@ -97,6 +99,7 @@ class Report:
     weight_deletes: int = 0
     lost: int = 0
     failures: list = field(default_factory=list)
+    fill: dict = field(default_factory=dict)
     rss_mib_first_quarter: float | None = None
     rss_mib_last_quarter: float | None = None
     seconds: float = 0.0
@@ -202,8 +205,10 @@ class Soak:
         self.rng = np.random.default_rng(config.seed)
         self.report = Report()
         self.versions: dict[str, list[Version]] = {STABLE: [], CHURN: []}
-        self.deleted: dict[str, list[tuple[float, float]]] = {CHURN: []}  # (started, done)
+        self.deleted: dict[str, list[list[float]]] = {CHURN: []}  # [started, done]
         self.weights = Dequantized()
+        self.filling = False
+        self.t0 = time.monotonic()
         self.stop = asyncio.Event()
         self.rss: list[tuple[float, float]] = []
 
@@ -224,6 +229,11 @@ class Soak:
         r = await http.put(f"/v1/weights/{name}", content=body,
                            headers={**MSGPACK, **self._auth(True)})
         version.put_done = time.monotonic()
+        if r.status_code == 507 and self.filling:
+            # The device is full on purpose: a refused load must change nothing.
+            self._refused("out_of_memory (while full)")
+            self.versions[name].remove(version)
+            return
         if r.status_code not in (200, 201):
             self.report.fail(f"PUT {name} answered {r.status_code}: {r.text[:200]}")
             self.versions[name].remove(version)  # never live
@@ -233,16 +243,18 @@ class Soak:
             previous.ended = version.put_done
 
     async def delete(self, http: httpx.AsyncClient, name: str) -> None:
-        started = time.monotonic()
+        # Recorded before it is sent: calls may see the 404 before DELETE's answer.
+        span = [time.monotonic(), float("inf")]
+        self.deleted[name].append(span)
         r = await http.delete(f"/v1/weights/{name}", headers=self._auth(True))
-        done = time.monotonic()
+        span[1] = time.monotonic()
         if r.status_code != 204:
             self.report.fail(f"DELETE {name} answered {r.status_code}: {r.text[:200]}")
+            self.deleted[name].remove(span)
             return
         self.report.weight_deletes += 1
-        self.deleted[name].append((started, done))
         for v in self.versions[name]:
-            v.ended = min(v.ended, done)
+            v.ended = min(v.ended, span[1])
 
     async def _stopped_within(self, seconds: float) -> bool:
         try:
@@ -267,12 +279,84 @@ class Soak:
                                headers={**MSGPACK, **self._auth(True)})
             self._expect("put garbage", r, 400, "bad_msgpack")
 
+
+    # -- device memory -------------------------------------------------------------
+
+    async def _gauge(self, http: httpx.AsyncClient, name: str) -> float | None:
+        r = await http.get("/metrics", headers=self._auth(False))
+        for line in r.text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return None
+
+    async def fill_memory(self, http: httpx.AsyncClient) -> None:
+        """At a third of the run, load copies of one set until the server answers
+        507; the sets loaded before, and the traffic, must not notice. At two thirds,
+        delete them: the device memory they held must come back."""
+        c, fill = self.c, self.report.fill
+        if await self._stopped_within(c.duration / 3):
+            return
+        G = c.fill_G or c.G
+        wq = _fp8(self.rng, (G, c.N, c.K))
+        w_scale = _scales(self.rng, (G, c.K // BLOCK, c.N // BLOCK))
+        version = Version("fill", wq, w_scale, 0.0, 0.0)
+        body = packb({"w": encode_tensor(wq), "w_scale": encode_tensor(w_scale)})
+        fill["device_bytes_before"] = await self._gauge(http, "moegemm_device_memory_bytes")
+        self.filling = True
+        names: list[str] = []
+        started = time.monotonic()
+        while not self.stop.is_set() and len(names) < 100_000:
+            name = f"soak-fill-{len(names)}"
+            r = await http.put(f"/v1/weights/{name}", content=body,
+                               headers={**MSGPACK, **self._auth(True)})
+            if r.status_code == 201:
+                names.append(name)
+                continue
+            fill["refusal"] = f"{r.status_code} {r.text[:200]}"
+            if r.status_code != 507:
+                self.report.fail(f"filling: PUT {name} answered {r.status_code}: {r.text[:200]}")
+            break
+        fill.update(reached_507="refusal" in fill, sets_loaded=len(names), set_bytes=len(body),
+                    seconds_to_fill=round(time.monotonic() - started, 1))
+        fill["device_bytes_full"] = await self._gauge(http, "moegemm_device_memory_bytes")
+        # Every set loaded before the refusal still answers, with its own weights.
+        for name in names[:1] + names[-1:]:
+            x, x_scale, m_sizes = self._call_inputs(G)
+            async with AsyncClient(c.url, token=c.token, timeout=120, retries=20,
+                                   backoff=0.05) as client:
+                try:
+                    out = await client.grouped_gemm(name, x, m_sizes, x_scale)
+                except APIError as exc:
+                    self.report.fail(f"filling: {name} answered {exc}")
+                    continue
+            if x.shape[0]:
+                rows = np.arange(x.shape[0])
+                got = out.astype(np.float32)
+                found = await asyncio.to_thread(matching, self.weights, [version], got, x,
+                                                x_scale, m_sizes, rows)
+                if found is None:
+                    self.report.fail(f"filling: {name} answered wrong rows")
+        await self._stopped_within(c.duration / 3)
+        for name in names:
+            r = await http.delete(f"/v1/weights/{name}", headers=self._auth(True))
+            if r.status_code != 204:
+                self.report.fail(f"filling: DELETE {name} answered {r.status_code}")
+        self.filling = False
+        after = fill["device_bytes_after_delete"] = await self._gauge(
+            http, "moegemm_device_memory_bytes")
+        before, held = fill["device_bytes_before"], len(names) * len(body)
+        # The allocator may keep some blocks cached; most of what the sets held comes back.
+        if before is not None and after is not None and after > before + held / 10 + (1 << 30):
+            self.report.fail(f"filling: device memory {before:.0f} -> {after:.0f} bytes after "
+                             f"deleting {len(names)} sets of {len(body)} bytes")
+
     # -- calls -----------------------------------------------------------------
 
-    def _call_inputs(self):
+    def _call_inputs(self, G: int | None = None):
         c = self.c
+        G = G or c.G
         m = int(self.rng.integers(0, c.max_rows + 1))
-        cuts = np.sort(self.rng.integers(0, m + 1, c.G - 1))
+        cuts = np.sort(self.rng.integers(0, m + 1, G - 1))
         m_sizes = np.diff(np.concatenate([[0], cuts, [m]])).astype(np.int64)
         x = _fp8(self.rng, (m, c.K))
         x_scale = _scales(self.rng, (m, c.K // BLOCK))
@@ -287,6 +371,8 @@ class Soak:
             out = await client.grouped_gemm(name, x, m_sizes, x_scale, deadline=deadline)
         except Overloaded:
             self._refused("overloaded")
+            # A router would send this call elsewhere; here it just comes back later.
+            await asyncio.sleep(self.rng.uniform(0.005, 0.05))
             return
         except DeadlineExceeded:
             if deadline is None:
@@ -295,9 +381,13 @@ class Soak:
             return
         except NoSuchWeights:
             answered = time.monotonic()
-            if name != CHURN or not any(s <= answered and d >= sent
-                                        for s, d in self._deletions_around(name)):
-                self.report.fail(f"404 for {name} while it was loaded")
+            spans = self._deletions_around(name) if name == CHURN else []
+            if not any(s <= answered and d >= sent for s, d in spans):
+                t0 = self.t0
+                self.report.fail(
+                    f"404 for {name} while it was loaded (call {sent - t0:.3f}-"
+                    f"{answered - t0:.3f} s; deleted {[(round(s - t0, 3), round(d - t0, 3)) for s, d in spans]})"
+                )
             self._refused("no_such_weights")
             return
         except TransportError as exc:
@@ -446,6 +536,8 @@ class Soak:
             tasks = [asyncio.create_task(self.worker(i, http)) for i in range(self.c.clients)]
             tasks += [asyncio.create_task(self.churn(http)),
                       asyncio.create_task(self.watch_memory())]
+            if self.c.fill_memory:
+                tasks.append(asyncio.create_task(self.fill_memory(http)))
             await asyncio.sleep(self.c.duration)
             self.stop.set()
             results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
@@ -541,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn", action="store_true", help="start a server for the run")
     parser.add_argument("--device", default="cpu", help="the spawned server's device")
     parser.add_argument("--queue-size", type=int, default=64, help="the spawned server's queue")
+    parser.add_argument("--max-weight-bytes", type=int,
+                        help="the spawned server's total weight limit (needed to fill a CPU)")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="more flags for the spawned server (repeatable)")
     parser.add_argument("--server-log", default=None)
@@ -553,8 +647,10 @@ def main(argv: list[str] | None = None) -> int:
                           ("check_fraction", 1.0)):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float,
                             default=default)
+    parser.add_argument("--fill-memory", action="store_true",
+                        help="mid-run, load sets until 507, check, then delete them")
     for name, default in (("clients", 16), ("G", 4), ("N", 256), ("K", 256), ("max_rows", 48),
-                          ("check_rows", 0), ("retries", 1), ("seed", 0)):
+                          ("check_rows", 0), ("retries", 1), ("seed", 0), ("fill_G", 0)):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=default)
     args = parser.parse_args(argv)
     if bool(args.url) == args.spawn:
@@ -568,8 +664,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.admin_token:
             env["MOEGEMM_ADMIN_TOKEN"] = args.admin_token
         log = Path(args.server_log or tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1])
-        server = SpawnedServer(["--device", args.device, "--queue-size", str(args.queue_size),
-                                *args.server_arg], env, log)
+        server_args = ["--device", args.device, "--queue-size", str(args.queue_size),
+                       *args.server_arg]
+        if args.max_weight_bytes:
+            server_args += ["--max-weight-bytes", str(args.max_weight_bytes)]
+        elif args.fill_memory and args.device == "cpu":
+            parser.error("--fill-memory on the CPU needs --max-weight-bytes (host memory)")
+        server = SpawnedServer(server_args, env, log)
         server.wait_live()
         fields.update(url=server.url, server_pid=server.proc.pid)
     report = run(Config(**fields))
