@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -59,7 +61,6 @@ from moegemm.client._wire import encode_tensor, packb
 FP8 = ml_dtypes.float8_e4m3fn
 BLOCK = 128
 MSGPACK = {"content-type": "application/vnd.msgpack"}
-STABLE, CHURN = "soak-stable", "soak-churn"  # replaced / deleted and re-created
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Config:
     retries: int = 1
     fill_memory: bool = False  # mid-run, load copies of a set until 507, then drop them
     fill_G: int = 0  # the fill set's G (its N and K are the soak's); 0: G
+    tag: str = ""  # appended to this run's weight-set names (one per process)
     server_pid: int | None = None
     seed: int = 0
 
@@ -120,8 +122,10 @@ class Report:
 
 
 def _fp8(rng: np.random.Generator, shape) -> np.ndarray:
-    # Values spread over the fp8 range (never zeros, never NaN).
-    return (rng.standard_normal(shape, np.float32) * 64).clip(-440, 440).astype(FP8)
+    """Random e4m3fn values over the whole range, drawn as bytes (fast at any size)."""
+    bits = rng.integers(0, 256, shape, dtype=np.uint8)
+    bits[(bits & 0x7F) == 0x7F] ^= 1  # 0x7F/0xFF are NaN: make them +-448
+    return bits.view(FP8)
 
 
 def _scales(rng: np.random.Generator, shape) -> np.ndarray:
@@ -204,8 +208,10 @@ class Soak:
         self.c = config
         self.rng = np.random.default_rng(config.seed)
         self.report = Report()
-        self.versions: dict[str, list[Version]] = {STABLE: [], CHURN: []}
-        self.deleted: dict[str, list[list[float]]] = {CHURN: []}  # [started, done]
+        # One set replaced under traffic, one deleted and re-created; per process.
+        self.stable, self.churn_name = f"soak-stable{config.tag}", f"soak-churn{config.tag}"
+        self.versions: dict[str, list[Version]] = {self.stable: [], self.churn_name: []}
+        self.deleted: dict[str, list[list[float]]] = {self.churn_name: []}  # [started, done]
         self.weights = Dequantized()
         self.filling = False
         self.t0 = time.monotonic()
@@ -264,18 +270,19 @@ class Soak:
         return True
 
     async def churn(self, http: httpx.AsyncClient) -> None:
-        """Replace STABLE, delete and re-create CHURN, and send bad uploads, until stopped."""
+        """Replace the stable set, delete and re-create the churn set, and send bad
+        uploads, until stopped."""
         step = 0
         while not await self._stopped_within(self.c.churn_every):
             step += 1
             if step % 3 == 0:
-                await self.delete(http, CHURN)
+                await self.delete(http, self.churn_name)
                 await asyncio.sleep(self.c.churn_every / 4)
-                await self.put(http, CHURN)
+                await self.put(http, self.churn_name)
             else:
-                await self.put(http, STABLE)
+                await self.put(http, self.stable)
             # A broken upload over the live set must change nothing.
-            r = await http.put(f"/v1/weights/{STABLE}", content=b"\x81\xa1w\xc1",
+            r = await http.put(f"/v1/weights/{self.stable}", content=b"\x81\xa1w\xc1",
                                headers={**MSGPACK, **self._auth(True)})
             self._expect("put garbage", r, 400, "bad_msgpack")
 
@@ -363,7 +370,7 @@ class Soak:
         return x, x_scale, m_sizes
 
     async def valid_call(self, client: AsyncClient) -> None:
-        name = STABLE if self.rng.random() < 0.7 else CHURN
+        name = self.stable if self.rng.random() < 0.7 else self.churn_name
         x, x_scale, m_sizes = self._call_inputs()
         deadline = 0.05 if self.rng.random() < self.c.deadline_fraction else None
         sent = time.monotonic()
@@ -381,7 +388,7 @@ class Soak:
             return
         except NoSuchWeights:
             answered = time.monotonic()
-            spans = self._deletions_around(name) if name == CHURN else []
+            spans = self._deletions_around(name) if name == self.churn_name else []
             if not any(s <= answered and d >= sent for s, d in spans):
                 t0 = self.t0
                 self.report.fail(
@@ -444,7 +451,7 @@ class Soak:
         body = {"x": encode_tensor(x), "x_scale": encode_tensor(x_scale),
                 "m_sizes": encode_tensor(m_sizes)}
         kind = self.rng.integers(0, 8)
-        path, headers = f"/v1/weights/{STABLE}/gemm", {**MSGPACK, **self._auth(False)}
+        path, headers = f"/v1/weights/{self.stable}/gemm", {**MSGPACK, **self._auth(False)}
         content = None
         if kind == 0:
             content, expect = bytes(self.rng.integers(0, 256, 64, dtype=np.uint8)) + b"\xc1", \
@@ -528,8 +535,8 @@ class Soak:
     async def run(self) -> Report:
         limits = httpx.Limits(max_connections=self.c.clients + 4)
         async with httpx.AsyncClient(base_url=self.c.url, timeout=120, limits=limits) as http:
-            await self.put(http, STABLE)
-            await self.put(http, CHURN)
+            await self.put(http, self.stable)
+            await self.put(http, self.churn_name)
             if self.report.failures:
                 return self.report
             started = time.monotonic()
@@ -578,6 +585,44 @@ def run(config: Config) -> Report:
     """Run one soak against ``config.url`` and return its report."""
     random.seed(config.seed)
     return asyncio.run(Soak(config).run())
+
+
+def run_processes(config: Config, procs: int) -> Report:
+    """The soak from ``procs`` client processes at once (one event loop cannot feed a
+    GPU), each with its own weight sets; the device fill and the memory watch run in
+    the first. Their reports are added up."""
+    if procs <= 1:
+        return run(config)
+    configs = [
+        dataclasses.replace(
+            config, tag=f"-p{i}", seed=config.seed + i,
+            clients=max(1, config.clients // procs),
+            fill_memory=config.fill_memory and i == 0,
+            server_pid=config.server_pid if i == 0 else None,
+        )
+        for i in range(procs)
+    ]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        reports = pool.map(run, configs)
+    total = Report()
+    for r in reports:
+        total.served += r.served
+        total.rows_checked += r.rows_checked
+        total.weight_puts += r.weight_puts
+        total.weight_deletes += r.weight_deletes
+        total.lost += r.lost
+        for mine, theirs in ((total.allowed_refusals, r.allowed_refusals),
+                             (total.invalid_answered, r.invalid_answered)):
+            for key, count in theirs.items():
+                mine[key] = mine.get(key, 0) + count
+        total.failures += r.failures
+        total.seconds = max(total.seconds, r.seconds)
+    first = reports[0]
+    total.fill = first.fill
+    total.rss_mib_first_quarter = first.rss_mib_first_quarter
+    total.rss_mib_last_quarter = first.rss_mib_last_quarter
+    total.calls_per_s = round(total.served / max(total.seconds, 1e-9), 1)
+    return total
 
 
 # -- a server to soak -------------------------------------------------------------------------
@@ -647,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
                           ("check_fraction", 1.0)):
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float,
                             default=default)
+    parser.add_argument("--procs", type=int, default=1,
+                        help="client processes (the clients are shared out among them)")
     parser.add_argument("--fill-memory", action="store_true",
                         help="mid-run, load sets until 507, check, then delete them")
     for name, default in (("clients", 16), ("G", 4), ("N", 256), ("K", 256), ("max_rows", 48),
@@ -673,10 +720,11 @@ def main(argv: list[str] | None = None) -> int:
         server = SpawnedServer(server_args, env, log)
         server.wait_live()
         fields.update(url=server.url, server_pid=server.proc.pid)
-    report = run(Config(**fields))
+    report = run_processes(Config(**fields), args.procs)
     result = asdict(report)
     result["ok"] = report.ok
     result["config"] = {k: v for k, v in fields.items() if "token" not in k}
+    result["config"]["procs"] = args.procs
     if server is not None:
         result["server_exit"] = server.stop()
         result["server_log"] = str(server.log.name)
