@@ -179,6 +179,24 @@ def variant_configs(default):
     return found
 
 
+def round2_configs(m, n, k, g):
+    """v5 (bench/NOTES.md): split-K and paired K blocks against the table, on the shapes that fall short."""
+    T = tk.TileConfig
+    rows_per_group = max(1, m // max(g, 1))
+    if rows_per_group <= 48:
+        tt = tk.default_config(m, n, k, g).block_m
+        return [tk.default_config(m, n, k, g)] + [T(tt, 64, True, 4, 4, evict_w="evict_first", preload_scales=True, scale_chunk=8, split_k=s)
+                for s in (2, 4)] + [T(tt, 128, True, 4, 3, evict_w="evict_first", split_k=s) for s in (2, 4, 8)] + [
+                T(tt, 64, True, 4, 3, evict_w="evict_first", split_k=4)]
+    found = [tk.default_config(m, n, k, g), T(64, 128, False, 4, 2, dot_pair=True), T(128, 128, False, 8, 4),
+             T(128, 128, False, 8, 2, dot_pair=True), T(128, 128, False, 8, 3, dot_pair=True)]
+    if m <= 2048 and k >= 4096:
+        found += [T(64, 128, False, 4, 4, split_k=2), T(128, 128, False, 8, 4, split_k=2)]
+    if m > 2048:
+        found += [T(64, 128, False, 4, 4, group_tiles_m=8), T(128, 128, False, 8, 3, group_tiles_m=8, dot_pair=True)]
+    return found
+
+
 # ---- one shape -----------------------------------------------------------------------------
 
 def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
@@ -195,14 +213,21 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
     row["ours_us"] = bench(lambda: tk.launch(*problem, out, config=default))
     if sweep:
         row["sweep_us"] = {}
-        configs = tk.candidate_configs(m, n, k, g) if sweep == "all" else variant_configs(default)
+        configs = {"all": tk.candidate_configs, "round2": round2_configs}.get(
+            sweep, lambda *_: variant_configs(default))(m, n, k, g)
         for cfg in configs:
             try:
                 out.fill_(float("nan"))
                 tk.launch(*problem, out, config=cfg)
                 err = rel_error(out, ref)
+                first = out.clone()
                 t = bench(lambda cfg=cfg: tk.launch(*problem, out, config=cfg), rep=10)
-                row["sweep_us"][cfg.key()] = (round(t, 2), float(f"{err:.2e}"))
+                # After hundreds of launches the same inputs give the same bits
+                # (split-K: the counters reset themselves, the reduction order is fixed).
+                out.fill_(float("nan"))
+                tk.launch(*problem, out, config=cfg)
+                same = bool(torch.equal(out, first))
+                row["sweep_us"][cfg.key()] = (round(t, 2), float(f"{err:.2e}"), same)
             except Exception as exc:  # noqa: BLE001  keep sweeping past one bad candidate
                 row["sweep_us"][cfg.key()] = repr(exc)[:200]
     for peer, build in PEERS.items() if peers else ():
@@ -240,10 +265,11 @@ def main() -> None:
     """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--sweep", choices=("all", "variants"),
-                        help="also time every candidate tile config, or the table's choice's variants")
+    parser.add_argument("--sweep", choices=("all", "variants", "round2"),
+                        help="also time every candidate tile config, the table's choice's variants, "
+                             "or the v5 split-K / paired-dot variants")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
-    parser.add_argument("--match", default="", help="only shapes whose name contains this")
+    parser.add_argument("--match", default="", help="only shapes whose name contains one of these (comma-separated)")
     parser.add_argument("--only", choices=("seed", "deepseek"))
     args = parser.parse_args()
 
@@ -258,11 +284,14 @@ def main() -> None:
     if args.only != "seed":
         shapes += [(f"dsv3 m{m} n{n} k{k} g256 skew", m, n, k, 256, skewed_split(m, 256))
                    for m, n, k in DEEPSEEK_SHAPES]
-    shapes = [s for s in shapes if args.match in s[0]]
+    patterns = args.match.split(",")
+    shapes = [s for s in shapes if any(p in s[0] for p in patterns)]
     rows = []
     for name, m, n, k, g, sizes in shapes:
         rows.append(run_shape(name, m, n, k, g, sizes, args.sweep, not args.no_peers, gen,
                               lambda r: print(json.dumps(r), flush=True)))
+        if args.json:  # after every shape, so a run cut short still leaves its figures
+            args.json.write_text(json.dumps({"summary": {"partial": True}, "rows": rows}, indent=1))
     seed_rows = [r for r in rows if r["name"].startswith("seed")]
     summary = {"measured_ceilings": ceilings, "floor_ceilings": FLOOR_CEILINGS, "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "triton": triton.__version__}

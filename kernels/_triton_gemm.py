@@ -22,6 +22,12 @@ Two orientations, chosen per shape class by the launcher:
   The weight tile is the MMA's M side (64 or 128 rows) and the few tokens of a
   group its N side (16-64), so the tensor cores are not mostly padding.
 
+Options for the shapes where one tile per program falls short (v5 in
+bench/NOTES.md): ``SPLIT_K`` programs per output tile, each over a range of K
+blocks, reduced by the last to arrive through a float32 workspace and per-tile
+counters (``part_ptr``, ``count_ptr``); ``DOT_PAIR``, two K blocks per
+iteration with two independent dots and their scale loads issued together.
+
 Every 128-wide K block's product is scaled and added to a float32 accumulator
 ("promotion"), which is what SPEC 1 asks for and what keeps the FP8 MMA's
 reduced-precision accumulation short. Loads are never masked: rows past M are
@@ -73,7 +79,6 @@ def grouped_fp8_kernel(
     GROUP_TILES_M: tl.constexpr, PRELOAD_SCALES: tl.constexpr, SCALE_CHUNK: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr = 0, W_TABLE: tl.constexpr = False,
     part_ptr=None, count_ptr=None, SPLIT_K: tl.constexpr = 1, DOT_PAIR: tl.constexpr = False,
-    WARP_SPEC: tl.constexpr = False,
 ):
     """SPEC 1 for one output tile; see the module docstring for the layout."""
     pid = tl.program_id(0)
@@ -157,6 +162,7 @@ def grouped_fp8_kernel(
             # block's wgmma can run while the first block's product is scaled
             # and added (one wgmma -> wait -> FMA chain per block otherwise).
             # An odd last block pairs with itself, its second copy scaled by 0.
+            tl.static_assert(BLOCK_N <= 128, "DOT_PAIR needs one weight-scale column per tile")
             xs_ptrs = xs_ptr + rows_in * stride_xsm + k_lo
             ws_ptrs = ws_group + (tile_n * BLOCK_N) // 128 + k_lo * stride_wsk
             for kb in range(k_lo, k_hi, 2):
@@ -190,9 +196,7 @@ def grouped_fp8_kernel(
                 ws_ptrs = ws_group + (tile_n * BLOCK_N) // 128 + k_lo * stride_wsk
             else:
                 ws_ptrs = ws_group + offs_n // 128 + k_lo * stride_wsk
-            # WARP_SPEC: Triton's Hopper warp specialisation (producer warps
-            # load, consumer warpgroups compute); off, this is a plain range.
-            for kb in tl.range(k_lo, k_hi, warp_specialize=WARP_SPEC):
+            for kb in range(k_lo, k_hi):
                 if PREFETCH_SCALES > 0:
                     # The scale loads below wait a full L2 latency each K block
                     # (the pipeliner stages only the dot operands); asking for

@@ -132,6 +132,19 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                 (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1),
                 (128, 128, 8, 5, 1), (128, 128, 8, 4, 8), (128, 64, 4, 4, 1)):
             found.append(TileConfig(bm, bn, False, warps, stages, group_tiles))
+    # Round 2 (v5 in bench/NOTES.md): split-K for too few weight tiles, paired K blocks.
+    # Split-K only with small token tiles: 64-token swap tiles spill with it.
+    if token_tile <= 32 and k >= 2048:
+        for split in (2, 4):
+            found.append(TileConfig(token_tile, 128, True, 4, 3, evict_w="evict_first", split_k=split))
+            found.append(TileConfig(token_tile, 64, True, 4, 4, evict_w="evict_first",
+                                    preload_scales=True, scale_chunk=8, split_k=split))
+    if rows_per_group > 24:
+        found += [TileConfig(64, 128, False, 4, 2, dot_pair=True),
+                  TileConfig(128, 128, False, 8, 2, dot_pair=True),
+                  TileConfig(128, 128, False, 8, 3, dot_pair=True)]
+        if k >= 4096:
+            found.append(TileConfig(64, 128, False, 4, 4, split_k=2))
     # The scale prefetch on the main shapes of each class.
     found += [replace(cfg, prefetch_scales=pf) for pf in (0, 2, 4) for cfg in (
         TileConfig(token_tile, 128, True, 4, 3, evict_w="evict_first"),

@@ -213,3 +213,57 @@ def test_weight_table_graph_follows_a_swapped_weight_set(gen):
     swapped = (xq, second[1], x_scale, second[3], m_sizes)
     assert torch.equal(out, run(swapped))
     check(swapped, out)
+
+
+# Round 2 (v5 in bench/NOTES.md): split-K reduced by the last split to arrive,
+# and two K blocks per iteration. K = 1280 is 10 K blocks: uneven split ranges
+# (sk3: 4, 4, 2; sk8: 2, 2, 2, 2, 2, 0, 0, 0) and, paired, five even pairs;
+# K = 1152 (9 blocks) leaves an odd block for the paired loop.
+ROUND2_CONFIGS = [
+    tk.TileConfig(16, 64, True, 4, 4, evict_w="evict_first", preload_scales=True, scale_chunk=8, split_k=2),
+    tk.TileConfig(16, 64, True, 4, 4, evict_w="evict_first", preload_scales=True, scale_chunk=8, split_k=4),
+    tk.TileConfig(16, 128, True, 4, 3, evict_w="evict_first", split_k=3),
+    tk.TileConfig(32, 128, True, 4, 3, evict_w="evict_first", split_k=8),
+    tk.TileConfig(16, 64, True, 4, 3, evict_w="evict_first", split_k=4),
+    tk.TileConfig(16, 128, True, 4, 3, evict_w="evict_first", dot_pair=True),
+    tk.TileConfig(64, 128, False, 4, 2, dot_pair=True),
+    tk.TileConfig(128, 128, False, 8, 2, dot_pair=True),
+    tk.TileConfig(128, 128, False, 8, 3, dot_pair=True, group_tiles_m=8),
+    tk.TileConfig(64, 128, False, 4, 4, split_k=2),
+    tk.TileConfig(128, 128, False, 8, 4, split_k=2),
+    tk.TileConfig(64, 128, False, 4, 2, dot_pair=True, split_k=2),
+]
+
+
+@pytest.mark.parametrize("k", [1280, 1152])
+@pytest.mark.parametrize("config", ROUND2_CONFIGS, ids=lambda c: c.key())
+def test_round2_variants_match_reference_and_repeat(config, k, gen):
+    sizes = torch.tensor([0, 301, 1, 0, 77, 500, 17, 128])
+    problem = make_problem(int(sizes.sum()), 1280, k, 8, sizes, gen)
+    first = run(problem, config)
+    check(problem, first)
+    # Launch again on the same workspace: the counters were reset by the last
+    # split of every tile, and the reduction order is fixed, so the bits repeat.
+    for _ in range(3):
+        assert torch.equal(run(problem, config), first)
+
+
+@pytest.mark.parametrize("config", [c for c in ROUND2_CONFIGS if c.split_k > 1][::2], ids=lambda c: c.key())
+def test_split_k_graph_replay_matches_eager_on_new_data(config, gen):
+    m, n, k, g = 700, 512, 2048, 8
+    problem = make_problem(m, n, k, g, random_m_sizes(g, m), gen)
+    out = poisoned_out(m, n, DEV)
+    tk.launch(*problem, out, config=config)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.launch(*problem, out, config=config)
+    for _ in range(2):  # twice: the replay leaves the workspace clean for the next
+        fresh = make_problem(m, n, k, g, random_m_sizes(g, m), gen)
+        for dst, src in zip(problem, fresh):
+            dst.copy_(src)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(problem, config))
+        check(problem, out)

@@ -90,3 +90,29 @@ def test_autotune_winner_is_persisted_and_reused(tmp_path, monkeypatch):
 def test_autotune_off_by_default(monkeypatch):
     monkeypatch.delenv("MOEGEMM_AUTOTUNE", raising=False)
     assert not _triton_tune.enabled()
+
+
+def test_round2_options_have_own_keys_and_limits():
+    base = tk.TileConfig(64, 128, False)
+    keys = {base.key(), dataclasses.replace(base, split_k=2).key(), dataclasses.replace(base, dot_pair=True).key(),
+            dataclasses.replace(base, split_k=2, dot_pair=True).key()}
+    assert len(keys) == 4
+    # Paired dots use one weight-scale column per tile and the plain scale loads.
+    assert not tk.TileConfig(64, 256, False, dot_pair=True).fits(1024)
+    assert not tk.TileConfig(16, 64, True, preload_scales=True, dot_pair=True).fits(1024)
+    assert tk.TileConfig(64, 128, False, dot_pair=True).fits(1280)
+    # The table does not use them yet (the device measurement decides).
+    for m, n, k, g in SHAPES:
+        default = tk.default_config(m, n, k, g)
+        assert (default.split_k, default.dot_pair) == (1, False)
+
+
+def test_split_workspace_is_cached_and_starts_clean():
+    cpu = torch.device("cpu")
+    parts, counts = tk._split_workspace(cpu, 37, 4, 16 * 64)
+    assert parts.dtype == torch.float32 and parts.numel() == 37 * 4 * 16 * 64
+    assert counts.dtype == torch.int32 and counts.numel() == 37 and int(counts.abs().sum()) == 0
+    again = tk._split_workspace(cpu, 37, 4, 16 * 64)
+    assert again[0] is parts and again[1] is counts
+    other = tk._split_workspace(cpu, 38, 4, 16 * 64)
+    assert other[0].data_ptr() != parts.data_ptr()
