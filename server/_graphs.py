@@ -7,12 +7,12 @@ set of static device buffers sized for the largest bucket; every bucket's graph
 reads and writes leading slices of them, so buffers do not multiply with the
 buckets either.
 
-Weight sets of one family share its graphs when the backend offers
-``run_table(xq, table, x_scale, m_sizes, out)`` (for triton, ``_table.py``
-wraps the backend's kernel until it does): the kernel then reads the
-weight and weight-scale addresses from a two-entry int64 device table that is
-rewritten (16 bytes, stream-ordered) before each replay. Without it, a graph captures the addresses of one weight
-set, and graphs are keyed by weight set as well (correct, but they multiply).
+Weight sets of one family share its graphs when the backend has a weight-table
+launcher (triton: ``run_table``): the kernel then reads each group's weight and
+weight-scale addresses from an int64 ``[2, G]`` device table, which is
+rewritten (stream-ordered, ``16 G`` bytes) before each replay. Without one, a
+graph captures the addresses of one weight set, and graphs are keyed by weight
+set as well (correct, but they multiply).
 
 The pool computes the same way with graphs off (eager) and on a CPU: the same
 body runs on the same static buffers, so captured and eager runs are
@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from moegemm.kernels import quantize_activations
 from moegemm.kernels._backend import Backend
@@ -54,7 +55,7 @@ class Buffers:
     x: torch.Tensor  # [max_bucket, K], the backend's fp8 dtype, or bf16 when quantizing
     x_scale: torch.Tensor | None  # [max_bucket, K/128] float32; None when quantizing
     m_sizes: torch.Tensor  # [G] int64
-    table: torch.Tensor  # [2] int64: addresses of wq and w_scale (table mode)
+    table: torch.Tensor  # [2, G] int64: each group's wq and w_scale address (table mode)
     table_host: torch.Tensor  # the same, on the host (pinned on a GPU)
     out: torch.Tensor  # [max_bucket, N] bfloat16
 
@@ -113,8 +114,8 @@ class GraphPool:
             x_scale=None if f.quantize
             else torch.ones((rows, f.K // BLOCK), dtype=torch.float32, device=dev),
             m_sizes=torch.zeros((f.G,), dtype=torch.int64, device=dev),
-            table=torch.zeros((2,), dtype=torch.int64, device=dev),
-            table_host=torch.zeros((2,), dtype=torch.int64, pin_memory=dev.type == "cuda"),
+            table=torch.zeros((2, f.G), dtype=torch.int64, device=dev),
+            table_host=torch.zeros((2, f.G), dtype=torch.int64, pin_memory=dev.type == "cuda"),
             out=torch.zeros((rows, f.N), dtype=torch.bfloat16, device=dev),
         )
 
@@ -137,8 +138,7 @@ class GraphPool:
     def _set_table(self, bufs: Buffers, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
         # Stream-ordered: the previous replay has already read the old table, and
         # the engine synchronizes each batch before touching table_host again.
-        bufs.table_host[0] = wq.data_ptr()
-        bufs.table_host[1] = w_scale.data_ptr()
+        fill_table(bufs.table_host, wq, w_scale)
         bufs.table.copy_(bufs.table_host, non_blocking=True)
 
     def _check_table(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -158,8 +158,8 @@ class GraphPool:
         xq, xs = quantize_activations(x, fp8)
         sizes = torch.zeros(family.G, dtype=torch.int64, device=self.device)
         sizes[family.G - 1] = rows
-        table = torch.tensor([wq.data_ptr(), w_scale.data_ptr()], dtype=torch.int64,
-                             device=self.device)
+        table = fill_table(torch.empty((2, family.G), dtype=torch.int64), wq, w_scale)
+        table = table.to(self.device)
         want = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
         self.backend.run(xq, wq, xs, w_scale, sizes, want)
         try:
@@ -259,12 +259,36 @@ class GraphPool:
         return len(self._graphs)
 
 
+def fill_table(table: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Write each group's ``wq`` and ``w_scale`` address into host int64 ``table`` [2, G].
+
+    Both are contiguous ``[G, ...]`` (the store's layout), so group g starts
+    ``g`` strides after the first; the same addresses ``make_weight_table``
+    reads from ``unbind``, without G tensor views.
+    """
+    if not (wq.is_contiguous() and w_scale.is_contiguous()):
+        raise ValueError("weight tables need contiguous wq and w_scale")
+    groups = np.arange(wq.shape[0], dtype=np.int64)
+    out = table.numpy()
+    out[0] = wq.data_ptr() + groups * (wq.stride(0) * wq.element_size())
+    out[1] = w_scale.data_ptr() + groups * (w_scale.stride(0) * w_scale.element_size())
+    return table
+
+
 def _table_runner(backend: Backend) -> Callable | None:
-    """The backend's table-reading launcher, or our wrapper of the triton kernel."""
-    runner = getattr(backend, "run_table", None)
-    if runner is None and backend.name == "triton":
-        from ._table import run_table as runner
-    return runner
+    """The backend's weight-table launcher as ``f(xq, table, x_scale, m_sizes, out)``."""
+    if backend.name != "triton":
+        return None
+    from moegemm.kernels import triton_kernel
+
+    run_table = getattr(triton_kernel, "run_table", None)
+    if run_table is None:
+        return None
+
+    def run(xq, table, x_scale, m_sizes, out):
+        return run_table(xq, table, x_scale, m_sizes, out, n=out.shape[1], k=xq.shape[1])
+
+    return run
 
 
 def _describe(f: Family) -> str:

@@ -15,7 +15,7 @@ from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
 from moegemm.server._executor import Executor, Part, chunk_sizes
-from moegemm.server._graphs import Family, GraphPool, bucket_for, buckets_up_to
+from moegemm.server._graphs import Family, GraphPool, bucket_for, buckets_up_to, fill_table
 from moegemm.server._staging import Staging
 
 N, K, G = 256, 256, 5
@@ -114,3 +114,16 @@ def test_static_buffers_are_shared_per_family():
     ex.run(a, [_fp8_part(a, 5, gen)])
     ex.run(b, [_fp8_part(b, 40, gen)])
     assert list(ex.pool._buffers) == [Family(G, N, K, quantize=False)]
+
+
+def test_weight_table_holds_each_groups_addresses():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _weights(gen)
+    table = fill_table(torch.empty((2, G), dtype=torch.int64), ws.wq, ws.w_scale)
+    assert table[0].tolist() == [w.data_ptr() for w in ws.wq.unbind(0)]
+    assert table[1].tolist() == [s.data_ptr() for s in ws.w_scale.unbind(0)]
+    with pytest.raises(ValueError):
+        fill_table(torch.empty((2, G), dtype=torch.int64), ws.wq.transpose(1, 2), ws.w_scale)
+    # The same table as the triton backend's own builder, where triton imports.
+    triton_kernel = pytest.importorskip("moegemm.kernels.triton_kernel")
+    assert torch.equal(table, triton_kernel.make_weight_table(ws.wq, ws.w_scale))
