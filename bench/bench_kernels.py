@@ -180,7 +180,7 @@ def variant_configs(default):
 
 
 def round2_configs(m, n, k, g):
-    """v5 (bench/NOTES.md): split-K and paired K blocks against the table, on the shapes that fall short."""
+    """v5 (bench/NOTES.md): split-K, paired K blocks, TMA and warp specialisation against the table."""
     T = tk.TileConfig
     rows_per_group = max(1, m // max(g, 1))
     if rows_per_group <= 48:
@@ -189,11 +189,15 @@ def round2_configs(m, n, k, g):
                 for s in (2, 4)] + [T(tt, 128, True, 4, 3, evict_w="evict_first", split_k=s) for s in (2, 4, 8)] + [
                 T(tt, 64, True, 4, 3, evict_w="evict_first", split_k=4)]
     found = [tk.default_config(m, n, k, g), T(64, 128, False, 4, 2, dot_pair=True), T(128, 128, False, 8, 4),
-             T(128, 128, False, 8, 2, dot_pair=True), T(128, 128, False, 8, 3, dot_pair=True)]
+             T(128, 128, False, 8, 2, dot_pair=True), T(128, 128, False, 8, 3, dot_pair=True),
+             T(128, 128, False, 4, 4, tma=True, warp_spec=True), T(128, 128, False, 4, 3, tma=True, warp_spec=True),
+             T(64, 128, False, 4, 4, tma=True, warp_spec=True), T(64, 128, False, 4, 4, tma=True),
+             T(128, 128, False, 8, 4, tma=True)]
     if m <= 2048 and k >= 4096:
         found += [T(64, 128, False, 4, 4, split_k=2), T(128, 128, False, 8, 4, split_k=2)]
     if m > 2048:
-        found += [T(64, 128, False, 4, 4, group_tiles_m=8), T(128, 128, False, 8, 3, group_tiles_m=8, dot_pair=True)]
+        found += [T(64, 128, False, 4, 4, group_tiles_m=8), T(128, 128, False, 8, 3, group_tiles_m=8, dot_pair=True),
+                  T(128, 128, False, 4, 4, group_tiles_m=8, tma=True, warp_spec=True)]
     return found
 
 

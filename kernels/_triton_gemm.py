@@ -26,7 +26,10 @@ Options for the shapes where one tile per program falls short (v5 in
 bench/NOTES.md): ``SPLIT_K`` programs per output tile, each over a range of K
 blocks, reduced by the last to arrive through a float32 workspace and per-tile
 counters (``part_ptr``, ``count_ptr``); ``DOT_PAIR``, two K blocks per
-iteration with two independent dots and their scale loads issued together.
+iteration with two independent dots and their scale loads issued together;
+``USE_TMA`` (prefill orientation), TMA loads through descriptors made on the
+device, and with ``WARP_SPEC`` Triton's Hopper warp specialisation (a
+producer warpgroup feeding two consumer warpgroups).
 
 Every 128-wide K block's product is scaled and added to a float32 accumulator
 ("promotion"), which is what SPEC 1 asks for and what keeps the FP8 MMA's
@@ -63,10 +66,73 @@ def _locate_tile(m_sizes_ptr, G, tile_m, BLOCK_M: tl.constexpr, G_POW2: tl.const
 
 
 @triton.jit
+def _locate_tile_scalar(m_sizes_ptr, G, tile_m, BLOCK_M: tl.constexpr):
+    """:func:`_locate_tile` as a scalar walk over the groups, with no reduction or scan.
+
+    Triton 3.6's Hopper warp specialisation rejects kernels holding reduce or
+    scan regions, so the warp-specialised variant finds its group this way
+    (G scalar loads, L1/L2 hits; cheap beside a prefill tile's K loop).
+    """
+    group = G
+    first_row = 0
+    row_end = 0
+    tiles_before = 0
+    rows_before = 0
+    for g in range(G):
+        size = tl.load(m_sizes_ptr + g).to(tl.int32)
+        tiles = (size + (BLOCK_M - 1)) // BLOCK_M
+        hit = (group == G) & (tile_m < tiles_before + tiles)
+        group = tl.where(hit, g, group)
+        first_row = tl.where(hit, rows_before + (tile_m - tiles_before) * BLOCK_M, first_row)
+        row_end = tl.where(hit, rows_before + size, row_end)
+        tiles_before += tiles
+        rows_before += size
+    return group, first_row, row_end, group < G
+
+
+@triton.jit
 def _prefetch_l1(ptrs):
     """Ask for ``ptrs`` in L1 without waiting: a hint with no result, so the loop carries nothing."""
     tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _tma_ws_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn, stride_xsm,
+                 stride_wsg, stride_wsk, stride_om, group, first_row, row_stop, valid, tile_n,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """One prefill tile with TMA loads, optionally warp-specialised (``USE_TMA`` in the kernel).
+
+    The descriptors are made on the device: with WARP_SPEC the compiler
+    splits the tile's rows over two consumer warpgroups and rewrites the
+    activation descriptor's box to match, which a host-made descriptor (box
+    fixed on the host) would not follow. Triton 3.6's Hopper warp
+    specialisation only takes a loop that no ``if`` encloses, so nothing here
+    branches on ``valid``: a surplus tile runs an empty K range and stores
+    nothing. TMA fills rows past M with zeros, so the activation rows need no
+    clamping; the weights are seen as ``[G * N, K]`` (contiguous ``wq``).
+    """
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G * N, K], strides=[stride_wn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    rows = first_row + tl.arange(0, BLOCK_M)
+    rows_in = tl.minimum(rows, M - 1).to(tl.int64)
+    num_k = tl.where(valid, K // BLOCK_K, 0)
+    w_row = group * N + tile_n * BLOCK_N
+    xs_ptrs = xs_ptr + rows_in * stride_xsm
+    ws_ptrs = ws_ptr + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in tl.range(0, num_k, warp_specialize=WARP_SPEC):
+        x = x_desc.load([first_row, kb * BLOCK_K])
+        w = w_desc.load([w_row, kb * BLOCK_K])
+        xs = tl.load(xs_ptrs + kb)
+        ws = tl.load(ws_ptrs + kb * stride_wsk)
+        acc += tl.dot(x, tl.trans(w)) * (xs[:, None] * ws)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = (rows < row_stop) & valid
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None])
 
 
 @triton.jit
@@ -79,6 +145,7 @@ def grouped_fp8_kernel(
     GROUP_TILES_M: tl.constexpr, PRELOAD_SCALES: tl.constexpr, SCALE_CHUNK: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr = 0, W_TABLE: tl.constexpr = False,
     part_ptr=None, count_ptr=None, SPLIT_K: tl.constexpr = 1, DOT_PAIR: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     """SPEC 1 for one output tile; see the module docstring for the layout."""
     pid = tl.program_id(0)
@@ -97,8 +164,15 @@ def grouped_fp8_kernel(
     tile_m = first_m + (pid % band) % band_rows
     tile_n = (pid % band) // band_rows
 
-    group, first_row, row_stop, valid = _locate_tile(m_sizes_ptr, G, tile_m, BLOCK_M, G_POW2)
-    if valid:
+    if WARP_SPEC:
+        group, first_row, row_stop, valid = _locate_tile_scalar(m_sizes_ptr, G, tile_m, BLOCK_M)
+    else:
+        group, first_row, row_stop, valid = _locate_tile(m_sizes_ptr, G, tile_m, BLOCK_M, G_POW2)
+    if USE_TMA:
+        _tma_ws_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn, stride_xsm,
+                     stride_wsg, stride_wsk, stride_om, tl.minimum(group, G - 1), first_row, row_stop,
+                     valid, tile_n, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPEC)
+    elif valid:
         rows = first_row + tl.arange(0, BLOCK_M)
         # Clamped, not masked: reads stay in bounds and the loads stay plain.
         rows_in = tl.minimum(rows, M - 1).to(tl.int64)

@@ -41,7 +41,9 @@ class TileConfig:
     the K blocks of each output tile over that many programs of the same
     launch (the last to finish reduces, see :func:`_split_workspace`);
     ``dot_pair`` runs two K blocks per loop iteration as two independent dots
-    (``block_n`` <= 128, not with ``preload_scales``).
+    (``block_n`` <= 128, not with ``preload_scales``). ``tma`` loads the
+    prefill tiles by TMA, ``warp_spec`` adds Hopper warp specialisation to
+    it (prefill orientation, ``block_n`` <= 128, no other option).
     """
 
     block_m: int
@@ -57,10 +59,16 @@ class TileConfig:
     block_k: int = _SCALE_BLOCK
     split_k: int = 1
     dot_pair: bool = False
+    tma: bool = False
+    warp_spec: bool = False
 
     def fits(self, n: int) -> bool:
         """Whether this tile divides N (K is always a multiple of 128)."""
         if self.dot_pair and (self.block_n > 128 or self.preload_scales):
+            return False
+        if (self.tma or self.warp_spec) and (
+                not self.tma or self.swap_ab or self.block_n > 128 or self.preload_scales or self.dot_pair
+                or self.split_k > 1 or self.prefetch_scales):
             return False
         return n % self.block_n == 0 and (self.block_n <= 128 or self.block_n % 128 == 0)
 
@@ -72,8 +80,9 @@ class TileConfig:
         prefetch = f"_pf{self.prefetch_scales}" if self.prefetch_scales else ""
         split = f"_sk{self.split_k}" if self.split_k > 1 else ""
         pair = "_pair" if self.dot_pair else ""
+        tma = ("_tmaws" if self.warp_spec else "_tma") if self.tma else ""
         return (f"{mode}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
-                f"_g{self.group_tiles_m}{evict}{preload}{prefetch}{split}{pair}")
+                f"_g{self.group_tiles_m}{evict}{preload}{prefetch}{split}{pair}{tma}")
 
 
 def _next_pow2(x: int) -> int:
@@ -142,7 +151,10 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
     if rows_per_group > 24:
         found += [TileConfig(64, 128, False, 4, 2, dot_pair=True),
                   TileConfig(128, 128, False, 8, 2, dot_pair=True),
-                  TileConfig(128, 128, False, 8, 3, dot_pair=True)]
+                  TileConfig(128, 128, False, 8, 3, dot_pair=True),
+                  TileConfig(128, 128, False, 4, 4, tma=True, warp_spec=True),
+                  TileConfig(128, 128, False, 4, 3, tma=True, warp_spec=True),
+                  TileConfig(64, 128, False, 4, 4, tma=True)]
         if k >= 4096:
             found.append(TileConfig(64, 128, False, 4, 4, split_k=2))
     # The scale prefetch on the main shapes of each class.
@@ -187,6 +199,15 @@ def _split_workspace(device: torch.device, tiles: int, split_k: int, tile_elems:
     return found
 
 
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's allocator hook: scratch for the TMA descriptors a launch makes on the device.
+
+    Freed when the launch returns; the caching allocator is stream-ordered, so
+    the memory is not handed out again before the kernel is done with it.
+    """
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_strides,
             config: TileConfig, w_table: bool) -> torch.Tensor:
     m, k = xq.shape
@@ -198,6 +219,9 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
     parts = counts = None
     if split_k > 1:
         parts, counts = _split_workspace(xq.device, tiles, split_k, config.block_m * config.block_n)
+    if config.tma:
+        # Descriptors made on the device need a little global scratch per launch.
+        triton.set_allocator(_tma_scratch)
     grid = (tiles * split_k,)
     grouped_fp8_kernel[grid](
         xq, w_arg, x_scale, ws_arg, m_sizes, out,
@@ -211,6 +235,7 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
         SCALE_CHUNK=min(config.scale_chunk, _next_pow2(k // _SCALE_BLOCK)),
         PREFETCH_SCALES=config.prefetch_scales, W_TABLE=w_table,
         part_ptr=parts, count_ptr=counts, SPLIT_K=split_k, DOT_PAIR=config.dot_pair,
+        USE_TMA=config.tma, WARP_SPEC=config.warp_spec,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -216,7 +216,7 @@ def test_weight_table_graph_follows_a_swapped_weight_set(gen):
 
 
 # Round 2 (v5 in bench/NOTES.md): split-K reduced by the last split to arrive,
-# and two K blocks per iteration. K = 1280 is 10 K blocks: uneven split ranges
+# two K blocks per iteration, TMA loads with and without warp specialisation. K = 1280 is 10 K blocks: uneven split ranges
 # (sk3: 4, 4, 2; sk8: 2, 2, 2, 2, 2, 0, 0, 0) and, paired, five even pairs;
 # K = 1152 (9 blocks) leaves an odd block for the paired loop.
 ROUND2_CONFIGS = [
@@ -232,6 +232,11 @@ ROUND2_CONFIGS = [
     tk.TileConfig(64, 128, False, 4, 4, split_k=2),
     tk.TileConfig(128, 128, False, 8, 4, split_k=2),
     tk.TileConfig(64, 128, False, 4, 2, dot_pair=True, split_k=2),
+    tk.TileConfig(128, 128, False, 4, 4, tma=True, warp_spec=True),
+    tk.TileConfig(128, 128, False, 4, 3, tma=True, warp_spec=True, group_tiles_m=8),
+    tk.TileConfig(64, 128, False, 4, 4, tma=True, warp_spec=True),
+    tk.TileConfig(64, 128, False, 4, 4, tma=True),
+    tk.TileConfig(128, 128, False, 8, 4, tma=True),
 ]
 
 
@@ -248,7 +253,8 @@ def test_round2_variants_match_reference_and_repeat(config, k, gen):
         assert torch.equal(run(problem, config), first)
 
 
-@pytest.mark.parametrize("config", [c for c in ROUND2_CONFIGS if c.split_k > 1][::2], ids=lambda c: c.key())
+@pytest.mark.parametrize("config", [c for c in ROUND2_CONFIGS if c.split_k > 1][::2] + [
+    c for c in ROUND2_CONFIGS if c.warp_spec][:1], ids=lambda c: c.key())
 def test_split_k_graph_replay_matches_eager_on_new_data(config, gen):
     m, n, k, g = 700, 512, 2048, 8
     problem = make_problem(m, n, k, g, random_m_sizes(g, m), gen)

@@ -101,10 +101,15 @@ def test_round2_options_have_own_keys_and_limits():
     assert not tk.TileConfig(64, 256, False, dot_pair=True).fits(1024)
     assert not tk.TileConfig(16, 64, True, preload_scales=True, dot_pair=True).fits(1024)
     assert tk.TileConfig(64, 128, False, dot_pair=True).fits(1280)
+    # Warp specialisation rides on the TMA prefill path only.
+    assert tk.TileConfig(128, 128, False, tma=True, warp_spec=True).fits(1280)
+    assert not tk.TileConfig(128, 128, False, warp_spec=True).fits(1280)
+    assert not tk.TileConfig(16, 128, True, tma=True).fits(1280)
+    assert not tk.TileConfig(128, 128, False, tma=True, split_k=2).fits(1280)
     # The table does not use them yet (the device measurement decides).
     for m, n, k, g in SHAPES:
         default = tk.default_config(m, n, k, g)
-        assert (default.split_k, default.dot_pair) == (1, False)
+        assert (default.split_k, default.dot_pair, default.tma, default.warp_spec) == (1, False, False, False)
 
 
 def test_split_workspace_is_cached_and_starts_clean():
