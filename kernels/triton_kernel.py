@@ -219,6 +219,9 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
     parts = counts = None
     if split_k > 1:
         parts, counts = _split_workspace(xq.device, tiles, split_k, config.block_m * config.block_n)
+    if config.tma and w_table:
+        # The TMA path builds its weight descriptor from one base address.
+        config = replace(config, tma=False, warp_spec=False)
     if config.tma:
         # Descriptors made on the device need a little global scratch per launch.
         triton.set_allocator(_tma_scratch)
