@@ -223,7 +223,8 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
             try:
                 out.fill_(float("nan"))
                 tk.launch(*problem, out, config=cfg)
-                err = rel_error(out, ref)
+                # On the GPU: copying a 16384 x 7168 float64 reference to the host per config costs seconds.
+                err = float(torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref))
                 first = out.clone()
                 t = bench(lambda cfg=cfg: tk.launch(*problem, out, config=cfg), rep=10)
                 # After hundreds of launches the same inputs give the same bits
