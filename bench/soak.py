@@ -1,9 +1,15 @@
 """Soak: many concurrent clients, valid and invalid calls, weights replaced and deleted.
 
     python bench/soak.py --spawn --duration 30 --clients 16                 # CPU, a few MB
-    python bench/soak.py --spawn --device cuda --duration 300 --clients 256 \\
-        --G 8 --N 2048 --K 7168 --max-rows 512 --check-rows 8 --json soak_h200.json
+    python bench/soak.py --spawn --device cuda --duration 420 --procs 8 --clients 256 \
+        --G 8 --N 2048 --K 7168 --max-rows 256 --check-rows 4 --check-fraction 0.25 \
+        --churn-every 5 --queue-size 256 --fill-memory --fill-G 128 \
+        --server-arg=--max-body-bytes=4294967296 --json bench/results/soak_h200.json
     python bench/soak.py --url http://host:8000 --token T --admin-token A ...
+
+The GPU line is the scaled run: 8 client processes, DeepSeek-like N and K, and
+mid-run the H200 filled with 1.9 GB sets until it answers 507 (the fill set
+must fit the server's body limit, hence the larger one there).
 
 What it checks, and reports as JSON (exit status 1 when anything fails):
 
