@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--merge-window-us", dest="merge_window_us", type=int)
     serve.add_argument("--queue-size", dest="queue_size", type=int)
     serve.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None)
+    serve.add_argument("--http", choices=["fast", "uvicorn"],
+                       help="HTTP transport (default fast; uvicorn for comparison)")
     serve.add_argument("--log-level", dest="log_level")
     return parser
 
@@ -54,16 +56,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
-    """Run uvicorn with the app until interrupted."""
-    import uvicorn
-
-    from .app import create_app
-
+    """Run the app until interrupted, on the configured HTTP transport."""
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    logging.getLogger("moegemm").info("starting moegemm on %s:%d", settings.host, settings.port)
+    logging.getLogger("moegemm").info("starting moegemm on %s:%d (%s transport)",
+                                      settings.host, settings.port, settings.http)
+    if settings.http == "fast":
+        return _serve_fast(settings)
+    import uvicorn
+
+    from .app import create_app
+
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -75,4 +80,27 @@ def serve(settings: Settings) -> int:
         # The body limit is enforced per request; this bounds idle keep-alives.
         timeout_keep_alive=30,
     )
+    return 0
+
+
+def _serve_fast(settings: Settings) -> int:
+    """The app on the fast transport; request bodies land in pinned memory on a GPU."""
+    import asyncio
+
+    from ._http import FastHttpServer
+    from .app import create_app, resolve_device
+
+    allocate = None
+    if resolve_device(settings.device).type == "cuda":
+        from ._staging import pinned_body_allocator
+
+        allocate = pinned_body_allocator()
+    server = FastHttpServer(create_app(settings), settings.host, settings.port,
+                            max_body_bytes=settings.max_body_bytes, allocate=allocate)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(server.serve())
+    else:
+        uvloop.run(server.serve())
     return 0

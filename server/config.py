@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     merge_window_us: int = Field(0, ge=0, le=1_000_000)
     queue_size: int = Field(256, gt=0)
     graphs: bool = True
+    # The HTTP transport: "fast" (server/_http.py: bodies received in place,
+    # pinned on a GPU) or "uvicorn". Same app, same contract.
+    http: Literal["fast", "uvicorn"] = "fast"
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("preload", mode="before")

@@ -36,6 +36,7 @@ from moegemm.client._errors import (
     BadShape,
     DeadlineExceeded,
     InternalError,
+    NotFinite,
     NotReady,
     OutOfMemory,
     Overloaded,
@@ -43,6 +44,7 @@ from moegemm.client._errors import (
 )
 from moegemm.kernels._backend import Backend
 
+from ._checks import floats_finite, fp8_has_nan, scales_ok
 from ._executor import Executor, Part
 from ._graphs import GraphPool
 from ._staging import Staging
@@ -51,9 +53,6 @@ from ._tensors import (
     FLOATS,
     FP8,
     require_dtype,
-    require_finite,
-    require_fp8_not_nan,
-    require_positive_finite_scales,
     require_shape,
 )
 from .store import WeightSet
@@ -122,6 +121,8 @@ class Engine:
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        # Calls in the last batch: more than one means callers arrive together.
+        self._last_batch_calls = 1
 
     # -- life cycle ------------------------------------------------------------
 
@@ -169,12 +170,19 @@ class Engine:
                 raise BadField("fp8 x needs x_scale (float32 [M, K/128])")
             require_dtype(x_scale, (torch.float32,), "x_scale")
             require_shape(x_scale, (M, K // BLOCK), "x_scale", "[M, K/128]")
-            require_positive_finite_scales(x_scale, "x_scale")
-            require_fp8_not_nan(x, "x")
+            # numpy scans (_checks.py): torch's per-op dispatch costs milliseconds
+            # on a [128, 7168] call, and this runs on the event loop.
+            if not scales_ok(x_scale):
+                raise NotFinite(
+                    "x_scale holds a NaN, Inf or a value <= 0; scales are finite and > 0"
+                )
+            if fp8_has_nan(x):
+                raise NotFinite("x holds fp8 NaN encodings")
         else:
             if x_scale is not None:
                 raise BadField("x_scale is only for fp8 x; bf16/fp16/fp32 x is quantized by the server")
-            require_finite(x, "x")
+            if not floats_finite(x):
+                raise NotFinite("x holds NaN or Inf")
         sizes = [int(m) for m in m_sizes.tolist()]
         if any(m < 0 for m in sizes):
             raise BadMSizes(f"m_sizes {sizes} holds a negative size")
@@ -267,11 +275,18 @@ class Engine:
             return item
 
     def _collect(self, first: GemmCall) -> list[GemmCall]:
-        """``first`` plus the calls for the same weight set within the merge window."""
+        """``first`` plus the calls for the same weight set that arrive with it.
+
+        Calls already queued always join (they would wait anyway). The worker
+        waits up to ``merge_window_us`` for more only while calls are arriving
+        together -- the previous batch merged several -- so a lone caller never
+        pays the window. A window of zero disables merging.
+        """
         batch = [first]
         if self.merge_window_s <= 0:
             return batch
         rows = first.rows
+        wait = self._last_batch_calls > 1
         close_at = time.monotonic() + self.merge_window_s
         with self._cv:
             while rows < self.max_bucket_m:
@@ -286,11 +301,11 @@ class Engine:
                         batch.append(item)
                         rows += item.rows
                 left = close_at - time.monotonic()
-                if left <= 0 or self._closed:
+                if not wait or left <= 0 or self._closed:
                     break
                 self._cv.wait(left)
+        self._last_batch_calls = len(batch)
         return batch
-
     def _run_batch(self, batch: list[GemmCall]) -> None:
         started = time.monotonic()
         live = []

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import moegemm
 import torch
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -24,11 +25,10 @@ from moegemm.client._errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
-from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
+from moegemm.client._wire import decode_tensor
 from starlette.convertors import Convertor, register_url_convertor
 
-import moegemm
-
+from ._body import TensorResponse, unpack_body
 from ._tensors import WIRE_NAMES, to_torch
 from .config import Settings
 from .engine import Engine
@@ -59,7 +59,13 @@ def services(request: Request) -> Services:
     return request.app.state.services
 
 
-ServicesDep = Annotated[Services, Depends(services)]
+async def _services_dep(request: Request) -> Services:
+    # async: FastAPI runs a plain-def dependency on a worker thread, a thread
+    # hop per request on the hot path for an attribute lookup.
+    return services(request)
+
+
+ServicesDep = Annotated[Services, Depends(_services_dep)]
 
 
 def _bearer(request: Request) -> bytes | None:
@@ -100,7 +106,7 @@ async def require_admin(request: Request) -> None:
         raise Unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
 
 
-def require_ready(request: Request) -> None:
+async def require_ready(request: Request) -> None:
     """The weight and gemm endpoints answer 503 until start-up loading is done."""
     if not services(request).ready:
         raise NotReady("the server is still loading its weights", retry_after=1)
@@ -122,7 +128,9 @@ async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
         chunks.append(chunk)
-    return unpackb(b"".join(chunks))
+    # One chunk (the fast transport's whole body) is decoded in place: tensor
+    # bins stay views on the body, which is pinned memory on a GPU.
+    return unpack_body(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
 
 def check_fields(body: dict, required: set[str], optional: set[str] = frozenset()) -> None:
@@ -277,7 +285,8 @@ async def gemm(name: str, request: Request, svc: ServicesDep) -> Response:
     x, x_scale, m_sizes = (_tensor(body, k) for k in ("x", "x_scale", "m_sizes"))
     ws = svc.store.get(name)
     out = await svc.engine.gemm(ws, x, x_scale, m_sizes, deadline=deadline)
-    return Response(packb({"out": encode_tensor(out)}), media_type=MSGPACK)
+    # The header, then the pinned output rows as they are: no msgpack copy.
+    return TensorResponse("out", out)
 
 
 @metrics_router.get("/metrics")
