@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-
 # Bodies above this are weight uploads, not calls: pinning them would hold page-
 # locked memory the size of a weight set for one request.
 _PIN_BODIES_UP_TO = 64 << 20
