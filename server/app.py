@@ -19,15 +19,16 @@ import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from moegemm.client._errors import APIError, BadField, InternalError
+from moegemm.client._errors import APIError, BadField, InternalError, Overloaded
 from moegemm.kernels import get_backend
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from . import routes
 from .config import Settings, get_settings
 from .engine import Engine
 from .metrics import Metrics
-from .store import WeightStore
+from .store import WeightLimits, WeightStore
 
 log = logging.getLogger("moegemm.server")
 
@@ -94,7 +95,12 @@ async def _lifespan(app: FastAPI):
         graphs=settings.graphs,
         metrics=metrics,
     )
-    store = WeightStore(backend, settings.weights_dir)
+    limits = WeightLimits(
+        max_g=settings.max_g, max_n=settings.max_n, max_k=settings.max_k,
+        max_total_bytes=settings.max_weight_bytes,
+        headroom_bytes=settings.memory_headroom_bytes,
+    )
+    store = WeightStore(backend, settings.weights_dir, limits)
     metrics.watch(store.total_bytes, _device_memory(device), engine.queued)
     svc = routes.Services(settings=settings, engine=engine, store=store, metrics=metrics)
     app.state.services = svc
@@ -114,6 +120,53 @@ def _fail_loudly(task: asyncio.Task) -> None:
     if task.cancelled() or task.exception() is None:
         return
     log.error("start-up loading failed; the server stays not ready", exc_info=task.exception())
+
+
+class BodyBudget:
+    """Pure ASGI middleware: a bound on the request bodies held at once.
+
+    A request reserves its declared Content-Length (a chunked one, the body
+    limit) before the app reads a byte of it. One that would take the bodies
+    held over ``limit`` is answered 503 overloaded with Retry-After at once, so
+    many large uploads arriving together cannot exhaust host memory; when no
+    other body is held a request is always let in. The reservation ends with
+    the request (the app holds its body until then).
+    """
+
+    def __init__(self, app: Any, limit: int, body_limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.body_limit = body_limit
+        self.held = 0  # one event loop: no lock needed
+
+    def _size(self, scope) -> int:
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                size = int(value) if value.isdigit() else 0
+                # Over the body limit: answered 413 from the head, never read.
+                return size if size <= self.body_limit else 0
+            if key == b"transfer-encoding" and value.lower() != b"identity":
+                return self.body_limit
+        return 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        size = self._size(scope) if scope["type"] == "http" else 0
+        if size == 0:
+            await self.app(scope, receive, send)
+            return
+        if self.held and self.held + size > self.limit:
+            error = Overloaded(
+                f"{self.held} bytes of request bodies are held; {size} more would pass the "
+                f"limit of {self.limit} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
+                retry_after=1,
+            )
+            await error_response(error)(scope, receive, send)
+            return
+        self.held += size
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.held -= size
 
 
 class RequestContext:
@@ -158,9 +211,15 @@ class RequestContext:
 
         try:
             await self.app(scope, counting_receive, tagging_send)
+        except ClientDisconnect:
+            # The client left mid-body (e.g. its deadline passed): nobody to answer.
+            status = 499
+            log.info("request %s %r: the client disconnected (request id %s)",
+                     scope.get("method"), scope.get("path"), request_id)
         except Exception as exc:
             # Never a crash: log the traceback, answer 500 if nothing went out yet.
-            log.exception("request %s %s failed (request id %s)", scope.get("method"),
+            # %r: a decoded path may hold control characters; they stay escaped.
+            log.exception("request %s %r failed (request id %s)", scope.get("method"),
                           scope.get("path"), request_id)
             if not response_started:
                 response = error_response(
@@ -222,5 +281,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    # The last added is the outermost: request ids and metrics see every answer.
+    app.add_middleware(BodyBudget, limit=settings.max_inflight_bytes,
+                       body_limit=settings.max_body_bytes)
     app.add_middleware(RequestContext, metrics=metrics)
     return app

@@ -31,7 +31,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--demo", action=argparse.BooleanOptionalAction, default=None,
                        help="load the random 'demo' weight set (default: when nothing is preloaded)")
     serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
+    serve.add_argument("--max-inflight-bytes", dest="max_inflight_bytes", type=int)
+    serve.add_argument("--shutdown-grace-s", dest="shutdown_grace_s", type=float)
     serve.add_argument("--max-m", dest="max_m", type=int)
+    serve.add_argument("--max-g", dest="max_g", type=int)
+    serve.add_argument("--max-n", dest="max_n", type=int)
+    serve.add_argument("--max-k", dest="max_k", type=int)
+    serve.add_argument("--max-weight-bytes", dest="max_weight_bytes", type=int)
+    serve.add_argument("--memory-headroom-bytes", dest="memory_headroom_bytes", type=int)
     serve.add_argument("--max-bucket-m", dest="max_bucket_m", type=int)
     serve.add_argument("--merge-window-us", dest="merge_window_us", type=int)
     serve.add_argument("--queue-size", dest="queue_size", type=int)
@@ -79,6 +86,9 @@ def serve(settings: Settings) -> int:
         log_level=settings.log_level,
         # The body limit is enforced per request; this bounds idle keep-alives.
         timeout_keep_alive=30,
+        # Graceful shutdown: stop accepting, let accepted requests finish, but not
+        # forever (a stalled upload must not hold the process past its grace period).
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     return 0
 

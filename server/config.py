@@ -60,10 +60,23 @@ class Settings(BaseSettings):
     token: SecretStr | None = None
     admin_token: SecretStr | None = None
     max_body_bytes: int = Field(256 * MiB, gt=0)
+    # Request bodies held at once (being read, queued, running); 503 beyond.
+    max_inflight_bytes: int = Field(2048 * MiB, gt=0)
     max_m: int = Field(65536, gt=0)
+    # A weight set's G, N and K (413 beyond), and the bytes of all loaded sets
+    # together (507 beyond; None: as many as the device holds).
+    max_g: int = Field(1024, gt=0)
+    max_n: int = Field(65536, gt=0)
+    max_k: int = Field(65536, gt=0)
+    max_weight_bytes: int | None = Field(None, gt=0)
+    # Device memory a load leaves free for the calls in flight (507 when it cannot).
+    memory_headroom_bytes: int = Field(1 << 30, ge=0)
     max_bucket_m: int = Field(8192, gt=0)
     merge_window_us: int = Field(0, ge=0, le=1_000_000)
     queue_size: int = Field(256, gt=0)
+    # On SIGTERM/SIGINT: seconds the requests in flight get to finish (fits the
+    # deployments' grace period after their preStop pause).
+    shutdown_grace_s: float = Field(60.0, gt=0)
     graphs: bool = True
     # The HTTP transport: "fast" (server/_http.py: bodies received in place,
     # pinned on a GPU) or "uvicorn". Same app, same contract.

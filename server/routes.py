@@ -14,19 +14,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-import moegemm
 import torch
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from moegemm.client._errors import (
     BadField,
     NotReady,
+    OutOfMemory,
     TooLarge,
     Unauthorized,
     UnsupportedMediaType,
 )
 from moegemm.client._wire import decode_tensor
 from starlette.convertors import Convertor, register_url_convertor
+
+import moegemm
 
 from ._body import TensorResponse, unpack_body
 from ._tensors import WIRE_NAMES, to_torch
@@ -175,7 +177,12 @@ async def install(svc: Services, build: Callable[[], WeightSet]) -> tuple[Weight
     dropped (calls still holding it finish on it, eagerly if need be).
     """
     ws = await svc.engine.run(lambda: svc.engine.prepare(build()))
-    old = svc.store.put(ws)
+    try:
+        old = svc.store.put(ws)
+    except OutOfMemory:
+        # Another load took the room meanwhile: this set never goes live.
+        await svc.engine.run(lambda: svc.engine.forget(ws))
+        raise
     if old is not None:
         await svc.engine.run(lambda: svc.engine.forget(old))
     return ws, old is not None
@@ -234,7 +241,12 @@ async def info(svc: ServicesDep) -> dict:
         "buckets": s.buckets(),
         "limits": {
             "max_body_bytes": s.max_body_bytes,
+            "max_inflight_bytes": s.max_inflight_bytes,
             "max_m": s.max_m,
+            "max_g": s.max_g,
+            "max_n": s.max_n,
+            "max_k": s.max_k,
+            "max_weight_bytes": s.max_weight_bytes,
             "max_bucket_m": s.max_bucket_m,
             "queue_size": s.queue_size,
             "merge_window_us": s.merge_window_us,

@@ -29,6 +29,7 @@ from moegemm.client._errors import (
     NoSuchFile,
     NoSuchWeights,
     OutOfMemory,
+    TooLarge,
 )
 from moegemm.kernels._backend import Backend
 
@@ -92,13 +93,36 @@ class WeightSet:
         }
 
 
+@dataclass(frozen=True)
+class WeightLimits:
+    """What one server takes: G, N, K of a set (413 beyond), the bytes of all sets
+    together (507 beyond), and device memory a load must leave free for calls."""
+
+    max_g: int = 1024
+    max_n: int = 65536
+    max_k: int = 65536
+    max_total_bytes: int | None = None
+    headroom_bytes: int = 0
+
+
+def set_bytes(G: int, N: int, K: int) -> int:
+    """Device bytes of a set: fp8 weights plus float32 block scales."""
+    return G * N * K + G * (K // BLOCK) * (N // BLOCK) * 4
+
+
 class WeightStore:
     """Name -> WeightSet, with builders that validate and place sets on the device."""
 
-    def __init__(self, backend: Backend, weights_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        weights_dir: Path | None = None,
+        limits: WeightLimits | None = None,
+    ) -> None:
         self.backend = backend
         self.device = backend.device
         self.weights_dir = weights_dir
+        self.limits = limits or WeightLimits()
         self._sets: dict[str, WeightSet] = {}
         self._lock = threading.Lock()
 
@@ -118,9 +142,15 @@ class WeightStore:
             return sorted(self._sets.values(), key=lambda ws: ws.name)
 
     def put(self, ws: WeightSet) -> WeightSet | None:
-        """Install ``ws`` under its name, atomically; return the set it replaced, if any."""
+        """Install ``ws`` under its name, atomically; return the set it replaced, if any.
+
+        OutOfMemory, changing nothing, when the sets would then hold more than
+        ``max_total_bytes`` (the builders check first; this settles races between
+        two loads built at the same time).
+        """
         with self._lock:
             old = self._sets.get(ws.name)
+            self._check_total(ws.name, ws.bytes, old)
             self._sets[ws.name] = ws
         return old
 
@@ -132,6 +162,46 @@ class WeightStore:
         if ws is None:
             raise NoSuchWeights(f"no weight set named {name!r} is loaded")
         return ws
+
+    def _check_total(self, name: str, nbytes: int, old: WeightSet | None) -> None:
+        # Called under the lock. A replacement frees its predecessor's bytes.
+        limit = self.limits.max_total_bytes
+        if limit is None:
+            return
+        others = sum(ws.bytes for ws in self._sets.values()) - (old.bytes if old else 0)
+        if others + nbytes > limit:
+            raise OutOfMemory(
+                f"weight set {name!r} needs {nbytes} bytes; the loaded sets hold {others} "
+                f"of this server's {limit} (MOEGEMM_MAX_WEIGHT_BYTES)"
+            )
+
+    def check_room(self, name: str, G: int, N: int, K: int) -> None:
+        """Refuse a set before any of it is read: G/N/K over the limits (TooLarge),
+        or more bytes than the total limit or the device's free memory allow
+        (OutOfMemory). Loaded sets and calls in flight are not touched."""
+        lim = self.limits
+        if G > lim.max_g or N > lim.max_n or K > lim.max_k:
+            raise TooLarge(
+                f"w is [G={G}, N={N}, K={K}]; this server takes at most G={lim.max_g}, "
+                f"N={lim.max_n}, K={lim.max_k}"
+            )
+        nbytes = set_bytes(G, N, K)
+        with self._lock:
+            self._check_total(name, nbytes, self._sets.get(name))
+        if self.device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        # The preshuffle holds a second copy while it works; the headroom stays free
+        # for the calls in flight and their buffers.
+        copies = 2 if self.backend.weight_layout == "preshuffled" else 1
+        need = copies * nbytes + lim.headroom_bytes
+        if need > free + cached:
+            raise OutOfMemory(
+                f"weight set {name!r} ([{G}, {N}, {K}], {nbytes} bytes) does not fit: "
+                f"{free + cached} bytes of device memory are free, {lim.headroom_bytes} of "
+                f"them kept for calls"
+            )
 
     def total_bytes(self) -> int:
         """Device bytes held by all loaded sets."""
@@ -215,6 +285,7 @@ class WeightStore:
                 f"w has shape [G={G}, N={N}, K={K}]; need G >= 1 and N, K positive "
                 f"multiples of {BLOCK}"
             )
+        self.check_room(name, G, N, K)
         scale_shape = (G, K // BLOCK, N // BLOCK)
         if dtype in FP8:
             if w_scale is None:
