@@ -374,12 +374,14 @@ class FastHttpServer:
         *,
         max_body_bytes: int,
         allocate: Callable[[int], memoryview] | None = None,
+        grace_s: float = 30.0,
     ) -> None:
         self.app = app
         self.host = host
         self.port = port
         self.max_body_bytes = max_body_bytes
         self.allocate = allocate or _plain_body
+        self.grace_s = grace_s
         self.connections: set[_Connection] = set()
         self.state: dict = {}
         self._server: asyncio.base_events.Server | None = None
@@ -397,7 +399,11 @@ class FastHttpServer:
         return task, to_app, from_app
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
-        """Start the app, accept connections until ``stop`` (or SIGINT/SIGTERM), shut down."""
+        """Start the app, accept connections until ``stop`` (or SIGINT/SIGTERM), shut down.
+
+        Shutting down stops accepting, gives the requests in flight ``grace_s``
+        seconds to finish, closes every connection and ends the app's lifespan.
+        """
         loop = asyncio.get_running_loop()
         stop = stop or asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -417,7 +423,7 @@ class FastHttpServer:
             self._server.close()
             running = [c.task for c in self.connections if c.task is not None]
             if running:
-                await asyncio.wait(running, timeout=30)
+                await asyncio.wait(running, timeout=self.grace_s)
             for conn in list(self.connections):
                 if conn.transport is not None:
                     conn.transport.close()
