@@ -76,11 +76,24 @@ def _worker(conn, index: int) -> None:
         errors, lat = 0, []
         for _ in range(3):  # warm the connection and the server's path
             client.grouped_gemm(job["name"], x, sizes, x_scale=scale)
-        while time.time() < job["start_at"]:
+        # Paced (open loop) when the job has a total rate: each client sends on its
+        # own schedule, staggered, and latency counts from the scheduled send, so
+        # a slow answer delays no measurement (no coordinated omission).
+        interval = job["clients"] / job["rate"] if job.get("rate") else None
+        start = job["start_at"] + (index * interval / job["clients"] if interval else 0)
+        while time.time() < start:
             time.sleep(0.0005)
         stop_at = job["start_at"] + job["duration"]
+        next_send = time.perf_counter()
         while True:
-            t0 = time.perf_counter()
+            if interval is not None:
+                wait = next_send - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
+                t0 = next_send
+                next_send += interval
+            else:
+                t0 = time.perf_counter()
             try:
                 client.grouped_gemm(job["name"], x, sizes, x_scale=scale)
                 lat.append(time.perf_counter() - t0)
@@ -107,7 +120,7 @@ class Workers:
     def run(self, clients: int, job: dict) -> dict:
         start_at = time.time() + 0.3 + 0.02 * clients
         for pipe in self.pipes[:clients]:
-            pipe.send({**job, "start_at": start_at})
+            pipe.send({**job, "start_at": start_at, "clients": clients})
         results = [pipe.recv() for pipe in self.pipes[:clients]]
         lat = sorted(x for r in results for x in r["lat"])
         wall = max(r["end"] for r in results) - start_at
@@ -278,6 +291,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--servers", default="default,graphs_off,merge_off,uvicorn")
     ap.add_argument("--merge-window-us", type=int, default=200)
+    ap.add_argument("--paced-rate", type=float, default=1300,
+                    help="total calls/s of the paced (open-loop) points")
     ap.add_argument("--no-deepseek", action="store_true")
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--budget-s", type=float, default=300, help="stop starting points after this")
@@ -357,11 +372,15 @@ def main() -> int:
         rest += [("merge_off", "main", m, "fp8", c) for m in ms] + [("merge_off", "main", 1, "fp8", 1)]
         rest += [("uvicorn", "main", m, "fp8", n) for m in ms[:3] for n in (1, c)]
         points = first + [p for p in rest if p not in first]
+        # Paced at the done-criterion's rate: p99 at 1300 calls/s offered by 32 clients.
+        paced = [(srv, "main", key_m, "fp8", c, args.paced_rate)
+                 for srv in ("default", "merge_off", "uvicorn")]
+        points = points[:len(first)] + paced + points[len(first):]
         points = [p for p in points if p[0] in servers and result["servers"][p[0]]["ready"]]
         shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points})
         result["kernel_us"] = kernel_times(shapes, device)
 
-        for server, set_name, m, kind, clients in points:
+        for server, set_name, m, kind, clients, *pace in points:
             srv = servers[server]
             if time.monotonic() - began > args.budget_s:
                 result["stopped_early"] = "time budget"
@@ -369,9 +388,10 @@ def main() -> int:
             g, n, k = sets[set_name]
             job = {"url": srv.url, "name": set_name, "m": m, "k": k, "g": g, "kind": kind,
                    "duration": args.duration, "seed": m * 7 + clients,
-                   "min_calls": 20 if clients == 1 else 3}
+                   "min_calls": 20 if clients == 1 else 3, "rate": pace[0] if pace else None}
             before = srv.metrics()
-            row = {"server": server, "set": set_name, "M": m, "input": kind, **workers.run(clients, job)}
+            row = {"server": server, "set": set_name, "M": m, "input": kind,
+                   "offered_calls_per_s": job["rate"], **workers.run(clients, job)}
             after = srv.metrics()
             # Per point (warm-up calls included): launches and calls per launch.
             delta = {k: (after[k] or 0) - (before[k] or 0)
@@ -417,7 +437,8 @@ def _alive(pid: int) -> bool:
 def _fmt(row: dict) -> str:
     def num(v, spec=".0f"):
         return "-" if v is None else format(v, spec)
-    return (f"{row['server']:10s} {row['set']:8s} M={row['M']:5d} {row['input']:4s} "
+    paced = f"@{row['offered_calls_per_s']:.0f}/s" if row["offered_calls_per_s"] else ""
+    return (f"{row['server']:10s} {row['set']:8s} M={row['M']:5d} {row['input']:4s}{paced} "
             f"c={row['clients']:2d}  p50 {num(row['p50_us']):>7s} us  p99 {num(row['p99_us']):>7s} us  "
             f"{num(row['calls_per_s']):>6s} calls/s  kernel {num(row['kernel_us'], '.1f'):>7s} us  "
             f"overhead {num(row['overhead_p50_us']):>6s} us  merge {num(row['mean_merge_size'], '.1f')}"
