@@ -212,6 +212,10 @@ class Server:
             ("eager_runs", r'^moegemm_launches_total\{mode="eager"\} (\S+)'),
             ("batches", r"^moegemm_batch_calls_count (\S+)"),
             ("batched_calls", r"^moegemm_batch_calls_sum (\S+)"),
+            ("server_s", r'^moegemm_request_seconds_sum\{endpoint="/v1/weights/\{name\}/gemm"\} (\S+)'),
+            ("server_calls", r'^moegemm_request_seconds_count\{endpoint="/v1/weights/\{name\}/gemm"\} (\S+)'),
+            ("queue_s", r"^moegemm_queue_seconds_sum (\S+)"),
+            ("batch_s", r"^moegemm_kernel_seconds_sum (\S+)"),
         ):
             match = re.search(pattern, text, re.MULTILINE)
             found[key] = float(match.group(1)) if match else None
@@ -395,7 +399,15 @@ def main() -> int:
             after = srv.metrics()
             # Per point (warm-up calls included): launches and calls per launch.
             delta = {k: (after[k] or 0) - (before[k] or 0)
-                     for k in ("graph_replays", "eager_runs", "batches", "batched_calls")}
+                     for k in ("graph_replays", "eager_runs", "batches", "batched_calls",
+                               "server_s", "server_calls", "queue_s", "batch_s")}
+            # The server's own share: time inside the app per call, queue wait
+            # per call, device time per batch (copies, graph, sync).
+            calls_in = delta["server_calls"] or None
+            row["server_us_per_call"] = 1e6 * delta["server_s"] / calls_in if calls_in else None
+            row["queue_us_per_call"] = (1e6 * delta["queue_s"] / delta["batched_calls"]
+                                        if delta["batched_calls"] else None)
+            row["batch_us"] = 1e6 * delta["batch_s"] / delta["batches"] if delta["batches"] else None
             row["graph_replays"], row["eager_runs"] = delta["graph_replays"], delta["eager_runs"]
             row["mean_merge_size"] = (delta["batched_calls"] / delta["batches"]
                                       if delta["batches"] else None)
@@ -442,7 +454,9 @@ def _fmt(row: dict) -> str:
             f"c={row['clients']:2d}  p50 {num(row['p50_us']):>7s} us  p99 {num(row['p99_us']):>7s} us  "
             f"{num(row['calls_per_s']):>6s} calls/s  kernel {num(row['kernel_us'], '.1f'):>7s} us  "
             f"overhead {num(row['overhead_p50_us']):>6s} us  merge {num(row['mean_merge_size'], '.1f')}"
-            f"  graph/eager {row['graph_replays']:.0f}/{row['eager_runs']:.0f}  errors {row['errors']}")
+            f"  graph/eager {row['graph_replays']:.0f}/{row['eager_runs']:.0f}"
+            f"  in-server {num(row['server_us_per_call'])} us  batch {num(row['batch_us'])} us"
+            f"  errors {row['errors']}")
 
 
 if __name__ == "__main__":
