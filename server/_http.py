@@ -317,18 +317,25 @@ class _Connection(asyncio.BufferedProtocol):
 
 
 class _Response:
-    """The ASGI ``send`` of one request: status line and headers, then body parts."""
+    """The ASGI ``send`` of one request: status line and headers, then body parts.
+
+    Parts are collected and written with one ``writelines`` when the response
+    ends (or once a streamed body has collected 1 MiB): one syscall per answer,
+    the body parts never copied on our side.
+    """
+
+    _FLUSH_BYTES = 1 << 20
 
     def __init__(self, conn: _Connection) -> None:
         self.conn = conn
         self.started = False
         self.finished = False
         self.chunked = False
-        self.head: list[bytes] = []
+        self.pending: list = []
+        self.pending_bytes = 0
 
     async def send(self, message: dict) -> None:
         kind = message["type"]
-        transport = self.conn.transport
         if kind == "http.response.start":
             status = message["status"]
             lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n".encode()]
@@ -343,22 +350,25 @@ class _Response:
             if not self.conn.keep_alive:
                 lines.append(b"connection: close\r\n")
             lines.append(b"\r\n")
-            self.head = lines
+            self.pending = [b"".join(lines)]
             self.started = True
         elif kind == "http.response.body":
             body = message.get("body", b"")
             more = message.get("more_body", False)
-            parts = self.head
-            self.head = []
+            size = len(body)
             if self.chunked:
-                if len(body):
-                    parts += [b"%x\r\n" % len(body), body, b"\r\n"]
+                if size:
+                    self.pending += [b"%x\r\n" % size, body, b"\r\n"]
                 if not more:
-                    parts.append(b"0\r\n\r\n")
-            elif len(body):
-                parts.append(body)
-            if transport is not None and parts:
-                transport.writelines(parts)
+                    self.pending.append(b"0\r\n\r\n")
+            elif size:
+                self.pending.append(body)
+            self.pending_bytes += size
+            if not more or self.pending_bytes >= self._FLUSH_BYTES:
+                transport = self.conn.transport
+                if transport is not None and self.pending:
+                    transport.writelines(self.pending)
+                self.pending, self.pending_bytes = [], 0
             if not more:
                 self.finished = True
 
