@@ -434,9 +434,15 @@ class FastHttpServer:
             running = [c.task for c in self.connections if c.task is not None]
             if running:
                 await asyncio.wait(running, timeout=self.grace_s)
+            # close() flushes what is still buffered, asynchronously: wait for
+            # every connection to be gone, or an answer in flight is cut short.
+            closing = [c.disconnected.wait() for c in list(self.connections)]
             for conn in list(self.connections):
                 if conn.transport is not None:
                     conn.transport.close()
+            if closing:
+                await asyncio.wait([asyncio.ensure_future(w) for w in closing],
+                                   timeout=self.grace_s)
             await to_app.put({"type": "lifespan.shutdown"})
             await from_app.get()
             await task
