@@ -129,7 +129,8 @@ async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
         size += len(chunk)
         if size > limit:
             raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
-        chunks.append(chunk)
+        if chunk:  # Starlette ends every stream with an empty chunk
+            chunks.append(chunk)
     # One chunk (the fast transport's whole body) is decoded in place: tensor
     # bins stay views on the body, which is pinned memory on a GPU.
     return unpack_body(chunks[0] if len(chunks) == 1 else b"".join(chunks))

@@ -172,3 +172,21 @@ def test_response_parts_decode(server):
     assert out["dtype"] == "bfloat16" and out["shape"] == [9, 256]
     assert len(out["data"]) == 9 * 256 * 2
     assert np.isfinite(np.frombuffer(out["data"], dtype=np.uint16).astype(np.float32)).all()
+
+
+def test_gemm_tensors_are_views_on_the_received_body(server, monkeypatch):
+    import moegemm.server.routes as routes
+
+    seen = []
+    real = routes.to_torch
+
+    def spy(wire):
+        seen.append(wire.data)
+        return real(wire)
+
+    monkeypatch.setattr(routes, "to_torch", spy)
+    gen = torch.Generator().manual_seed(torch.seed())
+    r = server.http.post("/v1/weights/demo/gemm", content=_demo_body(4, gen)[0], headers=MSGPACK)
+    assert r.status_code == 200
+    # Not bytes copied out by a msgpack decoder: writable views on the one body buffer.
+    assert len(seen) == 2 and all(not v.readonly and not isinstance(v.obj, bytes) for v in seen)
