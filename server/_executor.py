@@ -80,6 +80,7 @@ class Executor:
 
     def prepare(self, G: int, N: int, K: int, wq: torch.Tensor, w_scale: torch.Tensor) -> int:
         """Capture the graphs a weight set of this shape needs (fp8 and bf16 inputs)."""
+        self.staging.enter()
         return sum(
             self.pool.capture(Family(G, N, K, quantize), wq, w_scale) for quantize in (False, True)
         )
@@ -89,6 +90,7 @@ class Executor:
 
         Parts may differ in dtype: each dtype runs as its own merged launch.
         """
+        self.staging.enter()
         launches = Launches()
         outs: list[torch.Tensor | None] = [None] * len(parts)
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -133,7 +135,6 @@ class Executor:
         if xs_host is not None:
             self.staging.upload(bufs.x_scale[:rows], xs_host)
         self._upload_sizes(bufs, plan.m_sizes)
-        self.staging.handoff()
         launches.add(self.pool.launch(family, ws.wq, ws.w_scale, rows))
         return bufs.out[:rows]
 
@@ -146,7 +147,6 @@ class Executor:
         if xs_host is not None:
             xs_dev = torch.empty(xs_host.shape, dtype=xs_host.dtype, device=self.device)
             self.staging.upload(xs_dev, xs_host)
-        self.staging.handoff()
         if not family.quantize:
             x_dev, xs_dev = self._to_device_fp8(x_dev, xs_dev)
         if not plan.is_identity:
@@ -163,7 +163,6 @@ class Executor:
             if xs_dev is not None:
                 bufs.x_scale[:n].copy_(xs_dev[start:stop])
             self._upload_sizes(bufs, chunk_sizes(plan.m_sizes, start, stop))
-            self.staging.handoff()
             launches.add(self.pool.launch(family, ws.wq, ws.w_scale, n))
             out_dev[start:stop].copy_(bufs.out[:n])
         if not plan.is_identity:

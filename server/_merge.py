@@ -36,6 +36,7 @@ class MergePlan:
     gather: np.ndarray
     scatter: np.ndarray
     offsets: tuple[int, ...]
+    identity: bool = False
 
     @property
     def total(self) -> int:
@@ -50,7 +51,7 @@ class MergePlan:
     @property
     def is_identity(self) -> bool:
         """True when the merged order equals the concatenated one (no gather needed)."""
-        return bool(np.array_equal(self.gather, np.arange(self.total)))
+        return self.identity
 
 
 def plan_merge(m_sizes: Sequence[np.ndarray | Sequence[int]]) -> MergePlan:
@@ -60,6 +61,13 @@ def plan_merge(m_sizes: Sequence[np.ndarray | Sequence[int]]) -> MergePlan:
     """
     if not m_sizes:
         raise ValueError("plan_merge needs at least one call")
+    if len(m_sizes) == 1:
+        # The common case, kept cheap: numpy's fixed cost per call dominates here.
+        one = np.asarray(m_sizes[0], dtype=np.int64).reshape(-1)
+        if (one < 0).any():
+            raise ValueError("group sizes must be >= 0")
+        rows = np.arange(int(one.sum()), dtype=np.int64)
+        return MergePlan(one, rows, rows, (0, len(rows)), identity=True)
     sizes = np.stack([np.asarray(s, dtype=np.int64).reshape(-1) for s in m_sizes])
     if (sizes < 0).any():
         raise ValueError("group sizes must be >= 0")
@@ -84,6 +92,7 @@ def plan_merge(m_sizes: Sequence[np.ndarray | Sequence[int]]) -> MergePlan:
         gather=gather,
         scatter=scatter,
         offsets=tuple(int(o) for o in offsets),
+        identity=bool(np.array_equal(gather, np.arange(total))),
     )
 
 
