@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -60,6 +61,9 @@ from .store import WeightSet
 log = logging.getLogger("moegemm.server.engine")
 
 T = TypeVar("T")
+
+# GIL switch interval while an engine runs (CPython's default is 5 ms).
+_SWITCH_INTERVAL_S = 2e-4
 
 # A full queue tells the caller to come back after this many seconds.
 _RETRY_AFTER_S = 1
@@ -127,7 +131,13 @@ class Engine:
     # -- life cycle ------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the worker thread."""
+        """Start the worker thread (and shorten the interpreter's GIL switch interval)."""
+        # The worker releases the GIL in every torch call and must win it back
+        # from the event loop thread, which at CPython's default 5 ms interval
+        # starves it under load: on the H200, one batch took 0.8 ms with one
+        # client and 34 ms with 32 (M=128, bench/results/service_h200.json).
+        # Process-wide on purpose: this process exists to serve the engine.
+        sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._loop, name="moegemm-engine", daemon=True)
         self._thread.start()
 
