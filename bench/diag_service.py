@@ -11,7 +11,6 @@ prebuilt POST, the client's grouped_gemm).
 
 from __future__ import annotations
 
-import asyncio
 import cProfile
 import io
 import pstats
@@ -37,7 +36,6 @@ def p50(f, n=300, warm=20) -> float:
 
 def in_process(m: int) -> None:
     import torch
-
     from moegemm.kernels import get_backend, quantize_activations
     from moegemm.server._executor import Executor, Part
     from moegemm.server._graphs import GraphPool
@@ -98,7 +96,6 @@ def in_process(m: int) -> None:
 def over_http(m: int, transport: str, port: int) -> None:
     import httpx
     import ml_dtypes
-
     from moegemm.client import Client
     from moegemm.client._wire import encode_tensor, packb
 
