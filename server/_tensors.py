@@ -7,6 +7,8 @@ the dtype tables and validation helpers that the store and the engine share.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from moegemm.client._errors import BadDtype, BadShape, BadTensor, NotFinite
 
@@ -43,6 +45,10 @@ def to_torch(wire) -> torch.Tensor:
     if any(d >= _MAX_DIM for d in shape):
         raise BadTensor(f"shape {list(shape)} has a dimension over {_MAX_DIM - 1}")
     if len(wire.data) == 0:
+        # torch lays out even an empty tensor: its strides, products of the
+        # dims (zeros counted as 1), must fit in int64 too.
+        if math.prod(max(d, 1) for d in shape) >= _MAX_DIM:
+            raise BadTensor(f"shape {list(shape)} is too large to lay out, even empty")
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(wire.data, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)

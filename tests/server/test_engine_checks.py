@@ -46,3 +46,14 @@ def test_scales():
         t[3, 7] = bad
         assert not scales_ok(t)
     assert scales_ok(torch.empty(0, 56))
+
+
+def test_an_empty_tensor_too_large_to_lay_out_is_bad_tensor():
+    # Found by hypothesis: zero elements, but strides past int64.
+    from moegemm.client import BadTensor
+    from moegemm.client._wire import decode_tensor
+    from moegemm.server._tensors import to_torch
+
+    with pytest.raises(BadTensor):
+        to_torch(decode_tensor({"dtype": "float32", "shape": [0, 2**62, 4], "data": b""}))
+    assert to_torch(decode_tensor({"dtype": "float32", "shape": [0, 5, 4], "data": b""})).shape == (0, 5, 4)
