@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moegemm.server._checks import floats_finite, fp8_has_nan, scales_ok
 
 ALL_BYTES = torch.arange(256, dtype=torch.uint8)

@@ -175,7 +175,7 @@ def test_response_parts_decode(server):
 
 
 def test_gemm_tensors_are_views_on_the_received_body(server, monkeypatch):
-    import moegemm.server.routes as routes
+    from moegemm.server import routes
 
     seen = []
     real = routes.to_torch

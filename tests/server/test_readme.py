@@ -16,7 +16,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_client_example(server):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
     assert blocks, "the README has no python example"
     code = blocks[0].replace("http://127.0.0.1:8000", server.url)
     scope: dict = {}
