@@ -86,6 +86,10 @@ def test_mixed_input_dtypes_in_one_batch():
     gen = torch.Generator().manual_seed(torch.seed())
     ex, ws = _executor(), _weights(gen)
     fp8 = _fp8_part(ws, 9, gen)
+    # fnuz -> fn is exact only at or above 2^-6 (SPEC 1.2; halved below): keep
+    # the fp8 part clear of tiny values so the fnuz twin must match it bit for bit.
+    tiny = fp8.x.float().abs() < 2**-5
+    fp8 = Part(fp8.x.float().masked_fill(tiny, 0).to(fp8.x.dtype), fp8.x_scale, fp8.m_sizes)
     parts = [fp8]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = torch.randn(11, K, generator=gen).to(dtype)
