@@ -70,8 +70,8 @@ def _check_contract(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
         raise ValueError(f"wq's K ({wk}) differs from xq's K ({k})")
     if g < 1:
         raise ValueError("wq must hold at least one group (G >= 1)")
-    if n % _BLOCK or k % _BLOCK:
-        raise ValueError(f"N and K must be multiples of {_BLOCK}, got N={n}, K={k}")
+    if n < 1 or k < 1 or n % _BLOCK or k % _BLOCK:
+        raise ValueError(f"N and K must be positive multiples of {_BLOCK}, got N={n}, K={k}")
     expected = {
         "x_scale": (x_scale, (m, k // _BLOCK)),
         "w_scale": (w_scale, (g, k // _BLOCK, n // _BLOCK)),

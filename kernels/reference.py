@@ -43,8 +43,8 @@ def _check(xq, wq, x_scale, w_scale, m_sizes) -> None:
         )
     m, k = xq.shape
     g, n, _ = wq.shape
-    if n % BLOCK or k % BLOCK:
-        raise ValueError(f"N and K must be multiples of {BLOCK}, got N={n}, K={k}")
+    if n < 1 or k < 1 or n % BLOCK or k % BLOCK:
+        raise ValueError(f"N and K must be positive multiples of {BLOCK}, got N={n}, K={k}")
     if tuple(x_scale.shape) != (m, k // BLOCK):
         raise ValueError(f"x_scale must be [{m}, {k // BLOCK}], got {tuple(x_scale.shape)}")
     if tuple(w_scale.shape) != (g, k // BLOCK, n // BLOCK):

@@ -135,7 +135,7 @@ def test_health_reports_not_ready_at_once():
     script = Script(_error(503, "not_ready", 0.01))
     with _client(script, retries=3, backoff=0.001) as c, pytest.raises(mc.NotReady):
         c.health()
-        assert len(script.requests) == 1
+    assert len(script.requests) == 1
     # Weight endpoints do retry a server that is still starting.
     script = Script(_error(503, "not_ready", 0.01), lambda r: httpx.Response(200, json=[]))
     with Client(URL, transport=httpx.MockTransport(script), retries=3, backoff=0.001) as c:

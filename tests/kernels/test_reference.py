@@ -152,6 +152,7 @@ def _args(m=4, n=256, k=384, g=2):
         (4, lambda t: t.float(), TypeError),  # m_sizes not integer
         (0, lambda t: t[:, :128], ValueError),  # K disagrees
         (1, lambda t: t[:, :200], ValueError),  # N % 128
+        (1, lambda t: t[:, :0], ValueError),  # N == 0 (a multiple of 128, not positive)
         (2, lambda t: t[:, :1], ValueError),  # x_scale shape
         (3, lambda t: t.transpose(1, 2), ValueError),  # w_scale shape
         (4, lambda t: t[:1], ValueError),  # m_sizes length
@@ -191,3 +192,18 @@ def test_reference_runs_on_the_gpu():
     on_gpu = reference.grouped_gemm(*gpu_args, poisoned_out(83, 256, "cuda"))
     assert rel_error(on_gpu, reference_float64(*p.args())) <= SPEC_TOLERANCE
     assert rel_error(on_gpu, on_cpu) <= 1e-2 * SPEC_TOLERANCE
+
+
+def test_empty_k_is_refused_by_the_public_entry_and_the_reference():
+    xq = torch.empty(3, 0, dtype=torch.float8_e4m3fn)
+    wq = torch.empty(2, 128, 0, dtype=torch.float8_e4m3fn)
+    x_scale, w_scale = torch.empty(3, 0), torch.empty(2, 0, 1)
+    m_sizes = torch.tensor([3, 0])
+    with pytest.raises(ValueError, match="positive multiples"):
+        grouped_gemm(xq, wq, x_scale, w_scale, m_sizes)
+    from moegemm.kernels import reference
+
+    with pytest.raises(ValueError, match="positive multiples"):
+        reference.grouped_gemm(
+            xq, wq, x_scale, w_scale, m_sizes, out=torch.empty(3, 128, dtype=torch.bfloat16)
+        )
