@@ -351,7 +351,10 @@ class Client(_Base):
         while True:
             request_id, args = self._request_args(call)
             try:
-                response = self._http.request(**args)
+                if call.deadline is None:
+                    response = self._http.request(**args)
+                else:
+                    response = self._request_by(call, args, request_id)
                 return _result(call, response, request_id)
             except httpx.TransportError as exc:
                 error, cause = self._failed(call, exc, request_id), exc
@@ -363,6 +366,29 @@ class Client(_Base):
                 raise error from cause
             time.sleep(wait)
             attempt += 1
+
+    def _request_by(self, call: _Call, args: dict[str, Any], request_id: str) -> httpx.Response:
+        """The request, its answer read in pieces so that the deadline bounds the whole wait.
+
+        httpx's timeouts bound each read, not their sum: an answer trickling in
+        could otherwise outlast the deadline many times over.
+        """
+        with self._http.stream(**args) as response:
+            chunks = []
+            for chunk in response.iter_bytes():
+                chunks.append(chunk)
+                if time.monotonic() >= call.deadline:
+                    raise DeadlineExceeded(
+                        f"the answer to {call.method} {call.path} was still arriving "
+                        "at its deadline", request_id=request_id)
+            if time.monotonic() >= call.deadline:
+                raise DeadlineExceeded(
+                    f"no full answer to {call.method} {call.path} within its deadline",
+                    request_id=request_id)
+        headers = [(k, v) for k, v in response.headers.multi_items()
+                   if k.lower() not in ("content-encoding", "transfer-encoding")]
+        return httpx.Response(response.status_code, headers=headers, content=b"".join(chunks),
+                              request=response.request)
 
     def grouped_gemm(
         self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
@@ -460,7 +486,17 @@ class AsyncClient(_Base):
         while True:
             request_id, args = self._request_args(call)
             try:
-                response = await self._http.request(**args)
+                if call.deadline is None:
+                    response = await self._http.request(**args)
+                else:
+                    # httpx's timeouts bound each read, not their sum.
+                    left = max(0.0, call.deadline - time.monotonic())
+                    try:
+                        response = await asyncio.wait_for(self._http.request(**args), left)
+                    except asyncio.TimeoutError:
+                        raise DeadlineExceeded(
+                            f"no full answer to {call.method} {call.path} within its deadline",
+                            request_id=request_id) from None
                 return _result(call, response, request_id)
             except httpx.TransportError as exc:
                 error, cause = self._failed(call, exc, request_id), exc

@@ -239,3 +239,61 @@ def test_async_client_retries_and_honours_deadlines(silent_server):
     asyncio.run(main())
     assert len(script.requests) == 2
     assert 0 < int(script.requests[-1].headers["x-deadline-ms"]) <= 3000
+
+
+def _trickling_server() -> tuple[socket.socket, threading.Event]:
+    """Answers one call with headers at once, then one body byte every 0.1 s."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    done = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                buf += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.msgpack\r\n"
+                         b"content-length: 100\r\n\r\n")
+            for _ in range(100):
+                if done.wait(0.1):
+                    return
+                try:
+                    conn.sendall(b"\x00")
+                except OSError:
+                    return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, done
+
+
+def test_a_trickling_answer_cannot_outlast_the_deadline():
+    listener, done = _trickling_server()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    start = time.monotonic()
+    try:
+        with mc.Client(url, timeout=30) as c, pytest.raises(mc.DeadlineExceeded):
+            c.grouped_gemm("w", np.ones((2, 128), np.float32), [2], deadline=0.3)
+    finally:
+        done.set()
+        listener.close()
+    assert time.monotonic() - start < 2
+
+
+def test_a_trickling_answer_cannot_outlast_the_deadline_async():
+    listener, done = _trickling_server()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def call():
+        async with mc.AsyncClient(url, timeout=30) as c:
+            with pytest.raises(mc.DeadlineExceeded):
+                await c.grouped_gemm("w", np.ones((2, 128), np.float32), [2], deadline=0.3)
+
+    start = time.monotonic()
+    try:
+        asyncio.run(call())
+    finally:
+        done.set()
+        listener.close()
+    assert time.monotonic() - start < 2
