@@ -43,6 +43,10 @@ C = TypeVar("C", Client, AsyncClient)
 
 # Errors after which another replica may still answer: no answer at all, a
 # 503 (the server did nothing with the call), or a server that lost the set.
+# A lost answer (read error or timeout after the request went out) also fails
+# over: the first server may have run the call, but gemm has no side effects,
+# so running it twice costs time, never correctness. Weight loads and deletes
+# never fail over.
 _FAIL_OVER = (TransportError, Unavailable, NoSuchWeights)
 
 
