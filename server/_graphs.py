@@ -234,7 +234,9 @@ class GraphPool:
                 self._body(family, bucket, wq, w_scale)  # warm-up: compiles the kernel
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
+            # thread_local: the event loop's thread keeps allocating pinned request
+            # buffers during a capture, which "global" mode would turn into errors.
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
                 self._body(family, bucket, wq, w_scale)
             self._graphs[key] = graph
             new += 1

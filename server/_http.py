@@ -154,7 +154,10 @@ class _Connection(asyncio.BufferedProtocol):
             # means the connection cannot be reused.
             self.keep_alive = False
             length = 0
-        self.body = self.server.allocate(length)
+        try:
+            self.body = self.server.allocate(length)
+        except Exception:  # e.g. pinned memory exhausted: still answer, from plain memory
+            self.body = _plain_body(length)
         have = min(length, self.head_used - start)
         self.body[:have] = self.head_view[start:start + have]
         self.body_used = have
@@ -230,6 +233,8 @@ class _Connection(asyncio.BufferedProtocol):
             raise ValueError("only HTTP/1.1 and HTTP/1.0 are served")
         headers = []
         length: int | None = 0
+        lengths: set[bytes] = set()
+        chunked = False
         expect_continue = False
         keep_alive = version == b"HTTP/1.1"
         for line in lines[1:]:
@@ -243,8 +248,10 @@ class _Connection(asyncio.BufferedProtocol):
                 if not value.isdigit():
                     raise ValueError("Content-Length is not a number")
                 length = int(value)
+                lengths.add(value)
             elif name == b"transfer-encoding" and value.lower() != b"identity":
                 length = None
+                chunked = True
             elif name == b"connection":
                 tokens = value.lower()
                 if b"close" in tokens:
@@ -253,6 +260,12 @@ class _Connection(asyncio.BufferedProtocol):
                     keep_alive = True
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect_continue = True
+        # RFC 9112 6.3: a body framed two ways, or by disagreeing lengths, is
+        # a request-smuggling shape; refuse it rather than pick one.
+        if len(lengths) > 1 or (lengths and chunked):
+            raise ValueError("conflicting Content-Length / Transfer-Encoding framing")
+        if chunked:
+            length = None
         self.keep_alive = keep_alive
         path, _, query = target.partition(b"?")
         scope = {

@@ -159,6 +159,18 @@ def test_chunked_upload_with_odd_framing(server):
     assert _raw(server, bad).startswith(b"HTTP/1.1 400")
 
 
+def test_a_body_framed_two_ways_is_refused(server):
+    # Request-smuggling shapes (RFC 9112 6.3): never pick one framing silently.
+    base = (b"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\ncontent-type: "
+            b"application/vnd.msgpack\r\n")
+    both = base + b"content-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+    assert _raw(server, both).startswith(b"HTTP/1.1 400")
+    two = base + b"content-length: 5\r\ncontent-length: 6\r\n\r\nhello!"
+    assert _raw(server, two).startswith(b"HTTP/1.1 400")
+    # The server keeps serving afterwards.
+    assert server.http.get("/v1/health/live").status_code == 200
+
+
 def test_malformed_request_line(server):
     assert _raw(server, b"NOT HTTP\r\n\r\n").startswith(b"HTTP/1.1 400")
 
