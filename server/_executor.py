@@ -53,7 +53,7 @@ class Launches:
     def add(self, mode: str) -> None:
         if mode == "graph":
             self.graph += 1
-        else:
+        elif mode == "eager":
             self.eager += 1
 
 

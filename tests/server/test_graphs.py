@@ -107,8 +107,9 @@ def test_empty_call():
     gen = torch.Generator().manual_seed(torch.seed())
     ex, ws = _executor(), _weights(gen)
     part = Part(torch.empty(0, K, dtype=torch.float8_e4m3fn), torch.empty(0, K // 128), [0] * G)
-    [out], _ = ex.run(ws, [part])
+    [out], launches = ex.run(ws, [part])
     assert out.shape == (0, N)
+    assert (launches.graph, launches.eager) == (0, 0)  # nothing ran, nothing counted
 
 
 def test_static_buffers_are_shared_per_family():
