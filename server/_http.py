@@ -294,8 +294,30 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _dispatch(self) -> None:
         self.transport.pause_reading()
-        self.task = asyncio.get_running_loop().create_task(self._run(self.scope, self.body))
+        scope, direct = self.scope, self.server.direct
+        name = None if direct is None else direct.match(scope["method"], scope["path"])
+        if name is None:
+            run = self._run(scope, self.body)
+        else:
+            run = self._run_direct(name, scope, self.body)
+        self.task = asyncio.get_running_loop().create_task(run)
         self.scope, self.body, self.body_used = None, None, 0
+
+    async def _run_direct(self, name: str, scope: dict, body: memoryview) -> None:
+        """A route the server answers without the ASGI app (``_direct.py``)."""
+        try:
+            status, head, parts = await self.server.direct(name, scope["headers"], body)
+        except Exception:  # the handler answers its own errors; this is a bug in it
+            log.exception("the direct route failed on %s %s", scope["method"], scope["path"])
+            if self.transport is not None:
+                self.transport.write(_error_bytes(500, "internal", "unexpected server error"))
+            self.keep_alive = False
+        else:
+            if self.transport is not None:
+                line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "").encode())
+                close = b"" if self.keep_alive else b"connection: close\r\n"
+                self.transport.writelines([line + head + close + b"\r\n", *parts])
+        self._finish()
 
     async def _run(self, scope: dict, body: memoryview) -> None:
         response = _Response(self)
@@ -318,6 +340,10 @@ class _Connection(asyncio.BufferedProtocol):
             self.keep_alive = False
         if not response.finished:
             self.keep_alive = False
+        self._finish()
+
+    def _finish(self) -> None:
+        """After an answer: close, or read the next request on this connection."""
         self.task = None
         if self.transport is None:
             return
@@ -397,9 +423,14 @@ class FastHttpServer:
         *,
         max_body_bytes: int,
         allocate: Callable[[int], memoryview] | None = None,
+        direct: Any = None,
         grace_s: float = 30.0,
     ) -> None:
         self.app = app
+        # Routes answered without the app (``_direct.DirectGemm``): an object with
+        # match(method, path) -> key | None and an async call(key, headers, body)
+        # -> (status, header lines, body parts).
+        self.direct = direct
         self.host = host
         self.port = port
         self.max_body_bytes = max_body_bytes

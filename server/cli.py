@@ -97,6 +97,7 @@ def _serve_fast(settings: Settings) -> int:
     """The app on the fast transport; request bodies land in pinned memory on a GPU."""
     import asyncio
 
+    from ._direct import DirectGemm
     from ._http import FastHttpServer
     from .app import create_app, resolve_device
 
@@ -105,8 +106,11 @@ def _serve_fast(settings: Settings) -> int:
         from ._staging import pinned_body_allocator
 
         allocate = pinned_body_allocator()
-    server = FastHttpServer(create_app(settings), settings.host, settings.port,
-                            max_body_bytes=settings.max_body_bytes, allocate=allocate)
+    app = create_app(settings)
+    # The gemm route skips the ASGI stack on this transport (_direct.py).
+    server = FastHttpServer(app, settings.host, settings.port,
+                            max_body_bytes=settings.max_body_bytes, allocate=allocate,
+                            direct=DirectGemm(app))
     try:
         import uvloop
     except ImportError:

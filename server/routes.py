@@ -70,14 +70,18 @@ async def _services_dep(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(_services_dep)]
 
 
-def _bearer(request: Request) -> bytes | None:
-    header = request.headers.get("authorization")
-    if header is None:
+def bearer(authorization: str | None) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
+    if authorization is None:
         return None
-    scheme, _, token = header.partition(" ")
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip().encode()
+
+
+def _bearer(request: Request) -> bytes | None:
+    return bearer(request.headers.get("authorization"))
 
 
 def _matches(given: bytes | None, secrets: list) -> bool:
@@ -89,14 +93,18 @@ def _matches(given: bytes | None, secrets: list) -> bool:
     return ok
 
 
-async def require_token(request: Request) -> None:
-    """With a token configured, the request carries it (or the admin token)."""
-    settings = services(request).settings
+def check_token(settings: Settings, authorization: str | None) -> None:
+    """With a token configured, ``authorization`` carries it (or the admin token)."""
     if settings.token is None:
         return
     secrets = [s for s in (settings.token, settings.admin_token) if s is not None]
-    if not _matches(_bearer(request), secrets):
+    if not _matches(bearer(authorization), secrets):
         raise Unauthorized("send 'Authorization: Bearer <token>' with this server's token")
+
+
+async def require_token(request: Request) -> None:
+    """With a token configured, the request carries it (or the admin token)."""
+    check_token(services(request).settings, request.headers.get("authorization"))
 
 
 async def require_admin(request: Request) -> None:
@@ -108,22 +116,32 @@ async def require_admin(request: Request) -> None:
         raise Unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
 
 
-async def require_ready(request: Request) -> None:
+def check_ready(svc: Services) -> None:
     """The weight and gemm endpoints answer 503 until start-up loading is done."""
-    if not services(request).ready:
+    if not svc.ready:
         raise NotReady("the server is still loading its weights", retry_after=1)
 
 
-async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
-    """The body as one msgpack map: media type checked, size bounded while reading."""
-    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+async def require_ready(request: Request) -> None:
+    """The weight and gemm endpoints answer 503 until start-up loading is done."""
+    check_ready(services(request))
+
+
+def check_body_head(content_type: str | None, content_length: str | None, limit: int) -> None:
+    """A msgpack media type, and a declared length within ``limit``."""
+    media = (content_type or "").partition(";")[0].strip().lower()
     if media not in MSGPACK_TYPES:
         raise UnsupportedMediaType(
             f"send the body as {MSGPACK} (or application/msgpack), got {media or 'none'!r}"
         )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"the body is {declared} bytes; this server takes at most {limit}")
+    if content_length is not None and content_length.isdigit() and int(content_length) > limit:
+        raise TooLarge(f"the body is {content_length} bytes; this server takes at most {limit}")
+
+
+async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
+    """The body as one msgpack map: media type checked, size bounded while reading."""
+    check_body_head(request.headers.get("content-type"), request.headers.get("content-length"),
+                    limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -158,8 +176,8 @@ def _string(body: dict, key: str) -> str | None:
     return value
 
 
-def _deadline(request: Request) -> float | None:
-    raw = request.headers.get(DEADLINE_HEADER)
+def parse_deadline(raw: str | None) -> float | None:
+    """The ``X-Deadline-Ms`` header value as a ``time.monotonic()`` instant (None: none)."""
     if raw is None:
         return None
     try:
@@ -169,6 +187,19 @@ def _deadline(request: Request) -> float | None:
     if not ms > 0 or ms == float("inf"):
         raise BadField(f"{DEADLINE_HEADER} is a positive number of milliseconds, got {raw!r}")
     return time.monotonic() + ms / 1000
+
+
+def _deadline(request: Request) -> float | None:
+    return parse_deadline(request.headers.get(DEADLINE_HEADER))
+
+
+def gemm_inputs(
+    body: dict,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A gemm body's fields as host tensors: ``x``, ``x_scale`` (or None), ``m_sizes``."""
+    check_fields(body, {"x", "m_sizes"}, {"x_scale"})
+    x, x_scale, m_sizes = (_tensor(body, k) for k in ("x", "x_scale", "m_sizes"))
+    return x, x_scale, m_sizes
 
 
 async def install(svc: Services, build: Callable[[], WeightSet]) -> tuple[WeightSet, bool]:
@@ -294,8 +325,7 @@ async def gemm(name: str, request: Request, svc: ServicesDep) -> Response:
     check_name(name)
     deadline = _deadline(request)
     body = await read_msgpack(request, svc.settings.max_body_bytes)
-    check_fields(body, {"x", "m_sizes"}, {"x_scale"})
-    x, x_scale, m_sizes = (_tensor(body, k) for k in ("x", "x_scale", "m_sizes"))
+    x, x_scale, m_sizes = gemm_inputs(body)
     ws = svc.store.get(name)
     out = await svc.engine.gemm(ws, x, x_scale, m_sizes, deadline=deadline)
     # The header, then the pinned output rows as they are: no msgpack copy.

@@ -1,0 +1,187 @@
+"""The gemm endpoint served by the fast transport without the ASGI stack.
+
+``POST /v1/weights/{name}/gemm`` is the only hot path of the service, and on
+the request path Starlette and FastAPI cost more than everything else on the
+host: measured on this repo's CPU box with the kernel replaced by a no-op, the
+middleware, routing and dependency machinery took ~40 % of the server's time
+per call (py-spy, ``bench/NOTES.md``, service v2). The fast transport
+(``_http.py``) therefore hands this one route to :class:`DirectGemm`, which
+does, in the same order and with the same helpers, what the ASGI path does:
+
+1. the request context: ``X-Request-Id`` (echoed or made), the request and
+   byte metrics under the route's own label;
+2. the in-flight body budget (``BodyBudget`` in ``app.py``): 503 with
+   Retry-After when the bodies held would pass it;
+3. the router's and the route's dependencies: the token, then readiness;
+4. the route: the name, ``X-Deadline-Ms``, the media type and size, the
+   msgpack fields, the engine call, the answer as header + output memory.
+
+Errors become the same SPEC 2.2 JSON as ``app.error_response`` makes (it is
+used for the bytes); anything unexpected is logged and answered 500. The
+contract does not change with the transport: the whole API and error suites
+run against both (``tests/server/test_http_transport.py``). uvicorn
+(``MOEGEMM_HTTP=uvicorn``) keeps serving this route through FastAPI.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from moegemm.client._errors import APIError, InternalError, Overloaded, TooLarge
+
+from . import routes
+from ._body import MSGPACK, tensor_body_parts, unpack_body
+from .metrics import Metrics
+
+log = logging.getLogger("moegemm.server")
+
+# Starlette matches "/v1/weights/{name:wsname}/gemm" with this (wsname takes
+# anything, so check_name answers bad_name); POST is the only method there.
+_PATH = re.compile(r"/v1/weights/([\s\S]*)/gemm")
+_ENDPOINT = "/v1/weights/{name}/gemm"  # the route's path_format: the metrics label
+_MSGPACK = MSGPACK.encode()
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class DirectGemm:
+    """Serves gemm calls for the app's services straight from the transport."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.metrics: Metrics = app.state.metrics
+        self.settings = app.state.settings
+        self.held = 0  # body bytes reserved by direct calls in flight (one event loop)
+        self._request_seconds = self.metrics.request_seconds.labels(endpoint=_ENDPOINT)
+        self._requests: dict[int, Any] = {}
+
+    @staticmethod
+    def match(method: str, path: str) -> str | None:
+        """The weight-set name when this request is a gemm call, else None."""
+        if method != "POST":
+            return None
+        found = _PATH.fullmatch(path)
+        return None if found is None else found.group(1)
+
+    async def __call__(
+        self, name: str, headers: Headers, body: memoryview
+    ) -> tuple[int, bytes, list]:
+        """Answer one gemm call: the status, the header lines (each ending in CRLF,
+        without the status line and the blank line) and the body parts."""
+        started = time.perf_counter()
+        fields = _fields(headers)
+        request_id = _request_id(fields.get("x-request-id"))
+        try:
+            status, head, parts = await self._budgeted(name, fields, body, request_id)
+        except Exception as exc:  # never a crash: the same last resort as RequestContext
+            log.exception("request POST %r failed (request id %s)", f"/v1/weights/{name}/gemm",
+                          request_id)
+            status, head, parts = _error(InternalError(
+                f"unexpected {type(exc).__name__}; see the server log"), request_id)
+        self.metrics.bytes_out.inc(sum(len(p) for p in parts))
+        counter = self._requests.get(status)
+        if counter is None:
+            counter = self.metrics.requests.labels(endpoint=_ENDPOINT, status=str(status))
+            self._requests[status] = counter
+        counter.inc()
+        self._request_seconds.observe(time.perf_counter() - started)
+        return status, head, parts
+
+    async def _budgeted(self, name, fields, body, request_id) -> tuple[int, bytes, list]:
+        # BodyBudget's rule, over the same declared size: a body over the body
+        # limit was never read (answered 413 below), a chunked one counts in full.
+        declared = fields.get("content-length")
+        size = 0
+        if declared is not None:
+            size = int(declared) if declared.isdigit() else 0
+            size = size if size <= self.settings.max_body_bytes else 0
+        elif "transfer-encoding" in fields:
+            size = self.settings.max_body_bytes
+        budget = self._budget()
+        if size and budget.held and budget.held + size > budget.limit:
+            return _error(Overloaded(
+                f"{budget.held} bytes of request bodies are held; {size} more would pass the "
+                f"limit of {budget.limit} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
+                retry_after=1), request_id)
+        budget.held += size
+        try:
+            out = await self._gemm(name, fields, body)
+        except APIError as exc:
+            return _error(exc, request_id)
+        finally:
+            budget.held -= size
+        parts = tensor_body_parts("out", out)
+        size_out = sum(len(p) for p in parts)
+        head = b"content-type: %s\r\ncontent-length: %d\r\nx-request-id: %s\r\n" % (
+            _MSGPACK, size_out, request_id.encode())
+        return 200, head, parts
+
+    def _budget(self):
+        """The app's BodyBudget middleware: direct and ASGI calls share one budget."""
+        budget = getattr(self, "_budget_mw", None)
+        if budget is None:
+            budget = _find_budget(self.app)
+            self._budget_mw = budget
+        return budget
+
+    async def _gemm(self, name: str, fields: dict[str, str], body: memoryview):
+        svc: routes.Services = self.app.state.services
+        routes.check_token(svc.settings, fields.get("authorization"))
+        routes.check_ready(svc)
+        routes.check_name(name)
+        deadline = routes.parse_deadline(fields.get(routes.DEADLINE_HEADER))
+        limit = svc.settings.max_body_bytes
+        routes.check_body_head(fields.get("content-type"), fields.get("content-length"), limit)
+        if len(body) > limit:
+            raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
+        self.metrics.bytes_in.inc(len(body))
+        x, x_scale, m_sizes = routes.gemm_inputs(unpack_body(body))
+        ws = svc.store.get(name)
+        return await svc.engine.gemm(ws, x, x_scale, m_sizes, deadline=deadline)
+
+
+def _fields(headers: Headers) -> dict[str, str]:
+    """Header names (lower case, as the transport gives them) to values; the first wins."""
+    out: dict[str, str] = {}
+    for key, value in headers:
+        name = key.decode("latin-1")
+        if name not in out:
+            out[name] = value.decode("latin-1")
+    return out
+
+
+def _request_id(given: str | None) -> str:
+    # RequestContext's rule: echo only what is safe in a header and a log line.
+    if given is not None and 0 < len(given) <= 200 and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+def _error(exc: APIError, request_id: str) -> tuple[int, bytes, list]:
+    """The SPEC 2 JSON answer for ``exc``, in the bytes ``app.error_response`` renders."""
+    from .app import error_response
+
+    response = error_response(exc)
+    head = []
+    for key, value in response.raw_headers:
+        head += [key, b": ", value, b"\r\n"]
+    head += [b"x-request-id: ", request_id.encode(), b"\r\n"]
+    return exc.status, b"".join(head), [response.body]
+
+
+def _find_budget(app: Any):
+    """The BodyBudget instance in the app's middleware stack (built on first use)."""
+    from .app import BodyBudget
+
+    layer = app.middleware_stack
+    if layer is None:
+        app.middleware_stack = layer = app.build_middleware_stack()
+    while layer is not None:
+        if isinstance(layer, BodyBudget):
+            return layer
+        layer = getattr(layer, "app", None)
+    raise RuntimeError("the app has no BodyBudget middleware")
