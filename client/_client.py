@@ -32,6 +32,7 @@ from ._errors import (
     Unavailable,
     error_for,
 )
+from ._lane import Lane, usable
 from ._wire import decode_tensor, encode_tensor, packb, unpackb
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
@@ -345,13 +346,20 @@ class Client(_Base):
             timeout=timeout,
             transport=transport or httpx.HTTPTransport(socket_options=_SOCKET_OPTIONS),
         )
+        # Plain http:// calls take the lean lane (_lane.py); https, proxies and
+        # custom transports stay on httpx.
+        self._lane = Lane(self.url, self._headers) if usable(self.url, transport) else None
 
     def _send(self, call: _Call) -> Any:
         attempt = 0
         while True:
             request_id, args = self._request_args(call)
             try:
-                if call.deadline is None:
+                if self._lane is not None:
+                    response = self._lane.request(
+                        call.method, call.path, args["headers"], call.body,
+                        args.get("timeout", self._timeout), call.deadline)
+                elif call.deadline is None:
                     response = self._http.request(**args)
                 else:
                     response = self._request_by(call, args, request_id)
@@ -444,6 +452,8 @@ class Client(_Base):
 
     def close(self) -> None:
         """Close the pooled connections."""
+        if self._lane is not None:
+            self._lane.close()
         self._http.close()
 
     def __enter__(self) -> Self:

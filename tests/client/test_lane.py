@@ -1,0 +1,181 @@
+"""The blocking client's lean HTTP/1.1 lane (client/_lane.py) against real sockets.
+
+What httpx did for the client and the lane must do too: keep-alive reuse, a
+socket the server closed replaced without resending, chunked and
+Content-Length answers, a proxy or https left to httpx, failures raised as
+the client's error tree, a deadline bounding the whole exchange.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from moegemm.client import Client, DeadlineExceeded, InternalError, TransportError
+from moegemm.client._lane import usable
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: list = []
+
+    def do_GET(self):
+        self.seen.append((self.path, self.client_address[1], dict(self.headers)))
+        body = json.dumps({"path": self.path, "peer": self.client_address[1]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if self.path.endswith("chunked"):
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(body), 7):
+                piece = body[i:i + 7]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        self.send_header("Content-Length", str(len(body)))
+        if self.path.endswith("close"):
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    _Handler.seen = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_plain_http_takes_the_lane_and_others_do_not(monkeypatch):
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    assert usable("http://127.0.0.1:8000", None)
+    assert not usable("https://example.com", None)
+    assert not usable("http://127.0.0.1:8000", httpx.MockTransport(lambda r: None))
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    assert not usable("http://10.1.2.3:8000", None)
+    assert usable("http://10.1.2.3:8000", None, trust_env=False)
+
+
+def test_keep_alive_and_headers(server):
+    url, _ = server
+    with Client(url, token="t0k", headers={"X-Extra": "1"}) as c:
+        a, b = c.info(), c.info()
+    assert a["peer"] == b["peer"]
+    (_, _, headers), _ = _Handler.seen[0], None
+    assert headers["Authorization"] == "Bearer t0k"
+    assert headers["X-Extra"] == "1"
+    assert headers["Host"] == url.removeprefix("http://")
+    assert len(headers["X-Request-Id"]) == 32
+
+
+def test_chunked_answer(server):
+    url, _ = server
+    with Client(url + "/pre") as c:
+        # the path prefix of the base URL is kept, and the chunked body reassembled
+        answer = c._lane.request("GET", "/x/chunked", {}, None, httpx.Timeout(5))
+    assert answer.status_code == 200
+    assert json.loads(answer.content) == {"path": "/pre/x/chunked", "peer": _Handler.seen[0][1]}
+
+
+def test_close_answers_are_not_pooled(server):
+    url, _ = server
+    with Client(url) as c:
+        first = c._lane.request("GET", "/a/close", {}, None, httpx.Timeout(5))
+        assert not c._lane._idle  # "Connection: close" answers are not pooled
+        second, third = c.info(), c.info()
+    assert json.loads(first.content)["peer"] != second["peer"] == third["peer"]
+
+
+def test_a_socket_the_server_closed_is_replaced():
+    """A keep-alive socket the server closed while idle is noticed before reuse:
+    the call goes out once, on a new connection."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    requests = []
+
+    def serve():
+        for _ in range(2):
+            conn, peer = listener.accept()
+            with conn:
+                requests.append(conn.recv(65536))
+                body = json.dumps({"peer": peer[1]}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n" % len(body) + body)
+                time.sleep(0.05)  # then close while the client holds the socket idle
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    with Client(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=5) as c:
+        first = c.info()
+        time.sleep(0.3)
+        second = c.info()
+    assert first["peer"] != second["peer"]
+    assert len(requests) == 2
+
+
+def _one_shot(answer: bytes) -> str:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+            time.sleep(0.2)
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_malformed_answer_is_a_transport_error():
+    with Client(_one_shot(b"HTTP/1.1 2OO OK\r\n\r\n"), timeout=5) as c, \
+            pytest.raises(TransportError):
+        c.live()
+
+
+def test_answer_cut_short_is_a_transport_error():
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"status\""
+    with Client(_one_shot(answer), timeout=5) as c, pytest.raises(TransportError):
+        c.live()
+
+
+def test_error_answer_maps_to_the_error_tree():
+    body = b'{"error": {"code": "internal", "message": "boom"}}'
+    answer = (b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+              b"x-request-id: rid-9\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
+    with Client(_one_shot(answer), timeout=5) as c, pytest.raises(InternalError) as info:
+        c.live()
+    assert info.value.request_id == "rid-9" and "boom" in str(info.value)
+
+
+def test_silent_server_hits_the_deadline():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with Client(url, timeout=30) as c:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                c.grouped_gemm("demo", np.zeros((1, 128), np.float32), [1], deadline=0.3)
+            assert time.monotonic() - started < 2
+    finally:
+        listener.close()
