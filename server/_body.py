@@ -139,8 +139,24 @@ _SCALARS = {
 }
 
 
+# Below this, msgpack's C decoder (which copies bins) is faster than walking
+# the body in Python: a 7 KB call decodes in ~7 us instead of ~35 us, and its
+# copies cost nothing next to that.
+_COPY_BELOW = 64 << 10
+
+
 def unpack_body(body: bytes | bytearray | memoryview) -> dict:
-    """One msgpack map from ``body``, bins as memoryviews on it; errors as ``unpackb``."""
+    """One msgpack map from ``body``, bins as memoryviews on it; errors as ``unpackb``.
+
+    Bodies under 64 KiB are decoded by ``unpackb`` itself (bins then are copies).
+    """
+    if len(body) < _COPY_BELOW:
+        return unpackb(body)
+    return unpack_in_place(body)
+
+
+def unpack_in_place(body: bytes | bytearray | memoryview) -> dict:
+    """``unpack_body`` at any size: bins are always memoryviews on ``body``."""
     view = memoryview(body)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")

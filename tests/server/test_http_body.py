@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from moegemm.client._errors import BadMsgpack
 from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
-from moegemm.server._body import tensor_body_parts, unpack_body
+from moegemm.server._body import tensor_body_parts, unpack_body, unpack_in_place
 
 scalars = (
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
@@ -39,7 +39,7 @@ def _plain(obj):
 @given(body=bodies, single_floats=st.booleans())
 def test_same_result_as_unpackb(body, single_floats):
     data = msgpack.packb(body, use_bin_type=True, use_single_float=single_floats)
-    assert _plain(unpack_body(data)) == _plain(unpackb(data))
+    assert _plain(unpack_in_place(data)) == _plain(unpackb(data))
 
 
 @settings(max_examples=300, deadline=None)
@@ -51,10 +51,10 @@ def test_same_error_as_unpackb_on_damaged_bodies(body, cut, junk):
             expected = unpackb(damaged)
         except BadMsgpack as exc:
             with pytest.raises(BadMsgpack) as got:
-                unpack_body(damaged)
+                unpack_in_place(damaged)
             assert str(got.value) == str(exc)
         else:
-            assert _plain(unpack_body(damaged)) == _plain(expected)
+            assert _plain(unpack_in_place(damaged)) == _plain(expected)
 
 
 def test_refusals_match():
@@ -70,18 +70,26 @@ def test_refusals_match():
         with pytest.raises(BadMsgpack) as expected:
             unpackb(data)
         with pytest.raises(BadMsgpack) as got:
-            unpack_body(data)
+            unpack_in_place(data)
         assert str(got.value) == str(expected.value)
 
 
 def test_tensor_bins_are_views_on_the_body():
-    x = torch.randn(33, 256).to(torch.bfloat16)
+    x = torch.randn(333, 256).to(torch.bfloat16)  # over 64 KiB: decoded in place
     body = bytearray(packb({"x": encode_tensor(x), "m_sizes": encode_tensor(torch.tensor([33]))}))
     decoded = unpack_body(memoryview(body))
     data = decoded["x"]["data"]
     assert isinstance(data, memoryview) and data.obj is body
     wire = decode_tensor(decoded["x"])
-    assert wire.shape == (33, 256) and wire.data.tobytes() == x.view(torch.uint8).numpy().tobytes()
+    assert wire.shape == (333, 256) and wire.data.tobytes() == x.view(torch.uint8).numpy().tobytes()
+
+
+def test_small_bodies_are_decoded_by_unpackb():
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    body = bytearray(packb({"x": encode_tensor(x), "m_sizes": encode_tensor(torch.tensor([3]))}))
+    decoded = unpack_body(memoryview(body))
+    assert decoded == unpackb(body)
+    assert decoded["x"]["data"] == unpack_in_place(body)["x"]["data"].tobytes()
 
 
 @pytest.mark.parametrize("shape", [(0, 128), (1, 7), (129, 300), (3, 70000)])

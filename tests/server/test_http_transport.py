@@ -200,7 +200,8 @@ def test_gemm_tensors_are_views_on_the_received_body(server, monkeypatch):
 
     monkeypatch.setattr(routes, "to_torch", spy)
     gen = torch.Generator().manual_seed(torch.seed())
-    r = server.http.post("/v1/weights/demo/gemm", content=_demo_body(4, gen)[0], headers=MSGPACK)
+    # 200 rows of 512 bf16: a body over 64 KiB, which is decoded in place.
+    r = server.http.post("/v1/weights/demo/gemm", content=_demo_body(200, gen)[0], headers=MSGPACK)
     assert r.status_code == 200
     # Not bytes copied out by a msgpack decoder: writable views on the one body buffer.
     assert len(seen) == 2 and all(not v.readonly and not isinstance(v.obj, bytes) for v in seen)
