@@ -298,6 +298,8 @@ def main() -> int:
     ap.add_argument("--paced-rate", type=float, default=1300,
                     help="total calls/s of the paced (open-loop) points")
     ap.add_argument("--no-deepseek", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="only the done-criteria's points and the paced ones")
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--budget-s", type=float, default=300, help="stop starting points after this")
     ap.add_argument("--ready-timeout", type=float, default=240)
@@ -379,7 +381,7 @@ def main() -> int:
         # Paced at the done-criterion's rate: p99 at 1300 calls/s offered by 32 clients.
         paced = [(srv, "main", key_m, "fp8", c, args.paced_rate)
                  for srv in ("default", "merge_off", "uvicorn")]
-        points = points[:len(first)] + paced + points[len(first):]
+        points = points[:len(first)] + paced + ([] if args.quick else points[len(first):])
         points = [p for p in points if p[0] in servers and result["servers"][p[0]]["ready"]]
         shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points})
         result["kernel_us"] = kernel_times(shapes, device)
