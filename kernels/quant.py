@@ -34,6 +34,17 @@ def _check_float_input(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what} must be bfloat16, float16 or float32, got {t.dtype}")
 
 
+def _scale_of(amax: torch.Tensor, limit: float) -> torch.Tensor:
+    """``max(amax, floor) / limit``, in place, rounded the same on every device.
+
+    Dividing by a Python number lets torch multiply by its reciprocal instead,
+    rounded differently on the CPU and on CUDA: the H200's scales came out one
+    ulp away from the CPU reference's, and so did some quantized values. A
+    tensor divisor is a true IEEE division everywhere.
+    """
+    return amax.clamp_(min=_AMAX_FLOOR).div_(torch.full_like(amax, limit))
+
+
 def _to_fp8(values: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     # Clamping first matters: torch's cast does not saturate, an overflow would be NaN.
     limit = fp8_max(fp8_dtype)
@@ -58,7 +69,7 @@ def quantize_activations(
         raise ValueError(f"K must be a multiple of {BLOCK}, got K={k}")
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=2, keepdim=True)
-    scale = amax.clamp_(min=_AMAX_FLOOR) / limit
+    scale = _scale_of(amax, limit)
     xq = _to_fp8(blocks, scale, fp8_dtype).reshape(m, k)
     return xq, scale.reshape(m, k // BLOCK).contiguous()
 
@@ -83,7 +94,7 @@ def quantize_weights(
     nb, kb = n // BLOCK, k // BLOCK
     blocks = w.float().reshape(*lead, nb, BLOCK, kb, BLOCK)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)  # [..., nb, 1, kb, 1]
-    scale = amax.clamp_(min=_AMAX_FLOOR) / limit
+    scale = _scale_of(amax, limit)
     wq = _to_fp8(blocks, scale, fp8_dtype).reshape(w.shape)
     w_scale = scale.reshape(*lead, nb, kb).transpose(-1, -2).contiguous()
     return wq, w_scale

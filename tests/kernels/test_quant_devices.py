@@ -1,0 +1,51 @@
+"""Quantization (SPEC 1.1) gives the same bits on every device.
+
+The server quantizes bf16 inputs on its GPU; callers and tests check it against
+the CPU. Scales are exact IEEE quotients ``amax / FP8_MAX`` (float64 division
+rounded once agrees), and a GPU gives the CPU's bits: on the H200, dividing by
+a Python number had given scales one ulp off, and some fp8 values with them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moegemm.kernels import quantize_activations, quantize_weights
+
+FORMATS = [(torch.float8_e4m3fn, 448.0), (torch.float8_e4m3fnuz, 240.0)]
+
+
+def _data(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    # magnitudes over many binades, so scales land everywhere in a binade
+    return torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape[:-1], generator=gen) * 4)[..., None]
+
+
+@pytest.mark.parametrize("fp8,limit", FORMATS)
+def test_activation_scales_are_exact_quotients(fp8, limit):
+    x = _data((512, 1024), 1)
+    _, xs = quantize_activations(x, fp8)
+    amax = x.reshape(512, 8, 128).abs().amax(-1).double().clamp(min=1e-12)
+    assert torch.equal(xs, (amax / limit).float())
+
+
+@pytest.mark.parametrize("fp8,limit", FORMATS)
+def test_weight_scales_are_exact_quotients(fp8, limit):
+    w = _data((2, 256, 384), 2)
+    _, ws = quantize_weights(w, fp8)
+    amax = w.reshape(2, 2, 128, 3, 128).abs().amax(dim=(2, 4)).double().clamp(min=1e-12)
+    assert torch.equal(ws, (amax / limit).float().transpose(1, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+@pytest.mark.parametrize("fp8,limit", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_quantizes_to_the_cpu_bits(fp8, limit, dtype):
+    x = _data((1335, 2048), 3).to(dtype)
+    w = _data((3, 256, 512), 4).to(dtype)
+    for fn, t in ((quantize_activations, x), (quantize_weights, w)):
+        q_cpu, s_cpu = fn(t, fp8)
+        q_gpu, s_gpu = fn(t.cuda(), fp8)
+        assert torch.equal(s_gpu.cpu(), s_cpu)
+        assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
