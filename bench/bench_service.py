@@ -298,6 +298,9 @@ def main() -> int:
     ap.add_argument("--paced-rate", type=float, default=1300,
                     help="total calls/s of the paced (open-loop) points")
     ap.add_argument("--no-deepseek", action="store_true")
+    ap.add_argument("--variants", default="",
+                    help="extra copies of the default server with settings from the "
+                         "environment, timed on the key points: 'sw20:MOEGEMM_GIL_SWITCH_US=20,...'")
     ap.add_argument("--quick", action="store_true",
                     help="only the done-criteria's points and the paced ones")
     ap.add_argument("--port", type=int, default=18600)
@@ -339,10 +342,17 @@ def main() -> int:
         "merge_off": preload_main + ["--graphs", "--merge-window-us", "0", "--http", "fast"],
         "uvicorn": preload_main + ["--graphs", "--merge-window-us", window, "--http", "uvicorn"],
     }
+    plans_base = set(plans)
     wanted = [s for s in args.servers.split(",") if s]
+    envs = {name: env for name in wanted}
+    for spec in (v for v in args.variants.split(",") if v):
+        name, _, assignments = spec.partition(":")
+        plans[name] = plans["default"]
+        envs[name] = {**env, **dict(a.split("=", 1) for a in assignments.split(";") if a)}
+        wanted.append(name)
     servers = {}
     for i, name in enumerate(wanted):
-        servers[name] = Server(name, args.port + i, common + plans[name], env, work)
+        servers[name] = Server(name, args.port + i, common + plans[name], envs[name], work)
 
     result: dict = {
         "what": "moegemm service benchmark: real servers on loopback, client processes "
@@ -357,7 +367,9 @@ def main() -> int:
     try:
         for name, srv in servers.items():
             ok = srv.wait_ready(args.ready_timeout)
-            result["servers"][name] = {"cmd": srv.cmd, "ready": ok, "ready_s": srv.ready_s}
+            result["servers"][name] = {"cmd": srv.cmd, "ready": ok, "ready_s": srv.ready_s,
+                                       "env": {k: v for k, v in envs[name].items()
+                                               if k.startswith("MOEGEMM_")}}
             if not ok:
                 print(f"server {name} not ready; see {srv.log.name}", file=sys.stderr)
         if args.after_pid:
@@ -381,7 +393,12 @@ def main() -> int:
         # Paced at the done-criterion's rate: p99 at 1300 calls/s offered by 32 clients.
         paced = [(srv, "main", key_m, "fp8", c, args.paced_rate)
                  for srv in ("default", "merge_off", "uvicorn")]
-        points = points[:len(first)] + paced + ([] if args.quick else points[len(first):])
+        variants = [(name, "main", m, "fp8", n) for name in servers if name not in plans_base
+                    for (m, n) in ((ms[0], 1), (key_m, 1), (key_m, c))]
+        variants += [(name, "main", key_m, "fp8", c, args.paced_rate) for name in servers
+                     if name not in plans_base]
+        points = (points[:len(first)] + paced + variants
+                  + ([] if args.quick else points[len(first):]))
         points = [p for p in points if p[0] in servers and result["servers"][p[0]]["ready"]]
         shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points})
         result["kernel_us"] = kernel_times(shapes, device)

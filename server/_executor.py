@@ -5,18 +5,20 @@ weight set; this module does everything between the host tensors and the
 output rows, on one code path for a GPU (graphs, pinned memory, copy stream)
 and a CPU (eager, plain memory):
 
-1. stage every call's rows side by side in one pinned buffer (the only host
-   copy of the rows) and upload it on the copy stream;
-2. when calls were merged, regroup the rows per expert on the device
-   (:mod:`._merge`), so the kernel sees one grouped launch;
+1. stage every call's rows in one pinned buffer (the only host copy of the
+   rows), in the launch's order: when calls were merged, regrouped per expert
+   (:mod:`._merge`) as they are copied, so the kernel sees one grouped launch;
+2. upload on the engine stream, with the group sizes and the weight table in
+   one small copy;
 3. run the family's graph for the smallest bucket holding the rows, in chunks
    of the largest bucket when there are more;
-4. undo the regrouping, download into a pinned buffer, and hand each caller a
-   view of its own rows.
+4. download into a pinned buffer and hand each caller its rows: a view for a
+   lone call, its rows taken back out of the merged order otherwise.
 
-The common case -- one call in the device's fp8 format or bf16, at most one
-bucket -- uploads straight into the graph's static buffers and skips every
-device copy between.
+The common case -- calls in the device's fp8 format or bf16, at most one
+bucket -- uploads straight into the graph's static buffers: three copies and
+one replay, so the worker thread gives up and retakes the GIL only a few
+times per batch.
 """
 
 from __future__ import annotations
@@ -106,40 +108,34 @@ class Executor:
     def _run_same_dtype(self, ws, parts: list[Part], launches: Launches) -> list[torch.Tensor]:
         plan = plan_merge([p.m_sizes for p in parts])
         family = self.family(ws.G, ws.N, ws.K, parts[0].x.dtype)
-        x_host = self.staging.gather_rows([p.x for p in parts])
+        # Rows are staged in the launch's (per-expert) order on the host: the
+        # plan is host data, so merged calls need no device gather or scatter.
+        x_host = self.staging.gather_rows([p.x for p in parts], plan)
         xs_host = None
         if parts[0].x_scale is not None:
-            xs_host = self.staging.gather_rows([p.x_scale for p in parts])
-        direct = (
-            plan.total <= self.pool.max_bucket
-            and plan.is_identity
-            and (family.quantize or x_host.dtype == self.backend.fp8_dtype)
+            xs_host = self.staging.gather_rows([p.x_scale for p in parts], plan)
+        direct = plan.total <= self.pool.max_bucket and (
+            family.quantize or x_host.dtype == self.backend.fp8_dtype
         )
         if direct:
             out_dev = self._run_direct(ws, family, x_host, xs_host, plan, launches)
         else:
             out_dev = self._run_general(ws, family, x_host, xs_host, plan, launches)
         out = self.staging.download(out_dev)
-        return [out[a:b] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
-
-    def _upload_sizes(self, bufs, sizes: np.ndarray) -> None:
-        host = self.staging.host_empty((len(sizes),), torch.int64)
-        host.numpy()[:] = sizes
-        self.staging.upload(bufs.m_sizes, host)
+        return self.staging.split_rows(out, plan)
 
     def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches) -> torch.Tensor:
-        """One bucket, no regrouping: upload straight into the static buffers."""
+        """One bucket: upload straight into the static buffers (three copies, one replay)."""
         bufs = self.pool.buffers(family)
         rows = plan.total
         self.staging.upload(bufs.x[:rows], x_host)
         if xs_host is not None:
             self.staging.upload(bufs.x_scale[:rows], xs_host)
-        self._upload_sizes(bufs, plan.m_sizes)
-        launches.add(self.pool.launch(family, ws.wq, ws.w_scale, rows))
+        launches.add(self.pool.launch(family, ws.wq, ws.w_scale, plan.m_sizes))
         return bufs.out[:rows]
 
     def _run_general(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
-        """Regrouping, format conversion or several chunks: go through device scratch."""
+        """Format conversion or several chunks: go through device scratch."""
         rows = plan.total
         x_dev = torch.empty(x_host.shape, dtype=x_host.dtype, device=self.device)
         self.staging.upload(x_dev, x_host)
@@ -149,10 +145,6 @@ class Executor:
             self.staging.upload(xs_dev, xs_host)
         if not family.quantize:
             x_dev, xs_dev = self._to_device_fp8(x_dev, xs_dev)
-        if not plan.is_identity:
-            gather = torch.from_numpy(plan.gather).to(self.device, non_blocking=True)
-            x_dev = x_dev.index_select(0, gather)
-            xs_dev = None if xs_dev is None else xs_dev.index_select(0, gather)
         bufs = self.pool.buffers(family)
         out_dev = torch.empty((rows, ws.N), dtype=torch.bfloat16, device=self.device)
         step = self.pool.max_bucket
@@ -162,12 +154,9 @@ class Executor:
             bufs.x[:n].copy_(x_dev[start:stop])
             if xs_dev is not None:
                 bufs.x_scale[:n].copy_(xs_dev[start:stop])
-            self._upload_sizes(bufs, chunk_sizes(plan.m_sizes, start, stop))
-            launches.add(self.pool.launch(family, ws.wq, ws.w_scale, n))
+            sizes = chunk_sizes(plan.m_sizes, start, stop)
+            launches.add(self.pool.launch(family, ws.wq, ws.w_scale, sizes, fresh_host=True))
             out_dev[start:stop].copy_(bufs.out[:n])
-        if not plan.is_identity:
-            scatter = torch.from_numpy(plan.scatter).to(self.device, non_blocking=True)
-            out_dev = out_dev.index_select(0, scatter)
         return out_dev
 
     def _to_device_fp8(self, x_dev, xs_dev):

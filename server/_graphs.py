@@ -10,7 +10,8 @@ buckets either.
 Weight sets of one family share its graphs when the backend has a weight-table
 launcher (triton: ``run_table``): the kernel then reads each group's weight and
 weight-scale addresses from an int64 ``[2, G]`` device table, which is
-rewritten (stream-ordered, ``16 G`` bytes) before each replay. Without one, a
+rewritten (stream-ordered, with the group sizes: one ``24 G``-byte copy)
+before each replay. Without one, a
 graph captures the addresses of one weight set, and graphs are keyed by weight
 set as well (correct, but they multiply).
 
@@ -54,10 +55,19 @@ class Buffers:
 
     x: torch.Tensor  # [max_bucket, K], the backend's fp8 dtype, or bf16 when quantizing
     x_scale: torch.Tensor | None  # [max_bucket, K/128] float32; None when quantizing
-    m_sizes: torch.Tensor  # [G] int64
-    table: torch.Tensor  # [2, G] int64: each group's wq and w_scale address (table mode)
-    table_host: torch.Tensor  # the same, on the host (pinned on a GPU)
+    meta: torch.Tensor  # [3, G] int64: m_sizes, then the weight table; one upload
+    meta_host: torch.Tensor  # the same, on the host (pinned on a GPU)
     out: torch.Tensor  # [max_bucket, N] bfloat16
+
+    @property
+    def m_sizes(self) -> torch.Tensor:
+        """``[G]`` int64 group sizes (row 0 of ``meta``)."""
+        return self.meta[0]
+
+    @property
+    def table(self) -> torch.Tensor:
+        """``[2, G]`` int64: each group's wq and w_scale address (rows 1-2 of ``meta``)."""
+        return self.meta[1:]
 
 
 def buckets_up_to(max_bucket: int) -> list[int]:
@@ -113,9 +123,8 @@ class GraphPool:
             x=torch.zeros((rows, f.K), dtype=x_dtype, device=dev),
             x_scale=None if f.quantize
             else torch.ones((rows, f.K // BLOCK), dtype=torch.float32, device=dev),
-            m_sizes=torch.zeros((f.G,), dtype=torch.int64, device=dev),
-            table=torch.zeros((2, f.G), dtype=torch.int64, device=dev),
-            table_host=torch.zeros((2, f.G), dtype=torch.int64, pin_memory=dev.type == "cuda"),
+            meta=torch.zeros((3, f.G), dtype=torch.int64, device=dev),
+            meta_host=torch.zeros((3, f.G), dtype=torch.int64, pin_memory=dev.type == "cuda"),
             out=torch.zeros((rows, f.N), dtype=torch.bfloat16, device=dev),
         )
 
@@ -136,10 +145,11 @@ class GraphPool:
             self.backend.run(xq, wq, xs, w_scale, bufs.m_sizes, out)
 
     def _set_table(self, bufs: Buffers, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
-        # Stream-ordered: the previous replay has already read the old table, and
-        # the engine synchronizes each batch before touching table_host again.
-        fill_table(bufs.table_host, wq, w_scale)
-        bufs.table.copy_(bufs.table_host, non_blocking=True)
+        """Write ``wq``'s table into the device buffers (capture time; launches go
+        through :meth:`launch`, which sends sizes and table in one copy)."""
+        host = torch.zeros_like(bufs.meta_host)
+        fill_table(host[1:], wq, w_scale)
+        bufs.table.copy_(host[1:].to(self.device))
 
     def _check_table(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
         """Once per shape: the table launcher must equal ``backend.run`` bit for bit.
@@ -185,16 +195,35 @@ class GraphPool:
         """How many buffer rows a launch over ``rows`` real rows covers."""
         return bucket_for(rows, self.buckets) if self.pad_to_bucket else rows
 
-    def launch(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor, rows: int) -> str:
-        """Run the family's GEMM over the buffers' first ``rows`` rows; "graph", "eager" or "none".
+    def launch(
+        self,
+        family: Family,
+        wq: torch.Tensor,
+        w_scale: torch.Tensor,
+        sizes: np.ndarray,
+        *,
+        fresh_host: bool = False,
+    ) -> str:
+        """Run the family's GEMM over the buffers' first ``sum(sizes)`` rows; "graph",
+        "eager" or "none".
 
-        The caller has written ``x`` (and ``x_scale``) rows ``[:rows]`` and
-        ``m_sizes`` (summing to ``rows``); the result is in ``out[:rows]``.
+        The caller has written ``x`` (and ``x_scale``) rows ``[:rows]``; ``sizes``
+        (host ``[G]``) and, in table mode, the weight addresses go to the device
+        in one copy from a pinned buffer. That buffer is the family's own unless
+        ``fresh_host`` (several launches in one batch: the previous copy may not
+        have run yet); the engine waits for each batch before the next reuses it.
+        The result is in ``out[:rows]``.
         """
         bufs = self.buffers(family)
         self._check_table(family, wq, w_scale)
+        rows = int(sizes.sum())
+        host = torch.empty_like(bufs.meta_host, pin_memory=bufs.meta_host.is_pinned()) \
+            if fresh_host else bufs.meta_host
+        meta = host.numpy()
+        meta[0] = sizes
         if self.run_table is not None:
-            self._set_table(bufs, wq, w_scale)
+            fill_table(host[1:], wq, w_scale)
+        bufs.meta.copy_(host, non_blocking=self.device.type == "cuda")
         if rows == 0:
             return "none"  # nothing ran: neither a replay nor an eager run (SPEC 2.3 counts)
         graph = self._graphs.get(self._graph_key(family, self.launch_rows(rows), wq, w_scale))
@@ -264,7 +293,8 @@ class GraphPool:
 def fill_table(table: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Write each group's ``wq`` and ``w_scale`` address into host int64 ``table`` [2, G].
 
-    Both are contiguous ``[G, ...]`` (the store's layout), so group g starts
+    ``table`` may be a view (rows of a larger host buffer). Both weights are
+    contiguous ``[G, ...]`` (the store's layout), so group g starts
     ``g`` strides after the first; the same addresses ``make_weight_table``
     reads from ``unbind``, without G tensor views.
     """

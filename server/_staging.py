@@ -16,10 +16,13 @@ synchronous copies, so the engine has one code path.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
+
+from ._merge import MergePlan
 
 # The stream each thread last made current through Staging.enter (torch's own
 # lookup costs more than the switch it would save).
@@ -75,18 +78,37 @@ class Staging:
         """An uninitialised host tensor, page-locked when the device is a GPU."""
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=self.is_cuda)
 
-    def gather_rows(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The parts stacked along dim 0 in one pinned buffer: the only host copy of the rows."""
+    def gather_rows(self, parts: Sequence[torch.Tensor], plan: MergePlan) -> torch.Tensor:
+        """The parts' rows in one pinned buffer, in ``plan``'s launch order: the only
+        host copy of the rows. A merged plan regroups them per expert as they are
+        copied (concatenated row ``c`` lands on row ``plan.scatter[c]``)."""
         if len(parts) == 1 and parts[0].is_pinned() == self.is_cuda and parts[0].is_contiguous():
             return parts[0]  # already staged (e.g. a body read straight into pinned memory)
-        rows = sum(p.shape[0] for p in parts)
-        staged = self.host_empty((rows, *parts[0].shape[1:]), parts[0].dtype)
-        start = 0
-        for part in parts:
-            stop = start + part.shape[0]
-            staged[start:stop].copy_(part)
-            start = stop
+        staged = self.host_empty((plan.total, *parts[0].shape[1:]), parts[0].dtype)
+        if plan.is_identity:
+            start = 0
+            for part in parts:
+                stop = start + part.shape[0]
+                staged[start:stop].copy_(part)
+                start = stop
+            return staged
+        dst = _rows_as_bytes(staged)
+        for part, a, b in zip(parts, plan.offsets[:-1], plan.offsets[1:]):
+            dst[plan.scatter[a:b]] = _rows_as_bytes(part)  # one C loop per call
         return staged
+
+    def split_rows(self, out: torch.Tensor, plan: MergePlan) -> list[torch.Tensor]:
+        """Each call's rows of a launch's host output ``out``, in the call's own order."""
+        if plan.is_identity:
+            return [out[a:b] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
+        src = _rows_as_bytes(out)
+        parts = []
+        for a, b in zip(plan.offsets[:-1], plan.offsets[1:]):
+            if a == b:  # numpy gives an empty take zero strides, which torch cannot view
+                parts.append(out[:0].clone())
+            else:
+                parts.append(torch.from_numpy(src[plan.scatter[a:b]]).view(out.dtype))
+        return parts
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host ``src`` into device ``dst``, in order on the engine stream."""
@@ -105,3 +127,9 @@ class Staging:
         self._done.record(self.stream)
         self._done.synchronize()
         return host
+
+
+def _rows_as_bytes(t: torch.Tensor):
+    """A contiguous 2-D tensor's memory as a numpy uint8 ``[rows, row bytes]`` view."""
+    row = math.prod(t.shape[1:])  # not reshape(rows, -1): zero rows has no -1
+    return t.reshape(t.shape[0], row).view(torch.uint8).numpy()

@@ -94,6 +94,7 @@ async def _lifespan(app: FastAPI):
         merge_window_us=settings.merge_window_us,
         graphs=settings.graphs,
         metrics=metrics,
+        switch_interval_us=settings.gil_switch_us,
     )
     limits = WeightLimits(
         max_g=settings.max_g, max_n=settings.max_n, max_k=settings.max_k,

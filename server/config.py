@@ -78,6 +78,11 @@ class Settings(BaseSettings):
     # deployments' grace period after their preStop pause).
     shutdown_grace_s: float = Field(60.0, gt=0)
     graphs: bool = True
+    # CPython's GIL switch interval while the engine runs (microseconds). The
+    # engine's worker gives up the GIL in every torch call and must win it back
+    # from the event loop: under load each call of a batch waited up to this
+    # long (CPython's default is 5000).
+    gil_switch_us: int = Field(50, ge=1, le=5000)
     # The HTTP transport: "fast" (server/_http.py: bodies received in place,
     # pinned on a GPU) or "uvicorn". Same app, same contract.
     http: Literal["fast", "uvicorn"] = "fast"

@@ -62,9 +62,6 @@ log = logging.getLogger("moegemm.server.engine")
 
 T = TypeVar("T")
 
-# GIL switch interval while an engine runs (CPython's default is 5 ms).
-_SWITCH_INTERVAL_S = 2e-4
-
 # A full queue tells the caller to come back after this many seconds.
 _RETRY_AFTER_S = 1
 
@@ -107,6 +104,7 @@ class Engine:
         merge_window_us: int = 0,
         graphs: bool = True,
         metrics: Any = None,
+        switch_interval_us: int = 50,
     ) -> None:
         self.backend = backend
         self.device = backend.device
@@ -115,6 +113,7 @@ class Engine:
         self.max_bucket_m = max_bucket_m
         self.merge_window_s = merge_window_us / 1e6
         self.metrics = metrics
+        self.switch_interval_s = switch_interval_us / 1e6
         # Staging, merging, chunking and CUDA graphs live in the executor; the
         # engine decides what runs when, the executor how.
         self._executor = Executor(
@@ -135,9 +134,10 @@ class Engine:
         # The worker releases the GIL in every torch call and must win it back
         # from the event loop thread, which at CPython's default 5 ms interval
         # starves it under load: on the H200, one batch took 0.8 ms with one
-        # client and 34 ms with 32 (M=128, bench/results/service_h200.json).
-        # Process-wide on purpose: this process exists to serve the engine.
-        sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
+        # client and 34 ms with 32 (M=128, bench/results/service_h200.json),
+        # and still 5 ms at a 200 us interval. Process-wide on purpose: this
+        # process exists to serve the engine.
+        sys.setswitchinterval(min(sys.getswitchinterval(), self.switch_interval_s))
         self._thread = threading.Thread(target=self._loop, name="moegemm-engine", daemon=True)
         self._thread.start()
 
