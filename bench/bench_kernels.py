@@ -201,6 +201,23 @@ def round2_configs(m, n, k, g):
     return found
 
 
+def v7_configs(m, n, k, g):
+    """v7 (bench/NOTES.md): the table against v6's choice, the warp-specialised pairs and the pair with scales ahead."""
+    T = tk.TileConfig
+    rows_per_group = max(1, m // max(g, 1))
+    if rows_per_group <= 48:
+        return [tk.default_config(m, n, k, g)]
+    v6 = (T(128, 128, False, 8, 3, 8 if n <= 4096 else 1, dot_pair=True) if rows_per_group > 1024
+          else T(64, 128, False, 4, 4, tma=True))
+    found = [tk.default_config(m, n, k, g), v6,
+             T(128, 128, False, 8, 3, 8 if n <= 4096 else 1, dot_pair=True, scale_ahead=True),
+             T(128, 128, False, 4, 2, 8, dot_pair=True, tma=True, warp_spec=True),
+             T(128, 128, False, 4, 2, 8, dot_pair=True, tma=True, warp_spec=True, locate_chunk=1),
+             T(128, 128, False, 4, 2, 1, dot_pair=True, tma=True, warp_spec=True),
+             T(128, 128, False, 4, 4, 8, tma=True, warp_spec=True)]
+    return list(dict.fromkeys(found))
+
+
 # ---- one shape -----------------------------------------------------------------------------
 
 def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
@@ -217,7 +234,7 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
     row["ours_us"] = bench(lambda: tk.launch(*problem, out, config=default))
     if sweep:
         row["sweep_us"] = {}
-        configs = {"all": tk.candidate_configs, "round2": round2_configs}.get(
+        configs = {"all": tk.candidate_configs, "round2": round2_configs, "v7": v7_configs}.get(
             sweep, lambda *_: variant_configs(default))(m, n, k, g)
         for cfg in configs:
             try:
@@ -270,9 +287,9 @@ def main() -> None:
     """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--sweep", choices=("all", "variants", "round2"),
+    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7"),
                         help="also time every candidate tile config, the table's choice's variants, "
-                             "or the v5 split-K / paired-dot variants")
+                             "the v5 split-K / paired-dot variants or the v7 prefill variants")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
     parser.add_argument("--match", default="", help="only shapes whose name contains one of these (comma-separated)")
     parser.add_argument("--only", choices=("seed", "deepseek"))

@@ -66,27 +66,32 @@ def _locate_tile(m_sizes_ptr, G, tile_m, BLOCK_M: tl.constexpr, G_POW2: tl.const
 
 
 @triton.jit
-def _locate_tile_scalar(m_sizes_ptr, G, tile_m, BLOCK_M: tl.constexpr):
+def _locate_tile_scalar(m_sizes_ptr, G, tile_m, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """:func:`_locate_tile` as a scalar walk over the groups, with no reduction or scan.
 
     Triton 3.6's Hopper warp specialisation rejects kernels holding reduce or
-    scan regions, so the warp-specialised variant finds its group this way
-    (G scalar loads, L1/L2 hits; cheap beside a prefill tile's K loop).
+    scan regions, so the warp-specialised variant finds its group this way.
+    The walk goes CHUNK groups at a time, unrolled, so the CHUNK size loads
+    of a chunk are in flight together: one memory latency per chunk instead
+    of one per group (a program of G = 8 waited eight L2 latencies before its
+    first load, v7 in bench/NOTES.md).
     """
     group = G
     first_row = 0
     row_end = 0
     tiles_before = 0
     rows_before = 0
-    for g in range(G):
-        size = tl.load(m_sizes_ptr + g).to(tl.int32)
-        tiles = (size + (BLOCK_M - 1)) // BLOCK_M
-        hit = (group == G) & (tile_m < tiles_before + tiles)
-        group = tl.where(hit, g, group)
-        first_row = tl.where(hit, rows_before + (tile_m - tiles_before) * BLOCK_M, first_row)
-        row_end = tl.where(hit, rows_before + size, row_end)
-        tiles_before += tiles
-        rows_before += size
+    for g0 in range(0, G, CHUNK):
+        for j in tl.static_range(CHUNK):
+            g = g0 + j
+            size = tl.load(m_sizes_ptr + g, mask=g < G, other=0).to(tl.int32)
+            tiles = (size + (BLOCK_M - 1)) // BLOCK_M
+            hit = (group == G) & (tile_m < tiles_before + tiles)
+            group = tl.where(hit, g, group)
+            first_row = tl.where(hit, rows_before + (tile_m - tiles_before) * BLOCK_M, first_row)
+            row_end = tl.where(hit, rows_before + size, row_end)
+            tiles_before += tiles
+            rows_before += size
     return group, first_row, row_end, group < G
 
 
@@ -98,9 +103,28 @@ def _prefetch_l1(ptrs):
 
 
 @triton.jit
+def _opaque_i32(v):
+    """``v`` through an opaque register copy: the same number, a value no pass can trace to ``v``.
+
+    Triton 3.6's Hopper warp specialisation (``nvgpu-warp-specialization``),
+    when it splits a 128-row tile over two 64-row consumers, rewrites the row
+    coordinate of each activation TMA load to ``row + 64`` for the second
+    consumer, and then maps every other use of that same value in the second
+    consumer to ``row + 64`` as well. Its ``first_row + tl.arange(0, 128)``,
+    already sliced to rows 64..127, then covered rows 128..191: the store
+    missed rows 64..127 of every tile (left NaN-poisoned) and overwrote the
+    next tile's first half with wrong scales (v7 in bench/NOTES.md, seen in
+    the TTGIR). Giving the TMA coordinate its own value keeps the row
+    arithmetic of the scales and the store untouched.
+    """
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _tma_ws_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn, stride_xsm,
                  stride_wsg, stride_wsk, stride_om, group, first_row, row_stop, valid, tile_n,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARP_SPEC: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARP_SPEC: tl.constexpr,
+                 DOT_PAIR: tl.constexpr):
     """One prefill tile with TMA loads, optionally warp-specialised (``USE_TMA`` in the kernel).
 
     The descriptors are made on the device: with WARP_SPEC the compiler
@@ -111,6 +135,10 @@ def _tma_ws_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, G, stride_xm, s
     branches on ``valid``: a surplus tile runs an empty K range and stores
     nothing. TMA fills rows past M with zeros, so the activation rows need no
     clamping; the weights are seen as ``[G * N, K]`` (contiguous ``wq``).
+
+    ``DOT_PAIR``: two K blocks per iteration, two independent dots; each
+    consumer scales the first product while the second one runs on the
+    tensor cores. An odd last block pairs with itself, its copy scaled by 0.
     """
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
@@ -118,17 +146,34 @@ def _tma_ws_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, G, stride_xm, s
                                        block_shape=[BLOCK_N, BLOCK_K])
     rows = first_row + tl.arange(0, BLOCK_M)
     rows_in = tl.minimum(rows, M - 1).to(tl.int64)
+    # The TMA row coordinate as a value of its own (see _opaque_i32).
+    tma_row = _opaque_i32(first_row)
     num_k = tl.where(valid, K // BLOCK_K, 0)
     w_row = group * N + tile_n * BLOCK_N
     xs_ptrs = xs_ptr + rows_in * stride_xsm
     ws_ptrs = ws_ptr + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in tl.range(0, num_k, warp_specialize=WARP_SPEC):
-        x = x_desc.load([first_row, kb * BLOCK_K])
-        w = w_desc.load([w_row, kb * BLOCK_K])
-        xs = tl.load(xs_ptrs + kb)
-        ws = tl.load(ws_ptrs + kb * stride_wsk)
-        acc += tl.dot(x, tl.trans(w)) * (xs[:, None] * ws)
+    if DOT_PAIR:
+        for kp in tl.range(0, (num_k + 1) // 2, warp_specialize=WARP_SPEC):
+            kb = 2 * kp
+            step = tl.minimum(1, num_k - 1 - kb)  # 0 on an odd last block
+            x0 = x_desc.load([tma_row, kb * BLOCK_K])
+            w0 = w_desc.load([w_row, kb * BLOCK_K])
+            x1 = x_desc.load([tma_row, (kb + step) * BLOCK_K])
+            w1 = w_desc.load([w_row, (kb + step) * BLOCK_K])
+            s0 = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
+            s1 = tl.load(xs_ptrs + kb + step) * (tl.load(ws_ptrs + (kb + step) * stride_wsk) * step.to(tl.float32))
+            part0 = tl.dot(x0, tl.trans(w0))
+            part1 = tl.dot(x1, tl.trans(w1))
+            acc += part0 * s0[:, None]
+            acc += part1 * s1[:, None]
+    else:
+        for kb in tl.range(0, num_k, warp_specialize=WARP_SPEC):
+            x = x_desc.load([tma_row, kb * BLOCK_K])
+            w = w_desc.load([w_row, kb * BLOCK_K])
+            xs = tl.load(xs_ptrs + kb)
+            ws = tl.load(ws_ptrs + kb * stride_wsk)
+            acc += tl.dot(x, tl.trans(w)) * (xs[:, None] * ws)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = (rows < row_stop) & valid
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -145,7 +190,8 @@ def grouped_fp8_kernel(
     GROUP_TILES_M: tl.constexpr, PRELOAD_SCALES: tl.constexpr, SCALE_CHUNK: tl.constexpr,
     PREFETCH_SCALES: tl.constexpr = 0, W_TABLE: tl.constexpr = False,
     part_ptr=None, count_ptr=None, SPLIT_K: tl.constexpr = 1, DOT_PAIR: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = False,
+    LOCATE_CHUNK: tl.constexpr = 1,
 ):
     """SPEC 1 for one output tile; see the module docstring for the layout."""
     pid = tl.program_id(0)
@@ -165,13 +211,13 @@ def grouped_fp8_kernel(
     tile_n = (pid % band) // band_rows
 
     if WARP_SPEC:
-        group, first_row, row_stop, valid = _locate_tile_scalar(m_sizes_ptr, G, tile_m, BLOCK_M)
+        group, first_row, row_stop, valid = _locate_tile_scalar(m_sizes_ptr, G, tile_m, BLOCK_M, LOCATE_CHUNK)
     else:
         group, first_row, row_stop, valid = _locate_tile(m_sizes_ptr, G, tile_m, BLOCK_M, G_POW2)
     if USE_TMA:
         _tma_ws_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn, stride_xsm,
                      stride_wsg, stride_wsk, stride_om, tl.minimum(group, G - 1), first_row, row_stop,
-                     valid, tile_n, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPEC)
+                     valid, tile_n, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPEC, DOT_PAIR)
     elif valid:
         rows = first_row + tl.arange(0, BLOCK_M)
         # Clamped, not masked: reads stay in bounds and the loads stay plain.
@@ -231,6 +277,45 @@ def grouped_fp8_kernel(
                         acc += tl.dot(x, tl.trans(w)) * s[:, None]
                     x_ptrs += BLOCK_K
                     w_ptrs += BLOCK_K
+        elif DOT_PAIR and SCALE_AHEAD:
+            # DOT_PAIR with each pair's scales loaded one iteration ahead and
+            # combined (xs * ws) before the loop needs them: the scale loads
+            # are not staged by the software pipeliner, and waiting on them
+            # right after the first dot delays the second dot's issue by
+            # whatever of the L2 latency the first dot does not cover.
+            tl.static_assert(BLOCK_N <= 128, "DOT_PAIR needs one weight-scale column per tile")
+            xs_row = xs_ptr + rows_in * stride_xsm
+            ws_col = ws_group + (tile_n * BLOCK_N) // 128
+            step = tl.minimum(1, k_hi - 1 - k_lo)
+            s0 = tl.load(xs_row + k_lo) * tl.load(ws_col + k_lo * stride_wsk)
+            s1 = tl.load(xs_row + k_lo + step) * (tl.load(ws_col + (k_lo + step) * stride_wsk) * step.to(tl.float32))
+            for kb in range(k_lo, k_hi, 2):
+                step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
+                x0 = tl.load(x_ptrs)
+                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                x1 = tl.load(x_ptrs + step * BLOCK_K)
+                w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
+                # The next pair's scales (clamped in range; unused after the last pair).
+                kn = tl.minimum(kb + 2, k_hi - 1)
+                step_n = tl.minimum(1, k_hi - 1 - kn)
+                xs0_n = tl.load(xs_row + kn)
+                ws0_n = tl.load(ws_col + kn * stride_wsk)
+                xs1_n = tl.load(xs_row + kn + step_n)
+                ws1_n = tl.load(ws_col + (kn + step_n) * stride_wsk) * step_n.to(tl.float32)
+                if SWAP_AB:
+                    part0 = tl.dot(w0, tl.trans(x0))
+                    part1 = tl.dot(w1, tl.trans(x1))
+                    acc += part0 * s0[None, :]
+                    acc += part1 * s1[None, :]
+                else:
+                    part0 = tl.dot(x0, tl.trans(w0))
+                    part1 = tl.dot(x1, tl.trans(w1))
+                    acc += part0 * s0[:, None]
+                    acc += part1 * s1[:, None]
+                s0 = xs0_n * ws0_n
+                s1 = xs1_n * ws1_n
+                x_ptrs += 2 * BLOCK_K
+                w_ptrs += 2 * BLOCK_K
         elif DOT_PAIR:
             # Two K blocks per iteration, two independent dots: the second
             # block's wgmma can run while the first block's product is scaled

@@ -41,9 +41,12 @@ class TileConfig:
     the K blocks of each output tile over that many programs of the same
     launch (the last to finish reduces, see :func:`_split_workspace`);
     ``dot_pair`` runs two K blocks per loop iteration as two independent dots
-    (``block_n`` <= 128, not with ``preload_scales``). ``tma`` loads the
+    (``block_n`` <= 128, not with ``preload_scales``); with ``scale_ahead``
+    each pair's scales are loaded one iteration early. ``tma`` loads the
     prefill tiles by TMA, ``warp_spec`` adds Hopper warp specialisation to
-    it (prefill orientation, ``block_n`` <= 128, no other option).
+    it (prefill orientation, ``block_n`` <= 128, with or without
+    ``dot_pair``, no other option); it finds its group by a walk over
+    ``m_sizes`` ``locate_chunk`` groups at a time.
     """
 
     block_m: int
@@ -61,14 +64,18 @@ class TileConfig:
     dot_pair: bool = False
     tma: bool = False
     warp_spec: bool = False
+    scale_ahead: bool = False
+    locate_chunk: int = 16
 
     def fits(self, n: int) -> bool:
         """Whether this tile divides N (K is always a multiple of 128)."""
         if self.dot_pair and (self.block_n > 128 or self.preload_scales):
             return False
         if (self.tma or self.warp_spec) and (
-                not self.tma or self.swap_ab or self.block_n > 128 or self.preload_scales or self.dot_pair
-                or self.split_k > 1 or self.prefetch_scales):
+                not self.tma or self.swap_ab or self.block_n > 128 or self.preload_scales
+                or self.split_k > 1 or self.prefetch_scales or self.scale_ahead):
+            return False
+        if self.scale_ahead and not self.dot_pair:
             return False
         return n % self.block_n == 0 and (self.block_n <= 128 or self.block_n % 128 == 0)
 
@@ -79,8 +86,10 @@ class TileConfig:
         preload = f"_pre{self.scale_chunk}" if self.preload_scales else ""
         prefetch = f"_pf{self.prefetch_scales}" if self.prefetch_scales else ""
         split = f"_sk{self.split_k}" if self.split_k > 1 else ""
-        pair = "_pair" if self.dot_pair else ""
+        pair = ("_pairah" if self.scale_ahead else "_pair") if self.dot_pair else ""
         tma = ("_tmaws" if self.warp_spec else "_tma") if self.tma else ""
+        if self.warp_spec and self.locate_chunk != 16:
+            tma += f"_lc{self.locate_chunk}"
         return (f"{mode}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"_g{self.group_tiles_m}{evict}{preload}{prefetch}{split}{pair}{tma}")
 
@@ -107,7 +116,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
       3 stages. When fewer than 132 weight tiles of 128 rows exist and K is
       long, each tile is latency-bound: 64-row tiles with the scales loaded
       ahead of the K loop.
-    - more rows per group (prefill): 64 x 128 tiles, one warpgroup, 4 stages.
+    - more rows per group (prefill): v7 (bench/NOTES.md) below; 49..127 rows
+      per group keep v5's TMA-fed 64 x 128 tiles.
 
     The L1 prefetch of the scales (``prefetch_scales``) is off: it cost up to
     1.8x on decode shapes (v4 in bench/NOTES.md); autotuning still tries it.
@@ -124,10 +134,24 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
             return TileConfig(token_tile, 64, True, num_warps=4, num_stages=4,
                               evict_w="evict_first", preload_scales=True, scale_chunk=8)
         return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first")
+    # v7 (bench/NOTES.md): 128-row tiles only where routing is even enough (G < 64)
+    # and each group fills them; the skewed DeepSeek-like layers (G = 256, a mean
+    # of 128 rows per group) ran 20-90 % slower on them than on v5's 64-row tiles.
+    even_128 = g < 64 and rows_per_group >= 128
+    if even_128 and k >= 4096:
+        # Paired K blocks, warp-specialised (a TMA producer and two 64-row
+        # consumers taking turns on the tensor cores): M=16384 N=2048: 600 -> 527 us;
+        # M=1024 N=2048: 49.4 -> 43.9 us.
+        return TileConfig(128, 128, False, num_warps=4, num_stages=2, group_tiles_m=8,
+                          tma=True, warp_spec=True, dot_pair=True)
+    if even_128 and rows_per_group <= 1024:
+        # Short K: the pair with its scales a pair ahead, two warpgroups (M=1024 N=7168 K=2304: 69.5 -> 63.0 us).
+        return TileConfig(128, 128, False, num_warps=8, num_stages=3, dot_pair=True, scale_ahead=True)
     if rows_per_group <= 1024:
         # v5: TMA-fed 64x128 tiles on the ridge (M=1024, G=8: 57.6 -> 49.7 us).
         return TileConfig(64, 128, False, num_warps=4, num_stages=4, tma=True)
-    # v5: two K blocks per iteration on 128x128 tiles, two warpgroups (M=16384: 666 -> 592 us).
+    # v5: two K blocks per iteration on 128x128 tiles, two warpgroups (M=16384: 666 -> 592 us);
+    # v7: as fast as the warp-specialised pair at K = 2304 (698-719 vs 710-720 us).
     return TileConfig(128, 128, False, num_warps=8, num_stages=3,
                       group_tiles_m=8 if n <= 4096 else 1, dot_pair=True)
 
@@ -157,10 +181,13 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
             found.append(TileConfig(token_tile, 128, True, 4, 3, evict_w="evict_first", split_k=split))
             found.append(TileConfig(token_tile, 64, True, 4, 4, evict_w="evict_first",
                                     preload_scales=True, scale_chunk=8, split_k=split))
-    # Warp specialisation (tma + warp_spec) is left out: on the H200 it wrote NaN
-    # rows (v5 in bench/NOTES.md), a bug not yet found.
+    # Warp specialisation: correct since v7 (the row fix); only the paired
+    # 2-stage form is offered (3 stages of pairs wrote NaN columns on the H200, v7).
     if rows_per_group > 24:
-        found += [TileConfig(64, 128, False, 4, 2, dot_pair=True),
+        found += [TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True),
+                  TileConfig(128, 128, False, 4, 2, 1, tma=True, warp_spec=True, dot_pair=True),
+                  TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True),
+                  TileConfig(64, 128, False, 4, 2, dot_pair=True),
                   TileConfig(128, 128, False, 8, 2, dot_pair=True),
                   TileConfig(128, 128, False, 8, 3, dot_pair=True),
                   TileConfig(64, 128, False, 4, 4, tma=True)]
@@ -229,7 +256,12 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
     if split_k > 1:
         parts, counts = _split_workspace(xq.device, tiles, split_k, config.block_m * config.block_n)
     if config.tma and w_table:
-        # The TMA path builds its weight descriptor from one base address.
+        # The TMA path builds its weight descriptor from one base address. A
+        # warp-specialised 128-row tile falls back to the v6 prefill schedule
+        # (two warpgroups, plain loads): one warpgroup would hold 128 x 128
+        # accumulators and spill.
+        if config.warp_spec and config.block_m == 128:
+            config = replace(config, num_warps=8, num_stages=3, scale_ahead=config.dot_pair)
         config = replace(config, tma=False, warp_spec=False)
     if config.tma:
         # Descriptors made on the device need a little global scratch per launch.
@@ -247,7 +279,8 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
         SCALE_CHUNK=min(config.scale_chunk, _next_pow2(k // _SCALE_BLOCK)),
         PREFETCH_SCALES=config.prefetch_scales, W_TABLE=w_table,
         part_ptr=parts, count_ptr=counts, SPLIT_K=split_k, DOT_PAIR=config.dot_pair,
-        USE_TMA=config.tma, WARP_SPEC=config.warp_spec,
+        USE_TMA=config.tma, WARP_SPEC=config.warp_spec, SCALE_AHEAD=config.scale_ahead,
+        LOCATE_CHUNK=max(1, min(config.locate_chunk, _next_pow2(g))),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -109,13 +109,26 @@ def test_round2_options_have_own_keys_and_limits():
     assert not tk.TileConfig(128, 128, False, warp_spec=True).fits(1280)
     assert not tk.TileConfig(16, 128, True, tma=True).fits(1280)
     assert not tk.TileConfig(128, 128, False, tma=True, split_k=2).fits(1280)
-    # The v5 measurement put split-K, TMA and paired dots into the table; warp
-    # specialisation gave NaN rows on the H200 and stays out of table and autotune.
-    assert tk.default_config(1024, 2048, 7168, 8).tma
-    assert tk.default_config(16384, 2048, 7168, 8).dot_pair
+    # Paired dots with TMA and warp specialisation; the scales a pair ahead only with pairs.
+    assert tk.TileConfig(128, 128, False, 4, 2, tma=True, warp_spec=True, dot_pair=True).fits(1280)
+    assert tk.TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True).fits(1280)
+    assert not tk.TileConfig(128, 128, False, 8, 3, scale_ahead=True).fits(1280)
+    assert not tk.TileConfig(128, 128, False, 4, 2, tma=True, dot_pair=True, scale_ahead=True).fits(1280)
+    # v7 (bench/NOTES.md): warp-specialised pairs for long prefill, the pair with
+    # its scales ahead for short K at 128..1024 rows per group; the 3-stage
+    # warp-specialised pair (NaN columns on the H200) stays out of table and autotune.
+    assert tk.default_config(16384, 2048, 7168, 8).warp_spec
+    assert tk.default_config(1024, 2048, 7168, 8).warp_spec
+    assert tk.default_config(1024, 7168, 2304, 8).scale_ahead
+    assert tk.default_config(16384, 7168, 2304, 8).dot_pair and not tk.default_config(16384, 7168, 2304, 8).tma
+    assert tk.default_config(512, 2048, 7168, 8).tma and not tk.default_config(512, 2048, 7168, 8).warp_spec
+    # Skewed routing over many experts keeps v5's 64-row TMA tiles (v7: 3683 vs 4943 us).
+    assert tk.default_config(32768, 4096, 7168, 256) == tk.TileConfig(64, 128, False, 4, 4, tma=True)
+    assert tk.default_config(32768, 7168, 2048, 256) == tk.TileConfig(64, 128, False, 4, 4, tma=True)
     for m, n, k, g in SHAPES:
-        assert not tk.default_config(m, n, k, g).warp_spec
-        assert not any(c.warp_spec for c in tk.candidate_configs(m, n, k, g))
+        for cfg in [tk.default_config(m, n, k, g), *tk.candidate_configs(m, n, k, g)]:
+            assert not (cfg.warp_spec and cfg.dot_pair and cfg.num_stages > 2)
+            assert not cfg.warp_spec or cfg.block_m == 128 or cfg.block_m == 64
 
 
 def test_split_workspace_is_cached_and_starts_clean():

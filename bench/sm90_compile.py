@@ -1,0 +1,120 @@
+"""Compile the triton kernel for sm_90 on a machine without a GPU and report what matters.
+
+    python bench/sm90_compile.py                      # the v7 prefill variants on the seed prefill shapes
+    python bench/sm90_compile.py --tests              # every config of the GPU tests' round-2 list
+
+For each tile configuration: registers, spill bytes and ptxas's wgmma
+serialisation warnings (C7514/C7515, which mean the tensor cores wait for
+every instruction), shared memory (over 227 KiB cannot launch), and whether
+Triton split the tile over warp-specialised partitions. Uses only the ptxas
+that ships with triton; constexprs and 16-divisibility as ``_launch`` would
+give them for the shape. Never collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMEM_LIMIT = 232448  # bytes of dynamic shared memory one block may have on sm_90
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, divisible=()):
+    """A compiled kernel for sm_90 (``signature`` maps every non-constexpr argument to its type;
+    ``divisible`` names the arguments a launch would see as multiples of 16)."""
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    names = list(fn.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def ptxas_report(kernel) -> dict:
+    """Registers, spills and serialisation warnings from running ptxas -v on the kernel's PTX."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        done = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                              check=True, capture_output=True, text=True)
+    text = done.stdout + done.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None,
+            "serialised": sorted(set(re.findall(r"\((C75\d\d)\)", text)))}
+
+
+def compile_config(cfg, m: int, n: int, k: int, g: int):
+    """``grouped_fp8_kernel`` compiled as ``triton_kernel._launch`` would launch ``cfg`` on (m, n, k, g)."""
+    from moegemm.kernels import triton_kernel as tk
+    from moegemm.kernels._triton_gemm import grouped_fp8_kernel
+
+    sig = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "m_sizes_ptr": "*i64",
+           "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32",
+           "stride_wg": "i32", "stride_wn": "i32", "stride_xsm": "i32", "stride_wsg": "i32", "stride_wsk": "i32",
+           "stride_om": "i32"}
+    values = {"M": m, "N": n, "K": k, "G": g, "stride_xm": k, "stride_wg": n * k, "stride_wn": k,
+              "stride_xsm": k // 128, "stride_wsg": (k // 128) * (n // 128), "stride_wsk": n // 128, "stride_om": n}
+    # Triton specialises an int argument of 1 as a constant; none of these is 1 for real shapes.
+    divisible = [a for a, t in sig.items() if t.startswith("*")] + [a for a, v in values.items() if v % 16 == 0]
+    split_k = max(1, min(cfg.split_k, k // 128))
+    if split_k > 1:
+        sig.update({"part_ptr": "*fp32", "count_ptr": "*i32"})
+        divisible += ["part_ptr", "count_ptr"]
+    consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+              "G_POW2": max(16, tk._next_pow2(g)), "SWAP_AB": cfg.swap_ab, "EVICT_W": cfg.evict_w,
+              "GROUP_TILES_M": cfg.group_tiles_m, "PRELOAD_SCALES": cfg.preload_scales and cfg.block_n <= 128,
+              "SCALE_CHUNK": min(cfg.scale_chunk, tk._next_pow2(k // 128)), "PREFETCH_SCALES": cfg.prefetch_scales,
+              "W_TABLE": False, "SPLIT_K": split_k, "DOT_PAIR": cfg.dot_pair, "USE_TMA": cfg.tma,
+              "WARP_SPEC": cfg.warp_spec, "SCALE_AHEAD": cfg.scale_ahead,
+              "LOCATE_CHUNK": max(1, min(cfg.locate_chunk, tk._next_pow2(g)))}
+    if split_k == 1:
+        consts.update({"part_ptr": None, "count_ptr": None})
+    return compile_sm90(grouped_fp8_kernel, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
+
+
+def report(cfg, m, n, k, g) -> dict:
+    try:
+        kernel = compile_config(cfg, m, n, k, g)
+    except Exception as exc:  # noqa: BLE001  report and go on
+        return {"config": cfg.key(), "error": str(exc).splitlines()[-1][:160]}
+    info = {"config": cfg.key(), "smem": kernel.metadata.shared,
+            "partitions": kernel.asm["ttgir"].count("partition")}
+    info.update(ptxas_report(kernel))
+    info["fits_smem"] = info["smem"] <= SMEM_LIMIT
+    return info
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests", action="store_true", help="the GPU tests' round-2 configs at N=1280, K=1280")
+    args = parser.parse_args()
+    if args.tests:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+        from moegemm.kernels import triton_kernel as tk
+        src = (Path(__file__).resolve().parents[1] / "tests" / "kernels" / "test_triton.py").read_text()
+        block = src[src.index("ROUND2_CONFIGS = ["):src.index("]\n", src.index("ROUND2_CONFIGS = ["))]
+        calls = [line.strip().rstrip(",") for line in block.splitlines() if line.strip().startswith("tk.TileConfig(")]
+        jobs = [(eval(c, {"tk": tk}), 1106, 1280, 1280, 8) for c in calls]  # our own test file
+    else:
+        import bench_kernels as bk
+        jobs = [(cfg, m, n, k, 8) for m, n, k in ((16384, 2048, 7168), (16384, 7168, 2304))
+                for cfg in bk.v7_configs(m, n, k, 8)]
+    for cfg, m, n, k, g in jobs:
+        print(f"m{m} n{n} k{k}", report(cfg, m, n, k, g), flush=True)
+
+
+if __name__ == "__main__":
+    main()
