@@ -1,4 +1,5 @@
-"""Fast host checks of request tensors (SPEC 2.2 ``not_finite``), in numpy.
+"""Checks of request tensors' contents (SPEC 2.2 ``not_finite``): on the host in
+numpy, and on the device per row (``bad_rows``, what the engine uses).
 
 The engine validates every call on the event loop before queueing it, so these
 scans sit on the request path. On a [128, 7168] fp8 call, torch's elementwise
@@ -52,3 +53,48 @@ def floats_finite(t: torch.Tensor) -> bool:
         raise TypeError(f"not a bf16/fp16/fp32 tensor: {t.dtype}")
     bits = t.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
     return not bool(np.any((bits & mask) == mask))
+
+
+# -- on the device, per row -------------------------------------------------------------
+#
+# The engine checks what a call's tensors hold on the device, inside the graph
+# that computes it: the bytes are there anyway, a scan of a [128, 7168] call
+# costs the GPU microseconds, and the event loop -- the service's bottleneck at
+# many clients -- no longer spends ~150 us per call scanning on the host (py-spy
+# on the H200: 12 % of its time). Rows are independent in a grouped GEMM, so a
+# bad row never touches another caller's rows in a merged launch; the engine
+# answers the call that sent it ``not_finite`` and nothing else changes.
+
+BAD_X = 1  # x holds NaN (fp8 NaN encodings) or Inf
+BAD_SCALE = 2  # x_scale holds NaN, Inf or a value <= 0
+
+
+def bad_rows(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+    """Per row of ``x`` ``[rows, K]``: ``BAD_X | BAD_SCALE`` flags as int8 ``[rows]``.
+
+    Works on any device and inside a CUDA graph capture (no host reads).
+    """
+    if x.dtype == torch.float8_e4m3fn:
+        bits = x.view(torch.uint8)
+        bad = ((bits & 0x7F) == 0x7F).any(dim=1)
+    elif x.dtype == torch.float8_e4m3fnuz:
+        bad = (x.view(torch.uint8) == 0x80).any(dim=1)
+    else:
+        bad = ~torch.isfinite(x).all(dim=1)
+    flags = bad.to(torch.int8)
+    if x_scale is not None:
+        scale_bad = ~((x_scale > 0) & torch.isfinite(x_scale)).all(dim=1)
+        flags = flags | (scale_bad.to(torch.int8) << 1)
+    return flags
+
+
+def not_finite_error(flags: np.ndarray):
+    """The SPEC 2.2 ``not_finite`` error for a call whose rows carry ``flags``, or None."""
+    from moegemm.client._errors import NotFinite
+
+    seen = int(np.bitwise_or.reduce(flags)) if flags.size else 0
+    if seen & BAD_SCALE:
+        return NotFinite("x_scale holds a NaN, Inf or a value <= 0; scales are finite and > 0")
+    if seen & BAD_X:
+        return NotFinite("x holds NaN or Inf (or fp8 NaN encodings)")
+    return None

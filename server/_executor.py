@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from moegemm.kernels import quantize_activations
 
+from ._checks import bad_rows
 from ._graphs import Family, GraphPool
 from ._merge import MergePlan, plan_merge
 from ._staging import Staging
@@ -87,25 +88,31 @@ class Executor:
             self.pool.capture(Family(G, N, K, quantize), wq, w_scale) for quantize in (False, True)
         )
 
-    def run(self, ws, parts: Sequence[Part]) -> tuple[list[torch.Tensor], Launches]:
-        """SPEC 1 for every part on weight set ``ws``; bf16 ``[M_i, N]`` host tensors.
+    def run(
+        self, ws, parts: Sequence[Part]
+    ) -> tuple[list[torch.Tensor], list[np.ndarray], Launches]:
+        """SPEC 1 for every part on weight set ``ws``: bf16 ``[M_i, N]`` host tensors,
+        each part's per-row content flags (``_checks.bad_rows``: non-zero means the
+        part's output is not to be used), and the launches made.
 
         Parts may differ in dtype: each dtype runs as its own merged launch.
         """
         self.staging.enter()
         launches = Launches()
         outs: list[torch.Tensor | None] = [None] * len(parts)
+        flags: list[np.ndarray | None] = [None] * len(parts)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, part in enumerate(parts):
             by_dtype.setdefault(part.x.dtype, []).append(i)
         for idx in by_dtype.values():
-            for i, out in zip(idx, self._run_same_dtype(ws, [parts[i] for i in idx], launches)):
-                outs[i] = out
-        return outs, launches
+            got = self._run_same_dtype(ws, [parts[i] for i in idx], launches)
+            for i, (out, flag) in zip(idx, zip(*got)):
+                outs[i], flags[i] = out, flag
+        return outs, flags, launches
 
     # -- one dtype --------------------------------------------------------------------
 
-    def _run_same_dtype(self, ws, parts: list[Part], launches: Launches) -> list[torch.Tensor]:
+    def _run_same_dtype(self, ws, parts: list[Part], launches: Launches):
         plan = plan_merge([p.m_sizes for p in parts])
         family = self.family(ws.G, ws.N, ws.K, parts[0].x.dtype)
         # Rows are staged in the launch's (per-expert) order on the host: the
@@ -118,11 +125,16 @@ class Executor:
             family.quantize or x_host.dtype == self.backend.fp8_dtype
         )
         if direct:
-            out_dev = self._run_direct(ws, family, x_host, xs_host, plan, launches)
+            out_dev, flags_dev = self._run_direct(ws, family, x_host, xs_host, plan, launches)
         else:
-            out_dev = self._run_general(ws, family, x_host, xs_host, plan, launches)
-        out = self.staging.download(out_dev)
-        return self.staging.split_rows(out, plan)
+            out_dev, flags_dev = self._run_general(ws, family, x_host, xs_host, plan, launches)
+        out, flags = self.staging.download(out_dev, flags_dev)
+        flags = flags.numpy()
+        if plan.is_identity:
+            call_flags = [flags[a:b] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
+        else:
+            call_flags = [flags[plan.scatter[a:b]] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
+        return self.staging.split_rows(out, plan), call_flags
 
     def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches) -> torch.Tensor:
         """One bucket: upload straight into the static buffers (three copies, one replay)."""
@@ -132,7 +144,7 @@ class Executor:
         if xs_host is not None:
             self.staging.upload(bufs.x_scale[:rows], xs_host)
         launches.add(self.pool.launch(family, ws.wq, ws.w_scale, plan.m_sizes))
-        return bufs.out[:rows]
+        return bufs.out[:rows], bufs.flags[:rows]
 
     def _run_general(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
         """Format conversion or several chunks: go through device scratch."""
@@ -143,6 +155,9 @@ class Executor:
         if xs_host is not None:
             xs_dev = torch.empty(xs_host.shape, dtype=xs_host.dtype, device=self.device)
             self.staging.upload(xs_dev, xs_host)
+        # Checked before any conversion: fn -> fnuz keeps the bits, and fn's NaN
+        # patterns are valid fnuz numbers.
+        flags_dev = bad_rows(x_dev, xs_dev)
         if not family.quantize:
             x_dev, xs_dev = self._to_device_fp8(x_dev, xs_dev)
         bufs = self.pool.buffers(family)
@@ -157,7 +172,7 @@ class Executor:
             sizes = chunk_sizes(plan.m_sizes, start, stop)
             launches.add(self.pool.launch(family, ws.wq, ws.w_scale, sizes, fresh_host=True))
             out_dev[start:stop].copy_(bufs.out[:n])
-        return out_dev
+        return out_dev, flags_dev
 
     def _to_device_fp8(self, x_dev, xs_dev):
         """fp16/fp32 quantized, fp8 of the other format converted (SPEC 1.1, 1.2)."""

@@ -34,6 +34,8 @@ import torch
 from moegemm.kernels import quantize_activations
 from moegemm.kernels._backend import Backend
 
+from ._checks import bad_rows
+
 log = logging.getLogger("moegemm.server.graphs")
 
 BLOCK = 128
@@ -58,6 +60,7 @@ class Buffers:
     meta: torch.Tensor  # [3, G] int64: m_sizes, then the weight table; one upload
     meta_host: torch.Tensor  # the same, on the host (pinned on a GPU)
     out: torch.Tensor  # [max_bucket, N] bfloat16
+    flags: torch.Tensor  # [max_bucket] int8: _checks.bad_rows of each input row
 
     @property
     def m_sizes(self) -> torch.Tensor:
@@ -126,18 +129,22 @@ class GraphPool:
             meta=torch.zeros((3, f.G), dtype=torch.int64, device=dev),
             meta_host=torch.zeros((3, f.G), dtype=torch.int64, pin_memory=dev.type == "cuda"),
             out=torch.zeros((rows, f.N), dtype=torch.bfloat16, device=dev),
+            flags=torch.zeros((rows,), dtype=torch.int8, device=dev),
         )
 
     # -- the computation ----------------------------------------------------------
 
     def _body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
-        """Quantize (bf16 families) and run the GEMM over the first ``rows`` buffer rows."""
+        """Check the inputs' contents, quantize (bf16 families) and run the GEMM over
+        the first ``rows`` buffer rows."""
         bufs = self._buffers[family]
         x = bufs.x[:rows]
+        xs = None if family.quantize else bufs.x_scale[:rows]
+        bufs.flags[:rows].copy_(bad_rows(x, xs))
         if family.quantize:
             xq, xs = quantize_activations(x, self.backend.fp8_dtype)
         else:
-            xq, xs = x, bufs.x_scale[:rows]
+            xq = x
         out = bufs.out[:rows]
         if self.run_table is not None:
             self.run_table(xq, bufs.table, xs, bufs.m_sizes, out)

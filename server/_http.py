@@ -156,7 +156,7 @@ class _Connection(asyncio.BufferedProtocol):
             length = 0
         try:
             self.body = self.server.allocate(length)
-        except Exception:  # e.g. pinned memory exhausted: still answer, from plain memory
+        except Exception:  # noqa: BLE001 -- e.g. pinned memory exhausted: answer from plain memory
             self.body = _plain_body(length)
         have = min(length, self.head_used - start)
         self.body[:have] = self.head_view[start:start + have]

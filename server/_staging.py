@@ -114,19 +114,22 @@ class Staging:
         """Copy host ``src`` into device ``dst``, in order on the engine stream."""
         dst.copy_(src, non_blocking=self.is_cuda)
 
-    def download(self, src: torch.Tensor) -> torch.Tensor:
-        """Device ``src`` into a fresh pinned host tensor, waiting until the bytes are there.
+    def download(self, *srcs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Device tensors into fresh pinned host tensors, waiting once until all are there.
 
         The wait (``cudaEventSynchronize``) releases the GIL, so the event loop
         keeps serving meanwhile.
         """
         if self.stream is None:
-            return src.clone() if src.device.type == "cpu" else src.cpu()
-        host = self.host_empty(src.shape, src.dtype)
-        host.copy_(src, non_blocking=True)
+            return tuple(s.clone() if s.device.type == "cpu" else s.cpu() for s in srcs)
+        hosts = []
+        for src in srcs:
+            host = self.host_empty(src.shape, src.dtype)
+            host.copy_(src, non_blocking=True)
+            hosts.append(host)
         self._done.record(self.stream)
         self._done.synchronize()
-        return host
+        return tuple(hosts)
 
 
 def _rows_as_bytes(t: torch.Tensor):

@@ -37,7 +37,6 @@ from moegemm.client._errors import (
     BadShape,
     DeadlineExceeded,
     InternalError,
-    NotFinite,
     NotReady,
     OutOfMemory,
     Overloaded,
@@ -45,7 +44,7 @@ from moegemm.client._errors import (
 )
 from moegemm.kernels._backend import Backend
 
-from ._checks import floats_finite, fp8_has_nan, scales_ok
+from ._checks import not_finite_error
 from ._executor import Executor, Part
 from ._graphs import GraphPool
 from ._staging import Staging
@@ -180,19 +179,11 @@ class Engine:
                 raise BadField("fp8 x needs x_scale (float32 [M, K/128])")
             require_dtype(x_scale, (torch.float32,), "x_scale")
             require_shape(x_scale, (M, K // BLOCK), "x_scale", "[M, K/128]")
-            # numpy scans (_checks.py): torch's per-op dispatch costs milliseconds
-            # on a [128, 7168] call, and this runs on the event loop.
-            if not scales_ok(x_scale):
-                raise NotFinite(
-                    "x_scale holds a NaN, Inf or a value <= 0; scales are finite and > 0"
-                )
-            if fp8_has_nan(x):
-                raise NotFinite("x holds fp8 NaN encodings")
-        else:
-            if x_scale is not None:
-                raise BadField("x_scale is only for fp8 x; bf16/fp16/fp32 x is quantized by the server")
-            if not floats_finite(x):
-                raise NotFinite("x holds NaN or Inf")
+        elif x_scale is not None:
+            raise BadField("x_scale is only for fp8 x; bf16/fp16/fp32 x is quantized by the server")
+        # What the tensors hold (NaN, Inf, scales <= 0: SPEC 2.2 not_finite) is
+        # checked on the device with the launch (_checks.bad_rows), not here on
+        # the event loop.
         sizes = [int(m) for m in m_sizes.tolist()]
         if any(m < 0 for m in sizes):
             raise BadMSizes(f"m_sizes {sizes} holds a negative size")
@@ -333,7 +324,7 @@ class Engine:
         if not live:
             return
         try:
-            outs = self._compute(live)
+            outs, flags = self._compute(live)
         except APIError as exc:
             for call in live:
                 call.future.set_exception(exc)
@@ -352,17 +343,22 @@ class Engine:
         if self.metrics is not None:
             self.metrics.kernel_seconds.observe(time.monotonic() - started)
             self.metrics.batch_calls.observe(len(live))
-        for call, out in zip(live, outs):
-            call.future.set_result(out)
+        for call, out, flag in zip(live, outs, flags):
+            error = not_finite_error(flag)
+            if error is not None:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(out)
 
-    def _compute(self, calls: list[GemmCall]) -> list[torch.Tensor]:
-        """Run one batch on the device; each caller's bf16 rows on the host."""
+    def _compute(self, calls: list[GemmCall]) -> tuple[list[torch.Tensor], list]:
+        """Run one batch on the device; each caller's bf16 rows on the host, and
+        its rows' content flags."""
         parts = [Part(call.x, call.x_scale, call.m_sizes) for call in calls]
-        outs, launches = self._executor.run(calls[0].ws, parts)
+        outs, flags, launches = self._executor.run(calls[0].ws, parts)
         if self.metrics is not None:
             self.metrics.launches.labels(mode="graph").inc(launches.graph)
             self.metrics.launches.labels(mode="eager").inc(launches.eager)
-        return outs
+        return outs, flags
 
     # -- weight sets (call these on the worker, through ``run``) -----------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from moegemm.kernels import quantize_activations, reference_float64
@@ -65,7 +66,8 @@ def test_single_fp8_call_on_the_cpu():
     gen = torch.Generator().manual_seed(torch.seed())
     ex, ws = _executor(), _weights(gen)
     part = _fp8_part(ws, 37, gen)
-    [out], launches = ex.run(ws, [part])
+    [out], [flags], launches = ex.run(ws, [part])
+    assert flags.shape == (out.shape[0],) and not flags.any()
     _check(ws, part, out)
     assert (launches.graph, launches.eager) == (0, 1)  # no graphs on a CPU
     assert ex.pool.use_graphs is False
@@ -76,7 +78,9 @@ def test_merged_and_chunked_calls_each_get_their_rows(rows):
     gen = torch.Generator().manual_seed(torch.seed())
     ex, ws = _executor(max_bucket=32), _weights(gen)
     parts = [_fp8_part(ws, m, gen) for m in rows]
-    outs, launches = ex.run(ws, parts)
+    outs, flags, launches = ex.run(ws, parts)
+    assert [f.shape[0] for f in flags] == [o.shape[0] for o in outs]
+    assert not any(f.any() for f in flags)
     assert launches.eager == -(-sum(rows) // 32)  # ceil: chunks of the largest bucket
     for part, out in zip(parts, outs):
         _check(ws, part, out)
@@ -97,7 +101,7 @@ def test_mixed_input_dtypes_in_one_batch():
     # fnuz input: the server converts it to the device's fn format (SPEC 1.2).
     xq_fnuz = (fp8.x.float() * 0.5).to(torch.float8_e4m3fnuz)
     parts.append(Part(xq_fnuz, fp8.x_scale * 2, fp8.m_sizes))
-    outs, _ = ex.run(ws, parts)
+    outs, _, _ = ex.run(ws, parts)
     for part, out in zip(parts[:4], outs[:4]):
         _check(ws, part, out)
     torch.testing.assert_close(outs[4], outs[0], rtol=0, atol=0)
@@ -107,7 +111,8 @@ def test_empty_call():
     gen = torch.Generator().manual_seed(torch.seed())
     ex, ws = _executor(), _weights(gen)
     part = Part(torch.empty(0, K, dtype=torch.float8_e4m3fn), torch.empty(0, K // 128), [0] * G)
-    [out], launches = ex.run(ws, [part])
+    [out], [flags], launches = ex.run(ws, [part])
+    assert flags.shape == (out.shape[0],) and not flags.any()
     assert out.shape == (0, N)
     assert (launches.graph, launches.eager) == (0, 0)  # nothing ran, nothing counted
 
@@ -133,3 +138,37 @@ def test_weight_table_holds_each_groups_addresses():
     pytest.importorskip("triton")
     from moegemm.kernels import triton_kernel
     assert torch.equal(table, triton_kernel.make_weight_table(ws.wq, ws.w_scale))
+
+
+@pytest.mark.parametrize("kind", ["fp8_nan", "scale_zero", "scale_inf", "bf16_inf"])
+def test_bad_rows_are_flagged_for_their_call_only(kind):
+    """Content checks run with the launch: a bad row flags its own call, merged or not,
+    and every other caller still gets its right rows."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _weights(gen)
+    ex = _executor(max_bucket=64)
+    bf16 = kind == "bf16_inf"
+    parts = []
+    for m in (7, 12, 5):
+        if bf16:
+            x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
+            parts.append(Part(x, None, random_m_sizes(G, m, generator=gen).tolist()))
+        else:
+            parts.append(_fp8_part(ws, m, gen))
+    bad = parts[1]
+    x, xs = bad.x.clone(), None if bad.x_scale is None else bad.x_scale.clone()
+    if kind == "fp8_nan":
+        x.view(torch.uint8)[4, 9] = 0xFF
+    elif kind == "scale_zero":
+        xs[2, 1] = 0.0
+    elif kind == "scale_inf":
+        xs[0, 0] = float("inf")
+    else:
+        x[3, 3] = float("-inf")
+    parts[1] = Part(x, xs, bad.m_sizes)
+    outs, flags, _ = ex.run(ws, parts)
+    assert flags[1].any() and not flags[0].any() and not flags[2].any()
+    expected = 2 if kind.startswith("scale") else 1
+    assert int(np.bitwise_or.reduce(flags[1])) == expected
+    for i in (0, 2):
+        _check(ws, parts[i], outs[i])
