@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--port", type=int, default=18750)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    ap.add_argument("--native", action="store_true", help="py-spy --native (C/C++ frames too)")
     ap.add_argument("--serve-args", default="--merge-window-us 200")
     args = ap.parse_args()
     out = Path(args.out)
@@ -78,7 +79,7 @@ def main() -> int:
     g, n, k = (8, 2048, 7168) if args.device != "cpu" else (8, 256, 512)
     raw = out / "pyspy_raw.txt"
     cmd = ["py-spy", "record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--threads",
-           "--", sys.executable, "-m", "moegemm.cli", "serve", "--device", args.device,
+           *(["--native"] if args.native else []), "--", sys.executable, "-m", "moegemm.cli", "serve", "--device", args.device,
            "--port", str(args.port), "--no-demo", "--log-level", "warning",
            *args.serve_args.split()]
     log = open(out / "server.log", "w")
