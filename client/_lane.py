@@ -41,7 +41,7 @@ _POOL = 8  # idle sockets kept per client
 class Answer:
     """What ``_client.py`` reads of an answer (the subset of ``httpx.Response`` it uses)."""
 
-    __slots__ = ("status_code", "headers", "content", "reason_phrase")
+    __slots__ = ("content", "headers", "reason_phrase", "status_code")
 
     def __init__(self, status: int, headers: httpx.Headers, content: bytes) -> None:
         self.status_code = status
