@@ -20,6 +20,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ._merge import MergePlan
@@ -92,22 +93,24 @@ class Staging:
                 staged[start:stop].copy_(part)
                 start = stop
             return staged
-        dst = _rows_as_bytes(staged)
+        dst = _rows(staged)
         for part, a, b in zip(parts, plan.offsets[:-1], plan.offsets[1:]):
-            dst[plan.scatter[a:b]] = _rows_as_bytes(part)  # one C loop per call
+            dst[plan.scatter[a:b]] = _rows(part)  # one memcpy per row, in C
         return staged
 
     def split_rows(self, out: torch.Tensor, plan: MergePlan) -> list[torch.Tensor]:
         """Each call's rows of a launch's host output ``out``, in the call's own order."""
         if plan.is_identity:
             return [out[a:b] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
-        src = _rows_as_bytes(out)
+        src = _rows(out)
+        row_bytes = src.dtype.itemsize
         parts = []
         for a, b in zip(plan.offsets[:-1], plan.offsets[1:]):
             if a == b:  # numpy gives an empty take zero strides, which torch cannot view
                 parts.append(out[:0].clone())
             else:
-                parts.append(torch.from_numpy(src[plan.scatter[a:b]]).view(out.dtype))
+                taken = src[plan.scatter[a:b]].view(np.uint8).reshape(b - a, row_bytes)
+                parts.append(torch.from_numpy(taken).view(out.dtype).view(b - a, *out.shape[1:]))
         return parts
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -132,7 +135,13 @@ class Staging:
         return tuple(hosts)
 
 
-def _rows_as_bytes(t: torch.Tensor):
-    """A contiguous 2-D tensor's memory as a numpy uint8 ``[rows, row bytes]`` view."""
-    row = math.prod(t.shape[1:])  # not reshape(rows, -1): zero rows has no -1
-    return t.reshape(t.shape[0], row).view(torch.uint8).numpy()
+def _rows(t: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's rows as a 1-D numpy array of opaque row-sized items.
+
+    Fancy indexing then moves whole rows with one memcpy each; on uint8 ``[rows,
+    bytes]`` it copied byte by byte (~2 ms for a merged batch of 768 rows of
+    7168 on the H200's host).
+    """
+    row = math.prod(t.shape[1:]) * t.element_size()
+    flat = t.reshape(-1).view(torch.uint8).numpy()
+    return flat.view(np.dtype((np.void, row))) if row else flat.reshape(t.shape[0], 0)

@@ -103,7 +103,7 @@ class Engine:
         merge_window_us: int = 0,
         graphs: bool = True,
         metrics: Any = None,
-        switch_interval_us: int = 50,
+        switch_interval_us: int = 1000,
     ) -> None:
         self.backend = backend
         self.device = backend.device
