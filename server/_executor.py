@@ -5,15 +5,15 @@ weight set; this module does everything between the host tensors and the
 output rows, on one code path for a GPU (graphs, pinned memory, copy stream)
 and a CPU (eager, plain memory):
 
-1. stage every call's rows in one pinned buffer (the only host copy of the
-   rows), in the launch's order: when calls were merged, regrouped per expert
-   (:mod:`._merge`) as they are copied, so the kernel sees one grouped launch;
-2. upload on the engine stream, with the group sizes and the weight table in
-   one small copy;
-3. run the family's graph for the smallest bucket holding the rows, in chunks
-   of the largest bucket when there are more;
-4. download into a pinned buffer and hand each caller its rows: a view for a
-   lone call, its rows taken back out of the merged order otherwise.
+1. stage the calls' rows side by side in one pinned buffer (none for a lone
+   call whose body already sits in pinned memory) and upload it on the
+   engine stream, with the group sizes, the weight table and the merge order
+   (:mod:`._merge`) in one small copy;
+2. run the family's graph for the smallest bucket holding the rows: it
+   regroups the rows per expert, runs one grouped GEMM and puts the output
+   rows back in the callers' order (in chunks of the largest bucket, through
+   device scratch, when there are more rows);
+3. download into a pinned buffer and hand each caller a view of its rows.
 
 The common case -- calls in the device's fp8 format or bf16, at most one
 bucket -- uploads straight into the graph's static buffers: three copies and
@@ -115,12 +115,12 @@ class Executor:
     def _run_same_dtype(self, ws, parts: list[Part], launches: Launches):
         plan = plan_merge([p.m_sizes for p in parts])
         family = self.family(ws.G, ws.N, ws.K, parts[0].x.dtype)
-        # Rows are staged in the launch's (per-expert) order on the host: the
-        # plan is host data, so merged calls need no device gather or scatter.
-        x_host = self.staging.gather_rows([p.x for p in parts], plan)
+        # The callers' rows side by side (a lone call's pinned body as it is);
+        # the launch regroups them per expert on the device.
+        x_host = self.staging.gather_rows([p.x for p in parts])
         xs_host = None
         if parts[0].x_scale is not None:
-            xs_host = self.staging.gather_rows([p.x_scale for p in parts], plan)
+            xs_host = self.staging.gather_rows([p.x_scale for p in parts])
         direct = plan.total <= self.pool.max_bucket and (
             family.quantize or x_host.dtype == self.backend.fp8_dtype
         )
@@ -130,20 +130,18 @@ class Executor:
             out_dev, flags_dev = self._run_general(ws, family, x_host, xs_host, plan, launches)
         out, flags = self.staging.download(out_dev, flags_dev)
         flags = flags.numpy()
-        if plan.is_identity:
-            call_flags = [flags[a:b] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
-        else:
-            call_flags = [flags[plan.scatter[a:b]] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
-        return self.staging.split_rows(out, plan), call_flags
+        spans = list(zip(plan.offsets[:-1], plan.offsets[1:]))
+        return [out[a:b] for a, b in spans], [flags[a:b] for a, b in spans]
 
-    def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches) -> torch.Tensor:
+    def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
         """One bucket: upload straight into the static buffers (three copies, one replay)."""
         bufs = self.pool.buffers(family)
         rows = plan.total
         self.staging.upload(bufs.x[:rows], x_host)
         if xs_host is not None:
             self.staging.upload(bufs.x_scale[:rows], xs_host)
-        launches.add(self.pool.launch(family, ws.wq, ws.w_scale, plan.m_sizes))
+        gather = None if plan.is_identity else plan.gather
+        launches.add(self.pool.launch(family, ws.wq, ws.w_scale, plan.m_sizes, gather))
         return bufs.out[:rows], bufs.flags[:rows]
 
     def _run_general(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
@@ -160,6 +158,10 @@ class Executor:
         flags_dev = bad_rows(x_dev, xs_dev)
         if not family.quantize:
             x_dev, xs_dev = self._to_device_fp8(x_dev, xs_dev)
+        if not plan.is_identity:  # per-expert order before chunking
+            gather = torch.from_numpy(plan.gather).to(self.device, non_blocking=True)
+            x_dev = x_dev.index_select(0, gather)
+            xs_dev = None if xs_dev is None else xs_dev.index_select(0, gather)
         bufs = self.pool.buffers(family)
         out_dev = torch.empty((rows, ws.N), dtype=torch.bfloat16, device=self.device)
         step = self.pool.max_bucket
@@ -172,6 +174,9 @@ class Executor:
             sizes = chunk_sizes(plan.m_sizes, start, stop)
             launches.add(self.pool.launch(family, ws.wq, ws.w_scale, sizes, fresh_host=True))
             out_dev[start:stop].copy_(bufs.out[:n])
+        if not plan.is_identity:  # back to the callers' order
+            scatter = torch.from_numpy(plan.scatter).to(self.device, non_blocking=True)
+            out_dev = out_dev.index_select(0, scatter)
         return out_dev, flags_dev
 
     def _to_device_fp8(self, x_dev, xs_dev):

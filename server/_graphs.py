@@ -53,24 +53,41 @@ class Family:
 
 @dataclass
 class Buffers:
-    """The static device buffers of one family (leading ``bucket`` rows are used)."""
+    """The static device buffers of one family (leading ``bucket`` rows are used).
 
+    ``meta`` is one int64 buffer, uploaded with one copy per launch: the group
+    sizes ``[G]``, the weight table ``[2, G]`` (table mode), then per row its
+    (gather, scatter) pair: rows arrive in the callers' concatenated order and
+    the graph regroups them per expert (``gather``) and puts the output back
+    (``scatter``), so merged calls need no host or extra device copies.
+    """
+
+    G: int
     x: torch.Tensor  # [max_bucket, K], the backend's fp8 dtype, or bf16 when quantizing
     x_scale: torch.Tensor | None  # [max_bucket, K/128] float32; None when quantizing
-    meta: torch.Tensor  # [3, G] int64: m_sizes, then the weight table; one upload
+    meta: torch.Tensor  # [3 G + 2 max_bucket] int64, see above
     meta_host: torch.Tensor  # the same, on the host (pinned on a GPU)
-    out: torch.Tensor  # [max_bucket, N] bfloat16
+    out: torch.Tensor  # [max_bucket, N] bfloat16, in the callers' order
     flags: torch.Tensor  # [max_bucket] int8: _checks.bad_rows of each input row
 
     @property
     def m_sizes(self) -> torch.Tensor:
-        """``[G]`` int64 group sizes (row 0 of ``meta``)."""
-        return self.meta[0]
+        """``[G]`` int64 group sizes."""
+        return self.meta[: self.G]
 
     @property
     def table(self) -> torch.Tensor:
-        """``[2, G]`` int64: each group's wq and w_scale address (rows 1-2 of ``meta``)."""
-        return self.meta[1:]
+        """``[2, G]`` int64: each group's wq and w_scale address."""
+        return self.meta[self.G : 3 * self.G].view(2, self.G)
+
+    def order(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``rows`` (gather, scatter) indices."""
+        pairs = self.meta[3 * self.G : 3 * self.G + 2 * rows].view(rows, 2)
+        return pairs[:, 0], pairs[:, 1]
+
+    def meta_words(self, rows: int) -> int:
+        """How many leading int64 words of ``meta`` a launch over ``rows`` rows reads."""
+        return 3 * self.G + 2 * rows
 
 
 def buckets_up_to(max_bucket: int) -> list[int]:
@@ -126,8 +143,10 @@ class GraphPool:
             x=torch.zeros((rows, f.K), dtype=x_dtype, device=dev),
             x_scale=None if f.quantize
             else torch.ones((rows, f.K // BLOCK), dtype=torch.float32, device=dev),
-            meta=torch.zeros((3, f.G), dtype=torch.int64, device=dev),
-            meta_host=torch.zeros((3, f.G), dtype=torch.int64, pin_memory=dev.type == "cuda"),
+            G=f.G,
+            meta=_identity_meta(f.G, rows, dev),
+            meta_host=_identity_meta(f.G, rows, "cpu").pin_memory()
+            if dev.type == "cuda" else _identity_meta(f.G, rows, "cpu"),
             out=torch.zeros((rows, f.N), dtype=torch.bfloat16, device=dev),
             flags=torch.zeros((rows,), dtype=torch.int8, device=dev),
         )
@@ -138,25 +157,31 @@ class GraphPool:
         """Check the inputs' contents, quantize (bf16 families) and run the GEMM over
         the first ``rows`` buffer rows."""
         bufs = self._buffers[family]
+        gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
         xs = None if family.quantize else bufs.x_scale[:rows]
         bufs.flags[:rows].copy_(bad_rows(x, xs))
+        # Rows into per-expert order (an identity for a lone call: a copy the
+        # size of the input, microseconds on the device).
+        x = x.index_select(0, gather)
+        xs = None if xs is None else xs.index_select(0, gather)
         if family.quantize:
             xq, xs = quantize_activations(x, self.backend.fp8_dtype)
         else:
             xq = x
-        out = bufs.out[:rows]
+        out = torch.empty_like(bufs.out[:rows])
         if self.run_table is not None:
             self.run_table(xq, bufs.table, xs, bufs.m_sizes, out)
         else:
             self.backend.run(xq, wq, xs, w_scale, bufs.m_sizes, out)
+        torch.index_select(out, 0, scatter, out=bufs.out[:rows])
 
     def _set_table(self, bufs: Buffers, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
         """Write ``wq``'s table into the device buffers (capture time; launches go
         through :meth:`launch`, which sends sizes and table in one copy)."""
-        host = torch.zeros_like(bufs.meta_host)
-        fill_table(host[1:], wq, w_scale)
-        bufs.table.copy_(host[1:].to(self.device))
+        host = torch.zeros((2, bufs.G), dtype=torch.int64)
+        fill_table(host, wq, w_scale)
+        bufs.table.copy_(host.to(self.device))
 
     def _check_table(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
         """Once per shape: the table launcher must equal ``backend.run`` bit for bit.
@@ -208,37 +233,53 @@ class GraphPool:
         wq: torch.Tensor,
         w_scale: torch.Tensor,
         sizes: np.ndarray,
+        gather: np.ndarray | None = None,
         *,
         fresh_host: bool = False,
     ) -> str:
         """Run the family's GEMM over the buffers' first ``sum(sizes)`` rows; "graph",
         "eager" or "none".
 
-        The caller has written ``x`` (and ``x_scale``) rows ``[:rows]``; ``sizes``
-        (host ``[G]``) and, in table mode, the weight addresses go to the device
-        in one copy from a pinned buffer. That buffer is the family's own unless
-        ``fresh_host`` (several launches in one batch: the previous copy may not
-        have run yet); the engine waits for each batch before the next reuses it.
-        The result is in ``out[:rows]``.
+        The caller has written ``x`` (and ``x_scale``) rows ``[:rows]`` in the
+        callers' concatenated order; ``gather`` (host ``[rows]``, None for the
+        identity) lists them in per-expert order, whose group sizes are
+        ``sizes`` (host ``[G]``). The sizes, the weight addresses and the order
+        go to the device in one copy from a pinned buffer: the family's own
+        unless ``fresh_host`` (several launches in one batch: the previous copy
+        may not have run yet); the engine waits for each batch before the next
+        reuses it. The result is in ``out[:rows]``, in the callers' order.
         """
         bufs = self.buffers(family)
         self._check_table(family, wq, w_scale)
         rows = int(sizes.sum())
-        host = torch.empty_like(bufs.meta_host, pin_memory=bufs.meta_host.is_pinned()) \
-            if fresh_host else bufs.meta_host
+        launched = self.launch_rows(rows)
+        words = bufs.meta_words(launched)
+        host = bufs.meta_host[:words]
+        if fresh_host:
+            host = torch.empty_like(host, pin_memory=bufs.meta_host.is_pinned())
         meta = host.numpy()
-        meta[0] = sizes
+        G = bufs.G
+        meta[:G] = sizes
         if self.run_table is not None:
-            fill_table(host[1:], wq, w_scale)
-        bufs.meta.copy_(host, non_blocking=self.device.type == "cuda")
+            fill_table(host[G : 3 * G].view(2, G), wq, w_scale)
+        pairs = meta[3 * G :].reshape(launched, 2)
+        if gather is None:
+            pairs[:] = _IDENTITY[:launched, None] if launched <= len(_IDENTITY) \
+                else np.arange(launched, dtype=np.int64)[:, None]
+        else:
+            pairs[:rows, 0] = gather
+            pairs[gather, 1] = np.arange(rows, dtype=np.int64)
+            # Padding rows (past the call, up to the bucket) map to themselves.
+            pairs[rows:] = np.arange(rows, launched, dtype=np.int64)[:, None]
+        bufs.meta[:words].copy_(host, non_blocking=self.device.type == "cuda")
         if rows == 0:
             return "none"  # nothing ran: neither a replay nor an eager run (SPEC 2.3 counts)
-        graph = self._graphs.get(self._graph_key(family, self.launch_rows(rows), wq, w_scale))
+        graph = self._graphs.get(self._graph_key(family, launched, wq, w_scale))
         if graph is not None:
             graph.replay()
             self.replays += 1
             return "graph"
-        self._body(family, self.launch_rows(rows), wq, w_scale)
+        self._body(family, launched, wq, w_scale)
         self.eager_runs += 1
         return "eager"
 
@@ -265,6 +306,9 @@ class GraphPool:
                 continue
             bufs.m_sizes.zero_()
             bufs.m_sizes[0] = bucket
+            gather, scatter = bufs.order(bucket)  # in place: valid indices for the warm-up
+            gather.copy_(torch.arange(bucket, device=self.device))
+            scatter.copy_(gather)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 self._body(family, bucket, wq, w_scale)  # warm-up: compiles the kernel
@@ -333,3 +377,14 @@ def _table_runner(backend: Backend) -> Callable | None:
 def _describe(f: Family) -> str:
     kind = "bf16" if f.quantize else "fp8"
     return f"G={f.G} N={f.N} K={f.K} {kind}"
+
+
+# Row indices 0..n-1, for identity orders without a fresh arange per launch.
+_IDENTITY = np.arange(1 << 16, dtype=np.int64)
+
+
+def _identity_meta(G: int, rows: int, device) -> torch.Tensor:
+    """A ``meta`` buffer with zero sizes and table, and every row in place."""
+    meta = torch.zeros(3 * G + 2 * rows, dtype=torch.int64, device=device)
+    meta[3 * G :].view(rows, 2).copy_(torch.arange(rows, device=device)[:, None])
+    return meta

@@ -16,14 +16,11 @@ synchronous copies, so the engine has one code path.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-
-from ._merge import MergePlan
 
 # The stream each thread last made current through Staging.enter (torch's own
 # lookup costs more than the switch it would save).
@@ -79,39 +76,19 @@ class Staging:
         """An uninitialised host tensor, page-locked when the device is a GPU."""
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=self.is_cuda)
 
-    def gather_rows(self, parts: Sequence[torch.Tensor], plan: MergePlan) -> torch.Tensor:
-        """The parts' rows in one pinned buffer, in ``plan``'s launch order: the only
-        host copy of the rows. A merged plan regroups them per expert as they are
-        copied (concatenated row ``c`` lands on row ``plan.scatter[c]``)."""
+    def gather_rows(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The parts stacked along dim 0 in one pinned buffer: the only host copy of the rows."""
         if len(parts) == 1 and parts[0].is_pinned() == self.is_cuda and parts[0].is_contiguous():
             return parts[0]  # already staged (e.g. a body read straight into pinned memory)
-        staged = self.host_empty((plan.total, *parts[0].shape[1:]), parts[0].dtype)
-        if plan.is_identity:
-            start = 0
-            for part in parts:
-                stop = start + part.shape[0]
-                staged[start:stop].copy_(part)
-                start = stop
-            return staged
-        dst = _rows(staged)
-        for part, a, b in zip(parts, plan.offsets[:-1], plan.offsets[1:]):
-            dst[plan.scatter[a:b]] = _rows(part)  # one memcpy per row, in C
+        rows = sum(p.shape[0] for p in parts)
+        staged = self.host_empty((rows, *parts[0].shape[1:]), parts[0].dtype)
+        dst = _flat_bytes(staged)
+        start = 0
+        for part in parts:
+            src = _flat_bytes(part)
+            dst[start:start + len(src)] = src  # numpy: one memcpy, no torch call
+            start += len(src)
         return staged
-
-    def split_rows(self, out: torch.Tensor, plan: MergePlan) -> list[torch.Tensor]:
-        """Each call's rows of a launch's host output ``out``, in the call's own order."""
-        if plan.is_identity:
-            return [out[a:b] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
-        src = _rows(out)
-        row_bytes = src.dtype.itemsize
-        parts = []
-        for a, b in zip(plan.offsets[:-1], plan.offsets[1:]):
-            if a == b:  # numpy gives an empty take zero strides, which torch cannot view
-                parts.append(out[:0].clone())
-            else:
-                taken = src[plan.scatter[a:b]].view(np.uint8).reshape(b - a, row_bytes)
-                parts.append(torch.from_numpy(taken).view(out.dtype).view(b - a, *out.shape[1:]))
-        return parts
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host ``src`` into device ``dst``, in order on the engine stream."""
@@ -135,13 +112,6 @@ class Staging:
         return tuple(hosts)
 
 
-def _rows(t: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's rows as a 1-D numpy array of opaque row-sized items.
-
-    Fancy indexing then moves whole rows with one memcpy each; on uint8 ``[rows,
-    bytes]`` it copied byte by byte (~2 ms for a merged batch of 768 rows of
-    7168 on the H200's host).
-    """
-    row = math.prod(t.shape[1:]) * t.element_size()
-    flat = t.reshape(-1).view(torch.uint8).numpy()
-    return flat.view(np.dtype((np.void, row))) if row else flat.reshape(t.shape[0], 0)
+def _flat_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's memory as a flat numpy uint8 view."""
+    return t.reshape(-1).view(torch.uint8).numpy()
