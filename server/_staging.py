@@ -29,6 +29,9 @@ _current = threading.local()
 # Bodies above this are weight uploads, not calls: pinning them would hold page-
 # locked memory the size of a weight set for one request.
 _PIN_BODIES_UP_TO = 64 << 20
+# Below this a body is decoded by copying (``_body._COPY_BELOW``): pinning it
+# would cost a host-allocator round trip on the event loop for nothing.
+_PIN_BODIES_FROM = 64 << 10
 
 
 def pinned_body_allocator() -> Callable[[int], memoryview]:
@@ -40,8 +43,8 @@ def pinned_body_allocator() -> Callable[[int], memoryview]:
     """
 
     def allocate(size: int) -> memoryview:
-        if size > _PIN_BODIES_UP_TO:
-            return memoryview(bytearray(size))
+        if size > _PIN_BODIES_UP_TO or size < _PIN_BODIES_FROM:
+            return memoryview(np.empty(size, dtype=np.uint8))
         return memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy())
 
     return allocate

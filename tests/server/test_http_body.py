@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -101,3 +102,17 @@ def test_tensor_response_parts_are_the_packed_map(shape):
     assert decoded["out"]["dtype"] == "bfloat16" and decoded["out"]["shape"] == list(shape)
     raw = bytes(decoded["out"]["data"])
     assert raw == t.view(torch.uint8).numpy().tobytes() and len(raw) == t.numel() * 2
+
+
+def test_small_bodies_are_not_pinned():
+    """Bodies decoded by copying (under 64 KiB) skip the pinned allocator."""
+    from moegemm.server._body import _COPY_BELOW
+    from moegemm.server._staging import _PIN_BODIES_FROM, pinned_body_allocator
+
+    assert _PIN_BODIES_FROM == _COPY_BELOW
+    view = pinned_body_allocator()(_COPY_BELOW - 1)
+    assert len(view) == _COPY_BELOW - 1 and not view.readonly
+    assert not torch.from_numpy(np.asarray(view)).is_pinned()
+    if torch.cuda.is_available():
+        big = pinned_body_allocator()(_COPY_BELOW)
+        assert torch.from_numpy(np.asarray(big)).is_pinned()
