@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 lane for the blocking Client: keep-alive sockets, httptools parsing.
 
 Why: a router pays the client's cost on every call. Measured on this repo's
-CPU box against the same server (``bench/NOTES.md``, service v2), one small
+CPU box against the same server (``bench/SERVICE_NOTES.md``, v2), one small
 gemm call cost the calling process ~1.4 ms of CPU through httpx (h11, its
 models and URL handling), ~0.4 ms through ``http.client``, and ~0.05 ms over a
 plain socket. The service's own target for a one-row call is 0.25 ms in all.

@@ -4,7 +4,7 @@
 the request path Starlette and FastAPI cost more than everything else on the
 host: measured on this repo's CPU box with the kernel replaced by a no-op, the
 middleware, routing and dependency machinery took ~40 % of the server's time
-per call (py-spy, ``bench/NOTES.md``, service v2). The fast transport
+per call (py-spy, ``bench/SERVICE_NOTES.md``, v2). The fast transport
 (``_http.py``) therefore hands this one route to :class:`DirectGemm`, which
 does, in the same order and with the same helpers, what the ASGI path does:
 

@@ -81,8 +81,9 @@ class Settings(BaseSettings):
     # CPython's GIL switch interval while the engine runs (microseconds). The
     # engine's worker gives up the GIL in every torch call and must win it back
     # from the event loop: under load each call of a batch waited up to this
-    # long (CPython's default is 5000). Measured on the H200 (bench/NOTES.md,
-    # service v2): 1000 served more calls than 20, 50 or 200, at 1 and 32 clients.
+    # long (CPython's default is 5000). On the H200 (bench/SERVICE_NOTES.md):
+    # 20 and 50 served fewer calls at 32 clients than 200 or 1000, which were
+    # within run-to-run noise of each other.
     gil_switch_us: int = Field(1000, ge=1, le=5000)
     # The HTTP transport: "fast" (server/_http.py: bodies received in place,
     # pinned on a GPU) or "uvicorn". Same app, same contract.
