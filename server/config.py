@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     # 20 and 50 served fewer calls at 32 clients than 200 or 1000, which were
     # within run-to-run noise of each other.
     gil_switch_us: int = Field(1000, ge=1, le=5000)
+    # On a GPU, a small call arriving while the device is idle runs on the
+    # event loop's thread (no hand-off to the worker and back); others queue.
+    inline_when_idle: bool = True
     # The HTTP transport: "fast" (server/_http.py: bodies received in place,
     # pinned on a GPU) or "uvicorn". Same app, same contract.
     http: Literal["fast", "uvicorn"] = "fast"
