@@ -87,7 +87,8 @@ class Settings(BaseSettings):
     gil_switch_us: int = Field(1000, ge=1, le=5000)
     # On a GPU, a small call arriving while the device is idle runs on the
     # event loop's thread (no hand-off to the worker and back); others queue.
-    inline_when_idle: bool = True
+    # Off by default: tested on the CPU only, never run or measured on a GPU.
+    inline_when_idle: bool = False
     # The HTTP transport: "fast" (server/_http.py: bodies received in place,
     # pinned on a GPU) or "uvicorn". Same app, same contract.
     http: Literal["fast", "uvicorn"] = "fast"
