@@ -21,7 +21,6 @@ it is reused -- it reads as ready -- and replaced; a request is never sent twice
 
 from __future__ import annotations
 
-import select
 import socket
 import threading
 import time
@@ -43,11 +42,11 @@ class Answer:
 
     __slots__ = ("content", "headers", "reason_phrase", "status_code")
 
-    def __init__(self, status: int, headers: httpx.Headers, content: bytes) -> None:
+    def __init__(self, status: int, headers: httpx.Headers, content: bytes, reason: str = "") -> None:
         self.status_code = status
         self.headers = headers
         self.content = content
-        self.reason_phrase = ""
+        self.reason_phrase = reason
 
     @property
     def text(self) -> str:
@@ -60,27 +59,43 @@ class Answer:
 
 
 class _Reader:
-    """httptools callbacks for one answer."""
+    """httptools callbacks for one answer (interim 1xx answers are skipped)."""
 
     def __init__(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
+        self.reason = b""
         self.done = False
+        self.headers_done = False
         self.keep_alive = False
         self.parser = None
 
-    def on_headers_complete(self) -> None:
-        # llhttp answers this reliably only before the message completes.
-        self.keep_alive = self.parser.should_keep_alive()
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+        # llhttp answers this reliably only before the message completes.
+        self.keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
 
     def on_message_complete(self) -> None:
+        if self.parser.get_status_code() < 200:  # 100 Continue, 103 Early Hints: wait on
+            self.headers, self.chunks, self.reason = [], [], b""
+            self.headers_done = False
+            return
         self.done = True
+
+    def ends_at_close(self) -> bool:
+        """Whether this answer's body runs until the server closes (no length, not chunked)."""
+        names = {name.lower() for name, _ in self.headers}
+        return self.headers_done and b"content-length" not in names \
+            and b"transfer-encoding" not in names
 
 
 def usable(url: str, transport: object, trust_env: bool = True) -> bool:
@@ -88,8 +103,8 @@ def usable(url: str, transport: object, trust_env: bool = True) -> bool:
     if httptools is None or transport is not None:
         return False
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        return False
+    if parts.scheme != "http" or not parts.hostname or parts.username or parts.password:
+        return False  # https, or credentials in the URL (httpx sends them as Basic auth)
     if trust_env:
         import urllib.request
 
@@ -109,9 +124,10 @@ class Lane:
         self.host = parts.hostname
         self.port = parts.port or 80
         self.prefix = parts.path.rstrip("/")
-        host_header = parts.netloc.rpartition("@")[2]
-        fixed = {"Host": host_header, "User-Agent": "moegemm-client", **headers}
-        self._fixed = "".join(f"{k}: {v}\r\n" for k, v in fixed.items())
+        # Per-call headers replace these by name (case-insensitively).
+        self._fixed = {"host": ("Host", parts.netloc), "user-agent": ("User-Agent", "moegemm-client")}
+        for key, value in headers.items():
+            self._fixed[key.lower()] = (key, value)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -135,14 +151,16 @@ class Lane:
                 sock = self._idle.pop() if self._idle else None
             if sock is None:
                 return self._connect(timeout, deadline)
-            # An idle keep-alive socket has nothing to read; one that reads as
-            # ready was closed by the server (or sent junk): drop it.
+            # An idle keep-alive socket has nothing to read; one that has (EOF:
+            # the server closed it; or junk) is dropped. A peek, not select():
+            # select() fails on descriptors past 1023.
             try:
-                ready = select.select([sock], [], [], 0)[0]
-            except (OSError, ValueError):
-                ready = True
-            if not ready:
+                sock.settimeout(0)  # with a timeout set, Python would wait for data first
+                sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
                 return sock
+            except OSError:
+                pass
             sock.close()
 
     def _give_back(self, sock: socket.socket) -> None:
@@ -177,8 +195,14 @@ class Lane:
         deadline from a slow server by the clock).
         """
         body = body or b""
-        head = [f"{method} {self.prefix}{path} HTTP/1.1\r\n", self._fixed]
+        fields = dict(self._fixed)
         for key, value in headers.items():
+            fields[key.lower()] = (key, value)
+        head = [f"{method} {self.prefix}{path} HTTP/1.1\r\n"]
+        for key, value in fields.values():
+            value = str(value)
+            if any(c in key or c in value for c in "\r\n\0"):
+                raise httpx.LocalProtocolError(f"illegal header {key!r}: CR, LF or NUL")
             head.append(f"{key}: {value}\r\n")
         if body or method in ("POST", "PUT", "PATCH"):
             head.append(f"Content-Length: {len(body)}\r\n")
@@ -187,8 +211,8 @@ class Lane:
         sock = self._take(timeout, deadline)
         keep = False
         try:
-            self._send(sock, data, body, timeout, deadline)
-            answer, keep = self._receive(sock, method, timeout, deadline)
+            sent = self._send(sock, data, body, timeout, deadline)
+            answer, keep = self._receive(sock, timeout, deadline, sent)
             return answer
         finally:
             if keep:
@@ -196,7 +220,10 @@ class Lane:
             else:
                 sock.close()
 
-    def _send(self, sock, data: bytes, body: bytes, timeout, deadline) -> None:
+    def _send(self, sock, data: bytes, body: bytes, timeout, deadline) -> OSError | None:
+        """Write the request; a failed write is returned, not raised: a server may
+        answer (413, 401, 503) and close before reading a large body, and that
+        answer is what the caller must see."""
         sock.settimeout(_left(timeout.write, deadline))
         try:
             if len(body) <= 1 << 16:
@@ -207,32 +234,43 @@ class Lane:
         except TimeoutError as exc:
             raise httpx.WriteTimeout(f"sending to {self.host}:{self.port}: {exc}") from exc
         except OSError as exc:
-            raise httpx.WriteError(f"sending to {self.host}:{self.port}: {exc}") from exc
+            return exc
+        return None
 
-    def _receive(self, sock, method: str, timeout, deadline) -> tuple[Answer, bool]:
+    def _receive(self, sock, timeout, deadline, send_error: OSError | None) -> tuple[Answer, bool]:
         reader = _Reader()
         parser = reader.parser = httptools.HttpResponseParser(reader)
         while not reader.done:
-            sock.settimeout(_left(timeout.read, deadline))
+            recv_error = None
             try:
+                sock.settimeout(_left(timeout.read, deadline))
                 chunk = sock.recv(_RECV)
             except TimeoutError as exc:
                 raise httpx.ReadTimeout(f"reading from {self.host}:{self.port}: {exc}") from exc
-            except OSError as exc:
-                raise httpx.ReadError(f"reading from {self.host}:{self.port}: {exc}") from exc
+            except OSError as exc:  # e.g. reset after the server answered early
+                chunk, recv_error = b"", exc
             if not chunk:
+                if reader.ends_at_close():
+                    reader.done = True  # the body ran until the close: that is its end
+                    break
+                if send_error is not None:
+                    raise httpx.WriteError(
+                        f"sending to {self.host}:{self.port}: {send_error}") from send_error
+                if recv_error is not None:
+                    raise httpx.ReadError(
+                        f"reading from {self.host}:{self.port}: {recv_error}") from recv_error
                 raise httpx.RemoteProtocolError(
                     f"{self.host}:{self.port} closed the connection before a full answer")
             try:
                 parser.feed_data(chunk)
             except httptools.HttpParserError as exc:
                 raise httpx.RemoteProtocolError(f"malformed answer: {exc}") from exc
-            if method == "HEAD" and parser.get_status_code():
-                break
         status = parser.get_status_code()
         content = reader.chunks[0] if len(reader.chunks) == 1 else b"".join(reader.chunks)
-        answer = Answer(status, httpx.Headers(reader.headers), content)
-        return answer, reader.done and reader.keep_alive
+        answer = Answer(status, httpx.Headers(reader.headers), content,
+                        reader.reason.decode("latin-1"))
+        # An answer read after a failed write leaves the request half sent: never reuse.
+        return answer, reader.keep_alive and send_error is None and not reader.ends_at_close()
 
 
 def _left(limit: float | None, deadline: float | None) -> float | None:

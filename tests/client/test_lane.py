@@ -17,7 +17,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from moegemm.client import Client, DeadlineExceeded, InternalError, TransportError
+from moegemm.client import APIError, Client, DeadlineExceeded, InternalError, TransportError
 from moegemm.client._lane import usable
 
 
@@ -179,3 +179,89 @@ def test_silent_server_hits_the_deadline():
             assert time.monotonic() - started < 2
     finally:
         listener.close()
+
+
+def _raw_server(respond) -> str:
+    """A one-connection server: ``respond(conn)`` after reading the request head."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(65536)
+            respond(conn)
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_an_early_answer_to_a_large_upload_is_read():
+    """A server that answers 413 before reading the body, then closes: the caller
+    sees TooLarge (as with httpx), not a write error."""
+    from moegemm.client import TooLarge
+
+    body = b'{"error": {"code": "too_large", "message": "over 1 MiB"}}'
+
+    def respond(conn):
+        conn.sendall(b"HTTP/1.1 413 Content Too Large\r\ncontent-type: application/json\r\n"
+                     b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+
+    url = _raw_server(respond)
+    with Client(url, timeout=10) as c, pytest.raises(TooLarge):
+        c.load_weights("w", np.zeros((2, 1024, 4096), np.float32))  # 32 MB
+
+
+def test_body_until_close_interim_answers_and_reason():
+    def until_close(conn):
+        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n"
+                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{\"status\": ")
+        time.sleep(0.05)
+        conn.sendall(b"\"live\"}")
+        conn.shutdown(socket.SHUT_WR)
+        time.sleep(0.1)
+
+    with Client(_raw_server(until_close), timeout=10) as c:
+        assert c.live() == {"status": "live"}
+        assert not c._lane._idle  # a body ended by the close is never pooled
+
+    def bare_502(conn):
+        conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n")
+        time.sleep(0.1)
+
+    with Client(_raw_server(bare_502), timeout=10) as c, pytest.raises(APIError) as info:
+        c.live()
+    assert "Bad Gateway" in str(info.value)
+
+
+def test_headers_are_checked_and_per_call_ones_win(server):
+    url, _ = server
+    with Client(url, token="abc\r\nX-Injected: 1") as c, pytest.raises(TransportError):
+        c.info()
+    with Client(url, headers={"x-request-id": "fixed"}) as c:
+        c.info()
+    (_, _, headers) = _Handler.seen[-1]
+    assert headers["X-Request-Id"] != "fixed" and len(headers["X-Request-Id"]) == 32
+    assert "X-Injected" not in headers
+
+
+def test_pooled_sockets_are_reused_past_1024_descriptors(server):
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"needs 1200 file descriptors, the limit is {soft}")
+    url, _ = server
+    held = [socket.socket() for _ in range(1100)]
+    try:
+        with Client(url) as c:
+            peers = {c.info()["peer"] for _ in range(3)}
+            assert c._lane._idle[0].fileno() >= 1024
+        assert len(peers) == 1
+    finally:
+        for s in held:
+            s.close()
