@@ -55,7 +55,6 @@ class DirectGemm:
         self.app = app
         self.metrics: Metrics = app.state.metrics
         self.settings = app.state.settings
-        self.held = 0  # body bytes reserved by direct calls in flight (one event loop)
         self._request_seconds = self.metrics.request_seconds.labels(endpoint=_ENDPOINT)
         self._requests: dict[int, Any] = {}
 
@@ -76,22 +75,29 @@ class DirectGemm:
         fields = _fields(headers)
         request_id = _request_id(fields.get("x-request-id"))
         try:
-            status, head, parts = await self._budgeted(name, fields, body, request_id)
+            status, head, parts, endpoint = await self._budgeted(name, fields, body, request_id)
         except Exception as exc:  # never a crash: the same last resort as RequestContext
             log.exception("request POST %r failed (request id %s)", f"/v1/weights/{name}/gemm",
                           request_id)
             status, head, parts = _error(InternalError(
                 f"unexpected {type(exc).__name__}; see the server log"), request_id)
+            endpoint = _ENDPOINT
         self.metrics.bytes_out.inc(sum(len(p) for p in parts))
-        counter = self._requests.get(status)
-        if counter is None:
-            counter = self.metrics.requests.labels(endpoint=_ENDPOINT, status=str(status))
-            self._requests[status] = counter
-        counter.inc()
-        self._request_seconds.observe(time.perf_counter() - started)
+        if endpoint == _ENDPOINT:
+            counter = self._requests.get(status)
+            if counter is None:
+                counter = self.metrics.requests.labels(endpoint=_ENDPOINT, status=str(status))
+                self._requests[status] = counter
+            counter.inc()
+            self._request_seconds.observe(time.perf_counter() - started)
+        else:
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            self.metrics.request_seconds.labels(endpoint=endpoint).observe(
+                time.perf_counter() - started)
         return status, head, parts
 
-    async def _budgeted(self, name, fields, body, request_id) -> tuple[int, bytes, list]:
+    async def _budgeted(self, name, fields, body, request_id) -> tuple[int, bytes, list, str]:
+        """The answer, and the endpoint label its metrics go under."""
         # BodyBudget's rule, over the same declared size: a body over the body
         # limit was never read (answered 413 below), a chunked one counts in full.
         declared = fields.get("content-length")
@@ -99,26 +105,27 @@ class DirectGemm:
         if declared is not None:
             size = int(declared) if declared.isdigit() else 0
             size = size if size <= self.settings.max_body_bytes else 0
-        elif "transfer-encoding" in fields:
+        elif fields.get("transfer-encoding", "identity").lower() != "identity":
             size = self.settings.max_body_bytes
         budget = self._budget()
         if size and budget.held and budget.held + size > budget.limit:
-            return _error(Overloaded(
+            # The ASGI path refuses before routing: its metrics say "unmatched".
+            return (*_error(Overloaded(
                 f"{budget.held} bytes of request bodies are held; {size} more would pass the "
                 f"limit of {budget.limit} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
-                retry_after=1), request_id)
+                retry_after=1), request_id), "unmatched")
         budget.held += size
         try:
             out = await self._gemm(name, fields, body)
         except APIError as exc:
-            return _error(exc, request_id)
+            return (*_error(exc, request_id), _ENDPOINT)
         finally:
             budget.held -= size
         parts = tensor_body_parts("out", out)
         size_out = sum(len(p) for p in parts)
         head = b"content-type: %s\r\ncontent-length: %d\r\nx-request-id: %s\r\n" % (
             _MSGPACK, size_out, request_id.encode())
-        return 200, head, parts
+        return 200, head, parts, _ENDPOINT
 
     def _budget(self):
         """The app's BodyBudget middleware: direct and ASGI calls share one budget."""

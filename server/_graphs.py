@@ -137,8 +137,11 @@ class GraphPool:
     def _allocate(self, f: Family) -> Buffers:
         dev, rows = self.device, self.max_bucket
         x_dtype = torch.bfloat16 if f.quantize else self.backend.fp8_dtype
-        # Zeros, not garbage: rows past a call's end are read (never stored) by the
-        # kernel and quantized in bf16 graphs, and must stay finite.
+        # Zeros at first. Rows past a call's end (up to its bucket) are read and
+        # quantized but belong to no group and are never stored; rows are
+        # independent in the GEMM and its per-row, per-block scales, so whatever
+        # an earlier call left there (even a refused call's NaN) cannot reach
+        # another row.
         return Buffers(
             x=torch.zeros((rows, f.K), dtype=x_dtype, device=dev),
             x_scale=None if f.quantize

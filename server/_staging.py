@@ -16,11 +16,14 @@ synchronous copies, so the engine has one code path.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+
+log = logging.getLogger("moegemm.server.staging")
 
 # The stream each thread last made current through Staging.enter (torch's own
 # lookup costs more than the switch it would save).
@@ -96,6 +99,14 @@ class Staging:
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host ``src`` into device ``dst``, in order on the engine stream."""
         dst.copy_(src, non_blocking=self.is_cuda)
+
+    def settle(self) -> None:
+        """Wait for everything queued on the engine stream (after a failed batch)."""
+        if self.stream is not None:
+            try:
+                self.stream.synchronize()
+            except Exception as exc:  # noqa: BLE001 -- a broken device: already reported
+                log.debug("engine stream did not settle: %r", exc)
 
     def download(self, *srcs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Device tensors into fresh pinned host tensors, waiting once until all are there.

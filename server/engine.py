@@ -140,7 +140,7 @@ class Engine:
         # client and 34 ms with 32 (M=128, bench/results/service_h200.json),
         # and still 5 ms at a 200 us interval. Process-wide on purpose: this
         # process exists to serve the engine.
-        sys.setswitchinterval(min(sys.getswitchinterval(), self.switch_interval_s))
+        sys.setswitchinterval(self.switch_interval_s)
         self._thread = threading.Thread(target=self._loop, name="moegemm-engine", daemon=True)
         self._thread.start()
 
@@ -372,18 +372,17 @@ class Engine:
             return
         try:
             outs, flags = self._compute(live)
-        except APIError as exc:
-            for call in live:
-                call.future.set_exception(exc)
-            return
-        except torch.OutOfMemoryError as exc:
-            error = OutOfMemory(f"the device ran out of memory for this call: {exc}")
-            for call in live:
-                call.future.set_exception(error)
-            return
         except Exception as exc:
-            log.exception("a batch of %d calls failed", len(live))
-            error = InternalError(f"the kernel failed: {type(exc).__name__}")
+            # Copies of a failed batch may still be queued on the engine stream;
+            # the next batch reuses their pinned sources, so wait for them first.
+            self._executor.staging.settle()
+            if isinstance(exc, APIError):
+                error = exc
+            elif isinstance(exc, torch.OutOfMemoryError):
+                error = OutOfMemory(f"the device ran out of memory for this call: {exc}")
+            else:
+                log.exception("a batch of %d calls failed", len(live))
+                error = InternalError(f"the kernel failed: {type(exc).__name__}")
             for call in live:
                 call.future.set_exception(error)
             return
