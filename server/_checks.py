@@ -72,8 +72,11 @@ BAD_SCALE = 2  # x_scale holds NaN, Inf or a value <= 0
 def bad_rows(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
     """Per row of ``x`` ``[rows, K]``: ``BAD_X | BAD_SCALE`` flags as int8 ``[rows]``.
 
-    Works on any device and inside a CUDA graph capture (no host reads).
+    Works on any device and inside a CUDA graph capture (no host reads); on
+    the CPU it runs in numpy (torch's uint8 comparisons there are ~30x slower).
     """
+    if x.device.type == "cpu":
+        return torch.from_numpy(_bad_rows_numpy(x, x_scale))
     if x.dtype == torch.float8_e4m3fn:
         bits = x.view(torch.uint8)
         bad = ((bits & 0x7F) == 0x7F).any(dim=1)
@@ -85,6 +88,27 @@ def bad_rows(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
     if x_scale is not None:
         scale_bad = ~((x_scale > 0) & torch.isfinite(x_scale)).all(dim=1)
         flags = flags | (scale_bad.to(torch.int8) << 1)
+    return flags
+
+
+def _bad_rows_numpy(x: torch.Tensor, x_scale: torch.Tensor | None) -> np.ndarray:
+    rows = x.shape[0]
+    flags = np.zeros(rows, dtype=np.int8)
+    if rows == 0 or x.numel() == 0:
+        return flags
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        raw = x.reshape(rows, -1).view(torch.uint8).numpy()
+        bad = ((raw & 0x7F) == 0x7F) if x.dtype == torch.float8_e4m3fn else (raw == 0x80)
+    elif x.dtype == torch.float32:
+        bad = ~np.isfinite(x.reshape(rows, -1).numpy())
+    else:
+        mask = _EXPONENT[x.dtype]
+        bits = x.reshape(rows, -1).view(torch.int16).numpy().view(np.uint16)
+        bad = (bits & mask) == mask
+    flags |= bad.any(axis=1).astype(np.int8)
+    if x_scale is not None and x_scale.numel():
+        s = x_scale.reshape(rows, -1).numpy()
+        flags |= (~((s > 0) & np.isfinite(s)).all(axis=1)).astype(np.int8) << 1
     return flags
 
 

@@ -56,3 +56,33 @@ def test_an_empty_tensor_too_large_to_lay_out_is_bad_tensor():
     with pytest.raises(BadTensor):
         to_torch(decode_tensor({"dtype": "float32", "shape": [0, 2**62, 4], "data": b""}))
     assert to_torch(decode_tensor({"dtype": "float32", "shape": [0, 5, 4], "data": b""})).shape == (0, 5, 4)
+
+
+def test_bad_rows_on_the_cpu_match_the_torch_formula():
+    """bad_rows runs in numpy on the CPU; it must flag exactly what the device
+    (torch) formula flags, row by row, for every dtype."""
+    from moegemm.server import _checks
+
+    gen = torch.Generator().manual_seed(torch.seed())
+    for dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.bfloat16, torch.float16,
+                  torch.float32):
+        if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            x = torch.randint(0, 256, (64, 256), generator=gen, dtype=torch.uint8).view(dtype)
+            scale = torch.rand(64, 2, generator=gen) + 0.1
+            scale[3, 1], scale[9, 0], scale[10, 1] = 0.0, float("inf"), -1.0
+        else:
+            x = torch.randn(64, 256, generator=gen).to(dtype)
+            x[5, 7], x[20, 0], x[33, 255] = float("nan"), float("inf"), float("-inf")
+            scale = None
+        got = _checks.bad_rows(x, scale)
+        if dtype == torch.float8_e4m3fn:
+            want = ((x.view(torch.uint8) & 0x7F) == 0x7F).any(dim=1).to(torch.int8)
+        elif dtype == torch.float8_e4m3fnuz:
+            want = (x.view(torch.uint8) == 0x80).any(dim=1).to(torch.int8)
+        else:
+            want = (~torch.isfinite(x.float()).all(dim=1)).to(torch.int8)
+        if scale is not None:
+            want = want | ((~((scale > 0) & torch.isfinite(scale)).all(dim=1)).to(torch.int8) << 1)
+        assert torch.equal(got, want), dtype
+        assert got.any()
+    assert _checks.bad_rows(torch.empty(0, 128, dtype=torch.bfloat16), None).shape == (0,)
