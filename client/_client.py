@@ -32,7 +32,7 @@ from ._errors import (
     Unavailable,
     error_for,
 )
-from ._lane import Lane, usable
+from ._lane import AsyncLane, Lane, usable
 from ._wire import decode_tensor, encode_tensor, packb, unpackb
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
@@ -490,6 +490,14 @@ class AsyncClient(_Base):
             timeout=timeout,
             transport=transport or httpx.AsyncHTTPTransport(socket_options=_SOCKET_OPTIONS),
         )
+        # Plain http:// calls take the lean lane (_lane.py), as in Client.
+        self._lane = AsyncLane(self.url, self._headers) if usable(self.url, transport) else None
+
+    def _exchange(self, call: _Call, args: dict[str, Any]):
+        if self._lane is None:
+            return self._http.request(**args)
+        return self._lane.request(call.method, call.path, args["headers"], call.body,
+                                  args.get("timeout", self._timeout), call.deadline)
 
     async def _send(self, call: _Call) -> Any:
         attempt = 0
@@ -497,12 +505,12 @@ class AsyncClient(_Base):
             request_id, args = self._request_args(call)
             try:
                 if call.deadline is None:
-                    response = await self._http.request(**args)
+                    response = await self._exchange(call, args)
                 else:
                     # httpx's timeouts bound each read, not their sum.
                     left = max(0.0, call.deadline - time.monotonic())
                     try:
-                        response = await asyncio.wait_for(self._http.request(**args), left)
+                        response = await asyncio.wait_for(self._exchange(call, args), left)
                     except asyncio.TimeoutError:
                         raise DeadlineExceeded(
                             f"no full answer to {call.method} {call.path} within its deadline",
@@ -562,6 +570,8 @@ class AsyncClient(_Base):
 
     async def close(self) -> None:
         """Close the pooled connections (awaited)."""
+        if self._lane is not None:
+            await self._lane.aclose()
         await self._http.aclose()
 
     async def __aenter__(self) -> Self:

@@ -10,8 +10,9 @@ So plain ``http://`` calls from :class:`~moegemm.client.Client` go over this
 lane: a small pool of keep-alive TCP sockets (TCP_NODELAY), the request written
 with one ``sendall``, the answer parsed by ``httptools`` (llhttp, the parser
 uvicorn uses: chunked bodies, keep-alive rules and malformed answers are its
-job). Everything else -- https, a proxy from the environment, a custom httpx
-transport, the asyncio client -- stays on httpx. Failures are raised as httpx's
+job); :class:`AsyncLane` does the same on asyncio streams for ``AsyncClient``.
+Everything else -- https, a proxy from the environment, a custom httpx
+transport -- stays on httpx. Failures are raised as httpx's
 own exceptions, so retries, deadlines and error mapping stay in one place
 (``_client.py``).
 
@@ -21,6 +22,7 @@ it is reused -- it reads as ready -- and replaced; a request is never sent twice
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -124,10 +126,7 @@ class Lane:
         self.host = parts.hostname
         self.port = parts.port or 80
         self.prefix = parts.path.rstrip("/")
-        # Per-call headers replace these by name (case-insensitively).
-        self._fixed = {"host": ("Host", parts.netloc), "user-agent": ("User-Agent", "moegemm-client")}
-        for key, value in headers.items():
-            self._fixed[key.lower()] = (key, value)
+        self._fixed = _fixed_headers(parts, headers)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -195,19 +194,7 @@ class Lane:
         deadline from a slow server by the clock).
         """
         body = body or b""
-        fields = dict(self._fixed)
-        for key, value in headers.items():
-            fields[key.lower()] = (key, value)
-        head = [f"{method} {self.prefix}{path} HTTP/1.1\r\n"]
-        for key, value in fields.values():
-            value = str(value)
-            if any(c in key or c in value for c in "\r\n\0"):
-                raise httpx.LocalProtocolError(f"illegal header {key!r}: CR, LF or NUL")
-            head.append(f"{key}: {value}\r\n")
-        if body or method in ("POST", "PUT", "PATCH"):
-            head.append(f"Content-Length: {len(body)}\r\n")
-        head.append("\r\n")
-        data = "".join(head).encode("latin-1")
+        data = _head(method, self.prefix + path, self._fixed, headers, body)
         sock = self._take(timeout, deadline)
         keep = False
         try:
@@ -238,39 +225,182 @@ class Lane:
         return None
 
     def _receive(self, sock, timeout, deadline, send_error: OSError | None) -> tuple[Answer, bool]:
-        reader = _Reader()
-        parser = reader.parser = httptools.HttpResponseParser(reader)
-        while not reader.done:
+        parse, where = _Parse(), f"{self.host}:{self.port}"
+        done = False
+        while not done:
             recv_error = None
             try:
                 sock.settimeout(_left(timeout.read, deadline))
                 chunk = sock.recv(_RECV)
             except TimeoutError as exc:
-                raise httpx.ReadTimeout(f"reading from {self.host}:{self.port}: {exc}") from exc
+                raise httpx.ReadTimeout(f"reading from {where}: {exc}") from exc
             except OSError as exc:  # e.g. reset after the server answered early
                 chunk, recv_error = b"", exc
-            if not chunk:
-                if reader.ends_at_close():
-                    reader.done = True  # the body ran until the close: that is its end
-                    break
-                if send_error is not None:
-                    raise httpx.WriteError(
-                        f"sending to {self.host}:{self.port}: {send_error}") from send_error
-                if recv_error is not None:
-                    raise httpx.ReadError(
-                        f"reading from {self.host}:{self.port}: {recv_error}") from recv_error
-                raise httpx.RemoteProtocolError(
-                    f"{self.host}:{self.port} closed the connection before a full answer")
-            try:
-                parser.feed_data(chunk)
-            except httptools.HttpParserError as exc:
-                raise httpx.RemoteProtocolError(f"malformed answer: {exc}") from exc
-        status = parser.get_status_code()
+            done = parse.feed(chunk, where, send_error, recv_error)
+        return parse.answer(send_error)
+
+
+def _fixed_headers(parts, headers: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """The headers of every request, by lower-case name (per-call ones replace them)."""
+    fixed = {"host": ("Host", parts.netloc), "user-agent": ("User-Agent", "moegemm-client")}
+    for key, value in headers.items():
+        fixed[key.lower()] = (key, value)
+    return fixed
+
+
+def _head(method: str, target: str, fixed: dict, headers: dict[str, str], body: bytes) -> bytes:
+    """The request line and headers, CR/LF-checked, as bytes."""
+    fields = dict(fixed)
+    for key, value in headers.items():
+        fields[key.lower()] = (key, value)
+    head = [f"{method} {target} HTTP/1.1\r\n"]
+    for key, value in fields.values():
+        value = str(value)
+        if any(c in key or c in value for c in "\r\n\0"):
+            raise httpx.LocalProtocolError(f"illegal header {key!r}: CR, LF or NUL")
+        head.append(f"{key}: {value}\r\n")
+    if body or method in ("POST", "PUT", "PATCH"):
+        head.append(f"Content-Length: {len(body)}\r\n")
+    head.append("\r\n")
+    return "".join(head).encode("latin-1")
+
+
+class _Parse:
+    """Feeding one answer to httptools: what both lanes do with the bytes they read."""
+
+    def __init__(self) -> None:
+        self.reader = _Reader()
+        self.parser = self.reader.parser = httptools.HttpResponseParser(self.reader)
+
+    def feed(self, chunk: bytes, where: str, send_error: OSError | None,
+             recv_error: OSError | None) -> bool:
+        """Take ``chunk`` (b"" at the end of the stream); True once the answer is whole."""
+        reader = self.reader
+        if not chunk:
+            if reader.ends_at_close():
+                reader.done = True  # the body ran until the close: that is its end
+                return True
+            if send_error is not None:
+                raise httpx.WriteError(f"sending to {where}: {send_error}") from send_error
+            if recv_error is not None:
+                raise httpx.ReadError(f"reading from {where}: {recv_error}") from recv_error
+            raise httpx.RemoteProtocolError(f"{where} closed the connection before a full answer")
+        try:
+            self.parser.feed_data(chunk)
+        except httptools.HttpParserError as exc:
+            raise httpx.RemoteProtocolError(f"malformed answer: {exc}") from exc
+        return reader.done
+
+    def answer(self, send_error: OSError | None) -> tuple[Answer, bool]:
+        reader = self.reader
         content = reader.chunks[0] if len(reader.chunks) == 1 else b"".join(reader.chunks)
-        answer = Answer(status, httpx.Headers(reader.headers), content,
+        answer = Answer(self.parser.get_status_code(), httpx.Headers(reader.headers), content,
                         reader.reason.decode("latin-1"))
         # An answer read after a failed write leaves the request half sent: never reuse.
         return answer, reader.keep_alive and send_error is None and not reader.ends_at_close()
+
+
+class AsyncLane:
+    """The asyncio twin of :class:`Lane`, for ``AsyncClient`` (one event loop)."""
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.where = f"{self.host}:{self.port}"
+        self.prefix = parts.path.rstrip("/")
+        self._fixed = _fixed_headers(parts, headers)
+        self._idle: list[tuple] = []
+        self._closed = False
+
+    async def _connect(self, timeout: httpx.Timeout, deadline: float | None):
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port, limit=_RECV),
+                _left(timeout.connect, deadline))
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            raise httpx.ConnectTimeout(f"connect to {self.where}: timed out") from exc
+        except OSError as exc:
+            raise httpx.ConnectError(f"connect to {self.where}: {exc}") from exc
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return reader, writer
+
+    async def _take(self, timeout, deadline):
+        while self._idle:
+            reader, writer = self._idle.pop()
+            # Idle and healthy: nothing buffered, no EOF (the server closing it).
+            if not reader.at_eof() and not writer.is_closing() and not _buffered(reader):
+                return reader, writer
+            writer.close()
+        return await self._connect(timeout, deadline)
+
+    def _give_back(self, conn) -> None:
+        if not self._closed and len(self._idle) < _POOL:
+            self._idle.append(conn)
+        else:
+            conn[1].close()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.close()
+
+    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes | None,
+                      timeout: httpx.Timeout, deadline: float | None = None) -> Answer:
+        """As :meth:`Lane.request`, awaited."""
+        body = body or b""
+        data = _head(method, self.prefix + path, self._fixed, headers, body)
+        conn = await self._take(timeout, deadline)
+        keep = False
+        try:
+            send_error = await self._send(conn[1], data, body, timeout, deadline)
+            answer, keep = await self._receive(conn[0], timeout, deadline, send_error)
+            return answer
+        finally:
+            if keep:
+                self._give_back(conn)
+            else:
+                conn[1].close()
+
+    async def _send(self, writer, data, body, timeout, deadline) -> OSError | None:
+        try:
+            writer.write(data + body if len(body) <= 1 << 16 else data)
+            if len(body) > 1 << 16:
+                writer.write(body)
+            await asyncio.wait_for(writer.drain(), _left(timeout.write, deadline))
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            raise httpx.WriteTimeout(f"sending to {self.where}: timed out") from exc
+        except OSError as exc:
+            return exc  # the server may have answered early: read that answer
+        return None
+
+    async def _receive(self, reader, timeout, deadline, send_error) -> tuple[Answer, bool]:
+        parse = _Parse()
+        done = False
+        if send_error is not None:
+            # The failed write closed the transport, and the stream now raises
+            # on every read: an answer the server sent before closing is only
+            # in the stream's buffer.
+            pending = bytes(getattr(reader, "_buffer", b""))
+            done = parse.feed(pending, self.where, send_error, None) if pending else False
+        while not done:
+            recv_error = None
+            try:
+                chunk = await asyncio.wait_for(reader.read(_RECV), _left(timeout.read, deadline))
+            except (TimeoutError, asyncio.TimeoutError) as exc:
+                raise httpx.ReadTimeout(f"reading from {self.where}: timed out") from exc
+            except OSError as exc:
+                chunk, recv_error = b"", exc
+            done = parse.feed(chunk, self.where, send_error, recv_error)
+        return parse.answer(send_error)
+
+
+def _buffered(reader) -> int:
+    """Bytes an asyncio StreamReader holds unread (0 when unknown)."""
+    return len(getattr(reader, "_buffer", b""))
 
 
 def _left(limit: float | None, deadline: float | None) -> float | None:

@@ -265,3 +265,110 @@ def test_pooled_sockets_are_reused_past_1024_descriptors(server):
     finally:
         for s in held:
             s.close()
+
+
+# -- the asyncio lane (AsyncClient) -----------------------------------------------------
+
+
+def _run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def test_async_lane_keep_alive_and_close_answers(server):
+    from moegemm.client import AsyncClient
+
+    url, _ = server
+
+    async def scenario():
+        async with AsyncClient(url, token="t0k") as c:
+            assert c._lane is not None
+            a, b = await c.info(), await c.info()
+            return a, b, len(c._lane._idle)
+
+    a, b, idle = _run(scenario())
+    assert a["peer"] == b["peer"] and idle == 1
+    assert _Handler.seen[0][2]["Authorization"] == "Bearer t0k"
+
+
+def test_async_lane_replaces_a_socket_the_server_closed():
+    from moegemm.client import AsyncClient
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    requests = []
+
+    def serve():
+        for _ in range(2):
+            conn, peer = listener.accept()
+            with conn:
+                requests.append(conn.recv(65536))
+                body = json.dumps({"peer": peer[1]}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n" % len(body) + body)
+                time.sleep(0.05)
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    async def scenario():
+        import asyncio
+
+        async with AsyncClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=5) as c:
+            first = await c.info()
+            await asyncio.sleep(0.3)
+            return first, await c.info()
+
+    first, second = _run(scenario())
+    assert first["peer"] != second["peer"] and len(requests) == 2
+
+
+def test_async_lane_early_answer_interim_and_until_close():
+    from moegemm.client import AsyncClient, TooLarge
+
+    body = b'{"error": {"code": "too_large", "message": "over 1 MiB"}}'
+
+    def early(conn):
+        conn.sendall(b"HTTP/1.1 413 Content Too Large\r\ncontent-type: application/json\r\n"
+                     b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+
+    def until_close(conn):
+        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"
+                     b"content-type: application/json\r\n\r\n{\"status\": \"live\"}")
+        conn.shutdown(socket.SHUT_WR)
+        time.sleep(0.1)
+
+    async def scenario():
+        async with AsyncClient(_raw_server(early), timeout=10) as c:
+            with pytest.raises(TooLarge):
+                await c.load_weights("w", np.zeros((2, 1024, 4096), np.float32))
+        async with AsyncClient(_raw_server(until_close), timeout=10) as c:
+            return await c.live()
+
+    assert _run(scenario()) == {"status": "live"}
+
+
+def test_async_lane_failures_map_to_the_error_tree():
+    from moegemm.client import AsyncClient
+
+    async def scenario():
+        async with AsyncClient(_one_shot(b"HTTP/1.1 2OO OK\r\n\r\n"), timeout=5) as c:
+            with pytest.raises(TransportError):
+                await c.live()
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        try:
+            url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+            async with AsyncClient(url, timeout=30) as c:
+                started = time.monotonic()
+                with pytest.raises(DeadlineExceeded):
+                    await c.grouped_gemm("demo", np.zeros((1, 128), np.float32), [1],
+                                         deadline=0.3)
+                assert time.monotonic() - started < 2
+        finally:
+            listener.close()
+
+    _run(scenario())
