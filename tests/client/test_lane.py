@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import time
+import typing
 
 import httpx
 import numpy as np
@@ -23,7 +24,7 @@ from moegemm.client._lane import usable
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    seen: list = []
+    seen: typing.ClassVar[list] = []
 
     def do_GET(self):
         self.seen.append((self.path, self.client_address[1], dict(self.headers)))
@@ -100,9 +101,10 @@ def test_close_answers_are_not_pooled(server):
     assert json.loads(first.content)["peer"] != second["peer"] == third["peer"]
 
 
-def test_a_socket_the_server_closed_is_replaced():
-    """A keep-alive socket the server closed while idle is noticed before reuse:
-    the call goes out once, on a new connection."""
+def _closing_server() -> tuple[str, list]:
+    """Answers two requests, each on its own connection, closing each one soon
+    after answering (while the client holds it idle); returns the URL and the
+    requests seen."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -116,11 +118,18 @@ def test_a_socket_the_server_closed_is_replaced():
                 body = json.dumps({"peer": peer[1]}).encode()
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                              b"content-length: %d\r\n\r\n" % len(body) + body)
-                time.sleep(0.05)  # then close while the client holds the socket idle
+                time.sleep(0.05)
         listener.close()
 
     threading.Thread(target=serve, daemon=True).start()
-    with Client(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=5) as c:
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", requests
+
+
+def test_a_socket_the_server_closed_is_replaced():
+    """A keep-alive socket the server closed while idle is noticed before reuse:
+    the call goes out once, on a new connection."""
+    url, requests = _closing_server()
+    with Client(url, timeout=5) as c:
         first = c.info()
         time.sleep(0.3)
         second = c.info()
@@ -295,28 +304,12 @@ def test_async_lane_keep_alive_and_close_answers(server):
 def test_async_lane_replaces_a_socket_the_server_closed():
     from moegemm.client import AsyncClient
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    requests = []
-
-    def serve():
-        for _ in range(2):
-            conn, peer = listener.accept()
-            with conn:
-                requests.append(conn.recv(65536))
-                body = json.dumps({"peer": peer[1]}).encode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\n\r\n" % len(body) + body)
-                time.sleep(0.05)
-        listener.close()
-
-    threading.Thread(target=serve, daemon=True).start()
+    url, requests = _closing_server()
 
     async def scenario():
         import asyncio
 
-        async with AsyncClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=5) as c:
+        async with AsyncClient(url, timeout=5) as c:
             first = await c.info()
             await asyncio.sleep(0.3)
             return first, await c.info()
