@@ -228,7 +228,7 @@ def test_request_metrics_match(pair):
 
 def test_the_body_budget_is_shared_with_the_app(pair):
     """A gemm call on the direct path reserves its body in the app's BodyBudget."""
-    (d_port, d_app, spy), _ = pair
+    (d_port, _, spy), _ = pair
     budget = spy.inner._budget()
     held = budget.held
     budget.held = budget.limit  # as if other bodies filled the budget
