@@ -10,10 +10,14 @@ buckets either.
 Weight sets of one family share its graphs when the backend has a weight-table
 launcher (triton: ``run_table``): the kernel then reads each group's weight and
 weight-scale addresses from an int64 ``[2, G]`` device table, which is
-rewritten (stream-ordered, with the group sizes: one ``24 G``-byte copy)
-before each replay. Without one, a
+rewritten (stream-ordered, with the group sizes and the merge order: one
+small copy, see :class:`Buffers`) before each replay. Without one, a
 graph captures the addresses of one weight set, and graphs are keyed by weight
 set as well (correct, but they multiply).
+
+Each graph also checks the rows' contents (``_checks.bad_rows``), regroups the
+callers' rows per expert before the GEMM and puts the output rows back in the
+callers' order after it, so merged calls cost the host nothing extra.
 
 The pool computes the same way with graphs off (eager) and on a CPU: the same
 body runs on the same static buffers, so captured and eager runs are
