@@ -425,6 +425,7 @@ class FastHttpServer:
         allocate: Callable[[int], memoryview] | None = None,
         direct: Any = None,
         grace_s: float = 30.0,
+        reuse_port: bool = False,
     ) -> None:
         self.app = app
         # Routes answered without the app (``_direct.DirectGemm``): an object with
@@ -436,6 +437,10 @@ class FastHttpServer:
         self.max_body_bytes = max_body_bytes
         self.allocate = allocate or _plain_body
         self.grace_s = grace_s
+        # SO_REUSEPORT: other processes may bind the same port (``_acceptors.py``).
+        self.reuse_port = reuse_port
+        # Set once the port is bound (``self.port`` is then the real one).
+        self.listening = asyncio.Event()
         self.connections: set[_Connection] = set()
         self.state: dict = {}
         self._server: asyncio.base_events.Server | None = None
@@ -467,9 +472,11 @@ class FastHttpServer:
                 pass  # not the main thread (tests): the caller sets ``stop``
         task, to_app, from_app = await self._lifespan()
         self._server = await loop.create_server(
-            lambda: _Connection(self), self.host, self.port, backlog=1024, reuse_address=True
+            lambda: _Connection(self), self.host, self.port, backlog=1024, reuse_address=True,
+            reuse_port=self.reuse_port or None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        self.listening.set()
         log.info("listening on http://%s:%d (fast HTTP transport)", self.host, self.port)
         try:
             await stop.wait()

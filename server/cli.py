@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None)
     serve.add_argument("--http", choices=["fast", "uvicorn"],
                        help="HTTP transport (default fast; uvicorn for comparison)")
+    serve.add_argument("--acceptors", type=int,
+                       help="acceptor processes sharing the port (default 0: none)")
     serve.add_argument("--log-level", dest="log_level")
     return parser
 
@@ -110,11 +112,19 @@ def _serve_fast(settings: Settings) -> int:
     # The gemm route skips the ASGI stack on this transport (_direct.py).
     server = FastHttpServer(app, settings.host, settings.port,
                             max_body_bytes=settings.max_body_bytes, allocate=allocate,
-                            direct=DirectGemm(app))
+                            direct=DirectGemm(app), reuse_port=settings.acceptors > 0)
+    if settings.acceptors:
+        # Processes beside this one on the same port, forwarding to it (_acceptors.py).
+        from ._acceptors import serve_with_acceptors
+
+        main = serve_with_acceptors(server, settings.acceptors, settings.log_level,
+                                    settings.shutdown_grace_s)
+    else:
+        main = server.serve()
     try:
         import uvloop
     except ImportError:
-        asyncio.run(server.serve())
+        asyncio.run(main)
     else:
-        uvloop.run(server.serve())
+        uvloop.run(main)
     return 0

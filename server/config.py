@@ -92,6 +92,11 @@ class Settings(BaseSettings):
     # The HTTP transport: "fast" (server/_http.py: bodies received in place,
     # pinned on a GPU) or "uvicorn". Same app, same contract.
     http: Literal["fast", "uvicorn"] = "fast"
+    # Acceptor processes beside this one on the public port (SO_REUSEPORT):
+    # they read and write HTTP and forward each request to this process, the
+    # device's only owner (server/_acceptors.py). 0: this process alone.
+    # Built and tested on the CPU only, not yet measured on a GPU.
+    acceptors: int = Field(0, ge=0, le=64)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("preload", mode="before")
@@ -144,6 +149,8 @@ class Settings(BaseSettings):
     def _check_combination(self) -> Settings:
         if self.preload and self.weights_dir is None:
             raise ValueError("preload needs weights_dir (files are resolved under it)")
+        if self.acceptors and self.http != "fast":
+            raise ValueError("acceptors need the fast HTTP transport (http=fast)")
         return self
 
     def preload_entries(self) -> list[PreloadEntry]:

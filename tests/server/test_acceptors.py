@@ -1,0 +1,354 @@
+"""``moegemm serve --acceptors 2``: requests read by acceptor processes answer
+exactly what the server alone answers.
+
+Two real ``moegemm serve`` processes on the CPU, same settings and the same
+seeded demo weights: one with two acceptor processes on its port
+(SO_REUSEPORT), one without. Which process accepted a connection is read from
+/proc (the socket's inode among each process's file descriptors), so every
+comparison below is made on a connection an acceptor served.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from moegemm.client import Client
+from moegemm.kernels import quantize_activations, quantize_weights, reference_float64
+from moegemm.kernels.testing import SPEC_TOLERANCE, rel_error
+from moegemm.server._acceptors import _Slots
+from server_support import _free_port
+from test_direct import CASES, TOKEN, _request
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="SO_REUSEPORT and /proc: Linux only")
+
+ARGS = ["--device", "cpu", "--demo", "--max-body-bytes", str(1 << 20), "--max-m", "64",
+        "--log-level", "warning"]
+
+
+class _Server:
+    def __init__(self, acceptors: int) -> None:
+        self.port = _free_port()
+        env = {**os.environ, "MOEGEMM_TOKEN": TOKEN}
+        command = [sys.executable, "-m", "moegemm.cli", "serve", *ARGS, "--port", str(self.port)]
+        if acceptors:
+            command += ["--acceptors", str(acceptors)]
+        self.process = subprocess.Popen(command, env=env)
+        self.acceptors = acceptors
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, "the server exited"
+            try:
+                status, _ = _exchange(self.port, _request("GET", "/v1/health/ready", b""))
+                if status.startswith(b"HTTP/1.1 200") and len(self.children()) == self.acceptors:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError("the server did not become ready")
+
+    def children(self) -> list[int]:
+        """The acceptor processes (spawned children; not multiprocessing's tracker)."""
+        out = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if ppid == self.process.pid and b"spawn_main" in cmdline:
+                out.append(int(entry))
+        return out
+
+    def owner_of(self, sock: socket.socket) -> int:
+        """The pid of the process holding the server side of ``sock``."""
+        client_port = sock.getsockname()[1]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            inode = _server_inode(self.port, client_port)
+            if inode is not None:
+                for pid in [self.process.pid, *self.children()]:
+                    try:
+                        fds = os.listdir(f"/proc/{pid}/fd")
+                    except OSError:
+                        continue
+                    for fd in fds:
+                        try:
+                            if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                                return pid
+                        except OSError:
+                            pass
+            time.sleep(0.01)
+        raise TimeoutError("no process holds the connection")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+
+def _server_inode(port: int, client_port: int) -> str | None:
+    local, remote = f":{port:04X}", f":{client_port:04X}"
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(local) and fields[2].endswith(remote) and fields[9] != "0":
+                return fields[9]
+    return None
+
+
+def _read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One raw answer: (head including the status line, body)."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("closed before an answer")
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        body += chunk
+    return head, body
+
+
+def _exchange(port: int, data: bytes) -> tuple[bytes, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(data)
+        return _read_answer(sock)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with_acceptors, alone = _Server(2), _Server(0)
+    try:
+        with_acceptors.wait_ready()
+        alone.wait_ready()
+        yield with_acceptors, alone
+    finally:
+        for server in (with_acceptors, alone):
+            if server.process.poll() is None:
+                server.process.kill()
+                server.process.wait(10)
+
+
+def _via_acceptor(server: _Server, data: bytes) -> tuple[int, bytes, bytes]:
+    """Send ``data`` on fresh connections until an acceptor served one; its answer."""
+    acceptors = set(server.children())
+    for _ in range(60):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            pid = server.owner_of(sock)
+            if pid not in acceptors:
+                continue
+            sock.sendall(data)
+            return pid, *_read_answer(sock)
+    raise AssertionError("no connection reached an acceptor")
+
+
+def test_acceptors_do_not_load_torch(servers):
+    server, _ = servers
+    pids = server.children()
+    assert len(pids) == 2
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            assert "libtorch" not in f.read()
+
+
+@pytest.mark.parametrize("name,data", CASES, ids=[c[0] for c in CASES])
+def test_an_acceptor_answers_as_the_server_alone(servers, name, data):
+    server, alone = servers
+    _, head, body = _via_acceptor(server, data)
+    want_head, want_body = _exchange(alone.port, data)
+    if name == "junk request id":  # both made a fresh id: compare its form only
+        lines, want_lines = head.split(b"\r\n"), want_head.split(b"\r\n")
+        ids = [i for i, line in enumerate(lines) if line.startswith(b"x-request-id: ")]
+        assert len(ids) == 1 and len(lines[ids[0]]) == len(want_lines[ids[0]])
+        lines[ids[0]] = want_lines[ids[0]]
+        head = b"\r\n".join(lines)
+    assert head == want_head
+    assert body == want_body
+
+
+def test_other_routes_and_keep_alive(servers):
+    server, alone = servers
+    requests = [
+        _request("GET", "/v1/info", b"", {"authorization": f"Bearer {TOKEN}"}),
+        _request("GET", "/v1/weights/demo/gemm", b""),
+        _request("GET", "/nowhere?x=1", b""),
+        _request("GET", "/v1/weights", b"", {"authorization": "Bearer wrong"}),
+        CASES[0][1],
+        CASES[1][1],
+    ]
+    acceptors = set(server.children())
+    for _ in range(60):  # one keep-alive connection, served by an acceptor
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        if server.owner_of(sock) in acceptors:
+            break
+        sock.close()
+    else:
+        raise AssertionError("no connection reached an acceptor")
+    with sock, socket.create_connection(("127.0.0.1", alone.port), timeout=30) as ref:
+        for data in requests:
+            sock.sendall(data)
+            ref.sendall(data)
+            assert _read_answer(sock) == _read_answer(ref)
+
+
+def _problem(gen: torch.Generator, g: int, n: int, k: int):
+    w = torch.randn(g, n, k, generator=gen)
+    wq, w_scale = quantize_weights(w)
+    return wq, w_scale
+
+
+def test_concurrent_calls_match_the_reference(servers):
+    server, _ = servers
+    url = f"http://127.0.0.1:{server.port}"
+    gen = torch.Generator().manual_seed(3)
+    g, n, k = 4, 256, 512
+    wq, w_scale = _problem(gen, g, n, k)
+    with Client(url, token=TOKEN) as client:
+        client.load_weights("mine", wq, w_scale)
+    problems = []
+    for i in range(48):
+        m = [int(v) for v in torch.randint(0, 17, (g,), generator=gen)]
+        if i % 3 == 0:
+            m = [16, 16, 16, 16]  # 64 rows: a 32 KiB answer, through the answer arena
+        x = torch.randn(sum(m), k, generator=gen)
+        if i % 3 == 1:
+            # bf16, 64 rows: a body over 64 KiB, decoded in place in the shared slot
+            x = torch.randn(64, k, generator=gen).to(torch.bfloat16)
+            m = [20, 0, 40, 4]
+            problems.append((x, None, torch.tensor(m)))
+            continue
+        xq, x_scale = quantize_activations(x)
+        problems.append((xq, x_scale, torch.tensor(m)))
+    errors: list = []
+
+    def worker(part: list) -> None:
+        try:
+            for start in range(0, len(part), 2):  # a new client (connection) per 2 calls
+                with Client(url, token=TOKEN) as client:
+                    for xq, x_scale, m in part[start:start + 2]:
+                        out = client.grouped_gemm("mine", xq, m, x_scale)
+                        got = torch.as_tensor(out).float()
+                        if x_scale is None:  # the server quantized it (SPEC 1.1)
+                            xq, x_scale = quantize_activations(xq.float())
+                        ref = reference_float64(xq, wq, x_scale, w_scale, m)
+                        assert got.shape == (len(xq), n)
+                        assert rel_error(got, ref) <= SPEC_TOLERANCE
+        except Exception as exc:  # noqa: BLE001 -- reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(problems[i::6],)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors[0]
+
+    # The owner counted every call, whichever process read it.
+    head, body = _exchange(server.port, _request(
+        "GET", "/metrics", b"", {"authorization": f"Bearer {TOKEN}"}))
+    assert head.startswith(b"HTTP/1.1 200 OK")
+    line = b'moegemm_requests_total{endpoint="/v1/weights/{name}/gemm",status="200"} '
+    count = [r for r in body.split(b"\n") if r.startswith(line)]
+    assert count and float(count[0][len(line):]) >= len(problems)
+
+
+def test_a_killed_acceptor_is_replaced(servers):
+    server, _ = servers
+    before = server.children()
+    os.kill(before[0], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        now = server.children()
+        if len(now) == 2 and before[0] not in now:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the acceptor was not replaced")
+    server.wait_ready()
+    _, head, _ = _via_acceptor(server, CASES[0][1])
+    assert head.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_sigterm_stops_everything(servers):
+    server, alone = servers
+    children = server.children()
+    assert server.stop() == 0
+    assert alone.stop() == 0
+    deadline = time.monotonic() + 5
+    while not all(_gone(pid) for pid in children):
+        assert time.monotonic() < deadline, "an acceptor outlived its owner"
+        time.sleep(0.05)
+    assert not _arenas(server.process.pid)
+
+
+def _arenas(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"moegemm-{pid}-")]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"  # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def test_acceptors_exit_when_the_owner_dies():
+    server = _Server(1)
+    try:
+        server.wait_ready()
+        children = server.children()
+        assert len(children) == 1
+        server.process.kill()
+        server.process.wait(10)
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in children):
+            assert time.monotonic() < deadline, "an acceptor outlived its owner"
+            time.sleep(0.05)
+        assert not _arenas(server.process.pid)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait(10)
+
+
+def test_slots_first_fit_and_coalescing():
+    slots = _Slots(8 * 4096)
+    a, b, c = slots.take(4096), slots.take(5000), slots.take(1)
+    assert (a, b, c) == (0, 4096, 3 * 4096)
+    assert slots.take(5 * 4096) is None
+    slots.give(b)
+    assert slots.take(8192) == 4096
+    slots.give(a)
+    slots.give(4096)
+    slots.give(c)
+    assert slots.free == [(0, 8 * 4096)]
+    assert slots.take(8 * 4096) == 0
