@@ -112,7 +112,8 @@ def _serve_fast(settings: Settings) -> int:
     # The gemm route skips the ASGI stack on this transport (_direct.py).
     server = FastHttpServer(app, settings.host, settings.port,
                             max_body_bytes=settings.max_body_bytes, allocate=allocate,
-                            direct=DirectGemm(app), reuse_port=settings.acceptors > 0)
+                            direct=DirectGemm(app), reuse_port=settings.acceptors > 0,
+                            grace_s=settings.shutdown_grace_s)
     if settings.acceptors:
         # Processes beside this one on the same port, forwarding to it (_acceptors.py).
         from ._acceptors import serve_with_acceptors

@@ -131,3 +131,25 @@ def test_public_surface():
 def test_a_bare_device_index_means_that_gpu():
     assert Settings(device="1").device == "cuda:1"
     assert Settings(device="cuda:0").device == "cuda:0"
+
+
+def test_the_fast_transport_gets_the_configured_grace_period(monkeypatch):
+    """`moegemm serve` drains for MOEGEMM_SHUTDOWN_GRACE_S, not the transport's default."""
+    import asyncio
+
+    from moegemm.server import _http, cli
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+        async def serve(self):
+            return None
+
+    monkeypatch.setattr(_http, "FastHttpServer", Recorder)
+    monkeypatch.setattr(asyncio, "run", lambda coro: coro.close())
+    monkeypatch.setitem(__import__("sys").modules, "uvloop", None)  # use asyncio.run
+    cli._serve_fast(Settings(device="cpu", demo=False, shutdown_grace_s=7.5))
+    assert seen["grace_s"] == 7.5
