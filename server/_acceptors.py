@@ -221,6 +221,7 @@ class Owner:
         self._unix: asyncio.base_events.Server | None = None
         self._watch: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.acceptor_grace_s = server.grace_s  # what each acceptor gets to drain
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -236,7 +237,7 @@ class Owner:
         link.process = multiprocessing.get_context("spawn").Process(
             target=acceptor_main, name=f"moegemm-acceptor-{index}", daemon=True,
             args=(index, server.host, server.port, self.socket_path, link.request_path,
-                  link.answer_path, server.max_body_bytes, server.grace_s, self.log_level),
+                  link.answer_path, server.max_body_bytes, self.acceptor_grace_s, self.log_level),
         )
         try:
             link.process.start()
@@ -268,10 +269,13 @@ class Owner:
     async def _serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
             meta, _ = await _read_frame(reader)
-            link = self.links[meta["i"]]
+            index = meta["i"]
+            if not isinstance(index, int) or not 0 <= index < len(self.links):
+                raise KeyError(f"no acceptor {index!r}")
+            link = self.links[index]
             if link.writer is not None:
                 raise KeyError("a second hello")
-        except (asyncio.IncompleteReadError, ConnectionError, KeyError, IndexError):
+        except (asyncio.IncompleteReadError, ConnectionError, KeyError, IndexError, TypeError):
             writer.close()
             return
         link.writer = writer
@@ -298,9 +302,7 @@ class Owner:
     def _request_body(self, link: _Link, meta: dict, data: bytes) -> memoryview:
         slot = meta.get("s")
         if slot is None:
-            body = _plain_body(len(data))
-            body[:] = data
-            return body
+            return memoryview(data)  # already a private copy of the bytes
         offset, size = slot
         array = link.requests[offset:offset + size]
         # The slot goes back to the acceptor when nothing here holds it any
@@ -346,11 +348,15 @@ class Owner:
         if offset is None:
             link.send(answer, [_byte_view(p) for p in parts])
             return
-        at = offset
-        for part in parts:
-            view = np.frombuffer(_byte_view(part), dtype=np.uint8)
-            link.answers[at:at + view.size] = view
-            at += view.size
+        try:
+            at = offset
+            for part in parts:
+                view = np.frombuffer(_byte_view(part), dtype=np.uint8)
+                link.answers[at:at + view.size] = view
+                at += view.size
+        except BaseException:
+            link.answer_slots.give(offset)
+            raise
         answer["s"] = [offset, size]
         link.send(answer, [])
 
@@ -435,7 +441,11 @@ class Owner:
                 log.warning("acceptor pid %d did not stop within %.1f s; killing it",
                             process.pid, grace_s)
                 process.kill()
-            process.join(1)
+        for process in alive:  # killed or exited: reaped without blocking the loop long
+            deadline = time.monotonic() + 1
+            while process.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            process.join(0)
 
     def close(self) -> None:
         if self._unix is not None:
@@ -463,6 +473,10 @@ async def serve_with_acceptors(
     On SIGTERM/SIGINT the acceptors get ``grace_s`` to finish and exit, this
     process what is left of it (at least a second) for its own requests."""
     server.grace_s = grace_s
+    # One grace period for everything: an acceptor drains in two phases of at
+    # most 0.4 of it (its requests, then its connections), the owner waits 0.85
+    # of it for them, then serves what they forwarded and drains itself in the rest.
+    acceptor_grace_s = 0.4 * grace_s
     loop = asyncio.get_running_loop()
     inner, outer = asyncio.Event(), asyncio.Event()
     serving = loop.create_task(server.serve(inner))
@@ -477,6 +491,7 @@ async def serve_with_acceptors(
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, outer.set)
     owner = Owner(server, count, log_level)
+    owner.acceptor_grace_s = acceptor_grace_s  # before start(): the acceptors get it
     try:
         await owner.start()
         stopped = loop.create_task(outer.wait())
@@ -486,8 +501,11 @@ async def serve_with_acceptors(
         started = time.monotonic()
         if server._server is not None:
             server._server.close()  # stop accepting here while the acceptors finish
-        await owner.stop(grace_s)
-        server.grace_s = max(1.0, grace_s - (time.monotonic() - started))
+        await owner.stop(0.85 * grace_s)
+        left = grace_s - (time.monotonic() - started)
+        if owner._tasks:  # answers to what the acceptors forwarded before they stopped
+            await asyncio.wait(list(owner._tasks), timeout=max(0.1, left))
+        server.grace_s = max(0.1, grace_s - (time.monotonic() - started))
         inner.set()
         try:
             await serving
@@ -545,6 +563,7 @@ class _Acceptor:
         self.dropped: list[int] = []  # slots whose last local reference died
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 0
+        self.lost = False  # the owner's socket closed
         self.writer: asyncio.StreamWriter | None = None
 
     # _Connection's body allocator: a slot of the request arena when one is free.
@@ -573,7 +592,9 @@ class _Acceptor:
 
     async def forward(self, scope: dict, body: memoryview):
         """The owner's answer to one request: (status, header lines, body, close)."""
-        if self.writer is None:
+        if self.writer is None or self.lost or self.writer.is_closing():
+            # Raised, not queued: a request after the link is gone must get an
+            # answer (500), not wait for a reply that cannot come.
             raise ConnectionError("not connected to the owner")
         request_id = self.next_id = self.next_id + 1
         client, server = scope["client"], scope["server"]
@@ -623,6 +644,7 @@ class _Acceptor:
             pass
         except Exception:  # a bug: answer what is pending, then exit (the owner restarts us)
             log.exception("acceptor %d: unexpected message from the owner", self.index)
+        self.lost = True
         lost = ConnectionError("the owner closed its socket")
         for future in self.pending.values():
             if not future.done():

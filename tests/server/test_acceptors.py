@@ -352,3 +352,32 @@ def test_slots_first_fit_and_coalescing():
     slots.give(c)
     assert slots.free == [(0, 8 * 4096)]
     assert slots.take(8 * 4096) == 0
+
+
+def test_a_request_after_the_owner_link_is_lost_fails_at_once():
+    """forward() raises (the connection answers 500) instead of waiting for a reply
+    that cannot come, once the owner's socket has closed."""
+    import asyncio
+
+    from moegemm.server._acceptors import _Acceptor
+
+    acceptor = _Acceptor(0, "127.0.0.1", 0, "/nonexistent", None, None, 1 << 20, 1.0)
+    scope = {"method": "GET", "path": "/v1/info", "raw_path": b"/v1/info", "query_string": b"",
+             "http_version": "1.1", "headers": [], "client": None, "server": None}
+
+    class ClosedWriter:
+        def is_closing(self):
+            return True
+
+    async def attempt():
+        with pytest.raises(ConnectionError):
+            await acceptor.forward(scope, memoryview(b""))  # never connected
+        acceptor.writer = ClosedWriter()
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(acceptor.forward(scope, memoryview(b"")), 5)
+        acceptor.writer, acceptor.lost = object(), True
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(acceptor.forward(scope, memoryview(b"")), 5)
+        assert not acceptor.pending
+
+    asyncio.run(attempt())
