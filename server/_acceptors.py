@@ -564,6 +564,7 @@ class _Acceptor:
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 0
         self.lost = False  # the owner's socket closed
+        self.owner_pid = os.getppid()  # the owner spawned this process
         self.writer: asyncio.StreamWriter | None = None
 
     # _Connection's body allocator: a slot of the request arena when one is free.
@@ -651,6 +652,15 @@ class _Acceptor:
                 future.set_exception(lost)
         if not stop.is_set():
             log.info("acceptor %d: the owner's socket closed; exiting", self.index)
+            # Did the owner die without cleaning up (SIGKILL)? Its private
+            # directory (the Unix socket) would outlive everyone otherwise. The
+            # socket closes before the kernel reparents us: give it a moment,
+            # before stopping (the process ends soon after ``stop``).
+            for _ in range(40):
+                if os.getppid() != self.owner_pid:
+                    shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
+                    break
+                await asyncio.sleep(0.05)
             stop.set()
 
     async def serve(self) -> None:
@@ -658,7 +668,13 @@ class _Acceptor:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        reader, self.writer = await asyncio.open_unix_connection(self.socket_path, limit=1 << 20)
+        try:
+            reader, self.writer = await asyncio.open_unix_connection(self.socket_path,
+                                                                     limit=1 << 20)
+        except OSError:
+            if os.getppid() != self.owner_pid:  # the owner died before we connected
+                shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
+            raise
         self.writer.write(_frame({"t": "hello", "i": self.index}, 0))
         owner = loop.create_task(self._read_owner(reader, stop))
         listener = await loop.create_server(

@@ -10,6 +10,7 @@ comparison below is made on a connection an acceptor served.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -321,10 +322,37 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _owner_directory(pid: int) -> str:
+    """The private directory of the owner ``pid``: where its listening Unix socket is."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    with open("/proc/net/unix") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and "moegemm-owner-" in fields[7]:
+                return os.path.dirname(fields[7])
+    raise AssertionError("the owner holds no Unix socket of its own")
+
+
+def _unix_sockets_under(directory: str) -> int:
+    with open("/proc/net/unix") as f:
+        return sum(1 for line in f.read().splitlines()[1:] if directory in line)
+
+
 def test_acceptors_exit_when_the_owner_dies():
     server = _Server(1)
     try:
         server.wait_ready()
+        directory = _owner_directory(server.process.pid)
+        assert os.path.isdir(directory)
+        deadline = time.monotonic() + 20  # the acceptor has connected to the owner
+        while _unix_sockets_under(directory) < 2:
+            assert time.monotonic() < deadline, "the acceptor never connected"
+            time.sleep(0.05)
         children = server.children()
         assert len(children) == 1
         server.process.kill()
@@ -334,6 +362,10 @@ def test_acceptors_exit_when_the_owner_dies():
             assert time.monotonic() < deadline, "an acceptor outlived its owner"
             time.sleep(0.05)
         assert not _arenas(server.process.pid)
+        deadline = time.monotonic() + 20  # the owner's private directory goes too
+        while os.path.exists(directory):
+            assert time.monotonic() < deadline, f"{directory} outlived the owner"
+            time.sleep(0.05)
     finally:
         if server.process.poll() is None:
             server.process.kill()
