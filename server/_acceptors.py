@@ -63,7 +63,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ._http import _REASONS, FastHttpServer, _Connection, _error_bytes, _plain_body
+from ._http import (
+    _REASONS,
+    FastHttpServer,
+    _Connection,
+    _error_bytes,
+    _plain_body,
+    whole_body_receive,
+)
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -378,16 +385,8 @@ class Owner:
             "server": tuple(meta["sv"]) if meta["sv"] else None,
             "state": dict(self.server.state),
         }
-        delivered = False
         out: dict = {"status": None, "head": [], "parts": [], "chunked": False, "done": False}
-
-        async def receive() -> dict:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await self.never.wait()
-            return {"type": "http.disconnect"}
+        receive = whole_body_receive(body, self.never)
 
         async def send(message: dict) -> None:  # _http._Response, collected
             if message["type"] == "http.response.start":

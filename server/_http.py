@@ -321,16 +321,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     async def _run(self, scope: dict, body: memoryview) -> None:
         response = _Response(self)
-        delivered = False
-
-        async def receive() -> dict:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await self.disconnected.wait()
-            return {"type": "http.disconnect"}
-
+        receive = whole_body_receive(body, self.disconnected)
         try:
             await self.server.app(scope, receive, response.send)
         except Exception:
@@ -353,6 +344,22 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport.resume_reading()
         if self.head_used:
             self._parse_head()  # a pipelined request already waits in the head buffer
+
+
+def whole_body_receive(body: memoryview, disconnected: asyncio.Event):
+    """An ASGI ``receive``: the whole body in one message, then a disconnect once
+    ``disconnected`` is set."""
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
 
 
 class _Response:

@@ -138,20 +138,13 @@ def test_a_socket_the_server_closed_is_replaced():
 
 
 def _one_shot(answer: bytes) -> str:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
+    """A one-connection server that sends ``answer`` to the first request."""
 
-    def serve():
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(answer)
-            time.sleep(0.2)
-        listener.close()
+    def respond(conn):
+        conn.sendall(answer)
+        time.sleep(0.2)
 
-    threading.Thread(target=serve, daemon=True).start()
-    return f"http://127.0.0.1:{listener.getsockname()[1]}"
+    return _raw_server(respond)
 
 
 def test_malformed_answer_is_a_transport_error():
