@@ -292,6 +292,7 @@ class Owner:
                 meta, data = await _read_frame(reader)
                 kind = meta["t"]
                 if kind == "req":
+                    self.server.active += 1  # in progress until answered (see _http)
                     task = self.loop.create_task(self._answer(link, meta, data))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
@@ -329,6 +330,8 @@ class Owner:
             log.exception("answering a forwarded %s %s failed", meta.get("m"), meta.get("p"))
             status, head, parts = _internal_error()
             link.send({"t": "res", "id": meta["id"], "st": status, "hd": head, "cl": True}, parts)
+        finally:
+            self.server.active -= 1
 
     async def _answer_or_fail(self, link: _Link, meta: dict, data: bytes) -> None:
         body = self._request_body(link, meta, data)
@@ -552,6 +555,7 @@ class _Acceptor:
         self.max_body_bytes = max_body_bytes
         self.grace_s = grace_s
         self.app = self.direct = None
+        self.active = 0  # what _Connection counts (the owner counts forwarded requests)
         self.state: dict = {}
         self.connections: set = set()
         self.requests = _map_arena(request_path, unlink=True)

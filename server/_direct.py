@@ -29,6 +29,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from moegemm.client._errors import APIError, InternalError, Overloaded, TooLarge
@@ -57,6 +58,10 @@ class DirectGemm:
         self.settings = app.state.settings
         self._request_seconds = self.metrics.request_seconds.labels(endpoint=_ENDPOINT)
         self._requests: dict[int, Any] = {}
+        # The transport sets this: how many requests it has begun and not yet
+        # answered (``FastHttpServer.active``). A call that is the only one may
+        # run on the loop's thread when the engine allows it (``Engine.gemm``).
+        self.in_progress: Callable[[], int] = lambda: 1
 
     @staticmethod
     def match(method: str, path: str) -> str | None:
@@ -148,7 +153,8 @@ class DirectGemm:
         self.metrics.bytes_in.inc(len(body))
         x, x_scale, m_sizes = routes.gemm_inputs(unpack_body(body))
         ws = svc.store.get(name)
-        return await svc.engine.gemm(ws, x, x_scale, m_sizes, deadline=deadline)
+        return await svc.engine.gemm(ws, x, x_scale, m_sizes, deadline=deadline,
+                                     alone=self.in_progress() <= 1)
 
 
 def _fields(headers: Headers) -> dict[str, str]:

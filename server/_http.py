@@ -81,6 +81,8 @@ class _Connection(asyncio.BufferedProtocol):
         # (None while a chunk-size line is expected).
         self.chunked: bytearray | None = None
         self.chunk_left: int | None = None
+        # Whether this connection's current request counts in ``server.active``.
+        self.counted = False
 
     # -- asyncio callbacks ------------------------------------------------------------
 
@@ -98,6 +100,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.server.connections.add(self)
 
     def connection_lost(self, exc) -> None:
+        self._end()
         self.server.connections.discard(self)
         self.disconnected.set()
         self.transport = None
@@ -141,6 +144,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._refuse(400, "bad_request", str(exc))
             return
         self.scope = scope
+        self._begin()
         start = end + 4
         if length is None:
             self._consume(start)
@@ -333,9 +337,21 @@ class _Connection(asyncio.BufferedProtocol):
             self.keep_alive = False
         self._finish()
 
+    def _begin(self) -> None:
+        """A request's head has arrived: it counts as in progress until answered."""
+        if not self.counted:
+            self.counted = True
+            self.server.active += 1
+
+    def _end(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.server.active -= 1
+
     def _finish(self) -> None:
         """After an answer: close, or read the next request on this connection."""
         self.task = None
+        self._end()
         if self.transport is None:
             return
         if not self.keep_alive:
@@ -439,6 +455,13 @@ class FastHttpServer:
         # match(method, path) -> key | None and an async call(key, headers, body)
         # -> (status, header lines, body parts).
         self.direct = direct
+        # Requests begun (head read, or forwarded by an acceptor) and not yet
+        # answered. The engine runs a call on the loop's thread only when it is
+        # the only one (``Engine.gemm``'s ``alone``): every request whose bytes
+        # were ready in the same loop iteration is counted before any handler runs.
+        self.active = 0
+        if direct is not None:
+            direct.in_progress = lambda: self.active
         self.host = host
         self.port = port
         self.max_body_bytes = max_body_bytes

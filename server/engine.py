@@ -203,11 +203,14 @@ class Engine:
         m_sizes: torch.Tensor,
         *,
         deadline: float | None = None,
+        alone: bool = False,
     ) -> torch.Tensor:
         """SPEC 1 on ``ws``: validate, queue, await; bf16 ``[M, N]`` on the host.
 
         ``deadline`` is a ``time.monotonic()`` instant: a call still queued then
-        fails with DeadlineExceeded instead of running.
+        fails with DeadlineExceeded instead of running. ``alone``: the caller
+        knows of no other request in progress (the transport counts them), so
+        with ``inline_when_idle`` a small call may run on this thread.
         """
         sizes = self.validate(ws, x, x_scale, m_sizes)
         call = GemmCall(ws, x, x_scale, sizes, deadline)
@@ -220,7 +223,7 @@ class Engine:
                     f"{self._pending_calls} calls are queued (the limit); retry later",
                     retry_after=_RETRY_AFTER_S,
                 )
-            if self._can_run_inline(call):
+            if alone and self._can_run_inline(call):
                 self._busy = inline = True
             else:
                 self._items.append(call)
@@ -230,9 +233,13 @@ class Engine:
             return self._run_inline(call)
         return await asyncio.wrap_future(call.future)
 
-    # A call runs on the event loop's thread only when nothing else is there to
-    # do on the device and it is small: then its batch (~0.3 ms on the H200)
-    # costs the loop less than the two thread hand-offs it saves.
+    # A call runs on the event loop's thread only when it is the server's only
+    # request, nothing else is there to do on the device and it is small: then
+    # its batch (~0.3 ms on the H200) costs the loop less than the two thread
+    # hand-offs it saves. "Only request" matters: without it, on the H200 at 32
+    # clients, every call ran inline one after the other (the loop never saw
+    # two at once), merging stopped and throughput fell from 1253 to 922
+    # calls/s (bench/SERVICE_NOTES.md, v3).
     _INLINE_ROWS = 256
 
     def _can_run_inline(self, call: GemmCall) -> bool:

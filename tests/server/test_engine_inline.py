@@ -54,7 +54,7 @@ def test_inline_equals_worker_bit_for_bit():
         engine._run_batch = spy
 
         async def run_all(engine=engine):
-            return [await engine.gemm(ws, x, xs, m) for x, xs, m in calls]
+            return [await engine.gemm(ws, x, xs, m, alone=True) for x, xs, m in calls]
 
         try:
             results[inline] = asyncio.run(run_all())
@@ -75,10 +75,10 @@ def test_inline_errors_and_deadlines():
 
     async def scenario():
         with pytest.raises(NotFinite):
-            await engine.gemm(ws, x, bad, m)
+            await engine.gemm(ws, x, bad, m, alone=True)
         with pytest.raises(DeadlineExceeded):
-            await engine.gemm(ws, x, xs, m, deadline=0.0)  # long past
-        return await engine.gemm(ws, x, xs, m)
+            await engine.gemm(ws, x, xs, m, deadline=0.0, alone=True)  # long past
+        return await engine.gemm(ws, x, xs, m, alone=True)
 
     try:
         out = asyncio.run(scenario())
@@ -141,4 +141,31 @@ def guarded_job(lock, running, overlaps):
 
 
 async def _gather(engine, ws, calls):
-    return await asyncio.gather(*(engine.gemm(ws, x, xs, m) for x, xs, m in calls))
+    # Some callers say they are alone (as a transport with one request would).
+    return await asyncio.gather(*(engine.gemm(ws, x, xs, m, alone=i % 3 == 0)
+                                  for i, (x, xs, m) in enumerate(calls)))
+
+
+def test_a_call_that_is_not_alone_never_runs_inline():
+    """The transport counts other requests in progress: then the call queues for the
+    worker (where merging can happen), even with the device idle."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws, calls = _set(gen), _calls(gen, 4)
+    engine = _engine(True)
+    threads = []
+    real = engine._run_batch
+
+    def spy(batch):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(batch)
+
+    engine._run_batch = spy
+
+    async def run_all():
+        return [await engine.gemm(ws, x, xs, m, alone=False) for x, xs, m in calls]
+
+    try:
+        asyncio.run(run_all())
+    finally:
+        engine.close()
+    assert threads == [False] * len(calls)

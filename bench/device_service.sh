@@ -1,0 +1,22 @@
+#!/bin/bash
+# One device call for the service (bench/SERVICE_NOTES.md): the package preamble,
+# the GPU tests, the layer-by-layer diagnosis, then the quick service benchmark
+# with the variants in $VARIANTS. Writes under $OUT. Run from the repository root.
+R=$PWD; mkdir -p /tmp/pkg/moegemm && cp moegemm/*.py /tmp/pkg/moegemm/
+for d in kernels server client; do ln -sfn $R/$d /tmp/pkg/moegemm/$d; done
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/server/*.whl
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONSAFEPATH=1
+if [ -n "${TESTS-tests/server/test_engine_gpu.py tests/server/test_server_gpu.py tests/kernels/test_quant_devices.py}" ]; then
+  timeout -k 5 ${TESTS_S:-150} python3 -P -m pytest -q -p no:cacheprovider -x \
+    ${TESTS-tests/server/test_engine_gpu.py tests/server/test_server_gpu.py tests/kernels/test_quant_devices.py} \
+    > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?"; tail -3 "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head
+fi
+if [ -n "$DIAG" ]; then
+  timeout -k 5 ${DIAG_S:-100} python3 -P bench/diag_service.py > "$OUT/diag.log" 2>&1
+  echo "diag rc=$?"; grep -E "p50|POST" "$OUT/diag.log"
+fi
+timeout -k 5 ${BENCH_S:-300} python3 -P bench/bench_service.py ${QUICK---quick} --no-deepseek \
+  --servers ${SERVERS:-default,merge_off} --variants "$VARIANTS" --budget-s ${BUDGET_S:-240} \
+  --out "$OUT/${NAME:-service_quick}.json" ${BENCH_ARGS} > "$OUT/bench.log" 2>&1
+echo "bench rc=$?"; cat "$OUT/bench.log" | grep -v "^ " | tail -40
