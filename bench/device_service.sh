@@ -2,6 +2,9 @@
 # One device call for the service (bench/SERVICE_NOTES.md): the package preamble,
 # the GPU tests, the layer-by-layer diagnosis, then the quick service benchmark
 # with the variants in $VARIANTS. Writes under $OUT. Run from the repository root.
+# HEAD_KERNELS=1: use the committed kernels carried in .whl/head (another engineer
+# may be editing kernels/ in the same tree).
+if [ -n "$HEAD_KERNELS" ]; then cp .whl/head/*.py kernels/; fi
 R=$PWD; mkdir -p /tmp/pkg/moegemm && cp moegemm/*.py /tmp/pkg/moegemm/
 for d in kernels server client; do ln -sfn $R/$d /tmp/pkg/moegemm/$d; done
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/server/*.whl
