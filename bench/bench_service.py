@@ -216,6 +216,7 @@ class Server:
             ("server_calls", r'^moegemm_request_seconds_count\{endpoint="/v1/weights/\{name\}/gemm"\} (\S+)'),
             ("queue_s", r"^moegemm_queue_seconds_sum (\S+)"),
             ("batch_s", r"^moegemm_kernel_seconds_sum (\S+)"),
+            ("inline_batches", r"^moegemm_inline_batches_total (\S+)"),
         ):
             match = re.search(pattern, text, re.MULTILINE)
             found[key] = float(match.group(1)) if match else None
@@ -303,6 +304,8 @@ def main() -> int:
                          "environment, timed on the key points: 'sw20:MOEGEMM_GIL_SWITCH_US=20,...'")
     ap.add_argument("--quick", action="store_true",
                     help="only the done-criteria's points and the paced ones")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every point this many times, interleaved; medians in 'summary'")
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--budget-s", type=float, default=300, help="stop starting points after this")
     ap.add_argument("--ready-timeout", type=float, default=240)
@@ -403,7 +406,10 @@ def main() -> int:
         shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points})
         result["kernel_us"] = kernel_times(shapes, device)
 
-        for server, set_name, m, kind, clients, *pace in points:
+        # --rounds: the measured points again, in the same order, so a slow spell of the
+        # shared machine hits every server alike; the summary takes medians.
+        points = [(r, p) for r in range(args.rounds) for p in points]
+        for rnd, (server, set_name, m, kind, clients, *pace) in points:
             srv = servers[server]
             if time.monotonic() - began > args.budget_s:
                 result["stopped_early"] = "time budget"
@@ -419,7 +425,8 @@ def main() -> int:
             # Per point (warm-up calls included): launches and calls per launch.
             delta = {k: (after[k] or 0) - (before[k] or 0)
                      for k in ("graph_replays", "eager_runs", "batches", "batched_calls",
-                               "server_s", "server_calls", "queue_s", "batch_s")}
+                               "server_s", "server_calls", "queue_s", "batch_s",
+                               "inline_batches")}
             # The server's own share: time inside the app per call, queue wait
             # per call, device time per batch (copies, graph, sync).
             calls_in = delta["server_calls"] or None
@@ -428,6 +435,8 @@ def main() -> int:
                                         if delta["batched_calls"] else None)
             row["batch_us"] = 1e6 * delta["batch_s"] / delta["batches"] if delta["batches"] else None
             row["graph_replays"], row["eager_runs"] = delta["graph_replays"], delta["eager_runs"]
+            row["inline_batches"] = delta["inline_batches"]
+            row["round"] = rnd
             row["mean_merge_size"] = (delta["batched_calls"] / delta["batches"]
                                       if delta["batches"] else None)
             kern = result["kernel_us"].get(f"{set_name}/M{m}/{kind}")
@@ -436,6 +445,9 @@ def main() -> int:
             points_done = result["points"]
             points_done.append(row)
             print(_fmt(row), flush=True)
+        result["summary"] = summarize(result["points"])
+        for line in result["summary"]:
+            print("median", _fmt(line), flush=True)
         for name, srv in servers.items():
             if result["servers"][name]["ready"]:
                 result["servers"][name]["metrics"] = srv.metrics()
@@ -465,6 +477,27 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
 
 
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per point (server, set, M, input, clients, rate): the median of each figure
+    over the rounds, and how many rounds there were."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        key = (row["server"], row["set"], row["M"], row["input"], row["clients"],
+               row["offered_calls_per_s"])
+        groups.setdefault(key, []).append(row)
+    out = []
+    for same in groups.values():
+        line = dict(same[0])
+        for key, value in same[0].items():
+            if isinstance(value, (int, float)) and key not in ("M", "clients", "round"):
+                values = [r[key] for r in same if r.get(key) is not None]
+                line[key] = statistics.median(values) if values else None
+        line["rounds"] = len(same)
+        line.pop("round", None)
+        out.append(line)
+    return out
+
+
 def _fmt(row: dict) -> str:
     def num(v, spec=".0f"):
         return "-" if v is None else format(v, spec)
@@ -475,7 +508,7 @@ def _fmt(row: dict) -> str:
             f"overhead {num(row['overhead_p50_us']):>6s} us  merge {num(row['mean_merge_size'], '.1f')}"
             f"  graph/eager {row['graph_replays']:.0f}/{row['eager_runs']:.0f}"
             f"  in-server {num(row['server_us_per_call'])} us  batch {num(row['batch_us'])} us"
-            f"  errors {row['errors']}")
+            f"  inline {num(row.get('inline_batches'))}  errors {row['errors']}")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ and a CPU (eager, plain memory):
    regroups the rows per expert, runs one grouped GEMM and puts the output
    rows back in the callers' order (in chunks of the largest bucket, through
    device scratch, when there are more rows);
-3. download into a pinned buffer and hand each caller a view of its rows.
+3. download into a pinned buffer (the flags and the output rows in one copy)
+   and hand each caller a view of its rows.
 
 The common case -- calls in the device's fp8 format or bf16, at most one
-bucket -- uploads straight into the graph's static buffers: three copies and
-one replay, so the worker thread gives up and retakes the GIL only a few
-times per batch.
+bucket -- uploads straight into the graph's static buffers: three copies up,
+one replay, one copy down, so the worker thread gives up and retakes the GIL
+only a few times per batch (each time can cost it a GIL switch interval while
+the event loop is busy).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from moegemm.kernels import quantize_activations
 
 from ._checks import bad_rows
-from ._graphs import Family, GraphPool
+from ._graphs import Family, GraphPool, unpack_result
 from ._merge import MergePlan, plan_merge
 from ._staging import Staging
 from ._tensors import to_backend_fp8
@@ -125,16 +127,20 @@ class Executor:
             family.quantize or x_host.dtype == self.backend.fp8_dtype
         )
         if direct:
-            out_dev, flags_dev = self._run_direct(ws, family, x_host, xs_host, plan, launches)
+            # The flags and the output come back in one copy.
+            packed, launched = self._run_direct(ws, family, x_host, xs_host, plan, launches)
+            (host,) = self.staging.download(packed)
+            out, flags = unpack_result(host, launched, plan.total, ws.N)
         else:
             out_dev, flags_dev = self._run_general(ws, family, x_host, xs_host, plan, launches)
-        out, flags = self.staging.download(out_dev, flags_dev)
+            out, flags = self.staging.download(out_dev, flags_dev)
         flags = flags.numpy()
         spans = list(zip(plan.offsets[:-1], plan.offsets[1:]))
         return [out[a:b] for a, b in spans], [flags[a:b] for a, b in spans]
 
     def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
-        """One bucket: upload straight into the static buffers (three copies, one replay)."""
+        """One bucket: upload straight into the static buffers (three copies, one replay);
+        the packed result's bytes on the device and the rows the launch covered."""
         bufs = self.pool.buffers(family)
         rows = plan.total
         self.staging.upload(bufs.x[:rows], x_host)
@@ -142,7 +148,8 @@ class Executor:
             self.staging.upload(bufs.x_scale[:rows], xs_host)
         gather = None if plan.is_identity else plan.gather
         launches.add(self.pool.launch(family, ws.wq, ws.w_scale, plan.m_sizes, gather))
-        return bufs.out[:rows], bufs.flags[:rows]
+        launched = self.pool.launch_rows(rows)
+        return bufs.packed(launched, rows), launched
 
     def _run_general(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
         """Format conversion or several chunks: go through device scratch."""
@@ -173,7 +180,7 @@ class Executor:
                 bufs.x_scale[:n].copy_(xs_dev[start:stop])
             sizes = chunk_sizes(plan.m_sizes, start, stop)
             launches.add(self.pool.launch(family, ws.wq, ws.w_scale, sizes, fresh_host=True))
-            out_dev[start:stop].copy_(bufs.out[:n])
+            out_dev[start:stop].copy_(bufs.out(self.pool.launch_rows(n))[:n])
         if not plan.is_identity:  # back to the callers' order
             scatter = torch.from_numpy(plan.scatter).to(self.device, non_blocking=True)
             out_dev = out_dev.index_select(0, scatter)

@@ -67,12 +67,38 @@ class Buffers:
     """
 
     G: int
+    N: int
     x: torch.Tensor  # [max_bucket, K], the backend's fp8 dtype, or bf16 when quantizing
     x_scale: torch.Tensor | None  # [max_bucket, K/128] float32; None when quantizing
     meta: torch.Tensor  # [3 G + 2 max_bucket] int64, see above
     meta_host: torch.Tensor  # the same, on the host (pinned on a GPU)
-    out: torch.Tensor  # [max_bucket, N] bfloat16, in the callers' order
-    flags: torch.Tensor  # [max_bucket] int8: _checks.bad_rows of each input row
+    # The results of a launch over ``rows`` rows, packed so that one copy brings
+    # them back (``packed``): the rows' bad_rows flags (int8) at byte 0, then
+    # their bf16 ``[rows, N]`` output, in the callers' order, at ``out_offset``.
+    result: torch.Tensor  # uint8
+
+    @staticmethod
+    def out_offset(rows: int) -> int:
+        """Where a launch over ``rows`` rows puts its output (after the flags, aligned)."""
+        return -(-rows // 256) * 256
+
+    @classmethod
+    def result_bytes(cls, rows: int, N: int) -> int:
+        return cls.out_offset(rows) + 2 * rows * N
+
+    def flags(self, rows: int) -> torch.Tensor:
+        """``[rows]`` int8: ``_checks.bad_rows`` of a launch over ``rows`` rows."""
+        return self.result[:rows].view(torch.int8)
+
+    def out(self, rows: int) -> torch.Tensor:
+        """``[rows, N]`` bfloat16: the output of a launch over ``rows`` rows."""
+        at = self.out_offset(rows)
+        return self.result[at : at + 2 * rows * self.N].view(torch.bfloat16).view(rows, self.N)
+
+    def packed(self, launched: int, rows: int) -> torch.Tensor:
+        """The bytes holding the flags and the first ``rows`` output rows of a launch
+        over ``launched`` rows (see :func:`unpack_result`)."""
+        return self.result[: self.out_offset(launched) + 2 * rows * self.N]
 
     @property
     def m_sizes(self) -> torch.Tensor:
@@ -151,11 +177,11 @@ class GraphPool:
             x_scale=None if f.quantize
             else torch.ones((rows, f.K // BLOCK), dtype=torch.float32, device=dev),
             G=f.G,
+            N=f.N,
             meta=_identity_meta(f.G, rows, dev),
             meta_host=_identity_meta(f.G, rows, "cpu").pin_memory()
             if dev.type == "cuda" else _identity_meta(f.G, rows, "cpu"),
-            out=torch.zeros((rows, f.N), dtype=torch.bfloat16, device=dev),
-            flags=torch.zeros((rows,), dtype=torch.int8, device=dev),
+            result=torch.zeros(Buffers.result_bytes(rows, f.N), dtype=torch.uint8, device=dev),
         )
 
     # -- the computation ----------------------------------------------------------
@@ -167,7 +193,7 @@ class GraphPool:
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
         xs = None if family.quantize else bufs.x_scale[:rows]
-        bufs.flags[:rows].copy_(bad_rows(x, xs))
+        bufs.flags(rows).copy_(bad_rows(x, xs))
         # Rows into per-expert order (an identity for a lone call: a copy the
         # size of the input, microseconds on the device).
         x = x.index_select(0, gather)
@@ -176,12 +202,12 @@ class GraphPool:
             xq, xs = quantize_activations(x, self.backend.fp8_dtype)
         else:
             xq = x
-        out = torch.empty_like(bufs.out[:rows])
+        out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
         if self.run_table is not None:
             self.run_table(xq, bufs.table, xs, bufs.m_sizes, out)
         else:
             self.backend.run(xq, wq, xs, w_scale, bufs.m_sizes, out)
-        torch.index_select(out, 0, scatter, out=bufs.out[:rows])
+        torch.index_select(out, 0, scatter, out=bufs.out(rows))
 
     def _set_table(self, bufs: Buffers, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
         """Write ``wq``'s table into the device buffers (capture time; launches go
@@ -346,6 +372,13 @@ class GraphPool:
     def graph_count(self) -> int:
         """Graphs currently held."""
         return len(self._graphs)
+
+
+def unpack_result(host: torch.Tensor, launched: int, rows: int, N: int):
+    """``Buffers.packed`` bytes, copied to the host, as (bf16 ``[rows, N]``, int8 ``[rows]``)."""
+    at = Buffers.out_offset(launched)
+    out = host[at : at + 2 * rows * N].view(torch.bfloat16).view(rows, N)
+    return out, host[:rows].view(torch.int8)
 
 
 def fill_table(table: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -254,6 +254,8 @@ class Engine:
 
     def _run_inline(self, call: GemmCall) -> torch.Tensor:
         """Run a lone call's batch on the calling (event loop) thread."""
+        if self.metrics is not None:
+            self.metrics.inline_batches.inc()
         try:
             self._run_batch([call])
         except Exception:  # a bug here: the same answer as on the worker
@@ -409,8 +411,10 @@ class Engine:
         parts = [Part(call.x, call.x_scale, call.m_sizes) for call in calls]
         outs, flags, launches = self._executor.run(calls[0].ws, parts)
         if self.metrics is not None:
-            self.metrics.launches.labels(mode="graph").inc(launches.graph)
-            self.metrics.launches.labels(mode="eager").inc(launches.eager)
+            if launches.graph:
+                self.metrics.launches.labels(mode="graph").inc(launches.graph)
+            if launches.eager:
+                self.metrics.launches.labels(mode="eager").inc(launches.eager)
         return outs, flags
 
     # -- weight sets (call these on the worker, through ``run``) -----------------------

@@ -60,6 +60,10 @@ class Metrics:
         )
         for mode in ("graph", "eager"):
             self.launches.labels(mode=mode)
+        self.inline_batches = Counter(
+            "moegemm_inline_batches",
+            "Batches run on the event loop's thread (a lone call, the device idle)", registry=r,
+        )
         self.weight_bytes = Gauge(
             "moegemm_weight_bytes", "Device bytes held by loaded weight sets", registry=r
         )
