@@ -110,7 +110,11 @@ class Staging:
         start = 0
         for part in parts:
             src = _flat_bytes(part)
-            copy_bytes(dst[start:start + len(src)], src)  # one memcpy, the GIL kept
+            # numpy: one memcpy, with the GIL released. Keeping it (copy_bytes) was
+            # slower on the H200 at 32 clients (1066 vs ~1260 calls/s, M=128): the
+            # loop's work overlaps these copies, which matters more than the
+            # worker's wait to get the GIL back.
+            dst[start:start + len(src)] = src
             start += len(src)
         return staged
 
