@@ -16,7 +16,6 @@ synchronous copies, so the engine has one code path.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -52,23 +51,6 @@ def pinned_body_allocator() -> Callable[[int], memoryview]:
         return memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy())
 
     return allocate
-
-
-# C memmove called with the GIL held (a "pythonapi" foreign function). numpy
-# releases the GIL for copies over a few hundred elements; on the worker thread
-# every release means waiting to get it back from a busy event loop (up to a
-# GIL switch interval, 1 ms here), once per merged call's rows.
-_memmove_holding_gil = ctypes.PYFUNCTYPE(
-    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
-)(ctypes.cast(ctypes.memmove, ctypes.c_void_p).value)
-
-
-def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` for contiguous byte arrays of one size, without releasing the GIL."""
-    if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
-        raise ValueError("copy_bytes takes contiguous arrays of the same size")
-    if src.nbytes:
-        _memmove_holding_gil(dst.ctypes.data, src.ctypes.data, src.nbytes)
 
 
 class Staging:

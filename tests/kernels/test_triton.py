@@ -267,6 +267,12 @@ ROUND2_CONFIGS = [
     tk.TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True, group_tiles_m=8),
     tk.TileConfig(64, 128, False, 4, 2, dot_pair=True, scale_ahead=True),
     tk.TileConfig(16, 128, True, 4, 3, evict_w="evict_first", dot_pair=True, scale_ahead=True),
+    # v8: persistent tiles (one program per SM walking the tiles), warp-specialised
+    # paired, plain and 256-wide (two halves), and without warp specialisation.
+    tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
+    tk.TileConfig(128, 128, False, 4, 4, 8, tma=True, warp_spec=True, persistent=True),
+    tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True),
+    tk.TileConfig(128, 128, False, 8, 3, 8, tma=True, dot_pair=True, persistent=True),
 ]
 
 
@@ -289,7 +295,9 @@ _PLAIN_ROUND2 = [getattr(c, "values", (c,))[0] for c in ROUND2_CONFIGS]
 @pytest.mark.parametrize("config", [c for c in _PLAIN_ROUND2 if c.split_k > 1][::2] + [
     tk.TileConfig(64, 128, False, 4, 4, tma=True, warp_spec=True),
     tk.TileConfig(128, 128, False, 4, 4, tma=True, warp_spec=True),
-    tk.TileConfig(128, 128, False, 4, 2, tma=True, warp_spec=True, dot_pair=True)], ids=lambda c: c.key())
+    tk.TileConfig(128, 128, False, 4, 2, tma=True, warp_spec=True, dot_pair=True),
+    tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True)],
+    ids=lambda c: c.key())
 def test_split_k_graph_replay_matches_eager_on_new_data(config, gen):
     m, n, k, g = 700, 512, 2048, 8
     problem = make_problem(m, n, k, g, random_m_sizes(g, m), gen)
@@ -308,3 +316,22 @@ def test_split_k_graph_replay_matches_eager_on_new_data(config, gen):
         torch.cuda.synchronize()
         assert torch.equal(out, run(problem, config))
         check(problem, out)
+
+
+# v8: the persistent tiles with more tiles than programs (each program walks
+# several, across group boundaries, with empty groups and surplus row tiles).
+@pytest.mark.parametrize("config", [
+    tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
+    tk.TileConfig(128, 128, False, 4, 2, 1, tma=True, warp_spec=True, dot_pair=True, persistent=True),
+    tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True),
+    tk.TileConfig(128, 128, False, 4, 4, 8, tma=True, warp_spec=True, persistent=True),
+], ids=lambda c: c.key())
+def test_persistent_tiles_walk_more_tiles_than_programs(config, gen):
+    m, n, k, g = 6000, 2048, 1152, 8
+    sizes = torch.tensor([1500, 0, 3, 2000, 0, 1300, 1, 1196])
+    problem = make_problem(m, n, k, g, sizes, gen)
+    tiles = tk.row_tile_bound(m, g, config.block_m) * (n // config.block_n)
+    assert tiles > torch.cuda.get_device_properties(DEV).multi_processor_count
+    first = run(problem, config)
+    check(problem, first)
+    assert torch.equal(run(problem, config), first)

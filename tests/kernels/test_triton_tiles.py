@@ -117,10 +117,10 @@ def test_round2_options_have_own_keys_and_limits():
     # v7 (bench/NOTES.md): warp-specialised pairs for long prefill, the pair with
     # its scales ahead for short K at 128..1024 rows per group; the 3-stage
     # warp-specialised pair (NaN columns on the H200) stays out of table and autotune.
-    assert tk.default_config(16384, 2048, 7168, 8).warp_spec
-    assert tk.default_config(1024, 2048, 7168, 8).warp_spec
-    assert tk.default_config(1024, 7168, 2304, 8).scale_ahead
-    assert tk.default_config(16384, 7168, 2304, 8).dot_pair and not tk.default_config(16384, 7168, 2304, 8).tma
+    # v8: the persistent warp-specialised pair for every even prefill shape of >= 128 rows per group.
+    for m, n, k in ((16384, 2048, 7168), (1024, 2048, 7168), (1024, 7168, 2304), (16384, 7168, 2304)):
+        assert tk.default_config(m, n, k, 8) == tk.TileConfig(
+            128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True)
     assert tk.default_config(512, 2048, 7168, 8).tma and not tk.default_config(512, 2048, 7168, 8).warp_spec
     # Skewed routing over many experts keeps v5's 64-row TMA tiles (v7: 3683 vs 4943 us).
     assert tk.default_config(32768, 4096, 7168, 256) == tk.TileConfig(64, 128, False, 4, 4, tma=True)
@@ -129,6 +129,19 @@ def test_round2_options_have_own_keys_and_limits():
         for cfg in [tk.default_config(m, n, k, g), *tk.candidate_configs(m, n, k, g)]:
             assert not (cfg.warp_spec and cfg.dot_pair and cfg.num_stages > 2)
             assert not cfg.warp_spec or cfg.block_m == 128 or cfg.block_m == 64
+
+
+def test_persistent_option_limits_and_key():
+    pst = tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True)
+    assert pst.fits(2048) and pst.key().endswith("_pst")
+    assert pst.key() != dataclasses.replace(pst, persistent=False).key()
+    # Persistent tiles ride on TMA; 256 wide only as the persistent tile's two halves, without pairs.
+    assert not tk.TileConfig(128, 128, False, 8, 3, persistent=True).fits(2048)
+    assert tk.TileConfig(128, 256, False, 4, 3, tma=True, warp_spec=True, persistent=True).fits(2048)
+    assert not tk.TileConfig(128, 256, False, 4, 3, tma=True, warp_spec=True).fits(2048)
+    assert not tk.TileConfig(128, 256, False, 4, 3, tma=True, warp_spec=True, persistent=True).fits(1152)
+    assert not tk.TileConfig(128, 256, False, 4, 2, tma=True, warp_spec=True, dot_pair=True,
+                             persistent=True).fits(2048)
 
 
 def test_split_workspace_is_cached_and_starts_clean():
