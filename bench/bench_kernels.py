@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import replace
@@ -218,6 +219,31 @@ def v7_configs(m, n, k, g):
     return list(dict.fromkeys(found))
 
 
+def v8_configs(m, n, k, g):
+    """v8 (bench/NOTES.md): the persistent warp-specialised tiles against the table (prefill only)."""
+    T = tk.TileConfig
+    rows_per_group = max(1, m // max(g, 1))
+    if rows_per_group <= 48:
+        return []
+    ws = dict(tma=True, warp_spec=True, persistent=True)
+    if os.environ.get("V8_ROUND") == "1":
+        found = [tk.default_config(m, n, k, g),
+                 T(128, 128, False, 4, 2, 8, dot_pair=True, **ws),
+                 T(128, 128, False, 4, 2, 1, dot_pair=True, **ws),
+                 T(128, 128, False, 4, 4, 8, **ws),
+                 T(128, 128, False, 4, 6, 8, **ws),
+                 T(128, 256, False, 4, 3, 8, **ws),
+                 T(128, 256, False, 4, 4, 8, **ws),
+                 T(128, 128, False, 4, 3, 8, dot_pair=True, **ws),
+                 T(128, 128, False, 8, 3, 8, dot_pair=True, tma=True, persistent=True)]
+    else:  # round 2: the 256-wide tile in 115 KB, the NaN column against shared memory size, wider bands
+        found = [T(128, 256, False, 4, 2, 8, **ws),
+                 T(128, 128, False, 4, 3, 8, **ws),
+                 T(128, 128, False, 4, 5, 8, **ws),
+                 T(128, 128, False, 4, 2, 16, dot_pair=True, **ws)]
+    return [c for c in dict.fromkeys(found) if c.fits(n)]
+
+
 # ---- one shape -----------------------------------------------------------------------------
 
 def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
@@ -234,7 +260,8 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
     row["ours_us"] = bench(lambda: tk.launch(*problem, out, config=default))
     if sweep:
         row["sweep_us"] = {}
-        configs = {"all": tk.candidate_configs, "round2": round2_configs, "v7": v7_configs}.get(
+        configs = {"all": tk.candidate_configs, "round2": round2_configs, "v7": v7_configs,
+                    "v8": v8_configs}.get(
             sweep, lambda *_: variant_configs(default))(m, n, k, g)
         for cfg in configs:
             try:
@@ -287,9 +314,9 @@ def main() -> None:
     """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7"),
+    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8"),
                         help="also time every candidate tile config, the table's choice's variants, "
-                             "the v5 split-K / paired-dot variants or the v7 prefill variants")
+                             "the v5 split-K / paired-dot variants, the v7 or the v8 prefill variants")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
     parser.add_argument("--match", default="", help="only shapes whose name contains one of these (comma-separated)")
     parser.add_argument("--only", choices=("seed", "deepseek"))

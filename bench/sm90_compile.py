@@ -78,7 +78,8 @@ def compile_config(cfg, m: int, n: int, k: int, g: int):
               "SCALE_CHUNK": min(cfg.scale_chunk, tk._next_pow2(k // 128)), "PREFETCH_SCALES": cfg.prefetch_scales,
               "W_TABLE": False, "SPLIT_K": split_k, "DOT_PAIR": cfg.dot_pair, "USE_TMA": cfg.tma,
               "WARP_SPEC": cfg.warp_spec, "SCALE_AHEAD": cfg.scale_ahead,
-              "LOCATE_CHUNK": max(1, min(cfg.locate_chunk, tk._next_pow2(g)))}
+              "LOCATE_CHUNK": max(1, min(cfg.locate_chunk, tk._next_pow2(g))),
+              "PERSISTENT": cfg.persistent}
     if split_k == 1:
         consts.update({"part_ptr": None, "count_ptr": None})
     return compile_sm90(grouped_fp8_kernel, sig, consts, cfg.num_warps, cfg.num_stages, divisible)

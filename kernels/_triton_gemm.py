@@ -181,6 +181,139 @@ def _tma_ws_tile(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, G, stride_xm, s
 
 
 @triton.jit
+def _locate_tile_unrolled(m_sizes_ptr, G, tile_m, BLOCK_M: tl.constexpr, G_MAX: tl.constexpr):
+    """:func:`_locate_tile_scalar` for G <= G_MAX, fully unrolled: no loop, no reduction.
+
+    The persistent tile loop needs its group lookup loop-free: Triton's loop
+    flattening and its Hopper warp specialisation both take a loop nest of
+    exactly two loops (tiles, then K blocks).
+    """
+    group = G
+    first_row = 0
+    row_end = 0
+    tiles_before = 0
+    rows_before = 0
+    for g in tl.static_range(G_MAX):
+        size = tl.load(m_sizes_ptr + g, mask=g < G, other=0).to(tl.int32)
+        tiles = (size + (BLOCK_M - 1)) // BLOCK_M
+        hit = (group == G) & (tile_m < tiles_before + tiles)
+        group = tl.where(hit, g, group)
+        first_row = tl.where(hit, rows_before + (tile_m - tiles_before) * BLOCK_M, first_row)
+        row_end = tl.where(hit, rows_before + size, row_end)
+        tiles_before += tiles
+        rows_before += size
+    return group, first_row, row_end, group < G
+
+
+@triton.jit
+def _tile_coords(t, num_m, num_n, GROUP_TILES_M: tl.constexpr):
+    """(row tile, column tile) of flat tile ``t``: GROUP_TILES_M row tiles per band before moving along N."""
+    band = GROUP_TILES_M * num_n
+    first_m = (t // band) * GROUP_TILES_M
+    band_rows = tl.minimum(num_m - first_m, GROUP_TILES_M)
+    return first_m + (t % band) % band_rows, (t % band) // band_rows
+
+
+@triton.jit
+def _tma_persistent(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn,
+                    stride_xsm, stride_wsg, stride_wsk, stride_om,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_TILES_M: tl.constexpr, G_MAX: tl.constexpr, WARP_SPEC: tl.constexpr,
+                    DOT_PAIR: tl.constexpr):
+    """Persistent prefill: one program per SM walks the tiles ``pid, pid + programs, ...``.
+
+    The tile loop is the outer of a two-loop nest. With WARP_SPEC it is the
+    warp-specialised loop: the TMA producer runs ahead into the next tile's
+    K blocks while the consumers scale, convert and store the current one,
+    so a short K range (K = 2304: 18 blocks) no longer pays the pipeline fill
+    and the store per tile. The tile count is the launcher's static bound;
+    tiles past the real row tiles run an empty K range and store nothing (no
+    branch: the pass rejects loops under an ``if``). G <= G_MAX (the group
+    walk is unrolled).
+
+    BLOCK_N = 256 (not with DOT_PAIR): two 128-wide halves, two dots per K
+    block sharing the activation tile, each half with its own weight-scale
+    column; two 64 x 128 accumulators and one product live per consumer.
+    """
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    num_n = N // BLOCK_N
+    # row_tile_bound of the launcher, from M and G alone.
+    num_m = tl.minimum(tl.minimum(M, (M + G * (BLOCK_M - 1)) // BLOCK_M), tl.cdiv(M, BLOCK_M) + G - 1)
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    num_kb = K // BLOCK_K
+    HALF_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N > 128 else BLOCK_N
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G * N, K], strides=[stride_wn, 1],
+                                       block_shape=[HALF_N, BLOCK_K])
+    for t in tl.range(pid, num_m * num_n, programs, warp_specialize=WARP_SPEC):
+        tile_m, tile_n = _tile_coords(t, num_m, num_n, GROUP_TILES_M)
+        group, first_row, row_stop, valid = _locate_tile_unrolled(m_sizes_ptr, G, tile_m, BLOCK_M, G_MAX)
+        group = tl.minimum(group, G - 1)
+        rows = first_row + tl.arange(0, BLOCK_M)
+        rows_in = tl.minimum(rows, M - 1).to(tl.int64)
+        tma_row = _opaque_i32(first_row)  # see _opaque_i32
+        num_k = tl.where(valid, num_kb, 0)
+        w_row = group * N + tile_n * BLOCK_N
+        xs_ptrs = xs_ptr + rows_in * stride_xsm
+        ws_ptrs = ws_ptr + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
+        if BLOCK_N > 128:
+            tl.static_assert(not DOT_PAIR, "a 256-wide tile runs one K block per iteration")
+            acc_a = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+            acc_b = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+            for kb in range(0, num_k):
+                x = x_desc.load([tma_row, kb * BLOCK_K])
+                w_a = w_desc.load([w_row, kb * BLOCK_K])
+                w_b = w_desc.load([w_row + HALF_N, kb * BLOCK_K])
+                xs = tl.load(xs_ptrs + kb)
+                s_a = xs * tl.load(ws_ptrs + kb * stride_wsk)
+                s_b = xs * tl.load(ws_ptrs + 1 + kb * stride_wsk)
+                acc_a += tl.dot(x, tl.trans(w_a)) * s_a[:, None]
+                acc_b += tl.dot(x, tl.trans(w_b)) * s_b[:, None]
+            keep = (rows < row_stop) & valid
+            offs_n = tile_n * BLOCK_N + tl.arange(0, HALF_N)
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, acc_a.to(tl.bfloat16), mask=keep[:, None])
+            tl.store(out_ptrs + HALF_N, acc_b.to(tl.bfloat16), mask=keep[:, None])
+        else:
+            _persistent_tile_128(x_desc, w_desc, xs_ptrs, ws_ptrs, out_ptr, stride_wsk, stride_om, rows, row_stop,
+                                 valid, tma_row, w_row, tile_n, num_k, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PAIR)
+
+
+@triton.jit
+def _persistent_tile_128(x_desc, w_desc, xs_ptrs, ws_ptrs, out_ptr, stride_wsk, stride_om, rows, row_stop, valid,
+                         tma_row, w_row, tile_n, num_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, DOT_PAIR: tl.constexpr):
+    """One tile of :func:`_tma_persistent` of BLOCK_N <= 128 (one weight-scale column)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if DOT_PAIR:
+        for kp in range(0, (num_k + 1) // 2):
+            kb = 2 * kp
+            step = tl.minimum(1, num_k - 1 - kb)  # 0 on an odd last block
+            x0 = x_desc.load([tma_row, kb * BLOCK_K])
+            w0 = w_desc.load([w_row, kb * BLOCK_K])
+            x1 = x_desc.load([tma_row, (kb + step) * BLOCK_K])
+            w1 = w_desc.load([w_row, (kb + step) * BLOCK_K])
+            s0 = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
+            s1 = tl.load(xs_ptrs + kb + step) * (tl.load(ws_ptrs + (kb + step) * stride_wsk)
+                                                 * step.to(tl.float32))
+            part0 = tl.dot(x0, tl.trans(w0))
+            part1 = tl.dot(x1, tl.trans(w1))
+            acc += part0 * s0[:, None]
+            acc += part1 * s1[:, None]
+    else:
+        for kb in range(0, num_k):
+            x = x_desc.load([tma_row, kb * BLOCK_K])
+            w = w_desc.load([w_row, kb * BLOCK_K])
+            s = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
+            acc += tl.dot(x, tl.trans(w)) * s[:, None]
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = (rows < row_stop) & valid
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None])
+
+
+@triton.jit
 def grouped_fp8_kernel(
     x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
     M, N, K, G,
@@ -191,9 +324,14 @@ def grouped_fp8_kernel(
     PREFETCH_SCALES: tl.constexpr = 0, W_TABLE: tl.constexpr = False,
     part_ptr=None, count_ptr=None, SPLIT_K: tl.constexpr = 1, DOT_PAIR: tl.constexpr = False,
     USE_TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, SCALE_AHEAD: tl.constexpr = False,
-    LOCATE_CHUNK: tl.constexpr = 1,
+    LOCATE_CHUNK: tl.constexpr = 1, PERSISTENT: tl.constexpr = False,
 ):
     """SPEC 1 for one output tile; see the module docstring for the layout."""
+    if PERSISTENT:
+        _tma_persistent(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn,
+                        stride_xsm, stride_wsg, stride_wsk, stride_om, BLOCK_M, BLOCK_N, BLOCK_K,
+                        GROUP_TILES_M, G_POW2, WARP_SPEC, DOT_PAIR)
+        return
     pid = tl.program_id(0)
     # Split-K: SPLIT_K consecutive programs share one output tile, each over
     # its own range of K blocks (SPLIT_K == 1: the whole K range).

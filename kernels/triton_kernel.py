@@ -46,7 +46,12 @@ class TileConfig:
     prefill tiles by TMA, ``warp_spec`` adds Hopper warp specialisation to
     it (prefill orientation, ``block_n`` <= 128, with or without
     ``dot_pair``, no other option); it finds its group by a walk over
-    ``m_sizes`` ``locate_chunk`` groups at a time.
+    ``m_sizes`` ``locate_chunk`` groups at a time. ``persistent`` (with
+    ``tma``) launches one program per SM that walks the tiles; with
+    ``warp_spec`` the producer loads the next tile while the consumers
+    store the current one. Its group walk is unrolled over
+    ``max(16, next_pow2(G))`` groups: meant for G <= 64. It also takes
+    ``block_n`` 256 (two 128-wide halves, not with ``dot_pair``).
     """
 
     block_m: int
@@ -66,13 +71,18 @@ class TileConfig:
     warp_spec: bool = False
     scale_ahead: bool = False
     locate_chunk: int = 16
+    persistent: bool = False
 
     def fits(self, n: int) -> bool:
         """Whether this tile divides N (K is always a multiple of 128)."""
         if self.dot_pair and (self.block_n > 128 or self.preload_scales):
             return False
+        if self.persistent and (not self.tma or self.block_n not in (64, 128, 256)):
+            return False
+        # TMA tiles are at most 128 wide, except the persistent tile's two 128-wide halves.
+        wide = self.block_n > 128 and not (self.persistent and self.block_n == 256)
         if (self.tma or self.warp_spec) and (
-                not self.tma or self.swap_ab or self.block_n > 128 or self.preload_scales
+                not self.tma or self.swap_ab or wide or self.preload_scales
                 or self.split_k > 1 or self.prefetch_scales or self.scale_ahead):
             return False
         if self.scale_ahead and not self.dot_pair:
@@ -90,6 +100,8 @@ class TileConfig:
         tma = ("_tmaws" if self.warp_spec else "_tma") if self.tma else ""
         if self.warp_spec and self.locate_chunk != 16:
             tma += f"_lc{self.locate_chunk}"
+        if self.persistent:
+            tma += "_pst"
         return (f"{mode}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"_g{self.group_tiles_m}{evict}{preload}{prefetch}{split}{pair}{tma}")
 
@@ -138,15 +150,14 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
     # and each group fills them; the skewed DeepSeek-like layers (G = 256, a mean
     # of 128 rows per group) ran 20-90 % slower on them than on v5's 64-row tiles.
     even_128 = g < 64 and rows_per_group >= 128
-    if even_128 and k >= 4096:
+    if even_128:
         # Paired K blocks, warp-specialised (a TMA producer and two 64-row
-        # consumers taking turns on the tensor cores): M=16384 N=2048: 600 -> 527 us;
-        # M=1024 N=2048: 49.4 -> 43.9 us.
+        # consumers taking turns on the tensor cores; v7: M=16384 N=2048: 600 -> 527 us),
+        # persistent since v8: the producer loads the next tile while the consumers
+        # store this one (M=16384 N=7168 K=2304: 727 -> 577 us; N=2048 K=7168: 535 -> 516 us;
+        # M=1024 N=7168 K=2304: 63.1 -> 58.0 us).
         return TileConfig(128, 128, False, num_warps=4, num_stages=2, group_tiles_m=8,
-                          tma=True, warp_spec=True, dot_pair=True)
-    if even_128 and rows_per_group <= 1024:
-        # Short K: the pair with its scales a pair ahead, two warpgroups (M=1024 N=7168 K=2304: 69.5 -> 63.0 us).
-        return TileConfig(128, 128, False, num_warps=8, num_stages=3, dot_pair=True, scale_ahead=True)
+                          tma=True, warp_spec=True, dot_pair=True, persistent=True)
     if rows_per_group <= 1024:
         # v5: TMA-fed 64x128 tiles on the ridge (M=1024, G=8: 57.6 -> 49.7 us).
         return TileConfig(64, 128, False, num_warps=4, num_stages=4, tma=True)
@@ -185,6 +196,7 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
     # 2-stage form is offered (3 stages of pairs wrote NaN columns on the H200, v7).
     if rows_per_group > 24:
         found += [TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True),
+                  TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
                   TileConfig(128, 128, False, 4, 2, 1, tma=True, warp_spec=True, dot_pair=True),
                   TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True),
                   TileConfig(64, 128, False, 4, 2, dot_pair=True),
@@ -244,6 +256,16 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
 def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_strides,
             config: TileConfig, w_table: bool) -> torch.Tensor:
     m, k = xq.shape
@@ -260,13 +282,15 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
         # warp-specialised 128-row tile falls back to the v6 prefill schedule
         # (two warpgroups, plain loads): one warpgroup would hold 128 x 128
         # accumulators and spill.
-        if config.warp_spec and config.block_m == 128:
+        if config.block_m == 128 and config.num_warps == 4:
             config = replace(config, num_warps=8, num_stages=3, scale_ahead=config.dot_pair)
-        config = replace(config, tma=False, warp_spec=False)
+        if config.block_n > 128:
+            config = replace(config, block_n=128)
+        config = replace(config, tma=False, warp_spec=False, persistent=False)
     if config.tma:
         # Descriptors made on the device need a little global scratch per launch.
         triton.set_allocator(_tma_scratch)
-    grid = (tiles * split_k,)
+    grid = (min(tiles, _sm_count(xq.device)),) if config.persistent else (tiles * split_k,)
     grouped_fp8_kernel[grid](
         xq, w_arg, x_scale, ws_arg, m_sizes, out,
         m, n, k, g,
@@ -281,6 +305,7 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
         part_ptr=parts, count_ptr=counts, SPLIT_K=split_k, DOT_PAIR=config.dot_pair,
         USE_TMA=config.tma, WARP_SPEC=config.warp_spec, SCALE_AHEAD=config.scale_ahead,
         LOCATE_CHUNK=max(1, min(config.locate_chunk, _next_pow2(g))),
+        PERSISTENT=config.persistent,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
