@@ -185,7 +185,7 @@ class _Link:
     """One acceptor process as the owner sees it: the process, its arenas, its socket.
     A restarted acceptor gets a new one (the old arenas may still be referenced)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, pin: Any = None) -> None:
         self.index = index
         self.process: multiprocessing.process.BaseProcess | None = None
         self.started = time.monotonic()
@@ -196,6 +196,8 @@ class _Link:
             _unlink(self.request_path)
             self.request_path = None
         self.requests = _map_arena(self.request_path)
+        if pin is not None and self.requests is not None:
+            pin(self.requests)  # the engine uploads request bodies straight from here
         self.answers = _map_arena(self.answer_path)
         self.answer_slots = _Slots(_ARENA_BYTES)
         self.writer: asyncio.StreamWriter | None = None
@@ -215,8 +217,13 @@ class _Link:
 class Owner:
     """Spawns and watches the acceptors and serves their forwarded requests."""
 
-    def __init__(self, server: FastHttpServer, count: int, log_level: str) -> None:
+    def __init__(
+        self, server: FastHttpServer, count: int, log_level: str, pin: Any = None
+    ) -> None:
         self.server = server
+        # Page-locks an acceptor's request arena in this process (``pin(array)``,
+        # ``_staging.pin_host_array`` on a GPU), or None.
+        self.pin = pin
         self.count = count
         self.log_level = log_level
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -239,7 +246,7 @@ class Owner:
         self._watch = self.loop.create_task(self._watch_processes())
 
     def _spawn(self, index: int) -> _Link:
-        link = _Link(index)
+        link = _Link(index, self.pin)
         server = self.server
         link.process = multiprocessing.get_context("spawn").Process(
             target=acceptor_main, name=f"moegemm-acceptor-{index}", daemon=True,
@@ -468,7 +475,7 @@ def _internal_error() -> tuple[int, bytes, list]:
 
 
 async def serve_with_acceptors(
-    server: FastHttpServer, count: int, log_level: str, grace_s: float
+    server: FastHttpServer, count: int, log_level: str, grace_s: float, pin: Any = None
 ) -> None:
     """``server.serve()`` with ``count`` acceptor processes on its port (SO_REUSEPORT).
 
@@ -492,7 +499,7 @@ async def serve_with_acceptors(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, outer.set)
-    owner = Owner(server, count, log_level)
+    owner = Owner(server, count, log_level, pin)
     owner.acceptor_grace_s = acceptor_grace_s  # before start(): the acceptors get it
     try:
         await owner.start()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -51,6 +52,29 @@ def pinned_body_allocator() -> Callable[[int], memoryview]:
         return memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy())
 
     return allocate
+
+
+def pin_host_array(arr: np.ndarray) -> bool:
+    """Page-lock ``arr``'s memory in place (``cudaHostRegister``) until it is freed.
+
+    For memory the server did not allocate, such as the acceptors' shared
+    request arenas (``_acceptors.py``): copies from it then run as DMA at full
+    speed instead of through the driver's bounce buffer (on the H200 a lone
+    M=128 call's batch took ~675 us from an unregistered arena, ~425 us from a
+    pinned body). Unregistered when ``arr`` is collected (its views keep it).
+    Returns whether it worked; a failure is logged and leaves the memory as it was.
+    """
+    if not torch.cuda.is_available() or arr.nbytes == 0:
+        return False
+    rt = torch.cuda.cudart()
+    ptr = arr.ctypes.data
+    err = rt.cudaHostRegister(ptr, arr.nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        log.warning("cannot page-lock %d bytes of host memory (cuda error %s); copies from "
+                    "it run at pageable speed", arr.nbytes, err)
+        return False
+    weakref.finalize(arr, rt.cudaHostUnregister, ptr)
+    return True
 
 
 class Staging:

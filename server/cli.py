@@ -103,11 +103,11 @@ def _serve_fast(settings: Settings) -> int:
     from ._http import FastHttpServer
     from .app import create_app, resolve_device
 
-    allocate = None
+    allocate = pin = None
     if resolve_device(settings.device).type == "cuda":
-        from ._staging import pinned_body_allocator
+        from ._staging import pin_host_array, pinned_body_allocator
 
-        allocate = pinned_body_allocator()
+        allocate, pin = pinned_body_allocator(), pin_host_array
     app = create_app(settings)
     # The gemm route skips the ASGI stack on this transport (_direct.py).
     server = FastHttpServer(app, settings.host, settings.port,
@@ -119,7 +119,7 @@ def _serve_fast(settings: Settings) -> int:
         from ._acceptors import serve_with_acceptors
 
         main = serve_with_acceptors(server, settings.acceptors, settings.log_level,
-                                    settings.shutdown_grace_s)
+                                    settings.shutdown_grace_s, pin=pin)
     else:
         main = server.serve()
     try:
