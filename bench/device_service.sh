@@ -15,6 +15,12 @@ if [ -n "${TESTS-tests/server/test_engine_gpu.py tests/server/test_server_gpu.py
     > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"; tail -3 "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head
 fi
+if [ -n "$PROFILE" ]; then  # py-spy on the server under load (carry .whl/tools)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/tools/py_spy*.whl
+  PATH=/tmp/spy/bin:$PATH timeout -k 5 ${PROFILE_S:-120} python3 -P bench/profile_service.py \
+    --out "$OUT/profile" $PROFILE > "$OUT/profile.log" 2>&1
+  echo "profile rc=$?"; head -60 "$OUT/profile/profile.txt"
+fi
 if [ -n "$DIAG" ]; then
   timeout -k 5 ${DIAG_S:-100} python3 -P bench/diag_service.py > "$OUT/diag.log" 2>&1
   echo "diag rc=$?"; grep -E "p50|POST" "$OUT/diag.log"
