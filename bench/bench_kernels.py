@@ -225,7 +225,7 @@ def v8_configs(m, n, k, g):
     rows_per_group = max(1, m // max(g, 1))
     if rows_per_group <= 48:
         return []
-    ws = dict(tma=True, warp_spec=True, persistent=True)
+    ws = {"tma": True, "warp_spec": True, "persistent": True}
     if os.environ.get("V8_ROUND") == "1":
         found = [tk.default_config(m, n, k, g),
                  T(128, 128, False, 4, 2, 8, dot_pair=True, **ws),

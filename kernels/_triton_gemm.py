@@ -261,7 +261,7 @@ def _tma_persistent(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, M, N, K,
             tl.static_assert(not DOT_PAIR, "a 256-wide tile runs one K block per iteration")
             acc_a = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
             acc_b = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-            for kb in range(0, num_k):
+            for kb in range(num_k):
                 x = x_desc.load([tma_row, kb * BLOCK_K])
                 w_a = w_desc.load([w_row, kb * BLOCK_K])
                 w_b = w_desc.load([w_row + HALF_N, kb * BLOCK_K])
@@ -287,7 +287,7 @@ def _persistent_tile_128(x_desc, w_desc, xs_ptrs, ws_ptrs, out_ptr, stride_wsk, 
     """One tile of :func:`_tma_persistent` of BLOCK_N <= 128 (one weight-scale column)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DOT_PAIR:
-        for kp in range(0, (num_k + 1) // 2):
+        for kp in range((num_k + 1) // 2):
             kb = 2 * kp
             step = tl.minimum(1, num_k - 1 - kb)  # 0 on an odd last block
             x0 = x_desc.load([tma_row, kb * BLOCK_K])
@@ -302,7 +302,7 @@ def _persistent_tile_128(x_desc, w_desc, xs_ptrs, ws_ptrs, out_ptr, stride_wsk, 
             acc += part0 * s0[:, None]
             acc += part1 * s1[:, None]
     else:
-        for kb in range(0, num_k):
+        for kb in range(num_k):
             x = x_desc.load([tma_row, kb * BLOCK_K])
             w = w_desc.load([w_row, kb * BLOCK_K])
             s = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)

@@ -156,6 +156,12 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         # persistent since v8: the producer loads the next tile while the consumers
         # store this one (M=16384 N=7168 K=2304: 727 -> 577 us; N=2048 K=7168: 535 -> 516 us;
         # M=1024 N=7168 K=2304: 63.1 -> 58.0 us).
+        if n % 256 == 0 and (m // 128) * (n // 256) >= 132:
+            # v8: 128 x 256 tiles as two 128-wide halves where they still fill the
+            # SMs (M=16384 N=2048 K=7168: 518 -> 455 us; N=7168 K=2304: 632 -> 551 us).
+            # Two stages only: with more, the tile writes NaN into column 0 (v8).
+            return TileConfig(128, 256, False, num_warps=4, num_stages=2, group_tiles_m=8,
+                              tma=True, warp_spec=True, persistent=True)
         return TileConfig(128, 128, False, num_warps=4, num_stages=2, group_tiles_m=8,
                           tma=True, warp_spec=True, dot_pair=True, persistent=True)
     if rows_per_group <= 1024:
@@ -192,11 +198,13 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
             found.append(TileConfig(token_tile, 128, True, 4, 3, evict_w="evict_first", split_k=split))
             found.append(TileConfig(token_tile, 64, True, 4, 4, evict_w="evict_first",
                                     preload_scales=True, scale_chunk=8, split_k=split))
-    # Warp specialisation: correct since v7 (the row fix); only the paired
-    # 2-stage form is offered (3 stages of pairs wrote NaN columns on the H200, v7).
+    # Warp specialisation: correct since v7 (the row fix); only 2-stage forms
+    # are offered (more stages of pairs, or of 256-wide tiles, wrote NaN into
+    # column 0 on the H200: v7, v8).
     if rows_per_group > 24:
         found += [TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True),
                   TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
+                  TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True),
                   TileConfig(128, 128, False, 4, 2, 1, tma=True, warp_spec=True, dot_pair=True),
                   TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True),
                   TileConfig(64, 128, False, 4, 2, dot_pair=True),

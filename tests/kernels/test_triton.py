@@ -215,12 +215,14 @@ def test_weight_table_graph_follows_a_swapped_weight_set(gen):
     check(swapped, out)
 
 
-def test_weight_table_prefill_takes_the_plain_pair(gen):
-    # v7: the table's prefill tile is warp-specialised TMA; through a weight
-    # table it falls back to the two-warpgroup pair with plain loads.
-    m, n, k, g = 2600, 256, 4096, 2
+@pytest.mark.parametrize("m,n,k", [(2600, 256, 4096), (16896, 512, 1024)])
+def test_weight_table_prefill_takes_the_plain_pair(m, n, k, gen):
+    # v7/v8: the table's prefill tile is warp-specialised, persistent TMA (128 or,
+    # v8, 256 wide); through a weight table it falls back to two warpgroups with
+    # plain loads on 128-wide tiles.
+    g = 2
     assert tk.default_config(m, n, k, g).warp_spec
-    problem = make_problem(m, n, k, g, torch.tensor([1300, 1300]), gen)
+    problem = make_problem(m, n, k, g, torch.tensor([m // 2, m - m // 2]), gen)
     xq, wq, x_scale, w_scale, m_sizes = problem
     out = poisoned_out(m, n, DEV)
     tk.run_table(xq, tk.make_weight_table(wq, w_scale), x_scale, m_sizes, out, n=n, k=k)
@@ -271,8 +273,13 @@ ROUND2_CONFIGS = [
     # paired, plain and 256-wide (two halves), and without warp specialisation.
     tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
     tk.TileConfig(128, 128, False, 4, 4, 8, tma=True, warp_spec=True, persistent=True),
-    tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True),
+    tk.TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True),
     tk.TileConfig(128, 128, False, 8, 3, 8, tma=True, dot_pair=True, persistent=True),
+    # Known bug, measured on the H200 (v8): warp-specialised tiles with more than
+    # ~150 KB of shared memory (here 164 KB: 256 wide, 3 stages; also 5-6 plain
+    # stages) write NaN into column 0, like the 3-stage pair above. Strict xfail.
+    pytest.param(tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True),
+                 marks=pytest.mark.xfail(strict=True, reason="deep warp-specialised buffers: NaN column (v8)")),
 ]
 
 
@@ -296,7 +303,8 @@ _PLAIN_ROUND2 = [getattr(c, "values", (c,))[0] for c in ROUND2_CONFIGS]
     tk.TileConfig(64, 128, False, 4, 4, tma=True, warp_spec=True),
     tk.TileConfig(128, 128, False, 4, 4, tma=True, warp_spec=True),
     tk.TileConfig(128, 128, False, 4, 2, tma=True, warp_spec=True, dot_pair=True),
-    tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True)],
+    tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
+    tk.TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True)],
     ids=lambda c: c.key())
 def test_split_k_graph_replay_matches_eager_on_new_data(config, gen):
     m, n, k, g = 700, 512, 2048, 8
@@ -323,7 +331,8 @@ def test_split_k_graph_replay_matches_eager_on_new_data(config, gen):
 @pytest.mark.parametrize("config", [
     tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
     tk.TileConfig(128, 128, False, 4, 2, 1, tma=True, warp_spec=True, dot_pair=True, persistent=True),
-    tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True),
+    tk.TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True),
+    tk.TileConfig(128, 256, False, 4, 2, 1, tma=True, warp_spec=True, persistent=True),
     tk.TileConfig(128, 128, False, 4, 4, 8, tma=True, warp_spec=True, persistent=True),
 ], ids=lambda c: c.key())
 def test_persistent_tiles_walk_more_tiles_than_programs(config, gen):
