@@ -66,12 +66,16 @@ def pin_host_array(arr: np.ndarray) -> bool:
     """
     if not torch.cuda.is_available() or arr.nbytes == 0:
         return False
-    rt = torch.cuda.cudart()
     ptr = arr.ctypes.data
-    err = rt.cudaHostRegister(ptr, arr.nbytes, 0)
-    if int(getattr(err, "value", err)) != 0:
-        log.warning("cannot page-lock %d bytes of host memory (cuda error %s); copies from "
-                    "it run at pageable speed", arr.nbytes, err)
+    try:
+        rt = torch.cuda.cudart()
+        err = rt.cudaHostRegister(ptr, arr.nbytes, 0)
+        err = int(getattr(err, "value", err))
+    except Exception as exc:  # noqa: BLE001 -- e.g. a runtime without it: stay pageable
+        err = repr(exc)
+    if err != 0:
+        log.warning("cannot page-lock %d bytes of host memory (%s); copies from it run at "
+                    "pageable speed", arr.nbytes, err)
         return False
     weakref.finalize(arr, rt.cudaHostUnregister, ptr)
     return True

@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--http", choices=["fast", "uvicorn"],
                        help="HTTP transport (default fast; uvicorn for comparison)")
     serve.add_argument("--acceptors", type=int,
-                       help="acceptor processes sharing the port (default 0: none)")
+                       help="acceptor processes sharing the port (default: 4 on a GPU, "
+                            "0 on the CPU)")
     serve.add_argument("--log-level", dest="log_level")
     return parser
 
@@ -104,7 +105,9 @@ def _serve_fast(settings: Settings) -> int:
     from .app import create_app, resolve_device
 
     allocate = pin = None
-    if resolve_device(settings.device).type == "cuda":
+    on_gpu = resolve_device(settings.device).type == "cuda"
+    acceptors = settings.acceptor_count(on_gpu)
+    if on_gpu:
         from ._staging import pin_host_array, pinned_body_allocator
 
         allocate, pin = pinned_body_allocator(), pin_host_array
@@ -112,13 +115,13 @@ def _serve_fast(settings: Settings) -> int:
     # The gemm route skips the ASGI stack on this transport (_direct.py).
     server = FastHttpServer(app, settings.host, settings.port,
                             max_body_bytes=settings.max_body_bytes, allocate=allocate,
-                            direct=DirectGemm(app), reuse_port=settings.acceptors > 0,
+                            direct=DirectGemm(app), reuse_port=acceptors > 0,
                             grace_s=settings.shutdown_grace_s)
-    if settings.acceptors:
+    if acceptors:
         # Processes beside this one on the same port, forwarding to it (_acceptors.py).
         from ._acceptors import serve_with_acceptors
 
-        main = serve_with_acceptors(server, settings.acceptors, settings.log_level,
+        main = serve_with_acceptors(server, acceptors, settings.log_level,
                                     settings.shutdown_grace_s, pin=pin)
     else:
         main = server.serve()

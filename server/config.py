@@ -39,6 +39,13 @@ def parse_preload(entry: str) -> PreloadEntry:
     return PreloadEntry(match["name"], match["file"], match["w"], match["w_scale"])
 
 
+# Acceptor processes when serving a GPU, unless set. On the H200 at M=128
+# (bench/SERVICE_NOTES.md, v3): 4 acceptors carried 1579 calls/s at 32 clients
+# with p99 8.7 ms when offered 1300/s, against 1496 calls/s and 26.9 ms for one
+# process; one client's calls were no slower (700 vs 813 us at M=1).
+DEFAULT_GPU_ACCEPTORS = 4
+
+
 class Settings(BaseSettings):
     """Everything the server reads from its environment, validated once."""
 
@@ -96,9 +103,9 @@ class Settings(BaseSettings):
     http: Literal["fast", "uvicorn"] = "fast"
     # Acceptor processes beside this one on the public port (SO_REUSEPORT):
     # they read and write HTTP and forward each request to this process, the
-    # device's only owner (server/_acceptors.py). 0: this process alone.
-    # Built and tested on the CPU only, not yet measured on a GPU.
-    acceptors: int = Field(0, ge=0, le=64)
+    # device's only owner (server/_acceptors.py). 0: this process alone. Unset:
+    # DEFAULT_GPU_ACCEPTORS when serving a GPU on the fast transport, else 0.
+    acceptors: int | None = Field(None, ge=0, le=64)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("preload", mode="before")
@@ -154,6 +161,12 @@ class Settings(BaseSettings):
         if self.acceptors and self.http != "fast":
             raise ValueError("acceptors need the fast HTTP transport (http=fast)")
         return self
+
+    def acceptor_count(self, on_gpu: bool) -> int:
+        """How many acceptor processes to start (``acceptors``, or its default)."""
+        if self.acceptors is not None:
+            return self.acceptors
+        return DEFAULT_GPU_ACCEPTORS if on_gpu and self.http == "fast" else 0
 
     def preload_entries(self) -> list[PreloadEntry]:
         """The preload list, parsed."""

@@ -153,3 +153,16 @@ def test_the_fast_transport_gets_the_configured_grace_period(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "uvloop", None)  # use asyncio.run
     cli._serve_fast(Settings(device="cpu", demo=False, shutdown_grace_s=7.5))
     assert seen["grace_s"] == 7.5
+
+
+def test_acceptors_default_to_four_on_a_gpu_with_the_fast_transport():
+    from moegemm.server.config import DEFAULT_GPU_ACCEPTORS
+
+    assert Settings().acceptors is None
+    assert Settings().acceptor_count(on_gpu=True) == DEFAULT_GPU_ACCEPTORS == 4
+    assert Settings().acceptor_count(on_gpu=False) == 0
+    assert Settings(http="uvicorn").acceptor_count(on_gpu=True) == 0
+    assert Settings(acceptors=0).acceptor_count(on_gpu=True) == 0
+    assert Settings(acceptors=2).acceptor_count(on_gpu=False) == 2
+    with pytest.raises(ValidationError):
+        Settings(acceptors=2, http="uvicorn")
