@@ -279,22 +279,22 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
     m, k = xq.shape
     if m == 0:
         return out
+    if config.tma and w_table:
+        # The TMA path builds its weight descriptor from one base address. A
+        # warp-specialised 128-row tile falls back to the v6 prefill schedule
+        # (two warpgroups, plain loads): one warpgroup would hold 128 x 128
+        # accumulators and spill. Before the grid: the tile may get narrower.
+        if config.block_m == 128 and config.num_warps == 4:
+            config = replace(config, num_warps=8, num_stages=3, scale_ahead=config.dot_pair)
+        if config.block_n > 128:
+            config = replace(config, block_n=128)
+        config = replace(config, tma=False, warp_spec=False, persistent=False)
     num_m = row_tile_bound(m, g, config.block_m)
     tiles = num_m * (n // config.block_n)
     split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
     parts = counts = None
     if split_k > 1:
         parts, counts = _split_workspace(xq.device, tiles, split_k, config.block_m * config.block_n)
-    if config.tma and w_table:
-        # The TMA path builds its weight descriptor from one base address. A
-        # warp-specialised 128-row tile falls back to the v6 prefill schedule
-        # (two warpgroups, plain loads): one warpgroup would hold 128 x 128
-        # accumulators and spill.
-        if config.block_m == 128 and config.num_warps == 4:
-            config = replace(config, num_warps=8, num_stages=3, scale_ahead=config.dot_pair)
-        if config.block_n > 128:
-            config = replace(config, block_n=128)
-        config = replace(config, tma=False, warp_spec=False, persistent=False)
     if config.tma:
         # Descriptors made on the device need a little global scratch per launch.
         triton.set_allocator(_tma_scratch)

@@ -157,3 +157,33 @@ def test_split_workspace_is_cached_and_starts_clean():
     assert again[0] is parts and again[1] is counts
     other = tk._split_workspace(cpu, 38, 4, 16 * 64)
     assert other[0].data_ptr() != parts.data_ptr()
+
+
+class _RecordingKernel:
+    """Stands in for the Triton kernel: records the grid and the constexprs of one launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+
+
+def test_weight_table_fallback_sizes_the_grid_for_the_narrower_tile(monkeypatch):
+    # v8 (device run 3): a 256-wide table tile fell back to 128-wide plain tiles
+    # through a weight table, but the grid was sized for 256: the right half of
+    # the tiles never ran (NaN rows in the GPU test). The grid must follow the
+    # tile that is launched.
+    kernel = _RecordingKernel()
+    monkeypatch.setattr(tk, "grouped_fp8_kernel", kernel)
+    m, n, k, g = 16896, 512, 1024, 2
+    assert tk.default_config(m, n, k, g).block_n == 256
+    xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    w_scale = torch.ones((g, k // 128, n // 128))
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    sizes = torch.tensor([m // 2, m - m // 2])
+    tk.run_table(xq, tk.make_weight_table(wq, w_scale), torch.ones((m, k // 128)), sizes, out, n=n, k=k)
+    (grid, consts), = kernel.launches
+    assert consts["BLOCK_N"] == 128 and not consts["PERSISTENT"] and not consts["USE_TMA"]
+    assert grid == (tk.row_tile_bound(m, g, consts["BLOCK_M"]) * n // 128,)
