@@ -18,7 +18,7 @@ query, headers, keep-alive, and the body either inline or as a slot of the
 acceptor's request arena), ``free`` (an answer slot the acceptor is done with).
 Owner -> acceptor: ``res`` (status, header lines, close flag, the body inline
 or as a slot of the owner's answer arena), ``rel`` (a request slot the owner no
-longer references).
+longer references), ``ping`` (answered with ``pong``).
 
 Bodies cross through shared memory: two files in /dev/shm per acceptor
 (``_ARENA_BYTES`` each, reserved with posix_fallocate so a full tmpfs fails
@@ -39,7 +39,10 @@ Lifecycle: acceptors exit when the owner's socket closes; on SIGTERM/SIGINT the
 owner stops accepting, signals its acceptors (they stop accepting and finish
 what they forwarded, which the owner still serves) and waits for them within
 the grace period, then shuts down itself. An acceptor that dies is logged and
-started again (at most once a second per acceptor).
+started again (at most once a second per acceptor); so is one that leaves
+the owner's heartbeat (a ping a second) unanswered for
+``MOEGEMM_ACCEPTOR_TIMEOUT_S``: it is killed first, since the kernel would
+keep handing a hung acceptor new connections.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ _SLOT_ALIGN = 4096
 _INLINE_ANSWER = 16 << 10  # smaller answers travel inline
 _SHM_DIR = "/dev/shm"
 _RESTART_GAP_S = 1.0
+_PING_EVERY_S = 1.0  # the owner's heartbeat to each acceptor
+_CONNECT_ALLOWANCE_S = 5.0  # a new acceptor's start, on top of the heartbeat timeout
 
 
 # -- shared arenas ------------------------------------------------------------------
@@ -201,6 +206,9 @@ class _Link:
         self.answers = _map_arena(self.answer_path)
         self.answer_slots = _Slots(_ARENA_BYTES)
         self.writer: asyncio.StreamWriter | None = None
+        # Heartbeat: when the oldest unanswered ping went out (None: all answered).
+        self.ping_sent: float | None = None
+        self.last_ping = 0.0
 
     def unlink(self) -> None:
         """The arenas' names, if the acceptor has not removed them (it died first)."""
@@ -218,9 +226,12 @@ class Owner:
     """Spawns and watches the acceptors and serves their forwarded requests."""
 
     def __init__(
-        self, server: FastHttpServer, count: int, log_level: str, pin: Any = None
+        self, server: FastHttpServer, count: int, log_level: str, pin: Any = None,
+        hung_after_s: float = 10.0,
     ) -> None:
         self.server = server
+        # An acceptor that leaves a ping unanswered this long is killed and replaced.
+        self.hung_after_s = hung_after_s
         # Page-locks an acceptor's request arena in this process (``pin(array)``,
         # ``_staging.pin_host_array`` on a GPU), or None.
         self.pin = pin
@@ -262,10 +273,17 @@ class Owner:
         return link
 
     async def _watch_processes(self) -> None:
+        tick = time.monotonic()
         while not self.stopping:
             await asyncio.sleep(0.2)
+            # After a stall of this loop, pongs may wait unread: judge nobody then.
+            now, stalled = time.monotonic(), time.monotonic() - tick > 1.0
+            tick = now
             for index, link in enumerate(self.links):
-                if self.stopping or link.process.is_alive():
+                if self.stopping:
+                    continue
+                if link.process.is_alive():
+                    self._heartbeat(index, link, now, judge=not stalled)
                     continue
                 if not link.reported:
                     link.reported = True
@@ -279,6 +297,31 @@ class Owner:
                     except Exception:  # e.g. out of memory: try again after the gap
                         log.exception("starting acceptor %d failed", index)
                         link.started = time.monotonic()
+
+    def _heartbeat(self, index: int, link: _Link, now: float, judge: bool) -> None:
+        """Ping a connected acceptor; kill one that left a ping unanswered too long
+        (hung: the kernel would keep handing it connections). The watch loop then
+        starts another, as for one that died."""
+        if link.writer is None:
+            # Not connected yet: spawning and importing take a second or two.
+            if judge and now - link.started > self.hung_after_s + _CONNECT_ALLOWANCE_S:
+                log.error("acceptor %d (pid %d) has not connected in %.1f s; killing it",
+                          index, link.process.pid, now - link.started)
+                link.process.kill()
+            return
+        if link.writer.is_closing():
+            return
+        if judge and link.ping_sent is not None and now - link.ping_sent > self.hung_after_s:
+            log.error("acceptor %d (pid %d) has not answered for %.1f s; killing it",
+                      index, link.process.pid, now - link.ping_sent)
+            link.process.kill()
+            link.ping_sent = None
+            return
+        if now - link.last_ping >= _PING_EVERY_S:
+            link.last_ping = now
+            if link.ping_sent is None:
+                link.ping_sent = now
+            link.send({"t": "ping"}, [])
 
     async def _serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
@@ -305,6 +348,8 @@ class Owner:
                     task.add_done_callback(self._tasks.discard)
                 elif kind == "free":
                     link.answer_slots.give(meta["o"])
+                elif kind == "pong":
+                    link.ping_sent = None
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except Exception:  # a bug: drop the link; the acceptor exits and is replaced
@@ -475,7 +520,8 @@ def _internal_error() -> tuple[int, bytes, list]:
 
 
 async def serve_with_acceptors(
-    server: FastHttpServer, count: int, log_level: str, grace_s: float, pin: Any = None
+    server: FastHttpServer, count: int, log_level: str, grace_s: float, pin: Any = None,
+    hung_after_s: float = 10.0,
 ) -> None:
     """``server.serve()`` with ``count`` acceptor processes on its port (SO_REUSEPORT).
 
@@ -499,7 +545,7 @@ async def serve_with_acceptors(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, outer.set)
-    owner = Owner(server, count, log_level, pin)
+    owner = Owner(server, count, log_level, pin, hung_after_s)
     owner.acceptor_grace_s = acceptor_grace_s  # before start(): the acceptors get it
     try:
         await owner.start()
@@ -651,6 +697,8 @@ class _Acceptor:
                 elif meta["t"] == "rel":
                     self._collect()
                     self._unhold(meta["o"])
+                elif meta["t"] == "ping":
+                    self.writer.write(_frame({"t": "pong"}, 0))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except Exception:  # a bug: answer what is pending, then exit (the owner restarts us)

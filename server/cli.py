@@ -122,7 +122,8 @@ def _serve_fast(settings: Settings) -> int:
         from ._acceptors import serve_with_acceptors
 
         main = serve_with_acceptors(server, acceptors, settings.log_level,
-                                    settings.shutdown_grace_s, pin=pin)
+                                    settings.shutdown_grace_s, pin=pin,
+                                    hung_after_s=settings.acceptor_timeout_s)
     else:
         main = server.serve()
     try:

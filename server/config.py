@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     # device's only owner (server/_acceptors.py). 0: this process alone. Unset:
     # DEFAULT_GPU_ACCEPTORS when serving a GPU on the fast transport, else 0.
     acceptors: int | None = Field(None, ge=0, le=64)
+    # An acceptor that leaves the owner's heartbeat unanswered this long is
+    # killed and replaced (a hung one would keep receiving connections).
+    acceptor_timeout_s: float = Field(10.0, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("preload", mode="before")

@@ -36,9 +36,9 @@ ARGS = ["--device", "cpu", "--demo", "--max-body-bytes", str(1 << 20), "--max-m"
 
 
 class _Server:
-    def __init__(self, acceptors: int) -> None:
+    def __init__(self, acceptors: int, **env_extra: str) -> None:
         self.port = _free_port()
-        env = {**os.environ, "MOEGEMM_TOKEN": TOKEN}
+        env = {**os.environ, "MOEGEMM_TOKEN": TOKEN, **env_extra}
         command = [sys.executable, "-m", "moegemm.cli", "serve", *ARGS, "--port", str(self.port)]
         if acceptors:
             command += ["--acceptors", str(acceptors)]
@@ -296,6 +296,36 @@ def test_a_killed_acceptor_is_replaced(servers):
     server.wait_ready()
     _, head, _ = _via_acceptor(server, CASES[0][1])
     assert head.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_a_hung_acceptor_is_killed_and_replaced():
+    """An acceptor that stops answering the owner's heartbeat (here: stopped with
+    SIGSTOP) is killed and another takes its place; the port keeps answering."""
+    server = _Server(1, MOEGEMM_ACCEPTOR_TIMEOUT_S="1.5")
+    try:
+        server.wait_ready()
+        [hung] = server.children()
+        os.kill(hung, signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            now = server.children()
+            if len(now) == 1 and hung not in now:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the hung acceptor was not replaced")
+        assert _gone(hung)
+        server.wait_ready()
+        _, head, _ = _via_acceptor(server, CASES[0][1])
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        # A live acceptor answers its pings: it is not killed in the meantime.
+        [fresh] = server.children()
+        time.sleep(3)
+        assert server.children() == [fresh]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGCONT)
+        assert server.stop() == 0
 
 
 def test_sigterm_stops_everything(servers):
