@@ -15,6 +15,10 @@ if [ -n "${TESTS-tests/server/test_engine_gpu.py tests/server/test_server_gpu.py
     > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"; tail -3 "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head
 fi
+if [ -n "$KTESTS" ]; then  # kernel GPU tests, e.g. KTESTS="tests/kernels/test_triton.py -k weight_table"
+  timeout -k 5 ${KTESTS_S:-200} python3 -P -m pytest -q -p no:cacheprovider $KTESTS > "$OUT/pytest_kernels.log" 2>&1
+  echo "kernel pytest rc=$?"; tail -2 "$OUT/pytest_kernels.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_kernels.log" | head
+fi
 if [ -n "$PROFILE" ]; then  # py-spy on the server under load (carry .whl/tools)
   python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/tools/py_spy*.whl
   PATH=/tmp/spy/bin:$PATH timeout -k 5 ${PROFILE_S:-120} python3 -P bench/profile_service.py \
@@ -25,7 +29,7 @@ if [ -n "$DIAG" ]; then
   timeout -k 5 ${DIAG_S:-100} python3 -P bench/diag_service.py > "$OUT/diag.log" 2>&1
   echo "diag rc=$?"; grep -E "p50|POST" "$OUT/diag.log"
 fi
-timeout -k 5 ${BENCH_S:-300} python3 -P bench/bench_service.py ${QUICK---quick} --no-deepseek \
+timeout -k 5 ${BENCH_S:-300} python3 -P bench/bench_service.py ${QUICK---quick} ${NO_DS---no-deepseek} \
   --servers ${SERVERS:-default,merge_off} --variants "$VARIANTS" --budget-s ${BUDGET_S:-240} \
   --out "$OUT/${NAME:-service_quick}.json" ${BENCH_ARGS} > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"; cat "$OUT/bench.log" | grep -v "^ " | tail -40
