@@ -20,6 +20,14 @@ Owner -> acceptor: ``res`` (status, header lines, close flag, the body inline
 or as a slot of the owner's answer arena), ``rel`` (a request slot the owner no
 longer references), ``ping`` (answered with ``pong``).
 
+A lone client should not pay the forwarding hop (on the H200 it cost a
+one-client M=1 call ~0.6 ms): each acceptor accepts connections itself and
+first offers the socket to the owner (``SCM_RIGHTS`` over a second Unix
+socket, ``fds.sock``, before reading a byte); the owner takes it while it
+serves fewer than ``MOEGEMM_OWNER_CONNECTIONS`` connections and answers ``T``,
+else ``K`` and the acceptor serves it. So one or two routers talk to the owner
+directly, and many are spread over the acceptors.
+
 Bodies cross through shared memory: two files in /dev/shm per acceptor
 (``_ARENA_BYTES`` each, reserved with posix_fallocate so a full tmpfs fails
 here, not later with SIGBUS), created by the owner, mapped by both, and
@@ -57,10 +65,12 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import struct
 import tempfile
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 import msgpack
@@ -178,6 +188,11 @@ async def _read_frame(reader: asyncio.StreamReader) -> tuple[dict, bytes]:
     return meta, (await reader.readexactly(size) if size else b"")
 
 
+def _fd_path(socket_path: str) -> str:
+    """The owner's socket for handed-over connections, beside its main socket."""
+    return os.path.join(os.path.dirname(socket_path), "fds.sock")
+
+
 def _byte_view(part: Any) -> memoryview:
     view = memoryview(part)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -227,11 +242,18 @@ class Owner:
 
     def __init__(
         self, server: FastHttpServer, count: int, log_level: str, pin: Any = None,
-        hung_after_s: float = 10.0,
+        hung_after_s: float = 10.0, direct_limit: int = 0,
     ) -> None:
         self.server = server
         # An acceptor that leaves a ping unanswered this long is killed and replaced.
         self.hung_after_s = hung_after_s
+        # Connections an acceptor accepts are handed to this process (the socket
+        # itself, SCM_RIGHTS) while it serves fewer than this many: a lone
+        # client then pays no forwarding hop (see ``_take_offers``).
+        self.direct_limit = direct_limit
+        self._fd_server: socket.socket | None = None
+        self._fd_channels: set[socket.socket] = set()
+        self._taking = 0
         # Page-locks an acceptor's request arena in this process (``pin(array)``,
         # ``_staging.pin_host_array`` on a GPU), or None.
         self.pin = pin
@@ -252,6 +274,12 @@ class Owner:
         self.loop = asyncio.get_running_loop()
         self._unix = await asyncio.start_unix_server(self._serve_link, self.socket_path,
                                                      limit=1 << 20)
+        if self.direct_limit > 0:
+            self._fd_server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._fd_server.bind(_fd_path(self.socket_path))
+            self._fd_server.listen(64)
+            self._fd_server.setblocking(False)
+            self.loop.add_reader(self._fd_server, self._accept_fd_channel)
         for index in range(self.count):
             self.links.append(self._spawn(index))
         self._watch = self.loop.create_task(self._watch_processes())
@@ -262,7 +290,8 @@ class Owner:
         link.process = multiprocessing.get_context("spawn").Process(
             target=acceptor_main, name=f"moegemm-acceptor-{index}", daemon=True,
             args=(index, server.host, server.port, self.socket_path, link.request_path,
-                  link.answer_path, server.max_body_bytes, self.acceptor_grace_s, self.log_level),
+                  link.answer_path, server.max_body_bytes, self.acceptor_grace_s, self.log_level,
+                  self.direct_limit > 0),
         )
         try:
             link.process.start()
@@ -297,6 +326,72 @@ class Owner:
                     except Exception:  # e.g. out of memory: try again after the gap
                         log.exception("starting acceptor %d failed", index)
                         link.started = time.monotonic()
+
+    # -- connections handed over by the acceptors ----------------------------------------
+
+    def _accept_fd_channel(self) -> None:
+        try:
+            channel, _ = self._fd_server.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return
+        channel.setblocking(False)
+        self._fd_channels.add(channel)
+        self.loop.add_reader(channel, self._take_offers, channel)
+
+    def _take_offers(self, channel: socket.socket) -> None:
+        """An acceptor offers a connection it just accepted (one packet: a byte and
+        the socket). Take it while this process serves fewer than ``direct_limit``
+        connections, else hand it back; answer ``T`` (taken) or ``K`` (keep it)."""
+        try:
+            message, fds, _, _ = socket.recv_fds(channel, 16, 4)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            message, fds = b"", []
+        if not message:  # the acceptor is gone
+            for fd in fds:
+                os.close(fd)
+            self._drop_fd_channel(channel)
+            return
+        answers = bytearray()
+        for fd in fds:
+            busy = len(self.server.connections) + self._taking
+            if self.stopping or busy >= self.direct_limit:
+                os.close(fd)
+                answers += b"K"
+                continue
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                os.close(fd)
+                answers += b"K"
+                continue
+            self._taking += 1
+            task = self.loop.create_task(self._serve_handed(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            answers += b"T"
+        try:
+            channel.send(bytes(answers))
+        except OSError:
+            self._drop_fd_channel(channel)
+
+    async def _serve_handed(self, sock: socket.socket) -> None:
+        try:
+            await self.loop.connect_accepted_socket(lambda: _Connection(self.server), sock)
+        except Exception:  # noqa: BLE001 -- the client went away meanwhile
+            log.debug("a handed-over connection could not be served", exc_info=True)
+            sock.close()
+        finally:
+            self._taking -= 1
+
+    def _drop_fd_channel(self, channel: socket.socket) -> None:
+        if channel in self._fd_channels:
+            self._fd_channels.discard(channel)
+            self.loop.remove_reader(channel)
+            channel.close()
 
     def _heartbeat(self, index: int, link: _Link, now: float, judge: bool) -> None:
         """Ping a connected acceptor; kill one that left a ping unanswered too long
@@ -504,6 +599,12 @@ class Owner:
     def close(self) -> None:
         if self._unix is not None:
             self._unix.close()
+        for channel in list(self._fd_channels):
+            self._drop_fd_channel(channel)
+        if self._fd_server is not None:
+            self.loop.remove_reader(self._fd_server)
+            self._fd_server.close()
+            self._fd_server = None
         for link in self.links:
             link.unlink()
             if link.writer is not None:
@@ -521,7 +622,7 @@ def _internal_error() -> tuple[int, bytes, list]:
 
 async def serve_with_acceptors(
     server: FastHttpServer, count: int, log_level: str, grace_s: float, pin: Any = None,
-    hung_after_s: float = 10.0,
+    hung_after_s: float = 10.0, direct_limit: int = 0,
 ) -> None:
     """``server.serve()`` with ``count`` acceptor processes on its port (SO_REUSEPORT).
 
@@ -545,7 +646,7 @@ async def serve_with_acceptors(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, outer.set)
-    owner = Owner(server, count, log_level, pin, hung_after_s)
+    owner = Owner(server, count, log_level, pin, hung_after_s, direct_limit)
     owner.acceptor_grace_s = acceptor_grace_s  # before start(): the acceptors get it
     try:
         await owner.start()
@@ -602,8 +703,12 @@ class _Acceptor:
     """An acceptor process's server: what ``_Connection`` needs of one, and the link."""
 
     def __init__(self, index, host, port, socket_path, request_path, answer_path,
-                 max_body_bytes, grace_s) -> None:
+                 max_body_bytes, grace_s, offer: bool = False) -> None:
         self.index, self.host, self.port = index, host, port
+        # Offer each accepted connection to the owner first (its direct_limit > 0).
+        self.offering = offer
+        self.fd_channel: socket.socket | None = None
+        self.offers: deque = deque()  # connections waiting for the owner's answer, in order
         self.socket_path = socket_path
         self.max_body_bytes = max_body_bytes
         self.grace_s = grace_s
@@ -622,6 +727,89 @@ class _Acceptor:
         self.lost = False  # the owner's socket closed
         self.owner_pid = os.getppid()  # the owner spawned this process
         self.writer: asyncio.StreamWriter | None = None
+
+    # -- accepting, and handing connections to the owner -------------------------------
+    #
+    # Connections are accepted here, not by loop.create_server: a transport starts
+    # reading as soon as it exists (uvloop ignores a pause in connection_made), and
+    # an offered connection must reach the owner with its request unread.
+
+    def _listen(self) -> socket.socket:
+        listener = socket.create_server((self.host, self.port), backlog=1024, reuse_port=True)
+        listener.setblocking(False)
+        asyncio.get_running_loop().add_reader(listener, self._accept, listener)
+        return listener
+
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(64):  # a burst, then back to the loop
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. out of descriptors: the next readiness retries
+                log.warning("acceptor %d: accept failed: %s", self.index, exc)
+                return
+            sock.setblocking(False)
+            if not self._offer(sock):
+                self._serve_here(sock)
+
+    def _offer(self, sock: socket.socket) -> bool:
+        """Offer a just-accepted connection to the owner; False: serve it here."""
+        if self.fd_channel is None:
+            return False
+        try:
+            socket.send_fds(self.fd_channel, [b"o"], [sock.fileno()])
+        except OSError:  # the owner is gone or its queue is full
+            return False
+        self.offers.append(sock)
+        return True
+
+    def _serve_here(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.connect_accepted_socket(lambda: _ForwardConnection(self),
+                                                             sock))
+        task.add_done_callback(_log_failure)
+
+    def _answers(self) -> None:
+        try:
+            data = self.fd_channel.recv(64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the owner closed the channel: serve everything here
+            self._close_fd_channel()
+            return
+        for taken in data:
+            if not self.offers:
+                break
+            sock = self.offers.popleft()
+            if taken == ord("T"):
+                sock.close()  # our descriptor only: the owner holds the connection now
+            else:
+                self._serve_here(sock)
+
+    def _close_fd_channel(self) -> None:
+        if self.fd_channel is None:
+            return
+        asyncio.get_running_loop().remove_reader(self.fd_channel)
+        self.fd_channel.close()
+        self.fd_channel = None
+        while self.offers:
+            self._serve_here(self.offers.popleft())
+
+    def _open_fd_channel(self) -> None:
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            channel.connect(_fd_path(self.socket_path))
+        except OSError as exc:
+            log.warning("acceptor %d: cannot reach the owner's connection socket (%s); "
+                        "serving every connection here", self.index, exc)
+            channel.close()
+            return
+        channel.setblocking(False)
+        self.fd_channel = channel
+        asyncio.get_running_loop().add_reader(channel, self._answers)
 
     # _Connection's body allocator: a slot of the request arena when one is free.
     def allocate(self, size: int) -> memoryview:
@@ -734,14 +922,15 @@ class _Acceptor:
                 shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
             raise
         self.writer.write(_frame({"t": "hello", "i": self.index}, 0))
+        if self.offering:
+            self._open_fd_channel()
         owner = loop.create_task(self._read_owner(reader, stop))
-        listener = await loop.create_server(
-            lambda: _ForwardConnection(self), self.host, self.port, backlog=1024,
-            reuse_address=True, reuse_port=True,
-        )
+        listener = self._listen()
         log.debug("acceptor %d listening on %s:%d", self.index, self.host, self.port)
         await stop.wait()
+        loop.remove_reader(listener)
         listener.close()
+        self._close_fd_channel()
         running = [c.task for c in self.connections if c.task is not None]
         if running:
             await asyncio.wait(running, timeout=self.grace_s)
@@ -757,13 +946,18 @@ class _Acceptor:
             await owner
 
 
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a connection could not be served", exc_info=task.exception())
+
+
 def acceptor_main(index, host, port, socket_path, request_path, answer_path,
-                  max_body_bytes, grace_s, log_level) -> None:
+                  max_body_bytes, grace_s, log_level, offer: bool = False) -> None:
     """An acceptor process (multiprocessing "spawn" target): no torch, no device."""
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     acceptor = _Acceptor(index, host, port, socket_path, request_path, answer_path,
-                         max_body_bytes, grace_s)
+                         max_body_bytes, grace_s, offer)
     try:
         import uvloop
     except ImportError:

@@ -123,7 +123,8 @@ def _serve_fast(settings: Settings) -> int:
 
         main = serve_with_acceptors(server, acceptors, settings.log_level,
                                     settings.shutdown_grace_s, pin=pin,
-                                    hung_after_s=settings.acceptor_timeout_s)
+                                    hung_after_s=settings.acceptor_timeout_s,
+                                    direct_limit=settings.owner_connections)
     else:
         main = server.serve()
     try:

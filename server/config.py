@@ -109,6 +109,10 @@ class Settings(BaseSettings):
     # An acceptor that leaves the owner's heartbeat unanswered this long is
     # killed and replaced (a hung one would keep receiving connections).
     acceptor_timeout_s: float = Field(10.0, gt=0)
+    # With acceptors: the server process takes over (the socket itself) each
+    # connection an acceptor accepts while it serves fewer than this many, so
+    # a lone client pays no forwarding hop; the rest are forwarded. 0: never.
+    owner_connections: int = Field(2, ge=0, le=1024)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("preload", mode="before")

@@ -146,7 +146,8 @@ def _exchange(port: int, data: bytes) -> tuple[bytes, bytes]:
 
 @pytest.fixture(scope="module")
 def servers():
-    with_acceptors, alone = _Server(2), _Server(0)
+    # No hand-over to the owner here: these tests need connections an acceptor keeps.
+    with_acceptors, alone = _Server(2, MOEGEMM_OWNER_CONNECTIONS="0"), _Server(0)
     try:
         with_acceptors.wait_ready()
         alone.wait_ready()
@@ -298,10 +299,40 @@ def test_a_killed_acceptor_is_replaced(servers):
     assert head.startswith(b"HTTP/1.1 200 OK")
 
 
+def test_a_lone_connection_is_handed_to_the_owner():
+    """While the owner serves fewer than MOEGEMM_OWNER_CONNECTIONS connections, a
+    connection an acceptor accepts is handed over (the socket itself): a lone
+    client's calls skip the forwarding hop. Beyond that, acceptors keep them."""
+    server = _Server(2, MOEGEMM_OWNER_CONNECTIONS="1")
+    try:
+        server.wait_ready()
+        time.sleep(0.3)  # wait_ready's connections are closed and seen closed
+        request = CASES[0][1]
+        for _ in range(8):  # 2 of 3 would land on an acceptor without the hand-over
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                sock.sendall(request)
+                head, _ = _read_answer(sock)
+                assert head.startswith(b"HTTP/1.1 200 OK")
+                assert server.owner_of(sock) == server.process.pid
+                sock.sendall(request)  # keep-alive: the next call on the same connection
+                assert _read_answer(sock)[0].startswith(b"HTTP/1.1 200 OK")
+            time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as held:
+            held.sendall(request)
+            assert _read_answer(held)[0].startswith(b"HTTP/1.1 200 OK")
+            assert server.owner_of(held) == server.process.pid
+            # The owner is at its limit: an acceptor keeps the next ones.
+            pid, head, _ = _via_acceptor(server, request)
+            assert pid in server.children()
+            assert head.startswith(b"HTTP/1.1 200 OK")
+    finally:
+        assert server.stop() == 0
+
+
 def test_a_hung_acceptor_is_killed_and_replaced():
     """An acceptor that stops answering the owner's heartbeat (here: stopped with
     SIGSTOP) is killed and another takes its place; the port keeps answering."""
-    server = _Server(1, MOEGEMM_ACCEPTOR_TIMEOUT_S="1.5")
+    server = _Server(1, MOEGEMM_ACCEPTOR_TIMEOUT_S="1.5", MOEGEMM_OWNER_CONNECTIONS="0")
     try:
         server.wait_ready()
         [hung] = server.children()
@@ -368,9 +399,9 @@ def _owner_directory(pid: int) -> str:
     raise AssertionError("the owner holds no Unix socket of its own")
 
 
-def _unix_sockets_under(directory: str) -> int:
+def _unix_sockets_under(path: str) -> int:
     with open("/proc/net/unix") as f:
-        return sum(1 for line in f.read().splitlines()[1:] if directory in line)
+        return sum(1 for line in f.read().splitlines()[1:] if line.endswith(" " + path))
 
 
 def test_acceptors_exit_when_the_owner_dies():
@@ -380,7 +411,8 @@ def test_acceptors_exit_when_the_owner_dies():
         directory = _owner_directory(server.process.pid)
         assert os.path.isdir(directory)
         deadline = time.monotonic() + 20  # the acceptor has connected to the owner
-        while _unix_sockets_under(directory) < 2:
+        # The listening socket and the acceptor's accepted connection both carry its name.
+        while _unix_sockets_under(os.path.join(directory, "owner.sock")) < 2:
             assert time.monotonic() < deadline, "the acceptor never connected"
             time.sleep(0.05)
         children = server.children()
