@@ -381,7 +381,7 @@ class Owner:
     async def _serve_handed(self, sock: socket.socket) -> None:
         try:
             await self.loop.connect_accepted_socket(lambda: _Connection(self.server), sock)
-        except Exception:  # noqa: BLE001 -- the client went away meanwhile
+        except Exception:  # the client went away meanwhile
             log.debug("a handed-over connection could not be served", exc_info=True)
             sock.close()
         finally:

@@ -3,6 +3,7 @@ background thread), raw requests, and the SPEC 1 accuracy check."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -16,6 +17,21 @@ from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
 from moegemm.server import Settings, create_app
 
 MSGPACK = {"content-type": "application/vnd.msgpack"}
+
+
+@contextmanager
+def fast_server_thread(server) -> Iterator[None]:
+    """Run a ``FastHttpServer`` on its own thread and event loop until the block ends."""
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(stop)),
+                              daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
 
 
 def _free_port() -> int:

@@ -9,9 +9,7 @@ status, headers and body bytes must be equal, and so must the request metrics.
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 import time
 from contextlib import contextmanager
 
@@ -23,7 +21,7 @@ from moegemm.kernels import quantize_activations
 from moegemm.server import Settings, create_app
 from moegemm.server._direct import DirectGemm
 from moegemm.server._http import FastHttpServer
-from server_support import _free_port
+from server_support import _free_port, fast_server_thread
 
 TOKEN = "tok-Qm3x"
 K, G = 512, 8  # the demo set's shape
@@ -38,12 +36,7 @@ def _fast(direct: bool, **overrides):
     port = _free_port()
     server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=settings.max_body_bytes,
                             direct=spy)
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(stop)),
-                              daemon=True)
-    thread.start()
-    try:
+    with fast_server_thread(server):
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -56,9 +49,6 @@ def _fast(direct: bool, **overrides):
                 raise RuntimeError("the server did not become ready")
             time.sleep(0.05)
         yield port, app, spy
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
 
 
 class _Spy:

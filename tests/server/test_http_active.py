@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 from moegemm.server._http import FastHttpServer
-from server_support import _free_port
+from server_support import _free_port, fast_server_thread
 
 
 async def _lifespan_app(scope, receive, send):
@@ -73,12 +72,7 @@ def test_requests_in_progress_are_counted_from_head_to_answer():
     port = _free_port()
     server = FastHttpServer(_lifespan_app, "127.0.0.1", port, max_body_bytes=1 << 20,
                             direct=probe)
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(stop)),
-                              daemon=True)
-    thread.start()
-    try:
+    with fast_server_thread(server):
         _wait_for(server.listening.is_set)
         a = socket.create_connection(("127.0.0.1", port), timeout=10)
         b = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -97,9 +91,6 @@ def test_requests_in_progress_are_counted_from_head_to_answer():
         _wait_for(lambda: server.active == 0)
         a.close()
         b.close()
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
     # The first call began alone; the second began while the first was unanswered;
     # the third began after both were answered.
     assert probe.seen == [("wait", 1), ("go", 2), ("alone", 1)]
