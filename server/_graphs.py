@@ -137,7 +137,8 @@ class GraphPool:
     """Static buffers and captured graphs, by family and bucket; eager when graphs are off."""
 
     def __init__(
-        self, backend: Backend, max_bucket: int, *, graphs: bool = True, weight_table: bool = True
+        self, backend: Backend, max_bucket: int, *, graphs: bool = True, weight_table: bool = True,
+        fused_prologue: bool = True,
     ) -> None:
         self.backend = backend
         self.device = backend.device
@@ -145,6 +146,9 @@ class GraphPool:
         self.max_bucket = max_bucket
         is_gpu = self.device.type == "cuda"
         self.use_graphs = bool(graphs and is_gpu and backend.capture_safe)
+        # The checks and the regrouping as one kernel (``_prologue.py``), with the
+        # triton backend only (Triton must not share a process with FlyDSL).
+        self.check_and_gather = _prologue_kernel(backend) if is_gpu and fused_prologue else None
         self.pad_to_bucket = bool(is_gpu and backend.capture_safe)
         self.run_table: Callable | None = _table_runner(backend) if is_gpu and weight_table else None
         self._buffers: dict[Family, Buffers] = {}
@@ -193,11 +197,17 @@ class GraphPool:
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
         xs = None if family.quantize else bufs.x_scale[:rows]
-        bufs.flags(rows).copy_(bad_rows(x, xs))
-        # Rows into per-expert order (an identity for a lone call: a copy the
-        # size of the input, microseconds on the device).
-        x = x.index_select(0, gather)
-        xs = None if xs is None else xs.index_select(0, gather)
+        # Check the rows and put them in per-expert order (an identity for a
+        # lone call: a copy the size of the input, microseconds on the device).
+        if self.check_and_gather is not None:
+            xg = torch.empty_like(x)
+            xsg = None if xs is None else torch.empty_like(xs)
+            self.check_and_gather(x, xs, gather, xg, xsg, bufs.flags(rows))
+            x, xs = xg, xsg
+        else:
+            bufs.flags(rows).copy_(bad_rows(x, xs))
+            x = x.index_select(0, gather)
+            xs = None if xs is None else xs.index_select(0, gather)
         if family.quantize:
             xq, xs = quantize_activations(x, self.backend.fp8_dtype)
         else:
@@ -396,6 +406,17 @@ def fill_table(table: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> 
     out[0] = wq.data_ptr() + groups * (wq.stride(0) * wq.element_size())
     out[1] = w_scale.data_ptr() + groups * (w_scale.stride(0) * w_scale.element_size())
     return table
+
+
+def _prologue_kernel(backend: Backend) -> Callable | None:
+    """``_prologue.check_and_gather`` when the backend is triton, else None."""
+    if backend.name != "triton":
+        return None
+    try:
+        from ._prologue import check_and_gather
+    except ImportError:
+        return None
+    return check_and_gather
 
 
 def _table_runner(backend: Backend) -> Callable | None:

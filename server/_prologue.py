@@ -1,0 +1,89 @@
+"""One kernel at the head of each captured graph: check the rows, regroup them.
+
+Every launch first checks what the callers' rows hold (``_checks.bad_rows``:
+fp8 NaN codes, NaN/Inf, scales that are not finite and > 0) and puts the rows
+in per-expert order (``gather``). In torch that is about fifteen small kernels
+per graph (comparisons, reductions, casts, two ``index_select``), each a few
+microseconds of a lone call's latency; here it is one program per row that
+reads the row once, copies it (and its scales) to its place and writes its
+flags. The answer is the same, bit for bit (``tests/server/test_prologue.py``
+on a GPU); the CPU and backends without Triton keep the torch ops.
+
+Only imported with the triton backend: never into a process holding FlyDSL.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# What x holds, as the kernel reads its bits.
+_FP8_FN, _FP8_FNUZ, _FLOAT16 = 0, 1, 2
+_KINDS = {torch.float8_e4m3fn: _FP8_FN, torch.float8_e4m3fnuz: _FP8_FNUZ,
+          torch.bfloat16: _FLOAT16, torch.float16: _FLOAT16}
+# Exponent bits of the 16-bit floats: all ones is Inf or NaN.
+_EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+@triton.jit
+def _check_gather(x_ptr, xs_ptr, gather_ptr, xg_ptr, xsg_ptr, flags_ptr, gather_stride,
+                  K: tl.constexpr, KB: tl.constexpr, KIND: tl.constexpr, EXPONENT: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    src = tl.load(gather_ptr + row * gather_stride).to(tl.int64)
+    seen = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # K is one per weight-set shape
+        offs = k0 + tl.arange(0, BLOCK_K)
+        inside = offs < K
+        bits = tl.load(x_ptr + src * K + offs, mask=inside, other=0)
+        tl.store(xg_ptr + row * K + offs, bits, mask=inside)
+        if KIND == 0:
+            bad = (bits & 0x7F) == 0x7F
+        elif KIND == 1:
+            bad = bits == 0x80
+        else:
+            bad = (bits & EXPONENT) == EXPONENT
+        seen = seen | bad.to(tl.int32)
+    flag = tl.max(seen, axis=0)
+    if HAS_SCALE:
+        offs = tl.arange(0, BLOCK_S)
+        inside = offs < KB
+        scale = tl.load(xs_ptr + src * KB + offs, mask=inside, other=1.0)
+        tl.store(xsg_ptr + row * KB + offs, scale, mask=inside)
+        # NaN fails both comparisons; +Inf fails the second (the largest float32).
+        good = (scale > 0.0) & (scale <= 3.4028234663852886e38)
+        flag = flag | (tl.max((~good).to(tl.int32), axis=0) << 1)
+    tl.store(flags_ptr + src, flag.to(tl.int8))
+
+
+def check_and_gather(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    gather: torch.Tensor,
+    x_out: torch.Tensor,
+    scale_out: torch.Tensor | None,
+    flags: torch.Tensor,
+) -> None:
+    """``x_out = x[gather]``, ``scale_out = x_scale[gather]``, ``flags = bad_rows(x, x_scale)``.
+
+    ``x`` ``[rows, K]`` (fp8 of either format, bf16 or fp16) and ``x_scale``
+    ``[rows, K/128]`` float32 (or None) are contiguous CUDA tensors; ``gather``
+    is ``[rows]`` int64 (any stride), a permutation of ``range(rows)``;
+    ``flags`` ``[rows]`` int8 is indexed like ``x`` (input order). No host
+    reads: capture-safe.
+    """
+    rows, K = x.shape
+    if rows == 0:
+        return
+    kind = _KINDS[x.dtype]
+    view = torch.uint8 if kind != _FLOAT16 else torch.int16
+    has_scale = x_scale is not None
+    KB = x_scale.shape[1] if has_scale else 1
+    _check_gather[(rows,)](
+        x.view(view), x_scale if has_scale else x.view(view), gather, x_out.view(view),
+        scale_out if has_scale else x_out.view(view), flags, gather.stride(0), K=K, KB=KB,
+        KIND=kind, EXPONENT=_EXPONENT.get(x.dtype, 0), HAS_SCALE=has_scale,
+        BLOCK_K=min(4096, triton.next_power_of_2(K)), BLOCK_S=triton.next_power_of_2(KB),
+        num_warps=4,
+    )

@@ -1,0 +1,120 @@
+"""The fused check-and-regroup kernel equals the torch ops it replaces, bit for bit (GPU).
+
+``_prologue.check_and_gather`` must give the rows in gather order, their scales,
+and the per-row flags of ``_checks.bad_rows`` -- with NaN codes, NaN/Inf and
+bad scales planted in some rows -- and executors with and without it must
+answer merged calls identically, bad rows included. Skipped without an NVIDIA
+GPU and triton.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.version.hip:
+    pytest.skip("needs an NVIDIA CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from moegemm.kernels import get_backend
+from moegemm.kernels.testing import random_m_sizes, random_problem
+from moegemm.server._checks import _bad_rows_torch
+from moegemm.server._executor import Executor, Part
+from moegemm.server._graphs import GraphPool
+from moegemm.server._prologue import check_and_gather
+from moegemm.server._staging import Staging
+
+DEV = torch.device("cuda")
+
+
+def _rows_with_bad_values(dtype, rows, k, gen):
+    """Random rows of ``dtype``; a few hold NaN codes / NaN / Inf."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        bits = torch.randint(0, 256, (rows, k), generator=gen, device=DEV, dtype=torch.int32)
+        bits = bits.to(torch.uint8)
+        nan = 0x80 if dtype == torch.float8_e4m3fnuz else 0x7F
+        # Only planted rows may hold the NaN codes.
+        clean = bits.clone()
+        clean[(clean & 0x7F) == 0x7F] = 0x11
+        clean[clean == 0x80] = 0x12
+        bits = clean
+        for r in range(0, rows, 5):
+            bits[r, (r * 37) % k] = nan | (0x80 if dtype == torch.float8_e4m3fn and r % 2 else 0)
+        return bits.view(dtype)
+    x = torch.randn((rows, k), generator=gen, device=DEV).to(dtype)
+    for r in range(0, rows, 5):
+        x[r, (r * 37) % k] = (float("nan"), float("inf"), -float("inf"))[r % 3]
+    return x
+
+
+def _scales_with_bad_values(rows, kb, gen):
+    s = torch.rand((rows, kb), generator=gen, device=DEV) + 1e-3
+    bad = (float("nan"), float("inf"), 0.0, -1.0, -float("inf"))
+    for r in range(2, rows, 7):
+        s[r, (r * 3) % kb] = bad[r % len(bad)]
+    return s
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz,
+                                   torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,k", [(1, 128), (7, 7168), (300, 1024), (64, 8448)])
+def test_check_and_gather_equals_the_torch_ops(dtype, rows, k):
+    gen = torch.Generator(device=DEV).manual_seed(rows * 131 + k)
+    x = _rows_with_bad_values(dtype, rows, k, gen)
+    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+    xs = _scales_with_bad_values(rows, k // 128, gen) if fp8 else None
+    # The meta buffer's layout: (gather, scatter) pairs, so gather has stride 2.
+    pairs = torch.empty((rows, 2), dtype=torch.int64, device=DEV)
+    pairs[:, 0] = torch.randperm(rows, generator=gen, device=DEV)
+    gather = pairs[:, 0]
+    xg = torch.full_like(x.view(torch.uint8), 0xEE).view(dtype)
+    xsg = None if xs is None else torch.full_like(xs, float("nan"))
+    flags = torch.full((rows,), 99, dtype=torch.int8, device=DEV)
+    check_and_gather(x, xs, gather, xg, xsg, flags)
+    torch.cuda.synchronize()
+    bits = torch.uint8 if fp8 else torch.int16
+    assert torch.equal(xg.view(bits), x.view(bits).index_select(0, gather))
+    if xs is not None:
+        assert torch.equal(xsg.view(torch.int32), xs.index_select(0, gather).view(torch.int32))
+    want = _bad_rows_torch(x, xs)
+    assert torch.equal(flags, want)
+    assert want.any() and not want.all()  # both kinds of rows were there
+
+
+def test_executors_with_and_without_it_answer_alike():
+    backend = get_backend(DEV, "triton")
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    g, n, k = 8, 256, 1024
+    p = random_problem(1, n, k, g, device=DEV, generator=gen)
+    ws = SimpleNamespace(G=g, N=n, K=k, wq=p.wq, w_scale=p.w_scale)
+    parts = []
+    for i, m in enumerate((3, 0, 40, 17)):
+        sizes = random_m_sizes(g, m).tolist()
+        q = random_problem(m, n, k, g, device=DEV, generator=gen, m_sizes=torch.tensor(sizes))
+        xs = q.x_scale.cpu()
+        if i == 2:
+            xs[5, 1] = float("nan")  # one bad row in one call
+        parts.append(Part(q.xq.cpu(), xs, sizes))
+    parts.append(Part(torch.randn(9, k, generator=gen, device=DEV).to(torch.bfloat16).cpu(),
+                      None, random_m_sizes(g, 9).tolist()))
+    got = {}
+    for fused in (True, False):
+        for graphs in (True, False):
+            pool = GraphPool(backend, 64, graphs=graphs, fused_prologue=fused)
+            assert (pool.check_and_gather is not None) == fused
+            ex = Executor(pool, Staging(DEV))
+            ex.prepare(g, n, k, ws.wq, ws.w_scale)
+            outs, flags, _ = ex.run(ws, parts)
+            torch.cuda.synchronize()
+            got[fused, graphs] = ([o.clone() for o in outs], [f.copy() for f in flags])
+    base_outs, base_flags = got[False, False]
+    assert base_flags[2].any() and not any(f.any() for i, f in enumerate(base_flags) if i != 2)
+    for outs, flags in got.values():
+        for a, b in zip(outs, base_outs):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        for a, b in zip(flags, base_flags):
+            assert (a == b).all()

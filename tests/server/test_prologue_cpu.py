@@ -1,0 +1,72 @@
+"""The fused check-and-regroup kernel, run by Triton's interpreter on the CPU.
+
+The same comparison as ``test_prologue.py`` (which runs the compiled kernel on
+a GPU), on small shapes: rows in gather order, their scales bit for bit, and
+the flags of ``_checks._bad_rows_torch`` with NaN codes, NaN/Inf and bad scales
+planted. The interpreter is chosen when the kernel is defined, so the check
+runs in a fresh process with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BAD_SCALES = (float("nan"), float("inf"), 0.0, -1.0, -float("inf"))
+
+
+def compare_on_cpu() -> None:
+    from moegemm.server._checks import _bad_rows_torch
+    from moegemm.server._prologue import check_and_gather
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.bfloat16, torch.float16):
+        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+        for rows, k in ((1, 128), (7, 384), (33, 256)):
+            if fp8:
+                bits = torch.randint(0, 256, (rows, k), generator=gen).to(torch.uint8)
+                bits[(bits & 0x7F) == 0x7F] = 0x11
+                bits[bits == 0x80] = 0x12
+                for r in range(0, rows, 5):
+                    nan = 0x80 if dtype == torch.float8_e4m3fnuz else (0xFF if r % 2 else 0x7F)
+                    bits[r, (r * 37) % k] = nan
+                x = bits.view(dtype)
+                xs = torch.rand((rows, k // 128), generator=gen) + 1e-3
+                for r in range(2, rows, 7):
+                    xs[r, (r * 3) % (k // 128)] = BAD_SCALES[r % len(BAD_SCALES)]
+            else:
+                x = torch.randn((rows, k), generator=gen).to(dtype)
+                for r in range(0, rows, 5):
+                    x[r, (r * 37) % k] = (float("nan"), float("inf"), -float("inf"))[r % 3]
+                xs = None
+            pairs = torch.empty((rows, 2), dtype=torch.int64)  # the meta layout: stride 2
+            pairs[:, 0] = torch.randperm(rows, generator=gen)
+            gather = pairs[:, 0]
+            xg = torch.full_like(x.view(torch.uint8), 0xEE).view(dtype)
+            xsg = None if xs is None else torch.full_like(xs, float("nan"))
+            flags = torch.full((rows,), 99, dtype=torch.int8)
+            check_and_gather(x, xs, gather, xg, xsg, flags)
+            bits_dtype = torch.uint8 if fp8 else torch.int16
+            assert torch.equal(xg.view(bits_dtype), x.view(bits_dtype).index_select(0, gather))
+            if xs is not None:
+                assert torch.equal(xsg.view(torch.int32),
+                                   xs.index_select(0, gather).view(torch.int32))
+            want = _bad_rows_torch(x, xs)
+            assert torch.equal(flags, want), (dtype, rows, k, flags, want)
+            assert want.any()
+
+
+def test_check_and_gather_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    here = str(Path(__file__).parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_prologue_cpu; " \
+           "test_prologue_cpu.compare_on_cpu()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
