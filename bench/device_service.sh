@@ -26,7 +26,7 @@ if [ -n "$PROFILE" ]; then  # py-spy on the server under load (carry .whl/tools)
   echo "profile rc=$?"; head -60 "$OUT/profile/profile.txt"
 fi
 if [ -n "$DIAG" ]; then
-  timeout -k 5 ${DIAG_S:-100} python3 -P bench/diag_service.py > "$OUT/diag.log" 2>&1
+  timeout -k 5 ${DIAG_S:-100} python3 -P bench/diag_service.py $DIAG_ARGS > "$OUT/diag.log" 2>&1
   echo "diag rc=$?"; grep -E "p50|POST" "$OUT/diag.log"
 fi
 timeout -k 5 ${BENCH_S:-300} python3 -P bench/bench_service.py ${QUICK---quick} ${NO_DS---no-deepseek} \

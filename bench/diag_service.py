@@ -1,6 +1,6 @@
 """Where a small call's time goes: the executor, the engine, the transport, the client.
 
-    python bench/diag_service.py        # on the GPU box; prints p50s and a profile
+    python bench/diag_service.py [--in-process]   # on the GPU box; prints p50s and a profile
 
 Each layer is timed alone (medians of a few hundred calls), from the inside
 out, so the difference between two lines is the cost of one layer:
@@ -48,23 +48,28 @@ def in_process(m: int) -> None:
     wq = torch.randint(0, 0x7F, (g, n, k), dtype=torch.uint8, device=dev).view(backend.fp8_dtype)
     ws_scale = torch.rand((g, k // 128, n // 128), device=dev) * 1e-3 + 1e-4
     ws = SimpleNamespace(name="w", G=g, N=n, K=k, wq=wq, w_scale=ws_scale)
-    ex = Executor(GraphPool(backend, 1024), Staging(dev))
-    ex.prepare(g, n, k, wq, ws_scale)
     xq, xs = quantize_activations(torch.randn(m, k, device=dev), backend.fp8_dtype)
     xq, xs = xq.cpu(), xs.cpu()
     sizes = [m] + [0] * (g - 1)
     part = Part(xq, xs, sizes)
+    # The checks and regrouping as torch ops, then as one kernel (_prologue.py).
+    for fused in (False, True):
+        other = Executor(GraphPool(backend, 1024, fused_prologue=fused), Staging(dev))
+        other.prepare(g, n, k, wq, ws_scale)
+        graph = other.pool._graphs[(other.family(g, n, k, xq.dtype), other.pool.launch_rows(m))]
+
+        def replay_sync(graph=graph):
+            graph.replay()
+            torch.cuda.synchronize()
+        print(f"M={m} fused prologue {fused}: executor.run p50 "
+              f"{p50(lambda other=other: other.run(ws, [part])):.0f} us, graph replay + sync "
+              f"(bucket {other.pool.launch_rows(m)}) p50 {p50(replay_sync):.1f} us")
+    ex = other
     print(f"M={m} executor.run p50 {p50(lambda: ex.run(ws, [part])):.0f} us")
     pinned = Part(xq.pin_memory(), xs.pin_memory(), sizes)
     print(f"M={m} executor.run (pinned input) p50 {p50(lambda: ex.run(ws, [pinned])):.0f} us")
     print(f"pinned alloc [1,2048] bf16 p50 "
           f"{p50(lambda: torch.empty((1, 2048), dtype=torch.bfloat16, pin_memory=True)):.1f} us")
-    graph = ex.pool._graphs[next(iter(ex.pool._graphs))]
-
-    def replay_sync():
-        graph.replay()
-        torch.cuda.synchronize()
-    print(f"graph replay + sync p50 {p50(replay_sync):.1f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(200):
@@ -146,5 +151,6 @@ def over_http(m: int, transport: str, port: int) -> None:
 if __name__ == "__main__":
     for m in (1, 128):
         in_process(m)
-    over_http(1, "fast", 18901)
-    over_http(1, "uvicorn", 18902)
+    if "--in-process" not in sys.argv:
+        over_http(1, "fast", 18901)
+        over_http(1, "uvicorn", 18902)
