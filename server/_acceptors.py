@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import errno
 import logging
 import mmap
 import multiprocessing
@@ -215,12 +216,17 @@ class _Link:
         if self.answer_path is None:
             _unlink(self.request_path)
             self.request_path = None
-        self.requests = _map_arena(self.request_path)
-        if pin is not None and self.requests is not None:
-            pin(self.requests)  # the engine uploads request bodies straight from here
-        self.answers = _map_arena(self.answer_path)
+        try:
+            self.requests = _map_arena(self.request_path)
+            if pin is not None and self.requests is not None:
+                pin(self.requests)  # the engine uploads request bodies straight from here
+            self.answers = _map_arena(self.answer_path)
+        except BaseException:  # e.g. out of memory or descriptors: no file left behind
+            self.unlink()
+            raise
         self.answer_slots = _Slots(_ARENA_BYTES)
         self.writer: asyncio.StreamWriter | None = None
+        self.connected = False  # the acceptor has said hello (its link may end later)
         # Heartbeat: when the oldest unanswered ping went out (None: all answered).
         self.ping_sent: float | None = None
         self.last_ping = 0.0
@@ -355,9 +361,9 @@ class Owner:
                 os.close(fd)
             self._drop_fd_channel(channel)
             return
-        answers = bytearray()
+        answers, taken = bytearray(), []
         for fd in fds:
-            busy = len(self.server.connections) + self._taking
+            busy = len(self.server.connections) + self._taking + len(taken)
             if self.stopping or busy >= self.direct_limit:
                 os.close(fd)
                 answers += b"K"
@@ -368,15 +374,25 @@ class Owner:
                 os.close(fd)
                 answers += b"K"
                 continue
+            taken.append(sock)
+            answers += b"T"
+        # One answer per offer, also for an offer whose descriptor did not arrive
+        # (MSG_CTRUNC, e.g. out of descriptors here): the acceptor keeps that one.
+        answers += b"K" * (len(message) - len(fds))
+        try:
+            channel.send(bytes(answers))
+        except OSError:  # e.g. EAGAIN: the acceptor is behind on reading its answers
+            # Unconfirmed: the acceptor serves every offer it has no answer for once
+            # the channel closes, so this process must not serve them too.
+            for sock in taken:
+                sock.close()
+            self._drop_fd_channel(channel)
+            return
+        for sock in taken:
             self._taking += 1
             task = self.loop.create_task(self._serve_handed(sock))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            answers += b"T"
-        try:
-            channel.send(bytes(answers))
-        except OSError:
-            self._drop_fd_channel(channel)
 
     async def _serve_handed(self, sock: socket.socket) -> None:
         try:
@@ -398,8 +414,10 @@ class Owner:
         (hung: the kernel would keep handing it connections). The watch loop then
         starts another, as for one that died."""
         if link.writer is None:
-            # Not connected yet: spawning and importing take a second or two.
-            if judge and now - link.started > self.hung_after_s + _CONNECT_ALLOWANCE_S:
+            # Not connected yet: spawning and importing take a second or two. (A
+            # link that ended leaves an acceptor that exits by itself.)
+            if (judge and not link.connected
+                    and now - link.started > self.hung_after_s + _CONNECT_ALLOWANCE_S):
                 log.error("acceptor %d (pid %d) has not connected in %.1f s; killing it",
                           index, link.process.pid, now - link.started)
                 link.process.kill()
@@ -431,6 +449,7 @@ class Owner:
             writer.close()
             return
         link.writer = writer
+        link.connected = True
         link.unlink()
         try:
             while True:
@@ -709,6 +728,8 @@ class _Acceptor:
         self.offering = offer
         self.fd_channel: socket.socket | None = None
         self.offers: deque = deque()  # connections waiting for the owner's answer, in order
+        self.listeners: list[socket.socket] = []
+        self.handing: set[asyncio.Task] = set()  # connections being set up to be served here
         self.socket_path = socket_path
         self.max_body_bytes = max_body_bytes
         self.grace_s = grace_s
@@ -734,11 +755,27 @@ class _Acceptor:
     # reading as soon as it exists (uvloop ignores a pause in connection_made), and
     # an offered connection must reach the owner with its request unread.
 
-    def _listen(self) -> socket.socket:
-        listener = socket.create_server((self.host, self.port), backlog=1024, reuse_port=True)
-        listener.setblocking(False)
-        asyncio.get_running_loop().add_reader(listener, self._accept, listener)
-        return listener
+    def _listen(self) -> None:
+        """Bind what the owner's ``loop.create_server`` binds: every address ``host``
+        resolves to (IPv4 and IPv6; all interfaces when empty), IPv6 sockets v6-only."""
+        infos = socket.getaddrinfo(self.host or None, self.port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        loop = asyncio.get_running_loop()
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            listener = socket.socket(family, kind, proto)
+            self.listeners.append(listener)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            listener.bind(address)
+            listener.listen(1024)
+            listener.setblocking(False)
+            loop.add_reader(listener, self._accept, listener)
+
+    def _resume_accepting(self, listener: socket.socket) -> None:
+        if listener in self.listeners:  # not stopped meanwhile
+            asyncio.get_running_loop().add_reader(listener, self._accept, listener)
 
     def _accept(self, listener: socket.socket) -> None:
         for _ in range(64):  # a burst, then back to the loop
@@ -746,8 +783,16 @@ class _Acceptor:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. out of descriptors: the next readiness retries
+            except ConnectionAbortedError:  # the client gave up in the backlog
+                continue
+            except OSError as exc:
                 log.warning("acceptor %d: accept failed: %s", self.index, exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors or memory: the listener stays readable, so
+                    # pause (as asyncio's own servers do) instead of spinning.
+                    loop = asyncio.get_running_loop()
+                    loop.remove_reader(listener)
+                    loop.call_later(1.0, self._resume_accepting, listener)
                 return
             sock.setblocking(False)
             if not self._offer(sock):
@@ -769,25 +814,37 @@ class _Acceptor:
         task = loop.create_task(loop.connect_accepted_socket(lambda: _ForwardConnection(self),
                                                              sock))
         task.add_done_callback(_log_failure)
+        self.handing.add(task)
+        task.add_done_callback(self.handing.discard)
 
     def _answers(self) -> None:
-        try:
-            data = self.fd_channel.recv(64)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:  # the owner closed the channel: serve everything here
-            self._close_fd_channel()
-            return
-        for taken in data:
-            if not self.offers:
-                break
-            sock = self.offers.popleft()
-            if taken == ord("T"):
-                sock.close()  # our descriptor only: the owner holds the connection now
-            else:
-                self._serve_here(sock)
+        # Read every queued answer (one packet each): ``_accept`` offers up to 64
+        # connections per wake-up, and answers left unread fill the owner's send
+        # buffer (~280 packets), which makes its answers fail.
+        for _ in range(256):
+            if self.fd_channel is None:
+                return
+            try:
+                data = self.fd_channel.recv(64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionResetError:
+                # The owner closed the channel with offers unread; the answers it
+                # did send are still queued behind this error (then EOF).
+                continue
+            except OSError:
+                data = b""
+            if not data:  # the owner closed the channel: serve everything here
+                self._close_fd_channel()
+                return
+            for taken in data:
+                if not self.offers:
+                    break
+                sock = self.offers.popleft()
+                if taken == ord("T"):
+                    sock.close()  # our descriptor only: the owner holds the connection now
+                else:
+                    self._serve_here(sock)
 
     def _close_fd_channel(self) -> None:
         if self.fd_channel is None:
@@ -797,6 +854,21 @@ class _Acceptor:
         self.fd_channel = None
         while self.offers:
             self._serve_here(self.offers.popleft())
+
+    async def _settle_offers(self, timeout: float) -> None:
+        """At stop, before closing the channel: half-close it and wait for the owner's
+        answers to the offers in flight (it may have taken some: ``T`` not read yet)."""
+        if self.fd_channel is None:
+            return
+        with contextlib.suppress(OSError):
+            self.fd_channel.shutdown(socket.SHUT_WR)  # the owner answers, then sees EOF
+        deadline = time.monotonic() + timeout
+        while self.fd_channel is not None and self.offers and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self.fd_channel is not None:
+            while self.offers:  # unanswered: the owner may hold them; never serve one twice
+                self.offers.popleft().close()
+            self._close_fd_channel()
 
     def _open_fd_channel(self) -> None:
         channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -925,12 +997,16 @@ class _Acceptor:
         if self.offering:
             self._open_fd_channel()
         owner = loop.create_task(self._read_owner(reader, stop))
-        listener = self._listen()
+        self._listen()
         log.debug("acceptor %d listening on %s:%d", self.index, self.host, self.port)
         await stop.wait()
-        loop.remove_reader(listener)
-        listener.close()
-        self._close_fd_channel()
+        listeners, self.listeners = self.listeners, []
+        for listener in listeners:
+            loop.remove_reader(listener)
+            listener.close()
+        await self._settle_offers(min(1.0, self.grace_s))
+        if self.handing:  # connections just handed back: counted below once connected
+            await asyncio.wait(list(self.handing), timeout=min(1.0, self.grace_s))
         running = [c.task for c in self.connections if c.task is not None]
         if running:
             await asyncio.wait(running, timeout=self.grace_s)

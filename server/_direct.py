@@ -61,7 +61,7 @@ class DirectGemm:
         # The transport sets this: how many requests it has begun and not yet
         # answered (``FastHttpServer.active``). A call that is the only one may
         # run on the loop's thread when the engine allows it (``Engine.gemm``).
-        self.in_progress: Callable[[], int] = lambda: 1
+        self.in_progress: Callable[[], int] = lambda: 2  # unknown: not alone
 
     @staticmethod
     def match(method: str, path: str) -> str | None:

@@ -435,6 +435,28 @@ class _Response:
                 self.finished = True
 
 
+def _refuse_if_taken(host: str, port: int) -> None:
+    """Raise EADDRINUSE if anything listens on ``host:port``.
+
+    With SO_REUSEPORT (acceptors) a second server on the same port would bind
+    without an error and share the clients of this one; a plain bind first
+    fails as a server without acceptors would.
+    """
+    if not port:
+        return
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        probe = socket.socket(family, kind, proto)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
+        finally:
+            probe.close()
+
+
 class FastHttpServer:
     """Serve an ASGI app on ``host:port`` with :class:`_Connection` until stopped."""
 
@@ -500,6 +522,8 @@ class FastHttpServer:
                 loop.add_signal_handler(sig, stop.set)
             except (NotImplementedError, RuntimeError, ValueError):
                 pass  # not the main thread (tests): the caller sets ``stop``
+        if self.reuse_port:
+            _refuse_if_taken(self.host, self.port)
         task, to_app, from_app = await self._lifespan()
         self._server = await loop.create_server(
             lambda: _Connection(self), self.host, self.port, backlog=1024, reuse_address=True,

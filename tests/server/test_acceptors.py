@@ -329,6 +329,23 @@ def test_a_lone_connection_is_handed_to_the_owner():
         assert server.stop() == 0
 
 
+def test_a_second_server_on_the_port_fails_instead_of_sharing_it():
+    """SO_REUSEPORT would let a second server bind the same port and take half the
+    clients (to another GPU, other weights): it must fail as without acceptors."""
+    first = _Server(1)
+    try:
+        first.wait_ready()
+        command = [sys.executable, "-m", "moegemm.cli", "serve", *ARGS, "--port",
+                   str(first.port), "--acceptors", "1"]
+        second = subprocess.run(command, env={**os.environ, "MOEGEMM_TOKEN": TOKEN},
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0
+        assert "in use" in second.stderr.lower()
+        first.wait_ready()  # still serving
+    finally:
+        assert first.stop() == 0
+
+
 def test_a_hung_acceptor_is_killed_and_replaced():
     """An acceptor that stops answering the owner's heartbeat (here: stopped with
     SIGSTOP) is killed and another takes its place; the port keeps answering."""
