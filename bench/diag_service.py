@@ -54,7 +54,7 @@ def in_process(m: int) -> None:
     part = Part(xq, xs, sizes)
     # The checks and regrouping as torch ops, then as one kernel (_prologue.py).
     for fused in (False, True):
-        other = Executor(GraphPool(backend, 1024, fused_prologue=fused), Staging(dev))
+        other = Executor(GraphPool(backend, 256, fused_prologue=fused), Staging(dev))
         other.prepare(g, n, k, wq, ws_scale)
         graph = other.pool._graphs[(other.family(g, n, k, xq.dtype), other.pool.launch_rows(m))]
 
