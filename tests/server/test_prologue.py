@@ -82,7 +82,7 @@ def test_check_and_gather_equals_the_torch_ops(dtype, rows, k):
         assert torch.equal(xsg.view(torch.int32), xs.index_select(0, gather).view(torch.int32))
     want = _bad_rows_torch(x, xs)
     assert torch.equal(flags, want)
-    assert want.any() and not want.all()  # both kinds of rows were there
+    assert want.any() and (rows == 1 or not want.all())  # both kinds of rows were there
 
 
 def test_executors_with_and_without_it_answer_alike():
