@@ -133,6 +133,43 @@ class _Slots:
         self.free.insert(i, (offset, size))
 
 
+def sweep_stale_arenas(directory: str = _SHM_DIR) -> list[str]:
+    """Remove arena files whose owner process is gone; return their names.
+
+    An owner killed before its acceptors mapped their arenas (they unlink them
+    once mapped) leaves the files behind; the next owner on the machine
+    removes them. A file whose pid is alive (or not ours to remove) stays.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "moegemm" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    if removed:
+        log.info("removed %d shared-memory arenas of owners that are gone", len(removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 def _create_arena(tag: str) -> str | None:
     """A new /dev/shm file of ``_ARENA_BYTES``, its pages reserved; None when impossible."""
     path = os.path.join(_SHM_DIR, f"moegemm-{os.getpid()}-{tag}-{secrets.token_hex(4)}")
@@ -278,6 +315,7 @@ class Owner:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        sweep_stale_arenas()
         self._unix = await asyncio.start_unix_server(self._serve_link, self.socket_path,
                                                      limit=1 << 20)
         if self.direct_limit > 0:

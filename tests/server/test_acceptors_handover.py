@@ -105,3 +105,22 @@ def test_answers_sent_before_the_owner_dropped_the_channel_are_honoured():
             socket.socket(fileno=fd).close()
 
     asyncio.run(scenario())
+
+
+def test_arenas_of_owners_that_are_gone_are_swept(tmp_path):
+    """An owner killed before its acceptors mapped their arenas leaves the files;
+    the next owner removes those whose process is gone, and nothing else."""
+    import os
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"moegemm-{gone.pid}-a0-req-0123abcd"
+    alive = tmp_path / f"moegemm-{os.getppid()}-a0-req-4567cdef"
+    mine = tmp_path / f"moegemm-{os.getpid()}-a1-ans-89abcdef"
+    other = tmp_path / "moegemm-notapid-x"
+    for path in (stale, alive, mine, other):
+        path.write_bytes(b"x")
+    assert _acceptors.sweep_stale_arenas(str(tmp_path)) == [stale.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (alive, mine, other))
