@@ -290,7 +290,8 @@ class GraphPool:
         go to the device in one copy from a pinned buffer: the family's own
         unless ``fresh_host`` (several launches in one batch: the previous copy
         may not have run yet); the engine waits for each batch before the next
-        reuses it. The result is in ``bufs.out(launched)[:rows]`` (flags in ``bufs.flags(launched)``), in the callers' order, with ``launched = launch_rows(rows)``.
+        reuses it. The result is in ``bufs.out(launched)[:rows]``, in the callers'
+        order (flags in ``bufs.flags(launched)``), ``launched = launch_rows(rows)``.
         """
         bufs = self.buffers(family)
         self._check_table(family, wq, w_scale)
