@@ -244,6 +244,30 @@ def v8_configs(m, n, k, g):
     return [c for c in dict.fromkeys(found) if c.fits(n)]
 
 
+def v9_configs(m, n, k, g):
+    """v9 (bench/NOTES.md): decode tiles with more programs per active expert, scales a pair ahead, split-K."""
+    T = tk.TileConfig
+    rows_per_group = max(1, m // max(g, 1))
+    if rows_per_group > 48:
+        return []
+    tt = tk.default_config(m, n, k, g).block_m
+    ef = {"evict_w": "evict_first"}
+    ah = {"dot_pair": True, "scale_ahead": True}
+    found = [tk.default_config(m, n, k, g),
+             T(tt, 128, True, 4, 3, **ef, **ah), T(tt, 64, True, 4, 3, **ef, **ah)]
+    if min(g, m) * n // 128 < 132:  # few weight tiles: one active expert (m1) or narrow N
+        found += [T(tt, 64, True, 4, 3, **ef), T(tt, 64, True, 4, 4, **ef, **ah)]
+        for split in ((2, 4) if k < 4096 else (2, 4, 8)):
+            found += [T(tt, 64, True, 4, 3, split_k=split, **ef), T(tt, 64, True, 4, 3, split_k=split, **ef, **ah),
+                      T(tt, 128, True, 4, 3, split_k=split, **ef, **ah)]
+        if k < 4096:
+            found += [T(tt, 64, True, 4, 8, **ef), T(tt, 64, True, 4, 4, preload_scales=True, scale_chunk=8, **ef),
+                      T(tt, 64, True, 4, 4, preload_scales=True, scale_chunk=8, split_k=2, **ef)]
+        else:
+            found += [T(tt, 64, True, 4, 3, preload_scales=True, scale_chunk=16, split_k=4, **ef)]
+    return [c for c in dict.fromkeys(found) if c.fits(n)]
+
+
 # ---- one shape -----------------------------------------------------------------------------
 
 def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
@@ -261,7 +285,7 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
     if sweep:
         row["sweep_us"] = {}
         configs = {"all": tk.candidate_configs, "round2": round2_configs, "v7": v7_configs,
-                    "v8": v8_configs}.get(
+                    "v8": v8_configs, "v9": v9_configs}.get(
             sweep, lambda *_: variant_configs(default))(m, n, k, g)
         for cfg in configs:
             try:
@@ -314,9 +338,10 @@ def main() -> None:
     """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8"),
+    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8", "v9"),
                         help="also time every candidate tile config, the table's choice's variants, "
-                             "the v5 split-K / paired-dot variants, the v7 or the v8 prefill variants")
+                             "the v5 split-K / paired-dot variants, the v7 or the v8 prefill variants, "
+                             "or the v9 decode variants")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
     parser.add_argument("--match", default="", help="only shapes whose name contains one of these (comma-separated)")
     parser.add_argument("--only", choices=("seed", "deepseek"))
