@@ -268,6 +268,22 @@ def v9_configs(m, n, k, g):
     return [c for c in dict.fromkeys(found) if c.fits(n)]
 
 
+def v9b_configs(m, n, k, g):
+    """v9 call 2: v8's table choice beside the new table (decode), the lead-tile workaround (prefill)."""
+    T = tk.TileConfig
+    rows_per_group = max(1, m // max(g, 1))
+    if rows_per_group <= 48:
+        tt = tk.default_config(m, n, k, g).block_m
+        if min(g, m) * n // 128 < 132 and k >= 4096:
+            return [T(tt, 64, True, 4, 3, evict_w="evict_first", split_k=4)]
+        return [T(tt, 128, True, 4, 3, evict_w="evict_first")]
+    if m < 4096:
+        return []
+    ws = {"tma": True, "warp_spec": True, "persistent": True, "lead_tile": True}
+    found = [T(128, 256, False, 4, 3, 8, **ws), T(128, 128, False, 4, 3, 8, dot_pair=True, **ws)]
+    return [c for c in found if c.fits(n)]
+
+
 # ---- one shape -----------------------------------------------------------------------------
 
 def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
@@ -285,7 +301,7 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
     if sweep:
         row["sweep_us"] = {}
         configs = {"all": tk.candidate_configs, "round2": round2_configs, "v7": v7_configs,
-                    "v8": v8_configs, "v9": v9_configs}.get(
+                    "v8": v8_configs, "v9": v9_configs, "v9b": v9b_configs}.get(
             sweep, lambda *_: variant_configs(default))(m, n, k, g)
         for cfg in configs:
             try:
@@ -338,10 +354,10 @@ def main() -> None:
     """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8", "v9"),
+    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8", "v9", "v9b"),
                         help="also time every candidate tile config, the table's choice's variants, "
                              "the v5 split-K / paired-dot variants, the v7 or the v8 prefill variants, "
-                             "or the v9 decode variants")
+                             "the v9 decode variants or v9's check against v8 (v9b)")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
     parser.add_argument("--match", default="", help="only shapes whose name contains one of these (comma-separated)")
     parser.add_argument("--only", choices=("seed", "deepseek"))

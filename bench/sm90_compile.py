@@ -79,7 +79,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int):
               "W_TABLE": False, "SPLIT_K": split_k, "DOT_PAIR": cfg.dot_pair, "USE_TMA": cfg.tma,
               "WARP_SPEC": cfg.warp_spec, "SCALE_AHEAD": cfg.scale_ahead,
               "LOCATE_CHUNK": max(1, min(cfg.locate_chunk, tk._next_pow2(g))),
-              "PERSISTENT": cfg.persistent}
+              "PERSISTENT": cfg.persistent, "LEAD_TILE": cfg.lead_tile}
     if split_k == 1:
         consts.update({"part_ptr": None, "count_ptr": None})
     return compile_sm90(grouped_fp8_kernel, sig, consts, cfg.num_warps, cfg.num_stages, divisible)

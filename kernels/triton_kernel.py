@@ -52,6 +52,9 @@ class TileConfig:
     store the current one. Its group walk is unrolled over
     ``max(16, next_pow2(G))`` groups: meant for G <= 64. It also takes
     ``block_n`` 256 (two 128-wide halves, not with ``dot_pair``).
+    ``lead_tile`` (persistent only): each program first runs a throwaway
+    one-block tile, the workaround tried in v9 for the NaN column of the
+    first tile of deep warp-specialised buffers.
     """
 
     block_m: int
@@ -72,12 +75,15 @@ class TileConfig:
     scale_ahead: bool = False
     locate_chunk: int = 16
     persistent: bool = False
+    lead_tile: bool = False
 
     def fits(self, n: int) -> bool:
         """Whether this tile divides N (K is always a multiple of 128)."""
         if self.dot_pair and (self.block_n > 128 or self.preload_scales):
             return False
         if self.persistent and (not self.tma or self.block_n not in (64, 128, 256)):
+            return False
+        if self.lead_tile and not self.persistent:
             return False
         # TMA tiles are at most 128 wide, except the persistent tile's two 128-wide halves.
         wide = self.block_n > 128 and not (self.persistent and self.block_n == 256)
@@ -102,6 +108,8 @@ class TileConfig:
             tma += f"_lc{self.locate_chunk}"
         if self.persistent:
             tma += "_pst"
+        if self.lead_tile:
+            tma += "_lead"
         return (f"{mode}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"_g{self.group_tiles_m}{evict}{preload}{prefetch}{split}{pair}{tma}")
 
@@ -127,7 +135,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
       rows (doubled for G >= 64, where routing is skewed), 128-row weight tiles,
       3 stages. When fewer than 132 weight tiles of 128 rows exist and K is
       long, each tile is latency-bound: 64-row tiles with the scales loaded
-      ahead of the K loop.
+      ahead of the K loop. v9: 16-token tiles at G < 64 run pairs of K blocks
+      with the scales a pair ahead (not at K < 2048 with enough tiles).
     - more rows per group (prefill): v7 (bench/NOTES.md) below; 49..127 rows
       per group keep v5's TMA-fed 64 x 128 tiles.
 
@@ -138,13 +147,28 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
     if rows_per_group <= 48:
         token_tile = min(64, max(16, _next_pow2(rows_per_group * (2 if g >= 64 else 1))))
         # At most min(g, m) groups have rows.
-        if min(g, m) * n // 128 < 132 and k >= 4096:
+        weight_tiles = min(g, m) * n // 128
+        # v9: two K blocks per iteration with each pair's scales loaded a pair
+        # early takes the scale loads' L2 latency off every K block. Measured
+        # (bench/NOTES.md, v9) with 16-token tiles at G = 8 only, so only there.
+        ahead = token_tile == 16 and g < 64
+        if weight_tiles < 132 and k >= 4096:
+            if ahead:
+                # v9: split-K 2 of pairs (N=1280: 26.5 -> 25.1 us).
+                return TileConfig(token_tile, 64, True, num_warps=4, num_stages=3, evict_w="evict_first",
+                                  split_k=2, dot_pair=True, scale_ahead=True)
             if token_tile <= 32:
                 # v5: split-K 4 over 64-row weight tiles fills the SMs (N=1280: 40 -> 27 us).
                 return TileConfig(token_tile, 64, True, num_warps=4, num_stages=3,
                                   evict_w="evict_first", split_k=4)
             return TileConfig(token_tile, 64, True, num_warps=4, num_stages=4,
                               evict_w="evict_first", preload_scales=True, scale_chunk=8)
+        if ahead and (weight_tiles < 132 or k >= 2048):
+            # v9: M=1 N=8192 K=1024: 6.8 -> 5.6 us; N=7168 K=8192: 119.9 -> 109.7 us;
+            # N=8192 K=3584: 59.4 -> 57.4 us. Not at K=1024 with 512 tiles (20.1 -> 21.3 us:
+            # 110 KB of shared memory, 2 programs per SM instead of 4).
+            return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first",
+                              dot_pair=True, scale_ahead=True)
         return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first")
     # v7 (bench/NOTES.md): 128-row tiles only where routing is even enough (G < 64)
     # and each group fills them; the skewed DeepSeek-like layers (G = 256, a mean
@@ -191,6 +215,12 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                 (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1),
                 (128, 128, 8, 5, 1), (128, 128, 8, 4, 8), (128, 64, 4, 4, 1)):
             found.append(TileConfig(bm, bn, False, warps, stages, group_tiles))
+    if rows_per_group <= 48:
+        # v9: pairs with the scales a pair ahead, alone and with split-K 2.
+        for block_n in (64, 128):
+            for split in (1, 2):
+                found.append(TileConfig(token_tile, block_n, True, 4, 3, evict_w="evict_first",
+                                        split_k=split, dot_pair=True, scale_ahead=True))
     # Round 2 (v5 in bench/NOTES.md): split-K for too few weight tiles, paired K blocks.
     # Split-K only with small token tiles: 64-token swap tiles spill with it.
     if token_tile <= 32 and k >= 2048:
@@ -288,7 +318,7 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
             config = replace(config, num_warps=8, num_stages=3, scale_ahead=config.dot_pair)
         if config.block_n > 128:
             config = replace(config, block_n=128)
-        config = replace(config, tma=False, warp_spec=False, persistent=False)
+        config = replace(config, tma=False, warp_spec=False, persistent=False, lead_tile=False)
     num_m = row_tile_bound(m, g, config.block_m)
     tiles = num_m * (n // config.block_n)
     split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
@@ -313,7 +343,7 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
         part_ptr=parts, count_ptr=counts, SPLIT_K=split_k, DOT_PAIR=config.dot_pair,
         USE_TMA=config.tma, WARP_SPEC=config.warp_spec, SCALE_AHEAD=config.scale_ahead,
         LOCATE_CHUNK=max(1, min(config.locate_chunk, _next_pow2(g))),
-        PERSISTENT=config.persistent,
+        PERSISTENT=config.persistent, LEAD_TILE=config.lead_tile,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

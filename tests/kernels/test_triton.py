@@ -269,6 +269,8 @@ ROUND2_CONFIGS = [
     tk.TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True, group_tiles_m=8),
     tk.TileConfig(64, 128, False, 4, 2, dot_pair=True, scale_ahead=True),
     tk.TileConfig(16, 128, True, 4, 3, evict_w="evict_first", dot_pair=True, scale_ahead=True),
+    # v9: the decode table's pairs with the scales ahead, split 2 ways along K (N = 1280).
+    tk.TileConfig(16, 64, True, 4, 3, evict_w="evict_first", split_k=2, dot_pair=True, scale_ahead=True),
     # v8: persistent tiles (one program per SM walking the tiles), warp-specialised
     # paired, plain and 256-wide (two halves), and without warp specialisation.
     tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
@@ -280,6 +282,10 @@ ROUND2_CONFIGS = [
     # stages) write NaN into column 0, like the 3-stage pair above. Strict xfail.
     pytest.param(tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True),
                  marks=pytest.mark.xfail(strict=True, reason="deep warp-specialised buffers: NaN column (v8)")),
+    # v9: the NaN column lands in each program's first tile only; a throwaway lead tile first.
+    tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True, lead_tile=True),
+    tk.TileConfig(128, 128, False, 4, 3, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True,
+                  lead_tile=True),
 ]
 
 

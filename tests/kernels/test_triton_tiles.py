@@ -48,9 +48,20 @@ def test_table_and_candidates_fit_the_shape(m, n, k, g):
 def test_decode_swaps_and_prefill_does_not():
     assert tk.default_config(32, 7168, 8192, 8).swap_ab
     assert not tk.default_config(16384, 7168, 2304, 8).swap_ab
-    # Narrow N with long K: 64-row weight tiles split 4 ways along K, for more tiles.
+    # Narrow N with long K: 64-row weight tiles split along K, for more tiles; v9:
+    # 16-token tiles split 2 ways with pairs of K blocks, their scales a pair ahead.
     narrow = tk.default_config(32, 1280, 8192, 8)
-    assert (narrow.block_n, narrow.split_k) == (64, 4)
+    assert (narrow.block_n, narrow.split_k, narrow.dot_pair, narrow.scale_ahead) == (64, 2, True, True)
+    # 32-token tiles (not measured with pairs) keep v5's split-K 4.
+    narrow_32 = tk.default_config(24 * 8, 1280, 8192, 8)
+    assert (narrow_32.block_m, narrow_32.block_n, narrow_32.split_k, narrow_32.dot_pair) == (32, 64, 4, False)
+    # v9: pairs with the scales ahead for one active expert and for K >= 2048 ...
+    for m, n, k in ((1, 8192, 1024), (32, 7168, 8192), (128, 8192, 3584)):
+        cfg = tk.default_config(m, n, k, 8)
+        assert (cfg.block_m, cfg.block_n, cfg.dot_pair, cfg.scale_ahead) == (16, 128, True, True)
+    # ... but not for K = 1024 with enough tiles (slower there), nor at G >= 64.
+    assert not tk.default_config(128, 8192, 1024, 8).dot_pair
+    assert not tk.default_config(256, 4096, 7168, 256).dot_pair
     # 64-token tiles spill with split-K: they keep the preloaded scales instead.
     wide_tokens = tk.default_config(40 * 8, 1280, 8192, 8)
     assert wide_tokens.block_m == 64 and (wide_tokens.split_k, wide_tokens.preload_scales) == (1, True)
@@ -146,6 +157,12 @@ def test_persistent_option_limits_and_key():
     assert not tk.TileConfig(128, 256, False, 4, 3, tma=True, warp_spec=True, persistent=True).fits(1152)
     assert not tk.TileConfig(128, 256, False, 4, 2, tma=True, warp_spec=True, dot_pair=True,
                              persistent=True).fits(2048)
+
+
+def test_lead_tile_only_on_persistent_tiles():
+    lead = tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True, lead_tile=True)
+    assert lead.fits(2048) and lead.key() != dataclasses.replace(lead, lead_tile=False).key()
+    assert not tk.TileConfig(128, 128, False, 4, 3, 8, tma=True, warp_spec=True, lead_tile=True).fits(2048)
 
 
 def test_split_workspace_is_cached_and_starts_clean():
