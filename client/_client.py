@@ -33,7 +33,7 @@ from ._errors import (
     error_for,
 )
 from ._lane import AsyncLane, Lane, usable
-from ._wire import decode_tensor, encode_tensor, packb, unpackb
+from ._wire import decode_tensor, encode_tensor, pack_parts, packb, unpack_in_place, unpackb
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
     from typing_extensions import Self
@@ -51,6 +51,9 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # The server's relative deadline header (milliseconds): a call still queued when
 # it passes is answered 504 instead of running.
 DEADLINE_HEADER = "X-Deadline-Ms"
+# Answers this large are decoded in place (msgpack's C decoder copies bins;
+# under this size that copy costs less than walking the body in Python).
+_IN_PLACE_FROM = 64 << 10
 
 
 @dataclass
@@ -59,7 +62,9 @@ class _Call:
 
     method: str
     path: str
-    body: bytes | None = None
+    # The body: bytes, or parts to send back to back (``_wire.pack_parts``: large
+    # tensors as views on the caller's memory, never copied into one buffer).
+    body: bytes | list | None = None
     expect: str = "json"  # "json" | "gemm" | "none"
     like_torch: Any = None  # the torch tensor whose kind (and device) the output takes
     retry: bool = True  # health probes report 503 instead of waiting it out
@@ -147,7 +152,7 @@ def _gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | 
         body["x_scale"] = encode_tensor(x_scale)
     torch = sys.modules.get("torch")
     like = x if torch is not None and isinstance(x, torch.Tensor) else None
-    return _Call("POST", _weights_path(name) + "/gemm", packb(body), expect="gemm",
+    return _Call("POST", _weights_path(name) + "/gemm", pack_parts(body), expect="gemm",
                  like_torch=like, deadline=_budget(deadline))
 
 
@@ -208,7 +213,10 @@ def _result(call: _Call, response: httpx.Response, request_id: str) -> Any:
         media = response.headers.get("content-type", "").split(";")[0].strip().lower()
         if media not in _MSGPACK_TYPES:
             raise ValueError(f"content type {media!r} is not msgpack")
-        out = decode_tensor(unpackb(response.content)["out"])
+        content = response.content
+        # A large answer's tensor stays where it was received (a view, no copy).
+        body = unpack_in_place(content) if len(content) >= _IN_PLACE_FROM else unpackb(content)
+        out = decode_tensor(body["out"])
     except (ValueError, KeyError, APIError) as exc:
         # A 2xx answer we cannot read is the server's fault, not the request's.
         raise InternalError(
@@ -360,7 +368,7 @@ class Client(_Base):
                         call.method, call.path, args["headers"], call.body,
                         args.get("timeout", self._timeout), call.deadline)
                 elif call.deadline is None:
-                    response = self._http.request(**args)
+                    response = self._http.request(**_joined(args))
                 else:
                     response = self._request_by(call, args, request_id)
                 return _result(call, response, request_id)
@@ -381,7 +389,7 @@ class Client(_Base):
         httpx's timeouts bound each read, not their sum: an answer trickling in
         could otherwise outlast the deadline many times over.
         """
-        with self._http.stream(**args) as response:
+        with self._http.stream(**_joined(args)) as response:
             chunks = []
             for chunk in response.iter_bytes():
                 chunks.append(chunk)
@@ -495,7 +503,7 @@ class AsyncClient(_Base):
 
     def _exchange(self, call: _Call, args: dict[str, Any]):
         if self._lane is None:
-            return self._http.request(**args)
+            return self._http.request(**_joined(args))
         return self._lane.request(call.method, call.path, args["headers"], call.body,
                                   args.get("timeout", self._timeout), call.deadline)
 
@@ -579,6 +587,14 @@ class AsyncClient(_Base):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _joined(args: dict[str, Any]) -> dict[str, Any]:
+    """httpx's arguments with a body of parts joined into bytes (the lane sends parts as
+    they are; httpx would stream a list chunked)."""
+    if isinstance(args["content"], list):
+        return {**args, "content": b"".join(args["content"])}
+    return args
 
 
 def _weight_list(payload: Any) -> list[dict]:

@@ -23,12 +23,14 @@ it is reused -- it reads as ready -- and replaced; a request is never sent twice
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
 from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
 
 try:
     import httptools
@@ -36,7 +38,44 @@ except ImportError:  # pragma: no cover - httptools is a dependency; be safe any
     httptools = None
 
 _RECV = 1 << 20
+# The first read of an answer: its head and, for small answers, the whole body.
+_RECV_HEAD = 1 << 16
+_HEAD_LIMIT = 1 << 20
+# Bodies this large are received into their own buffer (smaller ones: bytes).
+_DIRECT_FROM = 1 << 16
+_IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 _POOL = 8  # idle sockets kept per client
+_ILLEGAL = re.compile("[\r\n\0]")  # never inside a header field
+
+
+class AnswerHeaders:
+    """An answer's header fields, read by name (case-insensitive), as ``httpx.Headers.get``.
+
+    Built from the parser's raw pairs without copying them into an
+    ``httpx.Headers`` (which costs a small call more than reading two fields).
+    """
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        key = name.lower().encode("latin-1")
+        values = [v.decode("latin-1") for k, v in self.raw if k.lower() == key]
+        return ", ".join(values) if values else default
+
+    def __getitem__(self, name: str) -> str:
+        value = self.get(name)
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+    def multi_items(self) -> list[tuple[str, str]]:
+        return [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in self.raw]
 
 
 class Answer:
@@ -44,7 +83,8 @@ class Answer:
 
     __slots__ = ("content", "headers", "reason_phrase", "status_code")
 
-    def __init__(self, status: int, headers: httpx.Headers, content: bytes, reason: str = "") -> None:
+    def __init__(self, status: int, headers: AnswerHeaders, content: bytes | memoryview,
+                 reason: str = "") -> None:
         self.status_code = status
         self.headers = headers
         self.content = content
@@ -52,12 +92,12 @@ class Answer:
 
     @property
     def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
+        return bytes(self.content).decode("utf-8", "replace")
 
     def json(self):
         import json
 
-        return json.loads(self.content)
+        return json.loads(bytes(self.content))
 
 
 class _Reader:
@@ -92,6 +132,21 @@ class _Reader:
             self.headers_done = False
             return
         self.done = True
+
+    def content_length(self) -> int | None:
+        """The answer's declared body length; None when it is chunked or runs until close."""
+        length = None
+        for name, value in self.headers:
+            name = name.lower()
+            if name == b"transfer-encoding":
+                return None
+            if name == b"content-length":
+                try:
+                    length = int(value.strip())
+                except ValueError:
+                    raise httpx.RemoteProtocolError(
+                        f"malformed answer: content-length {value!r:.40}") from None
+        return length
 
     def ends_at_close(self) -> bool:
         """Whether this answer's body runs until the server closes (no length, not chunked)."""
@@ -193,12 +248,12 @@ class Lane:
         not each read: past it, ``httpx.ReadTimeout`` (the caller tells a passed
         deadline from a slow server by the clock).
         """
-        body = body or b""
-        data = _head(method, self.prefix + path, self._fixed, headers, body)
+        parts = _parts(body)
+        data = _head(method, self.prefix + path, self._fixed, headers, sum(map(len, parts)))
         sock = self._take(timeout, deadline)
         keep = False
         try:
-            sent = self._send(sock, data, body, timeout, deadline)
+            sent = self._send(sock, data, parts, timeout, deadline)
             answer, keep = self._receive(sock, timeout, deadline, sent)
             return answer
         finally:
@@ -207,17 +262,16 @@ class Lane:
             else:
                 sock.close()
 
-    def _send(self, sock, data: bytes, body: bytes, timeout, deadline) -> OSError | None:
+    def _send(self, sock, data: bytes, parts: list, timeout, deadline) -> OSError | None:
         """Write the request; a failed write is returned, not raised: a server may
         answer (413, 401, 503) and close before reading a large body, and that
         answer is what the caller must see."""
         sock.settimeout(_left(timeout.write, deadline))
         try:
-            if len(body) <= 1 << 16:
-                sock.sendall(data + body)  # one segment for a small call
+            if sum(map(len, parts)) <= 1 << 16:
+                sock.sendall(b"".join((data, *parts)))  # one segment for a small call
             else:
-                sock.sendall(data)
-                sock.sendall(body)
+                _send_parts(sock, [memoryview(data), *map(memoryview, parts)])
         except TimeoutError as exc:
             raise httpx.WriteTimeout(f"sending to {self.host}:{self.port}: {exc}") from exc
         except OSError as exc:
@@ -228,16 +282,55 @@ class Lane:
         parse, where = _Parse(), f"{self.host}:{self.port}"
         done = False
         while not done:
+            if parse.body is not None:
+                self._read_body(sock, parse, timeout, deadline, send_error, where)
+                break
             recv_error = None
             try:
                 sock.settimeout(_left(timeout.read, deadline))
-                chunk = sock.recv(_RECV)
+                chunk = sock.recv(_RECV_HEAD)
             except TimeoutError as exc:
                 raise httpx.ReadTimeout(f"reading from {where}: {exc}") from exc
             except OSError as exc:  # e.g. reset after the server answered early
                 chunk, recv_error = b"", exc
             done = parse.feed(chunk, where, send_error, recv_error)
         return parse.answer(send_error)
+
+    @staticmethod
+    def _read_body(sock, parse: _Parse, timeout, deadline, send_error, where: str) -> None:
+        """The rest of a body of known length, received straight into its buffer."""
+        view = memoryview(parse.body)
+        while parse.got < len(view):
+            recv_error = None
+            try:
+                sock.settimeout(_left(timeout.read, deadline))
+                n = sock.recv_into(view[parse.got:])
+            except TimeoutError as exc:
+                raise httpx.ReadTimeout(f"reading from {where}: {exc}") from exc
+            except OSError as exc:
+                n, recv_error = 0, exc
+            if not n:
+                parse.feed(b"", where, send_error, recv_error)  # raises: the answer is cut short
+            parse.got += n
+        parse.reader.done = True
+
+
+def _parts(body: bytes | list | None) -> list:
+    """A body as parts (``_wire.pack_parts`` lists pass through)."""
+    if body is None:
+        return []
+    return body if isinstance(body, list) else [body]
+
+
+def _send_parts(sock: socket.socket, views: list[memoryview]) -> None:
+    """``sendall`` of several buffers with scatter-gather writes (no joined copy)."""
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def _fixed_headers(parts, headers: dict[str, str]) -> dict[str, tuple[str, str]]:
@@ -248,29 +341,39 @@ def _fixed_headers(parts, headers: dict[str, str]) -> dict[str, tuple[str, str]]
     return fixed
 
 
-def _head(method: str, target: str, fixed: dict, headers: dict[str, str], body: bytes) -> bytes:
+def _head(method: str, target: str, fixed: dict, headers: dict[str, str], size: int) -> bytes:
     """The request line and headers, CR/LF-checked, as bytes."""
     fields = dict(fixed)
     for key, value in headers.items():
         fields[key.lower()] = (key, value)
-    head = [f"{method} {target} HTTP/1.1\r\n"]
+    lines = []
     for key, value in fields.values():
-        value = str(value)
-        if any(c in key or c in value for c in "\r\n\0"):
+        line = f"{key}: {value}\r\n"
+        if _ILLEGAL.search(line, 0, len(line) - 2):
             raise httpx.LocalProtocolError(f"illegal header {key!r}: CR, LF or NUL")
-        head.append(f"{key}: {value}\r\n")
-    if body or method in ("POST", "PUT", "PATCH"):
-        head.append(f"Content-Length: {len(body)}\r\n")
-    head.append("\r\n")
-    return "".join(head).encode("latin-1")
+        lines.append(line)
+    lines = "".join(lines)
+    length = f"Content-Length: {size}\r\n" if size or method in ("POST", "PUT", "PATCH") else ""
+    return f"{method} {target} HTTP/1.1\r\n{lines}{length}\r\n".encode("latin-1")
 
 
 class _Parse:
-    """Feeding one answer to httptools: what both lanes do with the bytes they read."""
+    """Reading one answer: the head through httptools, then the body.
+
+    A final answer that declares a length of 64 KiB or more has its body
+    received into one buffer of that size (``body``; :class:`Lane` reads into it with
+    ``recv_into``), which the answer then holds as a read-only view: the
+    body's bytes are copied once, by the kernel. Chunked answers and answers
+    that run until close go through httptools whole.
+    """
 
     def __init__(self) -> None:
         self.reader = _Reader()
         self.parser = self.reader.parser = httptools.HttpResponseParser(self.reader)
+        self.head = b""  # the start of a head whose end has not arrived
+        self.whole = False  # feed everything to httptools (chunked, until close)
+        self.body: np.ndarray | None = None  # the known-length body's buffer
+        self.got = 0
 
     def feed(self, chunk: bytes, where: str, send_error: OSError | None,
              recv_error: OSError | None) -> bool:
@@ -285,16 +388,53 @@ class _Parse:
             if recv_error is not None:
                 raise httpx.ReadError(f"reading from {where}: {recv_error}") from recv_error
             raise httpx.RemoteProtocolError(f"{where} closed the connection before a full answer")
+        if self.body is not None:
+            take = min(len(chunk), len(self.body) - self.got)
+            self.body[self.got:self.got + take] = np.frombuffer(chunk, np.uint8, take)
+            self.got += take
+            reader.done = self.got == len(self.body)
+            return reader.done
+        if self.whole:
+            self._feed_parser(chunk)
+            return reader.done
+        data = self.head + chunk if self.head else chunk
+        while True:
+            end = data.find(b"\r\n\r\n")
+            if end < 0:
+                if len(data) > _HEAD_LIMIT:
+                    raise httpx.RemoteProtocolError(f"malformed answer: a head over {_HEAD_LIMIT} bytes")
+                self.head = data
+                return False
+            self._feed_parser(data[:end + 4])
+            data = data[end + 4:]
+            if reader.done:
+                return True  # a final answer without a body
+            if reader.headers_done:
+                break
+            # An interim 1xx answer (skipped by the reader): the next head follows.
+        self.head = b""
+        length = reader.content_length()
+        if length is None or length < _DIRECT_FROM:
+            self.whole = True
+            if data:
+                self._feed_parser(data)
+            return reader.done
+        self.body = np.empty(length, dtype=np.uint8)
+        return self.feed(data, where, send_error, recv_error) if data else False
+
+    def _feed_parser(self, data: bytes) -> None:
         try:
-            self.parser.feed_data(chunk)
+            self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             raise httpx.RemoteProtocolError(f"malformed answer: {exc}") from exc
-        return reader.done
 
     def answer(self, send_error: OSError | None) -> tuple[Answer, bool]:
         reader = self.reader
-        content = reader.chunks[0] if len(reader.chunks) == 1 else b"".join(reader.chunks)
-        answer = Answer(self.parser.get_status_code(), httpx.Headers(reader.headers), content,
+        if self.body is not None:
+            content = memoryview(self.body).toreadonly()
+        else:
+            content = reader.chunks[0] if len(reader.chunks) == 1 else b"".join(reader.chunks)
+        answer = Answer(self.parser.get_status_code(), AnswerHeaders(reader.headers), content,
                         reader.reason.decode("latin-1"))
         # An answer read after a failed write leaves the request half sent: never reuse.
         return answer, reader.keep_alive and send_error is None and not reader.ends_at_close()
@@ -351,12 +491,12 @@ class AsyncLane:
     async def request(self, method: str, path: str, headers: dict[str, str], body: bytes | None,
                       timeout: httpx.Timeout, deadline: float | None = None) -> Answer:
         """As :meth:`Lane.request`, awaited."""
-        body = body or b""
-        data = _head(method, self.prefix + path, self._fixed, headers, body)
+        parts = _parts(body)
+        data = _head(method, self.prefix + path, self._fixed, headers, sum(map(len, parts)))
         conn = await self._take(timeout, deadline)
         keep = False
         try:
-            send_error = await self._send(conn[1], data, body, timeout, deadline)
+            send_error = await self._send(conn[1], data, parts, timeout, deadline)
             answer, keep = await self._receive(conn[0], timeout, deadline, send_error)
             return answer
         finally:
@@ -365,11 +505,12 @@ class AsyncLane:
             else:
                 conn[1].close()
 
-    async def _send(self, writer, data, body, timeout, deadline) -> OSError | None:
+    async def _send(self, writer, data, parts, timeout, deadline) -> OSError | None:
         try:
-            writer.write(data + body if len(body) <= 1 << 16 else data)
-            if len(body) > 1 << 16:
-                writer.write(body)
+            if sum(map(len, parts)) <= 1 << 16:
+                writer.write(b"".join((data, *parts)))
+            else:
+                writer.writelines([data, *parts])
             await asyncio.wait_for(writer.drain(), _left(timeout.write, deadline))
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise httpx.WriteTimeout(f"sending to {self.where}: timed out") from exc

@@ -11,6 +11,7 @@ already imported by the caller (``sys.modules``), and crosses as raw bytes.
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,10 @@ import numpy as np
 
 from ._errors import BadDtype, BadMsgpack, BadTensor
 
-__all__ = ["DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "packb", "unpackb"]
+__all__ = [
+    "DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "pack_parts", "packb",
+    "unpack_in_place", "unpackb",
+]
 
 DTYPES: dict[str, np.dtype] = {
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -200,3 +204,201 @@ def unpackb(body: bytes | bytearray | memoryview) -> dict:
     if not isinstance(obj, dict):
         raise BadMsgpack(f"the body must be a msgpack map, got {type(obj).__name__}")
     return obj
+
+
+# -- zero-copy forms: large bodies as parts, large bins as views ---------------------
+
+# Nesting deeper than this is left to unpackb (our bodies are three levels deep).
+_MAX_DEPTH = 16
+
+_U8, _U16, _U32, _U64 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
+_I8, _I16, _I32, _I64 = struct.Struct(">b"), struct.Struct(">h"), struct.Struct(">i"), struct.Struct(">q")
+_F32, _F64 = struct.Struct(">f"), struct.Struct(">d")
+
+
+class _Unusual(Exception):
+    """Not a plain valid body: let the standard decoder decide."""
+
+
+class _Reader:
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        end = self.pos + n
+        if end > len(self.view):
+            raise _Unusual
+        out = self.view[self.pos:end]
+        self.pos = end
+        return out
+
+    def num(self, fmt: struct.Struct):
+        end = self.pos + fmt.size
+        if end > len(self.view):
+            raise _Unusual
+        value = fmt.unpack_from(self.view, self.pos)[0]
+        self.pos = end
+        return value
+
+    def value(self, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise _Unusual
+        b = self.num(_U8)
+        if b <= 0x7F:
+            return b
+        if b >= 0xE0:
+            return b - 0x100
+        if 0x80 <= b <= 0x8F:
+            return self.map(b & 0x0F, depth)
+        if 0x90 <= b <= 0x9F:
+            return self.array(b & 0x0F, depth)
+        if 0xA0 <= b <= 0xBF:
+            return self.str(b & 0x1F)
+        if b == 0xC0:
+            return None
+        if b == 0xC2:
+            return False
+        if b == 0xC3:
+            return True
+        if b == 0xC4:
+            return self.take(self.num(_U8))
+        if b == 0xC5:
+            return self.take(self.num(_U16))
+        if b == 0xC6:
+            return self.take(self.num(_U32))
+        simple = _SCALARS.get(b)
+        if simple is not None:
+            return self.num(simple)
+        if b == 0xD9:
+            return self.str(self.num(_U8))
+        if b == 0xDA:
+            return self.str(self.num(_U16))
+        if b == 0xDB:
+            return self.str(self.num(_U32))
+        if b == 0xDC:
+            return self.array(self.num(_U16), depth)
+        if b == 0xDD:
+            return self.array(self.num(_U32), depth)
+        if b == 0xDE:
+            return self.map(self.num(_U16), depth)
+        if b == 0xDF:
+            return self.map(self.num(_U32), depth)
+        raise _Unusual  # ext types and the unused byte 0xC1
+
+    def str(self, n: int) -> str:
+        if n > _MAX_STR_LEN:
+            raise _Unusual
+        try:
+            return str(self.take(n), "utf-8")
+        except UnicodeDecodeError:
+            raise _Unusual from None
+
+    def array(self, n: int, depth: int) -> list:
+        if n > _MAX_ARRAY_LEN:
+            raise _Unusual
+        return [self.value(depth + 1) for _ in range(n)]
+
+    def map(self, n: int, depth: int) -> dict:
+        if n > _MAX_MAP_LEN:
+            raise _Unusual
+        out: dict = {}
+        for _ in range(n):
+            key = self.value(depth + 1)
+            if not isinstance(key, str) or key in out:
+                raise _Unusual
+            out[key] = self.value(depth + 1)
+        return out
+
+
+_SCALARS = {
+    0xCA: _F32, 0xCB: _F64, 0xCC: _U8, 0xCD: _U16, 0xCE: _U32, 0xCF: _U64,
+    0xD0: _I8, 0xD1: _I16, 0xD2: _I32, 0xD3: _I64,
+}
+
+
+
+def unpack_in_place(body: bytes | bytearray | memoryview) -> dict:
+    """``unpackb``, but every bin is a memoryview on ``body`` instead of a bytes copy.
+
+    Walks only the plain types our bodies use (maps, arrays, str, bin, ints,
+    floats, nil, bools) and only fully valid input: anything else --
+    truncation, ext types, duplicate or non-string keys, oversize containers,
+    bad UTF-8 -- is handed to ``unpackb``, which raises exactly the error the
+    contract names. Used for large bodies (the server's requests, the client's
+    answers): their tensor bytes are then never copied on the host.
+    """
+    view = memoryview(body)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    reader = _Reader(view)
+    try:
+        obj = reader.value(0)
+        if isinstance(obj, dict) and reader.pos == len(view):
+            return obj
+    except _Unusual:
+        pass
+    return unpackb(body)
+
+
+# Bins at least this large go out as their own part (a view, not a copy).
+_PART_FROM = 64 << 10
+
+
+def bin_header(n: int) -> bytes:
+    """The msgpack header of a bin of ``n`` bytes."""
+    if n < 1 << 8:
+        return b"\xc4" + _U8.pack(n)
+    if n < 1 << 16:
+        return b"\xc5" + _U16.pack(n)
+    return b"\xc6" + _U32.pack(n)
+
+
+def pack_parts(obj: dict) -> list[bytes | memoryview]:
+    """``packb(obj)`` as a list of parts whose concatenation is exactly those bytes.
+
+    Bins of 64 KiB or more are parts of their own, views on the caller's memory
+    (so do not write to it before the parts are sent); everything between them
+    is packed into a few small bytes parts. A socket sends the list with one
+    scatter-gather call (``sendmsg``) and the tensor bytes are never copied.
+    """
+    if not _holds_part(obj):
+        return [packb(obj)]
+    parts: list[bytes | memoryview] = []
+    small = bytearray()
+    _pack_into(obj, small, parts, msgpack.Packer(use_bin_type=True).pack)
+    if small:
+        parts.append(bytes(small))
+    return parts
+
+
+def _holds_part(obj: Any) -> bool:
+    """Whether ``obj`` is, or as a map holds, a bin that goes out as its own part.
+
+    Only maps are searched (our bodies put tensors in maps); anything else is
+    packed whole, which is correct, only not zero-copy.
+    """
+    if type(obj) is dict:
+        for value in obj.values():
+            if _holds_part(value):
+                return True
+        return False
+    return type(obj) is memoryview and obj.nbytes >= _PART_FROM
+
+
+def _pack_into(obj: Any, small: bytearray, parts: list, pack) -> None:
+    if not _holds_part(obj):
+        small += pack(obj)  # a whole subtree without large bins: one packer call
+    elif isinstance(obj, dict):
+        n = len(obj)
+        small += bytes([0x80 | n]) if n < 16 else (b"\xde" + _U16.pack(n) if n < 1 << 16
+                                                   else b"\xdf" + _U32.pack(n))
+        for key, value in obj.items():
+            small += pack(key)
+            _pack_into(value, small, parts, pack)
+    else:  # a large bin
+        view = obj if obj.format == "B" and obj.ndim == 1 else obj.cast("B")
+        small += bin_header(view.nbytes)
+        parts.append(bytes(small))
+        small.clear()
+        parts.append(view)

@@ -1,0 +1,429 @@
+"""Where one lone call's time goes, as a timeline across the client and the server.
+
+    python bench/trace_service.py --out trace.json            # on the GPU box
+    python bench/trace_service.py --cpu --out /tmp/trace.json  # small shapes, CPU backend
+
+One client, one keep-alive connection, calls one after the other. The client
+stamps each call (``time.perf_counter_ns``, CLOCK_MONOTONIC: one clock for every
+process on the machine); the server runs with stamps wrapped around its
+request path (``--traced-serve``: the transport's first read and dispatch, the
+gemm handler, ``Engine.gemm``, ``Executor.run`` and its steps) and writes them
+at exit. Each segment of the path is then a median over the calls:
+
+    send hop  : client sendall -> the server's first read of the request
+    body      : first read -> whole body (dispatch)
+    task      : dispatch -> the handler runs
+    decode    : handler -> Engine.gemm (msgpack, names, checks)
+    to batch  : Engine.gemm -> Executor.run (validate, queue or inline)
+    executor  : Executor.run (staging, uploads, graph, download), with its steps
+    from batch: Executor.run returned -> Engine.gemm returns
+    answer    : Engine.gemm returned -> the handler returns (headers, metrics)
+    write     : handler returned -> the transport wrote the answer
+    back hop  : written -> the client holds the whole answer
+
+Beside it, the floor of the same exchange without moegemm: a uvloop server
+that reads the body into a preallocated buffer and writes a canned answer of
+the same size (``--echo``), with the same raw-socket client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import functools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+_now = time.perf_counter_ns
+
+# -- the server side: stamps around the request path ------------------------------
+
+_TRACE: list[dict] = []
+_current: dict = {}
+
+
+def _install_stamps() -> None:
+    """Wrap the request path of this process (the owner) with stamps."""
+    from moegemm.server import _executor, _graphs, _http, _staging, engine
+    from moegemm.server import _direct
+
+    conn = _http._Connection
+    orig_updated = conn.buffer_updated
+
+    def buffer_updated(self, nbytes):
+        if self.task is None and self.body is None and self.head_used == 0 and "recv" not in _current:
+            _current["recv"] = _now()
+        return orig_updated(self, nbytes)
+
+    conn.buffer_updated = buffer_updated
+
+    orig_dispatch = conn._dispatch
+
+    def dispatch(self):
+        _current["dispatch"] = _now()
+        return orig_dispatch(self)
+
+    conn._dispatch = dispatch
+
+    orig_finish = conn._finish
+
+    def finish(self):
+        _current["finish"] = _now()
+        _TRACE.append(dict(_current))
+        _current.clear()
+        return orig_finish(self)
+
+    conn._finish = finish
+
+    def stamp_async(cls, attr, key):
+        orig = getattr(cls, attr)
+
+        @functools.wraps(orig)
+        async def wrapped(*a, **kw):
+            _current[key + "0"] = _now()
+            try:
+                return await orig(*a, **kw)
+            finally:
+                _current[key + "1"] = _now()
+
+        setattr(cls, attr, wrapped)
+
+    def stamp_sync(cls, attr, key):
+        orig = getattr(cls, attr)
+
+        @functools.wraps(orig)
+        def wrapped(*a, **kw):
+            t0 = _now()
+            try:
+                return orig(*a, **kw)
+            finally:
+                # Steps may run several times per call: their time adds up.
+                spent = _current.get("steps", {})
+                spent[key] = spent.get(key, 0) + _now() - t0
+                _current["steps"] = spent
+                _current.setdefault(key + "0", t0)
+                _current[key + "1"] = _now()
+
+        setattr(cls, attr, wrapped)
+
+    stamp_async(_direct.DirectGemm, "__call__", "handler")
+    stamp_async(engine.Engine, "gemm", "gemm")
+    stamp_sync(_executor.Executor, "run", "executor")
+    for cls, attr in ((_staging.Staging, "gather_rows"), (_staging.Staging, "upload"),
+                      (_staging.Staging, "download"), (_graphs.GraphPool, "launch"),
+                      (_executor.Executor, "_run_direct"), (engine.Engine, "validate")):
+        stamp_sync(cls, attr, attr)
+    _graphs.unpack_result = _wrap_fn(_graphs.unpack_result, "unpack_result")
+    _executor.unpack_result = _graphs.unpack_result
+
+
+def _wrap_fn(fn, key):
+    @functools.wraps(fn)
+    def wrapped(*a, **kw):
+        t0 = _now()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent = _current.get("steps", {})
+            spent[key] = spent.get(key, 0) + _now() - t0
+            _current["steps"] = spent
+    return wrapped
+
+
+def traced_serve(argv: list[str], trace_out: str) -> int:
+    """``moegemm serve`` with stamps; the stamps go to ``trace_out`` at exit."""
+    _install_stamps()
+
+    def dump() -> None:
+        Path(trace_out).write_text(json.dumps(_TRACE))
+
+    atexit.register(dump)
+    from moegemm.server.cli import main
+
+    return main(argv)
+
+
+# -- the floor: a uvloop server that answers canned bytes ---------------------------
+
+
+class _Echo(asyncio.BufferedProtocol):
+    def __init__(self, answers: dict[int, bytes]) -> None:
+        self.answers = answers
+        self.head = bytearray(1 << 16)
+        self.view = memoryview(self.head)
+        self.used = 0
+        self.body: memoryview | None = None
+        self.got = 0
+        self.want = 0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint):
+        if self.body is not None:
+            return self.body[self.got:]
+        return self.view[self.used:]
+
+    def buffer_updated(self, n):
+        if self.body is not None:
+            self.got += n
+        else:
+            self.used += n
+            end = self.head.find(b"\r\n\r\n", 0, self.used)
+            if end < 0:
+                return
+            head = bytes(self.view[:end]).lower()
+            self.want = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+            self.body = memoryview(np.empty(self.want, dtype=np.uint8))
+            have = self.used - end - 4
+            self.body[:have] = self.view[end + 4:self.used]
+            self.got, self.used = have, 0
+        if self.got == self.want:
+            self.transport.write(self.answers[self.want])
+            self.body = None
+
+
+def echo_serve(port: int, sizes: list[tuple[int, int]]) -> None:
+    """Answer a body of each request size with a canned answer of its answer size."""
+    import uvloop
+
+    answers = {}
+    for req, ans in sizes:
+        answers[req] = (b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.msgpack\r\n"
+                        b"content-length: %d\r\n\r\n" % ans) + bytes(ans)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Echo(answers), "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(main())
+
+
+# -- the client ----------------------------------------------------------------------
+
+
+class RawClient:
+    """One keep-alive connection: prebuilt request bytes, whole answer read back."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(16 << 20)
+        self.view = memoryview(self.buf)
+
+    def call(self, request: bytes) -> tuple[int, int, int]:
+        """(sent, first bytes back, whole answer back) stamps."""
+        t0 = _now()
+        self.sock.sendall(request)
+        got = self.sock.recv_into(self.view)
+        t1 = _now()
+        while True:
+            end = self.buf.find(b"\r\n\r\n", 0, got)
+            if end >= 0:
+                break
+            got += self.sock.recv_into(self.view[got:])
+        head = bytes(self.view[:end]).lower()
+        length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+        want = end + 4 + length
+        while got < want:
+            got += self.sock.recv_into(self.view[got:])
+        if not head.startswith(b"http/1.1 200"):
+            raise RuntimeError(bytes(self.view[:min(got, 400)]).decode(errors="replace"))
+        return t0, t1, _now()
+
+
+def request_bytes(path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/vnd.msgpack\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _median(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timeline(client_stamps: list[tuple[int, int, int]], trace: list[dict]) -> dict:
+    """Median microseconds of each segment over calls matched by order."""
+    pairs = list(zip(client_stamps, trace[-len(client_stamps):]))
+    segs: dict[str, list[float]] = {}
+
+    def add(name, a, b):
+        if a is not None and b is not None:
+            segs.setdefault(name, []).append((b - a) / 1e3)
+
+    for (c0, _c1, c2), s in pairs:
+        add("total (client)", c0, c2)
+        add("send hop", c0, s.get("recv"))
+        add("body", s.get("recv"), s.get("dispatch"))
+        add("task", s.get("dispatch"), s.get("handler0"))
+        add("decode", s.get("handler0"), s.get("gemm0"))
+        add("to batch", s.get("gemm0"), s.get("executor0"))
+        add("executor", s.get("executor0"), s.get("executor1"))
+        add("from batch", s.get("executor1"), s.get("gemm1"))
+        add("answer", s.get("gemm1"), s.get("handler1"))
+        add("write", s.get("handler1"), s.get("finish"))
+        add("back hop", s.get("finish"), c2)
+        for step, ns in s.get("steps", {}).items():
+            segs.setdefault("  step " + step, []).append(ns / 1e3)
+    return {name: round(_median(v), 1) for name, v in segs.items()}
+
+
+def _wait_port(port: int, proc: subprocess.Popen | None, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/health/ready", timeout=2).status_code == 200:
+                return
+        except Exception:  # noqa: BLE001 -- not up yet
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server not ready")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--port", type=int, default=18750)
+    ap.add_argument("--ms", default="1,128")
+    ap.add_argument("--variants", default="default,acceptors0",
+                    help="server settings to trace: default, acceptors0, noinline, uvicorn")
+    ap.add_argument("--traced-serve", nargs=argparse.REMAINDER)
+    ap.add_argument("--trace-out")
+    ap.add_argument("--echo", type=int, help="(internal) run the floor server on this port")
+    ap.add_argument("--echo-sizes")
+    args = ap.parse_args()
+    if args.traced_serve is not None:
+        return traced_serve(args.traced_serve, args.trace_out)
+    if args.echo:
+        echo_serve(args.echo, json.loads(args.echo_sizes))
+        return 0
+
+    import ml_dtypes
+    from bench_service import write_weights
+    from moegemm.client import Client
+    from moegemm.client._wire import encode_tensor, packb
+
+    g, n, k = (8, 256, 512) if args.cpu else (8, 2048, 7168)
+    device = "cpu" if args.cpu else "cuda"
+    work = Path(tempfile.mkdtemp(prefix="moegemm_trace_"))
+    write_weights(work / "main.safetensors", g, n, k, seed=1)
+    rng = np.random.default_rng(0)
+    requests = {}
+    for m in (int(x) for x in args.ms.split(",")):
+        sizes = rng.multinomial(m, np.full(g, 1.0 / g)).astype(np.int64)
+        xq = rng.uniform(-448, 448, size=(m, k)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+        scale = rng.uniform(1e-4, 1e-3, size=(m, k // 128)).astype(np.float32)
+        body = packb({"x": encode_tensor(xq), "x_scale": encode_tensor(scale),
+                      "m_sizes": encode_tensor(sizes)})
+        requests[m] = (xq, scale, sizes, body)
+    result: dict = {"shape": {"G": g, "N": n, "K": k}, "calls": args.calls, "floor": {}, "traced": {}}
+
+    # The floor: same bytes in and out, nothing done with them.
+    port = args.port
+    answer = {m: 2 * m * n + 64 for m in requests}
+    echo = subprocess.Popen([sys.executable, "-P", __file__, "--echo", str(port), "--echo-sizes",
+                             json.dumps([[len(r[3]), answer[m]] for m, r in requests.items()])])
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port)).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        raw = RawClient(port)
+        for m, (_, _, _, body) in requests.items():
+            req = request_bytes("/x", body)
+            for _ in range(50):
+                raw.call(req)
+            lat = [(c - a) / 1e3 for a, _, c in (raw.call(req) for _ in range(args.calls))]
+            result["floor"][f"M{m}"] = {"p50_us": round(_median(lat), 1),
+                                        "body_bytes": len(body), "answer_bytes": answer[m]}
+            print(f"floor (uvloop echo, raw socket) M={m}: p50 {_median(lat):.1f} us "
+                  f"({len(body)} B in, {answer[m]} B out)", flush=True)
+    finally:
+        echo.terminate()
+        echo.wait(10)
+
+    variants = {
+        "default": [],
+        "acceptors0": ["--acceptors", "0"],
+        "uvicorn": ["--http", "uvicorn", "--acceptors", "0"],
+    }
+    env_variants = {"noinline": {"MOEGEMM_INLINE_WHEN_IDLE": "0"}}
+    for i, name in enumerate(args.variants.split(",")):
+        port = args.port + 1 + i
+        trace_out = work / f"trace_{name}.json"
+        serve_args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--device", device,
+                      "--no-demo", "--weights-dir", str(work), "--preload", "main=main.safetensors:w:w_scale",
+                      "--log-level", "warning", *variants.get(name, [])]
+        env = {**os.environ, **env_variants.get(name, {})}
+        proc = subprocess.Popen([sys.executable, "-P", __file__, "--trace-out", str(trace_out),
+                                 "--traced-serve", *serve_args], env=env)
+        try:
+            _wait_port(port, proc, 300)
+            raw = RawClient(port)
+            client = Client(f"http://127.0.0.1:{port}", timeout=60, retries=0)
+            stamps = {}
+            for m, (xq, scale, sizes, body) in requests.items():
+                req = request_bytes("/v1/weights/main/gemm", body)
+                for _ in range(50):
+                    raw.call(req)
+                stamps[m] = [raw.call(req) for _ in range(args.calls)]
+                for _ in range(20):
+                    client.grouped_gemm("main", xq, sizes, x_scale=scale)
+                lat = []
+                for _ in range(args.calls // 2):
+                    t0 = _now()
+                    client.grouped_gemm("main", xq, sizes, x_scale=scale)
+                    lat.append((_now() - t0) / 1e3)
+                result["traced"].setdefault(name, {})[f"M{m}"] = {"client_p50_us": round(_median(lat), 1)}
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        trace = json.loads(trace_out.read_text()) if trace_out.exists() else []
+        trace = [r for r in trace if "handler0" in r]  # gemm calls only (not health checks)
+        # The server's records in call order: per M, warm-up, traced raw calls,
+        # then the Client's calls (not matched: their stamps are only the p50).
+        pos = 0
+        for m in requests:
+            pos += 50
+            mine = trace[pos:pos + args.calls]
+            pos += args.calls + 20 + args.calls // 2
+            line = timeline(stamps[m], mine) if len(mine) == args.calls else {
+                "error": f"{len(trace)} server records"}
+            result["traced"][name][f"M{m}"]["timeline_us"] = line
+            print(f"\n{name} M={m}: Client.grouped_gemm p50 "
+                  f"{result['traced'][name][f'M{m}']['client_p50_us']} us", flush=True)
+            for seg, us in line.items():
+                print(f"  {seg:24s} {us:8.1f}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
