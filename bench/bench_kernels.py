@@ -284,6 +284,19 @@ def v9b_configs(m, n, k, g):
     return [c for c in found if c.fits(n)]
 
 
+def v9c_configs(m, n, k, g):
+    """v9 call 3: v8's 2-stage 256-wide tile beside the 3-stage lead tile; shorter pipelines for K = 1024."""
+    T = tk.TileConfig
+    ef, ah = {"evict_w": "evict_first"}, {"dot_pair": True, "scale_ahead": True}
+    ws = {"tma": True, "warp_spec": True, "persistent": True}
+    if k == 1024 and m / g <= 48:
+        return [T(16, 128, True, 4, 2, **ef, **ah), T(16, 128, True, 4, 4, **ef, **ah),
+                T(16, 64, True, 4, 2, **ef, **ah), T(16, 128, True, 4, 3, **ef)]
+    if m / g >= 128 and n % 256 == 0:
+        return [T(128, 256, False, 4, 2, 8, **ws), T(128, 256, False, 4, 3, 8, lead_tile=True, **ws)]
+    return []
+
+
 # ---- one shape -----------------------------------------------------------------------------
 
 def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
@@ -301,7 +314,8 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
     if sweep:
         row["sweep_us"] = {}
         configs = {"all": tk.candidate_configs, "round2": round2_configs, "v7": v7_configs,
-                    "v8": v8_configs, "v9": v9_configs, "v9b": v9b_configs}.get(
+                    "v8": v8_configs, "v9": v9_configs, "v9b": v9b_configs,
+                    "v9c": v9c_configs}.get(
             sweep, lambda *_: variant_configs(default))(m, n, k, g)
         for cfg in configs:
             try:
@@ -354,10 +368,10 @@ def main() -> None:
     """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8", "v9", "v9b"),
+    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8", "v9", "v9b", "v9c"),
                         help="also time every candidate tile config, the table's choice's variants, "
                              "the v5 split-K / paired-dot variants, the v7 or the v8 prefill variants, "
-                             "the v9 decode variants or v9's check against v8 (v9b)")
+                             "the v9 decode variants or v9's checks against v8 (v9b, v9c)")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
     parser.add_argument("--match", default="", help="only shapes whose name contains one of these (comma-separated)")
     parser.add_argument("--only", choices=("seed", "deepseek"))

@@ -183,7 +183,13 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         if n % 256 == 0 and (m // 128) * (n // 256) >= 132:
             # v8: 128 x 256 tiles as two 128-wide halves where they still fill the
             # SMs (M=16384 N=2048 K=7168: 518 -> 455 us; N=7168 K=2304: 632 -> 551 us).
-            # Two stages only: with more, the tile writes NaN into column 0 (v8).
+            # Two stages only: with more, the tile writes NaN into column 0 (v8) of
+            # each program's first tile (v9), unless a throwaway lead tile goes first.
+            if rows_per_group > 1024:
+                # v9: 3 stages with the lead tile (M=16384 N=2048 K=7168: 460 -> 434 us;
+                # N=7168 K=2304: 560 -> 533 us).
+                return TileConfig(128, 256, False, num_warps=4, num_stages=3, group_tiles_m=8,
+                                  tma=True, warp_spec=True, persistent=True, lead_tile=True)
             return TileConfig(128, 256, False, num_warps=4, num_stages=2, group_tiles_m=8,
                               tma=True, warp_spec=True, persistent=True)
         return TileConfig(128, 128, False, num_warps=4, num_stages=2, group_tiles_m=8,
@@ -230,11 +236,12 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                                     preload_scales=True, scale_chunk=8, split_k=split))
     # Warp specialisation: correct since v7 (the row fix); only 2-stage forms
     # are offered (more stages of pairs, or of 256-wide tiles, wrote NaN into
-    # column 0 on the H200: v7, v8).
+    # column 0 on the H200: v7, v8), except the 256-wide tile with a lead tile (v9).
     if rows_per_group > 24:
         found += [TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True),
                   TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
                   TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True),
+                  TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True, lead_tile=True),
                   TileConfig(128, 128, False, 4, 2, 1, tma=True, warp_spec=True, dot_pair=True),
                   TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True),
                   TileConfig(64, 128, False, 4, 2, dot_pair=True),

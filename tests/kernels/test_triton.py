@@ -340,6 +340,8 @@ def test_split_k_graph_replay_matches_eager_on_new_data(config, gen):
     tk.TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True),
     tk.TileConfig(128, 256, False, 4, 2, 1, tma=True, warp_spec=True, persistent=True),
     tk.TileConfig(128, 128, False, 4, 4, 8, tma=True, warp_spec=True, persistent=True),
+    # v9: the 3-stage 256-wide tile behind a throwaway lead tile (the table's M = 16384 tile).
+    tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True, lead_tile=True),
 ], ids=lambda c: c.key())
 def test_persistent_tiles_walk_more_tiles_than_programs(config, gen):
     m, n, k, g = 6000, 2048, 1152, 8

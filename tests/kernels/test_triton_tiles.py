@@ -132,8 +132,10 @@ def test_round2_options_have_own_keys_and_limits():
     # 256 wide (two halves, 2 stages) where 128 x 256 tiles fill the SMs, else the 128-wide pair.
     wide = tk.TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True)
     pair = tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True)
-    for m, n, k in ((16384, 2048, 7168), (1024, 7168, 2304), (16384, 7168, 2304)):
-        assert tk.default_config(m, n, k, 8) == wide
+    assert tk.default_config(1024, 7168, 2304, 8) == wide
+    # v9: over 1024 rows per group, 3 stages behind a throwaway lead tile.
+    for m, n, k in ((16384, 2048, 7168), (16384, 7168, 2304)):
+        assert tk.default_config(m, n, k, 8) == dataclasses.replace(wide, num_stages=3, lead_tile=True)
     assert tk.default_config(1024, 2048, 7168, 8) == pair
     assert tk.default_config(16384, 1152, 7168, 8) == pair  # N not a multiple of 256
     assert tk.default_config(512, 2048, 7168, 8).tma and not tk.default_config(512, 2048, 7168, 8).warp_spec
@@ -142,7 +144,8 @@ def test_round2_options_have_own_keys_and_limits():
     assert tk.default_config(32768, 7168, 2048, 256) == tk.TileConfig(64, 128, False, 4, 4, tma=True)
     for m, n, k, g in SHAPES:
         for cfg in [tk.default_config(m, n, k, g), *tk.candidate_configs(m, n, k, g)]:
-            assert not (cfg.warp_spec and (cfg.dot_pair or cfg.block_n > 128) and cfg.num_stages > 2)
+            assert not (cfg.warp_spec and (cfg.dot_pair or cfg.block_n > 128) and cfg.num_stages > 2
+                        and not cfg.lead_tile)
             assert not cfg.warp_spec or cfg.block_m == 128 or cfg.block_m == 64
 
 
