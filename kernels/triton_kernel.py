@@ -186,8 +186,9 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
             # Two stages only: with more, the tile writes NaN into column 0 (v8) of
             # each program's first tile (v9), unless a throwaway lead tile goes first.
             if rows_per_group > 1024:
-                # v9: 3 stages with the lead tile (M=16384 N=2048 K=7168: 460 -> 434 us;
-                # N=7168 K=2304: 560 -> 533 us).
+                # v9: 3 stages with the lead tile, equal or better in two calls (M=16384
+                # N=2048 K=7168: 434 / 453-456 us against 460 / 453 us for 2 stages;
+                # N=7168 K=2304: 533 / 558-563 against 560 / 557 us).
                 return TileConfig(128, 256, False, num_warps=4, num_stages=3, group_tiles_m=8,
                                   tma=True, warp_spec=True, persistent=True, lead_tile=True)
             return TileConfig(128, 256, False, num_warps=4, num_stages=2, group_tiles_m=8,
