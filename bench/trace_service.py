@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -57,8 +58,7 @@ _current: dict = {}
 
 def _install_stamps() -> None:
     """Wrap the request path of this process (the owner) with stamps."""
-    from moegemm.server import _executor, _graphs, _http, _staging, engine
-    from moegemm.server import _direct
+    from moegemm.server import _direct, _executor, _graphs, _http, _staging, engine
 
     conn = _http._Connection
     orig_updated = conn.buffer_updated
@@ -253,6 +253,40 @@ def request_bytes(path: str, body: bytes) -> bytes:
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
+def client_stages(call, n: int) -> dict:
+    """Median microseconds of the Client's own steps over ``n`` calls of ``call()``."""
+    from moegemm.client import _client, _lane
+
+    spent: dict[str, list[float]] = {}
+    saved = []
+
+    def wrap(owner, attr):
+        orig = owner.__dict__[attr]
+        fn = orig.__func__ if isinstance(orig, staticmethod) else orig
+
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            t0 = _now()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent.setdefault(attr, []).append((_now() - t0) / 1e3)
+        setattr(owner, attr, staticmethod(timed) if isinstance(orig, staticmethod) else timed)
+        saved.append((owner, attr, orig))
+
+    for owner, attr in ((_client, "_gemm_call"), (_client, "_result"), (_client._Base, "_request_args"),
+                        (_lane.Lane, "_take"), (_lane.Lane, "_send"), (_lane.Lane, "_receive"),
+                        (_lane, "_head")):
+        wrap(owner, attr)
+    try:
+        for _ in range(n):
+            call()
+    finally:
+        for owner, attr, orig in saved:
+            setattr(owner, attr, orig)
+    return {k: round(_median(v), 1) for k, v in spent.items()}
+
+
 def _median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -290,11 +324,9 @@ def _wait_port(port: int, proc: subprocess.Popen | None, timeout: float) -> None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
+        with contextlib.suppress(httpx.HTTPError):  # not up yet
             if httpx.get(f"http://127.0.0.1:{port}/v1/health/ready", timeout=2).status_code == 200:
                 return
-        except Exception:  # noqa: BLE001 -- not up yet
-            pass
         time.sleep(0.2)
     raise RuntimeError("server not ready")
 
@@ -397,7 +429,11 @@ def main() -> int:
                     t0 = _now()
                     client.grouped_gemm("main", xq, sizes, x_scale=scale)
                     lat.append((_now() - t0) / 1e3)
-                result["traced"].setdefault(name, {})[f"M{m}"] = {"client_p50_us": round(_median(lat), 1)}
+                result["traced"].setdefault(name, {})[f"M{m}"] = {
+                    "client_p50_us": round(_median(lat), 1),
+                    "client_steps_us": client_stages(
+                        lambda xq=xq, sizes=sizes, scale=scale, client=client: client.grouped_gemm(
+                            "main", xq, sizes, x_scale=scale), 100)}
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -412,12 +448,13 @@ def main() -> int:
         for m in requests:
             pos += 50
             mine = trace[pos:pos + args.calls]
-            pos += args.calls + 20 + args.calls // 2
+            pos += args.calls + 20 + args.calls // 2 + 100
             line = timeline(stamps[m], mine) if len(mine) == args.calls else {
                 "error": f"{len(trace)} server records"}
             result["traced"][name][f"M{m}"]["timeline_us"] = line
-            print(f"\n{name} M={m}: Client.grouped_gemm p50 "
-                  f"{result['traced'][name][f'M{m}']['client_p50_us']} us", flush=True)
+            mine_c = result["traced"][name][f"M{m}"]
+            print(f"\n{name} M={m}: Client.grouped_gemm p50 {mine_c['client_p50_us']} us; "
+                  f"its steps {mine_c['client_steps_us']}", flush=True)
             for seg, us in line.items():
                 print(f"  {seg:24s} {us:8.1f}", flush=True)
     if args.out:

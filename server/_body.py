@@ -62,16 +62,25 @@ def tensor_body_parts(key: str, t: torch.Tensor) -> list[bytes | memoryview]:
     """
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.detach().to("cpu").contiguous()
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
     if t.dim() >= 16:
         raise ValueError("tensor has too many dimensions for a fixarray shape")
-    header = b"".join((
-        b"\x81", _str(key), b"\x83",
-        _str("dtype"), _str(WIRE_NAMES[t.dtype]),
-        _str("shape"), bytes([0x90 | t.dim()]), *(_uint(d) for d in t.shape),
-        _str("data"), bin_header(data.nbytes),
-    ))
+    data = memoryview(t.view(-1).view(torch.uint8).numpy())
+    key_of = (key, t.dtype, tuple(t.shape))
+    header = _HEADERS.get(key_of)
+    if header is None:
+        header = b"".join((
+            b"\x81", _str(key), b"\x83",
+            _str("dtype"), _str(WIRE_NAMES[t.dtype]),
+            _str("shape"), bytes([0x90 | t.dim()]), *(_uint(d) for d in t.shape),
+            _str("data"), bin_header(data.nbytes),
+        ))
+        if len(_HEADERS) < 4096:  # answers come in few shapes; never grow without bound
+            _HEADERS[key_of] = header
     return [header, data]
+
+
+# Answer headers by (key, dtype, shape): the same few shapes answer most calls.
+_HEADERS: dict[tuple, bytes] = {}
 
 
 class TensorResponse(Response):

@@ -33,9 +33,9 @@ import torch
 from moegemm.kernels import quantize_activations
 
 from ._checks import bad_rows
-from ._graphs import Family, GraphPool, unpack_result
+from ._graphs import Buffers, Family, GraphPool, unpack_result
 from ._merge import MergePlan, plan_merge
-from ._staging import Staging
+from ._staging import _COPY_OUT_BELOW, Staging
 from ._tensors import to_backend_fp8
 
 
@@ -62,6 +62,21 @@ class Launches:
             self.eager += 1
 
 
+class _Lane:
+    """A family's static buffers as raw addresses and row sizes (for ``_run_lone``)."""
+
+    def __init__(self, bufs: Buffers) -> None:
+        self.bufs = bufs
+        self.x = bufs.x.data_ptr()
+        self.x_row = bufs.x.stride(0) * bufs.x.element_size()
+        self.x_scale = bufs.x_scale.data_ptr() if bufs.x_scale is not None else 0
+        self.x_scale_row = bufs.x_scale.stride(0) * 4 if bufs.x_scale is not None else 0
+        self.meta = bufs.meta.data_ptr()
+        self.meta_host = bufs.meta_host.numpy()
+        self.meta_host_ptr = bufs.meta_host.data_ptr()
+        self.result = bufs.result.data_ptr()
+
+
 def chunk_sizes(m_sizes: np.ndarray, start: int, stop: int) -> np.ndarray:
     """Group sizes of rows ``[start, stop)`` of a launch with group sizes ``m_sizes``."""
     ends = np.cumsum(m_sizes)
@@ -77,6 +92,7 @@ class Executor:
         self.staging = staging
         self.backend = pool.backend
         self.device = pool.device
+        self._lanes: dict[Family, _Lane] = {}
 
     def family(self, G: int, N: int, K: int, x_dtype: torch.dtype) -> Family:
         """The family that runs inputs of ``x_dtype``: bf16 is quantized in the graph,
@@ -100,6 +116,7 @@ class Executor:
         Parts may differ in dtype: each dtype runs as its own merged launch.
         """
         self.staging.enter()
+        self.staging.begin()
         launches = Launches()
         outs: list[torch.Tensor | None] = [None] * len(parts)
         flags: list[np.ndarray | None] = [None] * len(parts)
@@ -115,6 +132,10 @@ class Executor:
     # -- one dtype --------------------------------------------------------------------
 
     def _run_same_dtype(self, ws, parts: list[Part], launches: Launches):
+        if len(parts) == 1 and self.staging.raw:
+            done = self._run_lone(ws, parts[0], launches)
+            if done is not None:
+                return done
         plan = plan_merge([p.m_sizes for p in parts])
         family = self.family(ws.G, ws.N, ws.K, parts[0].x.dtype)
         # The callers' rows side by side (a lone call's pinned body as it is);
@@ -138,6 +159,53 @@ class Executor:
         spans = list(zip(plan.offsets[:-1], plan.offsets[1:]))
         return [out[a:b] for a, b in spans], [flags[a:b] for a, b in spans]
 
+    def _run_lone(self, ws, part: Part, launches: Launches):
+        """One call in one bucket with a captured graph, by raw driver copies: ([out], [flags]),
+        or None when the call is not that case (the general path takes it).
+
+        The same words, buffers and graph as :meth:`_run_direct`, without its
+        ~20 torch calls: each costs ~5-15 us of host time on the H200's machine,
+        which made the copies' bookkeeping cost a lone one-row call more than
+        its graph (``bench/SERVICE_NOTES.md``, v4). Rows go to the device from
+        where the body put them (page-locked bodies by DMA, small pageable ones
+        staged by the driver); the flags and output come back in one copy.
+        """
+        x, xs = part.x, part.x_scale
+        rows = x.shape[0]
+        family = self.family(ws.G, ws.N, ws.K, x.dtype)
+        if not 0 < rows <= self.pool.max_bucket or not (
+                family.quantize or x.dtype == self.backend.fp8_dtype):
+            return None
+        launched = self.pool.launch_rows(rows)
+        graph = self.pool.graph(family, launched, ws.wq, ws.w_scale)
+        if graph is None or not x.is_contiguous() or (xs is not None and not xs.is_contiguous()):
+            return None
+        lane = self._lanes.get(family)
+        if lane is None:
+            lane = self._lanes[family] = _Lane(self.pool.buffers(family))
+        staging, bufs = self.staging, lane.bufs
+        staging.htod(lane.x, x.data_ptr(), rows * lane.x_row)
+        if xs is not None:
+            staging.htod(lane.x_scale, xs.data_ptr(), rows * lane.x_scale_row)
+        self.pool.fill_words(bufs, lane.meta_host, part.m_sizes, None, rows, launched,
+                             ws.wq, ws.w_scale)
+        staging.htod(lane.meta, lane.meta_host_ptr, 8 * bufs.meta_words(launched))
+        graph.replay()
+        self.pool.replays += 1
+        launches.graph += 1
+        at = Buffers.out_offset(launched)
+        nbytes = at + 2 * rows * ws.N
+        small = nbytes < _COPY_OUT_BELOW
+        host = staging.take(nbytes) if small else \
+            staging.host_empty((nbytes,), torch.uint8).numpy()
+        staging.dtoh(host.ctypes.data, lane.result, nbytes)
+        staging.wait()
+        if small:
+            host = host.copy()  # out of the arena, which the next batch reuses
+        flags = host[:rows].view(np.int8)
+        out = torch.from_numpy(host[at:]).view(torch.bfloat16).view(rows, ws.N)
+        return [out], [flags]
+
     def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
         """One bucket: upload straight into the static buffers (three copies, one replay);
         the packed result's bytes on the device and the rows the launch covered."""
@@ -147,7 +215,8 @@ class Executor:
         if xs_host is not None:
             self.staging.upload(bufs.x_scale[:rows], xs_host)
         gather = None if plan.is_identity else plan.gather
-        launches.add(self.pool.launch(family, ws.wq, ws.w_scale, plan.m_sizes, gather))
+        launches.add(self.pool.launch(family, ws.wq, ws.w_scale, plan.m_sizes, gather,
+                                      upload=self.staging.upload))
         launched = self.pool.launch_rows(rows)
         return bufs.packed(launched, rows), launched
 
@@ -179,6 +248,8 @@ class Executor:
             if xs_dev is not None:
                 bufs.x_scale[:n].copy_(xs_dev[start:stop])
             sizes = chunk_sizes(plan.m_sizes, start, stop)
+            # torch's copy here: it ties each fresh pinned buffer to its copy,
+            # so the host allocator cannot hand it out again before it has run.
             launches.add(self.pool.launch(family, ws.wq, ws.w_scale, sizes, fresh_host=True))
             out_dev[start:stop].copy_(bufs.out(self.pool.launch_rows(n))[:n])
         if not plan.is_identity:  # back to the callers' order

@@ -76,6 +76,9 @@ class Buffers:
     # them back (``packed``): the rows' bad_rows flags (int8) at byte 0, then
     # their bf16 ``[rows, N]`` output, in the callers' order, at ``out_offset``.
     result: torch.Tensor  # uint8
+    # What ``meta_host`` holds from earlier launches: the (wq, w_scale) addresses
+    # of its weight table, and how many leading rows of its order are the identity.
+    host_known: tuple = (None, 0)
 
     @staticmethod
     def out_offset(rows: int) -> int:
@@ -279,6 +282,7 @@ class GraphPool:
         gather: np.ndarray | None = None,
         *,
         fresh_host: bool = False,
+        upload: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> str:
         """Run the family's GEMM over the buffers' first ``sum(sizes)`` rows; "graph",
         "eager" or "none".
@@ -290,7 +294,8 @@ class GraphPool:
         go to the device in one copy from a pinned buffer: the family's own
         unless ``fresh_host`` (several launches in one batch: the previous copy
         may not have run yet); the engine waits for each batch before the next
-        reuses it. The result is in ``bufs.out(launched)[:rows]``, in the callers'
+        reuses it. ``upload(dst, src)`` makes that copy when given (the
+        executor's staging). The result is in ``bufs.out(launched)[:rows]``, in the callers'
         order (flags in ``bufs.flags(launched)``), ``launched = launch_rows(rows)``.
         """
         bufs = self.buffers(family)
@@ -301,21 +306,12 @@ class GraphPool:
         host = bufs.meta_host[:words]
         if fresh_host:
             host = torch.empty_like(host, pin_memory=bufs.meta_host.is_pinned())
-        meta = host.numpy()
-        G = bufs.G
-        meta[:G] = sizes
-        if self.run_table is not None:
-            fill_table(host[G : 3 * G].view(2, G), wq, w_scale)
-        pairs = meta[3 * G :].reshape(launched, 2)
-        if gather is None:
-            pairs[:] = _IDENTITY[:launched, None] if launched <= len(_IDENTITY) \
-                else np.arange(launched, dtype=np.int64)[:, None]
+        self.fill_words(bufs, host.numpy(), sizes, gather, rows, launched, wq, w_scale,
+                        own=not fresh_host)
+        if upload is not None:
+            upload(bufs.meta[:words], host)  # the engine's copy (Staging.upload)
         else:
-            pairs[:rows, 0] = gather
-            pairs[gather, 1] = np.arange(rows, dtype=np.int64)
-            # Padding rows (past the call, up to the bucket) map to themselves.
-            pairs[rows:] = np.arange(rows, launched, dtype=np.int64)[:, None]
-        bufs.meta[:words].copy_(host, non_blocking=self.device.type == "cuda")
+            bufs.meta[:words].copy_(host, non_blocking=self.device.type == "cuda")
         if rows == 0:
             return "none"  # nothing ran: neither a replay nor an eager run (SPEC 2.3 counts)
         graph = self._graphs.get(self._graph_key(family, launched, wq, w_scale))
@@ -326,6 +322,41 @@ class GraphPool:
         self._body(family, launched, wq, w_scale)
         self.eager_runs += 1
         return "eager"
+
+    def fill_words(self, bufs: Buffers, meta: np.ndarray, sizes, gather: np.ndarray | None,
+                   rows: int, launched: int, wq: torch.Tensor, w_scale: torch.Tensor,
+                   *, own: bool = True) -> None:
+        """Write a launch's words (sizes, table, order) into host ``meta``.
+
+        ``own``: ``meta`` is the family's ``meta_host`` (then what it already holds
+        from earlier launches is not written again: a lone call usually changes
+        only the sizes); else a fresh buffer, written whole.
+        """
+        known = bufs.host_known if own else (None, 0)
+        G = bufs.G
+        meta[:G] = sizes
+        table_of = (wq.data_ptr(), w_scale.data_ptr())
+        if self.run_table is not None and known[0] != table_of:
+            fill_table(torch.from_numpy(meta[G : 3 * G]).view(2, G), wq, w_scale)
+        pairs = meta[3 * G : 3 * G + 2 * launched].reshape(launched, 2)
+        if gather is None:
+            if known[1] < launched:
+                pairs[:] = _IDENTITY[:launched, None] if launched <= len(_IDENTITY) \
+                    else np.arange(launched, dtype=np.int64)[:, None]
+            identity = max(known[1], launched)
+        else:
+            pairs[:rows, 0] = gather
+            pairs[gather, 1] = np.arange(rows, dtype=np.int64)
+            # Padding rows (past the call, up to the bucket) map to themselves.
+            pairs[rows:] = np.arange(rows, launched, dtype=np.int64)[:, None]
+            identity = 0
+        if own:
+            bufs.host_known = (table_of if self.run_table is not None else None, identity)
+
+    def graph(self, family: Family, launched: int, wq: torch.Tensor,
+              w_scale: torch.Tensor) -> torch.cuda.CUDAGraph | None:
+        """The captured graph for ``family`` over ``launched`` rows on these weights, if any."""
+        return self._graphs.get(self._graph_key(family, launched, wq, w_scale))
 
     # -- capture --------------------------------------------------------------------
 

@@ -16,7 +16,9 @@ synchronous copies, so the engine has one code path.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -29,6 +31,10 @@ log = logging.getLogger("moegemm.server.staging")
 # The stream each thread last made current through Staging.enter (torch's own
 # lookup costs more than the switch it would save).
 _current = threading.local()
+
+# Results smaller than this are copied out of the batch arena; larger ones get
+# their own page-locked buffer (see Staging.download).
+_COPY_OUT_BELOW = 64 << 10
 
 # Bodies above this are weight uploads, not calls: pinning them would hold page-
 # locked memory the size of a weight set for one request.
@@ -81,6 +87,47 @@ def pin_host_array(arr: np.ndarray) -> bool:
     return True
 
 
+class _Driver:
+    """The CUDA driver's async copies and stream wait, called directly (ctypes).
+
+    A ``torch`` copy between host and device costs ~15-30 us of Python and
+    dispatch on the H200's host; the same driver call through ctypes costs a
+    few. The engine's small calls make four of them (rows, scales, the launch's
+    words up; the result down), so a lone one-row call spent more time in
+    copy bookkeeping than on the GPU (``bench/SERVICE_NOTES.md``, v4). The
+    calls are enqueued on the engine's stream, in order with its graph
+    replays, exactly as the torch copies were. ctypes releases the GIL for
+    the duration of each call, so the stream wait lets the event loop run.
+    """
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.htod = lib.cuMemcpyHtoDAsync_v2
+        self.htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self.dtoh = lib.cuMemcpyDtoHAsync_v2
+        self.dtoh.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self.sync = lib.cuStreamSynchronize
+        self.sync.argtypes = [ctypes.c_void_p]
+        for fn in (self.htod, self.dtoh, self.sync):
+            fn.restype = ctypes.c_int
+
+    @staticmethod
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"CUDA driver {what} failed with CUresult {result}")
+
+
+def _load_driver(device: torch.device) -> _Driver | None:
+    """The driver binding on an NVIDIA GPU, else None (torch copies are used)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    try:
+        return _Driver()
+    except (OSError, AttributeError) as exc:
+        log.warning("CUDA driver copies unavailable (%s): using torch copies", exc)
+        return None
+
+
 class Staging:
     """Pinned host memory and the engine's own CUDA stream on one device.
 
@@ -94,15 +141,26 @@ class Staging:
     are free to reuse.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, driver: bool = True) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._done = torch.cuda.Event() if self.is_cuda else None
+        self._driver = _load_driver(self.device) if driver else None
+        self._handle = self.stream.cuda_stream if self.stream is not None else None
+        # The batch arena: page-locked host memory reused by every batch (one
+        # batch at a time, each waited for before the next), where a batch's
+        # rows are gathered and its small results land; see :meth:`begin`.
+        self._arena = torch.empty(0, dtype=torch.uint8)
+        self._arena_np = self._arena.numpy()
+        self._used = 0
 
     def enter(self) -> None:
         """Make the engine stream current in this thread (a no-op when it already is)."""
         if self.stream is not None and getattr(_current, "stream", None) is not self.stream:
+            # The device's primary context becomes current in this thread too:
+            # the driver copies below run in the calling thread's context.
+            torch.cuda.set_device(self.stream.device)
             torch.cuda.set_stream(self.stream)
             _current.stream = self.stream
 
@@ -110,13 +168,62 @@ class Staging:
         """An uninitialised host tensor, page-locked when the device is a GPU."""
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=self.is_cuda)
 
+    def begin(self) -> None:
+        """Start a batch: the arena's space is free again (the last batch was waited for)."""
+        self._used = 0
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of the arena for this batch (grown, never shrunk, when too small)."""
+        start = -(-self._used // 256) * 256
+        if start + nbytes > self._arena_np.size:
+            # Growing drops the old block; parts of this batch already staged in it
+            # stay alive through their views. Powers of two: few regrowths.
+            size = max(1 << 20, 1 << (start + nbytes - 1).bit_length())
+            self._arena = torch.empty(size, dtype=torch.uint8, pin_memory=self.is_cuda)
+            self._arena_np = self._arena.numpy()
+            start = 0
+        self._used = start + nbytes
+        return self._arena_np[start:start + nbytes]
+
+    # -- raw copies (the executor's lone-call path; only with the driver binding) --------
+
+    @property
+    def raw(self) -> bool:
+        """Whether the raw-address copies below are available (NVIDIA, driver loaded)."""
+        return self._driver is not None
+
+    def htod(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from host address ``src`` to device address ``dst`` on the stream.
+
+        From pageable memory the driver stages the bytes before it returns, so
+        ``src`` may be reused at once; from page-locked memory the copy runs
+        later, in stream order: keep ``src`` until :meth:`wait`.
+        """
+        self._driver.check(self._driver.htod(dst, src, nbytes, self._handle),
+                           "host-to-device copy")
+
+    def dtoh(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from device address ``src`` to host address ``dst`` on the stream."""
+        self._driver.check(self._driver.dtoh(dst, src, nbytes, self._handle),
+                           "device-to-host copy")
+
+    def wait(self) -> None:
+        """Wait (GIL released) until everything queued on the stream has run."""
+        self._driver.check(self._driver.sync(self._handle), "stream wait")
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of page-locked arena for this batch (valid until the next :meth:`begin`)."""
+        return self._take(nbytes)
+
     def gather_rows(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The parts stacked along dim 0 in one pinned buffer: the only host copy of the rows."""
-        if len(parts) == 1 and parts[0].is_pinned() == self.is_cuda and parts[0].is_contiguous():
+        """The parts stacked along dim 0 in pinned memory: the only host copy of the rows."""
+        if len(parts) == 1 and parts[0].is_contiguous() and (
+                not self.is_cuda or _is_pinned(parts[0])):
             return parts[0]  # already staged (e.g. a body read straight into pinned memory)
         rows = sum(p.shape[0] for p in parts)
-        staged = self.host_empty((rows, *parts[0].shape[1:]), parts[0].dtype)
-        dst = _flat_bytes(staged)
+        shape = (rows, *parts[0].shape[1:])
+        nbytes = rows * math.prod(parts[0].shape[1:]) * parts[0].element_size()
+        dst = self._take(nbytes)
         start = 0
         for part in parts:
             src = _flat_bytes(part)
@@ -126,11 +233,20 @@ class Staging:
             # worker's wait to get the GIL back.
             dst[start:start + len(src)] = src
             start += len(src)
-        return staged
+        return torch.from_numpy(dst).view(parts[0].dtype).view(shape)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host ``src`` into device ``dst``, in order on the engine stream."""
-        dst.copy_(src, non_blocking=self.is_cuda)
+        if self._driver is None or not dst.is_contiguous() or not src.is_contiguous():
+            dst.copy_(src, non_blocking=self.is_cuda)
+            return
+        nbytes = src.numel() * src.element_size()
+        if nbytes != dst.numel() * dst.element_size() or src.dtype != dst.dtype:
+            raise ValueError(f"upload of {list(src.shape)} {src.dtype} into "
+                             f"{list(dst.shape)} {dst.dtype}")
+        if nbytes:
+            self._driver.check(self._driver.htod(dst.data_ptr(), src.data_ptr(), nbytes,
+                                                 self._handle), "host-to-device copy")
 
     def settle(self) -> None:
         """Wait for everything queued on the engine stream (after a failed batch)."""
@@ -141,21 +257,45 @@ class Staging:
                 log.debug("engine stream did not settle: %r", exc)
 
     def download(self, *srcs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Device tensors into fresh pinned host tensors, waiting once until all are there.
+        """Device tensors into fresh host tensors, waiting once until all are there.
 
-        The wait (``cudaEventSynchronize``) releases the GIL, so the event loop
-        keeps serving meanwhile.
+        The wait releases the GIL, so the event loop keeps serving meanwhile.
+        With the driver binding, results under 64 KiB land in the arena and are
+        copied out (a page-locked allocation costs more than that copy); larger
+        ones land in fresh page-locked buffers, which the answer then sends.
         """
         if self.stream is None:
             return tuple(s.clone() if s.device.type == "cpu" else s.cpu() for s in srcs)
-        hosts = []
+        if self._driver is None or not all(s.is_contiguous() for s in srcs):
+            hosts = []
+            for src in srcs:
+                host = self.host_empty(src.shape, src.dtype)
+                host.copy_(src, non_blocking=True)
+                hosts.append(host)
+            self._done.record(self.stream)
+            self._done.synchronize()
+            return tuple(hosts)
+        landed = []
         for src in srcs:
-            host = self.host_empty(src.shape, src.dtype)
-            host.copy_(src, non_blocking=True)
-            hosts.append(host)
-        self._done.record(self.stream)
-        self._done.synchronize()
+            nbytes = src.numel() * src.element_size()
+            small = nbytes < _COPY_OUT_BELOW
+            host = self._take(nbytes) if small else self.host_empty((nbytes,), torch.uint8).numpy()
+            if nbytes:
+                self._driver.check(self._driver.dtoh(host.ctypes.data, src.data_ptr(), nbytes,
+                                                     self._handle), "device-to-host copy")
+            landed.append((src, host, small))
+        self._driver.check(self._driver.sync(self._handle), "stream wait")
+        hosts = []
+        for src, host, small in landed:
+            if small:
+                host = host.copy()  # out of the arena: the next batch reuses it
+            hosts.append(torch.from_numpy(host).view(src.dtype).view(src.shape))
         return tuple(hosts)
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is page-locked (pinned or registered host memory)."""
+    return t.is_pinned()
 
 
 def _flat_bytes(t: torch.Tensor) -> np.ndarray:

@@ -253,20 +253,23 @@ class Engine:
         )
 
     def _run_inline(self, call: GemmCall) -> torch.Tensor:
-        """Run a lone call's batch on the calling (event loop) thread."""
+        """Run a lone call's batch on the calling (event loop) thread: no future,
+        no thread hand-off; its answer or error is returned or raised here."""
         if self.metrics is not None:
             self.metrics.inline_batches.inc()
         try:
-            self._run_batch([call])
+            [(_, outcome)] = self._outcomes([call])
         except Exception:  # a bug here: the same answer as on the worker
             log.exception("the engine failed an inline call")
-            if not call.future.done():
-                call.future.set_exception(InternalError("the engine failed this call"))
+            outcome = InternalError("the engine failed this call")
         finally:
             with self._cv:
                 self._busy = False
-                self._cv.notify_all()  # the worker may have items waiting for the device
-        return call.future.result()
+                if self._items:
+                    self._cv.notify_all()  # the worker has items waiting for the device
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on the worker thread (device work other than gemm calls)."""
@@ -364,21 +367,29 @@ class Engine:
         self._last_batch_calls = len(batch)
         return batch
     def _run_batch(self, batch: list[GemmCall]) -> None:
+        """Run a batch on the worker and complete its callers' futures."""
+        live = [call for call in batch if call.future.set_running_or_notify_cancel()]
+        for call, outcome in self._outcomes(live):  # (calls whose client went away are gone)
+            if isinstance(outcome, BaseException):
+                call.future.set_exception(outcome)
+            else:
+                call.future.set_result(outcome)
+
+    def _outcomes(self, batch: list[GemmCall]) -> list[tuple[GemmCall, Any]]:
+        """Each call's output (bf16 host tensor) or the error it gets."""
         started = time.monotonic()
+        done: list[tuple[GemmCall, Any]] = []
         live = []
         for call in batch:
-            if not call.future.set_running_or_notify_cancel():
-                continue  # the client went away
             if call.deadline is not None and started > call.deadline:
-                call.future.set_exception(
-                    DeadlineExceeded("the request's deadline passed while it was queued")
-                )
+                done.append((call, DeadlineExceeded(
+                    "the request's deadline passed while it was queued")))
                 continue
             live.append(call)
             if self.metrics is not None:
                 self.metrics.queue_seconds.observe(started - call.enqueued)
         if not live:
-            return
+            return done
         try:
             outs, flags = self._compute(live)
         except Exception as exc:
@@ -392,18 +403,14 @@ class Engine:
             else:
                 log.exception("a batch of %d calls failed", len(live))
                 error = InternalError(f"the kernel failed: {type(exc).__name__}")
-            for call in live:
-                call.future.set_exception(error)
-            return
+            return done + [(call, error) for call in live]
         if self.metrics is not None:
             self.metrics.kernel_seconds.observe(time.monotonic() - started)
             self.metrics.batch_calls.observe(len(live))
         for call, out, flag in zip(live, outs, flags):
             error = not_finite_error(flag)
-            if error is not None:
-                call.future.set_exception(error)
-            else:
-                call.future.set_result(out)
+            done.append((call, out if error is None else error))
+        return done
 
     def _compute(self, calls: list[GemmCall]) -> tuple[list[torch.Tensor], list]:
         """Run one batch on the device; each caller's bf16 rows on the host, and

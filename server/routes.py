@@ -156,6 +156,10 @@ async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
 
 def check_fields(body: dict, required: set[str], optional: set[str] = frozenset()) -> None:
     """BadField unless ``body`` has every required key and no unknown one."""
+    keys = body.keys()
+    if required <= keys and len(keys) <= len(required) + len(optional) and \
+            keys <= (required | optional):
+        return
     missing = sorted(required - body.keys())
     unknown = sorted(body.keys() - required - optional)
     if missing or unknown:

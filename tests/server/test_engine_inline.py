@@ -45,13 +45,13 @@ def test_inline_equals_worker_bit_for_bit():
     for inline in (True, False):
         engine = _engine(inline)
         inline_thread = []
-        real = engine._run_batch
+        real = engine._outcomes
 
         def spy(batch, real=real, inline_thread=inline_thread):
             inline_thread.append(threading.current_thread() is threading.main_thread())
             return real(batch)
 
-        engine._run_batch = spy
+        engine._outcomes = spy
 
         async def run_all(engine=engine):
             return [await engine.gemm(ws, x, xs, m, alone=True) for x, xs, m in calls]
@@ -153,13 +153,13 @@ def test_a_call_that_is_not_alone_never_runs_inline():
     ws, calls = _set(gen), _calls(gen, 4)
     engine = _engine(True)
     threads = []
-    real = engine._run_batch
+    real = engine._outcomes
 
     def spy(batch):
         threads.append(threading.current_thread() is threading.main_thread())
         return real(batch)
 
-    engine._run_batch = spy
+    engine._outcomes = spy
 
     async def run_all():
         return [await engine.gemm(ws, x, xs, m, alone=False) for x, xs, m in calls]

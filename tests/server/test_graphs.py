@@ -172,3 +172,18 @@ def test_bad_rows_are_flagged_for_their_call_only(kind):
     assert int(np.bitwise_or.reduce(flags[1])) == expected
     for i in (0, 2):
         _check(ws, parts[i], outs[i])
+
+
+def test_lone_and_merged_calls_alternating_keep_each_callers_rows():
+    # The launch words left by one launch (an identity order, a merge order, a
+    # weight set's table) must never leak into the next one's.
+    gen = torch.Generator().manual_seed(torch.seed())
+    ex = _executor(max_bucket=64)
+    sets = [_weights(gen), _weights(gen)]
+    for step, rows in enumerate([[5], [3, 4, 9], [7], [20], [2, 2], [20], [1]]):
+        ws = sets[step % 2]
+        parts = [_fp8_part(ws, m, gen) for m in rows]
+        outs, flags, _ = ex.run(ws, parts)
+        assert not any(f.any() for f in flags)
+        for part, out in zip(parts, outs):
+            _check(ws, part, out)
