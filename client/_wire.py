@@ -106,16 +106,26 @@ def encode_tensor(a: Any) -> dict:
 
 
 def _wire_name(dtype: np.dtype) -> str:
+    name = _NAMES.get(dtype)
+    if name is not None:
+        return name
     little = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
     for name, wire in DTYPES.items():
         if little == wire:
+            _NAMES[dtype] = name
             return name
     raise TypeError(f"dtype {dtype} cannot go on the wire; it takes {sorted(DTYPES)}")
 
 
+# numpy dtypes seen before -> their wire name (a dict hit instead of a scan).
+_NAMES: dict[np.dtype, str] = {}
+
+
 def _bytes_view(arr: np.ndarray) -> memoryview:
     # reshape(-1) of a contiguous array is a view; uint8 makes the memoryview byte-format.
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)).toreadonly()
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return memoryview(arr.reshape(-1).view(np.uint8)).toreadonly()
 
 
 def decode_tensor(obj: Any) -> WireTensor:

@@ -62,16 +62,23 @@ def tensor_body_parts(key: str, t: torch.Tensor) -> list[bytes | memoryview]:
     """
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.detach().to("cpu").contiguous()
-    if t.dim() >= 16:
+    return array_body_parts(key, t.view(-1).view(torch.uint8).numpy(), WIRE_NAMES[t.dtype],
+                            tuple(t.shape))
+
+
+def array_body_parts(key: str, raw, dtype: str, shape: tuple[int, ...]) -> list:
+    """As :func:`tensor_body_parts`, for a tensor given as its bytes (a contiguous
+    numpy array of any shape whose memory is the data), its wire dtype name and shape."""
+    if len(shape) >= 16:
         raise ValueError("tensor has too many dimensions for a fixarray shape")
-    data = memoryview(t.view(-1).view(torch.uint8).numpy())
-    key_of = (key, t.dtype, tuple(t.shape))
+    data = memoryview(raw).cast("B") if raw.ndim != 1 else memoryview(raw)
+    key_of = (key, dtype, shape)
     header = _HEADERS.get(key_of)
     if header is None:
         header = b"".join((
             b"\x81", _str(key), b"\x83",
-            _str("dtype"), _str(WIRE_NAMES[t.dtype]),
-            _str("shape"), bytes([0x90 | t.dim()]), *(_uint(d) for d in t.shape),
+            _str("dtype"), _str(dtype),
+            _str("shape"), bytes([0x90 | len(shape)]), *(_uint(d) for d in shape),
             _str("data"), bin_header(data.nbytes),
         ))
         if len(_HEADERS) < 4096:  # answers come in few shapes; never grow without bound

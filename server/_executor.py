@@ -176,23 +176,41 @@ class Executor:
         if not 0 < rows <= self.pool.max_bucket or not (
                 family.quantize or x.dtype == self.backend.fp8_dtype):
             return None
+        if not x.is_contiguous() or (xs is not None and not xs.is_contiguous()):
+            return None
+        done = self.run_raw(ws, family, rows, x.data_ptr(),
+                            0 if xs is None else xs.data_ptr(), part.m_sizes)
+        if done is None:
+            return None
+        launches.graph += 1
+        host, at = done
+        flags = host[:rows].view(np.int8)
+        out = torch.from_numpy(host[at:]).view(torch.bfloat16).view(rows, ws.N)
+        return [out], [flags]
+
+    def run_raw(self, ws, family: Family, rows: int, x: int, x_scale: int, m_sizes):
+        """One call of ``rows`` rows (``0 < rows <= max_bucket``) at host addresses ``x``
+        and ``x_scale`` (0: none) in the family's layout, through its captured graph;
+        ``(host bytes, out_offset)`` as :meth:`Buffers.packed` lays them out, or None
+        when no graph is captured for it. The caller has entered the staging
+        (:meth:`Staging.enter`, :meth:`Staging.begin`); this waits for the result.
+        """
         launched = self.pool.launch_rows(rows)
         graph = self.pool.graph(family, launched, ws.wq, ws.w_scale)
-        if graph is None or not x.is_contiguous() or (xs is not None and not xs.is_contiguous()):
+        if graph is None:
             return None
         lane = self._lanes.get(family)
         if lane is None:
             lane = self._lanes[family] = _Lane(self.pool.buffers(family))
         staging, bufs = self.staging, lane.bufs
-        staging.htod(lane.x, x.data_ptr(), rows * lane.x_row)
-        if xs is not None:
-            staging.htod(lane.x_scale, xs.data_ptr(), rows * lane.x_scale_row)
-        self.pool.fill_words(bufs, lane.meta_host, part.m_sizes, None, rows, launched,
+        staging.htod(lane.x, x, rows * lane.x_row)
+        if x_scale:
+            staging.htod(lane.x_scale, x_scale, rows * lane.x_scale_row)
+        self.pool.fill_words(bufs, lane.meta_host, m_sizes, None, rows, launched,
                              ws.wq, ws.w_scale)
         staging.htod(lane.meta, lane.meta_host_ptr, 8 * bufs.meta_words(launched))
         graph.replay()
         self.pool.replays += 1
-        launches.graph += 1
         at = Buffers.out_offset(launched)
         nbytes = at + 2 * rows * ws.N
         small = nbytes < _COPY_OUT_BELOW
@@ -202,9 +220,7 @@ class Executor:
         staging.wait()
         if small:
             host = host.copy()  # out of the arena, which the next batch reuses
-        flags = host[:rows].view(np.int8)
-        out = torch.from_numpy(host[at:]).view(torch.bfloat16).view(rows, ws.N)
-        return [out], [flags]
+        return host, at
 
     def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
         """One bucket: upload straight into the static buffers (three copies, one replay);

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from moegemm.client._errors import (
     APIError,
@@ -47,11 +48,13 @@ from moegemm.kernels._backend import Backend
 from ._checks import not_finite_error
 from ._executor import Executor, Part
 from ._graphs import GraphPool
+from ._lone import address, wire_inputs
 from ._staging import Staging
 from ._tensors import (
     BLOCK,
     FLOATS,
     FP8,
+    WIRE_NAMES,
     require_dtype,
     require_shape,
 )
@@ -60,6 +63,9 @@ from .store import WeightSet
 log = logging.getLogger("moegemm.server.engine")
 
 T = TypeVar("T")
+
+# The input dtype of the families that quantize in the graph.
+_QUANTIZED = torch.bfloat16
 
 # A full queue tells the caller to come back after this many seconds.
 _RETRY_AFTER_S = 1
@@ -120,6 +126,7 @@ class Engine:
         self._executor = Executor(
             GraphPool(backend, max_bucket_m, graphs=graphs), Staging(backend.device)
         )
+        self._fp8_name = WIRE_NAMES[backend.fp8_dtype]
         self._items: deque[GemmCall | _Job] = deque()
         self._pending_calls = 0
         self._cv = threading.Condition()
@@ -244,13 +251,78 @@ class Engine:
 
     def _can_run_inline(self, call: GemmCall) -> bool:
         """Under the lock: the device is idle, nothing waits, no merging streak."""
+        return self._idle_for(call.rows)
+
+    def _idle_for(self, rows: int) -> bool:
         return (
             self.inline_when_idle
             and not self._busy
             and not self._items
             and self._last_batch_calls <= 1
-            and call.rows <= self._INLINE_ROWS
+            and rows <= self._INLINE_ROWS
         )
+
+    def gemm_lone(self, ws: WeightSet, body: Any, deadline: float | None,
+                  alone: bool) -> np.ndarray | None:
+        """A decoded gemm body run at once on this thread, when it is the lone-call
+        case (``_lone.py``): the output's bf16 bytes ``[M, 2N]`` (uint8). None when it
+        is not that case -- not alone, the device busy, an input the lane does not
+        take, no graph for it -- and the caller then takes :meth:`gemm`, which
+        answers everything, errors included. Raises what :meth:`gemm` would raise
+        for a call that did run (not_finite rows, the device's failures).
+        """
+        staging = self._executor.staging
+        if not (alone and self.inline_when_idle and staging.raw) or (
+                deadline is not None and time.monotonic() > deadline):
+            return None
+        lone = wire_inputs(body, ws.G, ws.K, self._fp8_name,
+                           min(self._INLINE_ROWS, self.max_m, self.max_bucket_m))
+        if lone is None:
+            return None
+        with self._cv:
+            if self._closed or not self._idle_for(lone.rows):
+                return None
+            self._busy = True
+        started = time.monotonic()
+        try:
+            family = self._executor.family(ws.G, ws.N, ws.K, _QUANTIZED if lone.quantize
+                                           else self.backend.fp8_dtype)
+            staging.enter()
+            staging.begin()
+            done = self._executor.run_raw(
+                ws, family, lone.rows, address(lone.x),
+                0 if lone.x_scale is None else address(lone.x_scale), lone.m_sizes)
+        except Exception as exc:
+            staging.settle()
+            raise self._device_error(exc, 1) from exc
+        finally:
+            with self._cv:
+                self._busy = False
+                if self._items:
+                    self._cv.notify_all()  # the worker has items waiting for the device
+        if done is None:
+            return None  # no graph for this bucket: the general path runs it eagerly
+        host, at = done
+        if self.metrics is not None:
+            m = self.metrics
+            m.inline_batches.inc()
+            m.launches.labels(mode="graph").inc()
+            m.queue_seconds.observe(0.0)
+            m.kernel_seconds.observe(time.monotonic() - started)
+            m.batch_calls.observe(1)
+        error = not_finite_error(host[: lone.rows])
+        if error is not None:
+            raise error
+        return host[at:].reshape(lone.rows, 2 * ws.N)
+
+    def _device_error(self, exc: Exception, calls: int) -> APIError:
+        """The answer for a batch that failed on the device (an API error passes as it is)."""
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, torch.OutOfMemoryError):
+            return OutOfMemory(f"the device ran out of memory for this call: {exc}")
+        log.exception("a batch of %d calls failed", calls)
+        return InternalError(f"the kernel failed: {type(exc).__name__}")
 
     def _run_inline(self, call: GemmCall) -> torch.Tensor:
         """Run a lone call's batch on the calling (event loop) thread: no future,
@@ -392,17 +464,11 @@ class Engine:
             return done
         try:
             outs, flags = self._compute(live)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- each caller gets it (_device_error logs)
             # Copies of a failed batch may still be queued on the engine stream;
             # the next batch reuses their pinned sources, so wait for them first.
             self._executor.staging.settle()
-            if isinstance(exc, APIError):
-                error = exc
-            elif isinstance(exc, torch.OutOfMemoryError):
-                error = OutOfMemory(f"the device ran out of memory for this call: {exc}")
-            else:
-                log.exception("a batch of %d calls failed", len(live))
-                error = InternalError(f"the kernel failed: {type(exc).__name__}")
+            error = self._device_error(exc, len(live))
             return done + [(call, error) for call in live]
         if self.metrics is not None:
             self.metrics.kernel_seconds.observe(time.monotonic() - started)

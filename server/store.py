@@ -136,6 +136,11 @@ class WeightStore:
             raise NoSuchWeights(f"no weight set named {name!r} is loaded")
         return ws
 
+    def find(self, name: str) -> WeightSet | None:
+        """The set called ``name``, or None."""
+        with self._lock:
+            return self._sets.get(name)
+
     def list(self) -> list[WeightSet]:
         """All loaded sets, by name."""
         with self._lock:

@@ -145,3 +145,57 @@ def test_weight_sets_of_one_shape_share_graphs(backend, gen):
         assert launches.graph == 1
         assert torch.equal(got, want)
         _check_spec(ws, part, got)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_the_lone_lane_equals_the_general_path(backend, kind, gen):
+    """A lone call taken straight from its wire fields (``Engine.gemm_lone``) answers
+    exactly what the general path answers, bit for bit, and refuses NaN rows alike."""
+    import asyncio
+
+    import numpy as np
+    from moegemm.client._errors import NotFinite
+    from moegemm.server._tensors import WIRE_NAMES
+    from moegemm.server.engine import Engine
+
+    g = 8
+    ws = _weights(g, gen)
+    ws.name = "w"
+    engine = Engine(backend, max_bucket_m=256, inline_when_idle=True)
+    engine.start()
+    try:
+        asyncio.run(engine.run(lambda: engine.prepare(ws)))
+        for m in (1, 7, 130, 256):
+            part = _part(g, m, kind, gen)
+            body = {"x": _wire(part.x), "m_sizes": _wire(torch.tensor(part.m_sizes))}
+            if part.x_scale is not None:
+                body["x_scale"] = _wire(part.x_scale)
+            lane = engine.gemm_lone(ws, body, None, True)
+            assert lane is not None, "the lane did not take a plain lone call"
+            got = torch.from_numpy(np.ascontiguousarray(lane)).view(torch.bfloat16)
+            want = asyncio.run(engine.gemm(ws, part.x, part.x_scale,
+                                           torch.tensor(part.m_sizes), alone=False))
+            assert got.shape == want.shape and torch.equal(got, want)
+            _check_spec(ws, part, got.to(DEV))
+        # A NaN row: the same error as the general path, from the device's flags.
+        bad = part.x.clone()
+        bad.view(torch.uint8)[0, 0] = 0x7F if kind == "fp8" else 0
+        if kind == "bf16":
+            bad[0, 0] = float("nan")
+        body["x"] = _wire(bad)
+        with pytest.raises(NotFinite):
+            engine.gemm_lone(ws, body, None, True)
+        with pytest.raises(NotFinite):
+            asyncio.run(engine.gemm(ws, bad, part.x_scale, torch.tensor(part.m_sizes)))
+        assert WIRE_NAMES[backend.fp8_dtype] == "float8_e4m3fn"
+    finally:
+        engine.close()
+
+
+def _wire(t: torch.Tensor) -> dict:
+    """The decoded wire map of a CPU tensor (as the server's body decoder hands it over)."""
+    from moegemm.server._tensors import WIRE_NAMES
+
+    t = t.contiguous()
+    return {"dtype": WIRE_NAMES[t.dtype], "shape": list(t.shape),
+            "data": t.view(-1).view(torch.uint8).numpy().tobytes()}
