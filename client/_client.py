@@ -53,6 +53,8 @@ DEADLINE_HEADER = "X-Deadline-Ms"
 # Answers this large are decoded in place (msgpack's C decoder copies bins;
 # under this size that copy costs less than walking the body in Python).
 _IN_PLACE_FROM = 64 << 10
+# Tensors this large are sent as their own parts, never copied into the body.
+_PART_FROM = 64 << 10
 
 
 @dataclass
@@ -151,7 +153,10 @@ def _gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | 
         body["x_scale"] = encode_tensor(x_scale)
     torch = sys.modules.get("torch")
     like = x if torch is not None and isinstance(x, torch.Tensor) else None
-    return _Call("POST", _weights_path(name) + "/gemm", pack_parts(body), expect="gemm",
+    # Large tensors go out as views (``pack_parts``); a small body is packed at once.
+    big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
+    return _Call("POST", _weights_path(name) + "/gemm", pack_parts(body) if big else packb(body),
+                 expect="gemm",
                  like_torch=like, deadline=_budget(deadline))
 
 

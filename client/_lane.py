@@ -55,15 +55,20 @@ class AnswerHeaders:
     ``httpx.Headers`` (which costs a small call more than reading two fields).
     """
 
-    __slots__ = ("raw",)
+    __slots__ = ("by_name", "raw")
 
     def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
         self.raw = raw
+        self.by_name: dict[str, str] | None = None
 
     def get(self, name: str, default: str | None = None) -> str | None:
-        key = name.lower().encode("latin-1")
-        values = [v.decode("latin-1") for k, v in self.raw if k.lower() == key]
-        return ", ".join(values) if values else default
+        by_name = self.by_name
+        if by_name is None:  # built on the first read: answers carry a few fields
+            by_name = self.by_name = {}
+            for k, v in self.raw:
+                key, value = k.decode("latin-1").lower(), v.decode("latin-1")
+                by_name[key] = f"{by_name[key]}, {value}" if key in by_name else value
+        return by_name.get(name.lower(), default)
 
     def __getitem__(self, name: str) -> str:
         value = self.get(name)
@@ -182,6 +187,7 @@ class Lane:
         self.port = parts.port or 80
         self.prefix = parts.path.rstrip("/")
         self._fixed = _fixed_headers(parts, headers)
+        self._head = _Heads(self._fixed)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -249,7 +255,7 @@ class Lane:
         deadline from a slow server by the clock).
         """
         parts = _parts(body)
-        data = _head(method, self.prefix + path, self._fixed, headers, sum(map(len, parts)))
+        data = self._head(method, self.prefix + path, headers, sum(map(len, parts)))
         sock = self._take(timeout, deadline)
         keep = False
         try:
@@ -346,15 +352,43 @@ def _head(method: str, target: str, fixed: dict, headers: dict[str, str], size: 
     fields = dict(fixed)
     for key, value in headers.items():
         fields[key.lower()] = (key, value)
+    length = f"Content-Length: {size}\r\n" if size or method in ("POST", "PUT", "PATCH") else ""
+    return f"{method} {target} HTTP/1.1\r\n{_lines(fields.values())}{length}\r\n".encode(
+        "latin-1")
+
+
+def _lines(fields) -> str:
+    """``key: value`` lines of (key, value) pairs; LocalProtocolError for CR, LF or NUL."""
     lines = []
-    for key, value in fields.values():
+    for key, value in fields:
         line = f"{key}: {value}\r\n"
         if _ILLEGAL.search(line, 0, len(line) - 2):
             raise httpx.LocalProtocolError(f"illegal header {key!r}: CR, LF or NUL")
         lines.append(line)
-    lines = "".join(lines)
-    length = f"Content-Length: {size}\r\n" if size or method in ("POST", "PUT", "PATCH") else ""
-    return f"{method} {target} HTTP/1.1\r\n{lines}{length}\r\n".encode("latin-1")
+    return "".join(lines)
+
+
+class _Heads:
+    """Request heads of one lane: the fixed headers' lines built and checked once.
+
+    A call's own headers (request id, media type, deadline) are checked and
+    added per call; one that names a fixed header replaces it, as in ``_head``.
+    """
+
+    def __init__(self, fixed: dict) -> None:
+        self.fixed = fixed
+        self.lines: str | None = None
+
+    def __call__(self, method: str, target: str, headers: dict[str, str], size: int) -> bytes:
+        fixed = self.fixed
+        for key in headers:
+            if key.lower() in fixed:
+                return _head(method, target, fixed, headers, size)
+        if self.lines is None:
+            self.lines = _lines(fixed.values())  # raises (every call) while a fixed one is bad
+        length = f"Content-Length: {size}\r\n" if size or method in ("POST", "PUT", "PATCH") else ""
+        return (f"{method} {target} HTTP/1.1\r\n{self.lines}{_lines(headers.items())}"
+                f"{length}\r\n").encode("latin-1")
 
 
 class _Parse:
@@ -374,6 +408,7 @@ class _Parse:
         self.whole = False  # feed everything to httptools (chunked, until close)
         self.body: np.ndarray | None = None  # the known-length body's buffer
         self.got = 0
+        self.length: int | None = None  # the final answer's declared length
 
     def feed(self, chunk: bytes, where: str, send_error: OSError | None,
              recv_error: OSError | None) -> bool:
@@ -413,7 +448,7 @@ class _Parse:
                 break
             # An interim 1xx answer (skipped by the reader): the next head follows.
         self.head = b""
-        length = reader.content_length()
+        length = self.length = reader.content_length()
         if length is None or length < _DIRECT_FROM:
             self.whole = True
             if data:
@@ -437,7 +472,8 @@ class _Parse:
         answer = Answer(self.parser.get_status_code(), AnswerHeaders(reader.headers), content,
                         reader.reason.decode("latin-1"))
         # An answer read after a failed write leaves the request half sent: never reuse.
-        return answer, reader.keep_alive and send_error is None and not reader.ends_at_close()
+        closes = self.length is None and reader.ends_at_close()
+        return answer, reader.keep_alive and send_error is None and not closes
 
 
 class AsyncLane:

@@ -98,6 +98,11 @@ def encode_tensor(a: Any) -> dict:
         # Torch's hosts are little-endian, so its memory is already wire order.
         raw = t.reshape(-1).view(torch.uint8).numpy()
         return {"dtype": name, "shape": shape, "data": _bytes_view(raw)}
+    if type(a) is np.ndarray and a.flags.c_contiguous:
+        name = _NAMES.get(a.dtype)  # known little-endian (or byte) dtypes only
+        if name is not None:  # the common case: the array's own memory as it is
+            return {"dtype": name, "shape": list(a.shape),
+                    "data": memoryview(a.reshape(-1).view(np.uint8)).toreadonly()}
     arr = np.asarray(a)
     name = _wire_name(arr.dtype)
     # astype, not ascontiguousarray: the latter turns a 0-d array into shape [1].
@@ -112,7 +117,8 @@ def _wire_name(dtype: np.dtype) -> str:
     little = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
     for name, wire in DTYPES.items():
         if little == wire:
-            _NAMES[dtype] = name
+            if dtype.byteorder != ">":  # only dtypes whose bytes are already wire order
+                _NAMES[dtype] = name
             return name
     raise TypeError(f"dtype {dtype} cannot go on the wire; it takes {sorted(DTYPES)}")
 
@@ -137,8 +143,8 @@ def decode_tensor(obj: Any) -> WireTensor:
     """
     if not isinstance(obj, dict):
         raise BadTensor(f"a tensor is a map {{dtype, shape, data}}, got {type(obj).__name__}")
-    keys = set(obj)
-    if keys != _TENSOR_KEYS:
+    if obj.keys() != _TENSOR_KEYS:
+        keys = set(obj)
         missing = sorted(_TENSOR_KEYS - keys)
         extra = sorted(map(repr, keys - _TENSOR_KEYS))
         raise BadTensor(
