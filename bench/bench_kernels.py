@@ -297,6 +297,46 @@ def v9c_configs(m, n, k, g):
     return []
 
 
+def v10_configs(m, n, k, g):
+    """v10 call 1 (bench/NOTES.md): the weakest seed shapes' neighbours of the v9 table."""
+    T = tk.TileConfig
+    ef, ah = {"evict_w": "evict_first"}, {"dot_pair": True, "scale_ahead": True}
+    ws = {"tma": True, "warp_spec": True, "persistent": True}
+    if m / g > 48:
+        if m / g > 256:
+            return []
+        found = [T(128, 128, False, 4, 3, 8, dot_pair=True, lead_tile=True, **ws)]
+        if n % 256 == 0 and (m // 128) * (n // 256) >= 132:
+            found.append(T(128, 256, False, 4, 3, 8, lead_tile=True, **ws))
+    elif k == 1024 and m < g:  # one active expert: every K block in flight, more warps to issue them
+        found = [T(16, 128, True, 4, 4, **ef, **ah), T(16, 128, True, 8, 4, **ef, **ah),
+                 T(16, 128, True, 8, 3, **ef, **ah)]
+    elif k == 1024:  # 512 weight tiles of 128 rows
+        found = [T(16, 128, True, 8, 3, **ef), T(16, 128, True, 4, 2, **ef), T(16, 256, True, 8, 3, **ef)]
+    elif n == 1280:
+        # 2 stages (41 KB): 5 programs per SM, so 480 or 640 programs are all resident.
+        found = [T(16, 64, True, 4, 2, split_k=3, **ef, **ah), T(16, 64, True, 4, 2, split_k=4, **ef, **ah)]
+    else:
+        found = []
+    return [c for c in dict.fromkeys(found) if c.fits(n) and c != tk.default_config(m, n, k, g)]
+
+
+def v10b_configs(m, n, k, g):
+    """v10 call 2: the v9 table's choice beside each shape whose choice v10 changed, and
+    8 warps on other decode shapes (beside the table only: measured, not yet in it)."""
+    T = tk.TileConfig
+    ef, ah = {"evict_w": "evict_first"}, {"dot_pair": True, "scale_ahead": True}
+    default = tk.default_config(m, n, k, g)
+    found = []
+    if (m, n, k, g) == (1, 8192, 1024, 8):
+        found.append(T(16, 128, True, 4, 3, **ef, **ah))  # v9's choice
+    elif m / g <= 48 and n == 1280:
+        found += [replace(default, num_warps=8), T(16, 128, True, 8, 3, split_k=2, **ef, **ah)]
+    elif m / g <= 48 and m == 32 and n in (7168, 8192, 13312):
+        found.append(replace(default, num_warps=8))
+    return [c for c in dict.fromkeys(found) if c.fits(n) and c != default]
+
+
 # ---- one shape -----------------------------------------------------------------------------
 
 def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
@@ -315,7 +355,8 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
         row["sweep_us"] = {}
         configs = {"all": tk.candidate_configs, "round2": round2_configs, "v7": v7_configs,
                     "v8": v8_configs, "v9": v9_configs, "v9b": v9b_configs,
-                    "v9c": v9c_configs}.get(
+                    "v9c": v9c_configs, "v10": v10_configs,
+                    "v10b": v10b_configs}.get(
             sweep, lambda *_: variant_configs(default))(m, n, k, g)
         for cfg in configs:
             try:
@@ -368,10 +409,11 @@ def main() -> None:
     """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8", "v9", "v9b", "v9c"),
+    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8", "v9", "v9b", "v9c", "v10", "v10b"),
                         help="also time every candidate tile config, the table's choice's variants, "
                              "the v5 split-K / paired-dot variants, the v7 or the v8 prefill variants, "
-                             "the v9 decode variants or v9's checks against v8 (v9b, v9c)")
+                             "the v9 decode variants, v9's checks against v8 (v9b, v9c), v10's neighbours "
+                             "of the weakest seed shapes or the v9 choice beside v10's (v10b)")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
     parser.add_argument("--match", default="", help="only shapes whose name contains one of these (comma-separated)")
     parser.add_argument("--only", choices=("seed", "deepseek"))

@@ -136,7 +136,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
       3 stages. When fewer than 132 weight tiles of 128 rows exist and K is
       long, each tile is latency-bound: 64-row tiles with the scales loaded
       ahead of the K loop. v9: 16-token tiles at G < 64 run pairs of K blocks
-      with the scales a pair ahead (not at K < 2048 with enough tiles).
+      with the scales a pair ahead (not at K < 2048 with enough tiles); v10:
+      with 8 warps where there are fewer weight tiles than SMs and K < 2048.
     - more rows per group (prefill): v7 (bench/NOTES.md) below; 49..127 rows
       per group keep v5's TMA-fed 64 x 128 tiles.
 
@@ -167,7 +168,11 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
             # v9: M=1 N=8192 K=1024: 6.8 -> 5.6 us; N=7168 K=8192: 119.9 -> 109.7 us;
             # N=8192 K=3584: 59.4 -> 57.4 us. Not at K=1024 with 512 tiles (20.1 -> 21.3 us:
             # 110 KB of shared memory, 2 programs per SM instead of 4).
-            return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first",
+            # v10: with fewer weight tiles than SMs and short K (one program per SM, a
+            # chain of latencies), 8 warps: M=1 N=8192 K=1024: 5.6 -> 4.4 us (two calls).
+            # Only where K < 2048: the long-K shapes gained nothing (-1 % to +2 %).
+            warps = 8 if weight_tiles < 132 and k < 2048 else 4
+            return TileConfig(token_tile, 128, True, num_warps=warps, num_stages=3, evict_w="evict_first",
                               dot_pair=True, scale_ahead=True)
         return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first")
     # v7 (bench/NOTES.md): 128-row tiles only where routing is even enough (G < 64)
@@ -228,6 +233,9 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
             for split in (1, 2):
                 found.append(TileConfig(token_tile, block_n, True, 4, 3, evict_w="evict_first",
                                         split_k=split, dot_pair=True, scale_ahead=True))
+        # v10: 8 warps (M = 1 N = 8192 K = 1024: 5.6 -> 4.4 us).
+        found.append(TileConfig(token_tile, 128, True, 8, 3, evict_w="evict_first",
+                                dot_pair=True, scale_ahead=True))
     # Round 2 (v5 in bench/NOTES.md): split-K for too few weight tiles, paired K blocks.
     # Split-K only with small token tiles: 64-token swap tiles spill with it.
     if token_tile <= 32 and k >= 2048:

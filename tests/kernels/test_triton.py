@@ -269,6 +269,8 @@ ROUND2_CONFIGS = [
     tk.TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True, group_tiles_m=8),
     tk.TileConfig(64, 128, False, 4, 2, dot_pair=True, scale_ahead=True),
     tk.TileConfig(16, 128, True, 4, 3, evict_w="evict_first", dot_pair=True, scale_ahead=True),
+    # v10: the same with 8 warps (the table's tile for one active expert at short K).
+    tk.TileConfig(16, 128, True, 8, 3, evict_w="evict_first", dot_pair=True, scale_ahead=True),
     # v9: the decode table's pairs with the scales ahead, split 2 ways along K (N = 1280).
     tk.TileConfig(16, 64, True, 4, 3, evict_w="evict_first", split_k=2, dot_pair=True, scale_ahead=True),
     # v8: persistent tiles (one program per SM walking the tiles), warp-specialised

@@ -59,6 +59,11 @@ def test_decode_swaps_and_prefill_does_not():
     for m, n, k in ((1, 8192, 1024), (32, 7168, 8192), (128, 8192, 3584)):
         cfg = tk.default_config(m, n, k, 8)
         assert (cfg.block_m, cfg.block_n, cfg.dot_pair, cfg.scale_ahead) == (16, 128, True, True)
+    # v10: 8 warps where the weight tiles are fewer than the SMs and K is short (M = 1);
+    # the long-K decode shapes keep 4 (8 warps measured 1 % faster to 2 % slower there, v10).
+    assert tk.default_config(1, 8192, 1024, 8).num_warps == 8
+    assert tk.default_config(1, 8192, 3584, 8).num_warps == 4
+    assert tk.default_config(32, 7168, 8192, 8).num_warps == 4
     # ... but not for K = 1024 with enough tiles (slower there), nor at G >= 64.
     assert not tk.default_config(128, 8192, 1024, 8).dot_pair
     assert not tk.default_config(256, 4096, 7168, 256).dot_pair
