@@ -144,11 +144,29 @@ def _wrap_fn(fn, key):
 
 
 def traced_serve(argv: list[str], trace_out: str) -> int:
-    """``moegemm serve`` with stamps; the stamps go to ``trace_out`` at exit."""
+    """``moegemm serve`` with stamps; the stamps go to ``trace_out`` at exit.
+
+    With ``MOEGEMM_TRACE_PROFILE`` set, the event loop's thread also runs under
+    cProfile, whose top functions (by own time) go to ``trace_out`` + ".prof.txt".
+    """
     _install_stamps()
+    profile = None
+    if os.environ.get("MOEGEMM_TRACE_PROFILE"):
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
 
     def dump() -> None:
         Path(trace_out).write_text(json.dumps(_TRACE))
+        if profile is not None:
+            import io
+            import pstats
+
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(45)
+            Path(trace_out + ".prof.txt").write_text(text.getvalue())
 
     atexit.register(dump)
     from moegemm.server.cli import main
@@ -251,6 +269,9 @@ class RawClient:
 def request_bytes(path: str, body: bytes) -> bytes:
     return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/vnd.msgpack\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+_CLIENT_PROFILED = 200
 
 
 def client_stages(call, n: int) -> dict:
@@ -402,7 +423,9 @@ def main() -> int:
         "acceptors0": ["--acceptors", "0"],
         "uvicorn": ["--http", "uvicorn", "--acceptors", "0"],
     }
-    env_variants = {"noinline": {"MOEGEMM_INLINE_WHEN_IDLE": "0"}}
+    env_variants = {"noinline": {"MOEGEMM_INLINE_WHEN_IDLE": "0"},
+                    "profile": {"MOEGEMM_TRACE_PROFILE": "1"}}
+    variants["profile"] = ["--acceptors", "0"]
     for i, name in enumerate(args.variants.split(",")):
         port = args.port + 1 + i
         trace_out = work / f"trace_{name}.json"
@@ -434,6 +457,20 @@ def main() -> int:
                     "client_steps_us": client_stages(
                         lambda xq=xq, sizes=sizes, scale=scale, client=client: client.grouped_gemm(
                             "main", xq, sizes, x_scale=scale), 100)}
+                if name == "profile":  # the client's own time, by function
+                    import cProfile
+                    import io
+                    import pstats
+
+                    prof_c = cProfile.Profile()
+                    prof_c.enable()
+                    for _ in range(_CLIENT_PROFILED):
+                        client.grouped_gemm("main", xq, sizes, x_scale=scale)
+                    prof_c.disable()
+                    text = io.StringIO()
+                    pstats.Stats(prof_c, stream=text).sort_stats("tottime").print_stats(30)
+                    result.setdefault("client_profiles", {})[f"M{m}"] = text.getvalue()
+                    print(f"client profile M={m}:\n{text.getvalue()[:4000]}", flush=True)
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -441,6 +478,10 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         trace = json.loads(trace_out.read_text()) if trace_out.exists() else []
+        prof = Path(str(trace_out) + ".prof.txt")
+        if prof.exists():
+            result.setdefault("profiles", {})[name] = prof.read_text()
+            print(prof.read_text()[:6000], flush=True)
         trace = [r for r in trace if "handler0" in r]  # gemm calls only (not health checks)
         # The server's records in call order: per M, warm-up, traced raw calls,
         # then the Client's calls (not matched: their stamps are only the p50).
@@ -449,6 +490,7 @@ def main() -> int:
             pos += 50
             mine = trace[pos:pos + args.calls]
             pos += args.calls + 20 + args.calls // 2 + 100
+            pos += _CLIENT_PROFILED if name == "profile" else 0
             line = timeline(stamps[m], mine) if len(mine) == args.calls else {
                 "error": f"{len(trace)} server records"}
             result["traced"][name][f"M{m}"]["timeline_us"] = line

@@ -84,11 +84,15 @@ class _Connection(asyncio.BufferedProtocol):
         self.chunk_left: int | None = None
         # Whether this connection's current request counts in ``server.active``.
         self.counted = False
+        self.peer = self.local = None
 
     # -- asyncio callbacks ------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        # Once per connection: each lookup can be a system call.
+        self.peer = transport.get_extra_info("peername")
+        self.local = transport.get_extra_info("sockname")
         self.disconnected = asyncio.Event()
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -284,8 +288,8 @@ class _Connection(asyncio.BufferedProtocol):
             "query_string": query,
             "root_path": "",
             "headers": headers,
-            "client": self.transport.get_extra_info("peername"),
-            "server": self.transport.get_extra_info("sockname"),
+            "client": self.peer,
+            "server": self.local,
             "state": dict(self.server.state),
         }
         return scope, length, expect_continue

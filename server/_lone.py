@@ -19,6 +19,7 @@ changes an answer, only how fast a valid one comes back.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -109,4 +110,11 @@ def wire_inputs(body: Any, G: int, K: int, fp8_name: str, max_rows: int) -> Lone
 
 def address(data: bytes | memoryview) -> int:
     """The host address of a bin's bytes (a bytes object or a view on a body)."""
+    if type(data) is bytes:
+        return _bytes_address(data)  # ~5x cheaper than through numpy
     return np.frombuffer(data, dtype=np.uint8).ctypes.data
+
+
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.restype = ctypes.c_void_p
+_bytes_address.argtypes = [ctypes.py_object]
