@@ -96,17 +96,21 @@ class _Driver:
     words up; the result down), so a lone one-row call spent more time in
     copy bookkeeping than on the GPU (``bench/SERVICE_NOTES.md``, v4). The
     calls are enqueued on the engine's stream, in order with its graph
-    replays, exactly as the torch copies were. ctypes releases the GIL for
-    the duration of each call, so the stream wait lets the event loop run.
+    replays, exactly as the torch copies were. The stream wait releases the
+    GIL, so the event loop runs meanwhile.
     """
 
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.htod = lib.cuMemcpyHtoDAsync_v2
+        # The copies only enqueue (or, from pageable memory, stage a few KB), so
+        # they keep the GIL (PyDLL): giving it up and winning it back costs the
+        # engine's worker up to a switch interval each time the event loop is
+        # busy. Only the stream wait, which can last a batch, releases it (CDLL).
+        keep = ctypes.PyDLL("libcuda.so.1")
+        self.htod = keep.cuMemcpyHtoDAsync_v2
         self.htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        self.dtoh = lib.cuMemcpyDtoHAsync_v2
+        self.dtoh = keep.cuMemcpyDtoHAsync_v2
         self.dtoh.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        self.sync = lib.cuStreamSynchronize
+        self.sync = ctypes.CDLL("libcuda.so.1").cuStreamSynchronize
         self.sync.argtypes = [ctypes.c_void_p]
         for fn in (self.htod, self.dtoh, self.sync):
             fn.restype = ctypes.c_int
