@@ -273,9 +273,9 @@ class Engine:
         for a call that did run (not_finite rows, the device's failures).
         """
         staging = self._executor.staging
-        if not (alone and self.inline_when_idle and staging.raw) or (
+        if not (alone and self.inline_when_idle and staging.raw) or self._busy or self._items or (
                 deadline is not None and time.monotonic() > deadline):
-            return None
+            return None  # (the device's state is read again under the lock below)
         lone = wire_inputs(body, ws.G, ws.K, self._fp8_name,
                            min(self._INLINE_ROWS, self.max_m, self.max_bucket_m))
         if lone is None:
