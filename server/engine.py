@@ -111,6 +111,7 @@ class Engine:
         metrics: Any = None,
         switch_interval_us: int = 1000,
         inline_when_idle: bool = False,
+        raw_copies: bool = True,
     ) -> None:
         self.backend = backend
         self.device = backend.device
@@ -124,7 +125,8 @@ class Engine:
         # Staging, merging, chunking and CUDA graphs live in the executor; the
         # engine decides what runs when, the executor how.
         self._executor = Executor(
-            GraphPool(backend, max_bucket_m, graphs=graphs), Staging(backend.device)
+            GraphPool(backend, max_bucket_m, graphs=graphs),
+            Staging(backend.device, driver=raw_copies),
         )
         self._fp8_name = WIRE_NAMES[backend.fp8_dtype]
         self._graph_launches = None if metrics is None else metrics.launches.labels(mode="graph")
