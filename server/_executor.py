@@ -141,19 +141,6 @@ class Executor:
         direct = plan.total <= self.pool.max_bucket and (
             family.quantize or parts[0].x.dtype == self.backend.fp8_dtype
         )
-        if direct and self.staging.raw and all(
-                p.x.is_contiguous() and (p.x_scale is None or p.x_scale.is_contiguous())
-                for p in parts):
-            # Each caller's rows go from its own body to their place in the
-            # static buffers: no host copy of the merged rows (a 4 MB memcpy for
-            # four M=128 calls, the largest host cost of such a batch).
-            self._upload_parts(family, parts)
-            packed, launched = self._launch_direct(ws, family, plan, launches)
-            (host,) = self.staging.download(packed)
-            out, flags = unpack_result(host, launched, plan.total, ws.N)
-            flags = flags.numpy()
-            spans = list(zip(plan.offsets[:-1], plan.offsets[1:]))
-            return [out[a:b] for a, b in spans], [flags[a:b] for a, b in spans]
         # The callers' rows side by side (a lone call's pinned body as it is);
         # the launch regroups them per expert on the device.
         x_host = self.staging.gather_rows([p.x for p in parts])
@@ -244,22 +231,6 @@ class Executor:
         if xs_host is not None:
             self.staging.upload(bufs.x_scale[:rows], xs_host)
         return self._launch_direct(ws, family, plan, launches)
-
-    def _upload_parts(self, family: Family, parts: list[Part]) -> None:
-        """Each part's rows (and scales) into the family's static buffers, back to back,
-        by raw copies from where they are (driver binding only)."""
-        lane = self._lanes.get(family)
-        if lane is None:
-            lane = self._lanes[family] = _Lane(self.pool.buffers(family))
-        staging, row = self.staging, 0
-        for part in parts:
-            rows = part.x.shape[0]
-            if rows:
-                staging.htod(lane.x + row * lane.x_row, part.x.data_ptr(), rows * lane.x_row)
-                if part.x_scale is not None:
-                    staging.htod(lane.x_scale + row * lane.x_scale_row, part.x_scale.data_ptr(),
-                                 rows * lane.x_scale_row)
-            row += rows
 
     def _launch_direct(self, ws, family, plan: MergePlan, launches):
         """Launch over the rows already in the static buffers; the packed result's
