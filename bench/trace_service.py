@@ -102,22 +102,7 @@ def _install_stamps() -> None:
         setattr(cls, attr, wrapped)
 
     def stamp_sync(cls, attr, key):
-        orig = getattr(cls, attr)
-
-        @functools.wraps(orig)
-        def wrapped(*a, **kw):
-            t0 = _now()
-            try:
-                return orig(*a, **kw)
-            finally:
-                # Steps may run several times per call: their time adds up.
-                spent = _current.get("steps", {})
-                spent[key] = spent.get(key, 0) + _now() - t0
-                _current["steps"] = spent
-                _current.setdefault(key + "0", t0)
-                _current[key + "1"] = _now()
-
-        setattr(cls, attr, wrapped)
+        setattr(cls, attr, _timed(getattr(cls, attr), key))
 
     stamp_async(_direct.DirectGemm, "__call__", "handler")
     stamp_async(engine.Engine, "gemm", "gemm")
@@ -126,11 +111,13 @@ def _install_stamps() -> None:
                       (_staging.Staging, "download"), (_graphs.GraphPool, "launch"),
                       (_executor.Executor, "_run_direct"), (engine.Engine, "validate")):
         stamp_sync(cls, attr, attr)
-    _graphs.unpack_result = _wrap_fn(_graphs.unpack_result, "unpack_result")
+    _graphs.unpack_result = _timed(_graphs.unpack_result, "unpack_result")
     _executor.unpack_result = _graphs.unpack_result
 
 
-def _wrap_fn(fn, key):
+def _timed(fn, key):
+    """``fn`` adding its time to the current call's step ``key`` (steps may run several
+    times per call: their time adds up), with its first start and last end stamped."""
     @functools.wraps(fn)
     def wrapped(*a, **kw):
         t0 = _now()
@@ -140,6 +127,8 @@ def _wrap_fn(fn, key):
             spent = _current.get("steps", {})
             spent[key] = spent.get(key, 0) + _now() - t0
             _current["steps"] = spent
+            _current.setdefault(key + "0", t0)
+            _current[key + "1"] = _now()
     return wrapped
 
 
