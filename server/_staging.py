@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,8 +31,8 @@ log = logging.getLogger("moegemm.server.staging")
 # lookup costs more than the switch it would save).
 _current = threading.local()
 
-# Results smaller than this are copied out of the batch arena; larger ones get
-# their own page-locked buffer (see Staging.download).
+# The lone-call path's results smaller than this are copied out of the batch
+# arena; larger ones get their own page-locked buffer (Executor.run_raw).
 _COPY_OUT_BELOW = 64 << 10
 
 # Bodies above this are weight uploads, not calls: pinning them would hold page-
@@ -153,8 +152,8 @@ class Staging:
         self._driver = _load_driver(self.device) if driver else None
         self._handle = self.stream.cuda_stream if self.stream is not None else None
         # The batch arena: page-locked host memory reused by every batch (one
-        # batch at a time, each waited for before the next), where a batch's
-        # rows are gathered and its small results land; see :meth:`begin`.
+        # batch at a time, each waited for before the next), where the lone-call
+        # path's small results land (:meth:`take`, :meth:`begin`).
         self._arena = torch.empty(0, dtype=torch.uint8)
         self._arena_np = self._arena.numpy()
         self._used = 0
@@ -220,14 +219,12 @@ class Staging:
         return self._take(nbytes)
 
     def gather_rows(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The parts stacked along dim 0 in pinned memory: the only host copy of the rows."""
-        if len(parts) == 1 and parts[0].is_contiguous() and (
-                not self.is_cuda or _is_pinned(parts[0])):
+        """The parts stacked along dim 0 in one pinned buffer: the only host copy of the rows."""
+        if len(parts) == 1 and parts[0].is_pinned() == self.is_cuda and parts[0].is_contiguous():
             return parts[0]  # already staged (e.g. a body read straight into pinned memory)
         rows = sum(p.shape[0] for p in parts)
-        shape = (rows, *parts[0].shape[1:])
-        nbytes = rows * math.prod(parts[0].shape[1:]) * parts[0].element_size()
-        dst = self._take(nbytes)
+        staged = self.host_empty((rows, *parts[0].shape[1:]), parts[0].dtype)
+        dst = _flat_bytes(staged)
         start = 0
         for part in parts:
             src = _flat_bytes(part)
@@ -237,20 +234,11 @@ class Staging:
             # worker's wait to get the GIL back.
             dst[start:start + len(src)] = src
             start += len(src)
-        return torch.from_numpy(dst).view(parts[0].dtype).view(shape)
+        return staged
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host ``src`` into device ``dst``, in order on the engine stream."""
-        if self._driver is None or not dst.is_contiguous() or not src.is_contiguous():
-            dst.copy_(src, non_blocking=self.is_cuda)
-            return
-        nbytes = src.numel() * src.element_size()
-        if nbytes != dst.numel() * dst.element_size() or src.dtype != dst.dtype:
-            raise ValueError(f"upload of {list(src.shape)} {src.dtype} into "
-                             f"{list(dst.shape)} {dst.dtype}")
-        if nbytes:
-            self._driver.check(self._driver.htod(dst.data_ptr(), src.data_ptr(), nbytes,
-                                                 self._handle), "host-to-device copy")
+        dst.copy_(src, non_blocking=self.is_cuda)
 
     def settle(self) -> None:
         """Wait for everything queued on the engine stream (after a failed batch)."""
@@ -261,45 +249,21 @@ class Staging:
                 log.debug("engine stream did not settle: %r", exc)
 
     def download(self, *srcs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Device tensors into fresh host tensors, waiting once until all are there.
+        """Device tensors into fresh pinned host tensors, waiting once until all are there.
 
-        The wait releases the GIL, so the event loop keeps serving meanwhile.
-        With the driver binding, results under 64 KiB land in the arena and are
-        copied out (a page-locked allocation costs more than that copy); larger
-        ones land in fresh page-locked buffers, which the answer then sends.
+        The wait (``cudaEventSynchronize``) releases the GIL, so the event loop
+        keeps serving meanwhile.
         """
         if self.stream is None:
             return tuple(s.clone() if s.device.type == "cpu" else s.cpu() for s in srcs)
-        if self._driver is None or not all(s.is_contiguous() for s in srcs):
-            hosts = []
-            for src in srcs:
-                host = self.host_empty(src.shape, src.dtype)
-                host.copy_(src, non_blocking=True)
-                hosts.append(host)
-            self._done.record(self.stream)
-            self._done.synchronize()
-            return tuple(hosts)
-        landed = []
-        for src in srcs:
-            nbytes = src.numel() * src.element_size()
-            small = nbytes < _COPY_OUT_BELOW
-            host = self._take(nbytes) if small else self.host_empty((nbytes,), torch.uint8).numpy()
-            if nbytes:
-                self._driver.check(self._driver.dtoh(host.ctypes.data, src.data_ptr(), nbytes,
-                                                     self._handle), "device-to-host copy")
-            landed.append((src, host, small))
-        self._driver.check(self._driver.sync(self._handle), "stream wait")
         hosts = []
-        for src, host, small in landed:
-            if small:
-                host = host.copy()  # out of the arena: the next batch reuses it
-            hosts.append(torch.from_numpy(host).view(src.dtype).view(src.shape))
+        for src in srcs:
+            host = self.host_empty(src.shape, src.dtype)
+            host.copy_(src, non_blocking=True)
+            hosts.append(host)
+        self._done.record(self.stream)
+        self._done.synchronize()
         return tuple(hosts)
-
-
-def _is_pinned(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory is page-locked (pinned or registered host memory)."""
-    return t.is_pinned()
 
 
 def _flat_bytes(t: torch.Tensor) -> np.ndarray:

@@ -53,44 +53,42 @@ def test_pinned_host_array_copies_to_the_device_as_pinned_memory():
     assert torch.equal(dev.cpu(), host)
 
 
-def test_the_batch_arena_is_reused_and_growing_keeps_staged_rows():
+def test_the_batch_arena_is_reused_and_growing_keeps_what_was_taken():
     staging = Staging(torch.device("cpu"))
-    gen = torch.Generator().manual_seed(2)
-    small = [torch.randn((2, 64), generator=gen) for _ in range(2)]
     staging.begin()
-    first = staging.gather_rows(small)
-    # A part larger than the arena: it grows, and rows staged before stay as they were.
-    big = [torch.randn((3000, 128), generator=gen) for _ in range(2)]
-    second = staging.gather_rows(big)
-    assert torch.equal(first, torch.cat(small)) and torch.equal(second, torch.cat(big))
+    first = staging.take(100)
+    first[:] = 7
+    # More than the arena holds: it grows, and what was taken before stays as it was.
+    second = staging.take(3 << 20)
+    second[:] = 9
+    assert (first == 7).all() and (second == 9).all()
     # The next batch takes the same memory again.
     staging.begin()
-    again = staging.gather_rows(small)
-    assert again.data_ptr() == staging._arena_np.ctypes.data
-    assert torch.equal(again, torch.cat(small))
+    assert staging.take(100).ctypes.data == second.ctypes.data
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                     reason="needs an NVIDIA CUDA device")
 @pytest.mark.parametrize("nbytes", [1, 4096 + 3, 64 << 10, (1 << 20) + 5])
-def test_driver_copies_equal_torch_copies_and_results_outlive_the_batch(nbytes):
+def test_driver_copies_equal_torch_copies(nbytes):
+    import numpy as np
+
     staging = Staging(torch.device("cuda"))
-    assert staging._driver is not None
+    assert staging.raw
     staging.enter()
     gen = torch.Generator().manual_seed(nbytes)
     host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-    staging.begin()
-    staged = staging.gather_rows([host[: nbytes // 2], host[nbytes // 2:]])
     dev = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
-    staging.upload(dev, staged)
-    (back,) = staging.download(dev)
-    assert torch.equal(back, host)
-    # The next batch overwrites the arena: a result handed out before is its own copy.
     staging.begin()
-    other = torch.zeros(nbytes, dtype=torch.uint8)
-    staging.upload(dev, staging.gather_rows([other[:1], other[1:]]))
-    (zeros,) = staging.download(dev)
-    assert torch.equal(back, host) and not zeros.any()
+    staging.htod(dev.data_ptr(), host.data_ptr(), nbytes)  # from pageable memory
+    back = staging.take(nbytes)
+    staging.dtoh(back.ctypes.data, dev.data_ptr(), nbytes)
+    staging.wait()
+    assert torch.equal(dev.cpu(), host) and np.array_equal(back, host.numpy())
+    pinned = host.flip(0).pin_memory()
+    staging.htod(dev.data_ptr(), pinned.data_ptr(), nbytes)  # from page-locked memory
+    staging.wait()
+    assert torch.equal(dev.cpu(), pinned)
 
 
 def test_gather_rows_with_an_empty_first_part():
