@@ -98,9 +98,9 @@ class Settings(BaseSettings):
     # (bench/SERVICE_NOTES.md, v3) one client's M=1 call took 1004 vs 1082 us
     # and M=128 1721 vs 1883 us, with 32 clients unchanged.
     inline_when_idle: bool = True
-    # On NVIDIA, the engine's host<->device copies go straight to the CUDA
-    # driver (server/_staging.py) and a lone call takes the lane of
-    # server/_lone.py; off: torch copies and the general path only.
+    # On NVIDIA, a lone small call takes the lane of server/_lone.py: run from
+    # its wire fields, its copies made by the CUDA driver directly
+    # (server/_staging.py); off: every call takes the general path.
     raw_copies: bool = True
     # The HTTP transport: "fast" (server/_http.py: bodies received in place,
     # pinned on a GPU) or "uvicorn". Same app, same contract.
