@@ -12,6 +12,10 @@ while a copy recorded against it may still be running, so a buffer released by
 a response is recycled without a fresh ``cudaHostAlloc``. On a CPU device there
 is nothing to pin or overlap: the same calls fall back to plain memory and
 synchronous copies, so the engine has one code path.
+
+The lone-call path (``Executor.run_raw``) uses raw addresses instead: on
+NVIDIA its copies go to the CUDA driver directly (:class:`_Driver`) and its
+small results land in a reused page-locked arena (:meth:`Staging.take`).
 """
 
 from __future__ import annotations
