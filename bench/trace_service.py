@@ -115,21 +115,27 @@ def _install_stamps() -> None:
     _executor.unpack_result = _graphs.unpack_result
 
 
-def _timed(fn, key):
-    """``fn`` adding its time to the current call's step ``key`` (steps may run several
-    times per call: their time adds up), with its first start and last end stamped."""
+def _timing(fn, record):
+    """``fn`` calling ``record(start, end)`` (perf_counter_ns) after each call."""
     @functools.wraps(fn)
     def wrapped(*a, **kw):
         t0 = _now()
         try:
             return fn(*a, **kw)
         finally:
-            spent = _current.get("steps", {})
-            spent[key] = spent.get(key, 0) + _now() - t0
-            _current["steps"] = spent
-            _current.setdefault(key + "0", t0)
-            _current[key + "1"] = _now()
+            record(t0, _now())
     return wrapped
+
+
+def _timed(fn, key):
+    """``fn`` adding its time to the current call's step ``key`` (steps may run several
+    times per call: their time adds up), with its first start and last end stamped."""
+    def record(t0: int, t1: int) -> None:
+        spent = _current.setdefault("steps", {})
+        spent[key] = spent.get(key, 0) + t1 - t0
+        _current.setdefault(key + "0", t0)
+        _current[key + "1"] = t1
+    return _timing(fn, record)
 
 
 def traced_serve(argv: list[str], trace_out: str) -> int:
@@ -273,14 +279,8 @@ def client_stages(call, n: int) -> dict:
     def wrap(owner, attr):
         orig = owner.__dict__[attr]
         fn = orig.__func__ if isinstance(orig, staticmethod) else orig
-
-        @functools.wraps(fn)
-        def timed(*a, **kw):
-            t0 = _now()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent.setdefault(attr, []).append((_now() - t0) / 1e3)
+        timed = _timing(fn, lambda t0, t1, attr=attr: spent.setdefault(attr, []).append(
+            (t1 - t0) / 1e3))
         setattr(owner, attr, staticmethod(timed) if isinstance(orig, staticmethod) else timed)
         saved.append((owner, attr, orig))
 

@@ -7,12 +7,6 @@ timeout -k 5 ${BENCH_S:-150} python3 -P bench/bench_kernels.py ${ONLY:+--only $O
     ${SWEEP:+--sweep $SWEEP} --match "${MATCH:-seed}" \
     --json "$OUT/${NAME:-kernels_v10}.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
-if [ -n "${TESTS}" ]; then
-timeout -k 5 $((${TOTAL_S:-225} - SECONDS)) python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_triton.py \
-    -k "${TESTS}" > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$?"
-grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -12
-fi
+if [ -n "${TESTS}" ]; then . bench/kernel_gpu_tests.sh; fi
 python3 -P bench/v7_summary.py "$OUT/${NAME:-kernels_v10}.json"
 grep -v '^{' "$OUT/bench.log" | tail -24

@@ -5,9 +5,5 @@ timeout -k 5 ${BENCH_S:-120} python3 -P bench/bench_kernels.py ${ONLY:+--only $O
     --match "${MATCH:-m16384 n2048,m16384 n7168,m1024 n7168,m1024 n2048}" \
     --json "$OUT/kernels_v7_sweep.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
-timeout -k 5 $((${TOTAL_S:-225} - SECONDS)) python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_triton.py \
-    -k "${TESTS:-round2 or split_k}" > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$?"
-grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -12
+TESTS="${TESTS:-round2 or split_k}" . bench/kernel_gpu_tests.sh
 python3 -P bench/v7_summary.py "$OUT/kernels_v7_sweep.json"

@@ -5,10 +5,6 @@ timeout -k 5 ${BENCH_S:-140} python3 -P bench/bench_kernels.py ${ONLY:+--only $O
     ${SWEEP:+--sweep $SWEEP} --match "${MATCH:-seed m1024 n2048,seed m16384 n2048,seed m1024 n7168,seed m16384 n7168}" \
     --json "$OUT/kernels_v8.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
-timeout -k 5 $((${TOTAL_S:-225} - SECONDS)) python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_triton.py \
-    -k "${TESTS:-pst or persistent}" > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$?"
-grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -12
+TESTS="${TESTS:-pst or persistent}" . bench/kernel_gpu_tests.sh
 python3 -P bench/v7_summary.py "$OUT/kernels_v8.json"
 grep -v '^{' "$OUT/bench.log" | tail -24

@@ -57,13 +57,7 @@ json.dump(found, open(os.path.join(os.environ["OUT"], "nanmap.json"), "w"), inde
 EOF
 echo "nanmap rc=$?"
 fi
-if [ -n "${TESTS}" ]; then
-timeout -k 5 $((${TOTAL_S:-225} - SECONDS)) python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_triton.py \
-    -k "${TESTS}" > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$?"
-grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -12
-fi
+if [ -n "${TESTS}" ]; then . bench/kernel_gpu_tests.sh; fi
 grep -E '"nan"' "$OUT/nanmap.log" 2>/dev/null | cut -c1-260
 python3 -P bench/v7_summary.py "$OUT/kernels_v9.json"
 grep -v '^{' "$OUT/bench.log" | tail -24

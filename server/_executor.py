@@ -230,16 +230,8 @@ class Executor:
         self.staging.upload(bufs.x[:rows], x_host)
         if xs_host is not None:
             self.staging.upload(bufs.x_scale[:rows], xs_host)
-        return self._launch_direct(ws, family, plan, launches)
-
-    def _launch_direct(self, ws, family, plan: MergePlan, launches):
-        """Launch over the rows already in the static buffers; the packed result's
-        bytes on the device and the rows the launch covered."""
-        bufs = self.pool.buffers(family)
-        rows = plan.total
         gather = None if plan.is_identity else plan.gather
-        launches.add(self.pool.launch(family, ws.wq, ws.w_scale, plan.m_sizes, gather,
-                                      upload=self.staging.upload))
+        launches.add(self.pool.launch(family, ws.wq, ws.w_scale, plan.m_sizes, gather))
         launched = self.pool.launch_rows(rows)
         return bufs.packed(launched, rows), launched
 
@@ -271,8 +263,6 @@ class Executor:
             if xs_dev is not None:
                 bufs.x_scale[:n].copy_(xs_dev[start:stop])
             sizes = chunk_sizes(plan.m_sizes, start, stop)
-            # torch's copy here: it ties each fresh pinned buffer to its copy,
-            # so the host allocator cannot hand it out again before it has run.
             launches.add(self.pool.launch(family, ws.wq, ws.w_scale, sizes, fresh_host=True))
             out_dev[start:stop].copy_(bufs.out(self.pool.launch_rows(n))[:n])
         if not plan.is_identity:  # back to the callers' order

@@ -282,7 +282,6 @@ class GraphPool:
         gather: np.ndarray | None = None,
         *,
         fresh_host: bool = False,
-        upload: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> str:
         """Run the family's GEMM over the buffers' first ``sum(sizes)`` rows; "graph",
         "eager" or "none".
@@ -294,8 +293,7 @@ class GraphPool:
         go to the device in one copy from a pinned buffer: the family's own
         unless ``fresh_host`` (several launches in one batch: the previous copy
         may not have run yet); the engine waits for each batch before the next
-        reuses it. ``upload(dst, src)`` makes that copy when given (the
-        executor's staging). The result is in ``bufs.out(launched)[:rows]``, in the callers'
+        reuses it. The result is in ``bufs.out(launched)[:rows]``, in the callers'
         order (flags in ``bufs.flags(launched)``), ``launched = launch_rows(rows)``.
         """
         bufs = self.buffers(family)
@@ -308,10 +306,7 @@ class GraphPool:
             host = torch.empty_like(host, pin_memory=bufs.meta_host.is_pinned())
         self.fill_words(bufs, host.numpy(), sizes, gather, rows, launched, wq, w_scale,
                         own=not fresh_host)
-        if upload is not None:
-            upload(bufs.meta[:words], host)  # the engine's copy (Staging.upload)
-        else:
-            bufs.meta[:words].copy_(host, non_blocking=self.device.type == "cuda")
+        bufs.meta[:words].copy_(host, non_blocking=self.device.type == "cuda")
         if rows == 0:
             return "none"  # nothing ran: neither a replay nor an eager run (SPEC 2.3 counts)
         graph = self._graphs.get(self._graph_key(family, launched, wq, w_scale))
