@@ -286,7 +286,7 @@ def client_stages(call, n: int) -> dict:
 
     for owner, attr in ((_client, "_gemm_call"), (_client, "_result"), (_client._Base, "_request_args"),
                         (_lane.Lane, "_take"), (_lane.Lane, "_send"), (_lane.Lane, "_receive"),
-                        (_lane, "_head")):
+                        (_lane._Heads, "__call__")):
         wrap(owner, attr)
     try:
         for _ in range(n):
