@@ -385,7 +385,9 @@ def main() -> int:
         first = [("default", "main", ms[0], "fp8", 1), ("default", "main", key_m, "fp8", 1),
                  ("default", "main", key_m, "fp8", c), ("graphs_off", "main", ms[0], "fp8", 1),
                  ("graphs_off", "main", key_m, "fp8", 1), ("merge_off", "main", key_m, "fp8", c),
-                 ("uvicorn", "main", key_m, "fp8", c)]
+                 ("uvicorn", "main", key_m, "fp8", c),
+                 # merging's gain where calls are small: many one-row calls at once
+                 ("default", "main", ms[0], "fp8", c), ("merge_off", "main", ms[0], "fp8", c)]
         rest = [("default", "main", m, kind, n) for m in ms for kind in kinds for n in (1, c)]
         if "deepseek" in sets:
             rest += [("default", "deepseek", m, "fp8", n) for m in ms for n in (1, c)]

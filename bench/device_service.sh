@@ -29,6 +29,11 @@ if [ -n "$DIAG" ]; then
   timeout -k 5 ${DIAG_S:-100} python3 -P bench/diag_service.py $DIAG_ARGS > "$OUT/diag.log" 2>&1
   echo "diag rc=$?"; grep -E "p50|POST" "$OUT/diag.log"
 fi
+if [ -n "$TRACE" ]; then  # the lone call's timeline, e.g. TRACE="--variants default --calls 300"
+  timeout -k 5 ${TRACE_S:-150} python3 -P bench/trace_service.py $TRACE --out "$OUT/${NAME:-service}_trace.json" \
+    > "$OUT/trace.log" 2>&1
+  echo "trace rc=$?"; grep -v "^floor" "$OUT/trace.log" | grep -E "^ |p50" | head -70
+fi
 timeout -k 5 ${BENCH_S:-300} python3 -P bench/bench_service.py ${QUICK---quick} ${NO_DS---no-deepseek} \
   --servers ${SERVERS:-default,merge_off} --variants "$VARIANTS" --budget-s ${BUDGET_S:-240} \
   --out "$OUT/${NAME:-service_quick}.json" ${BENCH_ARGS} > "$OUT/bench.log" 2>&1

@@ -111,6 +111,17 @@ def _install_stamps() -> None:
                       (_staging.Staging, "download"), (_graphs.GraphPool, "launch"),
                       (_executor.Executor, "_run_direct"), (engine.Engine, "validate")):
         stamp_sync(cls, attr, attr)
+    # The lone-call lane (server/_lone.py): its steps inside the handler.
+    import torch
+    from moegemm.server import _body
+    for cls, attr in ((engine.Engine, "gemm_lone"), (_executor.Executor, "run_raw"),
+                      (_staging.Staging, "htod"), (_staging.Staging, "dtoh"),
+                      (_staging.Staging, "wait"), (_graphs.GraphPool, "fill_words"),
+                      (torch.cuda.CUDAGraph, "replay")):
+        stamp_sync(cls, attr, attr)
+    engine.wire_inputs = _timed(engine.wire_inputs, "wire_inputs")
+    _direct.unpack_body = _timed(_body.unpack_body, "unpack_body")
+    _direct.array_body_parts = _timed(_body.array_body_parts, "array_body_parts")
     _graphs.unpack_result = _timed(_graphs.unpack_result, "unpack_result")
     _executor.unpack_result = _graphs.unpack_result
 
@@ -320,6 +331,7 @@ def timeline(client_stamps: list[tuple[int, int, int]], trace: list[dict]) -> di
         add("executor", s.get("executor0"), s.get("executor1"))
         add("from batch", s.get("executor1"), s.get("gemm1"))
         add("answer", s.get("gemm1"), s.get("handler1"))
+        add("handler (all)", s.get("handler0"), s.get("handler1"))
         add("write", s.get("handler1"), s.get("finish"))
         add("back hop", s.get("finish"), c2)
         for step, ns in s.get("steps", {}).items():

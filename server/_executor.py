@@ -132,8 +132,9 @@ class Executor:
     # -- one dtype --------------------------------------------------------------------
 
     def _run_same_dtype(self, ws, parts: list[Part], launches: Launches):
-        if len(parts) == 1 and self.staging.raw:
-            done = self._run_lone(ws, parts[0], launches)
+        if self.staging.raw:
+            done = (self._run_lone(ws, parts[0], launches) if len(parts) == 1
+                    else self._run_merged_raw(ws, parts, launches))
             if done is not None:
                 return done
         plan = plan_merge([p.m_sizes for p in parts])
@@ -188,6 +189,78 @@ class Executor:
         out = torch.from_numpy(host[at:]).view(torch.bfloat16).view(rows, ws.N)
         return [out], [flags]
 
+    def _run_merged_raw(self, ws, parts: list[Part], launches: Launches):
+        """Several calls in one bucket with a captured graph, by raw driver copies:
+        (outs, flags) per part, or None when the batch is not that case.
+
+        Each caller's rows go from where its body put them straight to their
+        place in the static buffers (no host gather into a staging buffer, no
+        torch copies); the graph regroups them per expert from the merge plan's
+        order and puts the output back in the callers' order, which comes back
+        in one copy and is split per caller.
+        """
+        x0 = parts[0].x
+        family = self.family(ws.G, ws.N, ws.K, x0.dtype)
+        if not (family.quantize or x0.dtype == self.backend.fp8_dtype):
+            return None
+        for p in parts:
+            if not p.x.is_contiguous() or (p.x_scale is not None and not p.x_scale.is_contiguous()):
+                return None
+        plan = plan_merge([p.m_sizes for p in parts])
+        rows = plan.total
+        if not 0 < rows <= self.pool.max_bucket:
+            return None
+        launched = self.pool.launch_rows(rows)
+        graph = self.pool.graph(family, launched, ws.wq, ws.w_scale)
+        if graph is None:
+            return None
+        lane = self._lane(family)
+        staging, bufs = self.staging, lane.bufs
+        at = 0
+        for p in parts:
+            n = p.x.shape[0]
+            if n == 0:
+                continue
+            staging.htod(lane.x + at * lane.x_row, p.x.data_ptr(), n * lane.x_row)
+            if p.x_scale is not None:
+                staging.htod(lane.x_scale + at * lane.x_scale_row, p.x_scale.data_ptr(),
+                             n * lane.x_scale_row)
+            at += n
+        self.pool.fill_words(bufs, lane.meta_host, plan.m_sizes,
+                             None if plan.is_identity else plan.gather, rows, launched,
+                             ws.wq, ws.w_scale)
+        staging.htod(lane.meta, lane.meta_host_ptr, 8 * bufs.meta_words(launched))
+        graph.replay()
+        self.pool.replays += 1
+        launches.graph += 1
+        host, at = self._download_raw(lane, launched, rows * ws.N)
+        out = torch.from_numpy(host[at:]).view(torch.bfloat16).view(rows, ws.N)
+        flags = host[:rows].view(np.int8)
+        spans = list(zip(plan.offsets[:-1], plan.offsets[1:]))
+        return [out[a:b] for a, b in spans], [flags[a:b] for a, b in spans]
+
+    def _lane(self, family: Family) -> _Lane:
+        lane = self._lanes.get(family)
+        if lane is None:
+            lane = self._lanes[family] = _Lane(self.pool.buffers(family))
+        return lane
+
+    def _download_raw(self, lane: _Lane, launched: int, out_elems: int):
+        """The packed result (flags, then ``out_elems`` bf16) on the host after the
+        stream's work: ``(host bytes, out_offset)``, in memory the next batch does not
+        reuse."""
+        staging = self.staging
+        at = Buffers.out_offset(launched)
+        nbytes = at + 2 * out_elems
+        small = nbytes < _COPY_OUT_BELOW
+        host = staging.take(nbytes) if small else \
+            staging.host_empty((nbytes,), torch.uint8).numpy()
+        staging.dtoh(host.ctypes.data, lane.result, nbytes)
+        staging.wait()
+        if small:
+            host = host.copy()  # out of the arena, which the next batch reuses
+        return host, at
+
     def run_raw(self, ws, family: Family, rows: int, x: int, x_scale: int, m_sizes):
         """One call of ``rows`` rows (``0 < rows <= max_bucket``) at host addresses ``x``
         and ``x_scale`` (0: none) in the family's layout, through its captured graph;
@@ -199,9 +272,7 @@ class Executor:
         graph = self.pool.graph(family, launched, ws.wq, ws.w_scale)
         if graph is None:
             return None
-        lane = self._lanes.get(family)
-        if lane is None:
-            lane = self._lanes[family] = _Lane(self.pool.buffers(family))
+        lane = self._lane(family)
         staging, bufs = self.staging, lane.bufs
         staging.htod(lane.x, x, rows * lane.x_row)
         if x_scale:
@@ -211,16 +282,7 @@ class Executor:
         staging.htod(lane.meta, lane.meta_host_ptr, 8 * bufs.meta_words(launched))
         graph.replay()
         self.pool.replays += 1
-        at = Buffers.out_offset(launched)
-        nbytes = at + 2 * rows * ws.N
-        small = nbytes < _COPY_OUT_BELOW
-        host = staging.take(nbytes) if small else \
-            staging.host_empty((nbytes,), torch.uint8).numpy()
-        staging.dtoh(host.ctypes.data, lane.result, nbytes)
-        staging.wait()
-        if small:
-            host = host.copy()  # out of the arena, which the next batch reuses
-        return host, at
+        return self._download_raw(lane, launched, rows * ws.N)
 
     def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
         """One bucket: upload straight into the static buffers (three copies, one replay);

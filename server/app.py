@@ -98,6 +98,7 @@ async def _lifespan(app: FastAPI):
         # Not on the CPU: the reference kernel would hold the event loop for milliseconds.
         inline_when_idle=settings.inline_when_idle and device.type == "cuda",
         raw_copies=settings.raw_copies,
+        loop_batches=settings.loop_batches and device.type == "cuda",
     )
     limits = WeightLimits(
         max_g=settings.max_g, max_n=settings.max_n, max_k=settings.max_k,

@@ -1,8 +1,11 @@
 """The engine: the only owner of the device.
 
-One worker thread runs all device work, so the event loop never blocks on it.
-Requests are validated on the caller's side (cheap host checks), then queued;
-the worker loops "collect a batch, run it, complete the futures":
+Requests are validated on the caller's side (cheap host checks). On a GPU,
+small calls run on the event loop's thread whenever no job holds the device
+(a lone call at once, others in "loop batches": merged with the calls that
+arrived in the same turn of the loop; see ``Engine._LOOP_ROWS`` for why).
+Everything else is queued for one worker thread, which loops "collect a
+batch, run it, complete the futures":
 
 - a batch is one call, or, with ``merge_window_us > 0``, the calls for the same
   weight set that arrive within the window: their rows are regrouped per expert
@@ -112,6 +115,7 @@ class Engine:
         switch_interval_us: int = 1000,
         inline_when_idle: bool = False,
         raw_copies: bool = True,
+        loop_batches: bool = False,
     ) -> None:
         self.backend = backend
         self.device = backend.device
@@ -122,6 +126,7 @@ class Engine:
         self.metrics = metrics
         self.switch_interval_s = switch_interval_us / 1e6
         self.inline_when_idle = inline_when_idle
+        self.loop_batches = loop_batches
         # Staging, merging, chunking and CUDA graphs live in the executor; the
         # engine decides what runs when, the executor how.
         self._executor = Executor(
@@ -139,6 +144,9 @@ class Engine:
         self._last_batch_calls = 1
         # True while a batch or job runs, on the worker or inline (one at a time).
         self._busy = False
+        # Loop batches: calls waiting for the event loop's next drain, and its handle.
+        self._loop_calls: list[tuple[GemmCall, asyncio.Future]] = []
+        self._drain_handle: asyncio.Handle | None = None
 
     # -- life cycle ------------------------------------------------------------
 
@@ -224,7 +232,7 @@ class Engine:
         """
         sizes = self.validate(ws, x, x_scale, m_sizes)
         call = GemmCall(ws, x, x_scale, sizes, deadline)
-        inline = False
+        inline = on_loop = False
         with self._cv:
             if self._closed:
                 raise NotReady("the server is shutting down")
@@ -235,12 +243,17 @@ class Engine:
                 )
             if alone and self._can_run_inline(call):
                 self._busy = inline = True
+            elif self._loop_takes(call):
+                on_loop = True
+                self._pending_calls += 1  # until the drain takes it
             else:
                 self._items.append(call)
                 self._pending_calls += 1
                 self._cv.notify()
         if inline:
             return self._run_inline(call)
+        if on_loop:
+            return await self._on_loop(call)
         return await asyncio.wrap_future(call.future)
 
     # A call runs on the event loop's thread only when it is the server's only
@@ -257,13 +270,118 @@ class Engine:
         return self._idle_for(call.rows)
 
     def _idle_for(self, rows: int) -> bool:
+        # (A merging streak keeps calls for the worker, where they can merge; loop
+        # batches merge without it.)
         return (
             self.inline_when_idle
             and not self._busy
             and not self._items
-            and self._last_batch_calls <= 1
+            and (self.loop_batches or self._last_batch_calls <= 1)
             and rows <= self._INLINE_ROWS
         )
+
+    # Loop batches (``loop_batches``): calls that arrive while the device is free of
+    # jobs run on the event loop's thread too, merged per weight set with the others
+    # that arrived in the same turn of the loop (with a merge window > 0; the
+    # window is not waited there). The worker thread then only runs jobs and
+    # large calls. Why: the worker and the loop share one GIL, and each of the
+    # batch's torch and driver calls gives it up; under load the worker then waits
+    # up to a switch interval to win it back from the busy loop, every time. On the
+    # H200 at 32 clients a merged batch of 9 calls took 6.7 ms on the worker for
+    # ~0.3 ms of device work (bench/SERVICE_NOTES.md, v5). On the loop, a batch
+    # holds the loop for its own host work and device wait only (a batch of
+    # _LOOP_ROWS rows or fewer per call: sub-millisecond to a few milliseconds),
+    # while the acceptor processes go on reading requests.
+    _LOOP_ROWS = 1024
+
+    def _loop_takes(self, call: GemmCall) -> bool:
+        """Under the lock: the call may run in a loop batch (no job or worker batch
+        running or queued)."""
+        return (self.loop_batches and not self._busy and not self._items
+                and call.rows <= self._LOOP_ROWS)
+
+    async def _on_loop(self, call: GemmCall) -> torch.Tensor:
+        """Queue ``call`` for the loop's next drain and wait for its outcome."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._loop_calls.append((call, waiter))
+        if self._drain_handle is None:
+            # No wait: the calls that arrive while a batch holds the loop are read in
+            # its next turn and merge then. On the H200, waiting the merge window
+            # for more (as the worker does) made the p99 at 1300 calls/s worse
+            # (bench/SERVICE_NOTES.md, v5).
+            self._drain_handle = loop.call_soon(self._drain)
+        await waiter
+        return call.future.result()
+
+    def _drain(self) -> None:
+        """Run the calls waiting for the loop: merged per weight set (in arrival order,
+        at most ``max_bucket_m`` rows a batch; one call a batch without a merge
+        window), each caller woken with its outcome in ``call.future``."""
+        self._drain_handle = None
+        waiting, self._loop_calls = self._loop_calls, []
+        with self._cv:
+            self._pending_calls -= len(waiting)
+            closed, busy = self._closed, self._busy
+            if not (closed or busy):
+                self._busy = True
+        if closed:
+            for call, waiter in waiting:
+                if call.future.set_running_or_notify_cancel():
+                    call.future.set_exception(NotReady("the server is shutting down"))
+                _wake(waiter)
+            return
+        if busy:
+            # A job or a worker batch took the device since these calls arrived:
+            # they queue for the worker behind it.
+            for call, waiter in waiting:
+                self._to_worker(call, waiter)
+            return
+        try:
+            for batch in self._loop_batches([c for c, w in waiting if not w.cancelled()]):
+                try:
+                    self._run_batch(batch)
+                except Exception:  # a bug here must fail the batch, not the loop
+                    log.exception("the engine failed a loop batch of %d calls", len(batch))
+                    for call in batch:
+                        if not call.future.done():
+                            call.future.set_exception(InternalError("the engine failed this call"))
+                self._last_batch_calls = len(batch)
+        finally:
+            with self._cv:
+                self._busy = False
+                if self._items:
+                    self._cv.notify_all()  # the worker has items waiting for the device
+            for call, waiter in waiting:
+                if not call.future.done():  # its caller went away before it ran
+                    call.future.cancel()
+                _wake(waiter)
+
+    def _loop_batches(self, calls: list[GemmCall]) -> list[list[GemmCall]]:
+        """``calls`` as batches: per weight set, in arrival order, within the row limit."""
+        if self.merge_window_s <= 0:
+            return [[call] for call in calls]
+        batches: list[list[GemmCall]] = []
+        open_: dict[int, tuple[list[GemmCall], list[int]]] = {}
+        for call in calls:
+            key = id(call.ws)
+            batch, rows = open_.get(key, (None, [0]))
+            if batch is None or rows[0] + call.rows > self.max_bucket_m:
+                batch, rows = [], [0]
+                batches.append(batch)
+                open_[key] = (batch, rows)
+            batch.append(call)
+            rows[0] += call.rows
+        return batches
+
+    def _to_worker(self, call: GemmCall, waiter: asyncio.Future) -> None:
+        """Hand a loop call to the worker; its waiter wakes when the worker is done."""
+        loop = waiter.get_loop()
+        call.future.add_done_callback(lambda _: loop.call_soon_threadsafe(_wake, waiter))
+        with self._cv:
+            self._items.append(call)
+            self._pending_calls += 1
+            self._cv.notify()
 
     def gemm_lone(self, ws: WeightSet, body: Any, deadline: float | None,
                   alone: bool) -> np.ndarray | None:
@@ -508,3 +626,8 @@ class Engine:
     def forget(self, ws: WeightSet) -> None:
         """Drop graphs bound to ``ws``'s memory (after it was replaced or deleted)."""
         self._executor.pool.forget(ws.wq)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

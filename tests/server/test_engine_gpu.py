@@ -41,9 +41,10 @@ def backend():
     return b
 
 
-def _executor(backend, *, graphs: bool, table: bool = True, max_bucket: int = MAX_BUCKET):
+def _executor(backend, *, graphs: bool, table: bool = True, max_bucket: int = MAX_BUCKET,
+              driver: bool = True):
     pool = GraphPool(backend, max_bucket, graphs=graphs, weight_table=table)
-    return Executor(pool, Staging(DEV))
+    return Executor(pool, Staging(DEV, driver=driver))
 
 
 def _weights(g: int, gen: torch.Generator):
@@ -98,13 +99,19 @@ def test_captured_equals_eager(backend, kind, gen):
         _check_spec(ws, part, got)
 
 
+@pytest.mark.parametrize("driver", [True, False], ids=["driver_copies", "torch_copies"])
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
-def test_merged_equals_one_by_one(backend, kind, gen):
+def test_merged_equals_one_by_one(backend, kind, driver, gen):
+    """Merged calls (each caller's rows copied by the driver to their place, or
+    gathered on the host and copied by torch) equal each call run alone."""
     g = 8
     ws = _weights(g, gen)
-    merged_ex, eager = _executor(backend, graphs=True), _executor(backend, graphs=False)
+    merged_ex = _executor(backend, graphs=True, driver=driver)
+    eager = _executor(backend, graphs=False)
     merged_ex.prepare(g, N, K, ws.wq, ws.w_scale)
     parts = [_part(g, m, kind, gen) for m in (3, 50, 1, 17, 0, 128)]
+    if driver:  # the raw path, not the general one
+        merged_ex._run_direct = None
     outs, launches = _run(merged_ex, ws, parts)
     assert launches.graph == 1  # one launch for all six calls
     for part, out in zip(parts, outs):
@@ -199,3 +206,48 @@ def _wire(t: torch.Tensor) -> dict:
     t = t.contiguous()
     return {"dtype": WIRE_NAMES[t.dtype], "shape": list(t.shape),
             "data": t.view(-1).view(torch.uint8).numpy().tobytes()}
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_loop_batches_equal_the_worker(backend, kind, gen):
+    """Concurrent calls merged on the event loop's thread (``loop_batches``) answer
+    exactly what the worker answers one call at a time, bit for bit."""
+    import asyncio
+    import threading
+
+    from moegemm.server.engine import Engine
+
+    g = 8
+    ws = _weights(g, gen)
+    ws.name = "w"
+    parts = [_part(g, m, kind, gen) for m in (1, 7, 33, 128, 1, 300, 64, 5)]
+    answers = {}
+    for loop in (True, False):
+        engine = Engine(backend, max_bucket_m=1024, merge_window_us=500 if loop else 0,
+                        loop_batches=loop)
+        engine.start()
+        seen = []
+        real = engine._outcomes
+
+        def spy(batch, real=real, seen=seen):
+            seen.append((threading.current_thread() is threading.main_thread(), len(batch)))
+            return real(batch)
+
+        engine._outcomes = spy
+
+        async def calls(engine=engine):
+            await engine.run(lambda: engine.prepare(ws))
+            return await asyncio.gather(*(engine.gemm(ws, p.x, p.x_scale,
+                                                      torch.tensor(p.m_sizes)) for p in parts))
+
+        try:
+            answers[loop] = asyncio.run(calls())
+        finally:
+            engine.close()
+        if loop:
+            assert all(on_loop for on_loop, _ in seen) and max(n for _, n in seen) > 1
+        else:
+            assert seen == [(False, 1)] * len(parts)
+    for part, a, b in zip(parts, answers[True], answers[False]):
+        assert a.shape == b.shape and torch.equal(a, b)
+        _check_spec(ws, part, a.to(DEV))
