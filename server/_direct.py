@@ -158,6 +158,8 @@ class DirectGemm:
             # The common case straight from the wire fields (``_lone.py``); anything
             # else, errors included, goes the general way below.
             out = svc.engine.gemm_lone(ws, fields, deadline, alone)
+            if out is None:  # not alone, or the device busy: merged in a loop batch
+                out = await svc.engine.gemm_wire(ws, fields, deadline)
             if out is not None:
                 return array_body_parts("out", out, "bfloat16", (out.shape[0], ws.N))
         x, x_scale, m_sizes = routes.gemm_inputs(fields)

@@ -25,6 +25,7 @@ the event loop is busy).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -191,14 +192,8 @@ class Executor:
 
     def _run_merged_raw(self, ws, parts: list[Part], launches: Launches):
         """Several calls in one bucket with a captured graph, by raw driver copies:
-        (outs, flags) per part, or None when the batch is not that case.
-
-        Each caller's rows go from where its body put them straight to their
-        place in the static buffers (no host gather into a staging buffer, no
-        torch copies); the graph regroups them per expert from the merge plan's
-        order and puts the output back in the callers' order, which comes back
-        in one copy and is split per caller.
-        """
+        (outs, flags) per part, or None when the batch is not that case
+        (:meth:`run_raw_many` says how)."""
         x0 = parts[0].x
         family = self.family(ws.G, ws.N, ws.K, x0.dtype)
         if not (family.quantize or x0.dtype == self.backend.fp8_dtype):
@@ -206,38 +201,65 @@ class Executor:
         for p in parts:
             if not p.x.is_contiguous() or (p.x_scale is not None and not p.x_scale.is_contiguous()):
                 return None
-        plan = plan_merge([p.m_sizes for p in parts])
-        rows = plan.total
+        done = self.run_raw_many(ws, family, [
+            (p.x.shape[0], p.x.data_ptr(), 0 if p.x_scale is None else p.x_scale.data_ptr(),
+             p.m_sizes) for p in parts])
+        if done is None:
+            return None
+        launches.graph += 1
+        host, at, offsets = done
+        rows = offsets[-1]
+        out = torch.from_numpy(host[at:]).view(torch.bfloat16).view(rows, ws.N)
+        flags = host[:rows].view(np.int8)
+        spans = list(itertools.pairwise(offsets))
+        return [out[a:b] for a, b in spans], [flags[a:b] for a, b in spans]
+
+    def run_raw_many(self, ws, family: Family, calls):
+        """Calls ``(rows, x, x_scale, m_sizes)`` (host addresses in the family's layout,
+        ``x_scale`` 0 for none) as one launch of the family's captured graph:
+        ``(host bytes, out_offset, offsets)`` -- :meth:`Buffers.packed`'s layout with
+        the rows in the calls' order, call ``i`` owning rows ``offsets[i]:offsets[i+1]``
+        -- or None when their rows are not one bucket with a graph. The caller has
+        entered the staging (:meth:`Staging.enter`, :meth:`Staging.begin`); this
+        waits for the result.
+
+        Each caller's rows go from where its body put them straight to their
+        place in the static buffers (page-locked bodies by DMA, pageable ones
+        staged by the driver): no host gather, no torch calls, each of which
+        costs ~5-15 us of host time on the H200's machine (``bench/SERVICE_NOTES.md``,
+        v4). The graph regroups the rows per expert from the merge plan's order
+        and puts the output back in the callers' order.
+        """
+        offsets = [0]
+        for rows, *_ in calls:
+            offsets.append(offsets[-1] + rows)
+        rows = offsets[-1]
         if not 0 < rows <= self.pool.max_bucket:
             return None
         launched = self.pool.launch_rows(rows)
         graph = self.pool.graph(family, launched, ws.wq, ws.w_scale)
         if graph is None:
             return None
+        if len(calls) == 1:
+            sizes, gather = calls[0][3], None
+        else:
+            plan = plan_merge([c[3] for c in calls])
+            sizes, gather = plan.m_sizes, None if plan.is_identity else plan.gather
         lane = self._lane(family)
         staging, bufs = self.staging, lane.bufs
-        at = 0
-        for p in parts:
-            n = p.x.shape[0]
+        for (n, x, x_scale, _), at in zip(calls, offsets):  # (offsets has one more)
             if n == 0:
                 continue
-            staging.htod(lane.x + at * lane.x_row, p.x.data_ptr(), n * lane.x_row)
-            if p.x_scale is not None:
-                staging.htod(lane.x_scale + at * lane.x_scale_row, p.x_scale.data_ptr(),
-                             n * lane.x_scale_row)
-            at += n
-        self.pool.fill_words(bufs, lane.meta_host, plan.m_sizes,
-                             None if plan.is_identity else plan.gather, rows, launched,
+            staging.htod(lane.x + at * lane.x_row, x, n * lane.x_row)
+            if x_scale:
+                staging.htod(lane.x_scale + at * lane.x_scale_row, x_scale, n * lane.x_scale_row)
+        self.pool.fill_words(bufs, lane.meta_host, sizes, gather, rows, launched,
                              ws.wq, ws.w_scale)
         staging.htod(lane.meta, lane.meta_host_ptr, 8 * bufs.meta_words(launched))
         graph.replay()
         self.pool.replays += 1
-        launches.graph += 1
         host, at = self._download_raw(lane, launched, rows * ws.N)
-        out = torch.from_numpy(host[at:]).view(torch.bfloat16).view(rows, ws.N)
-        flags = host[:rows].view(np.int8)
-        spans = list(zip(plan.offsets[:-1], plan.offsets[1:]))
-        return [out[a:b] for a, b in spans], [flags[a:b] for a, b in spans]
+        return host, at, offsets
 
     def _lane(self, family: Family) -> _Lane:
         lane = self._lanes.get(family)
@@ -268,21 +290,8 @@ class Executor:
         when no graph is captured for it. The caller has entered the staging
         (:meth:`Staging.enter`, :meth:`Staging.begin`); this waits for the result.
         """
-        launched = self.pool.launch_rows(rows)
-        graph = self.pool.graph(family, launched, ws.wq, ws.w_scale)
-        if graph is None:
-            return None
-        lane = self._lane(family)
-        staging, bufs = self.staging, lane.bufs
-        staging.htod(lane.x, x, rows * lane.x_row)
-        if x_scale:
-            staging.htod(lane.x_scale, x_scale, rows * lane.x_scale_row)
-        self.pool.fill_words(bufs, lane.meta_host, m_sizes, None, rows, launched,
-                             ws.wq, ws.w_scale)
-        staging.htod(lane.meta, lane.meta_host_ptr, 8 * bufs.meta_words(launched))
-        graph.replay()
-        self.pool.replays += 1
-        return self._download_raw(lane, launched, rows * ws.N)
+        done = self.run_raw_many(ws, family, [(rows, x, x_scale, m_sizes)])
+        return None if done is None else done[:2]
 
     def _run_direct(self, ws, family, x_host, xs_host, plan: MergePlan, launches):
         """One bucket: upload straight into the static buffers (three copies, one replay);

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import sys
 import threading
@@ -51,7 +52,7 @@ from moegemm.kernels._backend import Backend
 from ._checks import not_finite_error
 from ._executor import Executor, Part
 from ._graphs import GraphPool
-from ._lone import address, wire_inputs
+from ._lone import LoneInputs, address, wire_inputs
 from ._staging import Staging
 from ._tensors import (
     BLOCK,
@@ -89,6 +90,27 @@ class GemmCall:
     @property
     def rows(self) -> int:
         return self.x.shape[0]
+
+
+@dataclass(eq=False)
+class _WireCall:
+    """A plain valid gemm body (``_lone.py``) waiting for a loop batch: its raw inputs,
+    and once the batch ran, its outcome (output bytes ``[M, 2N]`` or an error), or
+    ``_GENERAL`` when the general path is to answer it instead."""
+
+    ws: WeightSet
+    lone: LoneInputs
+    deadline: float | None
+    waiter: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+    outcome: Any = None
+
+    @property
+    def rows(self) -> int:
+        return self.lone.rows
+
+
+_GENERAL = object()  # a wire call's outcome: take the general path
 
 
 @dataclass(eq=False)
@@ -145,7 +167,7 @@ class Engine:
         # True while a batch or job runs, on the worker or inline (one at a time).
         self._busy = False
         # Loop batches: calls waiting for the event loop's next drain, and its handle.
-        self._loop_calls: list[tuple[GemmCall, asyncio.Future]] = []
+        self._loop_calls: list[tuple[GemmCall, asyncio.Future] | _WireCall] = []
         self._drain_handle: asyncio.Handle | None = None
 
     # -- life cycle ------------------------------------------------------------
@@ -305,14 +327,53 @@ class Engine:
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._loop_calls.append((call, waiter))
+        self._schedule_drain(loop)
+        await waiter
+        return call.future.result()
+
+    def _schedule_drain(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._drain_handle is None:
             # No wait: the calls that arrive while a batch holds the loop are read in
             # its next turn and merge then. On the H200, waiting the merge window
             # for more (as the worker does) made the p99 at 1300 calls/s worse
             # (bench/SERVICE_NOTES.md, v5).
             self._drain_handle = loop.call_soon(self._drain)
-        await waiter
-        return call.future.result()
+
+    async def gemm_wire(self, ws: WeightSet, body: Any,
+                        deadline: float | None) -> np.ndarray | None:
+        """A decoded gemm body that is the lane's plain valid case (``_lone.py``) run in
+        a loop batch, merged with the others of its turn straight from their wire
+        fields: the output's bf16 bytes ``[M, 2N]`` (uint8). None when the general
+        path is to answer it (:meth:`gemm`: not that case, no loop batches or
+        graphs here, the device held by a job), which answers everything, errors
+        included. Raises what :meth:`gemm` would raise for a call that ran."""
+        executor = self._executor
+        if not (self.loop_batches and executor.staging.raw and executor.pool.use_graphs):
+            return None
+        lone = wire_inputs(body, ws.G, ws.K, self._fp8_name,
+                           min(self._LOOP_ROWS, self.max_m, self.max_bucket_m))
+        if lone is None:
+            return None
+        with self._cv:
+            if self._closed or self._busy or self._items:
+                return None
+            if self._pending_calls >= self.queue_size:
+                raise Overloaded(
+                    f"{self._pending_calls} calls are queued (the limit); retry later",
+                    retry_after=_RETRY_AFTER_S,
+                )
+            self._pending_calls += 1  # until the drain takes it
+        loop = asyncio.get_running_loop()
+        call = _WireCall(ws, lone, deadline, loop.create_future())
+        self._loop_calls.append(call)
+        self._schedule_drain(loop)
+        await call.waiter
+        out = call.outcome
+        if out is _GENERAL or out is None:
+            return None
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
     def _drain(self) -> None:
         """Run the calls waiting for the loop: merged per weight set (in arrival order,
@@ -325,17 +386,26 @@ class Engine:
             closed, busy = self._closed, self._busy
             if not (closed or busy):
                 self._busy = True
+        wires = [c for c in waiting if type(c) is _WireCall]
+        if wires:
+            waiting = [c for c in waiting if type(c) is not _WireCall]
         if closed:
             for call, waiter in waiting:
                 if call.future.set_running_or_notify_cancel():
                     call.future.set_exception(NotReady("the server is shutting down"))
                 _wake(waiter)
+            for wire in wires:
+                wire.outcome = NotReady("the server is shutting down")
+                _wake(wire.waiter)
             return
         if busy:
             # A job or a worker batch took the device since these calls arrived:
-            # they queue for the worker behind it.
+            # they queue for the worker behind it (wire calls by the general path).
             for call, waiter in waiting:
                 self._to_worker(call, waiter)
+            for wire in wires:
+                wire.outcome = _GENERAL
+                _wake(wire.waiter)
             return
         try:
             for batch in self._loop_batches([c for c, w in waiting if not w.cancelled()]):
@@ -347,6 +417,15 @@ class Engine:
                         if not call.future.done():
                             call.future.set_exception(InternalError("the engine failed this call"))
                 self._last_batch_calls = len(batch)
+            for batch in self._loop_batches([w for w in wires if not w.waiter.cancelled()],
+                                            key=_wire_key):
+                try:
+                    self._run_wire_batch(batch)
+                except Exception:  # a bug here must fail the batch, not the loop
+                    log.exception("the engine failed a loop batch of %d calls", len(batch))
+                    for wire in batch:
+                        wire.outcome = InternalError("the engine failed this call")
+                self._last_batch_calls = len(batch)
         finally:
             with self._cv:
                 self._busy = False
@@ -356,20 +435,71 @@ class Engine:
                 if not call.future.done():  # its caller went away before it ran
                     call.future.cancel()
                 _wake(waiter)
+            for wire in wires:
+                _wake(wire.waiter)
 
-    def _loop_batches(self, calls: list[GemmCall]) -> list[list[GemmCall]]:
-        """``calls`` as batches: per weight set, in arrival order, within the row limit."""
+    def _run_wire_batch(self, batch: list[_WireCall]) -> None:
+        """Run wire calls of one weight set and input kind as one launch; each gets
+        its outcome (``_GENERAL`` for all when no graph covers them)."""
+        started = time.monotonic()
+        live = []
+        for wire in batch:
+            if wire.deadline is not None and started > wire.deadline:
+                wire.outcome = DeadlineExceeded("the request's deadline passed while it was queued")
+            else:
+                live.append(wire)
+        if not live:
+            return
+        ws, quantize = live[0].ws, live[0].lone.quantize
+        executor = self._executor
+        staging = executor.staging
+        try:
+            family = executor.family(ws.G, ws.N, ws.K,
+                                     _QUANTIZED if quantize else self.backend.fp8_dtype)
+            staging.enter()
+            staging.begin()
+            done = executor.run_raw_many(ws, family, [
+                (w.lone.rows, address(w.lone.x),
+                 0 if w.lone.x_scale is None else address(w.lone.x_scale), w.lone.m_sizes)
+                for w in live])
+        except Exception as exc:  # noqa: BLE001 -- each caller gets it (_device_error logs)
+            staging.settle()
+            error = self._device_error(exc, len(live))
+            for wire in live:
+                wire.outcome = error
+            return
+        if done is None:  # no graph for this bucket: the general path runs them eagerly
+            for wire in live:
+                wire.outcome = _GENERAL
+            return
+        host, at, offsets = done
+        if self.metrics is not None:
+            m = self.metrics
+            self._graph_launches.inc()
+            for wire in live:
+                m.queue_seconds.observe(started - wire.enqueued)
+            m.kernel_seconds.observe(time.monotonic() - started)
+            m.batch_calls.observe(len(live))
+        row_bytes = 2 * ws.N
+        for wire, (a, b) in zip(live, itertools.pairwise(offsets)):
+            error = not_finite_error(host[a:b])
+            wire.outcome = error if error is not None else \
+                host[at + a * row_bytes: at + b * row_bytes].reshape(b - a, row_bytes)
+
+    def _loop_batches(self, calls: list, key: Callable[[Any], Any] = lambda c: id(c.ws)) -> list[list]:
+        """``calls`` as batches: per ``key`` (the weight set), in arrival order, within
+        the row limit; one call a batch without a merge window."""
         if self.merge_window_s <= 0:
             return [[call] for call in calls]
-        batches: list[list[GemmCall]] = []
-        open_: dict[int, tuple[list[GemmCall], list[int]]] = {}
+        batches: list[list] = []
+        open_: dict[Any, tuple[list, list[int]]] = {}
         for call in calls:
-            key = id(call.ws)
-            batch, rows = open_.get(key, (None, [0]))
+            key_of = key(call)
+            batch, rows = open_.get(key_of, (None, [0]))
             if batch is None or rows[0] + call.rows > self.max_bucket_m:
                 batch, rows = [], [0]
                 batches.append(batch)
-                open_[key] = (batch, rows)
+                open_[key_of] = (batch, rows)
             batch.append(call)
             rows[0] += call.rows
         return batches
@@ -631,3 +761,8 @@ class Engine:
 def _wake(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def _wire_key(wire: _WireCall) -> tuple[int, bool]:
+    """Wire calls merge per weight set and input kind (fp8 or bf16: one graph family)."""
+    return id(wire.ws), wire.lone.quantize

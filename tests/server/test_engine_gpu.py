@@ -251,3 +251,62 @@ def test_loop_batches_equal_the_worker(backend, kind, gen):
     for part, a, b in zip(parts, answers[True], answers[False]):
         assert a.shape == b.shape and torch.equal(a, b)
         _check_spec(ws, part, a.to(DEV))
+
+
+def test_wire_calls_merged_equal_the_general_path(backend, gen):
+    """Plain bodies merged in loop batches straight from their wire fields
+    (``Engine.gemm_wire``: fp8 and bf16 at once, ragged sizes, a NaN row in one) answer
+    exactly what the general path answers one by one with torch copies."""
+    import asyncio
+
+    import numpy as np
+    from moegemm.client._errors import NotFinite
+    from moegemm.server.engine import Engine
+
+    g = 8
+    ws = _weights(g, gen)
+    ws.name = "w"
+    parts = [_part(g, m, kind, gen) for m, kind in
+             ((1, "fp8"), (7, "bf16"), (130, "fp8"), (1, "fp8"), (64, "bf16"), (300, "fp8"))]
+    bad = parts[3].x.clone()
+    bad.view(torch.uint8)[0, 0] = 0x7F  # an fp8 NaN encoding
+    parts.append(Part(bad, parts[3].x_scale, parts[3].m_sizes))
+    bodies = []
+    for p in parts:
+        body = {"x": _wire(p.x), "m_sizes": _wire(torch.tensor(p.m_sizes))}
+        if p.x_scale is not None:
+            body["x_scale"] = _wire(p.x_scale)
+        bodies.append(body)
+    wire_engine = Engine(backend, max_bucket_m=1024, merge_window_us=500, loop_batches=True)
+    general = Engine(backend, max_bucket_m=1024, raw_copies=False)
+    launches = []
+    real = wire_engine._executor.run_raw_many
+
+    def spy(ws_, family, calls):
+        launches.append(len(calls))
+        return real(ws_, family, calls)
+
+    wire_engine._executor.run_raw_many = spy
+    for e in (wire_engine, general):
+        e.start()
+    try:
+        async def run_all():
+            for e in (wire_engine, general):
+                await e.run(lambda e=e: e.prepare(ws))
+            got = await asyncio.gather(*(wire_engine.gemm_wire(ws, b, None) for b in bodies),
+                                       return_exceptions=True)
+            want = [await general.gemm(ws, p.x, p.x_scale, torch.tensor(p.m_sizes))
+                    for p in parts[:-1]]
+            return got, want
+
+        got, want = asyncio.run(run_all())
+    finally:
+        wire_engine.close()
+        general.close()
+    assert isinstance(got[-1], NotFinite)
+    assert sorted(launches) == [2, 5]  # bf16 calls in one launch, fp8 ones in another
+    for p, out, ref in zip(parts, got, want):
+        assert out is not None
+        out = torch.from_numpy(np.ascontiguousarray(out)).view(torch.bfloat16)
+        assert out.shape == ref.shape and torch.equal(out, ref)
+        _check_spec(ws, p, out.to(DEV))
