@@ -32,7 +32,7 @@ from ._errors import (
     error_for,
 )
 from ._lane import AsyncLane, Lane, usable
-from ._wire import decode_tensor, encode_tensor, pack_parts, packb, unpack_in_place, unpackb
+from ._wire import decode_tensor, encode_tensor, pack_tensors, packb, unpack_in_place, unpackb
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
     from typing_extensions import Self
@@ -153,11 +153,11 @@ def _gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | 
         body["x_scale"] = encode_tensor(x_scale)
     torch = sys.modules.get("torch")
     like = x if torch is not None and isinstance(x, torch.Tensor) else None
-    # Large tensors go out as views (``pack_parts``); a small body is packed at once.
+    # Large tensors go out as views (``pack_tensors``); a small body is packed at once
+    # (one packb call costs less than assembling it from cached heads).
     big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
-    return _Call("POST", _weights_path(name) + "/gemm", pack_parts(body) if big else packb(body),
-                 expect="gemm",
-                 like_torch=like, deadline=_budget(deadline))
+    return _Call("POST", _weights_path(name) + "/gemm", pack_tensors(body) if big else packb(body),
+                 expect="gemm", like_torch=like, deadline=_budget(deadline))
 
 
 def _load_call(name: str, w: Any, w_scale: Any) -> _Call:
