@@ -24,7 +24,7 @@ from ._errors import BadDtype, BadMsgpack, BadTensor
 
 __all__ = [
     "DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "pack_parts", "pack_tensors",
-    "packb", "unpack_in_place", "unpackb",
+    "packb", "tensor_head", "unpack_in_place", "unpackb",
 ]
 
 DTYPES: dict[str, np.dtype] = {
@@ -442,7 +442,7 @@ def pack_tensors(body: dict[str, dict]) -> list[bytes | memoryview]:
         at = (key, dtype, tuple(shape), size)
         head = _TENSOR_HEADS.get(at)
         if head is None:
-            head = _tensor_head(key, dtype, shape, size)
+            head = tensor_head(key, dtype, shape, size)
             if len(_TENSOR_HEADS) < 4096:  # calls come in few shapes; never grow without bound
                 _TENSOR_HEADS[at] = head
         small.append(head)
@@ -457,7 +457,10 @@ def pack_tensors(body: dict[str, dict]) -> list[bytes | memoryview]:
     return parts
 
 
-def _tensor_head(key: Any, dtype: Any, shape: list, size: int) -> bytes:
+def tensor_head(key: Any, dtype: Any, shape: list, size: int) -> bytes:
+    """The msgpack of ``key`` and its tensor map up to the data: the bytes ``packb``
+    writes for ``{key: {"dtype", "shape", "data"}}`` inside a map, before the
+    ``size`` bytes of data."""
     # Each piece packed by msgpack itself, so the bytes are exactly packb's.
     return b"".join((packb(key), b"\x83", packb("dtype"), packb(dtype), packb("shape"),
                      packb(shape), packb("data"), bin_header(size)))
