@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 import socket
 import threading
 import time
@@ -212,13 +213,15 @@ class Lane:
             if sock is None:
                 return self._connect(timeout, deadline)
             # An idle keep-alive socket has nothing to read; one that has (EOF:
-            # the server closed it; or junk) is dropped. A peek, not select():
-            # select() fails on descriptors past 1023.
+            # the server closed it; or junk) or an error is dropped. poll(), not
+            # select(): select() fails on descriptors past 1023. Not a peek
+            # either: that needs the socket non-blocking, then its timeout back
+            # (a syscall each way) and raises on the healthy path.
+            poller = select.poll()
             try:
-                sock.settimeout(0)  # with a timeout set, Python would wait for data first
-                sock.recv(1, socket.MSG_PEEK)
-            except BlockingIOError:
-                return sock
+                poller.register(sock, select.POLLIN)
+                if not poller.poll(0):
+                    return sock
             except OSError:
                 pass
             sock.close()
@@ -272,7 +275,7 @@ class Lane:
         """Write the request; a failed write is returned, not raised: a server may
         answer (413, 401, 503) and close before reading a large body, and that
         answer is what the caller must see."""
-        sock.settimeout(_left(timeout.write, deadline))
+        _settimeout(sock, _left(timeout.write, deadline))
         try:
             if sum(map(len, parts)) <= 1 << 16:
                 sock.sendall(b"".join((data, *parts)))  # one segment for a small call
@@ -293,7 +296,7 @@ class Lane:
                 break
             recv_error = None
             try:
-                sock.settimeout(_left(timeout.read, deadline))
+                _settimeout(sock, _left(timeout.read, deadline))
                 chunk = sock.recv(_RECV_HEAD)
             except TimeoutError as exc:
                 raise httpx.ReadTimeout(f"reading from {where}: {exc}") from exc
@@ -309,7 +312,7 @@ class Lane:
         while parse.got < len(view):
             recv_error = None
             try:
-                sock.settimeout(_left(timeout.read, deadline))
+                _settimeout(sock, _left(timeout.read, deadline))
                 n = sock.recv_into(view[parse.got:])
             except TimeoutError as exc:
                 raise httpx.ReadTimeout(f"reading from {where}: {exc}") from exc
@@ -578,6 +581,12 @@ class AsyncLane:
 def _buffered(reader) -> int:
     """Bytes an asyncio StreamReader holds unread (0 when unknown)."""
     return len(getattr(reader, "_buffer", b""))
+
+
+def _settimeout(sock: socket.socket, value: float | None) -> None:
+    """``sock.settimeout(value)``, skipped when it is already set (each is a syscall)."""
+    if sock.gettimeout() != value:
+        sock.settimeout(value)
 
 
 def _left(limit: float | None, deadline: float | None) -> float | None:

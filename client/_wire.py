@@ -23,8 +23,8 @@ import numpy as np
 from ._errors import BadDtype, BadMsgpack, BadTensor
 
 __all__ = [
-    "DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "pack_parts", "packb",
-    "unpack_in_place", "unpackb",
+    "DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "pack_parts", "pack_tensors",
+    "packb", "tensor_head", "unpack_in_place", "unpackb",
 ]
 
 DTYPES: dict[str, np.dtype] = {
@@ -418,3 +418,55 @@ def _pack_into(obj: Any, small: bytearray, parts: list, pack) -> None:
         parts.append(bytes(small))
         small.clear()
         parts.append(view)
+
+
+def pack_tensors(body: dict[str, dict]) -> list[bytes | memoryview]:
+    """``pack_parts(body)`` for a map of ``encode_tensor`` maps: the same bytes, less work.
+
+    Each tensor's msgpack up to its data (key, map header, dtype, shape, bin
+    header) is built once per key, dtype and shape and kept; the data goes in
+    behind it: copied when small, its own part (a view) from 64 KiB. Anything
+    but plain tensor maps with fewer than 16 keys takes ``pack_parts``.
+    """
+    if len(body) >= 16:
+        return pack_parts(body)
+    parts: list[bytes | memoryview] = []
+    small: list = [_FIXMAP[len(body)]]
+    for key, tensor in body.items():
+        if type(tensor) is not dict or tuple(tensor) != _TENSOR_ORDER:
+            return pack_parts(body)
+        data = tensor["data"]
+        if type(data) is not memoryview or data.format != "B" or data.ndim != 1:
+            return pack_parts(body)
+        dtype, shape, size = tensor["dtype"], tensor["shape"], data.nbytes
+        at = (key, dtype, tuple(shape), size)
+        head = _TENSOR_HEADS.get(at)
+        if head is None:
+            head = tensor_head(key, dtype, shape, size)
+            if len(_TENSOR_HEADS) < 4096:  # calls come in few shapes; never grow without bound
+                _TENSOR_HEADS[at] = head
+        small.append(head)
+        if size >= _PART_FROM:
+            parts.append(b"".join(small))
+            parts.append(data)
+            small = []
+        else:
+            small.append(data)
+    if small:
+        parts.append(b"".join(small))
+    return parts
+
+
+def tensor_head(key: Any, dtype: Any, shape: list, size: int) -> bytes:
+    """The msgpack of ``key`` and its tensor map up to the data: the bytes ``packb``
+    writes for ``{key: {"dtype", "shape", "data"}}`` inside a map, before the
+    ``size`` bytes of data."""
+    # Each piece packed by msgpack itself, so the bytes are exactly packb's.
+    return b"".join((packb(key), b"\x83", packb("dtype"), packb(dtype), packb("shape"),
+                     packb(shape), packb("data"), bin_header(size)))
+
+
+_FIXMAP = [bytes([0x80 | n]) for n in range(16)]
+# encode_tensor's keys, in its order (packb writes a map in its own order).
+_TENSOR_ORDER = ("dtype", "shape", "data")
+_TENSOR_HEADS: dict[tuple, bytes] = {}

@@ -362,3 +362,41 @@ def test_real_connection_refused_is_transport_error():
         port = s.getsockname()[1]  # bound, never listening: connecting is refused
         with Client(f"http://127.0.0.1:{port}", timeout=5) as c, pytest.raises(TransportError):
             c.live()
+
+
+@pytest.mark.parametrize("m", [1, 40, 300])  # answers under and over 64 KiB
+def test_repeated_answers_decode_alike_and_lookalikes_are_decoded_in_full(fake, client, m):
+    """Gemm answers are decoded in full once per length and head; later ones of the
+    same length and head reuse that, and every other answer -- same length, other
+    dtype or a damaged head -- is decoded (or refused) as the first was."""
+    x, scale = _fp8_inputs([m])
+    for _ in range(3):
+        out = client.grouped_gemm("w", x, [m], x_scale=scale)
+        assert out.dtype == ml_dtypes.bfloat16 and not out.flags.writeable
+        np.testing.assert_array_equal(out.view(np.uint16), fake.outputs[-1].view(np.uint16))
+    half = np.random.randn(m, fake.n).astype(np.float16)  # same length, another head
+    answers = [packb({"out": encode_tensor(half)})]
+    damaged = bytearray(answers[0])
+    damaged[1:4] = b"\xa3o_t"[:3]  # {"o_t": ...}: the same length, no "out"
+    answers.append(bytes(damaged))
+    fake.reply = lambda r: httpx.Response(
+        200, content=answers.pop(0), headers={"content-type": "application/vnd.msgpack"})
+    out = client.grouped_gemm("w", x, [m], x_scale=scale)
+    assert out.dtype == np.float16 and out.shape == (m, fake.n)
+    np.testing.assert_array_equal(out, half)
+    with pytest.raises(mc.InternalError, match="'out'"):
+        client.grouped_gemm("w", x, [m], x_scale=scale)
+
+
+def test_answers_received_into_a_buffer_decode_as_views_on_it():
+    """The lane hands large answers over as a read-only view on its buffer."""
+    from moegemm.client._client import _decode_out
+
+    out = np.random.randn(300, 256).astype(ml_dtypes.bfloat16)
+    raw = np.frombuffer(packb({"out": encode_tensor(out)}), np.uint8).copy()
+    for _ in range(2):
+        got = _decode_out(memoryview(raw).toreadonly())
+        assert got.dtype == "bfloat16" and got.shape == (300, 256)
+        arr = got.numpy()
+        assert not arr.flags.writeable and np.shares_memory(arr, raw)
+        np.testing.assert_array_equal(arr.view(np.uint16), out.view(np.uint16))

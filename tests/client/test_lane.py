@@ -8,9 +8,11 @@ the client's error tree, a deadline bounding the whole exchange.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import socket
+import struct
 import threading
 import time
 import typing
@@ -135,6 +137,92 @@ def test_a_socket_the_server_closed_is_replaced():
         second = c.info()
     assert first["peer"] != second["peer"]
     assert len(requests) == 2
+
+
+def _keep_alive_server(after_first) -> tuple[str, list]:
+    """Answers every request; on the first connection, ``after_first(conn)`` runs
+    after its first answer (False: close the connection). Returns the URL and the
+    client ports of the connections made."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    peers = []
+    body = b'{"ok": true}'
+    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    def serve_one(conn, peer):
+        with conn, contextlib.suppress(ConnectionError):  # a client drops a junked socket
+            peers.append(peer[1])
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(65536)
+            conn.sendall(answer)
+            if len(peers) == 1 and not after_first(conn):
+                return
+            while True:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    head += chunk
+                conn.sendall(answer)
+
+    def serve():
+        while True:
+            try:
+                conn, peer = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve_one, args=(conn, peer), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", peers
+
+
+@pytest.mark.parametrize("trouble", ["junk", "reset"])
+def test_a_pooled_socket_with_junk_or_a_reset_is_replaced(trouble):
+    """Stray bytes after an answer, or a reset, mark an idle socket unusable:
+    the next call goes out once, on a new connection."""
+
+    def after_first(conn):
+        time.sleep(0.05)  # after the client has read the answer: its own segment
+        if trouble == "junk":
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")  # nobody asked: the socket is out of step
+            return True
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        return False  # closed with an RST
+
+    url, peers = _keep_alive_server(after_first)
+    with Client(url, timeout=5) as c:
+        assert c.info() == {"ok": True}
+        time.sleep(0.3)
+        assert c.info() == {"ok": True}
+        assert c.info() == {"ok": True}
+    assert len(peers) == 2  # one replacement; the second socket stays in use
+
+
+def test_a_deadline_bounds_a_reused_socket():
+    """A socket pooled after a call without a deadline keeps no stale timeout:
+    a later call with a short deadline on it still gives up in time."""
+    gate = threading.Event()
+
+    def after_first(conn):
+        gate.wait(5)  # read nothing more until the test is done
+        return False
+
+    url, peers = _keep_alive_server(after_first)
+    try:
+        with Client(url, timeout=30) as c:
+            assert c.info() == {"ok": True}
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                c.grouped_gemm("demo", np.zeros((1, 128), np.float32), [1], deadline=0.3)
+            assert time.monotonic() - started < 2
+    finally:
+        gate.set()
+    assert len(peers) == 1  # the call went out on the pooled socket
 
 
 def _one_shot(answer: bytes) -> str:

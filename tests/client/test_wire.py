@@ -9,7 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from moegemm.client import BadDtype, BadMsgpack, BadTensor
-from moegemm.client._wire import DTYPES, WireTensor, decode_tensor, encode_tensor, packb, unpackb
+from moegemm.client._wire import (
+    DTYPES,
+    WireTensor,
+    decode_tensor,
+    encode_tensor,
+    pack_tensors,
+    packb,
+    unpackb,
+)
 
 try:
     import torch
@@ -268,3 +276,30 @@ _values = st.recursive(
 def test_unpackb_round_trips_any_string_keyed_map(msg):
     back = unpackb(packb(msg))
     assert packb(back) == packb(msg)  # bytes compare: NaN != NaN as floats
+
+
+_SHAPES = st.lists(st.sampled_from([0, 1, 2, 3, 127, 128, 129, 255, 256, 300, 65536, 70000]),
+                   max_size=3).filter(lambda s: math.prod(s) <= 1 << 18)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(["x", "x_scale", "m_sizes", "w", "k" * 40]),
+                       st.tuples(st.sampled_from(SPEC_NAMES), _SHAPES), max_size=4))
+def test_pack_tensors_writes_the_bytes_of_packb(body):
+    """The cached-head packer is packb, byte for byte, twice (cold and cached);
+    tensors of 64 KiB or more are views on the caller's memory."""
+    arrays = {k: np.zeros(shape, DTYPES[name]) + 1 for k, (name, shape) in body.items()}
+    encoded = {k: encode_tensor(a) for k, a in arrays.items()}
+    for _ in range(2):
+        parts = pack_tensors(encoded)
+        assert b"".join(parts) == packb(encoded)
+        views = [p for p in parts if isinstance(p, memoryview)]
+        assert len(views) == sum(a.nbytes >= 64 << 10 for a in arrays.values())
+
+
+def test_pack_tensors_leaves_other_maps_to_pack_parts():
+    big = encode_tensor(np.zeros(70000, np.uint8).view(ml_dtypes.float8_e4m3fn))
+    for body in ({"a": 1, "x": big}, {"x": {**big, "extra": 1}},
+                 {"x": {"shape": big["shape"], "dtype": big["dtype"], "data": big["data"]}},
+                 {"x": {**big, "data": bytes(big["data"])}}, {str(i): i for i in range(20)}):
+        assert b"".join(pack_tensors(body)) == packb(body)
