@@ -304,6 +304,9 @@ def main() -> int:
                          "environment, timed on the key points: 'sw20:MOEGEMM_GIL_SWITCH_US=20,...'")
     ap.add_argument("--quick", action="store_true",
                     help="only the done-criteria's points and the paced ones")
+    ap.add_argument("--large", action="store_true",
+                    help="with --quick: also the 1024-row calls at 32 clients (default, "
+                         "merge_off and the variants)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every point this many times, interleaved; medians in 'summary'")
     ap.add_argument("--port", type=int, default=18600)
@@ -388,6 +391,8 @@ def main() -> int:
                  ("uvicorn", "main", key_m, "fp8", c),
                  # merging's gain where calls are small: many one-row calls at once
                  ("default", "main", ms[0], "fp8", c), ("merge_off", "main", ms[0], "fp8", c)]
+        if args.large:
+            first += [("default", "main", ms[-1], "fp8", c), ("merge_off", "main", ms[-1], "fp8", c)]
         rest = [("default", "main", m, kind, n) for m in ms for kind in kinds for n in (1, c)]
         if "deepseek" in sets:
             rest += [("default", "deepseek", m, "fp8", n) for m in ms for n in (1, c)]
@@ -399,7 +404,8 @@ def main() -> int:
         paced = [(srv, "main", key_m, "fp8", c, args.paced_rate)
                  for srv in ("default", "merge_off", "uvicorn")]
         variants = [(name, "main", m, "fp8", n) for name in servers if name not in plans_base
-                    for (m, n) in ((ms[0], 1), (key_m, 1), (key_m, c))]
+                    for (m, n) in ((ms[0], 1), (key_m, 1), (key_m, c))
+                    + (((ms[-1], c),) if args.large else ())]
         variants += [(name, "main", key_m, "fp8", c, args.paced_rate) for name in servers
                      if name not in plans_base]
         points = (points[:len(first)] + paced + variants

@@ -102,11 +102,12 @@ class Settings(BaseSettings):
     # its wire fields, its copies made by the CUDA driver directly
     # (server/_staging.py); off: every call takes the general path.
     raw_copies: bool = True
-    # On a GPU, small calls (up to Engine._LOOP_ROWS rows) run their batches on
-    # the event loop's thread, merged with the calls that arrived in the same turn
-    # of the loop, whenever no job holds the device; off: they queue for the
-    # worker thread, which then fights the loop for the GIL (server/engine.py).
+    # On a GPU, small calls (up to loop_max_rows rows) run their batches on the
+    # event loop's thread, merged with the calls that arrived in the same turn of
+    # the loop, whenever no job holds the device; off: they queue for the worker
+    # thread, which then fights the loop for the GIL (server/engine.py).
     loop_batches: bool = True
+    loop_max_rows: int = Field(256, ge=1, le=65536)
     # The HTTP transport: "fast" (server/_http.py: bodies received in place,
     # pinned on a GPU) or "uvicorn". Same app, same contract.
     http: Literal["fast", "uvicorn"] = "fast"

@@ -3,7 +3,7 @@
 Requests are validated on the caller's side (cheap host checks). On a GPU,
 small calls run on the event loop's thread whenever no job holds the device
 (a lone call at once, others in "loop batches": merged with the calls that
-arrived in the same turn of the loop; see ``Engine._LOOP_ROWS`` for why).
+arrived in the same turn of the loop; see ``Engine._loop_takes`` for why).
 Everything else is queued for one worker thread, which loops "collect a
 batch, run it, complete the futures":
 
@@ -138,6 +138,7 @@ class Engine:
         inline_when_idle: bool = False,
         raw_copies: bool = True,
         loop_batches: bool = False,
+        loop_max_rows: int = 256,
     ) -> None:
         self.backend = backend
         self.device = backend.device
@@ -149,6 +150,7 @@ class Engine:
         self.switch_interval_s = switch_interval_us / 1e6
         self.inline_when_idle = inline_when_idle
         self.loop_batches = loop_batches
+        self.loop_max_rows = loop_max_rows
         # Staging, merging, chunking and CUDA graphs live in the executor; the
         # engine decides what runs when, the executor how.
         self._executor = Executor(
@@ -312,15 +314,17 @@ class Engine:
     # H200 at 32 clients a merged batch of 9 calls took 6.7 ms on the worker for
     # ~0.3 ms of device work (bench/SERVICE_NOTES.md, v5). On the loop, a batch
     # holds the loop for its own host work and device wait only (a batch of
-    # _LOOP_ROWS rows or fewer per call: sub-millisecond to a few milliseconds),
-    # while the acceptor processes go on reading requests.
-    _LOOP_ROWS = 1024
+    # ``loop_max_rows`` rows or fewer per call: sub-millisecond to a few milliseconds),
+    # while the acceptor processes go on reading requests. Larger calls stay on the
+    # worker: with 1024-row calls in loop batches (7 MB bodies, ~2 ms batches) the
+    # H200 served 289 instead of 443 calls/s at 32 clients, with a p99 of 1.2 s
+    # (bench/SERVICE_NOTES.md, v5).
 
     def _loop_takes(self, call: GemmCall) -> bool:
         """Under the lock: the call may run in a loop batch (no job or worker batch
         running or queued)."""
         return (self.loop_batches and not self._busy and not self._items
-                and call.rows <= self._LOOP_ROWS)
+                and call.rows <= self.loop_max_rows)
 
     async def _on_loop(self, call: GemmCall) -> torch.Tensor:
         """Queue ``call`` for the loop's next drain and wait for its outcome."""
@@ -351,7 +355,7 @@ class Engine:
         if not (self.loop_batches and executor.staging.raw and executor.pool.use_graphs):
             return None
         lone = wire_inputs(body, ws.G, ws.K, self._fp8_name,
-                           min(self._LOOP_ROWS, self.max_m, self.max_bucket_m))
+                           min(self.loop_max_rows, self.max_m, self.max_bucket_m))
         if lone is None:
             return None
         with self._cv:

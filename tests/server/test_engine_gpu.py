@@ -224,7 +224,7 @@ def test_loop_batches_equal_the_worker(backend, kind, gen):
     answers = {}
     for loop in (True, False):
         engine = Engine(backend, max_bucket_m=1024, merge_window_us=500 if loop else 0,
-                        loop_batches=loop)
+                        loop_batches=loop, loop_max_rows=1024)
         engine.start()
         seen = []
         real = engine._outcomes
@@ -277,7 +277,8 @@ def test_wire_calls_merged_equal_the_general_path(backend, gen):
         if p.x_scale is not None:
             body["x_scale"] = _wire(p.x_scale)
         bodies.append(body)
-    wire_engine = Engine(backend, max_bucket_m=1024, merge_window_us=500, loop_batches=True)
+    wire_engine = Engine(backend, max_bucket_m=1024, merge_window_us=500, loop_batches=True,
+                         loop_max_rows=1024)
     general = Engine(backend, max_bucket_m=1024, raw_copies=False)
     launches = []
     real = wire_engine._executor.run_raw_many

@@ -149,7 +149,7 @@ def test_large_calls_and_deadlines():
     gen = torch.Generator().manual_seed(torch.seed())
     ws = _set(gen)
     engine = _engine(loop=True, max_bucket_m=2048)
-    big = _calls(gen, 1, rows=lambda i: Engine._LOOP_ROWS + 1)[0]
+    big = _calls(gen, 1, rows=lambda i: engine.loop_max_rows + 1)[0]
     small = _calls(gen, 1)[0]
     seen = _spy_batches(engine)
 
@@ -160,7 +160,7 @@ def test_large_calls_and_deadlines():
         return out
 
     out = _run(engine, scenario)
-    assert out.shape == (Engine._LOOP_ROWS + 1, N)
+    assert out.shape == (engine.loop_max_rows + 1, N)
     assert seen[0] == (False, 1)  # the big call: on the worker
 
 

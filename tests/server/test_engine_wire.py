@@ -175,7 +175,7 @@ def test_the_general_path_answers_what_the_lane_does_not_take():
     fake = FakeRaw()
     engine = _engine(fake)
     odd = dict(body, extra=1)  # an unknown field: only the general path answers it
-    too_many = _body(rng, Engine._LOOP_ROWS + 1)[0]
+    too_many = _body(rng, engine.loop_max_rows + 1)[0]
 
     async def scenario():
         assert await engine.gemm_wire(ws, odd, None) is None
