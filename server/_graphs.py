@@ -28,6 +28,8 @@ never written); a backend that is not (the CPU reference) gets the real rows.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -386,7 +388,8 @@ class GraphPool:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the event loop's thread keeps allocating pinned request
             # buffers during a capture, which "global" mode would turn into errors.
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+            with _no_gc(), torch.cuda.graph(graph, pool=self._mempool,
+                                            capture_error_mode="thread_local"):
                 self._body(family, bucket, wq, w_scale)
             self._graphs[key] = graph
             new += 1
@@ -476,3 +479,21 @@ def _identity_meta(G: int, rows: int, device) -> torch.Tensor:
     meta = torch.zeros(3 * G + 2 * rows, dtype=torch.int64, device=device)
     meta[3 * G :].view(rows, 2).copy_(torch.arange(rows, device=device)[:, None])
     return meta
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """No cyclic garbage collection in this block (what it finds waits until after).
+
+    A collection inside a capture runs finalizers on the capturing thread, of
+    any thread's objects: a dropped staging arena unregistered, a pinned block's
+    events queried, a graph destroyed -- calls a capture forbids, which then
+    fails (seen on the H200 as cudaErrorStreamCaptureInvalidated in a GPU test
+    whose earlier engines were collected mid-capture)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
