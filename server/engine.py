@@ -316,9 +316,8 @@ class Engine:
     # holds the loop for its own host work and device wait only (a batch of
     # ``loop_max_rows`` rows or fewer per call: sub-millisecond to a few milliseconds),
     # while the acceptor processes go on reading requests. Larger calls stay on the
-    # worker: with 1024-row calls in loop batches (7 MB bodies, ~2 ms batches) the
-    # H200 served 289 instead of 443 calls/s at 32 clients, with a p99 of 1.2 s
-    # (bench/SERVICE_NOTES.md, v5).
+    # worker, so no one batch holds the loop for long (1024-row calls at 32 clients
+    # measured the same either way on the H200: ~261 calls/s; bench/SERVICE_NOTES.md, v5).
 
     def _loop_takes(self, call: GemmCall) -> bool:
         """Under the lock: the call may run in a loop batch (no job or worker batch
