@@ -260,11 +260,7 @@ class Engine:
         with self._cv:
             if self._closed:
                 raise NotReady("the server is shutting down")
-            if self._pending_calls >= self.queue_size:
-                raise Overloaded(
-                    f"{self._pending_calls} calls are queued (the limit); retry later",
-                    retry_after=_RETRY_AFTER_S,
-                )
+            self._check_room()
             if alone and self._can_run_inline(call):
                 self._busy = inline = True
             elif self._loop_takes(call):
@@ -279,6 +275,14 @@ class Engine:
         if on_loop:
             return await self._on_loop(call)
         return await asyncio.wrap_future(call.future)
+
+    def _check_room(self) -> None:
+        """Under the lock: a full queue answers Overloaded at once."""
+        if self._pending_calls >= self.queue_size:
+            raise Overloaded(
+                f"{self._pending_calls} calls are queued (the limit); retry later",
+                retry_after=_RETRY_AFTER_S,
+            )
 
     # A call runs on the event loop's thread only when it is the server's only
     # request, nothing else is there to do on the device and it is small: then
@@ -360,11 +364,7 @@ class Engine:
         with self._cv:
             if self._closed or self._busy or self._items:
                 return None
-            if self._pending_calls >= self.queue_size:
-                raise Overloaded(
-                    f"{self._pending_calls} calls are queued (the limit); retry later",
-                    retry_after=_RETRY_AFTER_S,
-                )
+            self._check_room()
             self._pending_calls += 1  # until the drain takes it
         loop = asyncio.get_running_loop()
         call = _WireCall(ws, lone, deadline, loop.create_future())
