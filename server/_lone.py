@@ -103,7 +103,10 @@ def wire_inputs(body: Any, G: int, K: int, fp8_name: str, max_rows: int) -> Lone
     if raw is None:
         return None
     m_sizes = np.frombuffer(raw, dtype=kind).astype(np.int64)
-    if (m_sizes < 0).any() or int(m_sizes.sum()) != rows:
+    # Each size in [0, rows] first: then the int64 sum of G sizes cannot wrap (G
+    # and rows are far below 2^63 / rows), so it is the exact sum. Summing first
+    # let [2^63-1, 2^63-1, 18, 0...] (exact sum 2^64 + 16) pass as 16 rows.
+    if (m_sizes < 0).any() or (m_sizes > rows).any() or int(m_sizes.sum()) != rows:
         return None
     return LoneInputs(rows, x_data, xs_data, m_sizes, dtype == "bfloat16")
 

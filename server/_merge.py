@@ -20,6 +20,10 @@ import numpy as np
 import torch
 
 
+# Rows a launch may hold: the kernels index rows in int32.
+_MAX_ROWS = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class MergePlan:
     """How ``len(offsets) - 1`` calls merge into one grouped launch.
@@ -57,20 +61,23 @@ class MergePlan:
 def plan_merge(m_sizes: Sequence[np.ndarray | Sequence[int]]) -> MergePlan:
     """Plan the merge of calls with these group sizes (each ``[G]``, the same G).
 
-    Raises ``ValueError`` when the calls disagree on G or a size is negative.
+    Raises ``ValueError`` when the calls disagree on G, a size is negative or the
+    rows pass int32 (what the kernels index rows with): callers pass sizes they
+    validated exactly, so this only guards against a lane that did not.
     """
     if not m_sizes:
         raise ValueError("plan_merge needs at least one call")
     if len(m_sizes) == 1:
         # The common case, kept cheap: numpy's fixed cost per call dominates here.
         one = np.asarray(m_sizes[0], dtype=np.int64).reshape(-1)
-        if (one < 0).any():
-            raise ValueError("group sizes must be >= 0")
+        if (one < 0).any() or (one > _MAX_ROWS).any() or int(one.sum()) > _MAX_ROWS:
+            raise ValueError("group sizes must be >= 0 and sum to fewer than 2^31 rows")
         rows = np.arange(int(one.sum()), dtype=np.int64)
         return MergePlan(one, rows, rows, (0, len(rows)), identity=True)
     sizes = np.stack([np.asarray(s, dtype=np.int64).reshape(-1) for s in m_sizes])
-    if (sizes < 0).any():
-        raise ValueError("group sizes must be >= 0")
+    if (sizes < 0).any() or (sizes > _MAX_ROWS).any() or \
+            sum(int(v) for v in sizes.sum(axis=1)) > _MAX_ROWS:
+        raise ValueError("group sizes must be >= 0 and sum to fewer than 2^31 rows")
     calls, groups = sizes.shape
     per_call = sizes.sum(axis=1)
     offsets = np.concatenate(([0], np.cumsum(per_call)))

@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
+import threading
 import time
 import uuid
 from typing import Any
@@ -26,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from . import routes
 from .config import Settings, get_settings
-from .engine import Engine
+from .engine import EXIT_DEVICE_LOST, Engine
 from .metrics import Metrics
 from .store import WeightLimits, WeightStore
 
@@ -108,6 +111,7 @@ async def _lifespan(app: FastAPI):
     )
     store = WeightStore(backend, settings.weights_dir, limits)
     metrics.watch(store.total_bytes, _device_memory(device), engine.queued)
+    engine.on_lost = lambda reason: exit_for_restart(settings.shutdown_grace_s)
     svc = routes.Services(settings=settings, engine=engine, store=store, metrics=metrics)
     app.state.services = svc
     engine.start()
@@ -120,6 +124,18 @@ async def _lifespan(app: FastAPI):
     finally:
         loading.cancel()
         await asyncio.to_thread(engine.close)
+
+
+def exit_for_restart(grace_s: float) -> None:
+    """Stop this process because its device is lost: SIGTERM for an orderly stop
+    (acceptors drained, answers in flight sent), then exit with EXIT_DEVICE_LOST
+    whatever state the transport is in."""
+    def stop() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s + 5.0)
+        os._exit(EXIT_DEVICE_LOST)
+
+    threading.Thread(target=stop, name="moegemm-device-lost", daemon=True).start()
 
 
 def _fail_loudly(task: asyncio.Task) -> None:

@@ -66,7 +66,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
-    """Run the app until interrupted, on the configured HTTP transport."""
+    """Run the app until interrupted, on the configured HTTP transport; the exit
+    status is EXIT_DEVICE_LOST when it stopped because its device failed for good."""
+    status = _serve(settings)
+    from . import engine
+
+    return engine.EXIT_DEVICE_LOST if engine.DEVICE_LOST.is_set() else status
+
+
+def _serve(settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -112,6 +112,10 @@ class _WireCall:
 
 _GENERAL = object()  # a wire call's outcome: take the general path
 
+# Set once any engine of this process has lost its device (cli: the exit status).
+DEVICE_LOST = threading.Event()
+EXIT_DEVICE_LOST = 70
+
 
 @dataclass(eq=False)
 class _Job:
@@ -171,6 +175,9 @@ class Engine:
         # Loop batches: calls waiting for the event loop's next drain, and its handle.
         self._loop_calls: list[tuple[GemmCall, asyncio.Future] | _WireCall] = []
         self._drain_handle: asyncio.Handle | None = None
+        # Set once the device fails for good (see _device_alive); on_lost is called then.
+        self.lost: str | None = None
+        self.on_lost: Callable[[str], None] | None = None
 
     # -- life cycle ------------------------------------------------------------
 
@@ -277,7 +284,10 @@ class Engine:
         return await asyncio.wrap_future(call.future)
 
     def _check_room(self) -> None:
-        """Under the lock: a full queue answers Overloaded at once."""
+        """Under the lock: a full queue answers Overloaded at once (a lost device,
+        NotReady)."""
+        if self.lost is not None:
+            raise NotReady("the device is lost; the server is exiting")
         if self._pending_calls >= self.queue_size:
             raise Overloaded(
                 f"{self._pending_calls} calls are queued (the limit); retry later",
@@ -527,6 +537,7 @@ class Engine:
         """
         staging = self._executor.staging
         if not (alone and self.inline_when_idle and staging.raw) or self._busy or self._items or (
+                self.lost is not None) or (
                 deadline is not None and time.monotonic() > deadline):
             return None  # (the device's state is read again under the lock below)
         lone = wire_inputs(body, ws.G, ws.K, self._fp8_name,
@@ -576,7 +587,34 @@ class Engine:
         if isinstance(exc, torch.OutOfMemoryError):
             return OutOfMemory(f"the device ran out of memory for this call: {exc}")
         log.exception("a batch of %d calls failed", calls)
+        if not self._device_alive():
+            self._lose_device(f"{type(exc).__name__}: {exc}")
+            return InternalError("the device failed and is lost; the server is restarting")
         return InternalError(f"the kernel failed: {type(exc).__name__}")
+
+    def _device_alive(self) -> bool:
+        """Whether the device still runs work after a failure. A sticky error (an
+        illegal address, a lost context) fails every later call on every weight
+        set, so the server must not go on answering as if healthy."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+            probe = torch.ones(1, device=self.device)
+            return float(probe.add_(1).item()) == 2.0
+        except Exception:  # noqa: BLE001 -- any failure here means the device is gone
+            return False
+
+    def _lose_device(self, reason: str) -> None:
+        """Mark the device lost (health answers 503 from now on) and tell ``on_lost``
+        (the app: stop the process so its supervisor restarts it)."""
+        if self.lost is not None:
+            return
+        self.lost = reason
+        DEVICE_LOST.set()
+        log.critical("the device is lost (%s): health now fails and the process exits", reason)
+        if self.on_lost is not None:
+            self.on_lost(reason)
 
     def _run_inline(self, call: GemmCall) -> torch.Tensor:
         """Run a lone call's batch on the calling (event loop) thread: no future,

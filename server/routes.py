@@ -250,17 +250,25 @@ metrics_router = APIRouter(dependencies=[Depends(require_token)])
 
 
 @health.get("/live")
-async def live() -> dict:
-    """The process answers."""
+async def live(svc: ServicesDep) -> dict:
+    """The process answers (503 once its device is lost: it is exiting)."""
+    _require_device(svc)
     return {"status": "live"}
 
 
 @health.get("/ready")
 async def ready(svc: ServicesDep) -> dict:
-    """200 once start-up loading is done, 503 not_ready before."""
+    """200 once start-up loading is done, 503 not_ready before (and once the device
+    is lost)."""
+    _require_device(svc)
     if not svc.ready:
         raise NotReady("the server is still loading its weights", retry_after=1)
     return {"status": "ready"}
+
+
+def _require_device(svc: Services) -> None:
+    if svc.engine.lost is not None:
+        raise NotReady(f"the device is lost ({svc.engine.lost}); the server is exiting")
 
 
 @api.get("/info")
