@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
 # Rows a launch may hold: the kernels index rows in int32.
 _MAX_ROWS = 2**31 - 1
 

@@ -19,8 +19,8 @@ from moegemm.client._errors import APIError, BadMSizes
 from moegemm.client._wire import encode_tensor, packb, unpackb
 from moegemm.kernels.reference import create as reference_backend
 from moegemm.server import routes
-from moegemm.server._merge import plan_merge
 from moegemm.server._lone import wire_inputs
+from moegemm.server._merge import plan_merge
 from moegemm.server.engine import Engine
 from server_support import assert_error
 

@@ -38,7 +38,7 @@ def _free_port() -> int:
 def shipped(tmp_path_factory):
     """``moegemm serve --device cuda`` with nothing else set; its http client."""
     port = _free_port()
-    log = open(tmp_path_factory.mktemp("shipped") / "server.log", "w+")
+    log = open(tmp_path_factory.mktemp("shipped") / "server.log", "w+")  # noqa: SIM115 -- the server writes it until teardown
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGEMM_")}
     proc = subprocess.Popen([sys.executable, "-m", "moegemm.cli", "serve", "--device", "cuda",
                              "--port", str(port), "--no-demo"],
