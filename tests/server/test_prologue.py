@@ -25,7 +25,7 @@ from moegemm.kernels.testing import random_m_sizes, random_problem
 from moegemm.server._checks import _bad_rows_torch
 from moegemm.server._executor import Executor, Part
 from moegemm.server._graphs import GraphPool
-from moegemm.server._prologue import check_and_gather
+from moegemm.kernels._triton_prologue import check_and_gather
 from moegemm.server._staging import Staging
 
 DEV = torch.device("cuda")
