@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -234,7 +232,7 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log, problem=None, x=N
     row["ours_config"] = default.key()
     row["public_us"] = bench(lambda: tk.run(*problem, out))
     # Ours, service path.
-    pool, family, graph = service_setup(problem, bucket)
+    pool, family, _ = service_setup(problem, bucket)
     bufs = pool.buffers(family)
     torch.cuda.synchronize()
     row["service_same_bits_as_public"] = bool(torch.equal(bufs.out(bucket)[:m], out))
@@ -247,7 +245,7 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log, problem=None, x=N
 
     row["ours_us"] = bench(gemm)
     row["service_graph_us"] = bench(lambda: pool._body(family, bucket, problem[1], problem[3]))
-    del pool, graph, bufs, xq_b, xs_b, out_b
+    pool = bufs = xq_b = xs_b = out_b = None  # free the pool's buffers before the sweep
     if sweep:
         row["sweep_us"] = {}
         for cfg in sweep_configs(m, n, k, g):
@@ -279,7 +277,10 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log, problem=None, x=N
 
 # ---- the real-model set -------------------------------------------------------------------------
 
-REAL_JSON = Path(__file__).resolve().parents[2] / "shared" / "bench" / "real_models.json"
+# A copy beside this file (the device machine has no ../shared), else the shared one.
+REAL_JSON = next(p for p in (Path(__file__).resolve().parent / "real_models.json",
+                             Path(__file__).resolve().parents[2] / "shared" / "bench" / "real_models.json")
+                 if p.exists() or p.name == "real_models.json" and "shared" in p.parts)
 REAL_SEED = 0
 
 

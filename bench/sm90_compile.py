@@ -1,7 +1,6 @@
 """Compile the triton kernel for sm_90 on a machine without a GPU and report what matters.
 
-    python bench/sm90_compile.py                      # the v7 prefill variants on the seed prefill shapes
-    python bench/sm90_compile.py --tests              # every config of the GPU tests' round-2 list
+    python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
 serialisation warnings (C7514/C7515, which mean the tensor cores wait for
@@ -102,21 +101,16 @@ def report(cfg, m, n, k, g, addrs: bool = False) -> dict:
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tests", action="store_true", help="the GPU tests' round-2 configs at N=1280, K=1280")
+    parser.add_argument("--addresses", action="store_true", help="the weights by address (the server's graphs)")
     args = parser.parse_args()
-    if args.tests:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
-        from moegemm.kernels import triton_kernel as tk
-        src = (Path(__file__).resolve().parents[1] / "tests" / "kernels" / "test_triton.py").read_text()
-        block = src[src.index("ROUND2_CONFIGS = ["):src.index("]\n", src.index("ROUND2_CONFIGS = ["))]
-        calls = [line.strip().rstrip(",") for line in block.splitlines() if line.strip().startswith("tk.TileConfig(")]
-        jobs = [(eval(c, {"tk": tk}), 1106, 1280, 1280, 8) for c in calls]  # our own test file
-    else:
-        import bench_kernels as bk
-        jobs = [(cfg, m, n, k, 8) for m, n, k in ((16384, 2048, 7168), (16384, 7168, 2304))
-                for cfg in bk.v7_configs(m, n, k, 8)]
+    import bench_kernels as bk
+    from moegemm.kernels import triton_kernel as tk
+
+    jobs = [(cfg, m, n, k, g) for m, n, k, g in ((16384, 2048, 7168, 8), (16384, 7168, 2304, 8),
+                                                 (32768, 4096, 7168, 256), (32, 1280, 8192, 8))
+            for cfg in [tk.default_config(m, n, k, g), *bk.sweep_configs(m, n, k, g)]]
     for cfg, m, n, k, g in jobs:
-        print(f"m{m} n{n} k{k}", report(cfg, m, n, k, g), flush=True)
+        print(f"m{m} n{n} k{k} g{g}", report(cfg, m, n, k, g, args.addresses), flush=True)
 
 
 if __name__ == "__main__":

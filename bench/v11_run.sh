@@ -9,7 +9,7 @@ timeout -k 5 ${BENCH_S:-130} python3 -P bench/bench_kernels.py ${ONLY:+--only $O
 echo "bench rc=$?"
 if [ -n "${TESTS}" ]; then
     left=$(( ${TOTAL_S:-225} - SECONDS ))
-    timeout -k 5 $left python3 -P -m pytest -q -x -p no:cacheprovider $TESTS > "$OUT/pytest.log" 2>&1
+    timeout -k 5 $left python3 -P -m pytest -q -p no:cacheprovider $TESTS > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$?"; tail -5 "$OUT/pytest.log"
 fi
 grep -v '^{' "$OUT/bench.log" | tail -40

@@ -337,7 +337,7 @@ def prefill_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
     Two independent dots per iteration: the second block's wgmma runs while
     the first block's product is scaled and added. BLOCK_N <= 128.
     """
-    split, tile_id, tile_n, group, first_row, row_stop, valid = _grid_tile(
+    _, _, tile_n, group, first_row, row_stop, valid = _grid_tile(
         m_sizes_ptr, M, N, G, 1, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
     if valid:
         w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
@@ -384,7 +384,7 @@ def prefill_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
     scratch from ``triton.set_allocator``), from the weight set's base: the
     weights are seen as ``[G * N, K]``. TMA fills rows past M with zeros.
     """
-    split, tile_id, tile_n, group, first_row, row_stop, valid = _grid_tile(
+    _, _, tile_n, group, first_row, row_stop, valid = _grid_tile(
         m_sizes_ptr, M, N, G, 1, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
     if valid:
         w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
