@@ -26,10 +26,15 @@ keeps the fastest in ``$MOEGEMM_CACHE_DIR/flydsl_<layout>_tiles.json`` (default
 ``~/.cache/moegemm``), keyed like the CUDA backend's cache. Every tile passes :func:`check_tile` (the per-arch LDS
 budget) before it is traced.
 
+Operands keep their natural shapes (:func:`_jit_tensor`): FlyDSL packs each
+extent as an int32 and each stride as an int64, so launches of any size the
+server accepts pack (a DeepSeek-V3 layer's weights are 7.5e9 bytes);
+:func:`pack_arguments` runs FlyDSL's own packing without a device.
+
 Verification here: compiled and ISA-checked for gfx942 and gfx950 without a
-GPU (:func:`compile_only`, driven by ``_flydsl_isa.py``), and its addressing
-replayed on the CPU against the float64 reference; never executed on AMD
-hardware in this repository's CI.
+GPU (:func:`compile_only`, driven by ``_flydsl_isa.py``), large launches
+packed from meta tensors, and its addressing replayed on the CPU against the
+float64 reference; never executed on AMD hardware in this repository's CI.
 """
 
 from __future__ import annotations
