@@ -4,6 +4,7 @@
     python bench/rocm_isa.py --seed-mslk /path/to/MSLK \\
         --seed-python /path/to/venv-with-flydsl-0.2.4/bin/python  # and the seed's
     python bench/rocm_isa.py --out bench/results/rocm_isa      # also writes .json and .md
+    python bench/rocm_isa.py --render bench/results/rocm_isa   # the .md again from the .json
 
 Ours compiles through ``moegemm.kernels._flydsl_isa.compile_case`` (FlyDSL's
 compile-only mode, one subprocess per case). The seed's kernel is MSLK's
@@ -29,6 +30,7 @@ has run on AMD hardware.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -210,6 +212,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def header(meta: dict) -> str:
+    """What the table was made from, above it in the .md."""
+    lines = [
+        f"# {meta['what']}",
+        "",
+        f"Shapes (N x K, G = {meta['groups']}): "
+        + ", ".join(f"{n}x{k}" for n, k in meta["shapes"])
+        + f". Ours: FlyDSL {meta['flydsl']}.",
+    ]
+    if meta.get("seed_label"):
+        lines.append(f"Seed: {meta['seed_label']}.")
+    lines += [
+        "Per K step of one wave; `*`: whole kernel / K steps (no K loop in the ISA).",
+        "Compile times are wall seconds on the machine that ran it (see the JSON's",
+        "`machine`); static figures only, nothing here ran on AMD hardware.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed-mslk", help="an MSLK checkout (holds mslk/flydsl/kernels/gemm/)")
@@ -218,7 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", help="write OUT.json and OUT.md")
     parser.add_argument("--jobs", type=int, default=2, help="compiles at a time")
+    parser.add_argument("--seed-label", help="what the seed is (checkout, commit, FlyDSL version)")
+    parser.add_argument("--machine", default="", help="where it ran (for the compile times)")
+    parser.add_argument("--render", metavar="OUT", help="rewrite OUT.md from OUT.json and stop")
     args = parser.parse_args(argv)
+    if args.render:
+        meta = json.loads(Path(args.render + ".json").read_text())
+        meta.setdefault("flydsl", importlib.metadata.version("flydsl"))
+        if args.seed_label:
+            meta["seed_label"] = args.seed_label
+        if args.machine:
+            meta["machine"] = args.machine
+        Path(args.render + ".json").write_text(json.dumps(meta, indent=1) + "\n")
+        Path(args.render + ".md").write_text(header(meta) + table(meta["rows"]) + "\n")
+        return 0
 
     cases = [(a, lay, n, k) for (n, k) in SHAPES for a in SUPPORTED_ARCHS for lay in WEIGHT_LAYOUTS]
     jobs = [(ours, case) for case in cases]
@@ -235,11 +270,13 @@ def main(argv: list[str] | None = None) -> int:
             "what": __doc__.splitlines()[0],
             "shapes": SHAPES,
             "groups": GROUPS,
-            "seed": args.seed_mslk is not None,
+            "flydsl": importlib.metadata.version("flydsl"),
+            "seed_label": args.seed_label or (args.seed_mslk and f"MSLK at {args.seed_mslk}"),
+            "machine": args.machine,
             "rows": rows,
         }
         Path(args.out + ".json").write_text(json.dumps(meta, indent=1) + "\n")
-        Path(args.out + ".md").write_text(text + "\n")
+        Path(args.out + ".md").write_text(header(meta) + text + "\n")
     return 0
 
 

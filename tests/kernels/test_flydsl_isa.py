@@ -120,6 +120,8 @@ def test_default_tile_compiles_to_the_intended_isa(compiled, case):
     # 16-byte moves: global A/B loads, the swizzled LDS stores and the MFMA operand reads.
     assert isa.count("global_load_dwordx4") > 0
     assert isa.count("ds_write_b128") > 0 and isa.count("ds_read_b128") > 0
+    # The code object's .text, read from the compiled module (what bench/rocm_isa.py reports).
+    assert 4096 < isa.code_bytes < 64 * 1024 and isa.compile_seconds > 0
 
 
 @pytest.mark.parametrize("case", DEFAULT_CASES, ids=_case_id)
