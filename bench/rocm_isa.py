@@ -228,6 +228,7 @@ def header(meta: dict) -> str:
         "Compile times are wall seconds on the machine that ran it (see the JSON's",
         "`machine`); static figures only, nothing here ran on AMD hardware.",
         "",
+        "",
     ]
     return "\n".join(lines)
 
