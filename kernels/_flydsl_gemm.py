@@ -6,13 +6,20 @@ importing FlyDSL itself.
 
 | argument  | shape                          | dtype (as passed)   | meaning |
 |-----------|--------------------------------|---------------------|---------|
-| `xq`      | `[M * K]`                      | uint8 (fp8 bytes)   | activations, row-major `[M, K]` |
-| `wq`      | `[G * N * K]`                  | uint8 (fp8 bytes)   | weights, plain `[G, N, K]` or preshuffled (SPEC 1.3) |
-| `x_scale` | `[M * K/128]`                  | float32             | per token, per 128-wide K block |
-| `w_scale` | `[G * K/128 * N/128]`          | float32             | per 128x128 weight block |
+| `xq`      | `[M, K]`                       | uint8 (fp8 bytes)   | activations, row-major |
+| `wq`      | `[G, N, K]`                    | uint8 (fp8 bytes)   | weights, plain or preshuffled (SPEC 1.3) |
+| `x_scale` | `[M, K/128]`                   | float32             | per token, per 128-wide K block |
+| `w_scale` | `[G, K/128, N/128]`            | float32             | per 128x128 weight block |
 | `m_sizes` | `[G]`                          | int64 or int32      | rows per group, summing to M |
-| `out`     | `[M * N]`                      | bfloat16            | compact output, row-major `[M, N]` |
+| `out`     | `[M, N]`                       | bfloat16            | compact output, row-major |
 | `M`, `G`  | scalars                        | int32               | rows, groups |
+
+Every tensor arrives with its natural shape, layout-dynamic: FlyDSL packs each
+extent as an int32 and each stride as an int64, so no packed value comes near
+2^31 for any shape the launcher accepts (each extent is below 2^31; the
+products that are not, like ``G * N * K``, exist only as int64 strides and in
+the kernel's own int64 address arithmetic). The kernel reads only the base
+pointers; N and K are compile-time constants.
 
 Work split. A block of 256 threads (4 waves of 64) owns a ``block_m x block_n``
 output tile of one group; the 4 waves split ``block_n``, each wave computes all
@@ -43,8 +50,17 @@ indices inside one scale block, whichever K order the hardware uses:
   block scales are applied in software as above.
 
 Addresses are int64 throughout (a group offset ``g * N * K`` passes 2^31 for
-DeepSeek-size weights). Rows past M are never read (the row is clamped) and rows
-past the group's end are computed but never stored.
+DeepSeek-size weights). Each group's size is clamped to ``[0, M]`` before the walk
+sums it, rows past M are never read (the row is clamped) and a row is stored only
+if it is below both its group's end and M: ``m_sizes`` summing past M (or
+negative, or near 2^63) cannot make the kernel write outside ``out``.
+
+The K loop runs ``k_steps - 1`` times with a prefetch of the next step, then the
+last step alone, which loads nothing. The FP32 scale is applied with one fused
+multiply-add per accumulator (``acc = part * scale + acc``, packed two lanes of
+``v_pk_fma_f32`` at a time). The waves-per-EU target of each arch is fixed
+(``_flydsl_tiles.waves_per_eu``), so the register budget, and with it occupancy, does not
+change with K.
 """
 
 # No `from __future__ import annotations`: FlyDSL reads the annotations
@@ -72,12 +88,13 @@ from ._flydsl_index import (
     b_offset_preshuffled,
     lane_coords,
     owner_step,
+    scales_prescaled,
     w_scale_offset,
     x_scale_global_offset,
     x_scale_lds_offset,
     x_scale_piece,
 )
-from ._flydsl_tiles import FlyTile
+from ._flydsl_tiles import FlyTile, waves_per_eu
 
 E8M0_ONE = 127  # 2^0: the scaled MFMA leaves the product unscaled
 
@@ -134,6 +151,10 @@ def build_launcher(shape: KernelShape) -> Callable:
     a_stage = bm * bk  # bytes of one A stage
     xs_stage = xs_count  # floats of one x-scale stage
     group_bytes = n_dim * k_dim
+    # A block of at most 128 columns has one w scale per 128-block of K: it is
+    # folded into the x scales as they are staged, and the MFMA loop applies one
+    # product per accumulator. Wider blocks multiply per wave in the loop.
+    prescaled = scales_prescaled(bn)
 
     @fx.struct
     class Staging:
@@ -167,6 +188,7 @@ def build_launcher(shape: KernelShape) -> Callable:
 
         # Group ownership: walk m_sizes, counting M tiles, until this block's tile.
         zero64 = fx.Int64(0)
+        m64 = fx.Int64(M)
         rows_before, tiles_before, group, row0, row_end = (
             zero64,
             zero64,
@@ -175,7 +197,8 @@ def build_launcher(shape: KernelShape) -> Callable:
             zero64,
         )
         for g in range(G):
-            rows = fx.Int64(fx.ptr_load(ms_p + fx.Int64(g)))
+            # In [0, M]: a negative, oversized or wrapping size cannot move rows past M.
+            rows = fx.min(fx.max(fx.Int64(fx.ptr_load(ms_p + fx.Int64(g))), zero64), m64)
             rows_before, tiles_before, group, row0, row_end = owner_step(
                 (rows_before, tiles_before, group, row0, row_end),
                 fx.Int64(g),
@@ -189,8 +212,10 @@ def build_launcher(shape: KernelShape) -> Callable:
             lds = fx.SharedAllocator().allocate(Staging).peek()
             lds_a = lds.a.ptr
             lds_xs = lds.xs.ptr
-            last_row = fx.Int64(M) - 1
-            col0 = fx.Int64(tile_n * bn + wave * wave_n)  # first output column of this wave
+            last_row = m64 - 1
+            row_stop = fx.min(row_end, m64)  # stores stop at the group's end and at M
+            tile_col0 = fx.Int64(tile_n * bn)
+            col0 = tile_col0 + fx.Int64(wave * wave_n)  # first output column of this wave
             w_base = group * group_bytes
             b_offset = b_offset_preshuffled if const_expr(preshuffled) else b_offset_plain
 
@@ -208,6 +233,10 @@ def build_launcher(shape: KernelShape) -> Callable:
                     grow = fx.min(row0 + fx.Int64(row), last_row)
                     off = x_scale_global_offset(grow, k_scales, step, k_sub, fx.Int64(sub))
                     scales.append(fx.ptr_load(xs_p + off))
+                    if const_expr(prescaled):  # and the w scale of its 128-block, next to it
+                        kblock = step * k_sub + sub
+                        off = w_scale_offset(group, k_scales, n_scales, tile_col0, kblock)
+                        scales.append(fx.ptr_load(ws_p + off))
                 return pieces, scales
 
             def store_a(stage, pieces, scales):
@@ -220,7 +249,11 @@ def build_launcher(shape: KernelShape) -> Callable:
                     # Threads past the end repeat the last scale: same value, same place.
                     row, sub = x_scale_piece(fx.min(p * THREADS + tid, xs_count - 1), bm)
                     off = x_scale_lds_offset(stage, xs_stage, sub, bm, row)
-                    fx.ptr_store(scales[p], lds_xs + fx.Int64(off))
+                    if const_expr(prescaled):
+                        value = scales[2 * p] * scales[2 * p + 1]
+                    else:
+                        value = scales[p]
+                    fx.ptr_store(value, lds_xs + fx.Int64(off))
 
             def load_b(step):
                 """This lane's B operands of K step ``step``: [128-block][16-col tile][64-half]."""
@@ -239,7 +272,12 @@ def build_launcher(shape: KernelShape) -> Callable:
                 return regs
 
             def load_ws(step):
-                """The w scale of each 128-block of K step ``step`` for this wave's columns."""
+                """The w scale of each 128-block of K step ``step`` for this wave's columns.
+
+                Empty when the staged x scales already carry it (``prescaled``).
+                """
+                if const_expr(prescaled):
+                    return []
                 return [
                     fx.ptr_load(
                         ws_p + w_scale_offset(group, k_scales, n_scales, col0, step * k_sub + sub)
@@ -269,8 +307,8 @@ def build_launcher(shape: KernelShape) -> Callable:
                 return fx.Vector(part)
 
             # Prologue: step 0 into stage 0.
-            pieces, scales = load_a(zero64)
-            store_a(0, pieces, scales)
+            first_pieces, first_scales = load_a(zero64)
+            store_a(0, first_pieces, first_scales)
             b_cur = load_b(zero64)
             ws_cur = load_ws(zero64)
             gpu.barrier()
@@ -278,33 +316,70 @@ def build_launcher(shape: KernelShape) -> Callable:
             acc = [
                 [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_sub)] for _ in range(m_sub)
             ]
-            for step in range(k_steps):
-                stage = step % 2
-                # Prefetch the next step (the last step re-reads itself: cheaper than a branch).
-                nxt = fx.Int64(fx.min(step + 1, k_steps - 1))
-                pieces, scales = load_a(nxt)
-                b_next = load_b(nxt)
-                ws_next = load_ws(nxt)
 
-                for sub in range_constexpr(k_sub):
-                    for i in range_constexpr(m_sub):
-                        row = i * 16 + lane_row
-                        a = []
-                        for half in range_constexpr(2):
-                            chunk = a_operand_chunk(sub, half, lane_k)
-                            off = a_lds_offset(stage, a_stage, row, bk, chunk)
-                            a.append(fx.ptr_load(lds_a + fx.Int64(off), result_type=_bytes16()))
-                        # The 4 accumulator rows of this lane: consecutive scales in LDS.
-                        off = x_scale_lds_offset(stage, xs_stage, sub, bm, acc_row(i, lane_k, 0))
-                        xs4 = fx.ptr_load(lds_xs + fx.Int64(off), result_type=_floats4())
-                        scale4 = xs4 * ws_cur[sub]
-                        for j in range_constexpr(n_sub):
-                            acc[i][j] = acc[i][j] + block_product(a, b_cur[sub][j]) * scale4
+            slots = [(sub, i) for sub in range(k_sub) for i in range(m_sub)]
 
-                store_a(1 - stage, pieces, scales)
-                gpu.barrier()
-                b_cur = b_next
-                ws_cur = ws_next
+            def read_a(stage, slot):
+                """The A operand and the 4 x scales of MFMA row tile ``i`` of 128-block ``sub``, from LDS."""
+                sub, i = slot
+                row = i * 16 + lane_row
+                a = []
+                for half in range_constexpr(2):
+                    chunk = a_operand_chunk(sub, half, lane_k)
+                    off = a_lds_offset(stage, a_stage, row, bk, chunk)
+                    a.append(fx.ptr_load(lds_a + fx.Int64(off), result_type=_bytes16()))
+                # The 4 accumulator rows of this lane: consecutive scales in LDS.
+                off = x_scale_lds_offset(stage, xs_stage, sub, bm, acc_row(i, lane_k, 0))
+                return a, fx.ptr_load(lds_xs + fx.Int64(off), result_type=_floats4())
+
+            def compute(stage, b_regs, ws, acc):
+                """``acc`` plus one K step from LDS stage ``stage`` and the B registers.
+
+                Software-pipelined by hand, one row tile ``i`` (of one 128-block) a
+                slot: the slot's LDS reads are issued one slot ahead, its MFMAs
+                next, and the products of the previous slot are folded into the
+                accumulators only then, so no VALU waits on the MFMA it follows.
+                A scheduling barrier closes each slot, which keeps the register
+                count the same for every K.
+                """
+                acc = [list(row) for row in acc]
+
+                def fold(pending):
+                    i, parts, scale4 = pending
+                    for j in range_constexpr(n_sub):
+                        acc[i][j] = fx.fma(parts[j], scale4, acc[i][j])
+
+                nxt = read_a(stage, slots[0])
+                pending = None
+                for n_slot in range_constexpr(len(slots)):
+                    sub, i = slots[n_slot]
+                    a, xs4 = nxt
+                    if const_expr(n_slot + 1 < len(slots)):
+                        nxt = read_a(stage, slots[n_slot + 1])
+                    parts = [block_product(a, b_regs[sub][j]) for j in range_constexpr(n_sub)]
+                    if const_expr(pending is not None):
+                        fold(pending)
+                    pending = (i, parts, xs4 if const_expr(prescaled) else xs4 * ws[sub])
+                    rocdl.sched_barrier(0)
+                fold(pending)
+                return acc
+
+            # Every step but the last prefetches the next one; the last loads nothing.
+            if const_expr(k_steps > 1):
+                # unroll=1: LLVM would fully unroll a short loop (K = 512 is 3 trips)
+                # and spend registers on it; kept rolled, every K compiles alike.
+                for step in range(k_steps - 1, unroll=1):
+                    stage = step % 2
+                    nxt = fx.Int64(step + 1)
+                    pieces, scales = load_a(nxt)
+                    b_next = load_b(nxt)
+                    ws_next = load_ws(nxt)
+                    acc = compute(stage, b_cur, ws_cur, acc)
+                    store_a(1 - stage, pieces, scales)
+                    gpu.barrier()
+                    b_cur = b_next
+                    ws_cur = ws_next
+            acc = compute((k_steps - 1) % 2, b_cur, ws_cur, acc)
 
             # Epilogue: a lane holds rows acc_row(i, lane_k, r) of column lane_row of each tile.
             for i in range_constexpr(m_sub):
@@ -313,7 +388,7 @@ def build_launcher(shape: KernelShape) -> Callable:
                     col = col0 + j * 16 + lane_row64
                     for r in range_constexpr(4):
                         row = row0 + fx.Int64(acc_row(i, lane_k, r))
-                        if row < row_end:
+                        if row < row_stop:
                             fx.ptr_store(vals[r], out_p + (row * n_dim + col))
 
     @flyc.jit
@@ -333,4 +408,9 @@ def build_launcher(shape: KernelShape) -> Callable:
             grid=(tiles_m, n_dim // bn, 1), block=(THREADS, 1, 1), stream=stream
         )
 
+    # The register budget of a fixed occupancy, whatever K is (FlyDSL's rocdl.waves_per_eu).
+    launch_grouped_fp8_gemm.compile_hints = {
+        **launch_grouped_fp8_gemm.compile_hints,
+        "waves_per_eu": waves_per_eu(arch, shape.tile),
+    }
     return launch_grouped_fp8_gemm

@@ -39,6 +39,11 @@ def owner_step(state, g, rows, tile_m, block_m, select):
     )
 
 
+def scales_prescaled(block_n):
+    """Whether a block's staged x scales carry the w scale: its columns share one (``block_n <= 128``)."""
+    return block_n <= SCALE_BLOCK
+
+
 def lane_coords(lane):
     """(row of A / column of B that the lane feeds, which 16-byte slice of a 64-wide K chunk)."""
     return lane % 16, lane // 16

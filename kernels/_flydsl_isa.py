@@ -6,9 +6,11 @@ Triton. The child is this module run as a script::
 
     python -m moegemm.kernels._flydsl_isa --arch gfx950 --layout preshuffled --tile 64x128x128
 
-It exits 0 after compiling (the ISA lands in ``FLYDSL_DUMP_DIR``) and
-:data:`REJECTED` when the tile fails the LDS budget check, which runs before
-anything is traced. :func:`compile_case` sets up the child's environment
+It exits 0 after compiling (the ISA lands in ``FLYDSL_DUMP_DIR``, with the
+code object and the compile time beside it) and :data:`REJECTED` when the tile
+fails the LDS budget check, which runs before anything is traced. ``--m`` and
+``--g`` size the launch whose arguments are packed first (meta tensors: a
+DeepSeek-V3 layer costs no memory). :func:`compile_case` sets up the child's environment
 (``COMPILE_ONLY=1``, ``FLYDSL_GPU_ARCH``, ``FLYDSL_DEBUG_DUMP_ASM=1``, the
 compile cache off, ``ROCM_PATH`` holding ``llvm/bin/ld.lld``) and parses the
 ISA into :class:`IsaFacts`.
@@ -17,14 +19,18 @@ ISA into :class:`IsaFacts`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import importlib.util
+import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +40,143 @@ from ._flydsl_tiles import FlyTile, TileTooLarge
 REJECTED = 3  # exit status of a child whose tile failed the LDS budget check
 
 _MNEMONIC = re.compile(r"^\s+([a-z][a-z0-9_]*)\b", re.MULTILINE)
+_LABEL = re.compile(r"^(\.LBB\d+_\d+):")
+_BRANCH = re.compile(r"^\s+s_c?branch\w*\s+(\.LBB\d+_\d+)")
+
+# Per-lane bytes of one LDS access, by mnemonic suffix.
+_LDS_BYTES = {"b32": 4, "b64": 8, "b96": 12, "b128": 16, "u8": 1, "u16": 2, "b16": 2, "b8": 1}
+
+# VGPRs a SIMD holds per lane (CDNA3/CDNA4, wave64: architectural + accumulation
+# registers share 512), and LDS per CU.
+_VGPR_FILE = 512
+_LDS_PER_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+_MAX_WAVES_PER_SIMD = 8
+
+
+def _lds_access_bytes(mnemonic: str) -> int:
+    return _LDS_BYTES.get(mnemonic.rsplit("_", 1)[-1], 4)
+
+
+@dataclass(frozen=True)
+class LoopFacts:
+    """The instruction mix of the kernel's K loop: the backward-branching region with the most MFMAs.
+
+    ``after`` is the mix from the loop's closing branch to the kernel's last
+    MFMA: the peeled last K step, which should load nothing from memory.
+    """
+
+    instructions: Counter
+    after: Counter
+
+    def count(self, prefix: str) -> int:
+        return sum(n for m, n in self.instructions.items() if m.startswith(prefix))
+
+    @property
+    def mfma(self) -> int:
+        return self.count("v_mfma")
+
+    @property
+    def valu(self) -> int:
+        """Vector ALU instructions other than MFMA (moves, address math, scale math, conversions)."""
+        return self.count("v_") - self.mfma
+
+    @property
+    def vmem_loads(self) -> int:
+        return self.count("global_load") + self.count("buffer_load")
+
+    @property
+    def lds_reads(self) -> int:
+        return self.count("ds_read") + self.count("ds_load")
+
+    @property
+    def lds_writes(self) -> int:
+        return self.count("ds_write") + self.count("ds_store")
+
+    @property
+    def lds_read_bytes(self) -> int:
+        """Bytes one wave reads from LDS per iteration (64 lanes)."""
+        return 64 * sum(
+            n * _lds_access_bytes(m)
+            for m, n in self.instructions.items()
+            if m.startswith(("ds_read", "ds_load"))
+        )
+
+    @property
+    def valu_per_mfma(self) -> float:
+        return self.valu / self.mfma if self.mfma else float("inf")
+
+
+def k_loop(text: str) -> LoopFacts | None:
+    """The K loop of a kernel's ISA, or None when it has no loop around an MFMA (fully unrolled)."""
+    lines = text.split(".amdgpu_metadata", 1)[0].splitlines()
+    labels = {}
+    best = None
+    for i, line in enumerate(lines):
+        label = _LABEL.match(line)
+        if label:
+            labels[label.group(1)] = i
+            continue
+        branch = _BRANCH.match(line)
+        if branch and branch.group(1) in labels:  # a backward branch closes a loop
+            loop = LoopFacts(_mix(lines[labels[branch.group(1)] : i + 1]), Counter())
+            if loop.mfma and (best is None or loop.mfma > best[0].mfma):
+                best = (loop, i)
+    if best is None:
+        return None
+    loop, end = best
+    last_mfma = max(
+        (i for i, line in enumerate(lines) if line.lstrip().startswith("v_mfma")), default=end
+    )
+    return dataclasses.replace(loop, after=_mix(lines[end + 1 : last_mfma + 1]))
+
+
+def _mix(lines: list[str]) -> Counter:
+    return Counter(m for m in _MNEMONIC.findall("\n".join(lines)) if not m.startswith("."))
+
+
+def waves_per_simd(arch: str, vgprs: int, agprs: int, lds_bytes: int) -> int:
+    """Occupancy by registers and LDS: workgroups of 4 waves, one wave per SIMD each."""
+    granule = 8
+    regs = -(-vgprs // 4) * 4 + agprs if agprs else vgprs  # AGPRs start on a 4-aligned VGPR
+    regs = max(granule, -(-regs // granule) * granule)
+    by_regs = _VGPR_FILE // regs
+    by_lds = _LDS_PER_CU[arch] // lds_bytes if lds_bytes else _MAX_WAVES_PER_SIMD
+    return min(_MAX_WAVES_PER_SIMD, by_regs, by_lds)
+
+
+def elf_text_bytes(elf: bytes) -> int:
+    """Size of the ``.text`` section of a 64-bit little-endian ELF (an AMDGPU code object)."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        raise ValueError("not a 64-bit ELF file")
+    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]
+    for name, _type, _flags, _addr, _offset, size in sections:
+        end = elf.index(b"\0", names_at + name)
+        if elf[names_at + name : end] == b".text":
+            return size
+    raise ValueError("no .text section")
+
+
+def code_object(ir_text: str) -> bytes:
+    """The code object inside a compiled module's ``gpu.binary`` (MLIR's ``\\XX`` string escapes)."""
+    match = re.search(r'bin = "((?:[^"\\]|\\.)*)"', ir_text)
+    if match is None:
+        raise ValueError("no gpu.binary object in the compiled module")
+    raw, out, i = match.group(1), bytearray(), 0
+    while i < len(raw):
+        if raw[i] == "\\":
+            if re.fullmatch(r"[0-9A-Fa-f]{2}", raw[i + 1 : i + 3]):
+                out.append(int(raw[i + 1 : i + 3], 16))
+                i += 3
+                continue
+            out.append(ord(raw[i + 1]))
+            i += 2
+            continue
+        out.extend(raw[i].encode())
+        i += 1
+    return bytes(out)
 
 
 @dataclass(frozen=True)
@@ -47,6 +190,9 @@ class IsaFacts:
     sgpr_spills: int
     vgprs: int
     agprs: int
+    loop: LoopFacts | None = None  # the K loop; None if the ISA has none
+    code_bytes: int | None = None  # .text of the code object, when the child saved it
+    compile_seconds: float | None = None  # trace + compile, in the child
 
     def count(self, mnemonic: str) -> int:
         return self.instructions.get(mnemonic, 0)
@@ -85,6 +231,7 @@ def parse_isa(text: str) -> IsaFacts:
         sgpr_spills=_metadata_int(text, "sgpr_spill_count"),
         vgprs=_metadata_int(text, "vgpr_count"),
         agprs=_metadata_int(text, "agpr_count"),
+        loop=k_loop(text),
     )
 
 
@@ -138,9 +285,15 @@ def compile_case(
     *,
     n: int = 512,
     k: int = 1024,
+    m: int = 64,
+    g: int = 4,
     timeout: float = 300,
 ) -> CompileResult:
-    """Compile one (arch, layout, tile) case in a subprocess and parse its ISA."""
+    """Compile one (arch, layout, tile) case in a subprocess and parse its ISA.
+
+    The child first packs the arguments of a launch of ``m`` rows and ``g``
+    groups (meta tensors), as a launch would.
+    """
     root = rocm_path()
     if root is None:
         raise RuntimeError(toolchain_problem())
@@ -170,6 +323,10 @@ def compile_case(
             str(n),
             "--k",
             str(k),
+            "--m",
+            str(m),
+            "--g",
+            str(g),
         ]
         try:
             proc = subprocess.run(
@@ -185,6 +342,12 @@ def compile_case(
             if len(files) != 1:
                 return CompileResult(proc.returncode, f"expected one ISA file, found {files}", None)
             isa = parse_isa(files[0].read_text())
+            info = Path(dump) / "compile.json"
+            if info.exists():
+                extra = json.loads(info.read_text())
+                isa = dataclasses.replace(
+                    isa, code_bytes=extra["code_bytes"], compile_seconds=extra["seconds"]
+                )
         return CompileResult(returncode=proc.returncode, stderr=proc.stderr, isa=isa)
 
 
@@ -201,14 +364,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tile", required=True, type=_parse_tile, help="MxNxK, e.g. 64x128x128")
     parser.add_argument("--n", type=int, default=512)
     parser.add_argument("--k", type=int, default=1024)
+    parser.add_argument("--m", type=int, default=64, help="rows of the launch packed first")
+    parser.add_argument("--g", type=int, default=4, help="groups of the launch packed first")
     args = parser.parse_args(argv)
     from .flydsl_kernel import compile_only
 
+    start = time.perf_counter()
     try:
-        compile_only(args.arch, args.layout, args.tile, n=args.n, k=args.k)
+        launcher = compile_only(
+            args.arch, args.layout, args.tile, n=args.n, k=args.k, m=args.m, g=args.g
+        )
     except TileTooLarge as exc:
         sys.stderr.write(f"rejected: {exc}\n")
         return REJECTED
+    seconds = time.perf_counter() - start
+    dump = os.environ.get("FLYDSL_DUMP_DIR")
+    compiled = getattr(launcher, "_last_compiled", None)
+    if dump and compiled is not None:
+        elf = code_object(compiled[1]._ir_text)
+        info = {"seconds": seconds, "code_bytes": elf_text_bytes(elf)}
+        Path(dump, "compile.json").write_text(json.dumps(info))
     return 0
 
 

@@ -26,6 +26,36 @@ MFMA_INSTRUCTION = {
 
 WEIGHT_LAYOUTS = ("plain", "preshuffled")
 
+# The occupancy each tile's kernel is compiled for (LLVM's amdgpu-waves-per-eu),
+# so that the register allocator gets that occupancy's budget (512 / waves
+# VGPRs + AGPRs) whatever K is, and occupancy cannot change with K. Each value
+# is the highest that compiles without spilling at K = 2048 and 7168 and that
+# the tile's LDS allows (LLVM drops a request above the LDS-bound occupancy, as
+# if none were made); CI checks the default tiles' occupancy at two K and that
+# no candidate spills. gfx942's 64-row default needs ~142 VGPRs (3 waves, as its
+# LDS allows); gfx950's 128-row default ~196 (2 waves: 168 registers spill).
+# A tile not listed is compiled for 1 wave (no register cap).
+WAVES_PER_EU = {
+    "gfx942": {
+        "32x128x128": 4,
+        "64x64x128": 3,
+        "64x128x128": 3,
+        "64x256x128": 2,
+        "128x128x128": 1,
+        "64x128x256": 1,
+    },
+    "gfx950": {
+        "32x128x128": 4,
+        "64x64x128": 4,
+        "64x128x128": 3,
+        "128x128x128": 2,
+        "64x256x128": 2,
+        "64x128x256": 2,
+        "128x64x256": 2,
+        "128x128x256": 1,
+    },
+}
+
 _SCALE_BLOCK = 128
 _WAVE_N = (16, 32, 64, 128)  # columns per wave: a multiple of 16 that divides 128
 
@@ -72,6 +102,11 @@ AUTOTUNE_TILES = (
 )
 
 
+def waves_per_eu(arch: str, tile: FlyTile) -> int:
+    """The occupancy ``tile``'s kernel is compiled for on ``arch`` (see :data:`WAVES_PER_EU`)."""
+    return WAVES_PER_EU[arch].get(str(tile), 1)
+
+
 def check_arch(arch: str) -> str:
     """Return ``arch`` if the kernel supports it, else raise ValueError."""
     if arch not in SUPPORTED_ARCHS:
@@ -109,12 +144,18 @@ def check_tile(tile: FlyTile, arch: str) -> FlyTile:
 def fit_tile(tile: FlyTile, n: int, k: int) -> FlyTile:
     """Shrink ``tile`` until ``block_n`` divides N and ``block_k`` divides K.
 
-    N and K are multiples of 128 (SPEC 1), so 128 always fits; a smaller tile
-    never needs more LDS, so a tile that passed :func:`check_tile` still does.
+    N and K must be positive multiples of 128 (SPEC 1), so 128 always fits (and
+    a ``block_n`` of 64 divides any such N); a smaller tile never needs more
+    LDS, so a tile that passed :func:`check_tile` still does. Raises ValueError
+    naming N or K when it is not a multiple of 128 (halving would otherwise end
+    on a meaningless tile such as ``128x1x128``).
     """
+    for what, size in (("N", n), ("K", k)):
+        if size <= 0 or size % _SCALE_BLOCK:
+            raise ValueError(f"{what} = {size} must be a positive multiple of {_SCALE_BLOCK}")
     bn, bk = tile.block_n, tile.block_k
-    while n % bn:
+    while n % bn and bn > _SCALE_BLOCK:
         bn //= 2
-    while k % bk:
+    while k % bk and bk > _SCALE_BLOCK:
         bk //= 2
     return replace(tile, block_n=bn, block_k=bk)

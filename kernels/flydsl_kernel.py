@@ -26,10 +26,15 @@ keeps the fastest in ``$MOEGEMM_CACHE_DIR/flydsl_<layout>_tiles.json`` (default
 ``~/.cache/moegemm``), keyed like the CUDA backend's cache. Every tile passes :func:`check_tile` (the per-arch LDS
 budget) before it is traced.
 
+Operands keep their natural shapes (:func:`_jit_tensor`): FlyDSL packs each
+extent as an int32 and each stride as an int64, so launches of any size the
+server accepts pack (a DeepSeek-V3 layer's weights are 7.5e9 bytes);
+:func:`pack_arguments` runs FlyDSL's own packing without a device.
+
 Verification here: compiled and ISA-checked for gfx942 and gfx950 without a
-GPU (:func:`compile_only`, driven by ``_flydsl_isa.py``), and its addressing
-replayed on the CPU against the float64 reference; never executed on AMD
-hardware in this repository's CI.
+GPU (:func:`compile_only`, driven by ``_flydsl_isa.py``), large launches
+packed from meta tensors, and its addressing replayed on the CPU against the
+float64 reference; never executed on AMD hardware in this repository's CI.
 """
 
 from __future__ import annotations
@@ -139,10 +144,58 @@ def _arch(device: torch.device) -> str:
 # --------------------------------------------------------------------------- compile
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _jit_tensor(flyc, t: torch.Tensor):
-    """A flat, layout-dynamic view of ``t``, so one compile serves every M."""
-    flat = t.view(torch.uint8) if t.element_size() == 1 else t
-    return flyc.from_torch_tensor(flat.reshape(-1), assumed_align=_ALIGN).mark_layout_dynamic()
+    """``t`` with its natural shape, layout-dynamic, so one compile serves every M and G.
+
+    FlyDSL packs every dynamic extent as an int32 and every dynamic stride as an
+    int64. Flattened operands made ``G * N * K`` (or ``M * N``) an extent, which
+    failed to pack past 2^31 (a DeepSeek-V3 layer is 7.5e9 weight bytes); with
+    natural shapes each extent is one of M, G, N, K, K/128, N/128, each checked
+    below 2^31 by :func:`_check_call`, and the large products are int64 strides.
+    fp8 tensors travel as uint8 (the kernel moves bytes).
+    """
+    raw = t.view(torch.uint8) if t.element_size() == 1 else t
+    return flyc.from_torch_tensor(raw, assumed_align=_ALIGN).mark_layout_dynamic()
+
+
+def _operands(m: int, g: int, n: int, k: int, m_sizes_dtype: torch.dtype, device="meta"):
+    """Placeholder operands of a launch of these sizes (meta tensors: no memory)."""
+    fp8 = torch.uint8
+    return (
+        torch.empty(m, k, dtype=fp8, device=device),
+        torch.empty(g, n, k, dtype=fp8, device=device),
+        torch.empty(m, k // _BLOCK, dtype=torch.float32, device=device),
+        torch.empty(g, k // _BLOCK, n // _BLOCK, dtype=torch.float32, device=device),
+        torch.empty(g, dtype=m_sizes_dtype, device=device),
+        torch.empty(m, n, dtype=torch.bfloat16, device=device),
+    )
+
+
+def pack_arguments(launcher, tensors, m: int, g: int) -> list:
+    """The kernel-argument slots FlyDSL fills for one launch, filled from ``tensors``.
+
+    This runs FlyDSL's own host-side packing (its ``__c_abi_spec__`` fill of
+    each argument, as every launch does) without a device or a compiled
+    kernel, so a launch whose sizes cannot be packed fails here the way it
+    would on a GPU (``struct.error``). Returns the filled ctypes storages in
+    argument order: per tensor its pointer and its layout buffer (the int32
+    extents, then the int64 strides), then M, G and the (null) stream.
+    """
+    import flydsl.compiler as flyc
+    import flydsl.expr as fx
+    from flydsl.compiler.jit_executor import build_abi_storage
+    from flydsl.compiler.jit_function import _build_call_spec
+
+    args = (*(_jit_tensor(flyc, t) for t in tensors), m, g, fx.Stream(None))
+    launcher._ensure_sig()
+    spec = [slot for slot in _build_call_spec(launcher._sig, args) if slot[2] is not None]
+    storages, _ = build_abi_storage([ctype for _, ctype, _ in spec])
+    for (index, _, fill), storage in zip(spec, storages, strict=True):
+        fill(args[index], storage)
+    return storages
 
 
 def _kernel_shape(module, arch: str, layout: str, tile: FlyTile, n: int, k: int):
@@ -159,8 +212,15 @@ def compile_only(
     n: int = 512,
     k: int = 1024,
     m_sizes_dtype: torch.dtype = torch.int64,
-) -> None:
+    *,
+    m: int = 64,
+    g: int = 4,
+):
     """Trace and compile one kernel for ``arch`` without a GPU (FlyDSL's ``COMPILE_ONLY=1``).
+
+    The arguments of a launch with ``m`` rows and ``g`` groups are packed first,
+    through FlyDSL's own packing, from meta tensors of those sizes: any launch
+    size can be checked with no memory. Returns the ``@flyc.jit`` launcher.
 
     The process must run with ``COMPILE_ONLY=1`` and ``FLYDSL_GPU_ARCH=arch``
     (FlyDSL reads the target from there) and a linker at
@@ -178,18 +238,15 @@ def compile_only(
     import flydsl.compiler as flyc
 
     shape = _kernel_shape(module, arch, layout, tile, n, k)
-    m, g = 64, 4  # placeholders: every tensor is layout-dynamic, so sizes do not matter
-    fp8 = torch.uint8
-    tensors = (
-        torch.empty(m * k, dtype=fp8),
-        torch.empty(g * n * k, dtype=fp8),
-        torch.empty(m * k // _BLOCK, dtype=torch.float32),
-        torch.empty(g * (k // _BLOCK) * (n // _BLOCK), dtype=torch.float32),
-        torch.empty(g, dtype=m_sizes_dtype),
-        torch.empty(m * n, dtype=torch.bfloat16),
-    )
+    _check_sizes(m, n, k, g)
+    # Meta tensors: the sizes are real (a DeepSeek-V3 layer packs as it would on a
+    # GPU) but nothing is allocated. Every tensor is layout-dynamic, so the code
+    # compiled does not depend on M or G.
+    tensors = _operands(m, g, n, k, m_sizes_dtype)
     launcher = module.build_launcher(shape)
+    pack_arguments(launcher, tensors, m, g)
     flyc.compile(launcher, *(_jit_tensor(flyc, t) for t in tensors), m, g)
+    return launcher
 
 
 def _launch(shape_key, module, flyc, args: tuple, m: int, g: int, stream) -> None:
@@ -215,6 +272,13 @@ def _launch(shape_key, module, flyc, args: tuple, m: int, g: int, stream) -> Non
 # --------------------------------------------------------------------------- run
 
 
+def _check_sizes(m: int, n: int, k: int, g: int) -> None:
+    """Refuse sizes FlyDSL cannot pack: each extent (and the scalars M, G) is an int32."""
+    for what, size in (("M", m), ("N", n), ("K", k), ("G", g)):
+        if size > _INT32_MAX:
+            raise ValueError(f"{what} = {size} is past the int32 range the kernel's arguments use")
+
+
 def _check_call(xq, wq, x_scale, w_scale, m_sizes, out, fp8_dtype) -> None:
     """The cheap checks a launch needs; none reads tensor contents."""
     if xq.dtype != fp8_dtype or wq.dtype != fp8_dtype:
@@ -227,6 +291,7 @@ def _check_call(xq, wq, x_scale, w_scale, m_sizes, out, fp8_dtype) -> None:
         raise TypeError(f"out must be bfloat16, got {out.dtype}")
     m, k = xq.shape
     g, n, wk = wq.shape
+    _check_sizes(m, n, k, g)
     if wk != k or n % _BLOCK or k % _BLOCK:
         raise ValueError(
             f"need N, K multiples of {_BLOCK} and matching K, got xq {tuple(xq.shape)}, wq {tuple(wq.shape)}"

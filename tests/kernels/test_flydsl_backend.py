@@ -182,3 +182,30 @@ def test_parse_isa_reads_instructions_and_resources():
     assert (facts.vgpr_spills, facts.sgpr_spills) == (2, 0)
     with pytest.raises(ValueError, match="group_segment_fixed_size"):
         parse_isa(_ISA.replace(".group_segment_fixed_size", ".other"))
+
+
+def test_fit_tile_names_an_n_or_k_off_the_128_grid():
+    """Not "tile 128x1x128": the dimension that is wrong, by name."""
+    with pytest.raises(ValueError, match="N = 100 must be a positive multiple of 128"):
+        fit_tile(FlyTile(128, 128, 128), 100, 256)
+    with pytest.raises(ValueError, match="K = 320 must be a positive multiple of 128"):
+        fit_tile(FlyTile(128, 128, 128), 256, 320)
+    # A malformed block_n is left for check_tile to name, not halved into nonsense.
+    with pytest.raises(ValueError, match="tile 64x96x128: block_n"):
+        check_tile(fit_tile(FlyTile(64, 96, 128), 128, 128), "gfx942")
+
+
+def test_call_checks_refuse_extents_past_int32():
+    """Each extent travels as an int32 (FlyDSL's packing): M = 2^31 is refused before any launch."""
+    m = 2**31
+    xq = torch.empty(m, 128, dtype=torch.float8_e4m3fnuz, device="meta")
+    args = (
+        xq,
+        torch.empty(1, 128, 128, dtype=torch.float8_e4m3fnuz, device="meta"),
+        torch.empty(m, 1, device="meta"),
+        torch.empty(1, 1, 1, device="meta"),
+        torch.empty(1, dtype=torch.int64, device="meta"),
+        torch.empty(m, 128, dtype=torch.bfloat16, device="meta"),
+    )
+    with pytest.raises(ValueError, match="M = 2147483648 is past the int32 range"):
+        fk._check_call(*args, torch.float8_e4m3fnuz)
