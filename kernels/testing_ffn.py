@@ -52,15 +52,15 @@ class ExpertProblem:
     fp8_dtype: torch.dtype
 
     @property
-    def G(self) -> int:  # noqa: N802 -- the contract's names
+    def G(self) -> int:
         return self.w13.shape[0]
 
     @property
-    def H(self) -> int:  # noqa: N802
+    def H(self) -> int:
         return self.w13.shape[2]
 
     @property
-    def I(self) -> int:  # noqa: N802, E743
+    def I(self) -> int:
         return self.w2.shape[2]
 
     def tokens(self, m: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -87,9 +87,9 @@ class ExpertProblem:
 
 
 def random_experts(
-    G: int,  # noqa: N803
-    H: int,  # noqa: N803
-    I: int,  # noqa: N803, E741
+    G: int,
+    H: int,
+    I: int,
     *,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     device: torch.device | str = "cpu",
@@ -107,9 +107,9 @@ def random_experts(
 
 
 def random_routing(
-    T: int,  # noqa: N803
+    T: int,
     k: int,
-    G: int,  # noqa: N803
+    G: int,
     *,
     experts: list[int] | None = None,
     generator: torch.Generator | None = None,

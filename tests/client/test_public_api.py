@@ -14,6 +14,7 @@ EXPECTED = [
     "BadMSizes",
     "BadMsgpack",
     "BadName",
+    "BadRouting",
     "BadShape",
     "BadTensor",
     "Client",
