@@ -93,6 +93,8 @@ class FfnExecutor:
 
     def _chain(self, es: ExpertSet, xq, xs, sizes) -> torch.Tensor:
         rows = xq.shape[0]
+        if rows == 0:  # nothing to launch (a GPU kernel's grid would be empty)
+            return torch.empty((0, es.H), dtype=torch.bfloat16, device=self.device)
         h = torch.empty((rows, 2 * es.I), dtype=torch.bfloat16, device=self.device)
         self.backend.run(xq, es.w13.wq, xs, es.w13.w_scale, sizes, h)
         aq, a_scale = silu_mul_quant(h, self.fp8)
