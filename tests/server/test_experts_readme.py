@@ -35,9 +35,9 @@ def test_readme_moe_example(server):
 
     scope: dict = {}
     printed = io.StringIO()
+    program = compile(code.replace("http://127.0.0.1:8000", server.url), str(README), "exec")
     with contextlib.redirect_stdout(printed):
-        exec(compile(code.replace("http://127.0.0.1:8000", server.url), str(README), "exec"),
-             scope)  # noqa: S102 -- our own README
+        exec(program, scope)  # noqa: S102 -- our own README
     assert printed.getvalue().strip() == f"(16, {h}) bfloat16"
 
     fp8 = torch.float8_e4m3fn
