@@ -183,6 +183,14 @@ def test_missing_tensors_and_shards_are_named(srv):
     assert_error(r, 404, "no_such_file")
     assert gate in r.json()["error"]["message"]
 
+    # An index naming a shard outside the weights directory.
+    write_checkpoint(root / "escape", "deepseek", torch.bfloat16, layers=(0,))
+    outside = root.parent / "outside.safetensors"
+    save_file({"t": torch.zeros(1)}, str(outside))
+    _rewrite(root / "escape", remap=(down, "../../outside.safetensors"))
+    assert_error(put_experts(srv.http, "escape", {"checkpoint": "escape", "layer": 0}), 400,
+                 "bad_field")
+
     for checkpoint, layer in (("gappy", 0), ("absent", 0)):  # no such layer, no such dir
         assert_error(put_experts(srv.http, "x", {"checkpoint": checkpoint, "layer": layer}),
                      404, "no_such_file")

@@ -243,3 +243,56 @@ def test_auth_and_readiness(tmp_path):
                      "unauthorized")
         assert_error(s.http.delete("/v1/experts/a", headers=user), 401, "unauthorized")
         assert s.http.delete("/v1/experts/a", headers=admin).status_code == 204
+
+
+CONTRACT_400 = {"bad_msgpack", "bad_field", "bad_tensor", "bad_dtype", "bad_shape",
+                "bad_m_sizes", "not_finite", "bad_name", "bad_routing"}
+
+
+def _mutations(rng: torch.Generator, body: dict) -> dict:
+    """``body`` with one to three random fields broken in random ways."""
+    body = dict(body)
+    keys = list(body) + ["x_scale", "m_sizes", "extra"]
+    for _ in range(int(torch.randint(1, 4, (), generator=rng))):
+        key = keys[int(torch.randint(len(keys), (), generator=rng))]
+        choice = int(torch.randint(8, (), generator=rng))
+        tensor = body.get(key) if isinstance(body.get(key), dict) else None
+        if choice == 0:
+            body.pop(key, None)
+        elif choice == 1:
+            body[key] = 7
+        elif choice == 2 and tensor is not None:
+            body[key] = {**tensor, "dtype": ["int32", "int64", "float16", "float8_e4m3fnuz",
+                                             "float64", "bogus"][int(torch.randint(6, ()))]}
+        elif choice == 3 and tensor is not None:
+            body[key] = {**tensor, "shape": list(reversed(tensor["shape"]))}
+        elif choice == 4 and tensor is not None:
+            body[key] = {**tensor, "data": bytes(tensor["data"])[:-1]}
+        elif choice == 5 and tensor is not None:
+            raw = bytearray(bytes(tensor["data"]))
+            if raw:
+                raw[int(torch.randint(len(raw), ()))] = int(torch.randint(256, ()))
+            body[key] = {**tensor, "data": bytes(raw)}
+        elif choice == 6:
+            body[key] = wire(torch.randint(-3, 9, (6, 2), dtype=torch.int64))
+        else:
+            body[key] = {"dtype": "float32", "shape": [0], "data": b""}
+    return body
+
+
+def test_random_bad_bodies_never_crash(srv):
+    """Randomly broken ffn/moe bodies get a contract code (or an answer), never a 500."""
+    p = srv.p
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    before = snapshot(srv.http)
+    x = p.tokens(6)
+    good = {"ffn": ffn_body(x, [1, 2, 0, 3]), "moe": moe_body(x, *random_routing(6, 2, G))}
+    for _ in range(150):
+        kind = "ffn" if torch.rand((), generator=rng) < 0.5 else "moe"
+        r = post(srv.http, "e", kind, _mutations(rng, good[kind]))
+        if r.status_code == 200:
+            assert out_of(r).shape[1] == H
+            continue
+        assert r.status_code in (400, 413), r.text
+        assert r.json()["error"]["code"] in CONTRACT_400 | {"too_large"}, r.text
+    assert snapshot(srv.http) == before
