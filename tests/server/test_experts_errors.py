@@ -15,16 +15,24 @@ from server_support import MSGPACK, assert_error, out_of, serve, wire
 G, H, I = 4, 384, 128
 
 
+def limited_settings(root) -> Settings:
+    """The server these tests talk to: small limits, to be passed."""
+    return Settings(device="cpu", weights_dir=root, demo=False, max_body_bytes=8 << 20,
+                    max_m=256, max_bucket_m=256, max_g=16, max_weight_bytes=4 << 20)
+
+
+def with_experts(running):
+    """Load the expert set 'e' the tests call (its problem as ``running.p``)."""
+    p = random_experts(G, H, I)
+    assert put_experts(running.http, "e", upload_body(p)).status_code == 201
+    running.p = p
+    return running
+
+
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    settings = Settings(device="cpu", weights_dir=tmp_path_factory.mktemp("w"), demo=False,
-                        max_body_bytes=8 << 20, max_m=256, max_bucket_m=256, max_g=16,
-                        max_weight_bytes=4 << 20)
-    with serve(settings) as running:
-        p = random_experts(G, H, I)
-        assert put_experts(running.http, "e", upload_body(p)).status_code == 201
-        running.p = p
-        yield running
+    with serve(limited_settings(tmp_path_factory.mktemp("w"))) as running:
+        yield with_experts(running)
 
 
 def _upload(p, **changes):
