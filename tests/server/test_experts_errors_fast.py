@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_experts_errors import *
+from test_experts_errors import *  # the suite, re-run here
 from test_experts_errors import limited_settings, with_experts
 from test_http_transport import fast_serve
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from moegemm.server import Settings
-from test_experts import *
+from test_experts import *  # the suite, re-run here
 from test_http_transport import fast_serve
 
 
