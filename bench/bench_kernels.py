@@ -1,17 +1,25 @@
 """Kernel benchmark: our triton grouped FP8 GEMM against the peers and the floor, on one GPU.
 
-    python bench/bench_kernels.py [--json OUT.json] [--sweep] [--only seed|deepseek]
+    python bench/bench_kernels.py [--json OUT.json] [--sweep] [--only seed|real|deepseek]
 
 Every time is a CUDA-graph replay median (``triton.testing.do_bench_cudagraph``)
-on fresh random data. Shapes: the seed table (G = 8, even split, from
-``../shared/bench/seed_shapes.json`` when present) and DeepSeek-V3-like layers
-(G = 256, N=4096/K=7168 and N=7168/K=2048, skewed routing). Peers in the same
-run: ``torch._scaled_grouped_mm`` (rowwise scales, a coarser recipe, cost only),
+on fresh random data. Ours is timed through the service path: a ``GraphPool``
+as the server builds it, its graph for the call's bucket captured, and the
+pool's GEMM launcher (``run_gemm``: the weights by address, over the whole
+bucket) timed as the graph runs it (``ours_us``, what floor/ours uses); the
+whole graph body (row checks and regrouping, GEMM, scatter back:
+``service_graph_us``) and the public ``run`` (``public_us``) beside it; the
+service output must equal the public one bit for bit. Shapes: the seed table
+(G = 8, even split), the real-model set (``--only real``: the 8 models of
+``../shared/bench/real_models.json``, w13 and w2, decode and prefill token
+counts, top-k distinct experts per token by Zipf-like popularity whose
+exponent per model is drawn in [0.5, 1.2] with a fixed seed) and, on request,
+DeepSeek-V3-like layers (``--only deepseek``). Peers in the same run: ``torch._scaled_grouped_mm`` (rowwise scales, a coarser recipe, cost only),
 a per-group loop of blockwise ``torch._scaled_mm``, and the CUTLASS op
 ``torch.ops.mslk.f8f8bf16_groupwise_grouped`` (mslk-cuda 1.1.0) when importable.
 The floor is ``max(bytes / copy bandwidth, flops / FP8 dense rate)``, both
-ceilings measured at the start of the run. ``--sweep`` also times every
-candidate tile configuration of ours. Never collected by pytest.
+ceilings measured at the start of the run. ``--sweep`` also times the
+table's neighbours (public entry). Never collected by pytest.
 """
 
 from __future__ import annotations
@@ -19,10 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -163,215 +169,95 @@ PEERS = {
 }
 
 
-def variant_configs(default):
-    """The table's choice with the scale prefetch at 0, 2 and 4 K blocks, and close neighbours."""
-    base = [default]
-    if default.preload_scales:
-        base.append(replace(default, preload_scales=False, num_stages=3))
-        base.append(replace(default, preload_scales=False, num_stages=3, block_n=128))
-    elif not default.swap_ab:
-        base.append(tk.TileConfig(128, 128, False, 8, 4))
-    found = []
-    for cfg in base:
-        for pf in (0, 2, 4):
-            variant = replace(cfg, prefetch_scales=0 if cfg.preload_scales else pf)
-            if variant not in found:
-                found.append(variant)
-    return found
-
-
-def round2_configs(m, n, k, g):
-    """v5 (bench/NOTES.md): split-K, paired K blocks, TMA and warp specialisation against the table."""
+def sweep_configs(m, n, k, g):
+    """The table's neighbours for ``--sweep``: the other prefill schedules at prefill sizes,
+    other token tiles and the pair at decode sizes (bench/NOTES.md, v11)."""
     T = tk.TileConfig
-    rows_per_group = max(1, m // max(g, 1))
-    if rows_per_group <= 48:
-        tt = tk.default_config(m, n, k, g).block_m
-        return [tk.default_config(m, n, k, g)] + [T(tt, 64, True, 4, 4, evict_w="evict_first", preload_scales=True, scale_chunk=8, split_k=s)
-                for s in (2, 4)] + [T(tt, 128, True, 4, 3, evict_w="evict_first", split_k=s) for s in (2, 4, 8)] + [
-                T(tt, 64, True, 4, 3, evict_w="evict_first", split_k=4)]
-    found = [tk.default_config(m, n, k, g), T(64, 128, False, 4, 2, dot_pair=True), T(128, 128, False, 8, 4),
-             T(128, 128, False, 8, 2, dot_pair=True), T(128, 128, False, 8, 3, dot_pair=True),
-             T(128, 128, False, 4, 4, tma=True, warp_spec=True), T(128, 128, False, 4, 3, tma=True, warp_spec=True),
-             T(64, 128, False, 4, 4, tma=True, warp_spec=True), T(64, 128, False, 4, 4, tma=True),
-             T(128, 128, False, 8, 4, tma=True)]
-    if m <= 2048 and k >= 4096:
-        found += [T(64, 128, False, 4, 4, split_k=2), T(128, 128, False, 8, 4, split_k=2)]
-    if m > 2048:
-        found += [T(64, 128, False, 4, 4, group_tiles_m=8), T(128, 128, False, 8, 3, group_tiles_m=8, dot_pair=True),
-                  T(128, 128, False, 4, 4, group_tiles_m=8, tma=True, warp_spec=True)]
-    return found
-
-
-def v7_configs(m, n, k, g):
-    """v7 (bench/NOTES.md): the table against v6's choice, the warp-specialised pairs and the pair with scales ahead."""
-    T = tk.TileConfig
-    rows_per_group = max(1, m // max(g, 1))
-    if rows_per_group <= 48:
-        return [tk.default_config(m, n, k, g)]
-    v6 = (T(128, 128, False, 8, 3, 8 if n <= 4096 else 1, dot_pair=True) if rows_per_group > 1024
-          else T(64, 128, False, 4, 4, tma=True))
-    found = [tk.default_config(m, n, k, g), v6,
-             T(128, 128, False, 8, 3, 8 if n <= 4096 else 1, dot_pair=True, scale_ahead=True),
-             T(128, 128, False, 4, 2, 8, dot_pair=True, tma=True, warp_spec=True),
-             T(128, 128, False, 4, 2, 8, dot_pair=True, tma=True, warp_spec=True, locate_chunk=1),
-             T(128, 128, False, 4, 2, 1, dot_pair=True, tma=True, warp_spec=True),
-             T(128, 128, False, 4, 4, 8, tma=True, warp_spec=True)]
-    return list(dict.fromkeys(found))
-
-
-def v8_configs(m, n, k, g):
-    """v8 (bench/NOTES.md): the persistent warp-specialised tiles against the table (prefill only)."""
-    T = tk.TileConfig
-    rows_per_group = max(1, m // max(g, 1))
-    if rows_per_group <= 48:
-        return []
-    ws = {"tma": True, "warp_spec": True, "persistent": True}
-    if os.environ.get("V8_ROUND") == "1":
-        found = [tk.default_config(m, n, k, g),
-                 T(128, 128, False, 4, 2, 8, dot_pair=True, **ws),
-                 T(128, 128, False, 4, 2, 1, dot_pair=True, **ws),
-                 T(128, 128, False, 4, 4, 8, **ws),
-                 T(128, 128, False, 4, 6, 8, **ws),
-                 T(128, 256, False, 4, 3, 8, **ws),
-                 T(128, 256, False, 4, 4, 8, **ws),
-                 T(128, 128, False, 4, 3, 8, dot_pair=True, **ws),
-                 T(128, 128, False, 8, 3, 8, dot_pair=True, tma=True, persistent=True)]
-    else:  # round 2: the 256-wide tile in 115 KB, the NaN column against shared memory size, wider bands
-        found = [T(128, 256, False, 4, 2, 8, **ws),
-                 T(128, 128, False, 4, 3, 8, **ws),
-                 T(128, 128, False, 4, 5, 8, **ws),
-                 T(128, 128, False, 4, 2, 16, dot_pair=True, **ws)]
-    return [c for c in dict.fromkeys(found) if c.fits(n)]
-
-
-def v9_configs(m, n, k, g):
-    """v9 (bench/NOTES.md): decode tiles with more programs per active expert, scales a pair ahead, split-K."""
-    T = tk.TileConfig
-    rows_per_group = max(1, m // max(g, 1))
-    if rows_per_group > 48:
-        return []
-    tt = tk.default_config(m, n, k, g).block_m
-    ef = {"evict_w": "evict_first"}
-    ah = {"dot_pair": True, "scale_ahead": True}
-    found = [tk.default_config(m, n, k, g),
-             T(tt, 128, True, 4, 3, **ef, **ah), T(tt, 64, True, 4, 3, **ef, **ah)]
-    if min(g, m) * n // 128 < 132:  # few weight tiles: one active expert (m1) or narrow N
-        found += [T(tt, 64, True, 4, 3, **ef), T(tt, 64, True, 4, 4, **ef, **ah)]
-        for split in ((2, 4) if k < 4096 else (2, 4, 8)):
-            found += [T(tt, 64, True, 4, 3, split_k=split, **ef), T(tt, 64, True, 4, 3, split_k=split, **ef, **ah),
-                      T(tt, 128, True, 4, 3, split_k=split, **ef, **ah)]
-        if k < 4096:
-            found += [T(tt, 64, True, 4, 8, **ef), T(tt, 64, True, 4, 4, preload_scales=True, scale_chunk=8, **ef),
-                      T(tt, 64, True, 4, 4, preload_scales=True, scale_chunk=8, split_k=2, **ef)]
-        else:
-            found += [T(tt, 64, True, 4, 3, preload_scales=True, scale_chunk=16, split_k=4, **ef)]
-    return [c for c in dict.fromkeys(found) if c.fits(n)]
-
-
-def v9b_configs(m, n, k, g):
-    """v9 call 2: v8's table choice beside the new table (decode), the lead-tile workaround (prefill)."""
-    T = tk.TileConfig
-    rows_per_group = max(1, m // max(g, 1))
-    if rows_per_group <= 48:
-        tt = tk.default_config(m, n, k, g).block_m
-        if min(g, m) * n // 128 < 132 and k >= 4096:
-            return [T(tt, 64, True, 4, 3, evict_w="evict_first", split_k=4)]
-        return [T(tt, 128, True, 4, 3, evict_w="evict_first")]
-    if m < 4096:
-        return []
-    ws = {"tma": True, "warp_spec": True, "persistent": True, "lead_tile": True}
-    found = [T(128, 256, False, 4, 3, 8, **ws), T(128, 128, False, 4, 3, 8, dot_pair=True, **ws)]
-    return [c for c in found if c.fits(n)]
-
-
-def v9c_configs(m, n, k, g):
-    """v9 call 3: v8's 2-stage 256-wide tile beside the 3-stage lead tile; shorter pipelines for K = 1024."""
-    T = tk.TileConfig
-    ef, ah = {"evict_w": "evict_first"}, {"dot_pair": True, "scale_ahead": True}
-    ws = {"tma": True, "warp_spec": True, "persistent": True}
-    if k == 1024 and m / g <= 48:
-        return [T(16, 128, True, 4, 2, **ef, **ah), T(16, 128, True, 4, 4, **ef, **ah),
-                T(16, 64, True, 4, 2, **ef, **ah), T(16, 128, True, 4, 3, **ef)]
-    if m / g >= 128 and n % 256 == 0:
-        return [T(128, 256, False, 4, 2, 8, **ws), T(128, 256, False, 4, 3, 8, lead_tile=True, **ws)]
-    return []
-
-
-def v10_configs(m, n, k, g):
-    """v10 call 1 (bench/NOTES.md): the weakest seed shapes' neighbours of the v9 table."""
-    T = tk.TileConfig
-    ef, ah = {"evict_w": "evict_first"}, {"dot_pair": True, "scale_ahead": True}
-    ws = {"tma": True, "warp_spec": True, "persistent": True}
-    if m / g > 48:
-        if m / g > 256:
-            return []
-        found = [T(128, 128, False, 4, 3, 8, dot_pair=True, lead_tile=True, **ws)]
-        if n % 256 == 0 and (m // 128) * (n // 256) >= 132:
-            found.append(T(128, 256, False, 4, 3, 8, lead_tile=True, **ws))
-    elif k == 1024 and m < g:  # one active expert: every K block in flight, more warps to issue them
-        found = [T(16, 128, True, 4, 4, **ef, **ah), T(16, 128, True, 8, 4, **ef, **ah),
-                 T(16, 128, True, 8, 3, **ef, **ah)]
-    elif k == 1024:  # 512 weight tiles of 128 rows
-        found = [T(16, 128, True, 8, 3, **ef), T(16, 128, True, 4, 2, **ef), T(16, 256, True, 8, 3, **ef)]
-    elif n == 1280:
-        # 2 stages (41 KB): 5 programs per SM, so 480 or 640 programs are all resident.
-        found = [T(16, 64, True, 4, 2, split_k=3, **ef, **ah), T(16, 64, True, 4, 2, split_k=4, **ef, **ah)]
-    else:
-        found = []
-    return [c for c in dict.fromkeys(found) if c.fits(n) and c != tk.default_config(m, n, k, g)]
-
-
-def v10b_configs(m, n, k, g):
-    """v10 call 2: the v9 table's choice beside each shape whose choice v10 changed, and
-    8 warps on other decode shapes (beside the table only: measured, not yet in it)."""
-    T = tk.TileConfig
-    ef, ah = {"evict_w": "evict_first"}, {"dot_pair": True, "scale_ahead": True}
     default = tk.default_config(m, n, k, g)
-    found = []
-    if (m, n, k, g) == (1, 8192, 1024, 8):
-        found.append(T(16, 128, True, 4, 3, **ef, **ah))  # v9's choice
-    elif m / g <= 48 and n == 1280:
-        found += [replace(default, num_warps=8), T(16, 128, True, 8, 3, split_k=2, **ef, **ah)]
-    elif m / g <= 48 and m == 32 and n in (7168, 8192, 13312):
-        found.append(replace(default, num_warps=8))
-    return [c for c in dict.fromkeys(found) if c.fits(n) and c != default]
+    ef = "evict_first"
+    if m / g > 48:
+        found = [T("prefill_tma", 64, 128, 4, 4), T("prefill_tma", 64, 128, 4, 4, group_tiles_m=8),
+                 T("prefill_tma", 128, 128, 8, 3), T("prefill_tma", 128, 128, 8, 4, group_tiles_m=8),
+                 T("prefill_pair", 128, 128, 8, 3, group_tiles_m=8),
+                 T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
+                 T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
+                 T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)]
+    else:
+        tt = default.block_m
+        found = [T("decode_pair", tt, 128, 4, 3, evict_w=ef), T("decode", min(64, 2 * tt), 128, 4, 3, evict_w=ef),
+                 T("decode", tt, 64, 4, 3, evict_w=ef)]
+    return [c for c in dict.fromkeys(found) if c.fits(n, g) and c != default]
 
 
-# ---- one shape -----------------------------------------------------------------------------
+# ---- the service path -----------------------------------------------------------------------
 
-def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
-    x, problem = make_inputs(m, n, k, g, sizes, gen)
-    row = {"name": name, "m": m, "n": n, "k": k, "g": g, "active_groups": int((sizes > 0).sum()),
+def service_setup(problem, bucket):
+    """A GraphPool as the server builds it (triton backend, weights by address), with
+    the call's bucket captured: (pool, family, graph). The call's rows are in the
+    pool's buffers and its sizes, order and weight addresses in the graph's words."""
+    from moegemm.kernels import get_backend
+    from moegemm.server._graphs import Family, GraphPool
+
+    xq, wq, x_scale, w_scale, sizes = problem
+    g, n, k = wq.shape
+    pool = GraphPool(get_backend(DEV, "triton"), bucket)
+    family = Family(g, n, k, quantize=False)
+    bufs = pool.buffers(family)
+    m = xq.shape[0]
+    bufs.x[:m].copy_(xq)
+    bufs.x_scale[:m].copy_(x_scale)
+    pool.capture(family, wq, w_scale, only=[bucket])
+    assert pool.run_table is not None, "the address launcher failed its self-check"
+    assert pool.launch(family, wq, w_scale, sizes.cpu().numpy()) == "graph"
+    return pool, family, pool.graph(family, bucket, wq, w_scale)
+
+
+def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log, problem=None, x=None) -> dict:
+    """One case: ours through the service path (the pool's captured graph for the bucket,
+    its GEMM node timed alone and the whole graph body), the public function beside it,
+    the sweep and the peers."""
+    if problem is None:
+        x, problem = make_inputs(m, n, k, g, sizes, gen)
+    bucket = 1 << max(0, (m - 1).bit_length())
+    row = {"name": name, "m": m, "n": n, "k": k, "g": g, "bucket": bucket,
+           "active_groups": int((sizes > 0).sum()),
            "floor_us": floor_us(m, n, k, sizes), "peers_us": {}, "errors": {}}
     default = tk.default_config(m, n, k, g)
+    # Ours, public entry: poisoned output, then the float64 check where it is affordable.
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    tk.launch(*problem, out, config=default)
-    ref = reference_float64(*problem)
-    row["ours_rel_err"] = rel_error(out, ref)
+    tk.run(*problem, out)
     row["ours_finite"] = bool(torch.isfinite(out).all())
+    if m * n * k * (2 if m > 4096 else 1) <= (1 << 38):
+        row["ours_rel_err"] = rel_error(out, reference_float64(*problem))
     row["ours_config"] = default.key()
-    row["ours_us"] = bench(lambda: tk.launch(*problem, out, config=default))
+    row["public_us"] = bench(lambda: tk.run(*problem, out))
+    # Ours, service path.
+    pool, family, _ = service_setup(problem, bucket)
+    bufs = pool.buffers(family)
+    torch.cuda.synchronize()
+    row["service_same_bits_as_public"] = bool(torch.equal(bufs.out(bucket)[:m], out))
+    xq_b, xs_b = bufs.x[:bucket], bufs.x_scale[:bucket]
+    out_b = torch.empty((bucket, n), dtype=torch.bfloat16, device=DEV)
+
+    def gemm():
+        return pool.run_gemm(xq_b, xs_b, bufs.m_sizes, out_b, addresses=bufs.addresses,
+                             wq=problem[1], w_scale=problem[3])
+
+    row["ours_us"] = bench(gemm)
+    row["service_graph_us"] = bench(lambda: pool._body(family, bucket, problem[1], problem[3]))
+    pool = bufs = xq_b = xs_b = out_b = None  # free the pool's buffers before the sweep
     if sweep:
         row["sweep_us"] = {}
-        configs = {"all": tk.candidate_configs, "round2": round2_configs, "v7": v7_configs,
-                    "v8": v8_configs, "v9": v9_configs, "v9b": v9b_configs,
-                    "v9c": v9c_configs, "v10": v10_configs,
-                    "v10b": v10b_configs}.get(
-            sweep, lambda *_: variant_configs(default))(m, n, k, g)
-        for cfg in configs:
+        for cfg in sweep_configs(m, n, k, g):
             try:
                 out.fill_(float("nan"))
                 tk.launch(*problem, out, config=cfg)
-                # On the GPU: copying a 16384 x 7168 float64 reference to the host per config costs seconds.
-                err = float(torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref))
                 first = out.clone()
+                finite = bool(torch.isfinite(first).all())
                 t = bench(lambda cfg=cfg: tk.launch(*problem, out, config=cfg), rep=10)
-                # After hundreds of launches the same inputs give the same bits
-                # (split-K: the counters reset themselves, the reduction order is fixed).
                 out.fill_(float("nan"))
                 tk.launch(*problem, out, config=cfg)
-                same = bool(torch.equal(out, first))
-                row["sweep_us"][cfg.key()] = (round(t, 2), float(f"{err:.2e}"), same)
+                row["sweep_us"][cfg.key()] = (round(t, 2), finite, bool(torch.equal(out, first)))
             except Exception as exc:  # noqa: BLE001  keep sweeping past one bad candidate
                 row["sweep_us"][cfg.key()] = repr(exc)[:200]
     for peer, build in PEERS.items() if peers else ():
@@ -382,8 +268,6 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
         except Exception as exc:  # noqa: BLE001  a peer that cannot run this shape is reported, not fatal
             row["peers_us"][peer] = None
             row["errors"][peer] = repr(exc)[:300]
-    blockwise = [v for p, v in row["peers_us"].items() if v and "rowwise" not in p]
-    row["best_blockwise_peer_us"] = min(blockwise) if blockwise else None
     measured = [v for v in row["peers_us"].values() if v]
     row["best_peer_us"] = min(measured) if measured else None
     row["floor_over_ours"] = row["floor_us"] / row["ours_us"]
@@ -391,32 +275,93 @@ def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log) -> dict:
     return row
 
 
+# ---- the real-model set -------------------------------------------------------------------------
+
+# A copy beside this file (the device machine has no ../shared), else the shared one.
+REAL_JSON = next(p for p in (Path(__file__).resolve().parent / "real_models.json",
+                             Path(__file__).resolve().parents[2] / "shared" / "bench" / "real_models.json")
+                 if p.exists() or p.name == "real_models.json" and "shared" in p.parts)
+REAL_SEED = 0
+
+
+def real_routing(tokens: int, g: int, top_k: int, exponent: float, gen: torch.Generator) -> torch.Tensor:
+    """Rows per expert: each token to ``top_k`` distinct experts drawn by Zipf-like popularity
+    (``1 / rank^exponent``, experts in random order)."""
+    popularity = 1.0 / torch.arange(1, g + 1, dtype=torch.float64) ** exponent
+    popularity = popularity[torch.randperm(g, generator=gen)]
+    picks = torch.multinomial(popularity.expand(tokens, g), top_k, replacement=False, generator=gen)
+    return torch.bincount(picks.flatten(), minlength=g).to(torch.int64)
+
+
+def real_cases():
+    """(name, model, matrix, tokens, m, n, k, g, sizes) for every case of real_models.json;
+    the routing exponent of each model drawn in [0.5, 1.2] with a fixed seed."""
+    spec = json.loads(REAL_JSON.read_text())
+    gen = torch.Generator().manual_seed(REAL_SEED)
+    cases = []
+    for model in spec["models"]:
+        exponent = 0.5 + 0.7 * float(torch.rand((), generator=gen, dtype=torch.float64))
+        g, top_k = model["G"], model["top_k"]
+        for matrix, n, k in (("w13", 2 * model["moe_intermediate"], model["hidden"]),
+                             ("w2", model["hidden"], model["moe_intermediate"])):
+            for phase in ("decode", "prefill"):
+                for tokens in spec["tokens"][phase]:
+                    sizes = real_routing(tokens, g, top_k, exponent, gen)
+                    name = f"real {model['model'].split(' ')[0]} {matrix} {phase} t{tokens} g{g}"
+                    cases.append((name, model["model"], matrix, tokens, tokens * top_k, n, k, g, sizes))
+    return cases
+
+
+def random_weights(g: int, n: int, k: int, gen: torch.Generator):
+    """Random fp8 weights with log-normal block scales, made on the device in chunks (fast)."""
+    wq = torch.empty((g, n, k), dtype=FP8, device=DEV)
+    for lo in range(0, g, 8):
+        hi = min(g, lo + 8)
+        wq[lo:hi] = (torch.randn((hi - lo, n, k), generator=gen, device=DEV) * 64).to(FP8)
+    w_scale = torch.exp(torch.randn((g, k // 128, n // 128), generator=gen, device=DEV)) / 256
+    return wq, w_scale
+
+
 def print_table(rows, file=sys.stdout):
     peers = list(PEERS)
     short = {"torch_scaled_grouped_mm_rowwise": "rowwise", "torch_scaled_mm_blockwise_per_group_loop":
              "blk_loop", "mslk_cutlass_f8f8bf16_groupwise_grouped": "mslk_cutl"}
-    head = f"{'shape':<34}{'floor':>8}{'ours':>8}{'fl/ours':>8}" + "".join(f"{short[p]:>10}" for p in peers)
-    print(head + f"{'best':>8}  err      config", file=file)
+    head = (f"{'shape':<44}{'floor':>8}{'ours':>8}{'fl/ours':>8}{'public':>8}{'graph':>8}"
+            + "".join(f"{short[p]:>10}" for p in peers))
+    print(head + f"{'best':>8}  same  config", file=file)
     for r in rows:
         cells = "".join(f"{r['peers_us'][p]:>10.1f}" if r["peers_us"].get(p) else f"{'-':>10}"
                         for p in peers)
-        print(f"{r['name']:<34}{r['floor_us']:>8.1f}{r['ours_us']:>8.1f}{r['floor_over_ours']:>8.2f}"
-              f"{cells}{r['best_peer_us'] or float('nan'):>8.1f}  {r['ours_rel_err']:.1e}"
+        print(f"{r['name']:<44}{r['floor_us']:>8.1f}{r['ours_us']:>8.1f}{r['floor_over_ours']:>8.2f}"
+              f"{r['public_us']:>8.1f}{r['service_graph_us']:>8.1f}"
+              f"{cells}{r['best_peer_us'] or float('nan'):>8.1f}  {str(r['service_same_bits_as_public'])[0]}"
               f"  {r['ours_config']}", file=file)
+
+
+def summarize(rows, prefix) -> dict:
+    """Geomean floor/ours, the worst prefill case and the cases slower than a peer, for one set."""
+    got = [r for r in rows if r["name"].startswith(prefix)]
+    if not got:
+        return {}
+    slower = [r["name"] for r in got if r["best_peer_us"] and r["ours_us"] >= r["best_peer_us"]]
+    prefill = [r for r in got if "prefill" in r["name"] or r["m"] >= 16384]
+    return {"cases": len(got),
+            "geomean_floor_over_ours": math.exp(sum(math.log(r["floor_over_ours"]) for r in got) / len(got)),
+            "geomean_floor_over_public": math.exp(sum(math.log(r["floor_us"] / r["public_us"]) for r in got)
+                                                  / len(got)),
+            "worst_prefill": min(((r["floor_over_ours"], r["name"]) for r in prefill), default=None),
+            "slower_than_a_peer": slower,
+            "all_service_bits_equal_public": all(r["service_same_bits_as_public"] for r in got)}
 
 
 def main() -> None:
     """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--sweep", choices=("all", "variants", "round2", "v7", "v8", "v9", "v9b", "v9c", "v10", "v10b"),
-                        help="also time every candidate tile config, the table's choice's variants, "
-                             "the v5 split-K / paired-dot variants, the v7 or the v8 prefill variants, "
-                             "the v9 decode variants, v9's checks against v8 (v9b, v9c), v10's neighbours "
-                             "of the weakest seed shapes or the v9 choice beside v10's (v10b)")
+    parser.add_argument("--sweep", action="store_true", help="also time the table's neighbours (public entry)")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
     parser.add_argument("--match", default="", help="only shapes whose name contains one of these (comma-separated)")
-    parser.add_argument("--only", choices=("seed", "deepseek"))
+    parser.add_argument("--only", choices=("seed", "real", "deepseek"))
     args = parser.parse_args()
 
     gen = torch.Generator(device=DEV)
@@ -424,28 +369,43 @@ def main() -> None:
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings['copy_TBps']:.2f} TB/s, fp8 {ceilings['fp8_TFLOPs']:.0f} TFLOP/s",
           flush=True)
-    shapes = []
-    if args.only != "deepseek":
-        shapes += [(f"seed m{m} n{n} k{k} g8", m, n, k, 8, even_split(m, 8)) for m, n, k in SEED_SHAPES]
-    if args.only != "seed":
-        shapes += [(f"dsv3 m{m} n{n} k{k} g256 skew", m, n, k, 256, skewed_split(m, 256))
-                   for m, n, k in DEEPSEEK_SHAPES]
     patterns = args.match.split(",")
-    shapes = [s for s in shapes if any(p in s[0] for p in patterns)]
     rows = []
-    for name, m, n, k, g, sizes in shapes:
-        rows.append(run_shape(name, m, n, k, g, sizes, args.sweep, not args.no_peers, gen,
-                              lambda r: print(json.dumps(r), flush=True)))
+
+    def done(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
         if args.json:  # after every shape, so a run cut short still leaves its figures
             args.json.write_text(json.dumps({"summary": {"partial": True}, "rows": rows}, indent=1))
-    seed_rows = [r for r in rows if r["name"].startswith("seed")]
+
+    shapes = []
+    if args.only in (None, "seed"):
+        shapes += [(f"seed m{m} n{n} k{k} g8", m, n, k, 8, even_split(m, 8)) for m, n, k in SEED_SHAPES]
+    if args.only == "deepseek":
+        shapes += [(f"dsv3 m{m} n{n} k{k} g256 skew", m, n, k, 256, skewed_split(m, 256))
+                   for m, n, k in DEEPSEEK_SHAPES]
+    for name, m, n, k, g, sizes in shapes:
+        if any(p in name for p in patterns):
+            run_shape(name, m, n, k, g, sizes, args.sweep, not args.no_peers, gen, done)
+    if args.only in (None, "real"):
+        # Weights once per (model, matrix); fresh activations per case.
+        weights = {}
+        for name, model, matrix, tokens, m, n, k, g, sizes in real_cases():
+            if not any(p in name for p in patterns):
+                continue
+            if (model, matrix) not in weights:
+                weights.clear()
+                torch.cuda.empty_cache()
+                weights[(model, matrix)] = random_weights(g, n, k, gen)
+            wq, w_scale = weights[(model, matrix)]
+            x = torch.randn((m, k), generator=gen, device=DEV).to(torch.bfloat16)
+            xq, x_scale = quantize_activations(x, FP8)
+            row_sizes = sizes
+            run_shape(name, m, n, k, g, row_sizes, args.sweep, not args.no_peers, gen, done,
+                      problem=(xq, wq, x_scale, w_scale, sizes.to(DEV)), x=x)
     summary = {"measured_ceilings": ceilings, "floor_ceilings": FLOOR_CEILINGS, "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "triton": triton.__version__}
-    if seed_rows:
-        summary["seed_geomean_floor_over_ours"] = math.exp(
-            sum(math.log(r["floor_over_ours"]) for r in seed_rows) / len(seed_rows))
-        summary["seed_shapes_ours_beats_best_peer"] = sum(
-            1 for r in seed_rows if r["best_peer_us"] and r["ours_us"] < r["best_peer_us"])
+               "torch": torch.__version__, "triton": triton.__version__,
+               "seed": summarize(rows, "seed"), "real": summarize(rows, "real")}
     print_table(rows)
     print(json.dumps(summary))
     if args.json:

@@ -1,7 +1,6 @@
 """Compile the triton kernel for sm_90 on a machine without a GPU and report what matters.
 
-    python bench/sm90_compile.py                      # the v7 prefill variants on the seed prefill shapes
-    python bench/sm90_compile.py --tests              # every config of the GPU tests' round-2 list
+    python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
 serialisation warnings (C7514/C7515, which mean the tensor cores wait for
@@ -55,12 +54,15 @@ def ptxas_report(kernel) -> dict:
             "serialised": sorted(set(re.findall(r"\((C75\d\d)\)", text)))}
 
 
-def compile_config(cfg, m: int, n: int, k: int, g: int):
-    """``grouped_fp8_kernel`` compiled as ``triton_kernel._launch`` would launch ``cfg`` on (m, n, k, g)."""
+def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False):
+    """``cfg``'s kernel compiled as ``triton_kernel._launch`` would launch it on (m, n, k, g);
+    ``addrs``: the weights by address, as a server graph launches it."""
     from moegemm.kernels import triton_kernel as tk
-    from moegemm.kernels._triton_gemm import grouped_fp8_kernel
+    from moegemm.kernels._triton_gemm import SCHEDULES
 
-    sig = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "m_sizes_ptr": "*i64",
+    fn = SCHEDULES[cfg.schedule]
+    sig = {"x_ptr": "*fp8e4nv", "w_ptr": "*i64" if addrs else "*fp8e4nv", "xs_ptr": "*fp32",
+           "ws_ptr": "*i64" if addrs else "*fp32", "m_sizes_ptr": "*i64",
            "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32",
            "stride_wg": "i32", "stride_wn": "i32", "stride_xsm": "i32", "stride_wsg": "i32", "stride_wsk": "i32",
            "stride_om": "i32"}
@@ -68,26 +70,25 @@ def compile_config(cfg, m: int, n: int, k: int, g: int):
               "stride_xsm": k // 128, "stride_wsg": (k // 128) * (n // 128), "stride_wsk": n // 128, "stride_om": n}
     # Triton specialises an int argument of 1 as a constant; none of these is 1 for real shapes.
     divisible = [a for a, t in sig.items() if t.startswith("*")] + [a for a, v in values.items() if v % 16 == 0]
-    split_k = max(1, min(cfg.split_k, k // 128))
-    if split_k > 1:
-        sig.update({"part_ptr": "*fp32", "count_ptr": "*i32"})
-        divisible += ["part_ptr", "count_ptr"]
-    consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-              "G_POW2": max(16, tk._next_pow2(g)), "SWAP_AB": cfg.swap_ab, "EVICT_W": cfg.evict_w,
-              "GROUP_TILES_M": cfg.group_tiles_m, "PRELOAD_SCALES": cfg.preload_scales and cfg.block_n <= 128,
-              "SCALE_CHUNK": min(cfg.scale_chunk, tk._next_pow2(k // 128)), "PREFETCH_SCALES": cfg.prefetch_scales,
-              "W_TABLE": False, "SPLIT_K": split_k, "DOT_PAIR": cfg.dot_pair, "USE_TMA": cfg.tma,
-              "WARP_SPEC": cfg.warp_spec, "SCALE_AHEAD": cfg.scale_ahead,
-              "LOCATE_CHUNK": max(1, min(cfg.locate_chunk, tk._next_pow2(g))),
-              "PERSISTENT": cfg.persistent, "LEAD_TILE": cfg.lead_tile}
-    if split_k == 1:
-        consts.update({"part_ptr": None, "count_ptr": None})
-    return compile_sm90(grouped_fp8_kernel, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
+    consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "ADDRS": addrs}
+    if cfg.swap_ab:
+        split_k = max(1, min(cfg.split_k, k // 128))
+        if split_k > 1:
+            sig.update({"part_ptr": "*fp32", "count_ptr": "*i32"})
+            divisible += ["part_ptr", "count_ptr"]
+        else:
+            consts.update({"part_ptr": None, "count_ptr": None})
+        consts.update(G_POW2=max(16, tk._next_pow2(g)), EVICT_W=cfg.evict_w, SPLIT_K=split_k)
+    elif cfg.schedule == "persistent_ws":
+        consts.update(G_MAX=max(16, tk._next_pow2(g)), GROUP_TILES_M=cfg.group_tiles_m, LEAD_TILE=cfg.lead_tile)
+    else:
+        consts.update(G_POW2=max(16, tk._next_pow2(g)), GROUP_TILES_M=cfg.group_tiles_m)
+    return compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
 
 
-def report(cfg, m, n, k, g) -> dict:
+def report(cfg, m, n, k, g, addrs: bool = False) -> dict:
     try:
-        kernel = compile_config(cfg, m, n, k, g)
+        kernel = compile_config(cfg, m, n, k, g, addrs)
     except Exception as exc:  # noqa: BLE001  report and go on
         return {"config": cfg.key(), "error": str(exc).splitlines()[-1][:160]}
     info = {"config": cfg.key(), "smem": kernel.metadata.shared,
@@ -100,21 +101,16 @@ def report(cfg, m, n, k, g) -> dict:
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tests", action="store_true", help="the GPU tests' round-2 configs at N=1280, K=1280")
+    parser.add_argument("--addresses", action="store_true", help="the weights by address (the server's graphs)")
     args = parser.parse_args()
-    if args.tests:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
-        from moegemm.kernels import triton_kernel as tk
-        src = (Path(__file__).resolve().parents[1] / "tests" / "kernels" / "test_triton.py").read_text()
-        block = src[src.index("ROUND2_CONFIGS = ["):src.index("]\n", src.index("ROUND2_CONFIGS = ["))]
-        calls = [line.strip().rstrip(",") for line in block.splitlines() if line.strip().startswith("tk.TileConfig(")]
-        jobs = [(eval(c, {"tk": tk}), 1106, 1280, 1280, 8) for c in calls]  # our own test file
-    else:
-        import bench_kernels as bk
-        jobs = [(cfg, m, n, k, 8) for m, n, k in ((16384, 2048, 7168), (16384, 7168, 2304))
-                for cfg in bk.v7_configs(m, n, k, 8)]
+    import bench_kernels as bk
+    from moegemm.kernels import triton_kernel as tk
+
+    jobs = [(cfg, m, n, k, g) for m, n, k, g in ((16384, 2048, 7168, 8), (16384, 7168, 2304, 8),
+                                                 (32768, 4096, 7168, 256), (32, 1280, 8192, 8))
+            for cfg in [tk.default_config(m, n, k, g), *bk.sweep_configs(m, n, k, g)]]
     for cfg, m, n, k, g in jobs:
-        print(f"m{m} n{n} k{k}", report(cfg, m, n, k, g), flush=True)
+        print(f"m{m} n{n} k{k} g{g}", report(cfg, m, n, k, g, args.addresses), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,17 @@ class Backend:
     weights in ``weight_layout``. ``run`` computes SPEC 1 into ``out`` and
     returns it; on a GPU it reads no tensor contents on the host, launches no
     helper kernels, and may be captured into a CUDA/HIP graph.
+
+    Optional, for a server's graphs (None where the backend has none):
+
+    - ``run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups)``: ``run``
+      with the weight set given as two int64 device words, the base addresses
+      of its contiguous ``wq`` and ``w_scale`` (in that order): one graph
+      captured per (G, N, K) then serves every weight set of that shape by
+      rewriting the words. Same kernel, same tile, same bits as ``run``.
+    - ``check_and_gather(x, x_scale, gather, x_out, scale_out, flags)``: one
+      kernel that checks the rows' contents (the server's ``bad_rows``) and
+      regroups them (``x_out = x[gather]``); capture-safe.
     """
 
     name: str
@@ -33,3 +44,5 @@ class Backend:
     run: Callable[..., torch.Tensor]
     # run(xq, wq_prepared, x_scale, w_scale, m_sizes, out) -> out
     capture_safe: bool = False
+    run_addressed: Callable[..., torch.Tensor] | None = None
+    check_and_gather: Callable[..., None] | None = None

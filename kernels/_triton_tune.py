@@ -70,19 +70,29 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"))
 
 
+def cached_config(m: int, n: int, k: int, g: int, device: torch.device, config_type):
+    """The cached winner for a shape, or None (never benchmarks: safe inside a capture)."""
+    key = cache_key(m, n, k, g, device)
+    with _lock:
+        entry = _load().get(key)
+    if entry is None:
+        return None
+    try:
+        return config_type(**entry)
+    except TypeError:
+        log.warning("ignoring a stale autotune entry for %s: %s", key, entry)
+        return None
+
+
 def tuned_config(args, candidates, fallback, launch, config_type):
     """The cached winner for ``args``' shapes, benchmarking ``candidates`` on a miss."""
     xq, wq = args[0], args[1]
     m, k = xq.shape
     g, n, _ = wq.shape
     key = cache_key(m, n, k, g, xq.device)
-    with _lock:
-        entry = _load().get(key)
-    if entry is not None:
-        try:
-            return config_type(**entry)
-        except TypeError:
-            log.warning("ignoring a stale autotune entry for %s: %s", key, entry)
+    found = cached_config(m, n, k, g, xq.device, config_type)
+    if found is not None:
+        return found
     if m == 0 or torch.cuda.is_current_stream_capturing():
         return fallback
     timings = {}

@@ -1,20 +1,28 @@
 """The ``triton`` backend: our grouped FP8 GEMM with block-wise scales on NVIDIA Hopper.
 
     backend = create(torch.device("cuda"))
-    backend.run(xq, wq, x_scale, w_scale, m_sizes, out)   # capture-safe
+    backend.run(xq, wq, x_scale, w_scale, m_sizes, out)            # capture-safe
+    backend.run_addressed(xq, addresses, x_scale, m_sizes, out, groups=G)
 
-The kernel is in ``_triton_gemm.py``. This module checks the device, picks a
-tile configuration per shape class from a small table (or, with
-``MOEGEMM_AUTOTUNE=1``, from an on-disk cache filled by benchmarking on a
+The kernels are in ``_triton_gemm.py`` (one per schedule). This module checks
+the device, picks a schedule and tile per shape class from a small table (or,
+with ``MOEGEMM_AUTOTUNE=1``, from an on-disk cache filled by benchmarking on a
 miss, see ``_triton_tune.py``) and launches. Everything the launch needs comes
-from static shapes (M, N, K, G), so ``run`` reads no tensor contents on the
-host and can be captured into a CUDA graph.
+from static shapes (M, N, K, G), so neither entry reads tensor contents on
+the host and both can be captured into a CUDA graph.
+
+``run_addressed`` is the entry a server graph uses: the weight set's ``wq``
+and ``w_scale`` base addresses are two int64 words on the device
+(:func:`weight_addresses` makes them; a server writes them into its own
+buffer before each replay), so one graph per (G, N, K) and bucket serves
+every weight set of that shape. It runs the same kernel with the same tile
+as ``run`` for the same shape: the output is the same, bit for bit.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -26,92 +34,64 @@ except ImportError as exc:  # the selector turns this into BackendUnavailable
     raise ImportError(f"the triton backend needs the triton package: {exc}") from exc
 
 from . import _triton_tune
-from ._triton_gemm import grouped_fp8_kernel
+from ._triton_gemm import SCHEDULES
 
 _SCALE_BLOCK = 128
+# The persistent warp-specialised schedule finds a tile's group by an unrolled
+# walk over max(16, next_pow2(G)) groups; past this the walk costs more than the
+# schedule gains (v11: at G = 128 it ran 1.4-2.5x slower than 64-row TMA tiles).
+PERSISTENT_G_MAX = 64
 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One tile shape and schedule for :func:`grouped_fp8_kernel`.
+    """One schedule (a kernel of ``_triton_gemm.SCHEDULES``) and its tile.
 
-    ``swap_ab`` puts the weight tile on the MMA's M side (decode); ``block_m``
-    is then the token tile (16-64). ``group_tiles_m`` row tiles are visited
-    before moving along N (L2 reuse at prefill sizes). ``split_k`` > 1 splits
-    the K blocks of each output tile over that many programs of the same
-    launch (the last to finish reduces, see :func:`_split_workspace`);
-    ``dot_pair`` runs two K blocks per loop iteration as two independent dots
-    (``block_n`` <= 128, not with ``preload_scales``); with ``scale_ahead``
-    each pair's scales are loaded one iteration early. ``tma`` loads the
-    prefill tiles by TMA, ``warp_spec`` adds Hopper warp specialisation to
-    it (prefill orientation, ``block_n`` <= 128, with or without
-    ``dot_pair``, no other option); it finds its group by a walk over
-    ``m_sizes`` ``locate_chunk`` groups at a time. ``persistent`` (with
-    ``tma``) launches one program per SM that walks the tiles; with
-    ``warp_spec`` the producer loads the next tile while the consumers
-    store the current one. Its group walk is unrolled over
-    ``max(16, next_pow2(G))`` groups: meant for G <= 64. It also takes
-    ``block_n`` 256 (two 128-wide halves, not with ``dot_pair``).
-    ``lead_tile`` (persistent only): each program first runs a throwaway
-    one-block tile, the workaround tried in v9 for the NaN column of the
-    first tile of deep warp-specialised buffers.
+    ``decode`` / ``decode_pair``: ``block_m`` is the token tile (16-64),
+    ``block_n`` the weight tile (64 or 128) on the MMA's M side; ``split_k``
+    programs share an output tile; ``evict_w`` the weights' cache policy.
+    ``prefill_pair`` / ``prefill_tma``: ``block_m`` x ``block_n`` (<= 128)
+    output tiles, ``group_tiles_m`` row tiles per band before moving along N.
+    ``persistent_ws``: 128 x 128 (pairs) or 128 x 256 (two halves), 4 warps;
+    ``lead_tile`` runs a throwaway first tile (see the kernel).
     """
 
+    schedule: str
     block_m: int
     block_n: int
-    swap_ab: bool
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
     group_tiles_m: int = 1
-    evict_w: str = ""
-    preload_scales: bool = False
-    scale_chunk: int = 32
-    prefetch_scales: int = 0
-    block_k: int = _SCALE_BLOCK
     split_k: int = 1
-    dot_pair: bool = False
-    tma: bool = False
-    warp_spec: bool = False
-    scale_ahead: bool = False
-    locate_chunk: int = 16
-    persistent: bool = False
+    evict_w: str = ""
     lead_tile: bool = False
 
-    def fits(self, n: int) -> bool:
-        """Whether this tile divides N (K is always a multiple of 128)."""
-        if self.dot_pair and (self.block_n > 128 or self.preload_scales):
+    @property
+    def swap_ab(self) -> bool:
+        """Whether the weights sit on the MMA's M side (the decode schedules)."""
+        return self.schedule.startswith("decode")
+
+    def fits(self, n: int, g: int = 1) -> bool:
+        """Whether this tile divides N and the schedule takes G groups (K is a multiple of 128)."""
+        if self.schedule not in SCHEDULES or n % self.block_n:
             return False
-        if self.persistent and (not self.tma or self.block_n not in (64, 128, 256)):
+        if self.split_k > 1 and not self.swap_ab:
             return False
-        if self.lead_tile and not self.persistent:
+        if self.lead_tile and self.schedule != "persistent_ws":
             return False
-        # TMA tiles are at most 128 wide, except the persistent tile's two 128-wide halves.
-        wide = self.block_n > 128 and not (self.persistent and self.block_n == 256)
-        if (self.tma or self.warp_spec) and (
-                not self.tma or self.swap_ab or wide or self.preload_scales
-                or self.split_k > 1 or self.prefetch_scales or self.scale_ahead):
-            return False
-        if self.scale_ahead and not self.dot_pair:
-            return False
-        return n % self.block_n == 0 and (self.block_n <= 128 or self.block_n % 128 == 0)
+        if self.swap_ab:
+            return self.block_n in (64, 128) and self.block_m in (16, 32, 64)
+        if self.schedule == "persistent_ws":
+            return (self.block_m == 128 and self.block_n in (128, 256) and self.num_warps == 4
+                    and g <= PERSISTENT_G_MAX)
+        return self.block_n <= 128
 
     def key(self) -> str:
         """A short stable name, used in the autotune cache and benchmarks."""
-        mode = "swap" if self.swap_ab else "mn"
-        evict = "_ef" if self.evict_w else ""
-        preload = f"_pre{self.scale_chunk}" if self.preload_scales else ""
-        prefetch = f"_pf{self.prefetch_scales}" if self.prefetch_scales else ""
-        split = f"_sk{self.split_k}" if self.split_k > 1 else ""
-        pair = ("_pairah" if self.scale_ahead else "_pair") if self.dot_pair else ""
-        tma = ("_tmaws" if self.warp_spec else "_tma") if self.tma else ""
-        if self.warp_spec and self.locate_chunk != 16:
-            tma += f"_lc{self.locate_chunk}"
-        if self.persistent:
-            tma += "_pst"
-        if self.lead_tile:
-            tma += "_lead"
-        return (f"{mode}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
-                f"_g{self.group_tiles_m}{evict}{preload}{prefetch}{split}{pair}{tma}")
+        extra = (f"_sk{self.split_k}" if self.split_k > 1 else "") + ("_ef" if self.evict_w else "") + (
+            "_lead" if self.lead_tile else "")
+        return (f"{self.schedule}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+                f"_g{self.group_tiles_m}{extra}")
 
 
 def _next_pow2(x: int) -> int:
@@ -125,151 +105,90 @@ def row_tile_bound(m: int, g: int, block_m: int) -> int:
     return min(m, (m + g * (block_m - 1)) // block_m, triton.cdiv(m, block_m) + g - 1)
 
 
+_SMS = 132  # the H200's multiprocessors: where "fills the SMs" rules below are measured
+
+
 def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
-    """The table: a tile configuration per shape class, from static shapes only.
+    """The table: a schedule and tile per shape class, from static shapes only.
 
-    The class is the mean rows per group, ``m / g`` (the host never sees the
-    real split). Measured on one H200 (bench/NOTES.md, v2 sweep):
+    The class is the mean rows per group ``r = m / g`` (the host never sees
+    the real split). Rules (measurements in bench/NOTES.md):
 
-    - up to 48 rows per group (decode): swap A and B, a token tile of the mean
-      rows (doubled for G >= 64, where routing is skewed), 128-row weight tiles,
-      3 stages. When fewer than 132 weight tiles of 128 rows exist and K is
-      long, each tile is latency-bound: 64-row tiles with the scales loaded
-      ahead of the K loop. v9: 16-token tiles at G < 64 run pairs of K blocks
-      with the scales a pair ahead (not at K < 2048 with enough tiles); v10:
-      with 8 warps where there are fewer weight tiles than SMs and K < 2048.
-    - more rows per group (prefill): v7 (bench/NOTES.md) below; 49..127 rows
-      per group keep v5's TMA-fed 64 x 128 tiles.
-
-    The L1 prefetch of the scales (``prefetch_scales``) is off: it cost up to
-    1.8x on decode shapes (v4 in bench/NOTES.md); autotuning still tries it.
+    - ``r <= 48`` (decode, bytes-bound): A and B swapped. Token tile =
+      ``next_pow2(r)`` in [16, 64], doubled at G >= 64 (skewed routing puts
+      several times the mean on hot experts). Weights evicted first.
+      - 16-token tiles at G < 64 run pairs of K blocks with the scales a
+        pair ahead (``decode_pair``), except at K < 2048 with 132 or more
+        weight tiles (two programs per SM instead of four lose there).
+      - Fewer weight tiles of 128 rows than SMs and K >= 4096: 64-row
+        weight tiles split along K (pairs: 2 ways; single blocks and token
+        tiles <= 32: 4 ways), to fill the SMs.
+      - Fewer weight tiles than SMs and K < 2048 (one active expert): the
+        pair with 8 warps (each thread issues half the loads of a stage).
+    - ``r > 48`` (prefill):
+      - G < 64 and ``r >= 128`` (even routing, full tiles): the persistent
+        warp-specialised schedule; 128 x 256 halves where their tiles still
+        fill the SMs (3 stages behind a lead tile above 1024 rows per group,
+        else 2), else 128 x 128 pairs.
+      - ``r <= 1024``: TMA-fed 64 x 128 tiles (skewed routing: the 128-row
+        tiles lost 20-90 % at G = 256).
+      - more: 128 x 128 pairs on two warpgroups, banded 8 row tiles deep
+        when N <= 4096.
     """
     rows_per_group = max(1, m // max(g, 1))
     if rows_per_group <= 48:
         token_tile = min(64, max(16, _next_pow2(rows_per_group * (2 if g >= 64 else 1))))
-        # At most min(g, m) groups have rows.
-        weight_tiles = min(g, m) * n // 128
-        # v9: two K blocks per iteration with each pair's scales loaded a pair
-        # early takes the scale loads' L2 latency off every K block. Measured
-        # (bench/NOTES.md, v9) with 16-token tiles at G = 8 only, so only there.
-        ahead = token_tile == 16 and g < 64
-        if weight_tiles < 132 and k >= 4096:
-            if ahead:
-                # v9: split-K 2 of pairs (N=1280: 26.5 -> 25.1 us).
-                return TileConfig(token_tile, 64, True, num_warps=4, num_stages=3, evict_w="evict_first",
-                                  split_k=2, dot_pair=True, scale_ahead=True)
+        weight_tiles = min(g, m) * n // 128  # at most min(g, m) groups have rows
+        pair = token_tile == 16 and g < 64
+        ef = "evict_first"
+        if weight_tiles < _SMS and k >= 4096:
+            if pair:
+                return TileConfig("decode_pair", token_tile, 64, 4, 3, split_k=2, evict_w=ef)
             if token_tile <= 32:
-                # v5: split-K 4 over 64-row weight tiles fills the SMs (N=1280: 40 -> 27 us).
-                return TileConfig(token_tile, 64, True, num_warps=4, num_stages=3,
-                                  evict_w="evict_first", split_k=4)
-            return TileConfig(token_tile, 64, True, num_warps=4, num_stages=4,
-                              evict_w="evict_first", preload_scales=True, scale_chunk=8)
-        if ahead and (weight_tiles < 132 or k >= 2048):
-            # v9: M=1 N=8192 K=1024: 6.8 -> 5.6 us; N=7168 K=8192: 119.9 -> 109.7 us;
-            # N=8192 K=3584: 59.4 -> 57.4 us. Not at K=1024 with 512 tiles (20.1 -> 21.3 us:
-            # 110 KB of shared memory, 2 programs per SM instead of 4).
-            # v10: with fewer weight tiles than SMs and short K (one program per SM, a
-            # chain of latencies), 8 warps: M=1 N=8192 K=1024: 5.6 -> 4.4 us (two calls).
-            # Only where K < 2048: the long-K shapes gained nothing (-1 % to +2 %).
-            warps = 8 if weight_tiles < 132 and k < 2048 else 4
-            return TileConfig(token_tile, 128, True, num_warps=warps, num_stages=3, evict_w="evict_first",
-                              dot_pair=True, scale_ahead=True)
-        return TileConfig(token_tile, 128, True, num_warps=4, num_stages=3, evict_w="evict_first")
-    # v7 (bench/NOTES.md): 128-row tiles only where routing is even enough (G < 64)
-    # and each group fills them; the skewed DeepSeek-like layers (G = 256, a mean
-    # of 128 rows per group) ran 20-90 % slower on them than on v5's 64-row tiles.
-    even_128 = g < 64 and rows_per_group >= 128
-    if even_128:
-        # Paired K blocks, warp-specialised (a TMA producer and two 64-row
-        # consumers taking turns on the tensor cores; v7: M=16384 N=2048: 600 -> 527 us),
-        # persistent since v8: the producer loads the next tile while the consumers
-        # store this one (M=16384 N=7168 K=2304: 727 -> 577 us; N=2048 K=7168: 535 -> 516 us;
-        # M=1024 N=7168 K=2304: 63.1 -> 58.0 us).
-        if n % 256 == 0 and (m // 128) * (n // 256) >= 132:
-            # v8: 128 x 256 tiles as two 128-wide halves where they still fill the
-            # SMs (M=16384 N=2048 K=7168: 518 -> 455 us; N=7168 K=2304: 632 -> 551 us).
-            # Two stages only: with more, the tile writes NaN into column 0 (v8) of
-            # each program's first tile (v9), unless a throwaway lead tile goes first.
+                return TileConfig("decode", token_tile, 64, 4, 3, split_k=4, evict_w=ef)
+            return TileConfig("decode", token_tile, 128, 4, 3, evict_w=ef)
+        if pair and (weight_tiles < _SMS or k >= 2048):
+            warps = 8 if weight_tiles < _SMS and k < 2048 else 4
+            return TileConfig("decode_pair", token_tile, 128, warps, 3, evict_w=ef)
+        return TileConfig("decode", token_tile, 128, 4, 3, evict_w=ef)
+    if g < 64 and rows_per_group >= 128:
+        if n % 256 == 0 and (m // 128) * (n // 256) >= _SMS:
             if rows_per_group > 1024:
-                # v9: 3 stages with the lead tile, equal or better in two calls (M=16384
-                # N=2048 K=7168: 434 / 453-456 us against 460 / 453 us for 2 stages;
-                # N=7168 K=2304: 533 / 558-563 against 560 / 557 us).
-                return TileConfig(128, 256, False, num_warps=4, num_stages=3, group_tiles_m=8,
-                                  tma=True, warp_spec=True, persistent=True, lead_tile=True)
-            return TileConfig(128, 256, False, num_warps=4, num_stages=2, group_tiles_m=8,
-                              tma=True, warp_spec=True, persistent=True)
-        return TileConfig(128, 128, False, num_warps=4, num_stages=2, group_tiles_m=8,
-                          tma=True, warp_spec=True, dot_pair=True, persistent=True)
+                return TileConfig("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)
+            return TileConfig("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)
+        return TileConfig("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
     if rows_per_group <= 1024:
-        # v5: TMA-fed 64x128 tiles on the ridge (M=1024, G=8: 57.6 -> 49.7 us).
-        return TileConfig(64, 128, False, num_warps=4, num_stages=4, tma=True)
-    # v5: two K blocks per iteration on 128x128 tiles, two warpgroups (M=16384: 666 -> 592 us);
-    # v7: as fast as the warp-specialised pair at K = 2304 (698-719 vs 710-720 us).
-    return TileConfig(128, 128, False, num_warps=8, num_stages=3,
-                      group_tiles_m=8 if n <= 4096 else 1, dot_pair=True)
+        return TileConfig("prefill_tma", 64, 128, 4, 4)
+    return TileConfig("prefill_pair", 128, 128, 8, 3, group_tiles_m=8 if n <= 4096 else 1)
 
 
 def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
     """What opt-in autotuning tries for a shape: the table's choice and its neighbours."""
-    found: list[TileConfig] = [default_config(m, n, k, g)]
+    T = TileConfig
+    found = [default_config(m, n, k, g)]
     rows_per_group = max(1, m // max(g, 1))
-    token_tile = min(64, max(16, _next_pow2(rows_per_group)))
-    if rows_per_group <= 192:
-        for tt in sorted({token_tile, min(64, 2 * token_tile)}):
-            for block_n in (64, 128):
-                for stages in (3, 4):
-                    found.append(TileConfig(tt, block_n, True, 4, stages, evict_w="evict_first"))
-            for stages in (3, 4):
-                found.append(TileConfig(tt, 64, True, 4, stages, evict_w="evict_first",
-                                        preload_scales=True, scale_chunk=8))
-    if rows_per_group > 24:
-        for bm, bn, warps, stages, group_tiles in (
-                (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1),
-                (128, 128, 8, 5, 1), (128, 128, 8, 4, 8), (128, 64, 4, 4, 1)):
-            found.append(TileConfig(bm, bn, False, warps, stages, group_tiles))
+    ef = "evict_first"
     if rows_per_group <= 48:
-        # v9: pairs with the scales a pair ahead, alone and with split-K 2.
-        for block_n in (64, 128):
-            for split in (1, 2):
-                found.append(TileConfig(token_tile, block_n, True, 4, 3, evict_w="evict_first",
-                                        split_k=split, dot_pair=True, scale_ahead=True))
-        # v10: 8 warps (M = 1 N = 8192 K = 1024: 5.6 -> 4.4 us).
-        found.append(TileConfig(token_tile, 128, True, 8, 3, evict_w="evict_first",
-                                dot_pair=True, scale_ahead=True))
-    # Round 2 (v5 in bench/NOTES.md): split-K for too few weight tiles, paired K blocks.
-    # Split-K only with small token tiles: 64-token swap tiles spill with it.
-    if token_tile <= 32 and k >= 2048:
-        for split in (2, 4):
-            found.append(TileConfig(token_tile, 128, True, 4, 3, evict_w="evict_first", split_k=split))
-            found.append(TileConfig(token_tile, 64, True, 4, 4, evict_w="evict_first",
-                                    preload_scales=True, scale_chunk=8, split_k=split))
-    # Warp specialisation: correct since v7 (the row fix); only 2-stage forms
-    # are offered (more stages of pairs, or of 256-wide tiles, wrote NaN into
-    # column 0 on the H200: v7, v8), except the 256-wide tile with a lead tile (v9).
-    if rows_per_group > 24:
-        found += [TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True),
-                  TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
-                  TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True),
-                  TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True, lead_tile=True),
-                  TileConfig(128, 128, False, 4, 2, 1, tma=True, warp_spec=True, dot_pair=True),
-                  TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True),
-                  TileConfig(64, 128, False, 4, 2, dot_pair=True),
-                  TileConfig(128, 128, False, 8, 2, dot_pair=True),
-                  TileConfig(128, 128, False, 8, 3, dot_pair=True),
-                  TileConfig(64, 128, False, 4, 4, tma=True)]
-        if k >= 4096:
-            found.append(TileConfig(64, 128, False, 4, 4, split_k=2))
-    # The scale prefetch on the main shapes of each class.
-    found += [replace(cfg, prefetch_scales=pf) for pf in (0, 2, 4) for cfg in (
-        TileConfig(token_tile, 128, True, 4, 3, evict_w="evict_first"),
-        TileConfig(token_tile, 64, True, 4, 3, evict_w="evict_first"),
-        TileConfig(64, 128, False, 4, 4), TileConfig(128, 128, False, 8, 4),
-    ) if (cfg.swap_ab and rows_per_group <= 192) or (not cfg.swap_ab and rows_per_group > 24)]
-    unique = []
-    for cfg in found:
-        if cfg.fits(n) and cfg not in unique:
-            unique.append(cfg)
-    return unique
+        tt = min(64, max(16, _next_pow2(rows_per_group)))
+        for token in sorted({tt, min(64, 2 * tt)}):
+            for block_n in (64, 128):
+                found.append(T("decode", token, block_n, 4, 3, evict_w=ef))
+                if token <= 32:
+                    for split in (2, 4):
+                        found.append(T("decode", token, block_n, 4, 3, split_k=split, evict_w=ef))
+            if token == 16:
+                for block_n in (64, 128):
+                    for split in (1, 2):
+                        found.append(T("decode_pair", token, block_n, 4, 3, split_k=split, evict_w=ef))
+                found.append(T("decode_pair", token, 128, 8, 3, evict_w=ef))
+    else:
+        found += [T("prefill_tma", 64, 128, 4, 4), T("prefill_tma", 128, 128, 8, 3),
+                  T("prefill_tma", 64, 128, 4, 4, group_tiles_m=8),
+                  T("prefill_pair", 128, 128, 8, 3), T("prefill_pair", 128, 128, 8, 3, group_tiles_m=8),
+                  T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
+                  T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
+                  T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)]
+    return [c for c in dict.fromkeys(found) if c.fits(n, g)]
 
 
 # Split-K workspaces: (device, stream, tiles, slot elements) -> (partials, counters).
@@ -280,15 +199,15 @@ _workspaces_lock = threading.Lock()
 def _split_workspace(device: torch.device, tiles: int, split_k: int, tile_elems: int):
     """The float32 partial slots ``[tiles * split_k * tile_elems]`` and int32 counters ``[tiles]``.
 
-    Allocated once per (device, stream, shape) and kept for the process's
-    life: the counters start at zero and the kernel's last split of each tile
-    puts its counter back to zero, so reuse needs no memset, and a graph
-    captured with them stays valid (they are never freed or replaced). Keyed
-    on the current stream because two launches in flight at once must not
-    share counters: do not run split-K launches of one shape concurrently on
-    one stream's workspace from several graphs replayed on different streams.
-    An allocation during a capture lands in the graph's pool and its zeroing
-    is captured too (harmless: it only clears counters that are already 0).
+    Allocated once per (device, current stream, shape) and kept for the
+    process's life: the counters start at zero and the kernel's last split of
+    each tile puts its counter back to zero, so reuse needs no memset, and a
+    graph captured with them stays valid (they are never freed or replaced).
+    Keyed on the current stream because two launches in flight at once must
+    not share counters: do not replay two graphs captured on one stream
+    concurrently on two streams. An allocation during a capture lands in the
+    graph's pool and its zeroing is captured too (harmless: it only clears
+    counters that are already 0).
     """
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream, tiles, split_k * tile_elems)
@@ -320,47 +239,47 @@ def _sm_count(device: torch.device) -> int:
     return _sm_counts[index]
 
 
-def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_strides,
-            config: TileConfig, w_table: bool) -> torch.Tensor:
+def grid_for(config: TileConfig, m: int, n: int, k: int, g: int, sms: int) -> tuple[int]:
+    """The launch grid: row-tile bound x column tiles (x splits), or one program per SM."""
+    tiles = row_tile_bound(m, g, config.block_m) * (n // config.block_n)
+    if config.schedule == "persistent_ws":
+        return (min(tiles, sms),)
+    return (tiles * max(1, min(config.split_k, k // _SCALE_BLOCK)),)
+
+
+def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
+            addrs: bool) -> torch.Tensor:
+    """Launch ``config``'s kernel; ``addrs``: ``w_arg`` is the int64 address pair, ``ws_arg`` unused."""
     m, k = xq.shape
     if m == 0:
         return out
-    if config.tma and w_table:
-        # The TMA path builds its weight descriptor from one base address. A
-        # warp-specialised 128-row tile falls back to the v6 prefill schedule
-        # (two warpgroups, plain loads): one warpgroup would hold 128 x 128
-        # accumulators and spill. Before the grid: the tile may get narrower.
-        if config.block_m == 128 and config.num_warps == 4:
-            config = replace(config, num_warps=8, num_stages=3, scale_ahead=config.dot_pair)
-        if config.block_n > 128:
-            config = replace(config, block_n=128)
-        config = replace(config, tma=False, warp_spec=False, persistent=False, lead_tile=False)
-    num_m = row_tile_bound(m, g, config.block_m)
-    tiles = num_m * (n // config.block_n)
-    split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
-    parts = counts = None
-    if split_k > 1:
-        parts, counts = _split_workspace(xq.device, tiles, split_k, config.block_m * config.block_n)
-    if config.tma:
+    kernel = SCHEDULES[config.schedule]
+    grid = grid_for(config, m, n, k, g, _sm_count(xq.device))
+    consts = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": _SCALE_BLOCK,
+              "ADDRS": addrs}
+    extra = ()
+    if config.swap_ab:
+        split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
+        parts = counts = None
+        if split_k > 1:
+            parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
+                                             config.block_m * config.block_n)
+        extra = (parts, counts)
+        consts.update(G_POW2=max(16, _next_pow2(g)), EVICT_W=config.evict_w, SPLIT_K=split_k)
+    elif config.schedule == "persistent_ws":
+        consts.update(G_MAX=max(16, _next_pow2(g)), GROUP_TILES_M=config.group_tiles_m,
+                      LEAD_TILE=config.lead_tile)
+    else:
+        consts.update(G_POW2=max(16, _next_pow2(g)), GROUP_TILES_M=config.group_tiles_m)
+    if config.schedule in ("prefill_tma", "persistent_ws"):
         # Descriptors made on the device need a little global scratch per launch.
         triton.set_allocator(_tma_scratch)
-    grid = (min(tiles, _sm_count(xq.device)),) if config.persistent else (tiles * split_k,)
-    grouped_fp8_kernel[grid](
-        xq, w_arg, x_scale, ws_arg, m_sizes, out,
+    kernel[grid](
+        xq, w_arg, x_scale, ws_arg, m_sizes, out, *extra,
         m, n, k, g,
-        xq.stride(0), w_strides[0], w_strides[1], x_scale.stride(0),
-        ws_strides[0], ws_strides[1], out.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        G_POW2=max(16, _next_pow2(g)), SWAP_AB=config.swap_ab, EVICT_W=config.evict_w,
-        GROUP_TILES_M=config.group_tiles_m,
-        PRELOAD_SCALES=config.preload_scales and config.block_n <= 128,
-        SCALE_CHUNK=min(config.scale_chunk, _next_pow2(k // _SCALE_BLOCK)),
-        PREFETCH_SCALES=config.prefetch_scales, W_TABLE=w_table,
-        part_ptr=parts, count_ptr=counts, SPLIT_K=split_k, DOT_PAIR=config.dot_pair,
-        USE_TMA=config.tma, WARP_SPEC=config.warp_spec, SCALE_AHEAD=config.scale_ahead,
-        LOCATE_CHUNK=max(1, min(config.locate_chunk, _next_pow2(g))),
-        PERSISTENT=config.persistent, LEAD_TILE=config.lead_tile,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        xq.stride(0), n * k, k, x_scale.stride(0), (k // _SCALE_BLOCK) * (n // _SCALE_BLOCK),
+        n // _SCALE_BLOCK, out.stride(0),
+        **consts, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
@@ -368,50 +287,54 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, w_strides, ws_stride
 def launch(xq, wq, x_scale, w_scale, m_sizes, out, config: TileConfig) -> torch.Tensor:
     """Launch one grouped GEMM with ``config`` into ``out`` (no checks, no host reads)."""
     g, n, _ = wq.shape
-    return _launch(xq, wq, x_scale, w_scale, m_sizes, out, n, g,
-                   (wq.stride(0), wq.stride(1)), (w_scale.stride(0), w_scale.stride(1)),
-                   config, w_table=False)
+    return _launch(xq, wq, x_scale, w_scale, m_sizes, out, n, g, config, addrs=False)
 
 
-def make_weight_table(wq, w_scale) -> torch.Tensor:
-    """An int64 ``[2, G]`` device table of each group's weight and scale addresses, for :func:`run_table`.
+def weight_addresses(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The int64 ``[2]`` device words :func:`run_addressed` reads: ``wq`` and ``w_scale``'s base addresses.
 
-    ``wq`` is ``[G, N, K]`` fp8 (or a sequence of G contiguous ``[N, K]``) and
-    ``w_scale`` ``[G, K/128, N/128]`` float32 (or a sequence of ``[K/128, N/128]``).
-    The table holds raw addresses: the caller keeps the tensors alive while it
-    is in use. Building it copies to the device, so do it outside a capture;
-    to point a captured graph at another weight set of the same (G, N, K),
-    ``table.copy_(make_weight_table(...))`` between replays.
+    ``wq`` contiguous e4m3fn ``[G, N, K]``, ``w_scale`` contiguous float32
+    ``[G, K/128, N/128]`` (a weight set as the server's store holds it). Raw
+    addresses: the caller keeps the tensors alive while they are in use.
+    Building it copies to the device, so do it outside a capture; a server
+    writes the two words into its own device buffer instead.
     """
-    groups_w = list(wq.unbind(0)) if isinstance(wq, torch.Tensor) else list(wq)
-    groups_s = list(w_scale.unbind(0)) if isinstance(w_scale, torch.Tensor) else list(w_scale)
-    if len(groups_w) != len(groups_s) or not groups_w:
-        raise ValueError(f"need as many weight as scale groups (>= 1), got {len(groups_w)} and {len(groups_s)}")
-    n, k = groups_w[0].shape
-    for w, s in zip(groups_w, groups_s):
-        if (w.dtype != torch.float8_e4m3fn or tuple(w.shape) != (n, k) or not w.is_contiguous()
-                or s.dtype != torch.float32 or tuple(s.shape) != (k // 128, n // 128)
-                or not s.is_contiguous() or w.device != groups_w[0].device or s.device != w.device):
-            raise ValueError("each group needs contiguous e4m3fn [N, K] weights and float32 "
-                             "[K/128, N/128] scales, all of one shape, on one device")
-    addresses = [[w.data_ptr() for w in groups_w], [s.data_ptr() for s in groups_s]]
-    return torch.tensor(addresses, dtype=torch.int64).to(groups_w[0].device)
+    if (wq.dtype != torch.float8_e4m3fn or wq.dim() != 3 or not wq.is_contiguous()
+            or w_scale.dtype != torch.float32 or not w_scale.is_contiguous()
+            or tuple(w_scale.shape) != (wq.shape[0], wq.shape[2] // 128, wq.shape[1] // 128)
+            or w_scale.device != wq.device):
+        raise ValueError("need contiguous e4m3fn wq [G, N, K] and float32 w_scale [G, K/128, N/128] "
+                         "on one device")
+    return torch.tensor([wq.data_ptr(), w_scale.data_ptr()], dtype=torch.int64).to(wq.device)
 
 
-def run_table(xq, table, x_scale, m_sizes, out, *, n: int, k: int) -> torch.Tensor:
-    """SPEC 1 like :func:`run`, the weights found through a :func:`make_weight_table` table.
+def config_for(m: int, n: int, k: int, g: int, device: torch.device) -> TileConfig:
+    """The tile both entries use for a shape: the autotune cache's winner when tuning is on, else the table."""
+    if _triton_tune.enabled():
+        found = _triton_tune.cached_config(m, n, k, g, device, TileConfig)
+        if found is not None and found.fits(n, g):
+            return found
+    return default_config(m, n, k, g)
 
-    ``table`` int64 ``[2, G]`` on the device; ``n`` and ``k`` the weights' shape.
-    Capture-safe: the graph captures the table's address, not its contents.
+
+def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int) -> torch.Tensor:
+    """SPEC 1 like :func:`run`, the weight set found through :func:`weight_addresses` words.
+
+    ``addresses`` int64 on the device, words 0 and 1 the base of a contiguous
+    ``wq [groups, N, K]`` and ``w_scale [groups, K/128, N/128]``; N is
+    ``out``'s width, K ``xq``'s. Capture-safe: a graph captures the words'
+    address, not their contents. Same kernel and tile as :func:`run`.
     """
-    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] != 2 or not table.is_contiguous():
-        raise ValueError(f"table must be a contiguous int64 [2, G], got {table.dtype} {tuple(table.shape)}")
-    if xq.dtype != torch.float8_e4m3fn or xq.shape[1] != k or n % _SCALE_BLOCK or k % _SCALE_BLOCK:
-        raise ValueError(f"need e4m3fn xq [M, {k}] and N, K multiples of 128, got {tuple(xq.shape)}, N={n}")
-    g = table.shape[1]
-    config = default_config(xq.shape[0], n, k, g)
-    return _launch(xq, table[0], x_scale, table[1], m_sizes, out, n, g,
-                   (0, k), (0, n // _SCALE_BLOCK), config, w_table=True)
+    if addresses.dtype != torch.int64 or addresses.numel() < 2 or not addresses.is_contiguous():
+        raise ValueError(f"addresses must be contiguous int64 words (>= 2), got {addresses.dtype} "
+                         f"{tuple(addresses.shape)}")
+    m, k = xq.shape
+    n = out.shape[1]
+    if xq.dtype != torch.float8_e4m3fn or n % _SCALE_BLOCK or k % _SCALE_BLOCK or groups < 1:
+        raise ValueError(f"need e4m3fn xq [M, K], N and K multiples of 128, G >= 1; got {tuple(xq.shape)}, "
+                         f"N={n}, G={groups}")
+    config = config_for(m, n, k, groups, xq.device)
+    return _launch(xq, addresses, x_scale, addresses, m_sizes, out, n, groups, config, addrs=True)
 
 
 def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
@@ -420,15 +343,15 @@ def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
         raise TypeError(f"the triton backend computes in float8_e4m3fn, got {xq.dtype}/{wq.dtype}")
     if xq.stride(1) != 1 or not wq.is_contiguous() or out.stride(1) != 1:
         raise ValueError("xq and out must be row-major and wq contiguous [G, N, K]")
-    if x_scale.stride(1) != 1 or w_scale.stride(2) != 1 or not m_sizes.is_contiguous():
-        raise ValueError("x_scale [M, K/128] and w_scale [G, K/128, N/128] must be row-major")
+    if x_scale.stride(1) != 1 or not w_scale.is_contiguous() or not m_sizes.is_contiguous():
+        raise ValueError("x_scale [M, K/128] row-major, w_scale [G, K/128, N/128] contiguous")
     n, k = wq.shape[1], wq.shape[2]
     if n % _SCALE_BLOCK or k % _SCALE_BLOCK:
         raise ValueError(f"N and K must be multiples of 128, got N={n}, K={k}")
 
 
 def choose_config(xq, wq, x_scale, w_scale, m_sizes, out) -> TileConfig:
-    """The table's configuration, or the autotuned one when ``MOEGEMM_AUTOTUNE=1``."""
+    """The tile :func:`run` uses: :func:`config_for`, benchmarking the candidates on a tuning miss."""
     m, k = xq.shape
     g, n, _ = wq.shape
     if _triton_tune.enabled():
@@ -462,6 +385,8 @@ def create(device: torch.device) -> Backend:
         raise BackendUnavailable(
             f"the triton backend needs compute capability 9.0 or newer, {device} has {major}.{minor}"
         )
+    from ._triton_prologue import check_and_gather
+
     return Backend(
         name="triton",
         device=device,
@@ -470,4 +395,6 @@ def create(device: torch.device) -> Backend:
         prepare_weights=_prepare_weights,
         run=run,
         capture_safe=True,
+        run_addressed=run_addressed,
+        check_and_gather=check_and_gather,
     )

@@ -7,13 +7,15 @@ set of static device buffers sized for the largest bucket; every bucket's graph
 reads and writes leading slices of them, so buffers do not multiply with the
 buckets either.
 
-Weight sets of one family share its graphs when the backend has a weight-table
-launcher (triton: ``run_table``): the kernel then reads each group's weight and
-weight-scale addresses from an int64 ``[2, G]`` device table, which is
+Weight sets of one family share its graphs when the backend launches by
+address (``Backend.run_addressed``): the kernel then reads the weight set's
+``wq`` and ``w_scale`` base addresses from two int64 device words, which are
 rewritten (stream-ordered, with the group sizes and the merge order: one
-small copy, see :class:`Buffers`) before each replay. Without one, a
-graph captures the addresses of one weight set, and graphs are keyed by weight
-set as well (correct, but they multiply).
+small copy, see :class:`Buffers`) before each replay. It is the same kernel
+with the same tile as ``Backend.run`` for the shape, so a figure measured on
+the public function holds for the service (SPEC 3). Without it, a graph
+captures the addresses of one weight set, and graphs are keyed by weight set
+as well (correct, but they multiply).
 
 Each graph also checks the rows' contents (``_checks.bad_rows``), regroups the
 callers' rows per expert before the GEMM and puts the output rows back in the
@@ -45,6 +47,7 @@ from ._checks import bad_rows
 log = logging.getLogger("moegemm.server.graphs")
 
 BLOCK = 128
+ADDRESS_WORDS = 2  # wq's and w_scale's base address, in meta after the sizes
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class Buffers:
     """The static device buffers of one family (leading ``bucket`` rows are used).
 
     ``meta`` is one int64 buffer, uploaded with one copy per launch: the group
-    sizes ``[G]``, the weight table ``[2, G]`` (table mode), then per row its
+    sizes ``[G]``, the weight set's two base addresses (``wq``, ``w_scale``;
+    address mode), then per row its
     (gather, scatter) pair: rows arrive in the callers' concatenated order and
     the graph regroups them per expert (``gather``) and puts the output back
     (``scatter``), so merged calls need no host or extra device copies.
@@ -72,14 +76,14 @@ class Buffers:
     N: int
     x: torch.Tensor  # [max_bucket, K], the backend's fp8 dtype, or bf16 when quantizing
     x_scale: torch.Tensor | None  # [max_bucket, K/128] float32; None when quantizing
-    meta: torch.Tensor  # [3 G + 2 max_bucket] int64, see above
+    meta: torch.Tensor  # [G + 2 + 2 max_bucket] int64, see above
     meta_host: torch.Tensor  # the same, on the host (pinned on a GPU)
     # The results of a launch over ``rows`` rows, packed so that one copy brings
     # them back (``packed``): the rows' bad_rows flags (int8) at byte 0, then
     # their bf16 ``[rows, N]`` output, in the callers' order, at ``out_offset``.
     result: torch.Tensor  # uint8
     # What ``meta_host`` holds from earlier launches: the (wq, w_scale) addresses
-    # of its weight table, and how many leading rows of its order are the identity.
+    # it carries, and how many leading rows of its order are the identity.
     host_known: tuple = (None, 0)
 
     @staticmethod
@@ -111,18 +115,19 @@ class Buffers:
         return self.meta[: self.G]
 
     @property
-    def table(self) -> torch.Tensor:
-        """``[2, G]`` int64: each group's wq and w_scale address."""
-        return self.meta[self.G : 3 * self.G].view(2, self.G)
+    def addresses(self) -> torch.Tensor:
+        """``[2]`` int64: the weight set's wq and w_scale base addresses (``Backend.run_addressed``)."""
+        return self.meta[self.G : self.G + ADDRESS_WORDS]
 
     def order(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``rows`` (gather, scatter) indices."""
-        pairs = self.meta[3 * self.G : 3 * self.G + 2 * rows].view(rows, 2)
+        at = self.G + ADDRESS_WORDS
+        pairs = self.meta[at : at + 2 * rows].view(rows, 2)
         return pairs[:, 0], pairs[:, 1]
 
     def meta_words(self, rows: int) -> int:
         """How many leading int64 words of ``meta`` a launch over ``rows`` rows reads."""
-        return 3 * self.G + 2 * rows
+        return self.G + ADDRESS_WORDS + 2 * rows
 
 
 def buckets_up_to(max_bucket: int) -> list[int]:
@@ -151,11 +156,12 @@ class GraphPool:
         self.max_bucket = max_bucket
         is_gpu = self.device.type == "cuda"
         self.use_graphs = bool(graphs and is_gpu and backend.capture_safe)
-        # The checks and the regrouping as one kernel (``_prologue.py``), with the
-        # triton backend only (Triton must not share a process with FlyDSL).
-        self.check_and_gather = _prologue_kernel(backend) if is_gpu and fused_prologue else None
+        # The checks and the regrouping as one kernel, where the backend has one.
+        self.check_and_gather = backend.check_and_gather if is_gpu and fused_prologue else None
         self.pad_to_bucket = bool(is_gpu and backend.capture_safe)
-        self.run_table: Callable | None = _table_runner(backend) if is_gpu and weight_table else None
+        # The weights by address (graphs shared by the weight sets of a family), where
+        # the backend launches so; the name is the pool's interface (weight_table=).
+        self.run_table: Callable | None = backend.run_addressed if is_gpu and weight_table else None
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -218,25 +224,36 @@ class GraphPool:
         else:
             xq = x
         out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
-        if self.run_table is not None:
-            self.run_table(xq, bufs.table, xs, bufs.m_sizes, out)
-        else:
-            self.backend.run(xq, wq, xs, w_scale, bufs.m_sizes, out)
+        self.run_gemm(xq, xs, bufs.m_sizes, out, addresses=bufs.addresses, wq=wq, w_scale=w_scale)
         torch.index_select(out, 0, scatter, out=bufs.out(rows))
 
+    def run_gemm(self, xq: torch.Tensor, x_scale: torch.Tensor, m_sizes: torch.Tensor, out: torch.Tensor,
+                 *, addresses: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+        """The service GEMM of one weight set into ``out``, capture-safe: the launcher every
+        graph of the pool uses (callable inside another capture, e.g. an FFN graph).
+
+        ``addresses``: the device words holding ``wq``'s and ``w_scale``'s base
+        addresses (a family's ``Buffers.addresses``, written before each replay);
+        read when the pool launches by address, else ``wq`` and ``w_scale`` are
+        captured directly. Either way the backend's kernel and tile for the shape.
+        """
+        if self.run_table is not None:
+            return self.run_table(xq, addresses, x_scale, m_sizes, out, groups=wq.shape[0])
+        return self.backend.run(xq, wq, x_scale, w_scale, m_sizes, out)
+
     def _set_table(self, bufs: Buffers, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
-        """Write ``wq``'s table into the device buffers (capture time; launches go
-        through :meth:`launch`, which sends sizes and table in one copy)."""
-        host = torch.zeros((2, bufs.G), dtype=torch.int64)
-        fill_table(host, wq, w_scale)
-        bufs.table.copy_(host.to(self.device))
+        """Write ``wq``'s addresses into the device buffers (capture time; launches go
+        through :meth:`launch`, which sends sizes and addresses in one copy)."""
+        host = torch.zeros(ADDRESS_WORDS, dtype=torch.int64)
+        fill_addresses(host, wq, w_scale)
+        bufs.addresses.copy_(host.to(self.device))
 
     def _check_table(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
-        """Once per shape: the table launcher must equal ``backend.run`` bit for bit.
+        """Once per shape: the address launcher must equal ``backend.run`` bit for bit.
 
-        The launcher wraps a kernel that another module owns; if the two ever
-        drift apart (a failure or a different answer), fall back to graphs per
-        weight set rather than serve wrong rows.
+        Both are the same kernel and tile by the backend's contract; if they
+        ever drift apart (a failure or a different answer), fall back to graphs
+        per weight set rather than serve wrong rows.
         """
         shape = (family.G, family.N, family.K)
         if self.run_table is None or shape in self._table_checked:
@@ -248,19 +265,19 @@ class GraphPool:
         xq, xs = quantize_activations(x, fp8)
         sizes = torch.zeros(family.G, dtype=torch.int64, device=self.device)
         sizes[family.G - 1] = rows
-        table = fill_table(torch.empty((2, family.G), dtype=torch.int64), wq, w_scale)
-        table = table.to(self.device)
+        addresses = fill_addresses(torch.empty(ADDRESS_WORDS, dtype=torch.int64), wq, w_scale)
+        addresses = addresses.to(self.device)
         want = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
         self.backend.run(xq, wq, xs, w_scale, sizes, want)
         try:
             got = torch.full_like(want, float("nan"))
-            self.run_table(xq, table, xs, sizes, got)
+            self.run_table(xq, addresses, xs, sizes, got, groups=family.G)
             same = bool(torch.equal(got, want))
         except Exception:
-            log.exception("the weight-table launcher failed")
+            log.exception("the address launcher failed")
             same = False
         if not same:
-            log.warning("weight-table launcher disagrees with the backend: graphs are "
+            log.warning("the address launcher disagrees with the backend: graphs are "
                         "captured per weight set instead")
             self.run_table = None
 
@@ -334,8 +351,9 @@ class GraphPool:
         meta[:G] = sizes
         table_of = (wq.data_ptr(), w_scale.data_ptr())
         if self.run_table is not None and known[0] != table_of:
-            fill_table(torch.from_numpy(meta[G : 3 * G]).view(2, G), wq, w_scale)
-        pairs = meta[3 * G : 3 * G + 2 * launched].reshape(launched, 2)
+            fill_addresses(torch.from_numpy(meta[G : G + ADDRESS_WORDS]), wq, w_scale)
+        at = G + ADDRESS_WORDS
+        pairs = meta[at : at + 2 * launched].reshape(launched, 2)
         if gather is None:
             if known[1] < launched:
                 pairs[:] = _IDENTITY[:launched, None] if launched <= len(_IDENTITY) \
@@ -357,8 +375,10 @@ class GraphPool:
 
     # -- capture --------------------------------------------------------------------
 
-    def capture(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor) -> int:
-        """Capture every bucket's graph for ``family`` (largest first); return how many are new.
+    def capture(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor,
+                only: list[int] | None = None) -> int:
+        """Capture every bucket's graph for ``family`` (largest first), or the buckets in
+        ``only``; return how many are new.
 
         Runs each bucket eagerly first (Triton compiles there, never inside a
         capture). Logs progress. A no-op with graphs off.
@@ -372,7 +392,7 @@ class GraphPool:
         # All m_sizes in the first group: a valid split for every bucket.
         new, started = 0, time.monotonic()
         side = torch.cuda.Stream(self.device)
-        for bucket in reversed(self.buckets):
+        for bucket in reversed([b for b in self.buckets if only is None or b in only]):
             key = self._graph_key(family, bucket, wq, w_scale)
             if key in self._graphs:
                 continue
@@ -421,48 +441,19 @@ def unpack_result(host: torch.Tensor, launched: int, rows: int, N: int):
     return out, host[:rows].view(torch.int8)
 
 
-def fill_table(table: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """Write each group's ``wq`` and ``w_scale`` address into host int64 ``table`` [2, G].
+def fill_addresses(words: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Write ``wq``'s and ``w_scale``'s base addresses into host int64 ``words`` [2].
 
-    ``table`` may be a view (rows of a larger host buffer). Both weights are
-    contiguous ``[G, ...]`` (the store's layout), so group g starts
-    ``g`` strides after the first; the same addresses ``make_weight_table``
-    reads from ``unbind``, without G tensor views.
+    ``words`` may be a view (of a larger host buffer). Both weights must be
+    contiguous ``[G, ...]`` (the store's layout): the kernel finds group g
+    ``g`` strides after the base.
     """
     if not (wq.is_contiguous() and w_scale.is_contiguous()):
-        raise ValueError("weight tables need contiguous wq and w_scale")
-    groups = np.arange(wq.shape[0], dtype=np.int64)
-    out = table.numpy()
-    out[0] = wq.data_ptr() + groups * (wq.stride(0) * wq.element_size())
-    out[1] = w_scale.data_ptr() + groups * (w_scale.stride(0) * w_scale.element_size())
-    return table
-
-
-def _prologue_kernel(backend: Backend) -> Callable | None:
-    """``_prologue.check_and_gather`` when the backend is triton, else None."""
-    if backend.name != "triton":
-        return None
-    try:
-        from ._prologue import check_and_gather
-    except ImportError:
-        return None
-    return check_and_gather
-
-
-def _table_runner(backend: Backend) -> Callable | None:
-    """The backend's weight-table launcher as ``f(xq, table, x_scale, m_sizes, out)``."""
-    if backend.name != "triton":
-        return None
-    from moegemm.kernels import triton_kernel
-
-    run_table = getattr(triton_kernel, "run_table", None)
-    if run_table is None:
-        return None
-
-    def run(xq, table, x_scale, m_sizes, out):
-        return run_table(xq, table, x_scale, m_sizes, out, n=out.shape[1], k=xq.shape[1])
-
-    return run
+        raise ValueError("launches by address need contiguous wq and w_scale")
+    out = words.numpy()
+    out[0] = wq.data_ptr()
+    out[1] = w_scale.data_ptr()
+    return words
 
 
 def _describe(f: Family) -> str:
@@ -475,9 +466,9 @@ _IDENTITY = np.arange(1 << 16, dtype=np.int64)
 
 
 def _identity_meta(G: int, rows: int, device) -> torch.Tensor:
-    """A ``meta`` buffer with zero sizes and table, and every row in place."""
-    meta = torch.zeros(3 * G + 2 * rows, dtype=torch.int64, device=device)
-    meta[3 * G :].view(rows, 2).copy_(torch.arange(rows, device=device)[:, None])
+    """A ``meta`` buffer with zero sizes and addresses, and every row in place."""
+    meta = torch.zeros(G + ADDRESS_WORDS + 2 * rows, dtype=torch.int64, device=device)
+    meta[G + ADDRESS_WORDS :].view(rows, 2).copy_(torch.arange(rows, device=device)[:, None])
     return meta
 
 

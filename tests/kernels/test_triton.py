@@ -191,22 +191,22 @@ def test_autotune_persists_the_winner(tmp_path, monkeypatch, gen):
     assert tk.TileConfig(**cfg) in tk.candidate_configs(128, 256, 512, 4)
 
 
-def test_weight_table_graph_follows_a_swapped_weight_set(gen):
+def test_addressed_graph_follows_a_swapped_weight_set(gen):
     m, n, k, g = 300, 512, 1024, 8
     sizes = random_m_sizes(g, m)
     first = make_problem(m, n, k, g, sizes, gen)
     second = make_problem(m, n, k, g, sizes, gen)
     xq, _, x_scale, _, m_sizes = first
-    table = tk.make_weight_table(first[1], first[3])
+    words = tk.weight_addresses(first[1], first[3])
     out = poisoned_out(m, n, DEV)
-    tk.run_table(xq, table, x_scale, m_sizes, out, n=n, k=k)  # compile outside the capture
+    tk.run_addressed(xq, words, x_scale, m_sizes, out, groups=g)  # compile outside the capture
     torch.cuda.synchronize()
     assert torch.equal(out, run(first))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tk.run_table(xq, table, x_scale, m_sizes, out, n=n, k=k)
-    # Point the captured graph at the second weight set: only the table changes.
-    table.copy_(tk.make_weight_table(second[1], second[3]))
+        tk.run_addressed(xq, words, x_scale, m_sizes, out, groups=g)
+    # Point the captured graph at the second weight set: only the two words change.
+    words.copy_(tk.weight_addresses(second[1], second[3]))
     out.fill_(math.nan)
     graph.replay()
     torch.cuda.synchronize()
@@ -215,106 +215,58 @@ def test_weight_table_graph_follows_a_swapped_weight_set(gen):
     check(swapped, out)
 
 
-@pytest.mark.parametrize("m,n,k", [(2600, 256, 4096), (16896, 512, 1024)])
-def test_weight_table_prefill_takes_the_plain_pair(m, n, k, gen):
-    # v7/v8: the table's prefill tile is warp-specialised, persistent TMA (128 or,
-    # v8, 256 wide); through a weight table it falls back to two warpgroups with
-    # plain loads on 128-wide tiles.
-    g = 2
-    assert tk.default_config(m, n, k, g).warp_spec
-    problem = make_problem(m, n, k, g, torch.tensor([m // 2, m - m // 2]), gen)
-    xq, wq, x_scale, w_scale, m_sizes = problem
-    out = poisoned_out(m, n, DEV)
-    tk.run_table(xq, tk.make_weight_table(wq, w_scale), x_scale, m_sizes, out, n=n, k=k)
-    torch.cuda.synchronize()
-    check(problem, out)
-
-
-# Round 2 (v5 in bench/NOTES.md): split-K reduced by the last split to arrive,
-# two K blocks per iteration, TMA loads with and without warp specialisation. K = 1280 is 10 K blocks: uneven split ranges
-# (sk3: 4, 4, 2; sk8: 2, 2, 2, 2, 2, 0, 0, 0) and, paired, five even pairs;
-# K = 1152 (9 blocks) leaves an odd block for the paired loop.
-ROUND2_CONFIGS = [
-    tk.TileConfig(16, 64, True, 4, 4, evict_w="evict_first", preload_scales=True, scale_chunk=8, split_k=2),
-    tk.TileConfig(16, 64, True, 4, 4, evict_w="evict_first", preload_scales=True, scale_chunk=8, split_k=4),
-    tk.TileConfig(16, 128, True, 4, 3, evict_w="evict_first", split_k=3),
-    tk.TileConfig(32, 128, True, 4, 3, evict_w="evict_first", split_k=8),
-    tk.TileConfig(16, 64, True, 4, 3, evict_w="evict_first", split_k=4),
-    tk.TileConfig(16, 128, True, 4, 3, evict_w="evict_first", dot_pair=True),
-    tk.TileConfig(64, 128, False, 4, 2, dot_pair=True),
-    tk.TileConfig(128, 128, False, 8, 2, dot_pair=True),
-    tk.TileConfig(128, 128, False, 8, 3, dot_pair=True, group_tiles_m=8),
-    tk.TileConfig(64, 128, False, 4, 4, split_k=2),
-    tk.TileConfig(128, 128, False, 8, 4, split_k=2),
-    tk.TileConfig(64, 128, False, 4, 2, dot_pair=True, split_k=2),
-    # 128-row warp-specialised tiles: v5 found rows left unwritten (NaN); v7 found
-    # the cause (the second consumer's rows offset twice) and gave the TMA row
-    # coordinate a value of its own (_opaque_i32 in _triton_gemm.py).
-    tk.TileConfig(128, 128, False, 4, 4, tma=True, warp_spec=True),
-    tk.TileConfig(128, 128, False, 4, 3, tma=True, warp_spec=True, group_tiles_m=8),
-    tk.TileConfig(64, 128, False, 4, 4, tma=True, warp_spec=True),
-    tk.TileConfig(64, 128, False, 4, 4, tma=True),
-    tk.TileConfig(128, 128, False, 8, 4, tma=True),
-    # v7: paired K blocks with warp specialisation, with TMA alone, and with the scales one pair ahead.
-    tk.TileConfig(128, 128, False, 4, 2, tma=True, warp_spec=True, dot_pair=True),
-    # Known bug, measured on the H200 (v7): three stages of warp-specialised pairs
-    # (213 KB of shared memory) leave column 0 of the tiles NaN. Out of table and
-    # autotune; strict xfail so a fix shows.
-    pytest.param(tk.TileConfig(128, 128, False, 4, 3, tma=True, warp_spec=True, dot_pair=True, group_tiles_m=8),
-                 marks=pytest.mark.xfail(strict=True, reason="3-stage warp-specialised pairs: NaN column (v7)")),
-    # The unrolled group walk of the warp-specialised tiles against the plain one.
-    tk.TileConfig(128, 128, False, 4, 2, tma=True, warp_spec=True, dot_pair=True, locate_chunk=1),
-    tk.TileConfig(128, 128, False, 4, 2, tma=True, warp_spec=True, dot_pair=True, locate_chunk=4),
-    tk.TileConfig(128, 128, False, 8, 2, tma=True, dot_pair=True),
-    tk.TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True, group_tiles_m=8),
-    tk.TileConfig(64, 128, False, 4, 2, dot_pair=True, scale_ahead=True),
-    tk.TileConfig(16, 128, True, 4, 3, evict_w="evict_first", dot_pair=True, scale_ahead=True),
-    # v10: the same with 8 warps (the table's tile for one active expert at short K).
-    tk.TileConfig(16, 128, True, 8, 3, evict_w="evict_first", dot_pair=True, scale_ahead=True),
-    # v9: the decode table's pairs with the scales ahead, split 2 ways along K (N = 1280).
-    tk.TileConfig(16, 64, True, 4, 3, evict_w="evict_first", split_k=2, dot_pair=True, scale_ahead=True),
-    # v8: persistent tiles (one program per SM walking the tiles), warp-specialised
-    # paired, plain and 256-wide (two halves), and without warp specialisation.
-    tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
-    tk.TileConfig(128, 128, False, 4, 4, 8, tma=True, warp_spec=True, persistent=True),
-    tk.TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True),
-    tk.TileConfig(128, 128, False, 8, 3, 8, tma=True, dot_pair=True, persistent=True),
-    # Known bug, measured on the H200 (v8): warp-specialised tiles with more than
-    # ~150 KB of shared memory (here 164 KB: 256 wide, 3 stages; also 5-6 plain
-    # stages) write NaN into column 0, like the 3-stage pair above. Strict xfail.
-    pytest.param(tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True),
+# Every schedule on ragged groups with empty ones. K = 1280 is 10 K blocks: uneven
+# split ranges (sk3: 4, 4, 2; sk8: 2, 2, 2, 2, 2, 0, 0, 0) and five even pairs;
+# K = 1152 (9 blocks) leaves an odd block for the paired loops.
+T = tk.TileConfig
+SCHEDULE_CONFIGS = [
+    T("decode", 16, 128, 4, 3, evict_w="evict_first"),
+    T("decode", 64, 128, 4, 3, evict_w="evict_first"),
+    T("decode", 16, 128, 4, 3, split_k=3, evict_w="evict_first"),
+    T("decode", 32, 128, 4, 3, split_k=8, evict_w="evict_first"),
+    T("decode", 16, 64, 4, 3, split_k=4, evict_w="evict_first"),
+    T("decode_pair", 16, 128, 4, 3, evict_w="evict_first"),
+    T("decode_pair", 16, 128, 8, 3, evict_w="evict_first"),
+    T("decode_pair", 16, 64, 4, 3, split_k=2, evict_w="evict_first"),
+    T("prefill_pair", 128, 128, 8, 3),
+    T("prefill_pair", 128, 128, 8, 3, group_tiles_m=8),
+    T("prefill_tma", 64, 128, 4, 4),
+    T("prefill_tma", 128, 128, 8, 3, group_tiles_m=8),
+    T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
+    T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
+    # Warp-specialised tiles with more than ~150 KB of shared memory write NaN into
+    # column 0 of each program's first tile (v8, v9): the 3-stage 256-wide tile runs
+    # behind a throwaway lead tile.
+    T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True),
+    pytest.param(T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8),
                  marks=pytest.mark.xfail(strict=True, reason="deep warp-specialised buffers: NaN column (v8)")),
-    # v9: the NaN column lands in each program's first tile only; a throwaway lead tile first.
-    tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True, lead_tile=True),
-    tk.TileConfig(128, 128, False, 4, 3, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True,
-                  lead_tile=True),
 ]
 
 
 @pytest.mark.parametrize("k", [1280, 1152])
-@pytest.mark.parametrize("config", ROUND2_CONFIGS, ids=lambda c: c.key())
-def test_round2_variants_match_reference_and_repeat(config, k, gen):
+@pytest.mark.parametrize("config", SCHEDULE_CONFIGS, ids=lambda c: c.key())
+def test_every_schedule_matches_reference_and_repeats(config, k, gen):
     sizes = torch.tensor([0, 301, 1, 0, 77, 500, 17, 128])
     problem = make_problem(int(sizes.sum()), 1280, k, 8, sizes, gen)
     first = run(problem, config)
     check(problem, first)
-    # Launch again on the same workspace: the counters were reset by the last
-    # split of every tile, and the reduction order is fixed, so the bits repeat.
-    for _ in range(3):
-        assert torch.equal(run(problem, config), first)
+    # Again on the same workspace: split-K counters were reset by the last split of
+    # every tile and the reduction order is fixed, so the bits repeat; by address too.
+    assert torch.equal(run(problem, config), first)
+    xq, wq, x_scale, w_scale, m_sizes = problem
+    out = poisoned_out(xq.shape[0], 1280, DEV)
+    words = tk.weight_addresses(wq, w_scale)
+    tk._launch(xq, words, x_scale, words, m_sizes, out, 1280, 8, config, addrs=True)
+    assert torch.equal(out, first)
 
 
-_PLAIN_ROUND2 = [getattr(c, "values", (c,))[0] for c in ROUND2_CONFIGS]
+_PLAIN = [getattr(c, "values", (c,))[0] for c in SCHEDULE_CONFIGS]
 
 
-@pytest.mark.parametrize("config", [c for c in _PLAIN_ROUND2 if c.split_k > 1][::2] + [
-    tk.TileConfig(64, 128, False, 4, 4, tma=True, warp_spec=True),
-    tk.TileConfig(128, 128, False, 4, 4, tma=True, warp_spec=True),
-    tk.TileConfig(128, 128, False, 4, 2, tma=True, warp_spec=True, dot_pair=True),
-    tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
-    tk.TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True)],
+@pytest.mark.parametrize("config", [c for c in _PLAIN if c.split_k > 1] + [
+    T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8), T("prefill_tma", 64, 128, 4, 4)],
     ids=lambda c: c.key())
-def test_split_k_graph_replay_matches_eager_on_new_data(config, gen):
+def test_split_k_and_persistent_graph_replay_matches_eager_on_new_data(config, gen):
     m, n, k, g = 700, 512, 2048, 8
     problem = make_problem(m, n, k, g, random_m_sizes(g, m), gen)
     out = poisoned_out(m, n, DEV)
@@ -334,23 +286,55 @@ def test_split_k_graph_replay_matches_eager_on_new_data(config, gen):
         check(problem, out)
 
 
-# v8: the persistent tiles with more tiles than programs (each program walks
-# several, across group boundaries, with empty groups and surplus row tiles).
+# The persistent tiles with more tiles than programs (each program walks several,
+# across group boundaries, with empty groups and surplus row tiles), up to G = 128.
 @pytest.mark.parametrize("config", [
-    tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True),
-    tk.TileConfig(128, 128, False, 4, 2, 1, tma=True, warp_spec=True, dot_pair=True, persistent=True),
-    tk.TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True),
-    tk.TileConfig(128, 256, False, 4, 2, 1, tma=True, warp_spec=True, persistent=True),
-    tk.TileConfig(128, 128, False, 4, 4, 8, tma=True, warp_spec=True, persistent=True),
-    # v9: the 3-stage 256-wide tile behind a throwaway lead tile (the table's M = 16384 tile).
-    tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True, lead_tile=True),
+    T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8), T("persistent_ws", 128, 128, 4, 2),
+    T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
+    T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True),
 ], ids=lambda c: c.key())
-def test_persistent_tiles_walk_more_tiles_than_programs(config, gen):
-    m, n, k, g = 6000, 2048, 1152, 8
-    sizes = torch.tensor([1500, 0, 3, 2000, 0, 1300, 1, 1196])
+@pytest.mark.parametrize("g", [8, 128])
+def test_persistent_tiles_walk_more_tiles_than_programs(config, g, gen):
+    m, n, k = 6000, 2048, 1152
+    sizes = random_m_sizes(g, m)
+    sizes[1] = 0
+    sizes[0] += m - int(sizes.sum())
     problem = make_problem(m, n, k, g, sizes, gen)
     tiles = tk.row_tile_bound(m, g, config.block_m) * (n // config.block_n)
     assert tiles > torch.cuda.get_device_properties(DEV).multi_processor_count
     first = run(problem, config)
     check(problem, first)
     assert torch.equal(run(problem, config), first)
+
+
+# Sizes the kernels must survive without a store past M or into another group:
+# sums past M, negative sizes, sizes past int32. Guard rows after M stay poisoned.
+BAD_SIZES = [
+    [300, 300, 300, 0, 0, 0, 0, 0],           # sums to 900 > M
+    [-5, 40, 2**40, 7, 0, 0, 0, 9],            # negative, far past int32
+    [2**62, 2**62, 2**62, 2**62, 1, 1, 1, 1],  # the int64 sum wraps
+]
+
+
+@pytest.mark.parametrize("sizes", BAD_SIZES)
+@pytest.mark.parametrize("config", [c for c in _PLAIN if not (c.schedule == "persistent_ws" and c.num_stages == 3
+                                                               and not c.lead_tile)], ids=lambda c: c.key())
+def test_sizes_past_m_never_store_past_m(sizes, config, gen):
+    m, n, k, g, guard = 200, 256, 512, 8, 64
+    problem = make_problem(m, n, k, g, torch.zeros(g, dtype=torch.int64), gen)
+    xq, wq, x_scale, w_scale, _ = problem
+    m_sizes = torch.tensor(sizes, dtype=torch.int64, device=DEV)
+    full = poisoned_out(m + guard, n, DEV)
+    tk.launch(xq, wq, x_scale, w_scale, m_sizes, full[:m], config=config)
+    torch.cuda.synchronize()
+    assert torch.isnan(full[m:]).all(), "a store past row M"
+    # The rows that exist belong to the clamped groups: group g owns
+    # [min(prefix_g, M), min(prefix_g + max(size_g, 0), M)), each checked alone.
+    lo = 0
+    for group, size in enumerate(sizes):
+        hi = min(m, lo + min(max(size, 0), m))
+        if hi > lo:
+            part = (xq[lo:hi], wq[group:group + 1], x_scale[lo:hi], w_scale[group:group + 1],
+                    torch.tensor([hi - lo], device=DEV))
+            check(part, full[lo:hi])
+        lo = hi

@@ -45,31 +45,29 @@ def test_table_and_candidates_fit_the_shape(m, n, k, g):
     assert all(c.fits(n) for c in candidates)
 
 
-def test_decode_swaps_and_prefill_does_not():
+def test_decode_table_rules():
+    T = tk.TileConfig
+    ef = "evict_first"
     assert tk.default_config(32, 7168, 8192, 8).swap_ab
     assert not tk.default_config(16384, 7168, 2304, 8).swap_ab
-    # Narrow N with long K: 64-row weight tiles split along K, for more tiles; v9:
-    # 16-token tiles split 2 ways with pairs of K blocks, their scales a pair ahead.
-    narrow = tk.default_config(32, 1280, 8192, 8)
-    assert (narrow.block_n, narrow.split_k, narrow.dot_pair, narrow.scale_ahead) == (64, 2, True, True)
-    # 32-token tiles (not measured with pairs) keep v5's split-K 4.
-    narrow_32 = tk.default_config(24 * 8, 1280, 8192, 8)
-    assert (narrow_32.block_m, narrow_32.block_n, narrow_32.split_k, narrow_32.dot_pair) == (32, 64, 4, False)
-    # v9: pairs with the scales ahead for one active expert and for K >= 2048 ...
+    # Fewer weight tiles than SMs and long K: 64-row weight tiles split along K
+    # (pairs 2 ways for 16-token tiles, single blocks 4 ways for 32-token tiles).
+    assert tk.default_config(32, 1280, 8192, 8) == T("decode_pair", 16, 64, 4, 3, split_k=2, evict_w=ef)
+    assert tk.default_config(24 * 8, 1280, 8192, 8) == T("decode", 32, 64, 4, 3, split_k=4, evict_w=ef)
+    # 64-token tiles spill with split-K: the plain decode tile.
+    assert tk.default_config(40 * 8, 1280, 8192, 8) == T("decode", 64, 128, 4, 3, evict_w=ef)
+    # Pairs with the scales ahead for one active expert and for K >= 2048 ...
     for m, n, k in ((1, 8192, 1024), (32, 7168, 8192), (128, 8192, 3584)):
         cfg = tk.default_config(m, n, k, 8)
-        assert (cfg.block_m, cfg.block_n, cfg.dot_pair, cfg.scale_ahead) == (16, 128, True, True)
-    # v10: 8 warps where the weight tiles are fewer than the SMs and K is short (M = 1);
-    # the long-K decode shapes keep 4 (8 warps measured 1 % faster to 2 % slower there, v10).
+        assert (cfg.schedule, cfg.block_m, cfg.block_n) == ("decode_pair", 16, 128)
+    # ... with 8 warps where the weight tiles are fewer than the SMs and K is short.
     assert tk.default_config(1, 8192, 1024, 8).num_warps == 8
     assert tk.default_config(1, 8192, 3584, 8).num_warps == 4
     assert tk.default_config(32, 7168, 8192, 8).num_warps == 4
-    # ... but not for K = 1024 with enough tiles (slower there), nor at G >= 64.
-    assert not tk.default_config(128, 8192, 1024, 8).dot_pair
-    assert not tk.default_config(256, 4096, 7168, 256).dot_pair
-    # 64-token tiles spill with split-K: they keep the preloaded scales instead.
-    wide_tokens = tk.default_config(40 * 8, 1280, 8192, 8)
-    assert wide_tokens.block_m == 64 and (wide_tokens.split_k, wide_tokens.preload_scales) == (1, True)
+    # Not for K = 1024 with enough tiles, nor at G >= 64 (token tile doubled there).
+    assert tk.default_config(128, 8192, 1024, 8) == T("decode", 16, 128, 4, 3, evict_w=ef)
+    assert tk.default_config(256, 4096, 7168, 256) == T("decode", 16, 128, 4, 3, evict_w=ef)
+    assert tk.default_config(2048, 4096, 7168, 256).block_m == 16
 
 
 def test_autotune_winner_is_persisted_and_reused(tmp_path, monkeypatch):
@@ -111,66 +109,46 @@ def test_autotune_off_by_default(monkeypatch):
     assert not _triton_tune.enabled()
 
 
-def test_round2_options_have_own_keys_and_limits():
-    base = tk.TileConfig(64, 128, False)
-    keys = {base.key(), dataclasses.replace(base, split_k=2).key(), dataclasses.replace(base, dot_pair=True).key(),
-            dataclasses.replace(base, split_k=2, dot_pair=True).key()}
-    assert len(keys) == 4
-    # Paired dots use one weight-scale column per tile and the plain scale loads.
-    assert not tk.TileConfig(64, 256, False, dot_pair=True).fits(1024)
-    assert not tk.TileConfig(16, 64, True, preload_scales=True, dot_pair=True).fits(1024)
-    assert tk.TileConfig(64, 128, False, dot_pair=True).fits(1280)
-    # Warp specialisation rides on the TMA prefill path only.
-    assert tk.TileConfig(128, 128, False, tma=True, warp_spec=True).fits(1280)
-    assert not tk.TileConfig(128, 128, False, warp_spec=True).fits(1280)
-    assert not tk.TileConfig(16, 128, True, tma=True).fits(1280)
-    assert not tk.TileConfig(128, 128, False, tma=True, split_k=2).fits(1280)
-    # Paired dots with TMA and warp specialisation; the scales a pair ahead only with pairs.
-    assert tk.TileConfig(128, 128, False, 4, 2, tma=True, warp_spec=True, dot_pair=True).fits(1280)
-    assert tk.TileConfig(128, 128, False, 8, 3, dot_pair=True, scale_ahead=True).fits(1280)
-    assert not tk.TileConfig(128, 128, False, 8, 3, scale_ahead=True).fits(1280)
-    assert not tk.TileConfig(128, 128, False, 4, 2, tma=True, dot_pair=True, scale_ahead=True).fits(1280)
-    # v7 (bench/NOTES.md): warp-specialised pairs for long prefill, the pair with
-    # its scales ahead for short K at 128..1024 rows per group; the 3-stage
-    # warp-specialised pair (NaN columns on the H200) stays out of table and autotune.
-    # v8: persistent warp-specialised tiles for even prefill of >= 128 rows per group:
-    # 256 wide (two halves, 2 stages) where 128 x 256 tiles fill the SMs, else the 128-wide pair.
-    wide = tk.TileConfig(128, 256, False, 4, 2, 8, tma=True, warp_spec=True, persistent=True)
-    pair = tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True)
+def test_prefill_table_rules():
+    T = tk.TileConfig
+    wide = T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)
+    pair = T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
+    # Even routing, >= 128 rows per group: 256 wide where its tiles fill the SMs ...
     assert tk.default_config(1024, 7168, 2304, 8) == wide
-    # v9: over 1024 rows per group, 3 stages behind a throwaway lead tile.
+    # ... 3 stages behind a throwaway lead tile above 1024 rows per group ...
     for m, n, k in ((16384, 2048, 7168), (16384, 7168, 2304)):
-        assert tk.default_config(m, n, k, 8) == dataclasses.replace(wide, num_stages=3, lead_tile=True)
+        assert tk.default_config(m, n, k, 8) == T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8,
+                                                  lead_tile=True)
+    # ... else the 128-wide pair (also where N is no multiple of 256).
     assert tk.default_config(1024, 2048, 7168, 8) == pair
-    assert tk.default_config(16384, 1152, 7168, 8) == pair  # N not a multiple of 256
-    assert tk.default_config(512, 2048, 7168, 8).tma and not tk.default_config(512, 2048, 7168, 8).warp_spec
-    # Skewed routing over many experts keeps v5's 64-row TMA tiles (v7: 3683 vs 4943 us).
-    assert tk.default_config(32768, 4096, 7168, 256) == tk.TileConfig(64, 128, False, 4, 4, tma=True)
-    assert tk.default_config(32768, 7168, 2048, 256) == tk.TileConfig(64, 128, False, 4, 4, tma=True)
+    assert tk.default_config(16384, 1152, 7168, 8) == pair
+    # Fewer than 128 rows per group, or skewed routing over many experts: 64-row TMA tiles.
+    assert tk.default_config(512, 2048, 7168, 8) == T("prefill_tma", 64, 128, 4, 4)
+    assert tk.default_config(32768, 4096, 7168, 256) == T("prefill_tma", 64, 128, 4, 4)
+    # Over 1024 rows per group at G >= 64: 128 x 128 pairs, banded where N <= 4096.
+    assert tk.default_config(200000, 4096, 1536, 128) == T("prefill_pair", 128, 128, 8, 3, group_tiles_m=8)
+    assert tk.default_config(200000, 7168, 1536, 128) == T("prefill_pair", 128, 128, 8, 3)
+    # Deep warp-specialised buffers only behind a lead tile (NaN column otherwise, v8/v9).
     for m, n, k, g in SHAPES:
         for cfg in [tk.default_config(m, n, k, g), *tk.candidate_configs(m, n, k, g)]:
-            assert not (cfg.warp_spec and (cfg.dot_pair or cfg.block_n > 128) and cfg.num_stages > 2
-                        and not cfg.lead_tile)
-            assert not cfg.warp_spec or cfg.block_m == 128 or cfg.block_m == 64
+            assert not (cfg.schedule == "persistent_ws" and cfg.num_stages > 2 and not cfg.lead_tile)
 
 
-def test_persistent_option_limits_and_key():
-    pst = tk.TileConfig(128, 128, False, 4, 2, 8, tma=True, warp_spec=True, dot_pair=True, persistent=True)
-    assert pst.fits(2048) and pst.key().endswith("_pst")
-    assert pst.key() != dataclasses.replace(pst, persistent=False).key()
-    # Persistent tiles ride on TMA; 256 wide only as the persistent tile's two halves, without pairs.
-    assert not tk.TileConfig(128, 128, False, 8, 3, persistent=True).fits(2048)
-    assert tk.TileConfig(128, 256, False, 4, 3, tma=True, warp_spec=True, persistent=True).fits(2048)
-    assert not tk.TileConfig(128, 256, False, 4, 3, tma=True, warp_spec=True).fits(2048)
-    assert not tk.TileConfig(128, 256, False, 4, 3, tma=True, warp_spec=True, persistent=True).fits(1152)
-    assert not tk.TileConfig(128, 256, False, 4, 2, tma=True, warp_spec=True, dot_pair=True,
-                             persistent=True).fits(2048)
-
-
-def test_lead_tile_only_on_persistent_tiles():
-    lead = tk.TileConfig(128, 256, False, 4, 3, 8, tma=True, warp_spec=True, persistent=True, lead_tile=True)
-    assert lead.fits(2048) and lead.key() != dataclasses.replace(lead, lead_tile=False).key()
-    assert not tk.TileConfig(128, 128, False, 4, 3, 8, tma=True, warp_spec=True, lead_tile=True).fits(2048)
+def test_schedule_limits_and_keys():
+    T = tk.TileConfig
+    assert len({c.key() for c in (T("decode", 16, 128), T("decode_pair", 16, 128), T("decode", 16, 128, split_k=2),
+                                  T("decode", 16, 128, evict_w="evict_first"))}) == 4
+    assert not T("prefill_tma", 64, 128, split_k=2).fits(1280)  # split-K only on decode tiles
+    assert not T("decode", 16, 256).fits(1280)
+    assert not T("prefill_pair", 128, 256).fits(2048)
+    assert T("persistent_ws", 128, 256, 4, 3, lead_tile=True).fits(2048)
+    assert not T("persistent_ws", 128, 256).fits(1152)
+    assert not T("persistent_ws", 128, 128, 8).fits(2048)  # 4 warps: a producer and two consumers
+    assert not T("prefill_tma", 64, 128, lead_tile=True).fits(2048)
+    assert not T("nonesuch", 64, 128).fits(2048)
+    # The persistent tile's group walk is unrolled: bounded G.
+    assert T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX)
+    assert not T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX + 1)
 
 
 def test_split_workspace_is_cached_and_starts_clean():
@@ -185,30 +163,39 @@ def test_split_workspace_is_cached_and_starts_clean():
 
 
 class _RecordingKernel:
-    """Stands in for the Triton kernel: records the grid and the constexprs of one launch."""
+    """Stands in for a Triton kernel: records the grid and the arguments of one launch."""
 
     def __init__(self):
         self.launches = []
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
-def test_weight_table_fallback_sizes_the_grid_for_the_narrower_tile(monkeypatch):
-    # v8 (device run 3): a 256-wide table tile fell back to 128-wide plain tiles
-    # through a weight table, but the grid was sized for 256: the right half of
-    # the tiles never ran (NaN rows in the GPU test). The grid must follow the
-    # tile that is launched.
+@pytest.mark.parametrize("m,n,k,g", [(1, 8192, 1024, 8), (32, 1280, 8192, 8), (16384, 2048, 7168, 8),
+                                     (1024, 2048, 7168, 8), (32768, 4096, 7168, 256), (200000, 4096, 1536, 128)])
+def test_both_entries_launch_the_same_kernel_grid_and_tile(m, n, k, g, monkeypatch):
+    """SPEC 3: the address entry (a server graph) and the public entry run the same kernel
+    with the same tile and grid; only the weights' source differs (ADDRS)."""
+    config = tk.default_config(m, n, k, g)
     kernel = _RecordingKernel()
-    monkeypatch.setattr(tk, "grouped_fp8_kernel", kernel)
-    m, n, k, g = 16896, 512, 1024, 2
-    assert tk.default_config(m, n, k, g).block_n == 256
+    monkeypatch.setitem(tk.SCHEDULES, config.schedule, kernel)
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tk, "_split_workspace", lambda *a: (None, None))
+    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
     xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
     wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
     w_scale = torch.ones((g, k // 128, n // 128))
+    x_scale = torch.ones((m, k // 128))
+    sizes = torch.full((g,), m // g)
     out = torch.empty((m, n), dtype=torch.bfloat16)
-    sizes = torch.tensor([m // 2, m - m // 2])
-    tk.run_table(xq, tk.make_weight_table(wq, w_scale), torch.ones((m, k // 128)), sizes, out, n=n, k=k)
-    (grid, consts), = kernel.launches
-    assert consts["BLOCK_N"] == 128 and not consts["PERSISTENT"] and not consts["USE_TMA"]
-    assert grid == (tk.row_tile_bound(m, g, consts["BLOCK_M"]) * n // 128,)
+    tk.run(xq, wq, x_scale, w_scale, sizes, out)
+    words = torch.tensor([wq.data_ptr(), w_scale.data_ptr()])
+    tk.run_addressed(xq, words, x_scale, sizes, out, groups=g)
+    (grid_a, args_a, kw_a), (grid_b, args_b, kw_b) = kernel.launches
+    assert grid_a == grid_b == tk.grid_for(config, m, n, k, g, 132)
+    assert (kw_a.pop("ADDRS"), kw_b.pop("ADDRS")) == (False, True)
+    assert kw_a == kw_b
+    assert args_a[1] is wq and args_b[1] is words
+    same = [i for i in range(len(args_a)) if i not in (1, 3)]
+    assert all(args_a[i] is args_b[i] or args_a[i] == args_b[i] for i in same)

@@ -16,7 +16,7 @@ from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
 from moegemm.server._executor import Executor, Part, chunk_sizes
-from moegemm.server._graphs import Family, GraphPool, bucket_for, buckets_up_to, fill_table
+from moegemm.server._graphs import Family, GraphPool, bucket_for, buckets_up_to, fill_addresses
 from moegemm.server._staging import Staging
 
 N, K, G = 256, 256, 5
@@ -126,18 +126,19 @@ def test_static_buffers_are_shared_per_family():
     assert list(ex.pool._buffers) == [Family(G, N, K, quantize=False)]
 
 
-def test_weight_table_holds_each_groups_addresses():
+def test_address_words_hold_the_weight_sets_bases():
     gen = torch.Generator().manual_seed(torch.seed())
     ws = _weights(gen)
-    table = fill_table(torch.empty((2, G), dtype=torch.int64), ws.wq, ws.w_scale)
-    assert table[0].tolist() == [w.data_ptr() for w in ws.wq.unbind(0)]
-    assert table[1].tolist() == [s.data_ptr() for s in ws.w_scale.unbind(0)]
+    words = fill_addresses(torch.empty(2, dtype=torch.int64), ws.wq, ws.w_scale)
+    assert words.tolist() == [ws.wq.data_ptr(), ws.w_scale.data_ptr()]
     with pytest.raises(ValueError):
-        fill_table(torch.empty((2, G), dtype=torch.int64), ws.wq.transpose(1, 2), ws.w_scale)
-    # The same table as the triton backend's own builder, where triton imports.
-    pytest.importorskip("triton")
-    from moegemm.kernels import triton_kernel
-    assert torch.equal(table, triton_kernel.make_weight_table(ws.wq, ws.w_scale))
+        fill_addresses(torch.empty(2, dtype=torch.int64), ws.wq.transpose(1, 2), ws.w_scale)
+    # The pool's meta words: sizes, then the two addresses, then the order.
+    bufs = _executor().pool.buffers(Family(G, N, K, quantize=False))
+    assert bufs.meta_words(3) == G + 2 + 6
+    assert bufs.addresses.shape == (2,)
+    # A backend without an address launcher (the CPU reference) gets graphs per weight set.
+    assert _executor().pool.run_table is None
 
 
 @pytest.mark.parametrize("kind", ["fp8_nan", "scale_zero", "scale_inf", "bf16_inf"])

@@ -21,11 +21,11 @@ if not torch.cuda.is_available() or torch.version.hip:
 pytest.importorskip("triton")
 
 from moegemm.kernels import get_backend
+from moegemm.kernels._triton_prologue import check_and_gather
 from moegemm.kernels.testing import random_m_sizes, random_problem
 from moegemm.server._checks import _bad_rows_torch
 from moegemm.server._executor import Executor, Part
 from moegemm.server._graphs import GraphPool
-from moegemm.server._prologue import check_and_gather
 from moegemm.server._staging import Staging
 
 DEV = torch.device("cuda")

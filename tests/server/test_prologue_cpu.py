@@ -22,7 +22,7 @@ BAD_SCALES = (float("nan"), float("inf"), 0.0, -1.0, -float("inf"))
 
 def compare_on_cpu() -> None:
     from moegemm.server._checks import _bad_rows_torch
-    from moegemm.server._prologue import check_and_gather
+    from moegemm.kernels._triton_prologue import check_and_gather
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.bfloat16, torch.float16):

@@ -9,7 +9,8 @@ reads the row once, copies it (and its scales) to its place and writes its
 flags. The answer is the same, bit for bit (``tests/server/test_prologue.py``
 on a GPU); the CPU and backends without Triton keep the torch ops.
 
-Only imported with the triton backend: never into a process holding FlyDSL.
+The triton backend hands it to the server (``Backend.check_and_gather``); only imported
+with that backend: never into a process holding FlyDSL.
 """
 
 from __future__ import annotations

@@ -1,0 +1,159 @@
+"""The service path on an NVIDIA Hopper GPU: a server graph runs the public function's kernel.
+
+A ``GraphPool`` as the server builds it (triton backend, the weights by
+address, one graph per bucket) must choose the same tile as
+``moegemm.kernels.grouped_gemm`` for the shape and give the same output bit
+for bit (SPEC 3), for ragged groups with empty ones, G up to 384, every
+bucket, graph replay and eager alike, and operands past 2^31 elements.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.version.hip:
+    pytest.skip("needs an NVIDIA CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs compute capability 9.0 (Hopper)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from moegemm.kernels import get_backend, grouped_gemm, reference_float64
+from moegemm.kernels import triton_kernel as tk
+from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
+from moegemm.server._graphs import Family, GraphPool
+
+DEV = torch.device("cuda")
+FP8 = torch.float8_e4m3fn
+
+
+def _problem(m, n, k, g, sizes, gen):
+    xq = (torch.randn((m, k), generator=gen, device=DEV) * 32).to(FP8)
+    x_scale = torch.exp(torch.randn((m, k // 128), generator=gen, device=DEV)) / 64
+    wq = torch.empty((g, n, k), dtype=FP8, device=DEV)
+    for lo in range(0, g, 8):
+        hi = min(g, lo + 8)
+        wq[lo:hi] = (torch.randn((hi - lo, n, k), generator=gen, device=DEV) * 32).to(FP8)
+    w_scale = torch.exp(torch.randn((g, k // 128, n // 128), generator=gen, device=DEV)) / 64
+    return xq, wq, x_scale, w_scale, sizes.to(DEV)
+
+
+def _service(pool, problem, family=None):
+    """One call through the pool (graph when captured): the output rows, and "graph"/"eager"."""
+    xq, wq, x_scale, w_scale, sizes = problem
+    g, n, k = wq.shape
+    family = family or Family(g, n, k, quantize=False)
+    bufs = pool.buffers(family)
+    m = xq.shape[0]
+    bufs.result.fill_(0xFF)  # NaN-poisoned output
+    bufs.x[:m].copy_(xq)
+    bufs.x_scale[:m].copy_(x_scale)
+    how = pool.launch(family, wq, w_scale, sizes.cpu().numpy())
+    torch.cuda.synchronize()
+    return bufs.out(pool.launch_rows(m))[:m].clone(), how
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator(device=DEV)
+    g.manual_seed(torch.seed() % (1 << 62))
+    return g
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return get_backend(DEV, "triton")
+
+
+# (m, n, k, g): decode at G = 8 and 256, prefill at G = 8 (persistent), 128 and 384.
+SHAPES = [(5, 1280, 8192, 8), (37, 4096, 1024, 256), (2048, 512, 2048, 8), (3000, 512, 1536, 128),
+          (1500, 256, 1024, 384), (200, 7168, 2048, 384)]
+
+
+@pytest.mark.parametrize("m,n,k,g", SHAPES)
+def test_service_path_runs_the_public_tile_bit_for_bit(m, n, k, g, backend, gen):
+    sizes = random_m_sizes(g, m)
+    sizes[0] = 0  # an empty group first
+    sizes[1] += m - int(sizes.sum())
+    problem = _problem(m, n, k, g, sizes, gen)
+    bucket = 1 << (m - 1).bit_length()
+    # The same tile: the public function's choice for the shape it sees (M = the call's
+    # rows) and the service's (M = the bucket) come from one table row.
+    assert tk.config_for(m, n, k, g, DEV) == tk.default_config(m, n, k, g)
+    assert tk.config_for(bucket, n, k, g, DEV) == tk.default_config(bucket, n, k, g)
+    pool = GraphPool(backend, bucket)
+    pool.capture(Family(g, n, k, quantize=False), problem[1], problem[3], only=[bucket])
+    assert pool.run_table is not None
+    got, how = _service(pool, problem)
+    assert how == "graph"
+    # The public function over the bucket's rows (the graph launches over the whole
+    # bucket: rows past the call belong to no group) gives the same bits.
+    xq, wq, x_scale, w_scale, m_sizes = problem
+    pad = bucket - m
+    public = grouped_gemm(torch.cat([xq, xq.new_zeros((pad, k))]), wq,
+                          torch.cat([x_scale, x_scale.new_ones((pad, k // 128))]), w_scale, m_sizes)[:m]
+    assert torch.equal(got, public)
+    ref = reference_float64(*problem)
+    assert torch.isfinite(got).all()
+    assert rel_error(got, ref) <= SPEC_TOLERANCE
+
+
+def test_every_bucket_replay_equals_eager_with_384_groups(backend, gen):
+    g, n, k, max_bucket = 384, 256, 512, 256
+    first = _problem(1, n, k, g, torch.ones(1), gen)
+    captured = GraphPool(backend, max_bucket)
+    eager = GraphPool(backend, max_bucket, graphs=False)
+    family = Family(g, n, k, quantize=False)
+    assert captured.capture(family, first[1], first[3]) == len(captured.buckets)
+    for bucket in captured.buckets:
+        for m in sorted({max(1, bucket // 2 + 1), bucket}):
+            sizes = random_m_sizes(g, m)
+            problem = _problem(m, n, k, g, sizes, gen)
+            # Another weight set of the same shape: the shared graphs follow its addresses.
+            problem = (problem[0], first[1] if m % 2 else problem[1], problem[2],
+                       first[3] if m % 2 else problem[3], problem[4])
+            got, how = _service(captured, problem, family)
+            assert how == "graph"
+            want, how_eager = _service(eager, problem, family)
+            assert how_eager == "eager"
+            assert torch.equal(got, want), f"bucket {bucket}, {m} rows"
+            assert torch.isfinite(got).all()
+            assert rel_error(got, reference_float64(*problem)) <= SPEC_TOLERANCE
+
+
+@pytest.mark.slow
+def test_weights_past_2_31_elements_through_the_service(backend, gen):
+    g, n, k, m = 48, 7168, 7168, 128
+    assert g * n * k >= 2**31
+    sizes = torch.zeros(g, dtype=torch.int64)
+    sizes[0], sizes[g // 2], sizes[g - 1] = 5, 40, 83
+    problem = _problem(m, n, k, g, sizes, gen)
+    pool = GraphPool(backend, m)
+    pool.capture(Family(g, n, k, quantize=False), problem[1], problem[3], only=[m])
+    got, how = _service(pool, problem)
+    assert how == "graph"
+    assert torch.equal(got, grouped_gemm(*problem))
+    last = (problem[0][45:], problem[1][g - 1:], problem[2][45:], problem[3][g - 1:],
+            torch.tensor([83], device=DEV))
+    assert rel_error(got[45:], reference_float64(*last)) <= SPEC_TOLERANCE
+
+
+@pytest.mark.slow
+def test_activations_past_2_31_elements_through_the_service(backend, gen):
+    g, n, k, m = 4, 256, 8192, 1 << 18
+    assert m * k >= 2**31
+    sizes = torch.tensor([1000, m // 2, 0, m - 1000 - m // 2])
+    problem = _problem(m, n, k, g, sizes, gen)
+    pool = GraphPool(backend, m)
+    pool.capture(Family(g, n, k, quantize=False), problem[1], problem[3], only=[m])
+    got, how = _service(pool, problem)
+    assert how == "graph"
+    assert torch.equal(got, grouped_gemm(*problem))
+    xq, wq, xs, ws, _ = problem
+    tail = 3000
+    part = (xq[m - tail:], wq[3:], xs[m - tail:], ws[3:], torch.tensor([tail], device=DEV))
+    assert rel_error(got[m - tail:], reference_float64(*part)) <= SPEC_TOLERANCE
+    assert bool(np.isfinite(got[m - tail:].float().cpu().numpy()).all())
