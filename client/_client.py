@@ -185,6 +185,87 @@ def _load_file_call(
     return _Call("PUT", _weights_path(name), packb(body))
 
 
+def _experts_path(name: str) -> str:
+    # As _weights_path; "{name}.w13" must be a weight-set name too.
+    if isinstance(name, str) and len(name) > 124:
+        raise BadName(f"expert-set name {name!r:.200} is over 124 characters")
+    return "/v1/experts" + _weights_path(name)[len("/v1/weights"):]
+
+
+def _like(x: Any) -> Any:
+    torch = sys.modules.get("torch")
+    return x if torch is not None and isinstance(x, torch.Tensor) else None
+
+
+def _packed(body: dict[str, Any]) -> bytes | list:
+    # Large tensors go out as views, as in _gemm_call.
+    big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
+    return pack_tensors(body) if big else packb(body)
+
+
+def _load_experts_call(name: str, w13: Any, w2: Any, w13_scale: Any, w2_scale: Any) -> _Call:
+    body: dict[str, Any] = {"w13": encode_tensor(w13), "w2": encode_tensor(w2)}
+    if w13_scale is not None:
+        body["w13_scale"] = encode_tensor(w13_scale)
+    if w2_scale is not None:
+        body["w2_scale"] = encode_tensor(w2_scale)
+    return _Call("PUT", _experts_path(name), _packed(body))
+
+
+def _load_checkpoint_call(name: str, checkpoint: str | os.PathLike, layer: int) -> _Call:
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"layer is an int, got {type(layer).__name__}")
+    return _Call("PUT", _experts_path(name),
+                 packb({"checkpoint": os.fspath(checkpoint), "layer": layer}))
+
+
+def _ffn_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None) -> _Call:
+    body: dict[str, Any] = {"x": encode_tensor(x),
+                            "m_sizes": encode_tensor(_m_sizes_int64(m_sizes))}
+    if x_scale is not None:
+        body["x_scale"] = encode_tensor(x_scale)
+    return _Call("POST", _experts_path(name) + "/ffn", _packed(body), expect="gemm",
+                 like_torch=_like(x), deadline=_budget(deadline))
+
+
+def _routing(topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
+    """``topk_ids`` as int32/int64 (other integers as int64), ``topk_weights`` as float32."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(topk_ids, torch.Tensor):
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex:
+            raise TypeError(f"topk_ids must hold integers, got {topk_ids.dtype}")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            topk_ids = topk_ids.to(torch.int64)
+    else:
+        topk_ids = np.asarray(topk_ids)
+        if topk_ids.size and topk_ids.dtype.kind not in "iu":
+            raise TypeError(f"topk_ids must hold integers, got {topk_ids.dtype}")
+        if topk_ids.dtype not in (np.int32, np.int64):
+            topk_ids = topk_ids.astype(np.int64)
+    if torch is not None and isinstance(topk_weights, torch.Tensor):
+        if not topk_weights.dtype.is_floating_point:
+            raise TypeError(f"topk_weights must be floats, got {topk_weights.dtype}")
+        topk_weights = topk_weights.to(torch.float32)
+    else:
+        topk_weights = np.asarray(topk_weights)
+        if topk_weights.size and topk_weights.dtype.kind != "f" and \
+                topk_weights.dtype.name != "bfloat16":
+            raise TypeError(f"topk_weights must be floats, got {topk_weights.dtype}")
+        topk_weights = topk_weights.astype(np.float32)
+    return topk_ids, topk_weights
+
+
+def _moe_call(name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any,
+              deadline: float | None) -> _Call:
+    ids, weights = _routing(topk_ids, topk_weights)
+    body: dict[str, Any] = {"x": encode_tensor(x), "topk_ids": encode_tensor(ids),
+                            "topk_weights": encode_tensor(weights)}
+    if x_scale is not None:
+        body["x_scale"] = encode_tensor(x_scale)
+    return _Call("POST", _experts_path(name) + "/moe", _packed(body), expect="gemm",
+                 like_torch=_like(x), deadline=_budget(deadline))
+
+
 def _retry_after(response: httpx.Response) -> float | None:
     value = response.headers.get("retry-after")
     if value is None:
@@ -341,6 +422,9 @@ class _Base:
             return None
         return self._retry.wait(attempt, error, call.deadline)
 
+    def _deadline_of(self, deadline: float | None) -> float | None:
+        return self._deadline if deadline is None else deadline
+
     def _gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: Any) -> _Call:
         if deadline is None:
             deadline = self._deadline
@@ -483,6 +567,43 @@ class Client(_Base):
         """Unload weight set ``name``."""
         self._send(_Call("DELETE", _weights_path(name), expect="none"))
 
+    def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
+                     w2_scale: Any = None) -> dict:
+        """Load or replace expert set ``name`` (SPEC 5): ``w13`` ``[G, 2I, H]`` (gate rows,
+        then up rows) and ``w2`` ``[G, H, I]``, fp8 with ``w13_scale`` ``[G, H/128,
+        2I/128]`` and ``w2_scale`` ``[G, I/128, H/128]``, or bf16/fp16/fp32 to be
+        quantized. Its matrices also become weight sets ``{name}.w13``, ``{name}.w2``."""
+        return self._send(_load_experts_call(name, w13, w2, w13_scale, w2_scale))
+
+    def load_experts_checkpoint(self, name: str, checkpoint: str | os.PathLike,
+                                layer: int) -> dict:
+        """Load expert set ``name`` from layer ``layer`` of a Hugging Face checkpoint
+        directory under the server's weights directory (SPEC 5.3)."""
+        return self._send(_load_checkpoint_call(name, checkpoint, layer))
+
+    def experts(self) -> list[dict]:
+        """The loaded expert sets: name, G, H, I, layout, bytes, created, source."""
+        return _expert_list(self._send(_Call("GET", "/v1/experts")))
+
+    def delete_experts(self, name: str) -> None:
+        """Unload expert set ``name`` (and its two weight sets)."""
+        self._send(_Call("DELETE", _experts_path(name), expect="none"))
+
+    def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
+                   deadline: float | None = None) -> Any:
+        """SPEC 5.1 on expert set ``name``: rows of ``x`` ``[M, H]`` grouped per expert
+        (``m_sizes``, as for `grouped_gemm`); returns bf16 ``[M, H]`` in ``x``'s kind."""
+        return self._send(_ffn_call(name, x, m_sizes, x_scale, self._deadline_of(deadline)))
+
+    def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any = None,
+            *, deadline: float | None = None) -> Any:
+        """SPEC 5.2 on expert set ``name``: tokens ``x`` ``[T, H]`` in their own order,
+        ``topk_ids`` ``[T, k]`` (distinct experts per token) and ``topk_weights``
+        ``[T, k]`` (sent as float32); returns bf16 ``[T, H]`` in ``x``'s kind. Bad
+        routing raises `BadRouting`."""
+        return self._send(_moe_call(name, x, topk_ids, topk_weights, x_scale,
+                                    self._deadline_of(deadline)))
+
     def health(self) -> dict:
         """The readiness answer; raises `NotReady` while the server starts."""
         return self._send(_Call("GET", "/v1/health/ready", retry=False))
@@ -601,6 +722,36 @@ class AsyncClient(_Base):
         """See `Client.delete_weights`."""
         await self._send(_Call("DELETE", _weights_path(name), expect="none"))
 
+    async def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
+                           w2_scale: Any = None) -> dict:
+        """See `Client.load_experts`."""
+        return await self._send(_load_experts_call(name, w13, w2, w13_scale, w2_scale))
+
+    async def load_experts_checkpoint(self, name: str, checkpoint: str | os.PathLike,
+                                      layer: int) -> dict:
+        """See `Client.load_experts_checkpoint`."""
+        return await self._send(_load_checkpoint_call(name, checkpoint, layer))
+
+    async def experts(self) -> list[dict]:
+        """See `Client.experts`."""
+        return _expert_list(await self._send(_Call("GET", "/v1/experts")))
+
+    async def delete_experts(self, name: str) -> None:
+        """See `Client.delete_experts`."""
+        await self._send(_Call("DELETE", _experts_path(name), expect="none"))
+
+    async def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
+                         deadline: float | None = None) -> Any:
+        """See `Client.expert_ffn`."""
+        return await self._send(_ffn_call(name, x, m_sizes, x_scale,
+                                          self._deadline_of(deadline)))
+
+    async def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any,
+                  x_scale: Any = None, *, deadline: float | None = None) -> Any:
+        """See `Client.moe`."""
+        return await self._send(_moe_call(name, x, topk_ids, topk_weights, x_scale,
+                                          self._deadline_of(deadline)))
+
     async def health(self) -> dict:
         """See `Client.health`."""
         return await self._send(_Call("GET", "/v1/health/ready", retry=False))
@@ -632,6 +783,13 @@ def _joined(args: dict[str, Any]) -> dict[str, Any]:
     if isinstance(args["content"], list):
         return {**args, "content": b"".join(args["content"])}
     return args
+
+
+def _expert_list(payload: Any) -> list[dict]:
+    if isinstance(payload, dict) and isinstance(payload.get("experts"), list):
+        return payload["experts"]
+    raise InternalError(f"GET /v1/experts answered {type(payload).__name__}, expected "
+                        "{'experts': [...]}")
 
 
 def _weight_list(payload: Any) -> list[dict]:

@@ -11,7 +11,8 @@
           │    ├── BadShape bad_shape
           │    ├── BadMSizes bad_m_sizes
           │    ├── NotFinite not_finite
-          │    └── BadName bad_name
+          │    ├── BadName bad_name
+          │    └── BadRouting bad_routing
           ├── Unauthorized 401 unauthorized
           ├── NotFound 404
           │    ├── NoSuchWeights no_such_weights
@@ -39,6 +40,7 @@ __all__ = [
     "BadMSizes",
     "BadMsgpack",
     "BadName",
+    "BadRouting",
     "BadShape",
     "BadTensor",
     "DeadlineExceeded",
@@ -157,6 +159,13 @@ class BadName(InvalidRequest):
     code = "bad_name"
 
 
+class BadRouting(InvalidRequest):
+    """A `topk_ids` entry outside `[0, G)` or repeated within a token, or a
+    `topk_weights` entry NaN or Inf."""
+
+    code = "bad_routing"
+
+
 class Unauthorized(APIError):
     """A token is configured and the request's is missing or wrong (401)."""
 
@@ -248,6 +257,7 @@ _LEAVES: tuple[type[APIError], ...] = (
     BadMSizes,
     NotFinite,
     BadName,
+    BadRouting,
     Unauthorized,
     NoSuchWeights,
     NoSuchFile,

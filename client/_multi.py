@@ -217,11 +217,39 @@ class MultiClient(_Fleet[Client]):
         Endpoints that do not hold it are skipped; `NoSuchWeights` only when
         none of them did.
         """
+        self._delete(name, lambda c: c.delete_weights(name))
+
+    def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
+                     w2_scale: Any = None) -> dict[str, dict]:
+        """Load or replace expert set ``name`` on each endpoint of its placement (placed
+        by the expert-set name, as weight sets are); arguments as `Client.load_experts`."""
+        return self._on_placement(
+            name, lambda c: c.load_experts(name, w13, w2, w13_scale, w2_scale)
+        )
+
+    def load_experts_checkpoint(self, name: str, checkpoint: str | os.PathLike,
+                                layer: int) -> dict[str, dict]:
+        """Load expert set ``name`` from a checkpoint layer on each endpoint of its
+        placement (the servers share the checkpoint directory)."""
+        return self._on_placement(
+            name, lambda c: c.load_experts_checkpoint(name, checkpoint, layer)
+        )
+
+    def delete_experts(self, name: str) -> None:
+        """Unload expert set ``name`` from each endpoint of its placement (as
+        `delete_weights`)."""
+        self._delete(name, lambda c: c.delete_experts(name))
+
+    def experts(self) -> dict[str, list[dict]]:
+        """Each endpoint's loaded expert sets (as `Client.experts`)."""
+        return self._on_all(lambda c: c.experts())
+
+    def _delete(self, name: str, delete_one: Callable[[Client], None]) -> None:
         missing: list[NoSuchWeights] = []
 
         def delete(client: Client) -> None:
             try:
-                client.delete_weights(name)
+                delete_one(client)
             except NoSuchWeights as exc:
                 missing.append(exc)
 
@@ -256,12 +284,34 @@ class MultiClient(_Fleet[Client]):
         first pick. ``deadline`` (seconds) bounds the whole call, failovers
         included: each replica is given only the time left.
         """
+        return self._failing_over(
+            name, deadline, lambda c, budget: c.grouped_gemm(name, x, m_sizes, x_scale, **budget)
+        )
+
+    def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
+                   deadline: float | None = None) -> Any:
+        """`Client.expert_ffn` on expert set ``name``, placed and failing over like
+        `grouped_gemm` (placement by the expert-set name)."""
+        return self._failing_over(
+            name, deadline, lambda c, budget: c.expert_ffn(name, x, m_sizes, x_scale, **budget)
+        )
+
+    def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any = None,
+            *, deadline: float | None = None) -> Any:
+        """`Client.moe` on expert set ``name``, placed and failing over like `grouped_gemm`."""
+        return self._failing_over(
+            name, deadline,
+            lambda c, budget: c.moe(name, x, topk_ids, topk_weights, x_scale, **budget),
+        )
+
+    def _failing_over(self, name: str, deadline: float | None,
+                      call: Callable[[Client, dict[str, float]], T]) -> T:
         until = self._until(deadline)
         failures: list[tuple[str, MoegemmError]] = []
         for url in self._turn(name):
             budget = self._budget(name, deadline, until, failures)
             try:
-                return self._clients[url].grouped_gemm(name, x, m_sizes, x_scale, **budget)
+                return call(self._clients[url], budget)
             except _FAIL_OVER as exc:
                 failures.append((url, exc))
             except APIError as exc:
@@ -335,10 +385,35 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
 
     async def delete_weights(self, name: str) -> None:
         """See `MultiClient.delete_weights`."""
+        await self._delete(name, lambda c: c.delete_weights(name))
 
+    async def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
+                           w2_scale: Any = None) -> dict[str, dict]:
+        """See `MultiClient.load_experts`."""
+        return await self._on_placement(
+            name, lambda c: c.load_experts(name, w13, w2, w13_scale, w2_scale)
+        )
+
+    async def load_experts_checkpoint(self, name: str, checkpoint: str | os.PathLike,
+                                      layer: int) -> dict[str, dict]:
+        """See `MultiClient.load_experts_checkpoint`."""
+        return await self._on_placement(
+            name, lambda c: c.load_experts_checkpoint(name, checkpoint, layer)
+        )
+
+    async def delete_experts(self, name: str) -> None:
+        """See `MultiClient.delete_experts`."""
+        await self._delete(name, lambda c: c.delete_experts(name))
+
+    async def experts(self) -> dict[str, list[dict]]:
+        """See `MultiClient.experts`."""
+        return await self._on_all(lambda c: c.experts())
+
+    async def _delete(self, name: str,
+                      delete_one: Callable[[AsyncClient], Awaitable[None]]) -> None:
         async def delete(client: AsyncClient) -> NoSuchWeights | None:
             try:
-                await client.delete_weights(name)
+                await delete_one(client)
             except NoSuchWeights as exc:
                 return exc
             return None
@@ -372,12 +447,33 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
         deadline: float | None = None,
     ) -> Any:
         """See `MultiClient.grouped_gemm`."""
+        return await self._failing_over(
+            name, deadline, lambda c, budget: c.grouped_gemm(name, x, m_sizes, x_scale, **budget)
+        )
+
+    async def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
+                         deadline: float | None = None) -> Any:
+        """See `MultiClient.expert_ffn`."""
+        return await self._failing_over(
+            name, deadline, lambda c, budget: c.expert_ffn(name, x, m_sizes, x_scale, **budget)
+        )
+
+    async def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any,
+                  x_scale: Any = None, *, deadline: float | None = None) -> Any:
+        """See `MultiClient.moe`."""
+        return await self._failing_over(
+            name, deadline,
+            lambda c, budget: c.moe(name, x, topk_ids, topk_weights, x_scale, **budget),
+        )
+
+    async def _failing_over(self, name: str, deadline: float | None,
+                            call: Callable[[AsyncClient, dict[str, float]], Awaitable[T]]) -> T:
         until = self._until(deadline)
         failures: list[tuple[str, MoegemmError]] = []
         for url in self._turn(name):
             budget = self._budget(name, deadline, until, failures)
             try:
-                return await self._clients[url].grouped_gemm(name, x, m_sizes, x_scale, **budget)
+                return await call(self._clients[url], budget)
             except _FAIL_OVER as exc:
                 failures.append((url, exc))
             except APIError as exc:

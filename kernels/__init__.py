@@ -15,23 +15,27 @@ import torch
 
 from ._backend import Backend, BackendUnavailable
 from ._select import get_backend
+from .activation import silu_mul_quant
 from .layout import preshuffle, unshuffle
 from .quant import fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
-from .reference import reference_float64
+from .reference import ffn_reference_float64, moe_reference_float64, reference_float64
 
 __all__ = [
     "Backend",
     "BackendUnavailable",
+    "ffn_reference_float64",
     "fn_to_fnuz",
     "fnuz_to_fn",
     "fp8_max",
     "get_backend",
     "grouped_gemm",
     "grouped_gemm_preshuffled",
+    "moe_reference_float64",
     "preshuffle",
     "quantize_activations",
     "quantize_weights",
     "reference_float64",
+    "silu_mul_quant",
     "unshuffle",
 ]
 

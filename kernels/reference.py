@@ -7,6 +7,8 @@ bfloat16. It runs on any device, reads ``m_sizes`` on the host (so it is not
 capture-safe) and handles every valid input: M = 0, empty groups, any G.
 
 ``reference_float64`` is the same formula in float64: the oracle of the tests.
+``ffn_reference_float64`` and ``moe_reference_float64`` evaluate the expert
+FFN chain of SPEC 5.1 and 5.2 in float64 on top of it.
 """
 
 from __future__ import annotations
@@ -121,6 +123,76 @@ def reference_float64(
         out[start:stop] = x @ w.reshape(n, k).t()
         start = stop
     return out
+
+
+def _quantize_float64(a: torch.Tensor, fp8_dtype: torch.dtype):
+    """SPEC 1.1 activation quantization of float64 ``a`` ``[M, K]``, scales in float64."""
+    from .quant import fp8_max
+
+    limit = fp8_max(fp8_dtype)
+    m, k = a.shape
+    blocks = a.reshape(m, k // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / limit
+    aq = (blocks / scale).clamp(-limit, limit).to(fp8_dtype).reshape(m, k)
+    return aq, scale.reshape(m, k // BLOCK)
+
+
+def ffn_reference_float64(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w13q: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2q: torch.Tensor,
+    w2_scale: torch.Tensor,
+    m_sizes: torch.Tensor,
+    fp8_dtype: torch.dtype,
+) -> torch.Tensor:
+    """SPEC 5.1 in float64: ``[M, H]`` float64 for rows grouped per expert.
+
+    ``h`` (the w13 GEMM) and ``a = silu(h[:I]) * h[I:]`` stay unrounded in
+    float64; ``aq`` is quantized from that ``a`` in ``fp8_dtype`` (the format
+    the device computes in), and the w2 GEMM is the float64 SPEC 1 formula.
+    """
+    h = reference_float64(xq, w13q, x_scale, w13_scale, m_sizes)
+    inter = w13q.shape[1] // 2
+    if w2q.dim() != 3 or w2q.shape[2] != inter or w2q.shape[0] != w13q.shape[0]:
+        raise ValueError(
+            f"w2 must be [G, H, I] = [{w13q.shape[0]}, {xq.shape[1]}, {inter}], "
+            f"got {tuple(w2q.shape)}"
+        )
+    gate, up = h[:, :inter], h[:, inter:]
+    a = gate / (1.0 + torch.exp(-gate)) * up
+    aq, a_scale = _quantize_float64(a, fp8_dtype)
+    return reference_float64(aq, w2q, a_scale, w2_scale, m_sizes)
+
+
+def moe_reference_float64(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w13q: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2q: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fp8_dtype: torch.dtype,
+) -> torch.Tensor:
+    """SPEC 5.2 in float64: ``out[t] = sum_j topk_weights[t, j] * ffn_{topk_ids[t, j]}(x[t])``.
+
+    ``xq`` ``[T, H]`` fp8 with ``x_scale`` (quantize bf16 inputs first, as the
+    server does); ``topk_ids`` ``[T, k]`` in ``[0, G)``; returns float64 ``[T, H]``.
+    """
+    tokens, k = topk_ids.shape
+    groups = w13q.shape[0]
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    rows = order // k  # the token each expert row comes from
+    m_sizes = torch.bincount(flat, minlength=groups)
+    y = ffn_reference_float64(xq[rows], x_scale[rows], w13q, w13_scale, w2q, w2_scale,
+                              m_sizes, fp8_dtype)
+    weights = topk_weights.reshape(-1).double()[order]
+    out = torch.zeros((tokens, xq.shape[1]), dtype=torch.float64, device=xq.device)
+    return out.index_add_(0, rows, y * weights.unsqueeze(1))
 
 
 def _prepare_weights(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,9 +27,11 @@ from moegemm.kernels import get_backend
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from . import routes
+from . import routes, routes_experts
+from ._ffn import make_ffn_runner
 from .config import Settings, get_settings
 from .engine import EXIT_DEVICE_LOST, Engine
+from .experts import ExpertStore
 from .metrics import Metrics
 from .store import WeightLimits, WeightStore
 
@@ -64,10 +66,17 @@ def _device_memory(device: torch.device):
     return lambda: 0
 
 
-async def _load_startup_sets(svc: routes.Services) -> None:
-    """Preload files (or the demo set), then mark the server ready."""
+async def _load_startup_sets(svc: routes.Services, experts: routes_experts.Experts) -> None:
+    """Preload files, checkpoint layers (or the demo set), then mark the server ready."""
     settings, store, engine = svc.settings, svc.store, svc.engine
     started = time.monotonic()
+    for layer in settings.checkpoint_layers():
+        log.info("loading layer %d of checkpoint %s as expert set 'layer%d'", layer,
+                 settings.checkpoint, layer)
+        await routes_experts.install_experts(
+            engine, experts,
+            lambda n=layer: experts.store.build_from_checkpoint(f"layer{n}", settings.checkpoint, n),
+        )
     for entry in settings.preload_entries():
         log.info("preloading %r from %s", entry.name, entry.file)
         await routes.install(
@@ -114,8 +123,11 @@ async def _lifespan(app: FastAPI):
     engine.on_lost = lambda reason: exit_for_restart(settings.shutdown_grace_s)
     svc = routes.Services(settings=settings, engine=engine, store=store, metrics=metrics)
     app.state.services = svc
+    app.state.experts = routes_experts.Experts(
+        ExpertStore(store), make_ffn_runner(backend, settings.max_bucket_m)
+    )
     engine.start()
-    loading = asyncio.create_task(_load_startup_sets(svc))
+    loading = asyncio.create_task(_load_startup_sets(svc, app.state.experts))
     # A failed start-up load is fatal: a server that silently lacks its weights
     # would answer no_such_weights forever while claiming to be healthy.
     loading.add_done_callback(_fail_loudly)
@@ -299,6 +311,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes.health)
     app.include_router(routes.api)
     app.include_router(routes.weights_admin)
+    app.include_router(routes_experts.router)
+    app.include_router(routes_experts.admin)
     app.include_router(routes.metrics_router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -28,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--weights-dir", dest="weights_dir")
     serve.add_argument("--preload", action="append",
                        help="name=file:w_key[:w_scale_key], repeatable")
+    serve.add_argument("--checkpoint",
+                       help="Hugging Face checkpoint directory under --weights-dir")
+    serve.add_argument("--layers", help="checkpoint layers to load at start, A-B or A "
+                                        "(expert sets layerA..layerB)")
     serve.add_argument("--demo", action=argparse.BooleanOptionalAction, default=None,
                        help="load the random 'demo' weight set (default: when nothing is preloaded)")
     serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)

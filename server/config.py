@@ -39,6 +39,18 @@ def parse_preload(entry: str) -> PreloadEntry:
     return PreloadEntry(match["name"], match["file"], match["w"], match["w_scale"])
 
 
+def parse_layers(text: str) -> list[int]:
+    """``"3-5"`` -> ``[3, 4, 5]``, ``"7"`` -> ``[7]``; ValueError when malformed."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    if match is None:
+        raise ValueError(f"layers {text!r} is 'A-B' or 'A' (non-negative integers)")
+    first = int(match[1])
+    last = int(match[2]) if match[2] is not None else first
+    if last < first:
+        raise ValueError(f"layers {text!r}: the last layer is before the first")
+    return list(range(first, last + 1))
+
+
 # Acceptor processes when serving a GPU, unless set. On the H200 at M=128
 # (bench/SERVICE_NOTES.md, v3): 4 acceptors carried 1579 calls/s at 32 clients
 # with p99 8.7 ms when offered 1300/s, against 1496 calls/s and 26.9 ms for one
@@ -62,6 +74,10 @@ class Settings(BaseSettings):
     # Weight sets loaded at start-up; from the environment either a JSON list
     # or comma-separated entries.
     preload: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # A Hugging Face checkpoint directory (relative to weights_dir) and the layers
+    # ("A-B" or "A") whose experts are loaded at start-up as expert sets layerA..layerB.
+    checkpoint: str | None = None
+    layers: str | None = None
     # None: load the random "demo" set only when nothing is preloaded.
     demo: bool | None = None
     token: SecretStr | None = None
@@ -142,6 +158,13 @@ class Settings(BaseSettings):
             parse_preload(entry)
         return value
 
+    @field_validator("layers")
+    @classmethod
+    def _check_layers(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_layers(value)
+        return value
+
     @field_validator("token", "admin_token")
     @classmethod
     def _no_empty_token(cls, value: SecretStr | None) -> SecretStr | None:
@@ -175,6 +198,10 @@ class Settings(BaseSettings):
     def _check_combination(self) -> Settings:
         if self.preload and self.weights_dir is None:
             raise ValueError("preload needs weights_dir (files are resolved under it)")
+        if (self.checkpoint is None) != (self.layers is None):
+            raise ValueError("checkpoint and layers go together (--checkpoint DIR --layers A-B)")
+        if self.checkpoint is not None and self.weights_dir is None:
+            raise ValueError("checkpoint needs weights_dir (it is resolved under it)")
         if self.acceptors and self.http != "fast":
             raise ValueError("acceptors need the fast HTTP transport (http=fast)")
         return self
@@ -191,7 +218,11 @@ class Settings(BaseSettings):
 
     def wants_demo(self) -> bool:
         """Whether start-up loads the random demo weight set."""
-        return bool(self.demo) if self.demo is not None else not self.preload
+        return bool(self.demo) if self.demo is not None else not (self.preload or self.checkpoint)
+
+    def checkpoint_layers(self) -> list[int]:
+        """The checkpoint layers to load at start-up (none without a checkpoint)."""
+        return parse_layers(self.layers) if self.layers is not None else []
 
     def buckets(self) -> list[int]:
         """The total_M buckets: powers of two up to ``max_bucket_m``."""

@@ -272,8 +272,8 @@ def _require_device(svc: Services) -> None:
 
 
 @api.get("/info")
-async def info(svc: ServicesDep) -> dict:
-    """Version, backend, device, fp8 format, buckets and limits."""
+async def info(svc: ServicesDep, request: Request) -> dict:
+    """Version, backend, device, fp8 format, buckets, limits and the expert sets."""
     s, backend = svc.settings, svc.engine.backend
     return {
         "version": moegemm.__version__,
@@ -295,6 +295,7 @@ async def info(svc: ServicesDep) -> dict:
             "queue_size": s.queue_size,
             "merge_window_us": s.merge_window_us,
         },
+        "experts": request.app.state.experts.info(),
     }
 
 

@@ -124,6 +124,8 @@ class WeightStore:
         self.weights_dir = weights_dir
         self.limits = limits or WeightLimits()
         self._sets: dict[str, WeightSet] = {}
+        # Names held by an expert set's matrices (server/experts.py): name -> its owner.
+        self._owners: dict[str, str] = {}
         self._lock = threading.Lock()
 
     # -- the table -----------------------------------------------------------
@@ -154,6 +156,7 @@ class WeightStore:
         two loads built at the same time).
         """
         with self._lock:
+            self._check_unowned(ws.name)
             old = self._sets.get(ws.name)
             self._check_total(ws.name, ws.bytes, old)
             self._sets[ws.name] = ws
@@ -163,10 +166,63 @@ class WeightStore:
         """Unload ``name`` and return it; its memory returns to the allocator once the
         calls still holding it end."""
         with self._lock:
+            self._check_unowned(name)
             ws = self._sets.pop(name, None)
         if ws is None:
             raise NoSuchWeights(f"no weight set named {name!r} is loaded")
         return ws
+
+    def register(self, owner: str, sets: list[WeightSet]) -> list[WeightSet]:
+        """Install ``sets`` together, atomically, as the matrices of expert set ``owner``;
+        return the sets they replaced.
+
+        BadName, changing nothing, when a name is held by a plain weight set or by
+        another owner (an expert set never clobbers a set loaded on its own);
+        OutOfMemory when the total would pass ``max_total_bytes``. The sets stay
+        readable (``get``, ``list``) but only ``unregister`` removes or replaces them.
+        """
+        with self._lock:
+            for ws in sets:
+                holder = self._owners.get(ws.name)
+                if holder != owner and (holder is not None or ws.name in self._sets):
+                    what = f"expert set {holder!r}" if holder else "a plain weight set"
+                    raise BadName(f"the name {ws.name!r} is taken by {what}; delete it first")
+            old = [self._sets[ws.name] for ws in sets if ws.name in self._sets]
+            limit = self.limits.max_total_bytes
+            if limit is not None:
+                others = sum(w.bytes for w in self._sets.values()) - sum(w.bytes for w in old)
+                if others + sum(ws.bytes for ws in sets) > limit:
+                    raise OutOfMemory(
+                        f"expert set {owner!r} needs {sum(ws.bytes for ws in sets)} bytes; "
+                        f"the loaded sets hold {others} of this server's {limit} "
+                        f"(MOEGEMM_MAX_WEIGHT_BYTES)"
+                    )
+            for ws in sets:
+                self._sets[ws.name] = ws
+                self._owners[ws.name] = owner
+        return old
+
+    def unregister(self, owner: str, names: list[str]) -> list[WeightSet]:
+        """Remove the sets ``names`` that expert set ``owner`` holds; return them."""
+        with self._lock:
+            mine = [n for n in names if self._owners.get(n) == owner]
+            for n in mine:
+                del self._owners[n]
+            return [self._sets.pop(n) for n in mine]
+
+    def refuse_owned(self, name: str) -> None:
+        """BadName if ``name`` is an expert set's matrix (checked before a build reads)."""
+        with self._lock:
+            self._check_unowned(name)
+
+    def _check_unowned(self, name: str) -> None:
+        # Called under the lock: an expert set's matrices change only with it.
+        owner = self._owners.get(name)
+        if owner is not None:
+            raise BadName(
+                f"weight set {name!r} belongs to expert set {owner!r}; change or delete it "
+                f"through /v1/experts/{owner}"
+            )
 
     def _check_total(self, name: str, nbytes: int, old: WeightSet | None) -> None:
         # Called under the lock. A replacement frees its predecessor's bytes.
@@ -218,6 +274,7 @@ class WeightStore:
     def build(self, name: str, w: torch.Tensor, w_scale: torch.Tensor | None) -> WeightSet:
         """Build a set from host tensors: fp8 ``w`` with ``w_scale``, or float ``w``."""
         check_name(name)
+        self.refuse_owned(name)
         require_dtype(w, FP8 + FLOATS, "w")
         if w.dim() != 3:
             raise BadShape(f"w has shape {list(w.shape)}; expected 3-D [G, N, K]")
@@ -230,6 +287,7 @@ class WeightStore:
         from safetensors import safe_open
 
         check_name(name)
+        self.refuse_owned(name)
         path = self.resolve(file)
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")

@@ -14,6 +14,7 @@ EXPECTED = [
     "BadMSizes",
     "BadMsgpack",
     "BadName",
+    "BadRouting",
     "BadShape",
     "BadTensor",
     "Client",
@@ -70,3 +71,22 @@ def test_imports_without_torch():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+SPEC4_METHODS = [
+    "grouped_gemm", "load_weights", "load_weights_file", "weights", "delete_weights",
+    "load_experts", "load_experts_checkpoint", "experts", "delete_experts", "expert_ffn", "moe",
+]
+
+
+def test_every_client_has_the_spec_methods():
+    import inspect
+
+    for cls in (client.Client, client.AsyncClient, client.MultiClient, client.AsyncMultiClient):
+        for name in SPEC4_METHODS:
+            method = getattr(cls, name)
+            assert method.__doc__, f"{cls.__name__}.{name} has no docstring"
+            is_async = cls.__name__.startswith("Async")
+            assert inspect.iscoroutinefunction(method) == is_async, (cls.__name__, name)
+    for cls in (client.Client, client.AsyncClient):
+        assert "health" in dir(cls)

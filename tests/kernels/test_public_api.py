@@ -5,16 +5,19 @@ from moegemm import kernels
 EXPECTED = [
     "Backend",
     "BackendUnavailable",
+    "ffn_reference_float64",
     "fn_to_fnuz",
     "fnuz_to_fn",
     "fp8_max",
     "get_backend",
     "grouped_gemm",
     "grouped_gemm_preshuffled",
+    "moe_reference_float64",
     "preshuffle",
     "quantize_activations",
     "quantize_weights",
     "reference_float64",
+    "silu_mul_quant",
     "unshuffle",
 ]
 

@@ -1,0 +1,216 @@
+"""One MoE layer's experts read from a Hugging Face checkpoint directory (SPEC 5.3).
+
+    es = read_layer(experts, "layer3", "DeepSeek-V3", 3)
+
+The directory lies under the weights directory and each file in it is resolved
+by the weight store's path rule (``WeightStore.resolve``: nothing outside the
+weights directory, symlinks included). It holds ``model.safetensors.index.json``
+and the shards it names, or one ``model.safetensors``. Two namings:
+
+    model.layers.{L}.mlp.experts.{E}.{gate_proj,up_proj,down_proj}.weight   DeepSeek-V3/R1, Qwen3-MoE
+    model.layers.{L}.block_sparse_moe.experts.{E}.{w1,w3,w2}.weight         Mixtral (w1 gate, w3 up)
+
+fp8 e4m3fn weights come with ``<same>.weight_scale_inv`` float32 ``[N/128,
+K/128]`` (the dequant scale of each 128x128 block of the ``[N, K]`` weight,
+transposed relative to SPEC 1's ``w_scale``); bf16/fp16/fp32 weights are
+quantized by the server. Every name, shape and dtype is checked from the
+headers before a byte of weights is read; then the shards stay memory-mapped
+and each expert is read and moved to the device on its own, so host memory
+holds one expert's matrix at a time. A missing tensor or shard is 404
+``no_such_file`` naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from moegemm.client._errors import BadDtype, BadField, BadShape, NoSuchFile
+
+from .experts import ExpertSet, ExpertStore, expert_shapes
+from .store import _SAFETENSORS_DTYPES
+
+log = logging.getLogger("moegemm.server.checkpoint")
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+# (family, (gate, up, down) projection names)
+_NAMINGS = (
+    ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    ("block_sparse_moe.experts", ("w1", "w3", "w2")),
+)
+
+
+def _tensor_map(store, checkpoint: str) -> tuple[dict[str, str], str]:
+    """Tensor name -> file (relative to the weights directory), and what was read."""
+    if not isinstance(checkpoint, str) or not checkpoint.strip("/"):
+        raise BadField("checkpoint is a directory relative to the weights directory")
+    base = checkpoint.rstrip("/")
+    try:
+        index_path = store.resolve(f"{base}/{INDEX}")
+    except NoSuchFile:
+        index_path = None
+    if index_path is None:
+        try:
+            single = store.resolve(f"{base}/{SINGLE}")
+        except NoSuchFile:
+            raise NoSuchFile(
+                f"checkpoint {checkpoint!r} holds neither {INDEX} nor {SINGLE} (or is not a "
+                f"directory in the weights directory)"
+            ) from None
+        with _opened(single, f"{base}/{SINGLE}") as f:
+            names = list(f.keys())
+        return {name: f"{base}/{SINGLE}" for name in names}, SINGLE
+    try:
+        weight_map = json.loads(Path(index_path).read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise TypeError("weight_map is not a map of names to file names")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise BadField(f"{base}/{INDEX} is not a safetensors index: {exc}") from exc
+    return {name: f"{base}/{shard}" for name, shard in weight_map.items()}, INDEX
+
+
+@contextlib.contextmanager
+def _opened(path, shown: str):
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types
+        raise BadField(f"{shown!r} is not a readable safetensors file: {exc}") from exc
+    with handle as f:
+        yield f
+
+
+def _naming(names, layer: int) -> tuple[str, tuple[str, str, str], int]:
+    """The naming the layer uses, and its number of experts G."""
+    for family, projections in _NAMINGS:
+        prefix = f"model.layers.{layer}.{family}."
+        pattern = re.compile(re.escape(prefix) + r"(\d+)\.(" + "|".join(projections) +
+                             r")\.weight")
+        experts = [int(m[1]) for m in map(pattern.fullmatch, names) if m is not None]
+        if experts:
+            return prefix, projections, max(experts) + 1
+    expected = " or ".join(
+        f"'model.layers.{layer}.{family}.0.{projections[0]}.weight'"
+        for family, projections in _NAMINGS
+    )
+    raise NoSuchFile(f"the checkpoint holds no experts of layer {layer}: no tensor {expected}")
+
+
+def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> ExpertSet:
+    """Build expert set ``name`` from layer ``layer`` of ``checkpoint`` (device work)."""
+    store = experts.weights
+    where, read_from = _tensor_map(store, checkpoint)
+    prefix, projections, G = _naming(where.keys(), layer)
+    keys = [[f"{prefix}{e}.{p}.weight" for p in projections] for e in range(G)]
+    for expert_keys in keys:
+        for key in expert_keys:
+            if key not in where:
+                raise NoSuchFile(f"checkpoint {checkpoint!r} has no tensor {key!r}")
+    shards = sorted({where[key] for expert_keys in keys for key in expert_keys})
+    log.info("expert set %r: layer %d of %s (%s, %d experts, %d shard files)", name, layer,
+             checkpoint, read_from, G, len(shards))
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for shard in shards:
+            path = store.resolve(shard)  # a missing shard: no_such_file naming it
+            handles[shard] = stack.enter_context(_opened(path, shard))
+        available = {shard: set(f.keys()) for shard, f in handles.items()}
+
+        def lookup(key: str):
+            shard = where.get(key)
+            if shard is None:
+                raise NoSuchFile(f"checkpoint {checkpoint!r} has no tensor {key!r}")
+            if shard not in handles:
+                handles[shard] = stack.enter_context(_opened(store.resolve(shard), shard))
+                available[shard] = set(handles[shard].keys())
+            if key not in available[shard]:
+                raise NoSuchFile(f"{shard!r} holds no tensor {key!r} (the index names it)")
+            return handles[shard].get_slice(key)
+
+        slices = [[lookup(key) for key in expert_keys] for expert_keys in keys]
+        _, (I, H) = _header(keys[0][0], slices[0][0])
+        expert_shapes((G, 2 * I, H), (G, H, I))  # H, I multiples of 128, before any reading
+        expected = ((I, H), (I, H), (H, I))
+        dtypes = []
+        for expert_keys, expert_slices in zip(keys, slices):
+            for key, sl, shape in zip(expert_keys, expert_slices, expected):
+                got_dtype, got_shape = _header(key, sl)
+                if got_shape != shape:
+                    raise BadShape(f"tensor {key!r} has shape {list(got_shape)}; expected "
+                                   f"{list(shape)} (gate/up [I, H], down [H, I] of expert 0)")
+                dtypes.append(got_dtype)
+        w13_dtypes, w2_dtypes = set(dtypes[0::3] + dtypes[1::3]), set(dtypes[2::3])
+        if len(w13_dtypes) != 1 or len(w2_dtypes) != 1:
+            raise BadDtype(f"layer {layer}'s experts mix dtypes: gate/up {sorted(map(str, w13_dtypes))}, "
+                           f"down {sorted(map(str, w2_dtypes))}")
+        (dtype13,), (dtype2,) = w13_dtypes, w2_dtypes
+        scales13 = scales2 = None
+        if dtype13 == torch.float8_e4m3fn:
+            scales13 = torch.stack([
+                torch.cat([_scale_inv(k, lookup, (I, H)) for k in expert_keys[:2]]).t()
+                for expert_keys in keys
+            ])  # [G, H/128, 2I/128]
+        if dtype2 == torch.float8_e4m3fn:
+            scales2 = torch.stack([
+                _scale_inv(expert_keys[2], lookup, (H, I)).t() for expert_keys in keys
+            ])  # [G, I/128, H/128]
+
+        def w13(g: int) -> torch.Tensor:
+            gate, up = slices[g][0], slices[g][1]
+            return torch.cat([gate[:], up[:]])
+
+        def w2(g: int) -> torch.Tensor:
+            return slices[g][2][:]
+
+        return experts.assemble(
+            name, G, H, I,
+            w13=(dtype13, _logged(name, "w13", G, w13), scales13),
+            w2=(dtype2, _logged(name, "w2", G, w2), scales2),
+            source=f"checkpoint {checkpoint} layer {layer}",
+        )
+
+
+def _header(key: str, sl) -> tuple[torch.dtype, tuple[int, ...]]:
+    dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+    if dtype is None:
+        raise BadDtype(f"tensor {key!r} is {sl.get_dtype()}; expected one of "
+                       f"{sorted(_SAFETENSORS_DTYPES)}")
+    shape = tuple(sl.get_shape())
+    if len(shape) != 2:
+        raise BadShape(f"tensor {key!r} has shape {list(shape)}; expected 2-D [N, K]")
+    return dtype, shape
+
+
+def _scale_inv(weight_key: str, lookup, shape: tuple[int, int]) -> torch.Tensor:
+    """``<weight>_scale_inv`` float32 ``[N/128, K/128]`` of an fp8 weight ``[N, K]``."""
+    key = weight_key + "_scale_inv"
+    sl = lookup(key)
+    if sl.get_dtype() != "F32":
+        raise BadDtype(f"tensor {key!r} is {sl.get_dtype()}; fp8 weights' scales are F32")
+    want = (shape[0] // 128, shape[1] // 128)
+    if tuple(sl.get_shape()) != want:
+        raise BadShape(f"tensor {key!r} has shape {list(sl.get_shape())}; expected "
+                       f"{list(want)} ([N/128, K/128] of its [{shape[0]}, {shape[1]}] weight)")
+    return sl[:]
+
+
+def _logged(name: str, what: str, G: int, read: Callable[[int], torch.Tensor]):
+    """``read`` with the reading's progress logged (about every tenth expert)."""
+    step = max(1, G // 10)
+
+    def read_logged(g: int) -> torch.Tensor:
+        t = read(g)
+        if (g + 1) % step == 0 or g + 1 == G:
+            log.info("expert set %r: %s of %d/%d experts read", name, what, g + 1, G)
+        return t
+
+    return read_logged

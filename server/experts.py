@@ -1,0 +1,250 @@
+"""Expert sets (SPEC 5): one MoE layer's G gated experts, resident on the device.
+
+An :class:`ExpertSet` is immutable and holds two weight sets, ``w13``
+``[G, 2I, H]`` (gate rows then up rows) and ``w2`` ``[G, H, I]``. They are
+registered in the :class:`~moegemm.server.store.WeightStore` as
+``{name}.w13`` and ``{name}.w2`` -- the same objects, so the device holds the
+weights once -- and answer the gemm endpoint like any weight set. Only this
+store changes them: replacing or deleting the expert set replaces or removes
+both names at once, and a plain weight set of either name is never clobbered
+(``BadName``; see ``WeightStore.register``).
+
+Building (validation, quantization, the backend's layout) is device work: the
+routes run ``build*`` on the engine's worker thread, then ``put``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import torch
+from moegemm.client._errors import BadField, BadName, BadShape, NoSuchWeights, OutOfMemory
+
+from ._tensors import (
+    BLOCK,
+    FLOATS,
+    FP8,
+    require_dtype,
+    require_positive_finite_scales,
+    require_shape,
+)
+from .store import WeightSet, WeightStore, check_name, set_bytes
+
+log = logging.getLogger("moegemm.server.experts")
+
+# "{name}.w13" must still be a valid weight-set name.
+_MAX_NAME = 128 - len(".w13")
+
+
+def check_expert_name(name: str) -> str:
+    """Return ``name`` if it is a valid expert-set name, else raise BadName."""
+    check_name(name)
+    if len(name) > _MAX_NAME:
+        raise BadName(
+            f"expert-set name {name!r} is {len(name)} characters; at most {_MAX_NAME}, so "
+            f"that '{name}.w13' is a weight-set name"
+        )
+    return name
+
+
+def matrix_names(name: str) -> tuple[str, str]:
+    """The weight-set names of expert set ``name``'s two matrices."""
+    return f"{name}.w13", f"{name}.w2"
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertSet:
+    """One loaded expert set. Never mutated; ``w13``/``w2`` are the registered weight sets."""
+
+    name: str
+    G: int
+    H: int
+    I: int
+    w13: WeightSet
+    w2: WeightSet
+    created: str
+    source: str
+
+    @property
+    def layout(self) -> str:
+        return self.w13.layout
+
+    @property
+    def bytes(self) -> int:
+        return self.w13.bytes + self.w2.bytes
+
+    def describe(self) -> dict:
+        """The JSON description of SPEC 2.1 (``GET /v1/experts``)."""
+        return {
+            "name": self.name,
+            "G": self.G,
+            "H": self.H,
+            "I": self.I,
+            "layout": self.layout,
+            "bytes": self.bytes,
+            "created": self.created,
+            "source": self.source,
+            "weights": [self.w13.name, self.w2.name],
+        }
+
+
+def expert_shapes(w13_shape, w2_shape) -> tuple[int, int, int]:
+    """``(G, H, I)`` of ``w13`` ``[G, 2I, H]`` and ``w2`` ``[G, H, I]``; BadShape unless
+    they agree and H, I are positive multiples of 128."""
+    if len(w13_shape) != 3 or len(w2_shape) != 3:
+        raise BadShape(
+            f"w13 has shape {list(w13_shape)}, w2 {list(w2_shape)}; expected 3-D "
+            f"[G, 2I, H] and [G, H, I]"
+        )
+    G, two_i, H = w13_shape
+    I = w2_shape[2]
+    if tuple(w2_shape) != (G, H, I) or two_i != 2 * I:
+        raise BadShape(
+            f"w13 is {list(w13_shape)} and w2 {list(w2_shape)}; expected [G, 2I, H] and "
+            f"[G, H, I] with the same G, H and I"
+        )
+    if G < 1 or H < 1 or I < 1 or H % BLOCK or I % BLOCK:
+        raise BadShape(
+            f"G={G}, H={H}, I={I}: need G >= 1 and H, I positive multiples of {BLOCK}"
+        )
+    return G, H, I
+
+
+class ExpertStore:
+    """Name -> ExpertSet, its matrices registered in the weight store."""
+
+    def __init__(self, weights: WeightStore) -> None:
+        self.weights = weights
+        self._sets: dict[str, ExpertSet] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> ExpertSet:
+        """The expert set ``name``; NoSuchWeights if there is none."""
+        with self._lock:
+            es = self._sets.get(name)
+        if es is None:
+            raise NoSuchWeights(f"no expert set named {name!r} is loaded")
+        return es
+
+    def list(self) -> list[ExpertSet]:
+        """All loaded expert sets, by name."""
+        with self._lock:
+            return sorted(self._sets.values(), key=lambda es: es.name)
+
+    def put(self, es: ExpertSet) -> ExpertSet | None:
+        """Install ``es`` (and its two weight sets) atomically; return the set it replaced.
+
+        BadName or OutOfMemory from the weight store leave everything as it was.
+        """
+        with self._lock:
+            self.weights.register(es.name, [es.w13, es.w2])
+            old = self._sets.get(es.name)
+            self._sets[es.name] = es
+        return old
+
+    def delete(self, name: str) -> ExpertSet:
+        """Unload ``name`` and its two weight sets; return it."""
+        with self._lock:
+            es = self._sets.pop(name, None)
+            if es is None:
+                raise NoSuchWeights(f"no expert set named {name!r} is loaded")
+            self.weights.unregister(name, list(matrix_names(name)))
+        return es
+
+    def total_bytes(self) -> int:
+        """Device bytes held by all expert sets (counted in the weight store's too)."""
+        with self._lock:
+            return sum(es.bytes for es in self._sets.values())
+
+    # -- builders (device work: run them on the engine's thread) ---------------
+
+    def check_room(self, name: str, G: int, H: int, I: int) -> None:
+        """Refuse a set before any of it is read (TooLarge, OutOfMemory), as for weights."""
+        w13_name, w2_name = matrix_names(name)
+        with self._lock:
+            mine = self._sets.get(name)
+        for matrix in (w13_name, w2_name):
+            held = self.weights.find(matrix)
+            if held is not None and (mine is None or held not in (mine.w13, mine.w2)):
+                # Answered before any reading; WeightStore.register settles races.
+                raise BadName(f"the name {matrix!r} is taken by another weight set; "
+                              f"delete it first")
+        self.weights.check_room(w13_name, G, 2 * I, H)
+        self.weights.check_room(w2_name, G, H, I)
+        limit = self.weights.limits.max_total_bytes
+        if limit is not None:
+            nbytes = set_bytes(G, 2 * I, H) + set_bytes(G, H, I)
+            held = self.weights.total_bytes()
+            old = self._sets.get(name)
+            held -= old.bytes if old is not None else 0
+            if held + nbytes > limit:
+                raise OutOfMemory(
+                    f"expert set {name!r} needs {nbytes} bytes; the loaded sets hold {held} "
+                    f"of this server's {limit} (MOEGEMM_MAX_WEIGHT_BYTES)"
+                )
+
+    def build(
+        self,
+        name: str,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor | None,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor | None,
+    ) -> ExpertSet:
+        """An expert set from host tensors (fp8 with scales, or bf16/fp16/fp32)."""
+        check_expert_name(name)
+        require_dtype(w13, FP8 + FLOATS, "w13")
+        require_dtype(w2, FP8 + FLOATS, "w2")
+        G, H, I = expert_shapes(tuple(w13.shape), tuple(w2.shape))
+        scale_shapes = {
+            "w13": ((G, H // BLOCK, 2 * I // BLOCK), "[G, H/128, 2I/128]"),
+            "w2": ((G, I // BLOCK, H // BLOCK), "[G, I/128, H/128]"),
+        }
+        for what, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+            if w.dtype in FP8 and scale is None:
+                raise BadField(f"fp8 {what} needs {what}_scale (float32, SPEC 5)")
+            if w.dtype not in FP8 and scale is not None:
+                raise BadField(
+                    f"{what}_scale is only for fp8 {what}; bf16/fp16/fp32 weights are "
+                    f"quantized by the server"
+                )
+            if scale is not None:
+                require_dtype(scale, (torch.float32,), f"{what}_scale")
+                require_shape(scale, *scale_shapes[what][:1], f"{what}_scale",
+                              scale_shapes[what][1])
+                require_positive_finite_scales(scale, f"{what}_scale")
+        return self.assemble(
+            name, G, H, I,
+            w13=(w13.dtype, lambda g: w13[g], w13_scale),
+            w2=(w2.dtype, lambda g: w2[g], w2_scale),
+            source="upload",
+        )
+
+    def assemble(self, name: str, G: int, H: int, I: int, *, w13, w2,
+                 source: str) -> ExpertSet:
+        """Build both matrices on the device, expert by expert (``w13``/``w2``: ``(dtype,
+        expert -> host tensor, scales or None)``), after checking the room for both."""
+        self.check_room(name, G, H, I)
+        w13_name, w2_name = matrix_names(name)
+        dtype13, group13, scale13 = w13
+        dtype2, group2, scale2 = w2
+        # The weight store's assembly: validation, fn/fnuz conversion or quantization,
+        # the backend's layout, progress logged (its check_room runs again: cheap).
+        ws13 = self.weights._assemble(w13_name, (G, 2 * I, H), dtype13, group13, scale13)
+        ws2 = self.weights._assemble(w2_name, (G, H, I), dtype2, group2, scale2)
+        log.info("expert set %r ready: G=%d H=%d I=%d from %s", name, G, H, I, source)
+        return ExpertSet(
+            name=name, G=G, H=H, I=I, w13=ws13, w2=ws2,
+            created=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            source=source,
+        )
+
+    def build_from_checkpoint(self, name: str, checkpoint: str, layer: int) -> ExpertSet:
+        """Layer ``layer``'s experts from a Hugging Face directory (SPEC 5.3)."""
+        from ._checkpoint import read_layer
+
+        check_expert_name(name)
+        return read_layer(self, name, checkpoint, layer)

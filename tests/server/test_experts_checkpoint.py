@@ -1,0 +1,233 @@
+"""Expert sets from Hugging Face checkpoint directories (SPEC 5.3): synthetic
+checkpoints written here in each naming, sharded over two files with an index or
+in one file, loaded by the server and checked against the float64 chain from the
+same tensors; missing tensors and shards are refused naming them."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from experts_support import eager_ffn, ffn_body, moe_body, post, put_experts, snapshot
+from moegemm.kernels import quantize_weights
+from moegemm.kernels.testing import random_m_sizes, rel_error
+from moegemm.kernels.testing_ffn import FFN_TOLERANCE, ExpertProblem, random_routing
+from moegemm.server import Settings
+from moegemm.server.cli import _parser
+from safetensors.torch import save_file
+from server_support import assert_error, out_of, serve
+
+NAMINGS = {
+    "deepseek": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2")),
+}
+FP8 = torch.float8_e4m3fn
+
+
+def write_checkpoint(root: Path, naming: str, dtype: torch.dtype, *, layers=(0, 1), G=4,
+                     H=256, I=128, sharded=True) -> dict[int, ExpertProblem]:
+    """A checkpoint directory in ``root`` and, per layer, the experts as the server
+    must hold them (fp8: the stored tensors; else quantized by SPEC 1.1)."""
+    root.mkdir(parents=True, exist_ok=True)
+    family, (gate_n, up_n, down_n) = NAMINGS[naming]
+    tensors: dict[str, torch.Tensor] = {}
+    problems = {}
+    for layer in layers:
+        prefix = f"model.layers.{layer}."
+        tensors[prefix + "self_attn.q_proj.weight"] = torch.randn(H, H).to(torch.bfloat16)
+        tensors[prefix + "mlp.gate.weight"] = torch.randn(G, H).to(torch.bfloat16)
+        w13s, w2s, quantized = [], [], []
+        for e in range(G):
+            gate = torch.randn(I, H) / H ** 0.5 * (1 + e)
+            up = torch.randn(I, H) / H ** 0.5
+            down = torch.randn(H, I) / I ** 0.5 * torch.exp(torch.randn(H // 128, 1, I // 128, 1)
+                                                          ).expand(-1, 128, -1, 128).reshape(H, I)
+            names = [f"{prefix}{family}.{e}.{n}.weight" for n in (gate_n, up_n, down_n)]
+            mats = []
+            for key, w in zip(names, (gate, up, down)):
+                if dtype == FP8:
+                    q, s = quantize_weights(w, FP8)  # s: [K/128, N/128]
+                    tensors[key] = q
+                    tensors[key + "_scale_inv"] = s.t().contiguous()  # [N/128, K/128]
+                    mats.append((q, s))
+                else:
+                    tensors[key] = w.to(dtype)
+                    mats.append(tensors[key])
+            if dtype == FP8:
+                (gq, gs), (uq, us), (dq, ds) = mats
+                quantized.append((torch.cat([gq, uq]), torch.cat([gs, us], dim=1), dq, ds))
+            else:
+                g_, u_, d_ = (m.float() for m in mats)
+                w13q, w13s_ = quantize_weights(torch.cat([g_, u_]), FP8)
+                w2q, w2s_ = quantize_weights(d_, FP8)
+                quantized.append((w13q, w13s_, w2q, w2s_))
+            w13s.append(torch.cat([gate, up]))
+            w2s.append(down)
+        problems[layer] = ExpertProblem(
+            torch.stack(w13s), torch.stack(w2s),
+            *(torch.stack([q[i] for q in quantized]) for i in range(4)), FP8)
+    if not sharded:
+        save_file(tensors, str(root / "model.safetensors"))
+        return problems
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    # Alternate experts between the shards, so every layer needs both files.
+    parts: list[dict] = [{}, {}]
+    weight_map = {}
+    for i, (key, t) in enumerate(sorted(tensors.items())):
+        parts[i % 2][key] = t
+        weight_map[key] = files[i % 2]
+    for part, file in zip(parts, files):
+        save_file(part, str(root / file))
+    (root / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return problems
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    settings = Settings(device="cpu", weights_dir=root, demo=False, max_body_bytes=8 << 20,
+                        max_m=4096, max_bucket_m=256)
+    with serve(settings) as running:
+        running.weights_dir = root
+        yield running
+
+
+def _check_answers(srv, name: str, p: ExpertProblem) -> None:
+    sizes = random_m_sizes(p.G, 150)
+    x = p.tokens(150)
+    xq, x_scale = p.quantized(x)
+    out = out_of(post(srv.http, name, "ffn", ffn_body(x, sizes)))
+    assert torch.equal(out, eager_ffn(p, xq, x_scale, sizes))  # the same weights, exactly
+    assert rel_error(out, p.ffn_reference(xq, x_scale, sizes)) <= FFN_TOLERANCE
+    ids, weights = random_routing(64, 2, p.G)
+    out = out_of(post(srv.http, name, "moe", moe_body(x[:64], ids, weights)))
+    assert rel_error(out, p.moe_reference(xq[:64], x_scale[:64], ids, weights)) <= FFN_TOLERANCE
+
+
+@pytest.mark.parametrize("naming, dtype, sharded", [
+    ("deepseek", FP8, True),
+    ("mixtral", torch.bfloat16, True),
+    ("deepseek", torch.bfloat16, False),  # Qwen3-MoE's names, one unsharded file
+    ("mixtral", FP8, False),
+])
+def test_checkpoint_loads_and_answers(srv, caplog, naming, dtype, sharded):
+    ckpt = f"{naming}-{str(dtype).split('.')[-1]}-{sharded}"
+    problems = write_checkpoint(srv.weights_dir / ckpt, naming, dtype, sharded=sharded)
+    with caplog.at_level(logging.INFO, logger="moegemm.server"):
+        for layer, p in problems.items():
+            r = put_experts(srv.http, f"L{layer}", {"checkpoint": ckpt, "layer": layer})
+            assert r.status_code == 201, r.text
+            desc = r.json()
+            assert (desc["G"], desc["H"], desc["I"]) == (4, 256, 128)
+            assert desc["source"] == f"checkpoint {ckpt} layer {layer}"
+    assert "w13 of 4/4 experts read" in caplog.text
+    for layer, p in problems.items():
+        _check_answers(srv, f"L{layer}", p)
+    for layer in problems:
+        assert srv.http.delete(f"/v1/experts/L{layer}").status_code == 204
+
+
+def _rewrite(root: Path, drop: str | None = None, remap: tuple[str, str] | None = None) -> None:
+    """Edit a sharded checkpoint: drop tensor ``drop`` from its shard and the index, or
+    point the index's entry ``remap[0]`` at file ``remap[1]``."""
+    from safetensors.torch import load_file
+
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    if drop is not None:
+        shard = index["weight_map"].pop(drop)
+        tensors = load_file(str(root / shard))
+        del tensors[drop]
+        save_file(tensors, str(root / shard))
+    if remap is not None:
+        index["weight_map"][remap[0]] = remap[1]
+    index_path.write_text(json.dumps(index))
+
+
+def test_missing_tensors_and_shards_are_named(srv):
+    root = srv.weights_dir
+    write_checkpoint(root / "gappy", "deepseek", FP8, layers=(2,))
+    before = snapshot(srv.http)
+    up = "model.layers.2.mlp.experts.3.up_proj.weight"
+
+    _rewrite(root / "gappy", drop=up)
+    r = put_experts(srv.http, "gappy", {"checkpoint": "gappy", "layer": 2})
+    assert_error(r, 404, "no_such_file")
+    assert up in r.json()["error"]["message"]
+
+    write_checkpoint(root / "noscale", "mixtral", FP8, layers=(0,))
+    scale = "model.layers.0.block_sparse_moe.experts.1.w2.weight_scale_inv"
+    _rewrite(root / "noscale", drop=scale)
+    r = put_experts(srv.http, "noscale", {"checkpoint": "noscale", "layer": 0})
+    assert_error(r, 404, "no_such_file")
+    assert scale in r.json()["error"]["message"]
+
+    write_checkpoint(root / "lost", "deepseek", torch.bfloat16, layers=(0,))
+    down = "model.layers.0.mlp.experts.0.down_proj.weight"
+    _rewrite(root / "lost", remap=(down, "model-00003-of-00003.safetensors"))
+    r = put_experts(srv.http, "lost", {"checkpoint": "lost", "layer": 0})
+    assert_error(r, 404, "no_such_file")
+    assert "model-00003-of-00003.safetensors" in r.json()["error"]["message"]
+
+    # The index names a shard that does not hold the tensor.
+    write_checkpoint(root / "liar", "deepseek", torch.bfloat16, layers=(0,))
+    index = json.loads((root / "liar" / "model.safetensors.index.json").read_text())
+    gate = "model.layers.0.mlp.experts.2.gate_proj.weight"
+    other = next(f for f in set(index["weight_map"].values()) if f != index["weight_map"][gate])
+    _rewrite(root / "liar", remap=(gate, other))
+    r = put_experts(srv.http, "liar", {"checkpoint": "liar", "layer": 0})
+    assert_error(r, 404, "no_such_file")
+    assert gate in r.json()["error"]["message"]
+
+    # An index naming a shard outside the weights directory.
+    write_checkpoint(root / "escape", "deepseek", torch.bfloat16, layers=(0,))
+    outside = root.parent / "outside.safetensors"
+    save_file({"t": torch.zeros(1)}, str(outside))
+    _rewrite(root / "escape", remap=(down, "../../outside.safetensors"))
+    assert_error(put_experts(srv.http, "escape", {"checkpoint": "escape", "layer": 0}), 400,
+                 "bad_field")
+
+    for checkpoint, layer in (("gappy", 0), ("absent", 0)):  # no such layer, no such dir
+        assert_error(put_experts(srv.http, "x", {"checkpoint": checkpoint, "layer": layer}),
+                     404, "no_such_file")
+    (root / "empty").mkdir()
+    assert_error(put_experts(srv.http, "x", {"checkpoint": "empty", "layer": 0}), 404,
+                 "no_such_file")
+    for outside in ("../", "/etc", "gappy/../../x", ""):
+        assert_error(put_experts(srv.http, "x", {"checkpoint": outside, "layer": 0}), 400,
+                     "bad_field")
+    (root / "broken").mkdir()
+    (root / "broken" / "model.safetensors.index.json").write_text("{not json")
+    assert_error(put_experts(srv.http, "x", {"checkpoint": "broken", "layer": 0}), 400,
+                 "bad_field")
+    assert snapshot(srv.http) == before
+
+
+def test_serve_loads_checkpoint_layers_at_start(tmp_path):
+    problems = write_checkpoint(tmp_path / "ck", "mixtral", FP8, layers=(3, 4, 5))
+    args = vars(_parser().parse_args(["serve", "--device", "cpu", "--weights-dir",
+                                      str(tmp_path), "--checkpoint", "ck", "--layers", "4-5"]))
+    args.pop("command")
+    settings = Settings(**{k: v for k, v in args.items() if v is not None})
+    assert settings.checkpoint_layers() == [4, 5] and not settings.wants_demo()
+    with serve(settings) as s:
+        experts, weights = snapshot(s.http)
+        assert [e["name"] for e in experts] == ["layer4", "layer5"]
+        assert [w["name"] for w in weights] == ["layer4.w13", "layer4.w2", "layer5.w13",
+                                                "layer5.w2"]
+        _check_answers(s, "layer5", problems[5])
+
+
+def test_checkpoint_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError):
+        Settings(weights_dir=tmp_path, checkpoint="ck")  # no layers
+    with pytest.raises(ValueError):
+        Settings(checkpoint="ck", layers="1")  # no weights_dir
+    for bad in ("5-3", "a", "1-", "-2"):
+        with pytest.raises(ValueError):
+            Settings(weights_dir=tmp_path, checkpoint="ck", layers=bad)
+    assert Settings(weights_dir=tmp_path, checkpoint="ck", layers="7").checkpoint_layers() == [7]

@@ -1,0 +1,306 @@
+"""Bad input on the expert-set endpoints: every new field gets the contract's code
+(SPEC 2.2), and no loaded set changes."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from experts_support import ffn_body, moe_body, post, put_experts, snapshot, upload_body
+from moegemm.client._wire import packb
+from moegemm.kernels.testing_ffn import random_experts, random_routing
+from moegemm.server import Settings
+from server_support import MSGPACK, assert_error, out_of, serve, wire
+
+G, H, I = 4, 384, 128
+
+
+def limited_settings(root) -> Settings:
+    """The server these tests talk to: small limits, to be passed."""
+    return Settings(device="cpu", weights_dir=root, demo=False, max_body_bytes=8 << 20,
+                    max_m=256, max_bucket_m=256, max_g=16, max_weight_bytes=4 << 20)
+
+
+def with_experts(running):
+    """Load the expert set 'e' the tests call (its problem as ``running.p``)."""
+    p = random_experts(G, H, I)
+    assert put_experts(running.http, "e", upload_body(p)).status_code == 201
+    running.p = p
+    return running
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    with serve(limited_settings(tmp_path_factory.mktemp("w"))) as running:
+        yield with_experts(running)
+
+
+def _upload(p, **changes):
+    body = upload_body(p)
+    for key, value in changes.items():
+        if value is None:
+            body.pop(key)
+        else:
+            body[key] = value
+    return body
+
+
+def _bad_uploads(p):
+    f32 = random_experts(G, H, I)
+    nan_w = f32.w13.clone()
+    nan_w[1, 5, 7] = float("nan")
+    zero_scale = p.w2_scale.clone()
+    zero_scale[2, 0, 1] = 0.0
+    nan_scale = p.w13_scale.clone()
+    nan_scale[0, 1, 0] = float("nan")
+    nan_fp8 = p.w2q.clone()
+    nan_fp8.view(torch.uint8)[3, 2, 1] = 0x7F
+    return [
+        ("w2 missing", _upload(p, w2=None), "bad_field"),
+        ("unknown field", {**upload_body(p), "bias": wire(torch.zeros(4))}, "bad_field"),
+        ("w13 is a string", _upload(p, w13="key"), "bad_field"),
+        ("fp8 w13 without a scale", _upload(p, w13_scale=None), "bad_field"),
+        ("float w2 with a scale", {**upload_body(f32, fp8=False), "w2_scale": wire(p.w2_scale)},
+         "bad_field"),
+        ("checkpoint with tensors", {**upload_body(p), "checkpoint": "c", "layer": 0},
+         "bad_field"),
+        ("w13 float64", _upload(p, w13={"dtype": "float64", "shape": [1],
+                                         "data": b"\0" * 8}), "bad_dtype"),
+        ("w2 int32", _upload(p, w2=wire(torch.zeros(G, H, I, dtype=torch.int32))), "bad_dtype"),
+        ("w13_scale bf16", _upload(p, w13_scale=wire(p.w13_scale.to(torch.bfloat16))),
+         "bad_dtype"),
+        ("w13 truncated data", _upload(p, w13={"dtype": "float8_e4m3fn", "shape": [G, 2 * I, H],
+                                               "data": b"\0" * 10}), "bad_tensor"),
+        ("w13 2-D", _upload(p, w13=wire(p.w13q[0])), "bad_shape"),
+        ("w2 with another H", _upload(p, w2=wire(torch.cat([p.w2q, p.w2q], dim=1)),
+                                      w2_scale=wire(torch.cat([p.w2_scale] * 2, dim=2))),
+         "bad_shape"),
+        ("w2 with another G", _upload(p, w2=wire(p.w2q[:2]), w2_scale=wire(p.w2_scale[:2])),
+         "bad_shape"),
+        ("I = 64", {"w13": wire(torch.zeros(G, 128, H)), "w2": wire(torch.zeros(G, H, 64))},
+         "bad_shape"),
+        ("w13_scale transposed", _upload(p, w13_scale=wire(p.w13_scale.transpose(1, 2)
+                                                           .contiguous())), "bad_shape"),
+        ("w13 holds NaN", {**upload_body(f32, fp8=False), "w13": wire(nan_w)}, "not_finite"),
+        ("w2 holds an fp8 NaN", _upload(p, w2=wire(nan_fp8)), "not_finite"),
+        ("a w2 scale is 0", _upload(p, w2_scale=wire(zero_scale)), "not_finite"),
+        ("a w13 scale is NaN", _upload(p, w13_scale=wire(nan_scale)), "not_finite"),
+        ("checkpoint not a string", {"checkpoint": 3, "layer": 0}, "bad_field"),
+        ("layer missing", {"checkpoint": "c"}, "bad_field"),
+        ("layer negative", {"checkpoint": "c", "layer": -1}, "bad_field"),
+        ("layer a bool", {"checkpoint": "c", "layer": True}, "bad_field"),
+        ("layer a string", {"checkpoint": "c", "layer": "3"}, "bad_field"),
+    ]
+
+
+def test_bad_uploads_change_nothing(srv):
+    before = snapshot(srv.http)
+    for what, body, code in _bad_uploads(srv.p):
+        for name in ("e", "fresh"):  # replacing a loaded set and loading a new one
+            r = put_experts(srv.http, name, body)
+            assert r.status_code == 400, (what, r.text)
+            assert r.json()["error"]["code"] == code, (what, r.text)
+    assert snapshot(srv.http) == before
+
+
+def test_bad_names_media_and_limits(srv):
+    before = snapshot(srv.http)
+    body = upload_body(srv.p)
+    for name in ("a b", "x" * 125, "caf\u00e9"):
+        assert_error(put_experts(srv.http, name, body), 400, "bad_name")
+        assert_error(post(srv.http, name, "ffn", ffn_body(torch.zeros(1, H), [1, 0, 0, 0])),
+                     400, "bad_name")
+    assert put_experts(srv.http, "x" * 124, upload_body(random_experts(1, H, I))) \
+        .status_code == 201
+    assert srv.http.delete("/v1/experts/" + "x" * 124).status_code == 204
+    assert_error(srv.http.put("/v1/experts/e", content=packb(body),
+                              headers={"content-type": "application/json"}),
+                 415, "unsupported_media_type")
+    assert_error(srv.http.put("/v1/experts/e", content=b"\xc1garbage", headers=MSGPACK),
+                 400, "bad_msgpack")
+    big = random_experts(17, 128, 128)
+    assert_error(put_experts(srv.http, "big", upload_body(big)), 413, "too_large")
+    # 4 MiB of weights at most: G=16, H=512, I=256 is 6 MiB of fp8.
+    fp8 = torch.float8_e4m3fn
+    huge = {"w13": wire(torch.zeros(16, 512, 512, dtype=fp8)),
+            "w13_scale": wire(torch.ones(16, 4, 4)),
+            "w2": wire(torch.zeros(16, 512, 256, dtype=fp8)),
+            "w2_scale": wire(torch.ones(16, 2, 4))}
+    assert_error(put_experts(srv.http, "huge", huge), 507, "out_of_memory")
+    # Each matrix fits the 4 MiB alone (3 and 1.5 MiB); the two together do not.
+    pair = {"w13": wire(torch.zeros(16, 512, 384, dtype=fp8)),
+            "w13_scale": wire(torch.ones(16, 3, 4)),
+            "w2": wire(torch.zeros(16, 384, 256, dtype=fp8)),
+            "w2_scale": wire(torch.ones(16, 2, 3))}
+    assert_error(put_experts(srv.http, "pair", pair), 507, "out_of_memory")
+    assert snapshot(srv.http) == before
+
+
+def _bad_ffn(p):
+    x = p.tokens(10)
+    sizes = torch.tensor([4, 0, 6, 0])
+    xq, x_scale = p.quantized(x)
+    nan_x = x.clone()
+    nan_x[3, 9] = float("inf")
+    bad_scale = x_scale.clone()
+    bad_scale[2, 1] = -1.0
+    return [
+        ("m_sizes missing", {"x": wire(x)}, 400, "bad_field"),
+        ("unknown field", {**ffn_body(x, sizes), "topk_ids": wire(sizes)}, 400, "bad_field"),
+        ("fp8 x without x_scale", ffn_body(xq, sizes), 400, "bad_field"),
+        ("bf16 x with x_scale", ffn_body(x, sizes, x_scale), 400, "bad_field"),
+        ("x int64", ffn_body(torch.zeros(10, H, dtype=torch.int64), sizes), 400, "bad_dtype"),
+        ("m_sizes float32", {"x": wire(x), "m_sizes": wire(sizes.float())}, 400, "bad_dtype"),
+        ("x_scale bf16", ffn_body(xq, sizes, x_scale.to(torch.bfloat16)), 400, "bad_dtype"),
+        ("x with another H", ffn_body(torch.zeros(10, 2 * H), sizes), 400, "bad_shape"),
+        ("x 1-D", ffn_body(torch.zeros(H), sizes), 400, "bad_shape"),
+        ("m_sizes of another G", ffn_body(x, [4, 6]), 400, "bad_shape"),
+        ("x_scale rows", ffn_body(xq, sizes, x_scale[:5]), 400, "bad_shape"),
+        ("negative size", ffn_body(x, [12, -2, 0, 0]), 400, "bad_m_sizes"),
+        ("sizes sum past M", ffn_body(x, [4, 1, 6, 0]), 400, "bad_m_sizes"),
+        ("x holds Inf", ffn_body(nan_x, sizes), 400, "not_finite"),
+        ("x_scale <= 0", ffn_body(xq, sizes, bad_scale), 400, "not_finite"),
+        ("M over max_m", ffn_body(torch.zeros(257, H), [257, 0, 0, 0]), 413, "too_large"),
+    ]
+
+
+def _bad_moe(p):
+    t, k = 6, 2
+    ids, weights = random_routing(t, k, G)
+    x = p.tokens(t)
+    xq, x_scale = p.quantized(x)
+    out_of_range, negative, repeated = ids.clone(), ids.clone(), ids.clone()
+    out_of_range[2, 1] = G
+    negative[0, 0] = -1
+    repeated[4, 1] = repeated[4, 0]
+    nan_w, inf_w = weights.clone(), weights.clone()
+    nan_w[1, 0] = float("nan")
+    inf_w[5, 1] = float("-inf")
+    nan_x = x.clone()
+    nan_x[0, 0] = float("nan")
+    return [
+        ("topk_weights missing", {"x": wire(x), "topk_ids": wire(ids)}, 400, "bad_field"),
+        ("m_sizes given", {**moe_body(x, ids, weights), "m_sizes": wire(ids[0])}, 400,
+         "bad_field"),
+        ("fp8 x without x_scale", moe_body(xq, ids, weights), 400, "bad_field"),
+        ("bf16 x with x_scale", moe_body(x, ids, weights, x_scale), 400, "bad_field"),
+        ("topk_ids float32", moe_body(x, ids.float(), weights), 400, "bad_dtype"),
+        ("topk_ids int16-ish bf16", moe_body(x, ids.to(torch.bfloat16), weights), 400,
+         "bad_dtype"),
+        ("topk_weights bf16", moe_body(x, ids, weights.to(torch.bfloat16)), 400, "bad_dtype"),
+        ("topk_weights int64", moe_body(x, ids, ids), 400, "bad_dtype"),
+        ("x int32", moe_body(ids.to(torch.int32), ids, weights), 400, "bad_dtype"),
+        ("topk_ids 1-D", moe_body(x, ids[:, 0].contiguous(), weights), 400, "bad_shape"),
+        ("topk_ids for other tokens", moe_body(x, ids[:4], weights[:4]), 400, "bad_shape"),
+        ("k = 0", moe_body(x, ids[:, :0].contiguous(), weights[:, :0].contiguous()), 400,
+         "bad_shape"),
+        ("k > G", moe_body(x, torch.arange(5).repeat(t, 1), torch.ones(t, 5)), 400,
+         "bad_shape"),
+        ("topk_weights of another k", moe_body(x, ids, weights[:, :1].contiguous()), 400,
+         "bad_shape"),
+        ("x with another H", moe_body(torch.zeros(t, 2 * H), ids, weights), 400, "bad_shape"),
+        ("x_scale rows", moe_body(xq, ids, weights, x_scale[:1]), 400, "bad_shape"),
+        ("an id = G", moe_body(x, out_of_range, weights), 400, "bad_routing"),
+        ("an id < 0", moe_body(x, negative, weights), 400, "bad_routing"),
+        ("an id repeated", moe_body(x, repeated, weights), 400, "bad_routing"),
+        ("an int32 id = G", moe_body(x, out_of_range.to(torch.int32), weights), 400,
+         "bad_routing"),
+        ("a weight NaN", moe_body(x, ids, nan_w), 400, "bad_routing"),
+        ("a weight -Inf", moe_body(x, ids, inf_w), 400, "bad_routing"),
+        ("x holds NaN", moe_body(nan_x, ids, weights), 400, "not_finite"),
+        ("T*k over max_m", moe_body(p.tokens(129), *random_routing(129, 2, G)), 413,
+         "too_large"),
+    ]
+
+
+def test_bad_calls_get_their_codes_and_change_nothing(srv):
+    p = srv.p
+    before = snapshot(srv.http)
+    x = p.tokens(8)
+    sizes = torch.tensor([2, 2, 0, 4])
+    good = out_of(post(srv.http, "e", "ffn", ffn_body(x, sizes)))
+    for kind, cases in (("ffn", _bad_ffn(p)), ("moe", _bad_moe(p))):
+        for what, body, status, code in cases:
+            r = post(srv.http, "e", kind, body)
+            assert r.status_code == status, (kind, what, r.text)
+            assert r.json()["error"]["code"] == code, (kind, what, r.text)
+    assert_error(post(srv.http, "nope", "moe", moe_body(x, *random_routing(8, 1, G))), 404,
+                 "no_such_weights")
+    assert snapshot(srv.http) == before
+    assert torch.equal(out_of(post(srv.http, "e", "ffn", ffn_body(x, sizes))), good)
+
+
+def test_auth_and_readiness(tmp_path):
+    settings = Settings(device="cpu", weights_dir=tmp_path, demo=False, token="calls-token",
+                        admin_token="admin-token")
+    p = random_experts(2, H, I)
+    with serve(settings) as s:
+        user = {"authorization": "Bearer calls-token"}
+        admin = {"authorization": "Bearer admin-token"}
+        assert_error(put_experts(s.http, "a", upload_body(p)), 401, "unauthorized")
+        assert_error(put_experts(s.http, "a", upload_body(p), headers=user), 401,
+                     "unauthorized")
+        assert put_experts(s.http, "a", upload_body(p), headers=admin).status_code == 201
+        assert_error(httpx.get(s.url + "/v1/experts"), 401, "unauthorized")
+        assert s.http.get("/v1/experts", headers=user).json()["experts"][0]["name"] == "a"
+        body = ffn_body(p.tokens(3), [1, 2])
+        assert_error(post(s.http, "a", "ffn", body), 401, "unauthorized")
+        assert out_of(post(s.http, "a", "ffn", body, headers=user)).shape == (3, H)
+        ids, w = random_routing(3, 2, 2)
+        assert_error(post(s.http, "a", "moe", moe_body(p.tokens(3), ids, w)), 401,
+                     "unauthorized")
+        assert_error(s.http.delete("/v1/experts/a", headers=user), 401, "unauthorized")
+        assert s.http.delete("/v1/experts/a", headers=admin).status_code == 204
+
+
+CONTRACT_400 = {"bad_msgpack", "bad_field", "bad_tensor", "bad_dtype", "bad_shape",
+                "bad_m_sizes", "not_finite", "bad_name", "bad_routing"}
+
+
+def _mutations(rng: torch.Generator, body: dict) -> dict:
+    """``body`` with one to three random fields broken in random ways."""
+    body = dict(body)
+    keys = list(body) + ["x_scale", "m_sizes", "extra"]
+    for _ in range(int(torch.randint(1, 4, (), generator=rng))):
+        key = keys[int(torch.randint(len(keys), (), generator=rng))]
+        choice = int(torch.randint(8, (), generator=rng))
+        tensor = body.get(key) if isinstance(body.get(key), dict) else None
+        if choice == 0:
+            body.pop(key, None)
+        elif choice == 1:
+            body[key] = 7
+        elif choice == 2 and tensor is not None:
+            body[key] = {**tensor, "dtype": ["int32", "int64", "float16", "float8_e4m3fnuz",
+                                             "float64", "bogus"][int(torch.randint(6, ()))]}
+        elif choice == 3 and tensor is not None:
+            body[key] = {**tensor, "shape": list(reversed(tensor["shape"]))}
+        elif choice == 4 and tensor is not None:
+            body[key] = {**tensor, "data": bytes(tensor["data"])[:-1]}
+        elif choice == 5 and tensor is not None:
+            raw = bytearray(bytes(tensor["data"]))
+            if raw:
+                raw[int(torch.randint(len(raw), ()))] = int(torch.randint(256, ()))
+            body[key] = {**tensor, "data": bytes(raw)}
+        elif choice == 6:
+            body[key] = wire(torch.randint(-3, 9, (6, 2), dtype=torch.int64))
+        else:
+            body[key] = {"dtype": "float32", "shape": [0], "data": b""}
+    return body
+
+
+def test_random_bad_bodies_never_crash(srv):
+    """Randomly broken ffn/moe bodies get a contract code (or an answer), never a 500."""
+    p = srv.p
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    before = snapshot(srv.http)
+    x = p.tokens(6)
+    good = {"ffn": ffn_body(x, [1, 2, 0, 3]), "moe": moe_body(x, *random_routing(6, 2, G))}
+    for _ in range(150):
+        kind = "ffn" if torch.rand((), generator=rng) < 0.5 else "moe"
+        r = post(srv.http, "e", kind, _mutations(rng, good[kind]))
+        if r.status_code == 200:
+            assert out_of(r).shape[1] == H
+            continue
+        assert r.status_code in (400, 413), r.text
+        assert r.json()["error"]["code"] in CONTRACT_400 | {"too_large"}, r.text
+    assert snapshot(srv.http) == before

@@ -1,0 +1,68 @@
+"""Expert sets on a GPU server: ffn/moe answers within the bound, equal bit for bit
+to the eager chain (FfnExecutor) on the same device whichever runner the server
+picked, the matrices' gemm graphs, and bad routing refused without touching memory.
+
+Skipped without a CUDA device (E1 had no device time: not yet run on the H200).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA or ROCm device", allow_module_level=True)
+
+from experts_support import ffn_body, moe_body, post, put_experts, upload_body
+from moegemm.kernels.testing import random_m_sizes, rel_error
+from moegemm.kernels.testing_ffn import (
+    FFN_TOLERANCE,
+    MIN_BOUND_ROWS,
+    random_experts,
+    random_routing,
+)
+from moegemm.server import Settings
+from moegemm.server._ffn import FfnExecutor
+from server_support import assert_error, out_of, serve
+
+
+@pytest.fixture(scope="module")
+def gpu_server():
+    settings = Settings(device="cuda", demo=False, max_bucket_m=256)
+    with serve(settings) as srv:
+        yield srv
+
+
+def test_gpu_ffn_and_moe(gpu_server):
+    srv = gpu_server
+    g, h, i = 16, 512, 256
+    p = random_experts(g, h, i)
+    assert put_experts(srv.http, "e", upload_body(p)).status_code == 201
+    es = srv.app.state.experts.store.get("e")
+    eager = FfnExecutor(srv.services.engine.backend)
+    for m in (0, 1, 83, 256, 700):  # 700 > max_bucket_m
+        sizes = random_m_sizes(g, m)
+        x = p.tokens(m)
+        out = out_of(post(srv.http, "e", "ffn", ffn_body(x, sizes)))
+        assert torch.equal(out, eager.ffn(es, x, None, sizes.tolist()))
+        if m >= MIN_BOUND_ROWS:
+            assert rel_error(out, p.ffn_reference(*p.quantized(x), sizes)) <= FFN_TOLERANCE
+    for tokens, k in ((1, 8), (16, 8), (64, 2), (200, 1)):
+        ids, weights = random_routing(tokens, k, g)
+        x = p.tokens(tokens)
+        out = out_of(post(srv.http, "e", "moe", moe_body(x, ids, weights)))
+        assert torch.equal(out, eager.moe(es, x, None, ids, weights))
+        if tokens * k >= MIN_BOUND_ROWS:
+            ref = p.moe_reference(*p.quantized(x), ids, weights)
+            assert rel_error(out, ref) <= FFN_TOLERANCE
+    bad, weights = random_routing(8, 2, g)
+    bad[3, 1] = 1 << 40  # far out of bounds: must be refused, never indexed
+    assert_error(post(srv.http, "e", "moe", moe_body(p.tokens(8), bad, weights)), 400,
+                 "bad_routing")
+    sizes = random_m_sizes(g, 32)
+    x = p.tokens(32)
+    assert torch.equal(out_of(post(srv.http, "e", "ffn", ffn_body(x, sizes))),
+                       eager.ffn(es, x, None, sizes.tolist()))
+    assert srv.http.delete("/v1/experts/e").status_code == 204
