@@ -40,11 +40,10 @@ _FLT_MAX = 3.4028234663852886e38
 
 @triton.jit
 def _route_kernel(ids_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, src_ptr, live_ptr, flags_ptr,
-                  bucket_tokens, G: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                  bucket_tokens: tl.constexpr, R: tl.constexpr, G: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                   CHUNK: tl.constexpr, TBLOCK: tl.constexpr):
     g = tl.program_id(0)
     T = tl.load(tokens_ptr)
-    R = bucket_tokens * K
     below = tl.zeros([CHUNK], dtype=tl.int32)
     own = tl.zeros([CHUNK], dtype=tl.int32)
     for c in range(0, R, CHUNK):
@@ -113,8 +112,8 @@ def route(ids: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, G: int
     if bucket_tokens == 0:
         return
     _route_kernel[(G + 1,)](
-        ids, weights, tokens, m_sizes, pos, src, live, flags, bucket_tokens,
-        G=G, K=k, KP=triton.next_power_of_2(k), CHUNK=_CHUNK,
+        ids, weights, tokens, m_sizes, pos, src, live, flags,
+        bucket_tokens=bucket_tokens, R=bucket_tokens * k, G=G, K=k, KP=triton.next_power_of_2(k), CHUNK=_CHUNK,
         TBLOCK=max(1, _CHUNK // triton.next_power_of_2(k)), num_warps=4,
     )
 

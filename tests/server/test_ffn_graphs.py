@@ -1,0 +1,144 @@
+"""FfnGraphs on the CPU (the reference backend: eager, the same code path) and its
+routing and combine kernels in Triton's interpreter.
+
+Against the float64 chain (bound 3e-2) for ffn and moe, chunked calls equal
+unchunked ones, bad routing and bad rows get the contract's codes; the Triton
+``route`` and ``combine`` equal their torch definitions bit for bit (in a fresh
+process with ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ffn_support import (FFN_TOLERANCE, expert_set, ffn_float64, moe_float64, quantized,
+                         random_routing, random_x)
+from moegemm.client._errors import NotFinite
+from moegemm.kernels.reference import create as reference_backend
+from moegemm.kernels.testing import random_m_sizes, rel_error
+from moegemm.server._ffn_graphs import FfnGraphs
+
+FP8 = torch.float8_e4m3fn
+G, H, I = 5, 512, 256
+
+
+@pytest.fixture(scope="module")
+def es():
+    return expert_set(G, H, I, FP8, "cpu", torch.Generator().manual_seed(torch.seed()))
+
+
+def _runner(max_bucket: int = 16) -> FfnGraphs:
+    return FfnGraphs(reference_backend(torch.device("cpu")), max_bucket)
+
+
+def test_ffn_meets_the_bound_and_chunks_agree(es):
+    gen = torch.Generator().manual_seed(torch.seed())
+    small, large = _runner(16), _runner(64)
+    for m in (1, 7, 40):
+        for fp8 in (None, FP8):
+            x, xs = random_x(m, H, gen, fp8)
+            sizes = random_m_sizes(G, m, generator=gen).tolist()
+            out = small.ffn(es, x, xs, sizes)
+            xq, xsq = quantized(x, xs, FP8)
+            assert rel_error(out, ffn_float64(es, xq, xsq, sizes, FP8)) <= FFN_TOLERANCE
+            if m > 16:
+                assert torch.equal(out, large.ffn(es, x, xs, sizes))
+    assert small.ffn(es, *random_x(0, H, gen), [0] * G).shape == (0, H)
+
+
+def test_ffn_many_answers_each_call(es):
+    gen = torch.Generator().manual_seed(torch.seed())
+    runner = _runner()
+    calls = [(random_x(m, H, gen)[0], None, random_m_sizes(G, m, generator=gen).tolist())
+             for m in (3, 0, 6)]
+    bad = random_x(2, H, gen)[0]
+    bad[1, 0] = float("nan")
+    calls.append((bad, None, [2] + [0] * (G - 1)))
+    got = runner.ffn_many(es, calls)
+    assert isinstance(got[3], NotFinite)
+    for out, (x, _, sizes) in zip(got[:3], calls):
+        assert out.shape == (x.shape[0], H)
+        if x.shape[0]:
+            xq, xsq = quantized(x, None, FP8)
+            assert rel_error(out, ffn_float64(es, xq, xsq, sizes, FP8)) <= FFN_TOLERANCE
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_moe_meets_the_bound(es, k):
+    gen = torch.Generator().manual_seed(torch.seed())
+    runner = _runner()
+    for T in (1, 5, 11):  # 11 * 2 and 11 * 4 rows: chunks of the 16-row bucket
+        x, xs = random_x(T, H, gen, FP8 if T == 5 else None)
+        ids, w = random_routing(T, G, k, gen, dtype=torch.int32 if T == 1 else torch.int64)
+        out = runner.moe(es, x, xs, ids, w)
+        xq, xsq = quantized(x, xs, FP8)
+        assert rel_error(out, moe_float64(es, xq, xsq, ids, w, FP8)) <= FFN_TOLERANCE
+
+
+def test_moe_bad_routing_and_bad_rows(es):
+    gen = torch.Generator().manual_seed(torch.seed())
+    runner = _runner()
+    x, _ = random_x(4, H, gen)
+    ids, w = random_routing(4, G, 2, gen)
+    for b, bw in ((ids.clone().index_fill_(0, torch.tensor([3]), G), w),
+                  (ids.clone().index_fill_(0, torch.tensor([0]), 1), w),
+                  (ids, w.clone().index_fill_(0, torch.tensor([2]), float("nan")))):
+        with pytest.raises(Exception) as info:
+            runner.moe(es, x, None, b, bw)
+        assert info.value.code == "bad_routing" and info.value.status == 400
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(NotFinite):
+        runner.moe(es, bad, None, ids, w)
+
+
+def compare_kernels_on_cpu() -> None:
+    from moegemm.server._ffn_graphs import combine_torch, route_torch
+    from moegemm.server._moe_route import combine, route
+
+    gen = torch.Generator().manual_seed(0)
+    for g, k, bucket, tokens in ((5, 2, 4, 3), (7, 3, 8, 8), (16, 8, 16, 11), (3, 1, 1, 1),
+                                 (9, 6, 4, 2)):
+        ids = torch.stack([torch.randperm(g, generator=gen)[:k] for _ in range(bucket)])
+        ids = ids.reshape(-1)
+        w = torch.rand(bucket * k, generator=gen)
+        if tokens > 2:
+            ids[k], ids[2 * k] = g + 3, -1
+            if k > 1:
+                ids[2 * k + 1] = ids[2 * k]
+            w[min(tokens - 1, 3) * k] = float("nan")
+        n = torch.tensor(tokens)
+        got = []
+        for fn in (route, route_torch):
+            outs = (torch.full((g,), -5, dtype=torch.int64),
+                    torch.full((bucket * k,), -5, dtype=torch.int64),
+                    torch.full((bucket * k,), -5, dtype=torch.int64), torch.tensor(-1),
+                    torch.full((bucket,), 9, dtype=torch.int8))
+            fn(ids, w, n, g, k, *outs)
+            got.append(outs)
+        for a, b in zip(*got):
+            assert torch.equal(a, b), (g, k, bucket, tokens, a, b)
+        assert got[0][4][: min(tokens, 4)].tolist()[1:] == [1] * (min(tokens, 4) - 1) \
+            if tokens > 2 else True
+        y = torch.randn((bucket * k, 256), generator=gen).to(torch.bfloat16)
+        o1 = torch.zeros((bucket, 256), dtype=torch.bfloat16)
+        o2 = o1.clone()
+        combine(y, got[0][1], w.nan_to_num(), n, k, o1)
+        combine_torch(y, got[0][1], w.nan_to_num(), n, k, o2)
+        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16))
+
+
+def test_route_and_combine_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    here = str(Path(__file__).parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_ffn_graphs; " \
+           "test_ffn_graphs.compare_kernels_on_cpu()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
