@@ -87,55 +87,65 @@ def capture(fn):
     return graph
 
 
+def measure_kernels(runner, es, tables, T, gen, flush, reps) -> dict:
+    """One row: the moe, ffn and two-GEMM graphs' replay medians for ``T`` tokens."""
+    from moegemm.kernels.triton_kernel import run_table
+    from moegemm.server._ffn_graphs import FfnFamily
+
+    G, H, I, dev, fp8 = es.G, es.H, es.I, torch.device("cuda"), runner.fp8
+    ids, w = routing(T, G, TOP_K, gen)
+    x = torch.randn((T, H), generator=gen).to(torch.bfloat16)
+    runner.moe(es, x, None, ids, w)  # captures the bucket's graph
+    moe_graph = runner._graphs[(FfnFamily(G, H, I, True, TOP_K), T)]
+    sizes = torch.bincount(ids.reshape(-1), minlength=G)
+    rows = T * TOP_K
+    xq = random_fp8((rows, H), fp8, dev)
+    xs = torch.rand((rows, H // 128), device=dev) + 0.5
+    aq = random_fp8((rows, I), fp8, dev)
+    a_s = torch.rand((rows, I // 128), device=dev) + 0.5
+    m_sizes = sizes.to(dev)
+    h = torch.empty((rows, 2 * I), dtype=torch.bfloat16, device=dev)
+    y = torch.empty((rows, H), dtype=torch.bfloat16, device=dev)
+    t13, t2 = tables
+
+    def two_gemms():
+        run_table(xq, t13, xs, m_sizes, h, n=2 * I, k=H)
+        run_table(aq, t2, a_s, m_sizes, y, n=H, k=I)
+
+    gemm_graph = capture(two_gemms)
+    runner.ffn(es, xq.cpu(), xs.cpu(), sizes.tolist())
+    ffn_graph = runner._graphs[(FfnFamily(G, H, I, False, 0), rows)]
+    active = int((sizes > 0).sum())
+    floor_us = active * (2 * I * H + H * I) / HBM_BYTES_PER_S * 1e6
+    row = {"G": G, "H": H, "I": I, "top_k": TOP_K, "tokens": T, "active_experts": active,
+           "floor_us": round(floor_us, 1)}
+    for name, graph in (("moe", moe_graph), ("ffn", ffn_graph), ("gemms", gemm_graph)):
+        row[f"{name}_us"] = round(replay_median_us(graph, flush, reps), 1)
+    row["moe_over_gemms"] = round(row["moe_us"] / row["gemms_us"], 3)
+    row["ffn_over_gemms"] = round(row["ffn_us"] / row["gemms_us"], 3)
+    return row
+
+
 def kernel_side(reps: int) -> list[dict]:
     from moegemm.kernels import get_backend
-    from moegemm.kernels.triton_kernel import make_weight_table, run_table
-    from moegemm.server._ffn_graphs import FfnFamily, FfnGraphs
+    from moegemm.kernels.triton_kernel import make_weight_table
+    from moegemm.server._ffn_graphs import FfnGraphs
 
     dev = torch.device("cuda")
     backend = get_backend(dev)
-    fp8 = backend.fp8_dtype
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     gen = torch.Generator().manual_seed(0)
     rows_out = []
     for model, (G, H, I) in MODELS.items():
-        es = expert_set(G, H, I, fp8, dev)
+        es = expert_set(G, H, I, backend.fp8_dtype, dev)
         runner = FfnGraphs(backend, max(TOKENS) * TOP_K)
-        t13 = make_weight_table(es.w13.wq, es.w13.w_scale)
-        t2 = make_weight_table(es.w2.wq, es.w2.w_scale)
+        tables = (make_weight_table(es.w13.wq, es.w13.w_scale),
+                  make_weight_table(es.w2.wq, es.w2.w_scale))
         for T in TOKENS:
-            ids, w = routing(T, G, TOP_K, gen)
-            x = torch.randn((T, H), generator=gen).to(torch.bfloat16)
-            runner.moe(es, x, None, ids, w)  # captures the bucket's graph
-            moe_graph = runner._graphs[(FfnFamily(G, H, I, True, TOP_K), T)]
-            sizes = torch.bincount(ids.reshape(-1), minlength=G)
-            rows = T * TOP_K
-            xq = random_fp8((rows, H), fp8, dev)
-            xs = torch.rand((rows, H // 128), device=dev) + 0.5
-            aq = random_fp8((rows, I), fp8, dev)
-            a_s = torch.rand((rows, I // 128), device=dev) + 0.5
-            m_sizes = sizes.to(dev)
-            h = torch.empty((rows, 2 * I), dtype=torch.bfloat16, device=dev)
-            y = torch.empty((rows, H), dtype=torch.bfloat16, device=dev)
-
-            def two_gemms():
-                run_table(xq, t13, xs, m_sizes, h, n=2 * I, k=H)
-                run_table(aq, t2, a_s, m_sizes, y, n=H, k=I)
-
-            gemm_graph = capture(two_gemms)
-            runner.ffn(es, xq.cpu(), xs.cpu(), sizes.tolist())
-            ffn_graph = runner._graphs[(FfnFamily(G, H, I, False, 0), rows)]
-            active = int((sizes > 0).sum())
-            floor_us = active * (2 * I * H + H * I) / HBM_BYTES_PER_S * 1e6
-            row = {"model": model, "G": G, "H": H, "I": I, "top_k": TOP_K, "tokens": T,
-                   "active_experts": active, "floor_us": round(floor_us, 1)}
-            for name, graph in (("moe", moe_graph), ("ffn", ffn_graph), ("gemms", gemm_graph)):
-                row[f"{name}_us"] = round(replay_median_us(graph, flush, reps), 1)
-            row["moe_over_gemms"] = round(row["moe_us"] / row["gemms_us"], 3)
-            row["ffn_over_gemms"] = round(row["ffn_us"] / row["gemms_us"], 3)
+            row = {"model": model, **measure_kernels(runner, es, tables, T, gen, flush, reps)}
             print(json.dumps(row), flush=True)
             rows_out.append(row)
-        del es, runner, t13, t2
+        del es, runner, tables
         torch.cuda.empty_cache()
     return rows_out
 
@@ -162,10 +172,10 @@ def server_side(url: str, reps: int) -> list[dict]:
             ids, w = routing(T, G, TOP_K, gen)
             x = torch.randn((T, H), generator=gen).to(torch.bfloat16)
 
-            def one_call():
+            def one_call(name=name, x=x, ids=ids, w=w):
                 return client.moe(name, x, ids, w)
 
-            def two_calls():
+            def two_calls(name=name, x=x, ids=ids, w=w, G=G, T=T, H=H):
                 flat = ids.reshape(-1)
                 order = torch.argsort(flat, stable=True)
                 sizes = torch.bincount(flat, minlength=G)

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 from .quant import BLOCK, fp8_max
 
 # Float bits of 2^23: adding and subtracting it rounds a value in [0, 2^22) to an integer, ties to even.
-_ROUND_MAGIC = 8388608.0
+_ROUND_MAGIC = tl.constexpr(8388608.0)
 # Triton's interpreter (TRITON_INTERPRET=1, read when a kernel is defined) runs the CPU tests.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -60,17 +60,18 @@ def _round_to_bf16(v):
     """
     bits = v.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    rounded = tl.where(v != v, bits | 0x400000, rounded)  # NaN stays NaN (quiet)
+    rounded = tl.where(v != v, bits | 0x400000, rounded)  # noqa: PLR0124 (NaN stays NaN)
     return rounded.to(tl.float32, bitcast=True)
 
 
+# The two formats' exponent bias, smallest normal and subnormal step (2^(-BIAS - 2)) inverse.
+_FORMAT = {False: (7, 0.015625, 512.0), True: (8, 0.0078125, 1024.0)}
+
+
 @triton.jit
-def _fp8_bits(v, FNUZ: tl.constexpr):
+def _fp8_bits(v, FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+              SUB_SCALE: tl.constexpr):
     """Round float32 ``v`` (|v| <= the format's max, or NaN) to e4m3fn / e4m3fnuz bits (int32)."""
-    BIAS: tl.constexpr = 8 if FNUZ else 7
-    # Values below the smallest normal are multiples of 2^(-BIAS - 2): scale them to integers.
-    SUB_SCALE: tl.constexpr = 1024.0 if FNUZ else 512.0
-    MIN_NORMAL: tl.constexpr = 0.0078125 if FNUZ else 0.015625
     raw = v.to(tl.int32, bitcast=True)
     negative = raw < 0
     a = tl.abs(v)
@@ -83,19 +84,21 @@ def _fp8_bits(v, FNUZ: tl.constexpr):
     if FNUZ:
         # No negative zero in fnuz (0x80 is its NaN).
         code = tl.where(negative & (code != 0), code | 0x80, code)
-        code = tl.where(v != v, 0x80, code)
+        code = tl.where(v != v, 0x80, code)  # noqa: PLR0124 (NaN)
     else:
         code = tl.where(negative, code | 0x80, code)
-        code = tl.where(v != v, tl.where(negative, 0xFF, 0x7F), code)
+        code = tl.where(v != v, tl.where(negative, 0xFF, 0x7F), code)  # noqa: PLR0124
     return code
 
 
 @triton.jit
 def _silu_mul_quant_kernel(h_ptr, aq_ptr, scale_ptr, rows_ptr, stride_h, stride_aq, stride_scale,
                            FP8_MAX, I: tl.constexpr, HAS_ROWS: tl.constexpr,
-                           BLOCKS: tl.constexpr, FNUZ: tl.constexpr, INTERPRETED: tl.constexpr):
+                           BLOCKS: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
+                           MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr,
+                           INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    if HAS_ROWS:
+    if HAS_ROWS:  # noqa: SIM102 (a constexpr test, then a runtime one)
         if row >= tl.load(rows_ptr):
             return
     IB: tl.constexpr = I // 128
@@ -112,10 +115,10 @@ def _silu_mul_quant_kernel(h_ptr, aq_ptr, scale_ptr, rows_ptr, stride_h, stride_
     a = _round_to_bf16(silu * up)
     amax = tl.reduce(tl.abs(a), 1, _max_nan)
     scale = tl.math.div_rn(_max_nan(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
-    v = tl.math.div_rn(a, scale[:, None])
+    v = tl.math.div_rn(a, tl.broadcast_to(scale[:, None], a.shape))
     v = tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
-    code = _fp8_bits(v, FNUZ)
+    code = _fp8_bits(v, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
     tl.store(aq_ptr + row * stride_aq + col, code.to(tl.uint8), mask=inside)
     tl.store(scale_ptr + row * stride_scale + blk, scale, mask=blk < IB)
 
@@ -152,13 +155,16 @@ def silu_mul_quant_triton(
             raise ValueError("out must be (aq [M, I] in fp8_dtype, a_scale [M, I/128] float32)")
     if m == 0:
         return aq, a_scale
+    fnuz = fp8_dtype == torch.float8_e4m3fnuz
+    bias, min_normal, sub_scale = _FORMAT[fnuz]
     blocks = triton.next_power_of_2(min(8, inter // BLOCK))
     grid = (m, triton.cdiv(inter // BLOCK, blocks))
     _silu_mul_quant_kernel[grid](
         h, aq.view(torch.uint8), a_scale, h if rows is None else rows,
         h.stride(0), aq.stride(0), a_scale.stride(0), limit,
         I=inter, HAS_ROWS=rows is not None, BLOCKS=blocks,
-        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, INTERPRETED=_INTERPRETED,
+        FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal, SUB_SCALE=sub_scale,
+        INTERPRETED=_INTERPRETED,
         num_warps=4, enable_fp_fusion=False,
     )
     return aq, a_scale

@@ -122,10 +122,10 @@ class FfnFamily:
 class _Buffers:
     """One family's static device buffers (leading rows used by each bucket).
 
-    ``meta`` int64, uploaded in one copy: the ``w13`` and ``w2`` tables ``[2, G]``
-    each, ``tokens`` (moe) and ``live`` (ffn: the real rows), the group sizes
-    ``[G]`` (ffn; moe's are computed on the device) and per row its (gather,
-    scatter) pair (ffn). ``result``: flags at byte 0 (x's per row or token, then
+    ``meta`` int64, uploaded in one copy: the group sizes ``[G]`` (ffn; moe's
+    are computed on the device), the ``w13`` and ``w2`` tables ``[2, G]`` each,
+    ``tokens`` (moe) and ``live`` (ffn: the real rows), and per row its
+    (gather, scatter) pair (ffn). ``result``: flags at byte 0 (x's per row or token, then
     moe's routing per token), the bf16 output at :meth:`out_offset`.
     """
 
@@ -155,21 +155,21 @@ class _Buffers:
         self.host_tables: tuple = ()
 
     def table13(self):
-        return self.meta[: 2 * self.family.G].view(2, self.family.G)
+        G = self.family.G
+        return self.meta[G : 3 * G].view(2, G)
 
     def table2(self):
         G = self.family.G
-        return self.meta[2 * G : 4 * G].view(2, G)
+        return self.meta[3 * G : 5 * G].view(2, G)
 
     def tokens_word(self):
-        return self.meta[4 * self.family.G]
+        return self.meta[5 * self.family.G]
 
     def live_word(self):
-        return self.meta[4 * self.family.G + 1]
+        return self.meta[5 * self.family.G + 1]
 
     def m_sizes(self):
-        G = self.family.G
-        return self.m_sizes_dev if self.family.top_k else self.meta[4 * G + 2 : 5 * G + 2]
+        return self.m_sizes_dev if self.family.top_k else self.meta[: self.family.G]
 
     def order(self, rows: int):
         G = self.family.G
@@ -279,8 +279,8 @@ class FfnGraphs:
         if bufs.host_tables == key:
             return
         G = es.G
-        fill_table(bufs.meta_host[: 2 * G].view(2, G), es.w13.wq, es.w13.w_scale)
-        fill_table(bufs.meta_host[2 * G : 4 * G].view(2, G), es.w2.wq, es.w2.w_scale)
+        fill_table(bufs.meta_host[G : 3 * G].view(2, G), es.w13.wq, es.w13.w_scale)
+        fill_table(bufs.meta_host[3 * G : 5 * G].view(2, G), es.w2.wq, es.w2.w_scale)
         bufs.host_tables = key
 
     def _gemm(self, xq, xs, table, ws, m_sizes, out) -> None:
@@ -486,8 +486,8 @@ class FfnGraphs:
             bufs.x_scale[:n].copy_(xs)
         self._fill_tables(bufs, es)
         meta = bufs.meta_host.numpy()
-        meta[4 * G + 1] = n
-        meta[4 * G + 2 : 5 * G + 2] = sizes
+        meta[5 * G + 1] = n
+        meta[:G] = sizes
         pairs = meta[5 * G + 2 : 5 * G + 2 + 2 * launched].reshape(launched, 2)
         pairs[:] = np.arange(launched, dtype=np.int64)[:, None]  # padding rows stay in place
         if gather is not None:
@@ -496,7 +496,7 @@ class FfnGraphs:
         words = 5 * G + 2 + 2 * launched
         bufs.meta[:words].copy_(bufs.meta_host[:words], non_blocking=True)
         self._run(bufs, es, launched)
-        host = bufs.packed(launched, n).cpu()
+        host = bufs.packed(launched, n).to("cpu", copy=True)  # a copy on the CPU too
         out, flags, _ = _unpack(host, launched, n, es.H)
         return out, flags.numpy()
 
@@ -529,11 +529,11 @@ class FfnGraphs:
             bufs.weights[: n * k].copy_(weights[start * k : stop * k])
             self._fill_tables(bufs, es)
             meta = bufs.meta_host.numpy()
-            meta[4 * G] = n
-            words = 4 * G + 2
+            meta[5 * G] = n
+            words = 5 * G + 2
             bufs.meta[:words].copy_(bufs.meta_host[:words], non_blocking=True)
             self._run(bufs, es, launched)
-            host = bufs.packed(launched, n).cpu()
+            host = bufs.packed(launched, n).to("cpu", copy=True)  # a copy on the CPU too
             o, fl, rfl = _unpack(host, launched, n, H)
             out[start:stop] = o
             x_flags[start:stop] = fl.numpy()

@@ -35,7 +35,7 @@ import triton.language as tl
 from moegemm.kernels._triton_act import _round_to_bf16
 
 _CHUNK = 1024
-_FLT_MAX = 3.4028234663852886e38
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def _route_kernel(ids_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, src_ptr, liv
             slot = (tt < bucket_tokens) & (jj < K)
             e = tl.load(ids_ptr + tt * K + jj, mask=slot, other=0)
             w = tl.load(w_ptr + tt * K + jj, mask=slot, other=0.0)
-            bad = (e < 0) | (e >= G) | (w != w) | (tl.abs(w) > _FLT_MAX)
+            bad = (e < 0) | (e >= G) | (w != w) | (tl.abs(w) > _FLT_MAX)  # noqa: PLR0124
             for m in tl.static_range(K):
                 em = tl.sum(tl.where(jj == m, e, 0), axis=1)
                 bad = bad | ((jj != m) & (e == em[:, None]))

@@ -65,7 +65,7 @@ def test_kernel_in_the_triton_interpreter():
     code = f"import sys; sys.path.insert(0, {here!r}); import test_triton_act; " \
            "test_triton_act.compare_on_cpu()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -87,3 +87,21 @@ def random_routing(T: int, G: int, k: int, gen: torch.Generator, *, experts=None
         if T else torch.zeros((0, k), dtype=torch.int64)
     w = torch.rand((T, k), generator=gen) + 0.05
     return ids.to(dtype), (w / w.sum(dim=1, keepdim=True)).float()
+
+
+POOL_ROWS = 16
+"""Small calls are judged together until this many rows: one row's error has a heavy tail (about
+one row in twenty passes 3e-2 with the CPU reference, the chain's definition, on these weights'
+log-normal block magnitudes), while the bound is about the chain, not one unlucky row."""
+
+
+def repeats(rows: int) -> int:
+    """How many fresh calls of ``rows`` rows make up one judged sample."""
+    return max(1, -(-POOL_ROWS // max(rows, 1)))
+
+
+def pooled_error(pairs) -> float:
+    """The relative Frobenius error of (out, float64 ref) pairs taken together."""
+    from moegemm.kernels.testing import rel_error
+
+    return rel_error(torch.cat([o.double() for o, _ in pairs]), torch.cat([r for _, r in pairs]))

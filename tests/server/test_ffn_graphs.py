@@ -16,11 +16,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from ffn_support import (FFN_TOLERANCE, expert_set, ffn_float64, moe_float64, quantized,
-                         random_routing, random_x)
+from ffn_support import (
+    FFN_TOLERANCE,
+    expert_set,
+    ffn_float64,
+    moe_float64,
+    pooled_error,
+    quantized,
+    random_routing,
+    random_x,
+    repeats,
+)
 from moegemm.client._errors import NotFinite
 from moegemm.kernels.reference import create as reference_backend
-from moegemm.kernels.testing import random_m_sizes, rel_error
+from moegemm.kernels.testing import random_m_sizes
 from moegemm.server._ffn_graphs import FfnGraphs
 
 FP8 = torch.float8_e4m3fn
@@ -41,13 +50,16 @@ def test_ffn_meets_the_bound_and_chunks_agree(es):
     small, large = _runner(16), _runner(64)
     for m in (1, 7, 40):
         for fp8 in (None, FP8):
-            x, xs = random_x(m, H, gen, fp8)
-            sizes = random_m_sizes(G, m, generator=gen).tolist()
-            out = small.ffn(es, x, xs, sizes)
-            xq, xsq = quantized(x, xs, FP8)
-            assert rel_error(out, ffn_float64(es, xq, xsq, sizes, FP8)) <= FFN_TOLERANCE
-            if m > 16:
-                assert torch.equal(out, large.ffn(es, x, xs, sizes))
+            pairs = []
+            for _ in range(repeats(m)):
+                x, xs = random_x(m, H, gen, fp8)
+                sizes = random_m_sizes(G, m, generator=gen).tolist()
+                out = small.ffn(es, x, xs, sizes)
+                xq, xsq = quantized(x, xs, FP8)
+                pairs.append((out, ffn_float64(es, xq, xsq, sizes, FP8)))
+                if m > 16:
+                    assert torch.equal(out, large.ffn(es, x, xs, sizes))
+            assert pooled_error(pairs) <= FFN_TOLERANCE, (m, fp8)
     assert small.ffn(es, *random_x(0, H, gen), [0] * G).shape == (0, H)
 
 
@@ -61,11 +73,14 @@ def test_ffn_many_answers_each_call(es):
     calls.append((bad, None, [2] + [0] * (G - 1)))
     got = runner.ffn_many(es, calls)
     assert isinstance(got[3], NotFinite)
+    pairs = []
     for out, (x, _, sizes) in zip(got[:3], calls):
         assert out.shape == (x.shape[0], H)
-        if x.shape[0]:
-            xq, xsq = quantized(x, None, FP8)
-            assert rel_error(out, ffn_float64(es, xq, xsq, sizes, FP8)) <= FFN_TOLERANCE
+        if not x.shape[0]:
+            continue
+        xq, xsq = quantized(x, None, FP8)
+        pairs.append((out, ffn_float64(es, xq, xsq, sizes, FP8)))
+    assert pooled_error(pairs) <= FFN_TOLERANCE
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -73,11 +88,14 @@ def test_moe_meets_the_bound(es, k):
     gen = torch.Generator().manual_seed(torch.seed())
     runner = _runner()
     for T in (1, 5, 11):  # 11 * 2 and 11 * 4 rows: chunks of the 16-row bucket
-        x, xs = random_x(T, H, gen, FP8 if T == 5 else None)
-        ids, w = random_routing(T, G, k, gen, dtype=torch.int32 if T == 1 else torch.int64)
-        out = runner.moe(es, x, xs, ids, w)
-        xq, xsq = quantized(x, xs, FP8)
-        assert rel_error(out, moe_float64(es, xq, xsq, ids, w, FP8)) <= FFN_TOLERANCE
+        pairs = []
+        for _ in range(repeats(T)):
+            x, xs = random_x(T, H, gen, FP8 if T == 5 else None)
+            ids, w = random_routing(T, G, k, gen, dtype=torch.int32 if T == 1 else torch.int64)
+            out = runner.moe(es, x, xs, ids, w)
+            xq, xsq = quantized(x, xs, FP8)
+            pairs.append((out, moe_float64(es, xq, xsq, ids, w, FP8)))
+        assert pooled_error(pairs) <= FFN_TOLERANCE, (T, k)
 
 
 def test_moe_bad_routing_and_bad_rows(es):
@@ -139,6 +157,6 @@ def test_route_and_combine_in_the_triton_interpreter():
     code = f"import sys; sys.path.insert(0, {here!r}); import test_ffn_graphs; " \
            "test_ffn_graphs.compare_kernels_on_cpu()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
