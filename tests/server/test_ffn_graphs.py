@@ -2,9 +2,11 @@
 routing and combine kernels in Triton's interpreter.
 
 Against the float64 chain (bound 3e-2) for ffn and moe, chunked calls equal
-unchunked ones, bad routing and bad rows get the contract's codes; the Triton
-``route`` and ``combine`` equal their torch definitions bit for bit (in a fresh
-process with ``TRITON_INTERPRET=1``).
+unchunked ones, bad routing and bad rows get the contract's codes. In Triton's
+interpreter (a fresh process with ``TRITON_INTERPRET=1``): ``route`` and
+``combine`` equal their torch definitions bit for bit, and the GPU's path (rows
+padded to buckets, the Triton steps, NaN in the GEMMs' rows of no expert)
+answers what the CPU's path answers.
 """
 
 from __future__ import annotations
@@ -159,4 +161,63 @@ def test_route_and_combine_in_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False,
                           timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def compare_padded_path_on_cpu() -> None:
+    """The GPU's path (rows padded to buckets, the Triton steps) equals the CPU's, bit for bit.
+
+    The GEMM is the reference on the live rows, NaN past them: rows of no expert must never
+    reach an answer.
+    """
+    from moegemm.kernels._triton_act import silu_mul_quant_triton
+    from moegemm.kernels.reference import grouped_gemm
+    from moegemm.server._moe_route import combine, route
+    from moegemm.server._prologue import check_and_gather
+
+    gen = torch.Generator().manual_seed(0)
+    es = expert_set(G, 256, 256, FP8, "cpu", gen)
+    plain, padded = _runner(), _runner()
+    padded.pad_to_bucket = True
+    padded.check_and_gather = check_and_gather
+    padded._act = lambda h, rows: silu_mul_quant_triton(h, FP8, rows=rows)
+    padded._route, padded._combine = route, combine
+
+    def gemm(xq, xs, table, ws, m_sizes, out):
+        n = int(m_sizes.sum())
+        out.fill_(float("nan"))
+        grouped_gemm(xq[:n], ws.wq, xs[:n], ws.w_scale, m_sizes, out[:n])
+
+    padded._gemm = gemm
+
+    def same(a, b):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    for m, kind in ((3, None), (7, FP8), (20, None)):
+        x, xs = random_x(m, 256, gen, kind)
+        sizes = random_m_sizes(G, m, generator=gen).tolist()
+        assert same(plain.ffn(es, x, xs, sizes), padded.ffn(es, x, xs, sizes)), (m, kind)
+    calls = [(random_x(m, 256, gen)[0], None, random_m_sizes(G, m, generator=gen).tolist())
+             for m in (3, 2, 5)]
+    for a, b in zip(plain.ffn_many(es, calls), padded.ffn_many(es, calls)):
+        assert same(a, b)
+    for T, k, kind in ((1, 1, None), (3, 2, FP8), (6, 4, None)):
+        x, xs = random_x(T, 256, gen, kind)
+        ids, w = random_routing(T, G, k, gen)
+        assert same(plain.moe(es, x, xs, ids, w), padded.moe(es, x, xs, ids, w)), (T, k)
+    ids[0, 0] = G
+    for runner in (plain, padded):
+        with pytest.raises(Exception) as info:
+            runner.moe(es, x, xs, ids, w)
+        assert info.value.code == "bad_routing"
+
+
+def test_the_padded_triton_path_in_the_interpreter():
+    pytest.importorskip("triton")
+    here = str(Path(__file__).parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_ffn_graphs; " \
+           "test_ffn_graphs.compare_padded_path_on_cpu()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=False, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
