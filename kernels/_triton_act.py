@@ -9,6 +9,11 @@
 | `a_scale` | `[M, I/128]`| float32                | the blocks' dequant scales (SPEC 1.1) |
 | `rows`    | `[]`        | int64 (optional)       | rows to compute; rows at or past it are left untouched |
 
+and ``gather_quantize_triton``, the same quantization on the rows a graph
+gathers (bf16 inputs): rows ``gather`` of ``x`` quantized, with their NaN/Inf
+flags, in one kernel instead of a gather, a check and torch's seven
+quantization kernels.
+
 One read of ``h`` and one write of ``aq`` and ``a_scale``: the kernel between
 the two GEMMs of an expert-FFN graph. It is the torch definition
 (``moegemm.kernels.activation.silu_mul_quant``) bit for bit:
@@ -168,3 +173,64 @@ def silu_mul_quant_triton(
         num_warps=4, enable_fp_fusion=False,
     )
     return aq, a_scale
+
+
+@triton.jit
+def _gather_quant_kernel(x_ptr, gather_ptr, gather_stride, aq_ptr, scale_ptr, flags_ptr, FP8_MAX,
+                         K: tl.constexpr, BLOCKS: tl.constexpr, FNUZ: tl.constexpr,
+                         BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    src = tl.load(gather_ptr + row * gather_stride).to(tl.int64)
+    KB: tl.constexpr = K // 128
+    blk = tl.arange(0, BLOCKS)
+    col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+    inside = blk[:, None] < KB
+    x = tl.load(x_ptr + src * K + col, mask=inside, other=0.0).to(tl.float32)
+    # NaN or Inf (exponent all ones), as _checks.bad_rows flags a bf16 row.
+    exponent = x.to(tl.int32, bitcast=True) & 0x7F800000
+    flag = tl.max(tl.max((exponent == 0x7F800000).to(tl.int8), axis=1), axis=0)
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    scale = tl.math.div_rn(_max_nan(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
+    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    v = tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    code = _fp8_bits(v, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
+    tl.store(aq_ptr + row * K + col, code.to(tl.uint8), mask=inside)
+    tl.store(scale_ptr + row * KB + blk, scale, mask=blk < KB)
+    tl.store(flags_ptr + src, flag)
+
+
+def gather_quantize_triton(
+    x: torch.Tensor,
+    gather: torch.Tensor,
+    flags: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``gather`` of bf16 ``x`` quantized (SPEC 1.1) into ``out = (xq [R, K], x_scale
+    [R, K/128])``, and ``flags[gather[r]]`` = 1 where that row holds NaN or Inf, else 0.
+
+    ``quantize_activations(x[gather])`` and ``_checks.bad_rows(x, None)`` bit for bit, in one
+    kernel (one program per output row, ``R = len(gather)``, which may repeat rows: ``moe``
+    gathers a token once per expert it goes to). ``gather`` int64 of any stride; capture-safe.
+    """
+    xq, x_scale = out
+    fp8_dtype = xq.dtype
+    limit = fp8_max(fp8_dtype)
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % BLOCK or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous bf16 [rows, K], K % 128 == 0, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    rows, k = gather.shape[0], x.shape[1]
+    if tuple(xq.shape) != (rows, k) or tuple(x_scale.shape) != (rows, k // BLOCK) or \
+            not (xq.is_contiguous() and x_scale.is_contiguous()):
+        raise ValueError("out must be contiguous (xq [R, K], x_scale [R, K/128])")
+    if rows == 0:
+        return xq, x_scale
+    fnuz = fp8_dtype == torch.float8_e4m3fnuz
+    bias, min_normal, sub_scale = _FORMAT[fnuz]
+    blocks = triton.next_power_of_2(k // BLOCK)
+    _gather_quant_kernel[(rows,)](
+        x, gather, gather.stride(0), xq.view(torch.uint8), x_scale, flags, limit,
+        K=k, BLOCKS=blocks, FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal, SUB_SCALE=sub_scale,
+        num_warps=4 if blocks <= 16 else 8, enable_fp_fusion=False,
+    )
+    return xq, x_scale

@@ -10,9 +10,10 @@ larger calls run in chunks.
 ``ffn`` graph, over a bucket of rows (the callers' rows concatenated):
 
 1. check the rows' contents and regroup them per expert (``_prologue``, as the
-   gemm graphs do: the merge order of ``_merge`` comes with the sizes);
-2. quantize them (bf16 families), GEMM with ``w13``, the fused activation
-   (``kernels._triton_act``), GEMM with ``w2``;
+   gemm graphs do: the merge order of ``_merge`` comes with the sizes), and
+   quantize them (bf16 families: one kernel, ``_triton_act.gather_quantize_triton``);
+2. GEMM with ``w13``, the fused activation (``kernels._triton_act``), GEMM
+   with ``w2``;
 3. put the rows back in the callers' order, in one result buffer with the
    flags, downloaded in one copy.
 
@@ -235,13 +236,15 @@ class FfnGraphs:
         self.run_table: Callable | None = _table_runner(backend) if is_gpu else None
         triton = backend.name == "triton"
         if triton:
-            from moegemm.kernels._triton_act import silu_mul_quant_triton
+            from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
 
             from ._moe_route import combine, route
 
             self._act = lambda h, rows: silu_mul_quant_triton(h, self.fp8, rows=rows)
             self._route, self._combine = route, combine
+            self._gather_quant = gather_quantize_triton
         else:
+            self._gather_quant = None
             self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
             self._route, self._combine = route_torch, combine_torch
         self._buffers: dict[FfnFamily, _Buffers] = {}
@@ -309,7 +312,12 @@ class FfnGraphs:
         return y
 
     def _gather(self, bufs: _Buffers, x, xs, src, rows: int, flags) -> tuple:
-        """Rows ``src`` of ``x`` (and its scales), checking what the sources hold into ``flags``."""
+        """Rows ``src`` of ``x`` (and its scales), checking what the sources hold into ``flags``;
+        quantized (bf16 families)."""
+        if bufs.family.quantize and self._gather_quant is not None:
+            xq = torch.empty((rows, x.shape[1]), dtype=self.fp8, device=self.device)
+            xs = torch.empty((rows, x.shape[1] // BLOCK), dtype=torch.float32, device=self.device)
+            return self._gather_quant(x, src, flags, (xq, xs))
         if self.check_and_gather is not None:
             xg = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=self.device)
             xsg = None if xs is None else torch.empty((rows, xs.shape[1]), dtype=xs.dtype,

@@ -59,15 +59,50 @@ def compare_on_cpu() -> None:
             assert (aq[1:].view(torch.uint8) == 0).all() and (scale[1:] == -1).all()
 
 
+def compare_gather_on(device) -> None:
+    """``gather_quantize_triton`` against the torch ops it replaces, repeated rows included."""
+    from moegemm.kernels import quantize_activations
+    from moegemm.kernels._triton_act import gather_quantize_triton
+    from moegemm.server._checks import bad_rows
+
+    gen = torch.Generator().manual_seed(0 if device == "cpu" else torch.seed())
+    for fp8 in FORMATS:
+        for rows, k, repeat in ((1, 128, 1), (6, 384, 3), (9, 7168, 2)):
+            x = torch.randn((rows, k), generator=gen) * torch.exp(torch.randn((rows, 1), generator=gen))
+            x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -1e-30])
+            if rows > 2:
+                x[1, 5], x[2, k - 1] = float("nan"), -float("inf")
+            x = x.to(torch.bfloat16).to(device)
+            gather = torch.randint(0, rows, (rows * repeat,), generator=gen)
+            gather[:rows] = torch.arange(rows)  # every row at least once, so every flag is set
+            gather = gather.to(device)
+            out = (torch.empty((len(gather), k), dtype=fp8, device=device),
+                   torch.empty((len(gather), k // 128), device=device))
+            flags = torch.full((rows,), 7, dtype=torch.int8, device=device)
+            gather_quantize_triton(x, gather, flags, out)
+            want = quantize_activations(x.index_select(0, gather), fp8)
+            finite = torch.isfinite(want[1]).all(dim=1)  # rows with NaN/Inf: flagged, values moot
+            got = (out[0][finite], out[1][finite])
+            assert _same(got, (want[0][finite], want[1][finite])), (fp8, rows, k)
+            assert torch.equal(flags.cpu(), bad_rows(x.cpu(), None)), (flags, fp8)
+
+
 def test_kernel_in_the_triton_interpreter():
     pytest.importorskip("triton")
     here = str(Path(__file__).parent)
     code = f"import sys; sys.path.insert(0, {here!r}); import test_triton_act; " \
-           "test_triton_act.compare_on_cpu()"
+           "test_triton_act.compare_on_cpu(); test_triton_act.compare_gather_on('cpu')"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gather_quantize_equals_the_torch_ops_on_the_gpu():
+    pytest.importorskip("triton")
+    compare_gather_on("cuda")
 
 
 @pytest.mark.gpu

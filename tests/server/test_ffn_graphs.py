@@ -170,7 +170,7 @@ def compare_padded_path_on_cpu() -> None:
     The GEMM is the reference on the live rows, NaN past them: rows of no expert must never
     reach an answer.
     """
-    from moegemm.kernels._triton_act import silu_mul_quant_triton
+    from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
     from moegemm.kernels.reference import grouped_gemm
     from moegemm.server._moe_route import combine, route
     from moegemm.server._prologue import check_and_gather
@@ -182,6 +182,7 @@ def compare_padded_path_on_cpu() -> None:
     padded.check_and_gather = check_and_gather
     padded._act = lambda h, rows: silu_mul_quant_triton(h, FP8, rows=rows)
     padded._route, padded._combine = route, combine
+    padded._gather_quant = gather_quantize_triton
 
     def gemm(xq, xs, table, ws, m_sizes, out):
         n = int(m_sizes.sum())
