@@ -395,6 +395,38 @@ class FfnGraphs:
                  time.monotonic() - started)
         return graph
 
+    def prepare(self, es, top_ks: Sequence[int] = ()) -> int:
+        """Capture every bucket's graphs for ``es``'s shape (``ffn`` with bf16 and fp8 inputs,
+        ``moe`` for each of ``top_ks``) ahead of the first calls; return how many are new.
+
+        Calls capture the graph of a bucket they find missing, so this only moves the
+        time (Triton compiles and captures: seconds per family) to load time.
+        """
+        if not self.use_graphs:
+            return 0
+        before = len(self._graphs)
+        families = [self._family(es, dtype) for dtype in (torch.bfloat16, self.fp8)]
+        families += [self._family(es, dtype, k) for k in top_ks for dtype in (torch.bfloat16, self.fp8)]
+        G = es.G
+        for f in families:
+            bufs = self.buffers(f)
+            self._fill_tables(bufs, es)
+            top = bufs.tokens if f.top_k else self.max_bucket
+            for bucket in reversed([b for b in self.buckets if b <= top]):
+                if self._graph_key(f, bucket, es) in self._graphs:
+                    continue
+                meta = bufs.meta_host.numpy()
+                meta[:G] = 0
+                meta[0] = bucket  # every row in the first expert: valid for any bucket
+                meta[5 * G] = meta[5 * G + 1] = bucket
+                pairs = meta[5 * G + 2 : 5 * G + 2 + 2 * bucket].reshape(bucket, 2)
+                pairs[:] = np.arange(bucket, dtype=np.int64)[:, None]
+                words = 5 * G + 2 + 2 * bucket
+                bufs.meta[:words].copy_(bufs.meta_host[:words])
+                self._capture(bufs, es, bucket)
+        torch.cuda.synchronize(self.device)
+        return len(self._graphs) - before
+
     def graph_count(self) -> int:
         """Graphs currently held."""
         return len(self._graphs)

@@ -240,3 +240,18 @@ def test_two_expert_sets_of_one_family_share_graphs(backend, fp8):
     assert rel_error(out_a, ffn_float64(a, xq, xsq, sizes, fp8)) <= FFN_TOLERANCE
     assert rel_error(out_b, ffn_float64(b, xq, xsq, sizes, fp8)) <= FFN_TOLERANCE
     assert torch.equal(_bits(runner.ffn(a, x, None, sizes)), _bits(out_a))
+
+
+def test_prepare_captures_every_bucket_ahead(backend, fp8):
+    gen = torch.Generator().manual_seed(torch.seed())
+    runner = FfnGraphs(backend, 8)
+    es = expert_set(4, 256, 128, fp8, DEV, gen)
+    # ffn: 4 buckets x 2 input kinds; moe top-2: tokens up to 4, 3 buckets x 2 kinds
+    assert runner.prepare(es, top_ks=(2,)) == 14
+    assert runner.prepare(es, top_ks=(2,)) == 0
+    x, _ = random_x(3, 256, gen, None)
+    ids, w = random_routing(3, 4, 2, gen)
+    out = runner.moe(es, x, None, ids, w)
+    assert runner.graph_count() == 14
+    want = FfnGraphs(backend, 8, graphs=False).moe(es, x, None, ids, w)
+    assert torch.equal(_bits(out), _bits(want))
