@@ -9,11 +9,6 @@
 | `a_scale` | `[M, I/128]`| float32                | the blocks' dequant scales (SPEC 1.1) |
 | `rows`    | `[]`        | int64 (optional)       | rows to compute; rows at or past it are left untouched |
 
-and ``gather_quantize_triton``, the same quantization on the rows a graph
-gathers (bf16 inputs): rows ``gather`` of ``x`` quantized, with their NaN/Inf
-flags, in one kernel instead of a gather, a check and torch's seven
-quantization kernels.
-
 One read of ``h`` and one write of ``aq`` and ``a_scale``: the kernel between
 the two GEMMs of an expert-FFN graph. It is the torch definition
 (``moegemm.kernels.activation.silu_mul_quant``) bit for bit:
@@ -21,7 +16,7 @@ the two GEMMs of an expert-FFN graph. It is the torch definition
 - ``silu(v) = v / (1 + exp(-v))`` with IEEE division (``div_rn``: Triton's
   ``/`` is an approximate division on NVIDIA) and the math library's ``expf``
   (libdevice/ocml, what torch's kernels call); the product is rounded once to
-  bf16;
+  bf16 (with integer operations, exact in the interpreter too);
 - the scale is ``max(amax, 1e-12) / FP8_MAX`` and the quantized value
   ``clamp(a / scale, -FP8_MAX, FP8_MAX)``, both with IEEE division, NaN
   propagated as torch's ``amax``/``clamp`` propagate it;
@@ -33,6 +28,12 @@ the two GEMMs of an expert-FFN graph. It is the torch definition
 
 ``rows`` (a device scalar) lets a graph captured for a bucket of rows skip the
 rows past the call's real ones without a host read.
+
+``gather_quantize_triton`` is the same quantization for the rows a graph
+gathers (bf16 inputs): rows ``gather`` of ``x`` quantized, with their NaN/Inf
+flags, in one kernel instead of a gather, a check and torch's seven
+quantization kernels (``quantize_activations`` and ``_checks.bad_rows`` bit for
+bit).
 """
 
 from __future__ import annotations
