@@ -19,7 +19,8 @@ gemm(w13) -> SiLU*up + fp8 on the router (torch, CPU) -> gemm(w2) with the
 router's own permutation and combine, latency medians and bytes on the wire.
 
     python bench/bench_moe.py --out bench/results/moe_h200.json
-    python bench/bench_moe.py --server http://127.0.0.1:8000 --out bench/results/moe_server.json
+    python bench/bench_moe.py --server http://127.0.0.1:8000 --weights-dir DIR \
+        --out bench/results/moe_server.json
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -150,8 +152,27 @@ def kernel_side(reps: int) -> list[dict]:
     return rows_out
 
 
-def server_side(url: str, reps: int) -> list[dict]:
-    """One moe call vs the two-call way, with our client (needs the expert routes)."""
+def write_checkpoint(root: Path, w13, s13, w2, s2) -> None:
+    """Layer 0 of a DeepSeek-named fp8 checkpoint (SPEC 5.3) in one safetensors file."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    inter = w13.shape[1] // 2
+    tensors = {}
+    for e in range(w13.shape[0]):
+        pre = f"model.layers.0.mlp.experts.{e}"
+        # weight_scale_inv is [N/128, K/128]: section 1's w_scale transposed.
+        for proj, w, s in (("gate_proj", w13[e, :inter], s13[e, :, : inter // 128]),
+                           ("up_proj", w13[e, inter:], s13[e, :, inter // 128 :]),
+                           ("down_proj", w2[e], s2[e])):
+            tensors[f"{pre}.{proj}.weight"] = w.contiguous()
+            tensors[f"{pre}.{proj}.weight_scale_inv"] = s.t().contiguous()
+    save_file(tensors, str(root / "model.safetensors"))
+
+
+def server_side(url: str, reps: int, weights_dir: str | None) -> list[dict]:
+    """One moe call vs the two-call way, with our client (needs the expert routes);
+    ``weights_dir`` (the server's MOEGEMM_WEIGHTS_DIR) to load the sets from files."""
     from moegemm.client import Client
     from moegemm.kernels import quantize_activations
     from moegemm.kernels.activation import silu_mul_quant
@@ -166,7 +187,11 @@ def server_side(url: str, reps: int) -> list[dict]:
         w2 = random_fp8((G, H, I), fp8, "cpu")
         s13 = torch.rand((G, H // 128, 2 * I // 128)) * 1e-3 + 1e-4
         s2 = torch.rand((G, I // 128, H // 128)) * 1e-3 + 1e-4
-        client.load_experts(name, w13, w2, w13_scale=s13, w2_scale=s2)
+        if weights_dir is None:
+            client.load_experts(name, w13, w2, w13_scale=s13, w2_scale=s2)
+        else:  # DeepSeek-V3's 11 GB pass the 4 GiB of a msgpack bin: a checkpoint file
+            write_checkpoint(Path(weights_dir) / name, w13, s13, w2, s2)
+            client.load_experts_checkpoint(name, name, 0)
         del w13, w2
         for T in TOKENS:
             ids, w = routing(T, G, TOP_K, gen)
@@ -211,12 +236,13 @@ def server_side(url: str, reps: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", help="a running moegemm server's URL (expert routes)")
+    parser.add_argument("--weights-dir", help="the server's weights directory (load from files)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     started = time.time()
     if args.server:
-        rows = server_side(args.server, args.reps)
+        rows = server_side(args.server, args.reps, args.weights_dir)
     else:
         rows = kernel_side(args.reps)
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
