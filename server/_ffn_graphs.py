@@ -547,6 +547,12 @@ class FfnGraphs:
         """SPEC 5.2 for tokens in their own order: host bf16 ``[T, H]``; raises NotFinite or
         BadRouting (checked on the device, never read on the host)."""
         T, k = topk_ids.shape
+        if k == 0:  # no expert for any token: the empty sum
+            err = not_finite_error(bad_rows(x.cpu(), None if x_scale is None else x_scale.cpu())
+                                   .numpy())
+            if err is not None:
+                raise err
+            return torch.zeros((T, es.H), dtype=torch.bfloat16)
         x, x_scale, raw_flags = self._device_fp8(x, x_scale)
         f = self._family(es, x.dtype, top_k=k)
         bufs = self.buffers(f)

@@ -158,6 +158,8 @@ def test_moe_graph_equals_eager(graphs, eager, es, fp8):
         x, xs = random_x(T, H, gen, fp8)
         ids, w = random_routing(T, G, k, gen)
         assert torch.equal(_bits(graphs.moe(es, x, xs, ids, w)), _bits(eager.moe(es, x, xs, ids, w)))
+    none = torch.zeros((0, 2), dtype=torch.int64)
+    assert graphs.moe(es, *random_x(0, H, gen, fp8), none, none.float()).shape == (0, H)
 
 
 def test_bad_routing_is_refused_and_changes_nothing(graphs, es, fp8):

@@ -100,6 +100,17 @@ def test_moe_meets_the_bound(es, k):
         assert pooled_error(pairs) <= FFN_TOLERANCE, (T, k)
 
 
+def test_moe_edges(es):
+    gen = torch.Generator().manual_seed(torch.seed())
+    runner = _runner()
+    x, _ = random_x(3, H, gen)
+    empty = torch.zeros((3, 0), dtype=torch.int64)
+    assert torch.equal(runner.moe(es, x, None, empty, empty.float()), torch.zeros((3, H),
+                                                                                  dtype=torch.bfloat16))
+    none = torch.zeros((0, 2), dtype=torch.int64)
+    assert runner.moe(es, x[:0], None, none, none.float()).shape == (0, H)
+
+
 def test_moe_bad_routing_and_bad_rows(es):
     gen = torch.Generator().manual_seed(torch.seed())
     runner = _runner()
