@@ -184,7 +184,7 @@ def compare_padded_path_on_cpu() -> None:
     from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
     from moegemm.kernels.reference import grouped_gemm
     from moegemm.server._moe_route import combine, route
-    from moegemm.server._prologue import check_and_gather
+    from moegemm.kernels._triton_prologue import check_and_gather
 
     gen = torch.Generator().manual_seed(0)
     es = expert_set(G, 256, 256, FP8, "cpu", gen)
