@@ -79,12 +79,15 @@ import numpy as np
 
 from ._http import (
     _REASONS,
+    _RUN,
     FastHttpServer,
     _Connection,
     _error_bytes,
     _plain_body,
+    sweep,
     whole_body_receive,
 )
+from ._http_gate import HttpLimits
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -334,7 +337,7 @@ class Owner:
         link.process = multiprocessing.get_context("spawn").Process(
             target=acceptor_main, name=f"moegemm-acceptor-{index}", daemon=True,
             args=(index, server.host, server.port, self.socket_path, link.request_path,
-                  link.answer_path, server.max_body_bytes, self.acceptor_grace_s, self.log_level,
+                  link.answer_path, server.limits, self.acceptor_grace_s, self.log_level,
                   self.direct_limit > 0),
         )
         try:
@@ -733,7 +736,9 @@ class _ForwardConnection(_Connection):
     """A transport connection that forwards each request to the owner."""
 
     def _dispatch(self) -> None:
+        # The body stays reserved (``_Acceptor.held``) until the owner has answered.
         self.transport.pause_reading()
+        self.state = _RUN
         self.task = asyncio.get_running_loop().create_task(self._forward(self.scope, self.body))
         self.scope, self.body, self.body_used = None, None, 0
 
@@ -741,7 +746,7 @@ class _ForwardConnection(_Connection):
         try:
             status, head, data, close = await self.server.forward(scope, body)
         except Exception:  # the owner is gone, or a bug: as _run_direct answers its failures
-            log.exception("forwarding %s %s failed", scope["method"], scope["path"])
+            log.exception("forwarding %s %r failed", scope["method"], scope["path"][:200])
             if self.transport is not None:
                 self.transport.write(_error_bytes(500, "internal", "unexpected server error"))
             self.keep_alive = False
@@ -750,9 +755,17 @@ class _ForwardConnection(_Connection):
                 self.keep_alive = False
             if status is not None and self.transport is not None:
                 line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "").encode())
-                end = b"\r\n" if self.keep_alive else b"connection: close\r\n\r\n"
-                self.transport.writelines([line + head + end, data])
+                if scope["http_version"] == "1.0" and b"transfer-encoding: chunked" in head:
+                    # _http._Response's rule for a 1.0 client: no chunks, the end of
+                    # the body is the end of the connection (the owner chunked it).
+                    self.keep_alive = False
+                end = self._connection_line() + b"\r\n"
+                parts = [line + head + end]
+                if scope["method"] != "HEAD":  # a HEAD answer has no body
+                    parts.append(data)
+                self.transport.writelines(parts)
         del body
+        self._unreserve()
         self._finish()
 
 
@@ -760,7 +773,7 @@ class _Acceptor:
     """An acceptor process's server: what ``_Connection`` needs of one, and the link."""
 
     def __init__(self, index, host, port, socket_path, request_path, answer_path,
-                 max_body_bytes, grace_s, offer: bool = False) -> None:
+                 limits: HttpLimits, grace_s, offer: bool = False) -> None:
         self.index, self.host, self.port = index, host, port
         # Offer each accepted connection to the owner first (its direct_limit > 0).
         self.offering = offer
@@ -769,7 +782,12 @@ class _Acceptor:
         self.listeners: list[socket.socket] = []
         self.handing: set[asyncio.Task] = set()  # connections being set up to be served here
         self.socket_path = socket_path
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
+        self.max_body_bytes = limits.max_body_bytes
+        # Body bytes of this acceptor's requests, from their head until the owner
+        # answered them: what the head gate judges the in-flight limit against
+        # here (the owner's budget bounds what it runs).
+        self.receiving = 0
         self.grace_s = grace_s
         self.app = self.direct = None
         self.active = 0  # what _Connection counts (the owner counts forwarded requests)
@@ -921,6 +939,10 @@ class _Acceptor:
         self.fd_channel = channel
         asyncio.get_running_loop().add_reader(channel, self._answers)
 
+    def held(self) -> int:
+        """Request body bytes this acceptor holds (``_Connection``'s head gate)."""
+        return self.receiving
+
     # _Connection's body allocator: a slot of the request arena when one is free.
     def allocate(self, size: int) -> memoryview:
         self._collect()
@@ -1035,6 +1057,7 @@ class _Acceptor:
         if self.offering:
             self._open_fd_channel()
         owner = loop.create_task(self._read_owner(reader, stop))
+        sweeping = loop.create_task(sweep(self.connections, self.limits))
         self._listen()
         log.debug("acceptor %d listening on %s:%d", self.index, self.host, self.port)
         await stop.wait()
@@ -1054,6 +1077,7 @@ class _Acceptor:
                 conn.transport.close()
         if closing:
             await asyncio.wait(closing, timeout=self.grace_s)
+        sweeping.cancel()
         self.writer.close()
         owner.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -1066,12 +1090,12 @@ def _log_failure(task: asyncio.Task) -> None:
 
 
 def acceptor_main(index, host, port, socket_path, request_path, answer_path,
-                  max_body_bytes, grace_s, log_level, offer: bool = False) -> None:
+                  limits: HttpLimits, grace_s, log_level, offer: bool = False) -> None:
     """An acceptor process (multiprocessing "spawn" target): no torch, no device."""
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     acceptor = _Acceptor(index, host, port, socket_path, request_path, answer_path,
-                         max_body_bytes, grace_s, offer)
+                         limits, grace_s, offer)
     try:
         import uvloop
     except ImportError:

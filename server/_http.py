@@ -53,9 +53,19 @@ from urllib.parse import unquote
 
 import httptools
 import numpy as np
-from moegemm.client._errors import APIError, BadField, InternalError, Overloaded, TooLarge
 
-from ._http_gate import REASONS, HttpLimits, error_bytes, judge, request_id
+from ._http_gate import (
+    REASONS,
+    HttpLimits,
+    Refusal,
+    bad_field,
+    error_bytes,
+    internal,
+    judge,
+    overloaded,
+    request_id,
+    too_large,
+)
 
 log = logging.getLogger("moegemm.server.http")
 
@@ -79,10 +89,8 @@ def _plain_body(size: int) -> memoryview:
 
 
 def _error_bytes(status: int, code: str, message: str) -> bytes:
-    """A 500-style answer for the transport's own failures (``internal``)."""
-    exc = InternalError(message) if status == 500 else APIError(message)
-    exc.status, exc.code = status, code
-    return error_bytes(exc)
+    """An answer for the transport's own failures (500 ``internal``), closing."""
+    return error_bytes(internal(message) if status == 500 else Refusal(status, code, message))
 
 
 class _Pipelined(Exception):
@@ -136,7 +144,7 @@ class _Connection(asyncio.BufferedProtocol):
         full = len(self.server.connections) >= self.limits.max_connections
         self.server.connections.add(self)
         if full:
-            self._refuse(Overloaded(
+            self._refuse(overloaded(
                 f"this server holds {self.limits.max_connections} connections "
                 f"(MOEGEMM_HTTP_MAX_CONNECTIONS); retry later", retry_after=1))
             return
@@ -184,7 +192,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self.head_used >= _HEAD_LIMIT:
             # A full buffer is parsed (and a head over the limit refused) as it
             # fills; reading is paused while a request runs, so this is a guard.
-            self._refuse(TooLarge(f"the request head is over {_HEAD_LIMIT} bytes"))
+            self._refuse(too_large(f"the request head is over {_HEAD_LIMIT} bytes"))
             return _SCRATCH
         return self.head_view[self.head_used:]
 
@@ -261,7 +269,7 @@ class _Connection(asyncio.BufferedProtocol):
     def on_body(self, data: bytes) -> None:
         chunked = self.chunked
         if len(chunked) + len(data) > self.limits.max_body_bytes:
-            raise TooLarge(f"the body is over {self.limits.max_body_bytes} bytes, the limit "
+            raise too_large(f"the body is over {self.limits.max_body_bytes} bytes, the limit "
                            f"of this server")
         chunked += data
 
@@ -279,13 +287,13 @@ class _Connection(asyncio.BufferedProtocol):
                 except httptools.HttpParserUpgrade:
                     pass  # the head is complete; the upgrade is not taken (see above)
                 except httptools.HttpParserError as exc:
-                    self._refuse(BadField(f"malformed HTTP request: {exc}"))
+                    self._refuse(bad_field(f"malformed HTTP request: {exc}"))
                     return
                 self.fed = stop
             if end < 0:
                 if self.head_used - self.start >= _HEAD_LIMIT:
                     # SPEC 2.2 has no code of its own for this: too_large.
-                    self._refuse(TooLarge(f"the request head is over {_HEAD_LIMIT} bytes"))
+                    self._refuse(too_large(f"the request head is over {_HEAD_LIMIT} bytes"))
                 return
         self._begin_request()
 
@@ -294,7 +302,7 @@ class _Connection(asyncio.BufferedProtocol):
         version = parser.get_http_version()
         method = parser.get_method().decode("ascii")
         if version not in ("1.1", "1.0") or method == "CONNECT":
-            self._refuse(BadField(f"HTTP/{version} {method} is not served (HTTP/1.1 or 1.0)"))
+            self._refuse(bad_field(f"HTTP/{version} {method} is not served (HTTP/1.1 or 1.0)"))
             return
         self.method, self.http10 = method, version == "1.0"
         self.keep_alive = parser.should_keep_alive()
@@ -306,7 +314,7 @@ class _Connection(asyncio.BufferedProtocol):
                 try:
                     url = httptools.parse_url(target)
                 except httptools.HttpParserInvalidURLError:
-                    self._refuse(BadField("malformed request target"))
+                    self._refuse(bad_field("malformed request target"))
                     return
                 path, query = url.path or b"/", url.query or b""
         else:
@@ -319,7 +327,7 @@ class _Connection(asyncio.BufferedProtocol):
                 length = None  # llhttp took only a final "chunked" (and never with CL)
         if length is None and self.http10:
             # RFC 9112 6.1: Transfer-Encoding in an HTTP/1.0 request is faulty.
-            self._refuse(BadField("Transfer-Encoding in an HTTP/1.0 request"))
+            self._refuse(bad_field("Transfer-Encoding in an HTTP/1.0 request"))
             return
         decoded = unquote(path.decode("latin-1"))
         self.scope = {
@@ -385,14 +393,14 @@ class _Connection(asyncio.BufferedProtocol):
             self.parser.feed_data(self.head_view[start:used])
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            if isinstance(cause, APIError):
+            if isinstance(cause, Refusal):
                 self._refuse(cause)
                 return
             if not (isinstance(cause, _Pipelined) and self.message_done):
                 raise
             self.keep_alive = False  # see the module's docstring
         except httptools.HttpParserError as exc:
-            self._refuse(BadField(f"malformed chunked body: {exc}"))
+            self._refuse(bad_field(f"malformed chunked body: {exc}"))
             return
         if self.message_done:
             self.parser = None
@@ -409,7 +417,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.fed = max(0, self.fed - start)
         self.start, self.head_used = 0, used - start
 
-    def _refuse(self, exc: APIError) -> None:
+    def _refuse(self, exc: Refusal) -> None:
         """Answer ``exc`` and close, reading nothing more of the request."""
         self._unreserve()
         self._end()

@@ -23,14 +23,6 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from moegemm.client._errors import (
-    APIError,
-    Overloaded,
-    TooLarge,
-    Unauthorized,
-    UnsupportedMediaType,
-)
-
 MSGPACK_TYPES = frozenset({"application/vnd.msgpack", "application/msgpack",
                            "application/x-msgpack"})  # as routes.MSGPACK_TYPES
 # Bodies sent here are msgpack maps (SPEC 2.1): the media type is judged from the head.
@@ -38,10 +30,52 @@ _MSGPACK_PREFIXES = ("/v1/weights/", "/v1/experts/")
 
 REASONS = {
     100: "Continue", 200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request",
-    401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
+    401: "unauthorized", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
     413: "Content Too Large", 415: "Unsupported Media Type", 500: "Internal Server Error",
     503: "Service Unavailable", 504: "Gateway Timeout", 507: "Insufficient Storage",
 }
+
+
+class Refusal(Exception):
+    """A transport-level answer: an HTTP status and a SPEC 2.2 code.
+
+    Not ``moegemm.client._errors``: that package imports the client's wire code
+    (ml_dtypes, ~0.8 s), which an acceptor process has no use for. The codes are
+    the same strings; ``error_bytes`` renders either kind.
+    """
+
+    def __init__(self, status: int, code: str, message: str,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after = (
+            status, code, message, retry_after)
+
+    def to_dict(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+def bad_field(message: str) -> Refusal:
+    return Refusal(400, "bad_field", message)
+
+
+def unauthorized(message: str) -> Refusal:
+    return Refusal(401, "unauthorized", message)
+
+
+def too_large(message: str) -> Refusal:
+    return Refusal(413, "too_large", message)
+
+
+def unsupported_media_type(message: str) -> Refusal:
+    return Refusal(415, "unsupported_media_type", message)
+
+
+def overloaded(message: str, retry_after: float = 1) -> Refusal:
+    return Refusal(503, "overloaded", message, retry_after)
+
+
+def internal(message: str) -> Refusal:
+    return Refusal(500, "internal", message)
 
 
 @dataclass(frozen=True)
@@ -95,7 +129,7 @@ def _matches(given: bytes | None, secrets: tuple[bytes, ...]) -> bool:
 
 
 def judge(limits: HttpLimits, method: str, path: str, headers: list[tuple[bytes, bytes]],
-          size: int | None, held: int) -> APIError | None:
+          size: int | None, held: int) -> Refusal | None:
     """The refusal of a request that declares a body (``size`` bytes; None: chunked,
     judged as the body limit), or None to read it. ``held``: the request bodies this
     process holds now (received, being received, or running)."""
@@ -109,22 +143,22 @@ def judge(limits: HttpLimits, method: str, path: str, headers: list[tuple[bytes,
     changes = method == "PUT" and path.startswith(_MSGPACK_PREFIXES)
     if changes and limits.admin_token is not None:
         if not _matches(given, (limits.admin_token,)):
-            return Unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
+            return unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
     elif limits.tokens and not _matches(given, limits.tokens):
-        return Unauthorized("send 'Authorization: Bearer <token>' with this server's token")
+        return unauthorized("send 'Authorization: Bearer <token>' with this server's token")
     if method in ("POST", "PUT") and path.startswith(_MSGPACK_PREFIXES):
         media = (content_type or b"").partition(b";")[0].strip().lower().decode("latin-1")
         if media not in MSGPACK_TYPES:
-            return UnsupportedMediaType(
+            return unsupported_media_type(
                 f"send the body as application/vnd.msgpack (or application/msgpack), "
                 f"got {media[:100] or 'none'!r}")
     limit = limits.max_body_bytes
     if size is not None and size > limit:
-        return TooLarge(f"the body is {size} bytes; this server takes at most {limit}")
+        return too_large(f"the body is {size} bytes; this server takes at most {limit}")
     need = limit if size is None else size
     # app.BodyBudget's rule: a lone body is always let in.
     if held and held + need > limits.max_inflight_bytes:
-        return Overloaded(
+        return overloaded(
             f"{held} bytes of request bodies are held; {need} more would pass the limit "
             f"of {limits.max_inflight_bytes} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
             retry_after=1)
@@ -143,7 +177,7 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return uuid.uuid4().hex
 
 
-def error_bytes(exc: APIError, *, head_only: bool = False, close: bool = True,
+def error_bytes(exc: Refusal, *, head_only: bool = False, close: bool = True,
                 request_id: str | None = None) -> bytes:
     """A whole HTTP/1.1 answer for ``exc``: SPEC 2 JSON, as ``app.error_response``
     renders it (Retry-After, WWW-Authenticate); ``head_only`` for a HEAD request."""
