@@ -120,7 +120,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.chunked: bytearray | None = None
         self.reserved = 0  # body bytes this request holds in server.receiving
         self.scope: dict | None = None
-        self.method = ""
+        self.method = self.version = ""
         self.keep_alive = True
         self.http10 = False
         self.transport: asyncio.Transport | None = None
@@ -260,7 +260,12 @@ class _Connection(asyncio.BufferedProtocol):
         self.headers.append((name.lower(), value.strip(b" \t")))
 
     def on_headers_complete(self) -> None:
+        # Read here: llhttp clears its flags once the message is complete.
+        parser = self.parser
         self.headers_done = True
+        self.keep_alive = parser.should_keep_alive()
+        self.version = parser.get_http_version()
+        self.method = parser.get_method().decode("ascii")
 
     def on_message_begin(self) -> None:
         if self.message_done:
@@ -298,14 +303,11 @@ class _Connection(asyncio.BufferedProtocol):
         self._begin_request()
 
     def _begin_request(self) -> None:
-        parser = self.parser
-        version = parser.get_http_version()
-        method = parser.get_method().decode("ascii")
+        version, method = self.version, self.method
         if version not in ("1.1", "1.0") or method == "CONNECT":
             self._refuse(bad_field(f"HTTP/{version} {method} is not served (HTTP/1.1 or 1.0)"))
             return
-        self.method, self.http10 = method, version == "1.0"
-        self.keep_alive = parser.should_keep_alive()
+        self.http10 = version == "1.0"
         target = self.url
         if target[:1] != b"/":
             if target == b"*":
