@@ -19,7 +19,6 @@ import torch
 from moegemm.client._errors import BadField, BadName, NoSuchFile
 from moegemm.kernels import get_backend
 from moegemm.server.store import WeightStore, check_name
-from safetensors.torch import save_file
 from server_support import assert_error
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
@@ -131,10 +130,9 @@ def test_dot_names_are_refused():
 
 def test_dot_names_over_http(server):
     host, port = server.url.removeprefix("http://").split(":")
-    for request in (b"PUT /v1/weights/.. HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                    b"application/vnd.msgpack\r\ncontent-length: 1\r\n\r\n\x80",
-                    b"POST /v1/weights/./gemm HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                    b"application/vnd.msgpack\r\ncontent-length: 1\r\n\r\n\x80"):
+    tail = b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/vnd.msgpack\r\n" \
+           b"content-length: 1\r\n\r\n\x80"
+    for request in (b"PUT /v1/weights/.." + tail, b"POST /v1/weights/./gemm" + tail):
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(request)
             got = sock.recv(1 << 16)
