@@ -587,19 +587,33 @@ def test_idle_keep_alive_connections_are_closed(target):
             sock.close()
 
 
-def test_connections_over_the_cap_are_refused_cleanly():
-    settings = _settings(http_max_connections=4)
-    app = create_app(settings)
+@contextlib.contextmanager
+def _own_fast_server(**settings):
+    """A fast-transport server of its own, for limits the shared ones do not set."""
+    config = _settings(**settings)
+    app = create_app(config)
     port = _free_port()
-    server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=settings.max_body_bytes)
+    server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=config.max_body_bytes,
+                            direct=DirectGemm(app))
     loop, stop = asyncio.new_event_loop(), asyncio.Event()
     thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(stop)),
                               daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not server.listening.is_set() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if _exchange(port, b"GET /v1/health/ready HTTP/1.1\r\nhost: x\r\n\r\n")[0] == 200:
+                    break
+            time.sleep(0.05)
+        yield port
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+def test_connections_over_the_cap_are_refused_cleanly():
+    with _own_fast_server(http_max_connections=4) as port:
         held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
         time.sleep(0.2)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
@@ -610,9 +624,33 @@ def test_connections_over_the_cap_are_refused_cleanly():
             sock.close()
         time.sleep(0.2)
         assert _exchange(port, b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n\r\n")[0] == 200
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
+
+
+def test_in_flight_bytes_are_judged_from_the_head():
+    """A body still arriving counts: the next head that would pass the in-flight
+    limit is answered 503 at once, before its body is read."""
+    with _own_fast_server(max_body_bytes=1 << 20, max_inflight_bytes=1 << 20) as port:
+        head = (f"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\n{MSGPACK}{AUTH}"
+                f"content-length: {800 << 10}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as first:
+            first.sendall(head + b"\0" * 1000)  # its body arriving, slowly
+            time.sleep(0.2)
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as second:
+                second.sendall(head)
+                status, headers, body = _answer(second)
+            assert status == 503 and b'"overloaded"' in body and headers[b"retry-after"] == b"1"
+        time.sleep(0.2)  # the first one gone, its bytes are free again
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as third:
+            third.sendall(head + b"\0" * (800 << 10))
+            assert _answer(third)[0] == 400  # read whole; not a gemm body
+
+
+def test_a_chunked_body_over_the_limit_is_too_large():
+    with _own_fast_server(max_body_bytes=64 << 10) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(_CHUNKED + b"10000\r\n" + b"\0" * (64 << 10) + b"\r\n1\r\n\0\r\n")
+            got = _read(sock)
+        assert got.startswith(b"HTTP/1.1 413 ") and b'"too_large"' in got, got[:300]
 
 
 # -- attacks that must not take the loop or the memory ----------------------------------------
