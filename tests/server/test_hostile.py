@@ -53,9 +53,13 @@ AUTH = f"authorization: Bearer {TOKEN}\r\n"
 MSGPACK = "content-type: application/vnd.msgpack\r\n"
 
 
+BODY_LIMIT, INFLIGHT_LIMIT = 4 << 20, 10 << 20
+
+
 def _settings(**extra) -> Settings:
     return Settings(**{"device": "cpu", "demo": True, "token": TOKEN, "admin_token": ADMIN,
-                       "max_m": 1024, "http_keep_alive_s": TIMEOUT_S,
+                       "max_m": 1024, "max_body_bytes": BODY_LIMIT,
+                       "max_inflight_bytes": INFLIGHT_LIMIT, "http_keep_alive_s": TIMEOUT_S,
                        "http_head_timeout_s": TIMEOUT_S,
                        "http_max_connections": MAX_CONNECTIONS, **extra})
 
@@ -94,9 +98,13 @@ class Target:
     def tracebacks(self) -> list[str]:
         raise NotImplementedError
 
-    def connect(self, timeout: float = 10) -> socket.socket:
-        """A connection to the server (for ``acceptors``: one an acceptor holds)."""
+    def connect(self, timeout: float = 10, on: int | None = None) -> socket.socket:
+        """A connection to the server (for ``acceptors``: one an acceptor holds, the
+        acceptor ``on`` when given)."""
         return socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+
+    def holder(self, sock: socket.socket) -> int:
+        return os.getpid()
 
 
 class _InThread(Target):
@@ -145,7 +153,9 @@ class _Acceptors(Target):
                "MOEGEMM_HTTP_KEEP_ALIVE_S": str(TIMEOUT_S),
                "MOEGEMM_HTTP_HEAD_TIMEOUT_S": str(TIMEOUT_S),
                "MOEGEMM_HTTP_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
-               "MOEGEMM_OWNER_CONNECTIONS": "0", "MOEGEMM_MAX_M": "1024"}
+               "MOEGEMM_OWNER_CONNECTIONS": "0", "MOEGEMM_MAX_M": "1024",
+               "MOEGEMM_MAX_BODY_BYTES": str(BODY_LIMIT),
+               "MOEGEMM_MAX_INFLIGHT_BYTES": str(INFLIGHT_LIMIT)}
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 -- open while the server runs
         self.process = subprocess.Popen(
@@ -178,16 +188,16 @@ class _Acceptors(Target):
             rows = [line.split() for line in f.readlines()[1:]]
         return sum(1 for r in rows if r[1].endswith(local) and r[3] == "0A") == 3
 
-    def connect(self, timeout: float = 10) -> socket.socket:
-        acceptors = set(self.children())
-        for _ in range(100):
+    def connect(self, timeout: float = 10, on: int | None = None) -> socket.socket:
+        acceptors = set(self.children()) if on is None else {on}
+        for _ in range(200):
             sock = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
-            if self._holder(sock) in acceptors:
+            if self.holder(sock) in acceptors:
                 return sock
             sock.close()
         raise AssertionError("no connection reached an acceptor")
 
-    def _holder(self, sock: socket.socket) -> int | None:
+    def holder(self, sock: socket.socket) -> int | None:
         local, remote = f":{self.port:04X}", f":{sock.getsockname()[1]:04X}"
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
@@ -522,6 +532,26 @@ def test_media_type_and_size_are_judged_from_the_head(target):
             sock.sendall(f"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\n{extra}"
                          f"content-length: {length}\r\n\r\n".encode())
             assert _answer(sock)[0] == status
+
+
+def test_in_flight_bytes_are_judged_before_bodies_are_read(target):
+    """Bodies still arriving count (ours: in the process reading them): the head
+    that would take the bodies held past the in-flight limit gets 503 at once."""
+    size = 3 << 20
+    head = (f"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\n{MSGPACK}{AUTH}"
+            f"content-length: {size}\r\n\r\n").encode()
+    first = target.connect()
+    socks = [first] + [target.connect(on=target.holder(first)) for _ in range(3)]
+    try:
+        for sock in socks[:3]:  # 9 MiB arriving: within the limit of 10
+            sock.sendall(head + b"\0" * 1000)
+            time.sleep(0.1)
+        socks[3].sendall(head)
+        status, headers, body = _answer(socks[3])
+        assert status == 503 and b'"overloaded"' in body and headers[b"retry-after"] == b"1"
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 # -- timeouts ---------------------------------------------------------------------------
