@@ -15,7 +15,8 @@ in the owner.
 The Unix socket carries frames: ``<meta length u32><inline length u32>``, a
 msgpack map, then the inline bytes. Acceptor -> owner: ``req`` (method, path,
 query, headers, keep-alive, and the body either inline or as a slot of the
-acceptor's request arena), ``free`` (an answer slot the acceptor is done with).
+acceptor's request arena), ``free`` (an answer slot the acceptor is done with),
+``refused`` (a request it answered from the head, for the owner's metrics).
 Owner -> acceptor: ``res`` (status, header lines, close flag, the body inline
 or as a slot of the owner's answer arena), ``rel`` (a request slot the owner no
 longer references), ``ping`` (answered with ``pong``).
@@ -503,6 +504,8 @@ class Owner:
                     task.add_done_callback(self._tasks.discard)
                 elif kind == "free":
                     link.answer_slots.give(meta["o"])
+                elif kind == "refused":  # answered by the acceptor from the head
+                    self.server.count_refusal(meta["st"], meta["m"], meta["p"])
                 elif kind == "pong":
                     link.ping_sent = None
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -942,6 +945,13 @@ class _Acceptor:
     def held(self) -> int:
         """Request body bytes this acceptor holds (``_Connection``'s head gate)."""
         return self.receiving
+
+    def count_refusal(self, status: int, method: str, path: str | None) -> None:
+        """The owner keeps the metrics: tell it of a request answered here (its path
+        only when short: a long one is no route's)."""
+        if self.writer is not None and not self.lost and not self.writer.is_closing():
+            path = path if path is not None and len(path) <= 1024 else None
+            self.writer.write(_frame({"t": "refused", "st": status, "m": method, "p": path}, 0))
 
     # _Connection's body allocator: a slot of the request arena when one is free.
     def allocate(self, size: int) -> memoryview:

@@ -430,6 +430,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         transport.write(error_bytes(exc, head_only=self.method == "HEAD",
                                     request_id=request_id(self.headers)))
+        self.server.count_refusal(exc.status, self.method, self.scope and self.scope["path"])
         if transport.can_write_eof():
             transport.write_eof()  # the client reads the answer and an end; we drop the rest
         else:
@@ -704,6 +705,19 @@ class FastHttpServer:
         self.connections: set[_Connection] = set()
         self.state: dict = {}
         self._server: asyncio.base_events.Server | None = None
+
+    def count_refusal(self, status: int, method: str, path: str | None) -> None:
+        """A request the transport answered itself (``_Connection._refuse``), in the
+        request metrics: under the gemm route when it was one (as the app and
+        ``DirectGemm`` count their refusals), else as "unmatched"."""
+        metrics = getattr(getattr(self.app, "state", None), "metrics", None)
+        if metrics is None:
+            return
+        from ._direct import _ENDPOINT, DirectGemm
+
+        gemm = path is not None and DirectGemm.match(method, path) is not None
+        metrics.requests.labels(endpoint=_ENDPOINT if gemm else "unmatched",
+                                status=str(status)).inc()
 
     def held(self) -> int:
         """Request body bytes held: arriving here, plus those the app's budget holds."""
