@@ -526,6 +526,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._compact()
         self.transport.resume_reading()
         if self.head_used:
+            # From the loop, not from here: an answer finished eagerly (Python 3.12
+            # tasks) may be inside the previous request's parse, and a buffer of
+            # pipelined requests would otherwise nest one call deeper each.
+            asyncio.get_running_loop().call_soon(self._pipelined)
+
+    def _pipelined(self) -> None:
+        if (self.state == _IDLE and self.task is None and self.head_used
+                and self.transport is not None and not self.transport.is_closing()):
             self._begin_head()
 
 

@@ -724,6 +724,25 @@ def test_one_byte_chunks_neither_burn_the_loop_nor_stall_health(target):
     assert probe.p99() < 0.050, f"health p99 {probe.p99() * 1e3:.1f} ms"
 
 
+def test_a_thousand_pipelined_requests_are_answered_in_order(target):
+    with target.connect(timeout=30) as sock:
+        sock.sendall(b"".join(b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\nx-request-id: r%d\r\n"
+                              b"\r\n" % i for i in range(1000)))
+        sock.settimeout(30)
+        got, i = b"", 0
+        while i < 1000:
+            head, sep, rest = got.partition(b"\r\n\r\n")
+            length = re.search(rb"content-length: (\d+)", head) if sep else None
+            if length is None or len(rest) < int(length[1]):
+                chunk = sock.recv(1 << 16)
+                assert chunk, f"closed after {i} answers"
+                got += chunk
+                continue
+            assert head.startswith(b"HTTP/1.1 200 ") and b"x-request-id: r%d\r\n" % i in \
+                head + b"\r\n", head
+            got, i = rest[int(length[1]):], i + 1
+
+
 def test_a_client_that_pipelines_and_never_reads_holds_bounded_memory(target):
     body = _gemm(_body(ROWS, seed=5))
     calls = 200  # 50 MiB of answers if all were made and held
