@@ -24,7 +24,7 @@ import torch
 from moegemm.client import Client
 from moegemm.kernels import quantize_activations, quantize_weights, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, rel_error
-from moegemm.server._acceptors import _Slots
+from moegemm.server._acceptor_shm import _Slots
 from server_support import _free_port
 from test_direct import CASES, TOKEN, _request
 
@@ -479,7 +479,7 @@ def test_a_request_after_the_owner_link_is_lost_fails_at_once():
     that cannot come, once the owner's socket has closed."""
     import asyncio
 
-    from moegemm.server._acceptors import _Acceptor
+    from moegemm.server._acceptor import _Acceptor
     from moegemm.server._http_gate import HttpLimits
 
     acceptor = _Acceptor(0, "127.0.0.1", 0, "/nonexistent", None, None,
