@@ -7,6 +7,8 @@ type, the body limit and the in-flight budget. A refused request is answered
 received, so an unauthenticated client cannot make the server hold a byte
 past its head. The app repeats these checks with the same rules (the gate
 only answers earlier); requests without a body are left to the app entirely.
+With a token configured, any body needs it, even one sent to an endpoint that
+takes none (the health probes): an unauthenticated body is never read.
 
 The answers use the contract's codes (SPEC 2.2): the transport has no codes
 of its own. Malformed HTTP (bad framing, a head llhttp refuses) is 400
