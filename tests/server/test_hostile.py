@@ -704,8 +704,10 @@ def test_one_byte_chunks_neither_burn_the_loop_nor_stall_health(target):
     socks = [target.connect(timeout=60) for _ in range(2)]
 
     def attack(sock: socket.socket) -> None:
+        # Until the probes have enough samples for a p99 that is not their maximum.
         with sock:
-            for _ in range(2):
+            deadline = time.monotonic() + 8
+            while len(probe.times) < 150 and time.monotonic() < deadline or len(answers) < 4:
                 sock.sendall(upload)
                 answers.append(_answer(sock, timeout=60)[0])
 
@@ -717,7 +719,7 @@ def test_one_byte_chunks_neither_burn_the_loop_nor_stall_health(target):
             t.join(120)
     if os.environ.get("HOSTILE_VERBOSE"):
         print(f"\n{target.kind}: p99 {probe.p99() * 1e3:.1f} ms over {len(probe.times)}")
-    assert answers == [400] * 4
+    assert len(answers) >= 4 and set(answers) == {400}
     assert not probe.failures and len(probe.times) >= 5
     if target.kind == "uvicorn":
         return  # not ours to hold: uvicorn's chunk path costs more per chunk
