@@ -150,12 +150,22 @@ def _open_beneath(root: Path, file: str) -> int:
             try:
                 fd = os.open(part, flags, dir_fd=stack[-1])
             except OSError as exc:
-                if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and _is_link(
-                        part, stack[-1])):
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    # A symlink (O_NOFOLLOW), or a file where a folder was asked.
+                    try:
+                        target = os.readlink(part, dir_fd=stack[-1])
+                    except OSError as again:
+                        if not (exc.errno == errno.ELOOP and again.errno == errno.EINVAL):
+                            raise NoSuchFile(f"no file {_shown(file)} in the weights "
+                                             f"directory") from None
+                        target = None  # a link when opened, not now: look again
                     hops += 1
                     if hops > _SYMLINK_HOPS:
-                        raise BadField(f"file {_shown(file)} has too many symlinks") from None
-                    target = os.readlink(part, dir_fd=stack[-1])
+                        raise BadField(f"file {_shown(file)} has too many symlinks "
+                                       f"(or keeps changing)") from None
+                    if target is None:
+                        parts.appendleft(part)
+                        continue
                     if target.startswith("/"):
                         raise outside from None
                     parts.extendleft(reversed([p for p in target.split("/")
@@ -163,7 +173,7 @@ def _open_beneath(root: Path, file: str) -> int:
                     if not parts:
                         raise outside from None
                     continue
-                if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                if exc.errno == errno.ENOENT:
                     raise NoSuchFile(f"no file {_shown(file)} in the weights directory") from None
                 raise BadField(f"file {_shown(file)} cannot be opened: "
                                f"{os.strerror(exc.errno or 0)}") from None
@@ -174,12 +184,6 @@ def _open_beneath(root: Path, file: str) -> int:
         for fd in stack:
             os.close(fd)
 
-
-def _is_link(name: str, dir_fd: int) -> bool:
-    try:
-        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
-    except OSError:
-        return False
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,8 +2,8 @@
 
 One fixture, ``target``, runs each test on the three (as uvicorn's own tests run
 every protocol case on each implementation): ``fast`` (``FastHttpServer`` in
-this process), ``acceptors`` (``moegemm serve --acceptors 2``, connections taken
-on an acceptor where a test needs one) and ``uvicorn`` (httptools, as
+this process), ``acceptors`` (``moegemm serve --acceptors 1``, connections taken
+on the acceptor where a test needs one) and ``uvicorn`` (httptools, as
 ``moegemm serve --http uvicorn``). The catalogue: request smuggling and framing
 shapes, slowloris heads and bodies, 1000 idle keep-alive connections, clients
 that pipeline and never read, huge declared bodies without a token, 1-byte
@@ -160,7 +160,7 @@ class _Acceptors(Target):
         self.log = open(log_path, "wb")  # noqa: SIM115 -- open while the server runs
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moegemm.cli", "serve", "--device", "cpu", "--demo",
-             "--acceptors", "2", "--port", str(self.port), "--log-level", "info"],
+             "--acceptors", "1", "--port", str(self.port), "--log-level", "info"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def children(self) -> list[int]:
@@ -186,7 +186,7 @@ class _Acceptors(Target):
         local = f":{self.port:04X}"
         with open("/proc/net/tcp") as f:
             rows = [line.split() for line in f.readlines()[1:]]
-        return sum(1 for r in rows if r[1].endswith(local) and r[3] == "0A") == 3
+        return sum(1 for r in rows if r[1].endswith(local) and r[3] == "0A") == 2
 
     def connect(self, timeout: float = 10, on: int | None = None) -> socket.socket:
         acceptors = set(self.children()) if on is None else {on}
