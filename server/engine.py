@@ -280,7 +280,7 @@ class Engine:
                 self._cv.notify()
             return
         try:
-            for batch in self._batches([c for c in waiting if c.outcome is not _GONE]):
+            for batch in self._batches([c for c in waiting if not _gone(c)]):
                 self._run_batch(batch)
         finally:
             self._release()
@@ -483,7 +483,7 @@ class Engine:
             return
         batch = self._collect(item)
         try:
-            live = [call for call in batch if call.outcome is not _GONE]
+            live = [call for call in batch if not _gone(call)]
             for part in self._batches(live) if len(set(map(_batch_key, live))) > 1 else [live]:
                 self._run_batch(part)
         except Exception:  # a bug here must not kill the device's only thread
@@ -551,6 +551,12 @@ class Engine:
 
 
 _GONE = object()  # a call's outcome once its caller went away before it ran
+
+
+def _gone(call: GemmCall) -> bool:
+    """Whether the call's caller went away (its wait cancelled) before it ran."""
+    waiter = call.waiter
+    return call.outcome is _GONE or (waiter is not None and waiter.cancelled())
 
 
 def _wake(call: GemmCall) -> None:
