@@ -33,8 +33,8 @@ def _weights(gen: torch.Generator):
     return SimpleNamespace(name="w", G=G, N=N, K=K, wq=p.wq, w_scale=p.w_scale)
 
 
-def Part(x, x_scale, m_sizes, ws=None):  # noqa: N802 -- reads as the record it builds
-    """A validated call of these tensors (``ws`` bound later by ``_run``)."""
+def Part(x, x_scale, m_sizes):
+    """A call's tensors (validated against its weight set by ``_run``)."""
     return (x, x_scale, list(m_sizes))
 
 
