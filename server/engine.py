@@ -4,10 +4,11 @@ One entry, :meth:`Engine.gemm`, takes a validated call (``_request.GemmCall``)
 and batches it with whatever else is pending:
 
 - a call of at most ``SMALL_ROWS`` rows (SPEC 3: a small call may launch and
-  complete on the event loop) runs on the loop's thread whenever no worker
-  batch holds the device: at once when it is the server's only request
-  (``alone``: nothing could merge with it), else in the loop's next turn,
-  merged with the calls that arrived in this one (a "loop batch");
+  complete on the event loop) runs on the loop's thread: at once when it is
+  the server's only request and the device is free (``alone``: nothing could
+  merge with it), else in the loop's next turn, merged with the calls that
+  arrived in this one (a "loop batch"); when a worker batch or job holds the
+  device, the waiting calls get it as soon as that one ends (fair turns);
 - a larger call queues for the worker thread, which loops "collect a batch,
   run it, wake the callers", merging the calls for the same weight set that
   arrive within ``merge_window_us`` while calls are arriving together.
@@ -142,6 +143,9 @@ class Engine:
         # Calls waiting for the event loop's next drain, and its handle.
         self._loop_calls: list[GemmCall] = []
         self._drain_handle: asyncio.Handle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # True while loop calls wait for a worker batch or job to release the device.
+        self._loop_waiting = False
         # Loads and captures: one at a time, on their own thread and stream.
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moegemm-load")
         self._load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -181,6 +185,7 @@ class Engine:
             else:
                 item.outcome = NotReady("the server is shutting down")
                 self._wake_threadsafe(item)
+        self._schedule_drain()  # calls waiting on the loop are refused there
         if self._thread is not None:
             self._thread.join(timeout)
         self._loader.shutdown(wait=False, cancel_futures=True)
@@ -202,15 +207,14 @@ class Engine:
             if self._closed:
                 raise NotReady("the server is shutting down")
             self._check_room()
-            on_loop = call.rows <= self._loop_rows and not self._busy and not self._items
-            if on_loop and alone and not self._loop_calls:
+            on_loop = call.rows <= self._loop_rows
+            if on_loop and alone and not (self._busy or self._items or self._loop_calls):
                 self._busy = now = True
-            elif on_loop:
-                self._pending_calls += 1  # until the drain takes it
             else:
-                self._items.append(call)
-                self._pending_calls += 1
-                self._cv.notify()
+                self._pending_calls += 1  # until a batch takes it
+                if not on_loop:
+                    self._items.append(call)
+                    self._cv.notify()
         if now:
             try:
                 self._run_batch([call])
@@ -222,6 +226,7 @@ class Engine:
             loop = asyncio.get_running_loop()
             call.waiter = loop.create_future()
             if on_loop:
+                self._loop = loop
                 self._loop_calls.append(call)
                 if self._drain_handle is None:
                     # No wait: the calls that arrive while a batch holds the loop are
@@ -251,33 +256,55 @@ class Engine:
             )
 
     def _release(self) -> None:
+        """The device is free again: small calls waiting on the loop get it first (their
+        drain is scheduled; the worker waits for it), else the worker."""
         with self._cv:
             self._busy = False
-            if self._items:
+            yield_to_loop = self._loop_waiting
+            if self._items and not yield_to_loop:
                 self._cv.notify_all()  # the worker has items waiting for the device
+        if yield_to_loop:
+            self._schedule_drain()
 
+    def _schedule_drain(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._drain_soon)
+        except RuntimeError:  # its loop is closed: nobody waits any more
+            pass
+
+    def _drain_soon(self) -> None:
+        if self._drain_handle is None and self._loop_calls:
+            self._drain_handle = asyncio.get_running_loop().call_soon(self._drain)
+
+    # Fair turns (SPEC 3: loads and large calls never hold up small calls for long):
+    # small calls that find the device held by a worker batch or job wait on the loop,
+    # and the worker lets them have the device before its next item. A large call
+    # thus delays a small one by at most its own batch, never by a queue of them.
     def _drain(self) -> None:
         """Run the calls waiting for the loop, merged per weight set and dtype (in
-        arrival order, at most ``max_bucket_m`` rows a batch)."""
+        arrival order, at most ``max_bucket_m`` rows a batch), or, when the worker
+        holds the device, leave them waiting for its release."""
         self._drain_handle = None
         waiting, self._loop_calls = self._loop_calls, []
+        if not waiting:
+            return
         with self._cv:
-            self._pending_calls -= len(waiting)
             closed, busy = self._closed, self._busy
-            if not (closed or busy):
-                self._busy = True
+            if busy and not closed:
+                self._loop_waiting = True  # the worker's release schedules the next drain
+            else:
+                self._busy, self._loop_waiting = True, False
+                self._pending_calls -= len(waiting)
         if closed:
             for call in waiting:
                 call.outcome = NotReady("the server is shutting down")
                 _wake(call)
             return
         if busy:
-            # A job or a worker batch took the device since these calls arrived:
-            # they queue for the worker behind it.
-            with self._cv:
-                self._items.extend(waiting)
-                self._pending_calls += len(waiting)
-                self._cv.notify()
+            self._loop_calls = waiting + self._loop_calls
             return
         try:
             for batch in self._batches([c for c in waiting if not _gone(c)]):
@@ -497,7 +524,7 @@ class Engine:
 
     def _next(self) -> GemmCall | _Job | None:
         with self._cv:
-            while (not self._items or self._busy) and not self._closed:
+            while (not self._items or self._busy or self._loop_waiting) and not self._closed:
                 self._cv.wait()
             if self._closed:
                 return None

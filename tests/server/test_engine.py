@@ -278,3 +278,41 @@ def test_calls_waiting_at_close_are_refused():
     assert all(isinstance(g, NotReady) for g in got)
     with pytest.raises(NotReady):
         asyncio.run(engine.gemm(_again(calls[0])))
+
+
+def test_small_calls_get_the_device_between_large_ones():
+    """Fair turns: small calls that arrive while a large call's batch holds the device
+    run on the loop as soon as it ends, before the next large call, never queued
+    behind all of them."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    large = _calls(gen, [ws], 3, rows=lambda i: SMALL_ROWS + 10)
+    small = _calls(gen, [ws], 4, rows=lambda i: 3)
+    engine = _engine(loop=True, max_bucket_m=256, merge_window_us=0)
+    order, gate, entered = [], threading.Event(), threading.Event()
+    real = engine._executor.run
+
+    def spy(ws_, batch):
+        kind = "large" if batch[0].rows > SMALL_ROWS else "small"
+        order.append((kind, threading.current_thread() is threading.main_thread()))
+        if kind == "large" and len(order) == 1:
+            entered.set()
+            gate.wait(30)
+        return real(ws_, batch)
+
+    engine._executor.run = spy
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(engine.gemm(c)) for c in large]
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
+        tasks += [asyncio.ensure_future(engine.gemm(c)) for c in small]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    got = _run(engine, scenario)
+    assert all(not isinstance(g, BaseException) for g in got), got
+    kinds = [k for k, _ in order]
+    assert kinds[0] == "large" and kinds[1] == "small", kinds  # right after the first
+    assert all(on_loop == (k == "small") for k, on_loop in order)
