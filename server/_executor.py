@@ -172,14 +172,14 @@ class Executor:
             if n == 0:
                 continue
             off = at * lane.x_row
-            staging.htod(lane.x[off:], lane.x_addr + off, call.x, n * lane.x_row)
+            staging.htod(lane.x, off, lane.x_addr + off, call.x, n * lane.x_row)
             if call.x_scale is not None:
                 off = at * lane.x_scale_row
-                staging.htod(lane.x_scale[off:], lane.x_scale_addr + off, call.x_scale,
+                staging.htod(lane.x_scale, off, lane.x_scale_addr + off, call.x_scale,
                              n * lane.x_scale_row)
         self.pool.fill_words(bufs, lane.meta_host, sizes, gather, rows, launched,
                              ws.wq, ws.w_scale)
-        staging.htod(lane.meta, lane.meta_addr, lane.meta_host, 8 * bufs.meta_words(launched))
+        staging.htod(lane.meta, 0, lane.meta_addr, lane.meta_host, 8 * bufs.meta_words(launched))
         graph.replay()
         self.pool.replays += 1
         host, at = self._download(lane, launched, rows * ws.N)

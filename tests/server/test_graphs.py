@@ -204,3 +204,37 @@ def test_lone_and_merged_calls_alternating_keep_each_callers_rows():
         assert not any(f.any() for f in flags)
         for part, out in zip(parts, outs):
             _check(ws, part, out)
+
+
+def test_the_graph_path_by_address_copies_equals_the_general_path():
+    """The graph path (rows copied by address into the static buffers, the launch's
+    words, one result copy back), with the graph replaced by an eager run of its body:
+    merged calls of both input kinds give exactly the general path's rows."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _weights(gen)
+    ex, ref = _executor(max_bucket=64), _executor(max_bucket=64)
+    pool = ex.pool
+
+    class Eager:  # what a captured graph replays, run now
+        def __init__(self, family, rows):
+            self.family, self.rows = family, rows
+
+        def replay(self):
+            pool._body(self.family, self.rows, ws.wq, ws.w_scale)
+
+    pool.graph = lambda family, launched, wq, w_scale: Eager(family, launched)
+    for kind in ("fp8", "bf16"):
+        parts = []
+        for m in (3, 0, 17, 1, 30):
+            if kind == "bf16":
+                x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
+                parts.append(Part(x, None, random_m_sizes(G, m, generator=gen).tolist()))
+            else:
+                parts.append(_fp8_part(ws, m, gen))
+        outs, flags, launches = _run(ex, ws, parts)
+        assert launches.graph == 1 and launches.eager == 0  # the graph path took them
+        for part, out in zip(parts, outs):
+            [want], _, _ = _run(ref, ws, [part])
+            assert torch.equal(out, want)
+            _check(ws, part, out)
+        assert not any(f.any() for f in flags)

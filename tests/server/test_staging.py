@@ -85,17 +85,17 @@ def test_address_copies_equal_torch_copies(nbytes):
     dev = torch.full((nbytes + 64,), 7, dtype=torch.uint8, device="cuda")
     staging.begin()
     src = memoryview(host.numpy())
-    staging.htod(dev[64:], dev.data_ptr() + 64, src, nbytes)  # pageable, at an offset
+    staging.htod(dev, 64, dev.data_ptr() + 64, src, nbytes)  # pageable, at an offset
     back = staging.take(nbytes)
     staging.dtoh(back, dev[64:], dev.data_ptr() + 64, nbytes)
     staging.wait()
     assert torch.equal(dev[64:].cpu(), host) and np.array_equal(back, host.numpy())
     assert (dev[:64].cpu() == 7).all()
     pinned = host.flip(0).pin_memory()
-    staging.htod(dev, dev.data_ptr(), memoryview(pinned.numpy()), nbytes)  # page-locked
+    staging.htod(dev, 0, dev.data_ptr(), memoryview(pinned.numpy()), nbytes)  # page-locked
     staging.wait()
     assert torch.equal(dev[:nbytes].cpu(), pinned)
-    staging.htod(dev, dev.data_ptr(), bytes(host.numpy()), nbytes)  # a bytes object
+    staging.htod(dev, 0, dev.data_ptr(), bytes(host.numpy()), nbytes)  # a bytes object
     staging.wait()
     assert torch.equal(dev[:nbytes].cpu(), host)
 
@@ -107,7 +107,7 @@ def test_torch_copies_on_the_cpu_move_the_bytes():
     staging.enter()
     host = np.arange(300, dtype=np.uint8)
     dev = torch.zeros(310, dtype=torch.uint8)
-    staging.htod(dev[10:], dev.data_ptr() + 10, memoryview(host), 300)
+    staging.htod(dev, 10, dev.data_ptr() + 10, memoryview(host), 300)
     back = np.zeros(300, dtype=np.uint8)
     staging.dtoh(back, dev[10:], dev.data_ptr() + 10, 300)
     staging.wait()
