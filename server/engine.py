@@ -212,6 +212,8 @@ class Engine:
                 self._busy = now = True
             else:
                 self._pending_calls += 1  # until a batch takes it
+                # Before the worker can see it: the worker wakes the caller through it.
+                call.waiter = asyncio.get_running_loop().create_future()
                 if not on_loop:
                     self._items.append(call)
                     self._cv.notify()
@@ -223,10 +225,8 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.inline_batches.inc()
         else:
-            loop = asyncio.get_running_loop()
-            call.waiter = loop.create_future()
             if on_loop:
-                self._loop = loop
+                loop = self._loop = call.waiter.get_loop()
                 self._loop_calls.append(call)
                 if self._drain_handle is None:
                     # No wait: the calls that arrive while a batch holds the loop are
