@@ -293,7 +293,9 @@ class Engine:
             return
         with self._cv:
             closed, busy = self._closed, self._busy
-            if busy and not closed:
+            if closed:
+                pass  # (close emptied the count)
+            elif busy:
                 self._loop_waiting = True  # the worker's release schedules the next drain
             else:
                 self._busy, self._loop_waiting = True, False
