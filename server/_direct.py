@@ -35,7 +35,7 @@ from typing import Any
 from moegemm.client._errors import APIError, InternalError, Overloaded, TooLarge
 
 from . import routes
-from ._body import MSGPACK, tensor_body_parts
+from ._body import MSGPACK
 from .metrics import Metrics
 
 log = logging.getLogger("moegemm.server")
@@ -121,12 +121,11 @@ class DirectGemm:
                 retry_after=1), request_id), "unmatched")
         budget.held += size
         try:
-            out = await self._gemm(name, fields, body)
+            parts = await self._gemm(name, fields, body)
         except APIError as exc:
             return (*_error(exc, request_id), _ENDPOINT)
         finally:
             budget.held -= size
-        parts = out if isinstance(out, list) else tensor_body_parts("out", out)
         size_out = sum(len(p) for p in parts)
         head = b"content-type: %s\r\ncontent-length: %d\r\nx-request-id: %s\r\n" % (
             _MSGPACK, size_out, request_id.encode())

@@ -39,10 +39,6 @@ log = logging.getLogger("moegemm.server.staging")
 # lookup costs more than the switch it would save).
 _current = threading.local()
 
-# The lone-call path's results smaller than this are copied out of the batch
-# arena; larger ones get their own page-locked buffer (Executor.run_raw).
-_COPY_OUT_BELOW = 64 << 10
-
 # Bodies above this are weight uploads, not calls: pinning them would hold page-
 # locked memory the size of a weight set for one request.
 _PIN_BODIES_UP_TO = 64 << 20
