@@ -6,8 +6,9 @@
 What one run does:
 
 1. writes the weight sets as safetensors files (the main set G=8, N=2048,
-   K=7168, and a DeepSeek-V3-like set: 256 experts of the gate projection,
-   N=2048, K=7168, 3.8 GB), and starts several ``moegemm serve`` processes on
+   K=7168, a DeepSeek-V3-like set: 256 experts of the gate projection,
+   N=2048, K=7168, 3.8 GB, and for the load point a DeepSeek-V3 layer's w13,
+   [256, 4096, 7168], 7.5 GB), and starts several ``moegemm serve`` processes on
    loopback that preload them: ``default`` (graphs, merging, fast transport),
    ``graphs_off``, ``merge_off`` and ``uvicorn`` (the stock transport);
 2. times the kernel's own graph replay for every shape in this process (the
@@ -16,6 +17,10 @@ What one run does:
    keep-alive connection each) at M in {1, 32, 128, 1024} rows per call, 1 and
    32 concurrent clients, fp8 and bf16 inputs: p50/p99 latency, calls/s, and
    the overhead (p50 latency minus the kernel's own time);
+   Issue 16's points: 32 clients of 1024-row calls, mixed traffic (32 clients,
+   rows log-uniform in 1..1024), and the load point (one client's calls
+   while the 7.5 GB set is loaded from its file, over and over), each beside
+   the same calls on the idle server in the same run;
 4. writes everything, with each server's graph-replay/eager and merge-size
    metrics, to one JSON file and prints a table.
 
@@ -69,7 +74,13 @@ def _worker(conn, index: int) -> None:
         if job is None:
             return
         rng = np.random.default_rng(job["seed"] + index)
-        x, scale, sizes = _inputs(rng, job["m"], job["k"], job["g"], job["kind"])
+        if job["m"] == "mixed":
+            # Rows log-uniform in 1..1024, a fresh draw per call from 32 prepared inputs.
+            ms = np.exp(rng.uniform(0, np.log(1024), size=32)).round().astype(int)
+            prepared = [_inputs(rng, int(m), job["k"], job["g"], job["kind"]) for m in ms]
+        else:
+            prepared = [_inputs(rng, job["m"], job["k"], job["g"], job["kind"])]
+        x, scale, sizes = prepared[0]
         client = clients.get(job["url"])
         if client is None:
             client = clients[job["url"]] = Client(job["url"], timeout=120, retries=0)
@@ -94,6 +105,8 @@ def _worker(conn, index: int) -> None:
                 next_send += interval
             else:
                 t0 = time.perf_counter()
+            if len(prepared) > 1:
+                x, scale, sizes = prepared[int(rng.integers(len(prepared)))]
             try:
                 client.grouped_gemm(job["name"], x, sizes, x_scale=scale)
                 lat.append(time.perf_counter() - t0)
@@ -296,6 +309,10 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--servers", default="default,graphs_off,merge_off,uvicorn")
     ap.add_argument("--merge-window-us", type=int, default=200)
+    ap.add_argument("--no-load", action="store_true",
+                    help="skip the load point (a 7.5 GB set loaded from a file, repeatedly, "
+                         "while another set's calls are timed; beside the same calls idle)")
+    ap.add_argument("--load-s", type=float, default=6.0, help="seconds of the load point")
     ap.add_argument("--paced-rate", type=float, default=1300,
                     help="total calls/s of the paced (open-loop) points")
     ap.add_argument("--no-deepseek", action="store_true")
@@ -334,6 +351,11 @@ def main() -> int:
     t0 = time.monotonic()
     for i, (name, (g, n, k)) in enumerate(sets.items()):
         write_weights(wdir / f"{name}.safetensors", g, n, k, seed=i)
+    # The load point's set: a DeepSeek-V3 layer's 256 experts' w13 ([256, 4096, 7168]
+    # fp8, 7.5 GB), loaded by the default server only (never preloaded).
+    big = (8, 256, 512) if args.cpu else (256, 4096, 7168)
+    if not args.no_load and "default" in args.servers.split(","):
+        write_weights(wdir / "big.safetensors", *big, seed=99)
     files_s = time.monotonic() - t0
 
     env = dict(os.environ)
@@ -391,8 +413,12 @@ def main() -> int:
                  ("uvicorn", "main", key_m, "fp8", c),
                  # merging's gain where calls are small: many one-row calls at once
                  ("default", "main", ms[0], "fp8", c), ("merge_off", "main", ms[0], "fp8", c)]
+        # Issue 16's points, each beside the same calls from one client (the idle server):
+        # 32 clients of the largest calls, and mixed traffic (rows log-uniform 1..1024).
+        first += [("default", "main", ms[-1], "fp8", 1), ("default", "main", ms[-1], "fp8", c),
+                  ("default", "main", "mixed", "fp8", 1), ("default", "main", "mixed", "fp8", c)]
         if args.large:
-            first += [("default", "main", ms[-1], "fp8", c), ("merge_off", "main", ms[-1], "fp8", c)]
+            first += [("merge_off", "main", ms[-1], "fp8", c)]
         rest = [("default", "main", m, kind, n) for m in ms for kind in kinds for n in (1, c)]
         if "deepseek" in sets:
             rest += [("default", "deepseek", m, "fp8", n) for m in ms for n in (1, c)]
@@ -411,7 +437,7 @@ def main() -> int:
         points = (points[:len(first)] + paced + variants
                   + ([] if args.quick else points[len(first):]))
         points = [p for p in points if p[0] in servers and result["servers"][p[0]]["ready"]]
-        shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points})
+        shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points if p[2] != "mixed"})
         result["kernel_us"] = kernel_times(shapes, device)
 
         # --rounds: the measured points again, in the same order, so a slow spell of the
@@ -424,7 +450,7 @@ def main() -> int:
                 break
             g, n, k = sets[set_name]
             job = {"url": srv.url, "name": set_name, "m": m, "k": k, "g": g, "kind": kind,
-                   "duration": args.duration, "seed": m * 7 + clients,
+                   "duration": args.duration, "seed": (m if m != "mixed" else 5) * 7 + clients,
                    "min_calls": 20 if clients == 1 else 3, "rate": pace[0] if pace else None}
             before = srv.metrics()
             row = {"server": server, "set": set_name, "M": m, "input": kind,
@@ -447,12 +473,18 @@ def main() -> int:
             row["round"] = rnd
             row["mean_merge_size"] = (delta["batched_calls"] / delta["batches"]
                                       if delta["batches"] else None)
-            kern = result["kernel_us"].get(f"{set_name}/M{m}/{kind}")
+            kern = result["kernel_us"].get(f"{set_name}/M{m}/{kind}") if m != "mixed" else None
             row["kernel_us"] = kern
             row["overhead_p50_us"] = row["p50_us"] - kern if row["p50_us"] and kern else None
             points_done = result["points"]
             points_done.append(row)
             print(_fmt(row), flush=True)
+        if not args.no_load and result["servers"].get("default", {}).get("ready"):
+            result["load_point"] = load_point(servers["default"], workers, sets["main"], key_m,
+                                              big, args.load_s)
+            lp = result["load_point"]
+            print("load point", json.dumps({k: v for k, v in lp.items() if k != "loads"}),
+                  f"loads: {len(lp['loads'])}", flush=True)
         result["summary"] = summarize(result["points"])
         for line in result["summary"]:
             print("median", _fmt(line), flush=True)
@@ -475,6 +507,48 @@ def main() -> int:
         for f in wdir.iterdir():
             f.unlink()
     return 0
+
+
+def load_point(srv: Server, workers: Workers, main_set, m: int, big, seconds: float) -> dict:
+    """One client's M-row calls on the main set, idle and then while the 7.5 GB set is
+    loaded from its file again and again (each load a replacement after the first):
+    both latencies, and each load's seconds and GB/s (SPEC 3, issue 16)."""
+    import threading
+
+    import httpx
+    from moegemm.client._wire import packb
+
+    g, _n, k = main_set
+    job = {"url": srv.url, "name": "main", "m": m, "k": k, "g": g, "kind": "fp8",
+           "duration": seconds, "seed": 16, "min_calls": 20, "rate": None}
+    idle = workers.run(1, job)
+    body = packb({"file": "big.safetensors", "w": "w", "w_scale": "w_scale"})
+    nbytes = big[0] * big[1] * big[2] + 4 * big[0] * (big[2] // 128) * (big[1] // 128)
+    loads, stop = [], threading.Event()
+
+    def loader():
+        with httpx.Client(timeout=600) as http:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                r = http.put(srv.url + "/v1/weights/big", content=body,
+                             headers={"content-type": "application/vnd.msgpack"})
+                took = time.monotonic() - t0
+                loads.append({"s": took, "status": r.status_code,
+                              "GB_per_s": nbytes / took / 1e9})
+
+    thread = threading.Thread(target=loader, daemon=True)
+    thread.start()
+    time.sleep(0.2)  # the first load under way before the calls are timed
+    busy = workers.run(1, job)
+    stop.set()
+    thread.join(600)
+    done = [x for x in loads if x["status"] in (200, 201)]
+    return {
+        "M": m, "set_bytes": nbytes, "idle": idle, "during_loads": busy, "loads": loads,
+        "p99_ratio": (busy["p99_us"] / idle["p99_us"]) if idle["p99_us"] and busy["p99_us"]
+        else None,
+        "load_GB_per_s_median": statistics.median(x["GB_per_s"] for x in done) if done else None,
+    }
 
 
 def _alive(pid: int) -> bool:
@@ -510,7 +584,7 @@ def _fmt(row: dict) -> str:
     def num(v, spec=".0f"):
         return "-" if v is None else format(v, spec)
     paced = f"@{row['offered_calls_per_s']:.0f}/s" if row["offered_calls_per_s"] else ""
-    return (f"{row['server']:10s} {row['set']:8s} M={row['M']:5d} {row['input']:4s}{paced} "
+    return (f"{row['server']:10s} {row['set']:8s} M={row['M']!s:>5s} {row['input']:4s}{paced} "
             f"c={row['clients']:2d}  p50 {num(row['p50_us']):>7s} us  p99 {num(row['p99_us']):>7s} us  "
             f"{num(row['calls_per_s']):>6s} calls/s  kernel {num(row['kernel_us'], '.1f'):>7s} us  "
             f"overhead {num(row['overhead_p50_us']):>6s} us  merge {num(row['mean_merge_size'], '.1f')}"

@@ -7,11 +7,13 @@
 if [ -n "$HEAD_KERNELS" ]; then cp .whl/head/*.py kernels/; fi
 R=$PWD; mkdir -p /tmp/pkg/moegemm && cp moegemm/*.py /tmp/pkg/moegemm/
 for d in kernels server client; do ln -sfn $R/$d /tmp/pkg/moegemm/$d; done
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/server/*.whl
+# .whl/cuda: cuda-bindings (the engine's driver copies; without it they fall back to torch's)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/server/*.whl \
+  $(ls .whl/cuda/*.whl 2>/dev/null)
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONSAFEPATH=1
-if [ -n "${TESTS-tests/server/test_engine_gpu.py tests/server/test_server_gpu.py tests/kernels/test_quant_devices.py}" ]; then
+if [ -n "${TESTS-tests/server/test_engine_gpu.py tests/server/test_shipped_gpu.py tests/server/test_staging.py tests/server/test_server_gpu.py}" ]; then
   timeout -k 5 ${TESTS_S:-150} python3 -P -m pytest -q -p no:cacheprovider -x \
-    ${TESTS-tests/server/test_engine_gpu.py tests/server/test_server_gpu.py tests/kernels/test_quant_devices.py} \
+    ${TESTS-tests/server/test_engine_gpu.py tests/server/test_shipped_gpu.py tests/server/test_staging.py tests/server/test_server_gpu.py} \
     > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"; tail -3 "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head
 fi

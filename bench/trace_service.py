@@ -109,21 +109,17 @@ def _install_stamps() -> None:
     stamp_sync(_executor.Executor, "run", "executor")
     for cls, attr in ((_staging.Staging, "gather_rows"), (_staging.Staging, "upload"),
                       (_staging.Staging, "download"), (_graphs.GraphPool, "launch"),
-                      (_executor.Executor, "_run_direct"), (engine.Engine, "validate")):
-        stamp_sync(cls, attr, attr)
-    # The lone-call lane (server/_lone.py): its steps inside the handler.
-    import torch
-    from moegemm.server import _body
-    for cls, attr in ((engine.Engine, "gemm_lone"), (_executor.Executor, "run_raw"),
+                      (_executor.Executor, "_run_graph"), (_executor.Executor, "_run_general"),
                       (_staging.Staging, "htod"), (_staging.Staging, "dtoh"),
-                      (_staging.Staging, "wait"), (_graphs.GraphPool, "fill_words"),
-                      (torch.cuda.CUDAGraph, "replay")):
+                      (_staging.Staging, "wait"), (_graphs.GraphPool, "fill_words")):
         stamp_sync(cls, attr, attr)
-    engine.wire_inputs = _timed(engine.wire_inputs, "wire_inputs")
-    _direct.unpack_body = _timed(_body.unpack_body, "unpack_body")
-    _direct.array_body_parts = _timed(_body.array_body_parts, "array_body_parts")
-    _graphs.unpack_result = _timed(_graphs.unpack_result, "unpack_result")
-    _executor.unpack_result = _graphs.unpack_result
+    # The request's steps: the one schema and validator, the answer's parts.
+    import torch
+    from moegemm.server import _body, _request, routes
+    stamp_sync(torch.cuda.CUDAGraph, "replay", "replay")
+    routes.decode_gemm = _timed(_request.decode_gemm, "decode_gemm")
+    routes.gemm_call = _timed(_request.gemm_call, "gemm_call")
+    routes.array_body_parts = _timed(_body.array_body_parts, "array_body_parts")
 
 
 def _timing(fn, record):
@@ -361,7 +357,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=18750)
     ap.add_argument("--ms", default="1,128")
     ap.add_argument("--variants", default="default,acceptors0",
-                    help="server settings to trace: default, acceptors0, noinline, uvicorn")
+                    help="server settings to trace: default, acceptors0, uvicorn, profile")
     ap.add_argument("--traced-serve", nargs=argparse.REMAINDER)
     ap.add_argument("--trace-out")
     ap.add_argument("--echo", type=int, help="(internal) run the floor server on this port")
@@ -424,8 +420,7 @@ def main() -> int:
         "acceptors0": ["--acceptors", "0"],
         "uvicorn": ["--http", "uvicorn", "--acceptors", "0"],
     }
-    env_variants = {"noinline": {"MOEGEMM_INLINE_WHEN_IDLE": "0"},
-                    "profile": {"MOEGEMM_TRACE_PROFILE": "1"}}
+    env_variants = {"profile": {"MOEGEMM_TRACE_PROFILE": "1"}}
     variants["profile"] = ["--acceptors", "0"]
     for i, name in enumerate(args.variants.split(",")):
         port = args.port + 1 + i

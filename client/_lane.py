@@ -117,22 +117,36 @@ class _Reader:
         self.headers_done = False
         self.keep_alive = False
         self.parser = None
+        # Bytes came after the final answer (another message or junk): the socket
+        # is out of step with its requests and must not be reused.
+        self.extra = False
+
+    def on_message_begin(self) -> None:
+        if self.done:
+            self.extra = True
 
     def on_status(self, reason: bytes) -> None:
-        self.reason += reason
+        if not self.extra:
+            self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.extra:
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.extra:
+            return
         self.headers_done = True
         # llhttp answers this reliably only before the message completes.
         self.keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
+        if not self.extra:
+            self.chunks.append(body)
 
     def on_message_complete(self) -> None:
+        if self.extra:
+            return
         if self.parser.get_status_code() < 200:  # 100 Continue, 103 Early Hints: wait on
             self.headers, self.chunks, self.reason = [], [], b""
             self.headers_done = False
@@ -217,13 +231,8 @@ class Lane:
             # select(): select() fails on descriptors past 1023. Not a peek
             # either: that needs the socket non-blocking, then its timeout back
             # (a syscall each way) and raises on the healthy path.
-            poller = select.poll()
-            try:
-                poller.register(sock, select.POLLIN)
-                if not poller.poll(0):
-                    return sock
-            except OSError:
-                pass
+            if not _readable(sock):
+                return sock
             sock.close()
 
     def _give_back(self, sock: socket.socket) -> None:
@@ -293,6 +302,8 @@ class Lane:
         while not done:
             if parse.body is not None:
                 self._read_body(sock, parse, timeout, deadline, send_error, where)
+                # Read to its exact length: bytes already behind it are extra.
+                parse.reader.extra = parse.reader.extra or _readable(sock)
                 break
             recv_error = None
             try:
@@ -322,6 +333,16 @@ class Lane:
                 parse.feed(b"", where, send_error, recv_error)  # raises: the answer is cut short
             parse.got += n
         parse.reader.done = True
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes (or an EOF, or an error) waiting to be read now."""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    except OSError:
+        return True
 
 
 def _parts(body: bytes | list | None) -> list:
@@ -430,6 +451,7 @@ class _Parse:
             take = min(len(chunk), len(self.body) - self.got)
             self.body[self.got:self.got + take] = np.frombuffer(chunk, np.uint8, take)
             self.got += take
+            reader.extra = take < len(chunk)  # past the declared length: out of step
             reader.done = self.got == len(self.body)
             return reader.done
         if self.whole:
@@ -446,6 +468,7 @@ class _Parse:
             self._feed_parser(data[:end + 4])
             data = data[end + 4:]
             if reader.done:
+                reader.extra = reader.extra or bool(data)
                 return True  # a final answer without a body
             if reader.headers_done:
                 break
@@ -464,6 +487,9 @@ class _Parse:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            if self.reader.done:  # junk after a whole answer: the answer stands
+                self.reader.extra = True
+                return
             raise httpx.RemoteProtocolError(f"malformed answer: {exc}") from exc
 
     def answer(self, send_error: OSError | None) -> tuple[Answer, bool]:
@@ -476,7 +502,9 @@ class _Parse:
                         reader.reason.decode("latin-1"))
         # An answer read after a failed write leaves the request half sent: never reuse.
         closes = self.length is None and reader.ends_at_close()
-        return answer, reader.keep_alive and send_error is None and not closes
+        # Bytes after the answer (reader.extra): closed, never back to the pool.
+        return answer, (reader.keep_alive and send_error is None and not closes
+                        and not reader.extra)
 
 
 class AsyncLane:

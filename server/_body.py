@@ -6,7 +6,7 @@ of a bytes copy (``_wire.unpack_in_place``), so a body received into pinned
 memory reaches the device with no host copy at all. Anything unusual is left
 to ``unpackb``, so the fast path never changes what a bad body answers.
 
-``TensorResponse`` answers ``{key: tensor}`` as msgpack from a small header
+``PartsResponse`` answers ``{key: tensor}`` as msgpack from a small header
 and the tensor's own memory (for example a pinned output buffer): the
 transport writes both parts as they are.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import torch
 from moegemm.client._wire import bin_header, unpack_in_place, unpackb
 from starlette.responses import Response
@@ -71,7 +72,7 @@ def array_body_parts(key: str, raw, dtype: str, shape: tuple[int, ...]) -> list:
     numpy array of any shape whose memory is the data), its wire dtype name and shape."""
     if len(shape) >= 16:
         raise ValueError("tensor has too many dimensions for a fixarray shape")
-    data = memoryview(raw).cast("B") if raw.ndim != 1 else memoryview(raw)
+    data = memoryview(raw.reshape(-1).view(np.uint8))  # contiguous: a view, never a copy
     key_of = (key, dtype, shape)
     header = _HEADERS.get(key_of)
     if header is None:
@@ -90,15 +91,15 @@ def array_body_parts(key: str, raw, dtype: str, shape: tuple[int, ...]) -> list:
 _HEADERS: dict[tuple, bytes] = {}
 
 
-class TensorResponse(Response):
-    """A msgpack ``{key: tensor}`` response sent as header + tensor memory (no copy)."""
+class PartsResponse(Response):
+    """A msgpack response sent as its parts (e.g. :func:`array_body_parts`: a header and
+    the output's own memory), never joined."""
 
     media_type = MSGPACK
 
-    def __init__(self, key: str, tensor: torch.Tensor, status_code: int = 200) -> None:
-        self.parts = tensor_body_parts(key, tensor)
-        self.tensor = tensor  # keeps the memory alive until sent
-        size = sum(len(p) for p in self.parts)
+    def __init__(self, parts: list, status_code: int = 200) -> None:
+        self.parts = parts  # keeps the memory alive until sent
+        size = sum(len(p) for p in parts)
         super().__init__(content=None, status_code=status_code, media_type=MSGPACK)
         self.headers["content-length"] = str(size)
 

@@ -35,7 +35,7 @@ from typing import Any
 from moegemm.client._errors import APIError, InternalError, Overloaded, TooLarge
 
 from . import routes
-from ._body import MSGPACK, array_body_parts, tensor_body_parts, unpack_body
+from ._body import MSGPACK
 from .metrics import Metrics
 
 log = logging.getLogger("moegemm.server")
@@ -121,12 +121,11 @@ class DirectGemm:
                 retry_after=1), request_id), "unmatched")
         budget.held += size
         try:
-            out = await self._gemm(name, fields, body)
+            parts = await self._gemm(name, fields, body)
         except APIError as exc:
             return (*_error(exc, request_id), _ENDPOINT)
         finally:
             budget.held -= size
-        parts = out if isinstance(out, list) else tensor_body_parts("out", out)
         size_out = sum(len(p) for p in parts)
         head = b"content-type: %s\r\ncontent-length: %d\r\nx-request-id: %s\r\n" % (
             _MSGPACK, size_out, request_id.encode())
@@ -151,20 +150,7 @@ class DirectGemm:
         if len(body) > limit:
             raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
         self.metrics.bytes_in.inc(len(body))
-        fields = unpack_body(body)
-        alone = self.in_progress() <= 1
-        ws = svc.store.find(name)
-        if ws is not None:
-            # The common case straight from the wire fields (``_lone.py``); anything
-            # else, errors included, goes the general way below.
-            out = svc.engine.gemm_lone(ws, fields, deadline, alone)
-            if out is None:  # not alone, or the device busy: merged in a loop batch
-                out = await svc.engine.gemm_wire(ws, fields, deadline)
-            if out is not None:
-                return array_body_parts("out", out, "bfloat16", (out.shape[0], ws.N))
-        x, x_scale, m_sizes = routes.gemm_inputs(fields)
-        ws = svc.store.get(name)
-        return await svc.engine.gemm(ws, x, x_scale, m_sizes, deadline=deadline, alone=alone)
+        return await routes.run_gemm(svc, name, body, deadline, alone=self.in_progress() <= 1)
 
 
 def _fields(headers: Headers) -> dict[str, str]:

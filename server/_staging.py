@@ -13,9 +13,12 @@ a response is recycled without a fresh ``cudaHostAlloc``. On a CPU device there
 is nothing to pin or overlap: the same calls fall back to plain memory and
 synchronous copies, so the engine has one code path.
 
-The lone-call path (``Executor.run_raw``) uses raw addresses instead: on
-NVIDIA its copies go to the CUDA driver directly (:class:`_Driver`) and its
-small results land in a reused page-locked arena (:meth:`Staging.take`).
+A call that needs no conversion goes to the graph's static buffers by one copy
+per input from where its body lies (``Executor._run_graph``), and its result
+comes back into a reused page-locked arena (:meth:`Staging.take`): on NVIDIA
+the copies are the CUDA driver's own calls through ``cuda-bindings``
+(:class:`_DriverCopies`), elsewhere torch's (:class:`_TorchCopies`) -- one
+copy path per device family, chosen once per process.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -34,10 +38,6 @@ log = logging.getLogger("moegemm.server.staging")
 # The stream each thread last made current through Staging.enter (torch's own
 # lookup costs more than the switch it would save).
 _current = threading.local()
-
-# The lone-call path's results smaller than this are copied out of the batch
-# arena; larger ones get their own page-locked buffer (Executor.run_raw).
-_COPY_OUT_BELOW = 64 << 10
 
 # Bodies above this are weight uploads, not calls: pinning them would hold page-
 # locked memory the size of a weight set for one request.
@@ -90,53 +90,94 @@ def pin_host_array(arr: np.ndarray) -> bool:
     return True
 
 
-class _Driver:
-    """The CUDA driver's async copies and stream wait, called directly (ctypes).
+class _DriverCopies:
+    """The CUDA driver's async copies and stream wait, through ``cuda-bindings``.
 
     A ``torch`` copy between host and device costs ~15-30 us of Python and
-    dispatch on the H200's host; the same driver call through ctypes costs a
-    few. The engine's small calls make four of them (rows, scales, the launch's
-    words up; the result down), so a lone one-row call spent more time in
-    copy bookkeeping than on the GPU (``bench/SERVICE_NOTES.md``, v4). The
-    calls are enqueued on the engine's stream, in order with its graph
-    replays, exactly as the torch copies were. The stream wait releases the
-    GIL, so the event loop runs meanwhile.
+    dispatch on the H200's host; a driver call costs a few. A small call makes
+    four (rows, scales, the launch's words up; the result down), so with torch
+    copies a lone one-row call spent more time in copy bookkeeping than on the
+    GPU (``bench/SERVICE_NOTES.md``, v4: executor 342 -> 108 us at M=1). The
+    copies are enqueued on the engine's stream, in order with its graph replays.
     """
 
-    def __init__(self) -> None:
-        # The copies only enqueue (or, from pageable memory, stage a few KB), so
-        # they keep the GIL (PyDLL): giving it up and winning it back costs the
-        # engine's worker up to a switch interval each time the event loop is
-        # busy. Only the stream wait, which can last a batch, releases it (CDLL).
-        keep = ctypes.PyDLL("libcuda.so.1")
-        self.htod = keep.cuMemcpyHtoDAsync_v2
-        self.htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        self.dtoh = keep.cuMemcpyDtoHAsync_v2
-        self.dtoh.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        self.sync = ctypes.CDLL("libcuda.so.1").cuStreamSynchronize
-        self.sync.argtypes = [ctypes.c_void_p]
-        for fn in (self.htod, self.dtoh, self.sync):
-            fn.restype = ctypes.c_int
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        from cuda.bindings import driver  # the `cuda` extra; NVIDIA only, imported here
 
-    @staticmethod
-    def check(result: int, what: str) -> None:
-        if result != 0:
-            raise RuntimeError(f"CUDA driver {what} failed with CUresult {result}")
+        self._htod = driver.cuMemcpyHtoDAsync
+        self._dtoh = driver.cuMemcpyDtoHAsync
+        self._sync = driver.cuStreamSynchronize
+        self._stream = driver.CUstream(stream.cuda_stream)
+        self._ok = driver.CUresult.CUDA_SUCCESS
+
+    def _check(self, result: tuple, what: str) -> None:
+        if result[0] != self._ok:
+            raise RuntimeError(f"CUDA driver {what} failed with {result[0]!r}")
+
+    def htod(self, dst: torch.Tensor, at: int, dst_addr: int, src, src_addr: int,
+             nbytes: int) -> None:
+        self._check(self._htod(dst_addr, src_addr, nbytes, self._stream), "host-to-device copy")
+
+    def dtoh(self, dst: np.ndarray, src_addr: int, src: torch.Tensor, nbytes: int) -> None:
+        self._check(self._dtoh(dst.ctypes.data, src_addr, nbytes, self._stream),
+                    "device-to-host copy")
+
+    def wait(self) -> None:
+        self._check(self._sync(self._stream), "stream wait")
 
 
-def _load_driver(device: torch.device) -> _Driver | None:
-    """The driver binding on an NVIDIA GPU, else None (torch copies are used)."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return None
-    try:
-        return _Driver()
-    except (OSError, AttributeError) as exc:
-        log.warning("CUDA driver copies unavailable (%s): using torch copies", exc)
-        return None
+class _TorchCopies:
+    """The same copies through torch (ROCm, the CPU, or NVIDIA without cuda-bindings)."""
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self._stream = stream
+        self._async = stream is not None
+
+    def htod(self, dst: torch.Tensor, at: int, dst_addr: int, src, src_addr: int,
+             nbytes: int) -> None:
+        # ``dst`` is a flat uint8 device view; the destination starts at byte ``at``.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only body: never written
+            host = torch.frombuffer(src, dtype=torch.uint8, count=nbytes)
+        dst[at:at + nbytes].copy_(host, non_blocking=self._async)
+
+    def dtoh(self, dst: np.ndarray, src_addr: int, src: torch.Tensor, nbytes: int) -> None:
+        torch.from_numpy(dst).copy_(src[:nbytes], non_blocking=self._async)
+
+    def wait(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+def _copies(device: torch.device, stream):
+    """The copy path of this device family, chosen once."""
+    if device.type == "cuda" and torch.version.hip is None:
+        try:
+            return _DriverCopies(stream)
+        except ImportError as exc:
+            log.warning("cuda-bindings is not installed (%s; pip install 'moegemm[cuda]'): "
+                        "host-device copies go through torch, ~4x slower per small call", exc)
+    return _TorchCopies(stream)
+
+
+def address(data) -> int:
+    """The host address of a bin's bytes (a bytes object, a byte view on a body, or a
+    numpy array)."""
+    kind = type(data)
+    if kind is bytes:
+        return _bytes_address(data)  # ~5x cheaper than through numpy
+    if kind is np.ndarray:
+        return data.ctypes.data
+    return np.frombuffer(data, dtype=np.uint8).ctypes.data
+
+
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.restype = ctypes.c_void_p
+_bytes_address.argtypes = [ctypes.py_object]
 
 
 class Staging:
-    """Pinned host memory and the engine's own CUDA stream on one device.
+    """Pinned host memory, the engine's own CUDA stream and its copies, on one device.
 
     Every copy and every graph replay of the engine runs in order on one
     dedicated stream (never the legacy default stream, which would serialise
@@ -148,16 +189,15 @@ class Staging:
     are free to reuse.
     """
 
-    def __init__(self, device: torch.device, *, driver: bool = True) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._done = torch.cuda.Event() if self.is_cuda else None
-        self._driver = _load_driver(self.device) if driver else None
-        self._handle = self.stream.cuda_stream if self.stream is not None else None
+        self._copies = _copies(self.device, self.stream)
         # The batch arena: page-locked host memory reused by every batch (one
-        # batch at a time, each waited for before the next), where the lone-call
-        # path's small results land (:meth:`take`, :meth:`begin`).
+        # batch at a time, each waited for before the next), where small
+        # results land (:meth:`take`, :meth:`begin`).
         self._arena = torch.empty(0, dtype=torch.uint8)
         self._arena_np = self._arena.numpy()
         self._used = 0
@@ -179,8 +219,9 @@ class Staging:
         """Start a batch: the arena's space is free again (the last batch was waited for)."""
         self._used = 0
 
-    def _take(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of the arena for this batch (grown, never shrunk, when too small)."""
+    def take(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of page-locked arena for this batch (valid until the next :meth:`begin`;
+        grown, never shrunk, when too small)."""
         start = -(-self._used // 256) * 256
         if start + nbytes > self._arena_np.size:
             # Growing drops the old block; parts of this batch already staged in it
@@ -192,35 +233,29 @@ class Staging:
         self._used = start + nbytes
         return self._arena_np[start:start + nbytes]
 
-    # -- raw copies (the executor's lone-call path; only with the driver binding) --------
+    # -- copies by address (the graph path) ------------------------------------------
 
-    @property
-    def raw(self) -> bool:
-        """Whether the raw-address copies below are available (NVIDIA, driver loaded)."""
-        return self._driver is not None
+    def htod(self, dst: torch.Tensor, at: int, dst_addr: int, src, nbytes: int) -> None:
+        """Copy ``nbytes`` of host bytes ``src`` (a bytes object, byte view or array) to
+        byte ``at`` of flat uint8 device view ``dst`` (whose address there is
+        ``dst_addr``), on the stream.
 
-    def htod(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy ``nbytes`` from host address ``src`` to device address ``dst`` on the stream.
-
-        From pageable memory the driver stages the bytes before it returns, so
-        ``src`` may be reused at once; from page-locked memory the copy runs
-        later, in stream order: keep ``src`` until :meth:`wait`.
+        From pageable memory the bytes are staged before this returns, so ``src``
+        may be reused at once; from page-locked memory the copy runs later, in
+        stream order: keep ``src`` until :meth:`wait`.
         """
-        self._driver.check(self._driver.htod(dst, src, nbytes, self._handle),
-                           "host-to-device copy")
+        self._copies.htod(dst, at, dst_addr, src, address(src), nbytes)
 
-    def dtoh(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy ``nbytes`` from device address ``src`` to host address ``dst`` on the stream."""
-        self._driver.check(self._driver.dtoh(dst, src, nbytes, self._handle),
-                           "device-to-host copy")
+    def dtoh(self, dst: np.ndarray, src: torch.Tensor, src_addr: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from device address ``src_addr`` (the start of flat uint8
+        device view ``src``) to host array ``dst`` on the stream."""
+        self._copies.dtoh(dst, src_addr, src, nbytes)
 
     def wait(self) -> None:
         """Wait (GIL released) until everything queued on the stream has run."""
-        self._driver.check(self._driver.sync(self._handle), "stream wait")
+        self._copies.wait()
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of page-locked arena for this batch (valid until the next :meth:`begin`)."""
-        return self._take(nbytes)
+    # -- tensors (the general path) ------------------------------------------------
 
     def gather_rows(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The parts stacked along dim 0 in one pinned buffer: the only host copy of the rows."""

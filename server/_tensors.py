@@ -1,8 +1,9 @@
 """Wire tensors to torch and back, and the checks every tensor input shares.
 
 The wire format itself (msgpack maps, SPEC 2) lives in ``moegemm.client._wire``;
-this module only bridges its ``WireTensor`` to torch without copying, and holds
-the dtype tables and validation helpers that the store and the engine share.
+this module only bridges its ``WireTensor`` to torch without copying (weight
+uploads), and holds the dtype tables and the checks the store uses. Gemm calls
+are checked by ``_request.py`` alone.
 """
 
 from __future__ import annotations
@@ -72,25 +73,6 @@ def require_positive_finite_scales(scale: torch.Tensor, what: str) -> None:
     """Raise NotFinite unless every scale is finite and > 0 (NaN fails both tests)."""
     if scale.numel() and not bool(((scale > 0) & torch.isfinite(scale)).all()):
         raise NotFinite(f"{what} holds a NaN, Inf or a value <= 0; scales are finite and > 0")
-
-
-def require_finite(t: torch.Tensor, what: str) -> None:
-    """Raise NotFinite if a float tensor holds NaN or Inf."""
-    if t.numel() and not bool(torch.isfinite(t).all()):
-        raise NotFinite(f"{what} holds NaN or Inf")
-
-
-def require_fp8_not_nan(t: torch.Tensor, what: str) -> None:
-    """Raise NotFinite if fp8 data holds a NaN encoding (fn: 0x7F/0xFF, fnuz: 0x80)."""
-    if t.numel() == 0:
-        return
-    bits = t.view(torch.uint8)
-    if t.dtype == torch.float8_e4m3fn:
-        bad = (bits & 0x7F) == 0x7F
-    else:
-        bad = bits == 0x80
-    if bool(bad.any()):
-        raise NotFinite(f"{what} holds fp8 NaN encodings")
 
 
 def to_backend_fp8(

@@ -107,11 +107,6 @@ async def _lifespan(app: FastAPI):
         graphs=settings.graphs,
         metrics=metrics,
         switch_interval_us=settings.gil_switch_us,
-        # Not on the CPU: the reference kernel would hold the event loop for milliseconds.
-        inline_when_idle=settings.inline_when_idle and device.type == "cuda",
-        raw_copies=settings.raw_copies,
-        loop_batches=settings.loop_batches and device.type == "cuda",
-        loop_max_rows=settings.loop_max_rows,
     )
     limits = WeightLimits(
         max_g=settings.max_g, max_n=settings.max_n, max_k=settings.max_k,

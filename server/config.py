@@ -95,7 +95,9 @@ class Settings(BaseSettings):
     # Device memory a load leaves free for the calls in flight (507 when it cannot).
     memory_headroom_bytes: int = Field(1 << 30, ge=0)
     max_bucket_m: int = Field(8192, gt=0)
-    merge_window_us: int = Field(0, ge=0, le=1_000_000)
+    # Merge the calls for one weight set that arrive within this window (0: off);
+    # the default is the measured best (server/engine.py, MERGE_WINDOW_US).
+    merge_window_us: int = Field(200, ge=0, le=1_000_000)
     queue_size: int = Field(256, gt=0)
     # On SIGTERM/SIGINT: seconds the requests in flight get to finish (fits the
     # deployments' grace period after their preStop pause).
@@ -108,22 +110,6 @@ class Settings(BaseSettings):
     # 20 and 50 served fewer calls at 32 clients than 200 or 1000, which were
     # within run-to-run noise of each other.
     gil_switch_us: int = Field(1000, ge=1, le=5000)
-    # On a GPU, a small call that is the server's only request in progress,
-    # arriving while the device is idle, runs on the event loop's thread (no
-    # hand-off to the worker and back); others queue and merge. On the H200
-    # (bench/SERVICE_NOTES.md, v3) one client's M=1 call took 1004 vs 1082 us
-    # and M=128 1721 vs 1883 us, with 32 clients unchanged.
-    inline_when_idle: bool = True
-    # On NVIDIA, a lone small call takes the lane of server/_lone.py: run from
-    # its wire fields, its copies made by the CUDA driver directly
-    # (server/_staging.py); off: every call takes the general path.
-    raw_copies: bool = True
-    # On a GPU, small calls (up to loop_max_rows rows) run their batches on the
-    # event loop's thread, merged with the calls that arrived in the same turn of
-    # the loop, whenever no job holds the device; off: they queue for the worker
-    # thread, which then fights the loop for the GIL (server/engine.py).
-    loop_batches: bool = True
-    loop_max_rows: int = Field(256, ge=1, le=65536)
     # The HTTP transport: "fast" (server/_http.py: bodies received in place,
     # pinned on a GPU) or "uvicorn". Same app, same contract.
     http: Literal["fast", "uvicorn"] = "fast"

@@ -31,7 +31,7 @@ from ._tensors import (
     require_positive_finite_scales,
     require_shape,
 )
-from .store import WeightSet, WeightStore, check_name, set_bytes
+from .store import WeightSet, WeightStore, _MemoryGroups, check_name, set_bytes
 
 log = logging.getLogger("moegemm.server.experts")
 
@@ -218,8 +218,8 @@ class ExpertStore:
                 require_positive_finite_scales(scale, f"{what}_scale")
         return self.assemble(
             name, G, H, I,
-            w13=(w13.dtype, lambda g: w13[g], w13_scale),
-            w2=(w2.dtype, lambda g: w2[g], w2_scale),
+            w13=(w13.dtype, _MemoryGroups(w13), w13_scale),
+            w2=(w2.dtype, _MemoryGroups(w2), w2_scale),
             source="upload",
         )
 

@@ -62,7 +62,7 @@ class Metrics:
             self.launches.labels(mode=mode)
         self.inline_batches = Counter(
             "moegemm_inline_batches",
-            "Batches run on the event loop's thread (a lone call, the device idle)", registry=r,
+            "Calls run at once on the event loop's thread (alone, the device free)", registry=r,
         )
         self.weight_bytes = Gauge(
             "moegemm_weight_bytes", "Device bytes held by loaded weight sets", registry=r

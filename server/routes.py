@@ -1,8 +1,10 @@
 """The endpoints of SPEC 2.1: decode -> validate -> engine -> encode.
 
 Each handler reads a straight line: check the name and the media type, read the
-body within its limit, decode the msgpack map and its tensors, hand host tensors
-to the store or the engine, encode the answer. Errors are raised as the domain
+body within its limit, decode the msgpack map and its tensors, hand them to the
+store or the engine, encode the answer. A gemm call takes one path whatever
+its transport (:func:`run_gemm`: ``_request.py``'s schema and validator, then
+``Engine.gemm``). Errors are raised as the domain
 errors of ``moegemm.client._errors``; ``app.py`` turns them into JSON.
 """
 
@@ -31,7 +33,8 @@ from starlette.convertors import Convertor, register_url_convertor
 
 import moegemm
 
-from ._body import TensorResponse, unpack_body
+from ._body import PartsResponse, array_body_parts, unpack_body
+from ._request import decode_gemm, gemm_call
 from ._tensors import WIRE_NAMES, to_torch
 from .config import Settings
 from .engine import Engine
@@ -139,8 +142,8 @@ def check_body_head(content_type: str | None, content_length: str | None, limit:
         raise TooLarge(f"the body is {content_length} bytes; this server takes at most {limit}")
 
 
-async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
-    """The body as one msgpack map: media type checked, size bounded while reading."""
+async def read_body(request: Request, limit: int) -> bytes | memoryview:
+    """The body of a msgpack request: media type checked, size bounded while reading."""
     check_body_head(request.headers.get("content-type"), request.headers.get("content-length"),
                     limit)
     chunks, size = [], 0
@@ -150,9 +153,14 @@ async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
             raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
         if chunk:  # Starlette ends every stream with an empty chunk
             chunks.append(chunk)
-    # One chunk (the fast transport's whole body) is decoded in place: tensor
-    # bins stay views on the body, which is pinned memory on a GPU.
-    return unpack_body(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+    # One chunk (the fast transport's whole body) is used in place: tensor bins
+    # stay views on the body, which is pinned memory on a GPU.
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
+    """The body as one msgpack map: media type checked, size bounded while reading."""
+    return unpack_body(await read_body(request, limit))
 
 
 def check_fields(body: dict, required: set[str], optional: set[str] = frozenset()) -> None:
@@ -198,30 +206,34 @@ def _deadline(request: Request) -> float | None:
     return parse_deadline(request.headers.get(DEADLINE_HEADER))
 
 
-def gemm_inputs(
-    body: dict,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """A gemm body's fields as host tensors: ``x``, ``x_scale`` (or None), ``m_sizes``."""
-    check_fields(body, {"x", "m_sizes"}, {"x_scale"})
-    x, x_scale, m_sizes = (_tensor(body, k) for k in ("x", "x_scale", "m_sizes"))
-    return x, x_scale, m_sizes
+async def run_gemm(svc: Services, name: str, body, deadline: float | None,
+                   alone: bool = False) -> list:
+    """A gemm call from its body to its answer's parts (header, output bytes): the one
+    path of every transport. ``alone``: the transport knows of no other request in
+    progress (``Engine.gemm``)."""
+    request = decode_gemm(body)
+    call = gemm_call(request, lambda: svc.store.get(name), max_m=svc.settings.max_m,
+                     deadline=deadline)
+    out = await svc.engine.gemm(call, alone=alone)
+    return array_body_parts("out", out, "bfloat16", (call.rows, call.ws.N))
 
 
 async def install(svc: Services, build: Callable[[], WeightSet]) -> tuple[WeightSet, bool]:
-    """Build a set and capture its graphs on the engine's thread, then swap it in.
+    """Build a set and capture its graphs off the calls' path (``Engine.load``), then
+    swap it in.
 
     Returns the set and whether it replaced one; the replaced set's graphs are
     dropped (calls still holding it finish on it, eagerly if need be).
     """
-    ws = await svc.engine.run(lambda: svc.engine.prepare(build()))
+    ws = await svc.engine.load(build)
     try:
         old = svc.store.put(ws)
     except OutOfMemory:
         # Another load took the room meanwhile: this set never goes live.
-        await svc.engine.run(lambda: svc.engine.forget(ws))
+        svc.engine.forget(ws)
         raise
     if old is not None:
-        await svc.engine.run(lambda: svc.engine.forget(old))
+        svc.engine.forget(old)
     return ws, old is not None
 
 
@@ -333,7 +345,7 @@ async def delete_weights(name: str, svc: ServicesDep) -> Response:
     """Unload a weight set."""
     check_name(name)
     old = svc.store.delete(name)
-    await svc.engine.run(lambda: svc.engine.forget(old))
+    svc.engine.forget(old)  # its graphs' table entries only: never the calls' path
     return Response(status_code=204)
 
 
@@ -342,12 +354,9 @@ async def gemm(name: str, request: Request, svc: ServicesDep) -> Response:
     """SPEC 1 on a loaded weight set: msgpack {x, x_scale?, m_sizes} -> {out}."""
     check_name(name)
     deadline = _deadline(request)
-    body = await read_msgpack(request, svc.settings.max_body_bytes)
-    x, x_scale, m_sizes = gemm_inputs(body)
-    ws = svc.store.get(name)
-    out = await svc.engine.gemm(ws, x, x_scale, m_sizes, deadline=deadline)
-    # The header, then the pinned output rows as they are: no msgpack copy.
-    return TensorResponse("out", out)
+    body = await read_body(request, svc.settings.max_body_bytes)
+    # The header, then the output rows as they are: no msgpack copy.
+    return PartsResponse(await run_gemm(svc, name, body, deadline))
 
 
 @metrics_router.get("/metrics")

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from moegemm.client._errors import (
     BadField,
+    BadMSizes,
     BadName,
     BadShape,
     DeadlineExceeded,
@@ -24,7 +25,7 @@ from moegemm.client._errors import (
     TooLarge,
 )
 
-from ._body import TensorResponse
+from ._body import PartsResponse, tensor_body_parts
 from ._tensors import BLOCK, FLOATS, FP8, require_dtype, require_shape
 from .engine import Engine
 from .experts import ExpertSet, ExpertStore, check_expert_name
@@ -101,7 +102,29 @@ def ffn_request(engine: Engine, es: ExpertSet, body: dict):
     against the set's w13 (K = H, G groups)."""
     check_fields(body, {"x", "m_sizes"}, {"x_scale"})
     x, x_scale, m_sizes = (_tensor(body, k) for k in ("x", "x_scale", "m_sizes"))
-    return x, x_scale, engine.validate(es.w13, x, x_scale, m_sizes)
+    require_dtype(x, FP8 + FLOATS, "x")
+    require_dtype(m_sizes, (torch.int64, torch.int32), "m_sizes")
+    if x.dim() != 2:
+        raise BadShape(f"x has shape {list(x.shape)}; expected 2-D [M, H]")
+    M, H = x.shape
+    if H != es.H:
+        raise BadShape(f"x has H={H}; expert set {es.name!r} has H={es.H}")
+    require_shape(m_sizes, (es.G,), "m_sizes", f"[G], G={es.G} experts")
+    if M > engine.max_m:
+        raise TooLarge(f"x has M={M} rows; this server takes at most {engine.max_m} per call")
+    if x.dtype in FP8:
+        if x_scale is None:
+            raise BadField("fp8 x needs x_scale (float32 [M, H/128])")
+        require_dtype(x_scale, (torch.float32,), "x_scale")
+        require_shape(x_scale, (M, H // BLOCK), "x_scale", "[M, H/128]")
+    elif x_scale is not None:
+        raise BadField("x_scale is only for fp8 x; bf16/fp16/fp32 x is quantized by the server")
+    sizes = [int(m) for m in m_sizes.tolist()]  # Python ints: the sum is exact
+    if any(m < 0 for m in sizes):
+        raise BadMSizes(f"m_sizes {sizes} holds a negative size")
+    if sum(sizes) != M:
+        raise BadMSizes(f"m_sizes sum to {sum(sizes)}; x has M={M} rows")
+    return x, x_scale, sizes
 
 
 def moe_request(engine: Engine, es: ExpertSet, body: dict):
@@ -242,7 +265,7 @@ async def ffn(name: str, request: Request, svc: ServicesDep) -> Response:
     es = experts.store.get(name)
     x, x_scale, sizes = ffn_request(svc.engine, es, body)
     out = await _run(svc.engine, lambda: experts.runner.ffn(es, x, x_scale, sizes), deadline)
-    return TensorResponse("out", out)
+    return PartsResponse(tensor_body_parts("out", out))
 
 
 @router.post("/experts/{name:wsname}/moe")
@@ -256,4 +279,4 @@ async def moe(name: str, request: Request, svc: ServicesDep) -> Response:
     x, x_scale, ids, weights = moe_request(svc.engine, es, body)
     out = await _run(svc.engine, lambda: experts.runner.moe(es, x, x_scale, ids, weights),
                      deadline)
-    return TensorResponse("out", out)
+    return PartsResponse(tensor_body_parts("out", out))

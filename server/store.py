@@ -3,7 +3,9 @@
 A :class:`WeightSet` is immutable: replacing one swaps a dict entry under a
 lock, and a call that already holds the old set finishes on it. Building a
 set (validation, fn/fnuz conversion, quantization, the backend's layout) is
-device work: the app runs the ``build*`` methods on the engine's worker thread.
+device work: the engine runs the ``build*`` methods on its loader thread and
+stream (``Engine.load``), off the calls' path, in chunks read into page-locked
+buffers while the previous chunk is copied (SPEC 3).
 
 Decision (SPEC 2.1 leaves it open): bf16/fp16/fp32 weights are quantized by
 the server, so a ``w_scale`` sent with them is refused as ``bad_field`` rather
@@ -13,7 +15,9 @@ than silently ignored.
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import math
 import os
 import re
 import stat
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import torch
 from moegemm.client._errors import (
     BadDtype,
@@ -33,6 +38,7 @@ from moegemm.client._errors import (
     BadShape,
     NoSuchFile,
     NoSuchWeights,
+    NotFinite,
     OutOfMemory,
     TooLarge,
 )
@@ -44,8 +50,6 @@ from ._tensors import (
     FP8,
     WIRE_NAMES,
     require_dtype,
-    require_finite,
-    require_fp8_not_nan,
     require_positive_finite_scales,
     require_shape,
     to_backend_fp8,
@@ -398,41 +402,41 @@ class WeightStore:
         require_dtype(w, FP8 + FLOATS, "w")
         if w.dim() != 3:
             raise BadShape(f"w has shape {list(w.shape)}; expected 3-D [G, N, K]")
-        return self._assemble(name, tuple(w.shape), w.dtype, lambda g: w[g], w_scale)
+        return self._assemble(name, tuple(w.shape), w.dtype, _MemoryGroups(w), w_scale)
 
     def build_from_file(
         self, name: str, file: str, w_key: str, w_scale_key: str | None
     ) -> WeightSet:
-        """Build a set from a safetensors file under ``weights_dir``, group by group."""
-        from safetensors import safe_open
-
+        """Build a set from a safetensors file under ``weights_dir``, read in chunks
+        straight into page-locked buffers (host memory holds two chunks, never the set)."""
         check_name(name)
         self.refuse_owned(name)
         path = self.resolve(file)
         try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types
-            raise BadField(f"file {file!r} is not a readable safetensors file: {exc}") from exc
-        with handle as f:
-            keys = set(f.keys())
+            handle = open(path, "rb")  # noqa: SIM115 -- closed below, after the read
+        except OSError as exc:
+            raise NoSuchFile(f"cannot open {file!r} in the weights directory: {exc}") from exc
+        with handle:
+            entries, data_start = _safetensors_header(handle, file)
             for key in (w_key, w_scale_key):
-                if key is not None and key not in keys:
+                if key is not None and key not in entries:
                     raise NoSuchFile(f"file {file!r} holds no tensor {key!r}")
-            w_slice = f.get_slice(w_key)
-            dtype = _SAFETENSORS_DTYPES.get(w_slice.get_dtype())
+            w_entry = entries[w_key]
+            dtype = _SAFETENSORS_DTYPES.get(w_entry["dtype"])
             if dtype is None:
                 raise BadDtype(
-                    f"tensor {w_key!r} is {w_slice.get_dtype()}; expected one of "
+                    f"tensor {w_key!r} is {w_entry['dtype']}; expected one of "
                     f"{sorted(_SAFETENSORS_DTYPES)}"
                 )
-            shape = tuple(w_slice.get_shape())
+            shape = tuple(w_entry["shape"])
             if len(shape) != 3:
                 raise BadShape(f"tensor {w_key!r} has shape {list(shape)}; expected [G, N, K]")
-            w_scale = f.get_tensor(w_scale_key) if w_scale_key is not None else None
+            w_scale = None
+            if w_scale_key is not None:
+                w_scale = _read_tensor(handle, entries[w_scale_key], data_start, w_scale_key)
             log.info("loading %r from %s (%s %s)", name, path, WIRE_NAMES[dtype], list(shape))
-            # Each slice is read from the memory map on demand: host memory holds
-            # one group at a time, never the whole set.
-            return self._assemble(name, shape, dtype, lambda g: w_slice[g], w_scale)
+            source = _FileGroups(handle.fileno(), data_start + w_entry["data_offsets"][0])
+            return self._assemble(name, shape, dtype, source, w_scale)
 
     def build_demo(self, name: str = "demo", G: int = 8, N: int = 256, K: int = 512) -> WeightSet:
         """A random bf16 set quantized by the server, so a fresh server answers calls."""
@@ -470,9 +474,11 @@ class WeightStore:
         name: str,
         shape: tuple[int, ...],
         dtype: torch.dtype,
-        group: Callable[[int], torch.Tensor],
+        source: _Groups | Callable[[int], torch.Tensor],
         w_scale: torch.Tensor | None,
     ) -> WeightSet:
+        if not isinstance(source, _Groups):
+            source = _CallableGroups(source)
         G, N, K = shape
         if G < 1 or N < 1 or K < 1 or N % BLOCK or K % BLOCK:
             raise BadShape(
@@ -492,28 +498,8 @@ class WeightStore:
                 "w_scale is only for fp8 weights; bf16/fp16/fp32 weights are quantized "
                 "by the server"
             )
-        fp8 = self.backend.fp8_dtype
         try:
-            wq = torch.empty(shape, dtype=fp8, device=self.device)
-            scales = torch.empty(scale_shape, dtype=torch.float32, device=self.device)
-            step = max(1, G // 10)
-            # Progress of sets of a GiB or more is worth an operator's attention.
-            progress_level = logging.INFO if G * N * K >= 1 << 30 else logging.DEBUG
-            for g in range(G):
-                host = group(g)
-                if dtype in FP8:
-                    require_fp8_not_nan(host, f"w[{g}]")
-                    q, s = to_backend_fp8(
-                        host.to(self.device), w_scale[g].to(self.device), fp8
-                    )
-                else:
-                    require_finite(host, f"w[{g}]")
-                    q, s = _quantize_group(host.to(self.device), fp8)
-                wq[g].copy_(q)
-                scales[g].copy_(s)
-                if (g + 1) % step == 0 or g + 1 == G:
-                    log.log(progress_level, "%r: %d/%d groups on %s", name, g + 1, G,
-                            self.device)
+            wq, scales = self._upload(name, shape, dtype, source, w_scale)
             wq, scales = self.backend.prepare_weights(wq, scales)
         except torch.OutOfMemoryError as exc:
             # Everything built so far is local: dropping it leaves other sets intact.
@@ -534,9 +520,203 @@ class WeightStore:
             created=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         )
 
+    def _upload(self, name, shape, dtype, source: _Groups, w_scale):
+        """The groups to the device in chunks on the current stream (the engine's loader
+        stream): chunk ``i + 1`` is read into one page-locked buffer while chunk ``i``
+        is copied from the other; the contents are checked on the device and judged
+        once, at the end (NotFinite naming the first bad group)."""
+        G, N, K = shape
+        fp8 = self.backend.fp8_dtype
+        dev = self.device
+        on_gpu = dev.type == "cuda"
+        wq = torch.empty(shape, dtype=fp8, device=dev)
+        scales = torch.empty((G, K // BLOCK, N // BLOCK), dtype=torch.float32, device=dev)
+        item = torch.empty((), dtype=dtype).element_size()
+        group_bytes = N * K * item
+        per_chunk = max(1, min(G, _CHUNK_BYTES // group_bytes))
+        staging = [torch.empty(per_chunk * group_bytes, dtype=torch.uint8, pin_memory=on_gpu)
+                   for _ in range(2 if G > per_chunk else 1)]
+        copied: list[torch.cuda.Event | None] = [None] * len(staging)
+        bad = torch.zeros(G, dtype=torch.bool, device=dev)
+        as_is = dtype == fp8
+        if dtype in FP8:
+            scale_dev = w_scale.to(dev, non_blocking=on_gpu)
+            if as_is:
+                scales.copy_(scale_dev)
+        step = max(1, G // 10)
+        # Progress of sets of a GiB or more is worth an operator's attention.
+        level = logging.INFO if G * N * K >= 1 << 30 else logging.DEBUG
+        for i, g0 in enumerate(range(0, G, per_chunk)):
+            g1 = min(G, g0 + per_chunk)
+            slot = i % len(staging)
+            if copied[slot] is not None:
+                copied[slot].synchronize()  # its last copy has left the buffer
+            buf = staging[slot][: (g1 - g0) * group_bytes]
+            source.read(g0, g1, group_bytes, buf.numpy())
+            host = buf.view(dtype).view(g1 - g0, N, K)
+            if as_is:
+                chunk = wq[g0:g1]
+                chunk.copy_(host, non_blocking=on_gpu)
+            else:
+                chunk = host.to(dev, non_blocking=on_gpu)
+            if on_gpu:
+                copied[slot] = torch.cuda.Event()
+                copied[slot].record()
+            if dtype in FP8:
+                bad[g0:g1] = _fp8_nan(chunk).flatten(1).any(1)
+                if not as_is:
+                    q, s = to_backend_fp8(chunk, scale_dev[g0:g1], fp8)
+                    wq[g0:g1].copy_(q)
+                    scales[g0:g1].copy_(s)
+            else:
+                bad[g0:g1] = ~torch.isfinite(chunk).flatten(1).all(1)
+                q, s = _quantize_groups(chunk, fp8)
+                wq[g0:g1].copy_(q)
+                scales[g0:g1].copy_(s)
+            if (g1 // step) != (g0 // step) or g1 == G:
+                log.log(level, "%r: %d/%d groups on %s", name, g1, G, dev)
+        first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else None  # the one sync
+        if first is not None:
+            what = "fp8 NaN encodings" if dtype in FP8 else "NaN or Inf"
+            raise NotFinite(f"w[{first}] holds {what}")
+        return wq, scales
 
-def _quantize_group(w: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+
+# Bytes read and copied per step of a load (two such page-locked buffers per load).
+_CHUNK_BYTES = 64 << 20
+# Threads reading one chunk of a file at once (each a slice; page-cache copies
+# scale with them up to the memory bandwidth).
+_READERS = 4
+
+
+class _Groups:
+    """Where a weight set's groups come from: ``read(g0, g1, group_bytes, dst)`` fills
+    ``dst`` (uint8) with groups ``g0:g1``'s raw bytes."""
+
+    def read(self, g0: int, g1: int, group_bytes: int, dst: np.ndarray) -> None:
+        raise NotImplementedError
+
+
+class _MemoryGroups(_Groups):
+    """Groups of a host tensor (a body's ``w``)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self._bytes = w.contiguous().view(-1).view(torch.uint8).numpy()
+
+    def read(self, g0, g1, group_bytes, dst) -> None:
+        np.copyto(dst, self._bytes[g0 * group_bytes: g1 * group_bytes])
+
+
+class _CallableGroups(_Groups):
+    """Groups given one at a time as host tensors (``g -> [N, K]``): an expert set's
+    matrices from a checkpoint, one expert's tensors per call."""
+
+    def __init__(self, group: Callable[[int], torch.Tensor]) -> None:
+        self._group = group
+
+    def read(self, g0, g1, group_bytes, dst) -> None:
+        for g in range(g0, g1):
+            one = self._group(g).contiguous().view(-1).view(torch.uint8).numpy()
+            if len(one) != group_bytes:
+                raise BadShape(f"group {g} holds {len(one)} bytes; expected {group_bytes}")
+            dst[(g - g0) * group_bytes:(g - g0 + 1) * group_bytes] = one
+
+
+class _FileGroups(_Groups):
+    """Groups of a tensor at byte ``start`` of an open file: positioned reads straight
+    into the page-locked buffer (no memory map, no intermediate copy), several at once."""
+
+    def __init__(self, fd: int, start: int) -> None:
+        self._fd = fd
+        self._start = start
+        self._pool = None
+
+    def read(self, g0, g1, group_bytes, dst) -> None:
+        import concurrent.futures
+
+        total = len(dst)
+        at = self._start + g0 * group_bytes
+        piece = -(-total // _READERS)
+        spans = [(a, min(total, a + piece)) for a in range(0, total, piece)]
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(_READERS)
+        view = memoryview(dst)
+        list(self._pool.map(lambda span: self._pread(view[span[0]:span[1]], at + span[0]),
+                            spans))
+
+    def _pread(self, view: memoryview, offset: int) -> None:
+        while len(view):
+            n = os.preadv(self._fd, [view], offset)
+            if n <= 0:
+                raise BadField("the weights file ends before its tensor's data")
+            view, offset = view[n:], offset + n
+
+    def __del__(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def _safetensors_header(handle, file: str) -> tuple[dict, int]:
+    """A safetensors file's tensor entries (dtype, shape, data_offsets checked against
+    the file's size) and where its data starts."""
+    size = os.fstat(handle.fileno()).st_size
+    try:
+        head = handle.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(size - 8, 100 << 20):
+            raise ValueError("bad header length")
+        entries = json.loads(handle.read(n))
+        if not isinstance(entries, dict):
+            raise TypeError("header is not a map")
+        entries.pop("__metadata__", None)
+        data_start, room = 8 + n, size - 8 - n
+        for key, e in entries.items():
+            begin, end = e["data_offsets"]
+            known = _ST_ITEMSIZE.get(e["dtype"])
+            if not (isinstance(e["shape"], list) and all(
+                    type(d) is int and d >= 0 for d in e["shape"])):
+                raise ValueError(f"tensor {key!r} has a bad shape")
+            if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= room):
+                raise ValueError(f"tensor {key!r} lies outside the file")
+            if known is not None and end - begin != math.prod(e["shape"]) * known:
+                raise ValueError(f"tensor {key!r} has {end - begin} bytes for its shape")
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise BadField(f"file {file!r} is not a readable safetensors file: {exc}") from exc
+    return entries, data_start
+
+
+def _read_tensor(handle, entry: dict, data_start: int, key: str) -> torch.Tensor:
+    """A small tensor of the file (a weight set's scales), on the host."""
+    dtype = _ST_TORCH.get(entry["dtype"])
+    if dtype is None:
+        raise BadDtype(f"tensor {key!r} is {entry['dtype']}; expected F32")
+    begin, end = entry["data_offsets"]
+    raw = bytearray(end - begin)
+    n = os.preadv(handle.fileno(), [raw], data_start + begin) if raw else 0
+    if n != len(raw):
+        raise BadField(f"tensor {key!r} is cut short in its file")
+    return torch.frombuffer(raw, dtype=dtype).view(entry["shape"]) if raw else \
+        torch.empty(entry["shape"], dtype=dtype)
+
+
+_ST_TORCH = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+             "F32": torch.float32, "F64": torch.float64, "I32": torch.int32,
+             "I64": torch.int64}
+_ST_ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8,
+                "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
+
+
+def _fp8_nan(q: torch.Tensor) -> torch.Tensor:
+    """Where fp8 data holds a NaN encoding (fn: 0x7F/0xFF, fnuz: 0x80)."""
+    bits = q.view(torch.uint8)
+    if q.dtype == torch.float8_e4m3fn:
+        return (bits & 0x7F) == 0x7F
+    return bits == 0x80
+
+
+def _quantize_groups(w: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     from moegemm.kernels import quantize_weights
 
-    q, s = quantize_weights(w.unsqueeze(0), fp8)
-    return q[0], s[0]
+    return quantize_weights(w, fp8)
+
+

@@ -446,3 +446,82 @@ def test_async_lane_failures_map_to_the_error_tree():
             listener.close()
 
     _run(scenario())
+
+
+def _trailing_server(body: bytes, trailing: bytes) -> tuple[str, list]:
+    """Answers every request with ``body``; each connection's first answer is
+    followed, in the same write, by ``trailing`` bytes nobody asked for. Returns the
+    URL and the client ports of the connections made."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    peers = []
+    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+              b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    def serve_one(conn, peer):
+        with conn, contextlib.suppress(ConnectionError):
+            peers.append(peer[1])
+            first = True
+            while True:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    head += chunk
+                conn.sendall(answer + trailing if first else answer)
+                first = False
+
+    def serve():
+        while True:
+            try:
+                conn, peer = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve_one, args=(conn, peer), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", peers
+
+
+_TRAILING = {
+    "junk": b"xyz",
+    "a second answer": b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+}
+_BODIES = {"empty": b"", "small": b"0123456789", "large": bytes(range(256)) * 1024}
+
+
+@pytest.mark.parametrize("trailing", list(_TRAILING))
+@pytest.mark.parametrize("size", list(_BODIES))
+def test_bytes_after_a_whole_answer_close_the_socket(size, trailing):
+    """Bytes that arrive with a complete answer put the socket out of step with its
+    requests: the answer is returned, the socket is closed, never pooled, and the
+    next call goes out on a new connection."""
+    body = _BODIES[size]
+    url, peers = _trailing_server(body, _TRAILING[trailing])
+    with Client(url, timeout=5) as c:
+        for call in range(3):
+            got = c._lane.request("GET", "/x", {}, None, httpx.Timeout(5))
+            assert got.status_code == 200 and bytes(got.content) == body
+            assert not c._lane._idle, call  # closed, not pooled
+    assert len(peers) == 3
+
+
+@pytest.mark.parametrize("trailing", list(_TRAILING))
+@pytest.mark.parametrize("size", list(_BODIES))
+def test_async_bytes_after_a_whole_answer_close_the_socket(size, trailing):
+    from moegemm.client import AsyncClient
+
+    body = _BODIES[size]
+    url, peers = _trailing_server(body, _TRAILING[trailing])
+
+    async def scenario():
+        async with AsyncClient(url, timeout=5) as c:
+            for call in range(3):
+                got = await c._lane.request("GET", "/x", {}, None, httpx.Timeout(5))
+                assert got.status_code == 200 and bytes(got.content) == body
+                assert not c._lane._idle, call
+
+    _run(scenario())
+    assert len(peers) == 3

@@ -136,3 +136,25 @@ def close_to(out: torch.Tensor, ref: torch.Tensor) -> bool:
     from moegemm.kernels.testing import SPEC_TOLERANCE, rel_error
 
     return bool(torch.isfinite(out).all()) and rel_error(out, ref) <= SPEC_TOLERANCE
+
+
+def gemm_call(ws, x: torch.Tensor, x_scale: torch.Tensor | None, m_sizes, deadline=None):
+    """A validated call as the server makes one: the body packed, decoded and checked
+    by ``_request`` (the one validator), against weight set ``ws``."""
+    from moegemm.server._request import decode_gemm
+    from moegemm.server._request import gemm_call as validate
+
+    body = {"x": wire(x), "m_sizes": wire(torch.as_tensor(m_sizes, dtype=torch.int64))}
+    if x_scale is not None:
+        body["x_scale"] = wire(x_scale)
+    call = validate(decode_gemm(packb(body)), lambda: ws, max_m=1 << 20, deadline=deadline)
+    call.tensors = (x, x_scale, torch.as_tensor(m_sizes, dtype=torch.int64))  # for checks
+    return call
+
+
+def bf16_rows(out) -> torch.Tensor:
+    """An engine or executor answer (bf16 bytes ``[rows, 2N]``) as a bf16 tensor."""
+    rows = torch.from_numpy(out.copy())
+    if not rows.numel():
+        return torch.empty((out.shape[0], out.shape[1] // 2), dtype=torch.bfloat16)
+    return rows.view(torch.bfloat16)

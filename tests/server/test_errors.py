@@ -237,12 +237,12 @@ def test_out_of_memory_leaves_other_sets(server, unchanged, loaded):
 
 
 def test_internal_errors_answer_500(server, unchanged, loaded):
-    engine = server.services.engine
-    engine._compute = _raise  # the kernel blows up
+    executor = server.services.engine._executor
+    executor.run = _raise  # the kernel blows up
     try:
         assert_error(server.gemm("base", call(loaded)), 500, "internal")
     finally:
-        del engine._compute
+        del executor.run
     store = server.services.store
     store.list = _raise  # a bug outside the engine
     try:
@@ -258,14 +258,15 @@ def _raise(*args, **kwargs):
 def _blocking_engine(engine):
     """Make the engine's next batch wait for the returned event."""
     release, entered = threading.Event(), threading.Event()
-    real = engine._compute
+    executor = engine._executor
+    real = executor.run
 
-    def compute(*args):
+    def run(*args):
         entered.set()
         release.wait(30)
         return real(*args)
 
-    engine._compute = compute
+    executor.run = run
     return release, entered
 
 
@@ -293,7 +294,7 @@ def test_overloaded_and_timeout():
         assert_error(r, 503, "overloaded")
         assert int(r.headers["retry-after"]) >= 1
         time.sleep(0.1)  # the queued call's 50 ms pass while the worker is busy
-        del engine._compute
+        del engine._executor.run
         release.set()
         first.join(30)
         queued.join(30)

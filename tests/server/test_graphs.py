@@ -15,9 +15,10 @@ import torch
 from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
-from moegemm.server._executor import Executor, Part, chunk_sizes
+from moegemm.server._executor import Executor, chunk_sizes
 from moegemm.server._graphs import Family, GraphPool, bucket_for, buckets_up_to, fill_addresses
 from moegemm.server._staging import Staging
+from server_support import bf16_rows, gemm_call
 
 N, K, G = 256, 256, 5
 
@@ -29,19 +30,33 @@ def _executor(max_bucket: int = 64) -> Executor:
 
 def _weights(gen: torch.Generator):
     p = random_problem(1, N, K, G, generator=gen)
-    return SimpleNamespace(G=G, N=N, K=K, wq=p.wq, w_scale=p.w_scale)
+    return SimpleNamespace(name="w", G=G, N=N, K=K, wq=p.wq, w_scale=p.w_scale)
 
 
-def _fp8_part(ws, m: int, gen: torch.Generator) -> Part:
+def Part(x, x_scale, m_sizes):
+    """A call's tensors (validated against its weight set by ``_run``)."""
+    return (x, x_scale, list(m_sizes))
+
+
+def _fp8_part(ws, m: int, gen: torch.Generator):
     p = random_problem(m, N, K, G, generator=gen)
     return Part(p.xq, p.x_scale, random_m_sizes(G, m, generator=gen).tolist())
 
 
-def _check(ws, part: Part, out: torch.Tensor) -> None:
-    xq, xs = part.x, part.x_scale
+def _run(ex: Executor, ws, parts):
+    """``Executor.run`` on validated calls of these parts: (bf16 outs, flags, launches)."""
+    calls = [gemm_call(ws, *part) for part in parts]
+    ex.staging.enter()
+    results, launches = ex.run(ws, calls)
+    return [bf16_rows(out) for out, _ in results], [f for _, f in results], launches
+
+
+def _check(ws, part, out: torch.Tensor) -> None:
+    x, xs, m_sizes = part
+    xq = x
     if xs is None:
-        xq, xs = quantize_activations(part.x, torch.float8_e4m3fn)
-    ref = reference_float64(xq, ws.wq, xs, ws.w_scale, torch.tensor(part.m_sizes))
+        xq, xs = quantize_activations(x, torch.float8_e4m3fn)
+    ref = reference_float64(xq, ws.wq, xs, ws.w_scale, torch.tensor(m_sizes))
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     if out.shape[0]:
         assert rel_error(out, ref) <= SPEC_TOLERANCE
@@ -66,7 +81,7 @@ def test_single_fp8_call_on_the_cpu():
     gen = torch.Generator().manual_seed(torch.seed())
     ex, ws = _executor(), _weights(gen)
     part = _fp8_part(ws, 37, gen)
-    [out], [flags], launches = ex.run(ws, [part])
+    [out], [flags], launches = _run(ex, ws, [part])
     assert flags.shape == (out.shape[0],) and not flags.any()
     _check(ws, part, out)
     assert (launches.graph, launches.eager) == (0, 1)  # no graphs on a CPU
@@ -78,7 +93,7 @@ def test_merged_and_chunked_calls_each_get_their_rows(rows):
     gen = torch.Generator().manual_seed(torch.seed())
     ex, ws = _executor(max_bucket=32), _weights(gen)
     parts = [_fp8_part(ws, m, gen) for m in rows]
-    outs, flags, launches = ex.run(ws, parts)
+    outs, flags, launches = _run(ex, ws, parts)
     assert [f.shape[0] for f in flags] == [o.shape[0] for o in outs]
     assert not any(f.any() for f in flags)
     assert launches.eager == -(-sum(rows) // 32)  # ceil: chunks of the largest bucket
@@ -92,37 +107,39 @@ def test_mixed_input_dtypes_in_one_batch():
     fp8 = _fp8_part(ws, 9, gen)
     # fnuz -> fn is exact only at or above 2^-6 (SPEC 1.2; halved below): keep
     # the fp8 part clear of tiny values so the fnuz twin must match it bit for bit.
-    tiny = fp8.x.float().abs() < 2**-5
-    fp8 = Part(fp8.x.float().masked_fill(tiny, 0).to(fp8.x.dtype), fp8.x_scale, fp8.m_sizes)
+    x8, xs8, sizes8 = fp8
+    tiny = x8.float().abs() < 2**-5
+    fp8 = Part(x8.float().masked_fill(tiny, 0).to(x8.dtype), xs8, sizes8)
     parts = [fp8]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = torch.randn(11, K, generator=gen).to(dtype)
         parts.append(Part(x, None, random_m_sizes(G, 11, generator=gen).tolist()))
     # fnuz input: the server converts it to the device's fn format (SPEC 1.2).
-    xq_fnuz = (fp8.x.float() * 0.5).to(torch.float8_e4m3fnuz)
-    parts.append(Part(xq_fnuz, fp8.x_scale * 2, fp8.m_sizes))
-    outs, _, _ = ex.run(ws, parts)
+    xq_fnuz = (fp8[0].float() * 0.5).to(torch.float8_e4m3fnuz)
+    parts.append(Part(xq_fnuz, xs8 * 2, sizes8))
+    # One batch is one input dtype (the engine groups them): each runs on its own.
+    outs = [_run(ex, ws, [part])[0][0] for part in parts]
     for part, out in zip(parts[:4], outs[:4]):
         _check(ws, part, out)
     torch.testing.assert_close(outs[4], outs[0], rtol=0, atol=0)
 
 
-def test_empty_call():
+def test_empty_call_beside_others():
     gen = torch.Generator().manual_seed(torch.seed())
     ex, ws = _executor(), _weights(gen)
-    part = Part(torch.empty(0, K, dtype=torch.float8_e4m3fn), torch.empty(0, K // 128), [0] * G)
-    [out], [flags], launches = ex.run(ws, [part])
-    assert flags.shape == (out.shape[0],) and not flags.any()
-    assert out.shape == (0, N)
-    assert (launches.graph, launches.eager) == (0, 0)  # nothing ran, nothing counted
+    empty = Part(torch.empty(0, K, dtype=torch.float8_e4m3fn), torch.empty(0, K // 128), [0] * G)
+    parts = [empty, _fp8_part(ws, 6, gen)]
+    outs, flags, _ = _run(ex, ws, parts)
+    assert outs[0].shape == (0, N) and flags[0].shape == (0,)
+    _check(ws, parts[1], outs[1])
 
 
 def test_static_buffers_are_shared_per_family():
     gen = torch.Generator().manual_seed(torch.seed())
     ex = _executor()
     a, b = _weights(gen), _weights(gen)
-    ex.run(a, [_fp8_part(a, 5, gen)])
-    ex.run(b, [_fp8_part(b, 40, gen)])
+    _run(ex, a, [_fp8_part(a, 5, gen)])
+    _run(ex, b, [_fp8_part(b, 40, gen)])
     assert list(ex.pool._buffers) == [Family(G, N, K, quantize=False)]
 
 
@@ -157,7 +174,7 @@ def test_bad_rows_are_flagged_for_their_call_only(kind):
         else:
             parts.append(_fp8_part(ws, m, gen))
     bad = parts[1]
-    x, xs = bad.x.clone(), None if bad.x_scale is None else bad.x_scale.clone()
+    x, xs = bad[0].clone(), None if bad[1] is None else bad[1].clone()
     if kind == "fp8_nan":
         x.view(torch.uint8)[4, 9] = 0xFF
     elif kind == "scale_zero":
@@ -166,8 +183,8 @@ def test_bad_rows_are_flagged_for_their_call_only(kind):
         xs[0, 0] = float("inf")
     else:
         x[3, 3] = float("-inf")
-    parts[1] = Part(x, xs, bad.m_sizes)
-    outs, flags, _ = ex.run(ws, parts)
+    parts[1] = Part(x, xs, bad[2])
+    outs, flags, _ = _run(ex, ws, parts)
     assert flags[1].any() and not flags[0].any() and not flags[2].any()
     expected = 2 if kind.startswith("scale") else 1
     assert int(np.bitwise_or.reduce(flags[1])) == expected
@@ -184,7 +201,41 @@ def test_lone_and_merged_calls_alternating_keep_each_callers_rows():
     for step, rows in enumerate([[5], [3, 4, 9], [7], [20], [2, 2], [20], [1]]):
         ws = sets[step % 2]
         parts = [_fp8_part(ws, m, gen) for m in rows]
-        outs, flags, _ = ex.run(ws, parts)
+        outs, flags, _ = _run(ex, ws, parts)
         assert not any(f.any() for f in flags)
         for part, out in zip(parts, outs):
             _check(ws, part, out)
+
+
+def test_the_graph_path_by_address_copies_equals_the_general_path():
+    """The graph path (rows copied by address into the static buffers, the launch's
+    words, one result copy back), with the graph replaced by an eager run of its body:
+    merged calls of both input kinds give exactly the general path's rows."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _weights(gen)
+    ex, ref = _executor(max_bucket=64), _executor(max_bucket=64)
+    pool = ex.pool
+
+    class Eager:  # what a captured graph replays, run now
+        def __init__(self, family, rows):
+            self.family, self.rows = family, rows
+
+        def replay(self):
+            pool._body(self.family, self.rows, ws.wq, ws.w_scale)
+
+    pool.graph = lambda family, launched, wq, w_scale: Eager(family, launched)
+    for kind in ("fp8", "bf16"):
+        parts = []
+        for m in (3, 0, 17, 1, 30):
+            if kind == "bf16":
+                x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
+                parts.append(Part(x, None, random_m_sizes(G, m, generator=gen).tolist()))
+            else:
+                parts.append(_fp8_part(ws, m, gen))
+        outs, flags, launches = _run(ex, ws, parts)
+        assert launches.graph == 1 and launches.eager == 0  # the graph path took them
+        for part, out in zip(parts, outs):
+            [want], _, _ = _run(ref, ws, [part])
+            assert torch.equal(out, want)
+            _check(ws, part, out)
+        assert not any(f.any() for f in flags)

@@ -192,13 +192,13 @@ def test_gemm_tensors_are_views_on_the_received_body(server, monkeypatch):
     from moegemm.server import routes
 
     seen = []
-    real = routes.to_torch
+    real = routes.gemm_call
 
-    def spy(wire):
-        seen.append(wire.data)
-        return real(wire)
+    def spy(request, *args, **kwargs):
+        seen.extend((request.x.data, request.m_sizes.data))
+        return real(request, *args, **kwargs)
 
-    monkeypatch.setattr(routes, "to_torch", spy)
+    monkeypatch.setattr(routes, "gemm_call", spy)
     gen = torch.Generator().manual_seed(torch.seed())
     # 200 rows of 512 bf16: a body over 64 KiB, which is decoded in place.
     r = server.http.post("/v1/weights/demo/gemm", content=_demo_body(200, gen)[0], headers=MSGPACK)

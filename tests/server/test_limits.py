@@ -50,17 +50,18 @@ class Gate:
         self.engine = engine
         self.open_ = threading.Event()
         self.entered = threading.Event()
-        real = engine._compute
+        executor = engine._executor
+        real = executor.run
 
-        def compute(*args):
+        def run(*args):
             self.entered.set()
             self.open_.wait(30)
             return real(*args)
 
-        engine._compute = compute
+        executor.run = run
 
     def open(self) -> None:
-        del self.engine._compute
+        del self.engine._executor.run
         self.open_.set()
 
 

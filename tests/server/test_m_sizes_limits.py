@@ -1,9 +1,9 @@
-"""Group sizes near the int64 and int32 limits are judged exactly on every lane.
+"""Group sizes near the int64 and int32 limits are judged exactly by the one validator.
 
 A body whose int64 ``m_sizes`` wrap around in a fixed-width sum (the exact sum
 of ``[2^63-1, 2^63-1, 18, 0, ...]`` is 2^64 + 16, numpy's is 16) once passed the
-GPU lanes and wrote out of bounds, losing the device for every later call. Each
-lane must refuse what the exact Python-int rule (SPEC 2.2 ``bad_m_sizes``:
+GPU lanes and wrote out of bounds, losing the device for every later call. The
+validator every call takes (`_request.gemm_call`) must refuse what the exact Python-int rule (SPEC 2.2 ``bad_m_sizes``:
 every size >= 0, sum == M) refuses, and take only what it takes.
 """
 
@@ -12,16 +12,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moegemm.client._errors import APIError, BadMSizes
-from moegemm.client._wire import encode_tensor, packb, unpackb
-from moegemm.kernels.reference import create as reference_backend
-from moegemm.server import routes
-from moegemm.server._lone import wire_inputs
+from moegemm.client._wire import encode_tensor, packb
 from moegemm.server._merge import plan_merge
-from moegemm.server.engine import Engine
+from moegemm.server._request import decode_gemm, gemm_call
 from server_support import assert_error
 
 G, K, N = 8, 256, 128
@@ -32,24 +28,24 @@ NEAR = st.sampled_from([0, 1, 2, 16, 18, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**
                         2**62, 2**63 - 1, -1, -(2**31), -(2**63), 2**63 - 17])
 
 
-def _body(rows: int, sizes, dtype) -> dict:
+def _body(rows: int, sizes, dtype) -> bytes:
     rng = np.random.default_rng(rows)
     x = rng.uniform(-4, 4, (rows, K)).astype(ml_dtypes.float8_e4m3fn)
     scale = rng.uniform(0.1, 1, (rows, K // 128)).astype(np.float32)
-    return unpackb(packb({"x": encode_tensor(x), "x_scale": encode_tensor(scale),
-                          "m_sizes": encode_tensor(np.asarray(sizes, dtype=dtype))}))
+    return packb({"x": encode_tensor(x), "x_scale": encode_tensor(scale),
+                  "m_sizes": encode_tensor(np.asarray(sizes, dtype=dtype))})
 
 
 def _exact_ok(sizes, rows) -> bool:
     return all(s >= 0 for s in sizes) and sum(sizes) == rows
 
 
-def _general(body: dict):
+def _general(body: bytes):
+    """What the server's one validator (every lane's) makes of a body: the sizes, or
+    the error."""
     ws = type("WS", (), {"G": G, "K": K, "N": N, "name": "w"})()
-    engine = Engine(reference_backend(torch.device("cpu")), max_m=4096, max_bucket_m=256)
     try:
-        x, xs, m = routes.gemm_inputs(body)
-        return engine.validate(ws, x, xs, m)
+        return gemm_call(decode_gemm(body), lambda: ws, max_m=4096).m_sizes.tolist()
     except APIError as exc:
         return exc
 
@@ -57,10 +53,9 @@ def _general(body: dict):
 OVERFLOW = [2**63 - 1, 2**63 - 1, 18, 0, 0, 0, 0, 0]  # exact sum 2^64 + 16; int64 sum 16
 
 
-def test_the_issue_body_is_refused_by_every_lane():
+def test_the_issue_body_is_refused():
     body = _body(16, OVERFLOW, np.int64)
     assert int(np.asarray(OVERFLOW, np.int64).sum()) == 16  # the wrap the lanes once trusted
-    assert wire_inputs(body, G, K, FP8, 256) is None
     assert isinstance(_general(body), BadMSizes)
 
 
@@ -74,10 +69,6 @@ def test_int64_sizes_near_the_limits(sizes, rows):
         sizes[0] = wrapped - 2**64 if wrapped >= 2**63 else wrapped
     body = _body(rows, sizes, np.int64)
     ok = _exact_ok(sizes, rows)
-    lone = wire_inputs(body, G, K, FP8, 256)
-    assert (lone is not None) == ok
-    if lone is not None:
-        assert lone.m_sizes.tolist() == sizes
     general = _general(body)
     if ok:
         assert general == sizes
@@ -95,7 +86,6 @@ def test_int32_sizes_near_the_limits(sizes, rows):
         sizes[0] = wrapped - 2**32 if wrapped >= 2**31 else wrapped
     body = _body(rows, sizes, np.int32)
     ok = _exact_ok(sizes, rows)
-    assert (wire_inputs(body, G, K, FP8, 256) is not None) == ok
     general = _general(body)
     assert (general == sizes) if ok else isinstance(general, BadMSizes)
 

@@ -35,13 +35,19 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def shipped(tmp_path_factory):
-    """``moegemm serve --device cuda`` with nothing else set; its http client."""
+def weights_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory, weights_dir):
+    """``moegemm serve --device cuda`` with nothing else set (but a weights directory);
+    its http client (``.url``: its address)."""
     port = _free_port()
     log = open(tmp_path_factory.mktemp("shipped") / "server.log", "w+")  # noqa: SIM115 -- the server writes it until teardown
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGEMM_")}
     proc = subprocess.Popen([sys.executable, "-m", "moegemm.cli", "serve", "--device", "cuda",
-                             "--port", str(port), "--no-demo"],
+                             "--port", str(port), "--no-demo", "--weights-dir", str(weights_dir)],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     try:
@@ -58,7 +64,7 @@ def shipped(tmp_path_factory):
             if time.monotonic() > deadline:
                 raise TimeoutError("the server did not become ready")
             time.sleep(0.2)
-        http.proc, http.log = proc, log
+        http.proc, http.log, http.url = proc, log, f"http://127.0.0.1:{port}"
         yield http
     finally:
         http.close()
@@ -109,4 +115,149 @@ def test_overflowing_m_sizes_are_refused_and_the_device_stays_exact(shipped):
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(one, range(32)))
     assert shipped.get("/v1/health/ready").status_code == 200
+    assert shipped.proc.poll() is None
+
+
+# -- the real client against what ships, bit for bit against the general path -------------
+
+
+@pytest.fixture(scope="module")
+def general():
+    """The server's general path in this process (eager, no graphs, no merging): the
+    answer every lane of the shipped server must give, bit for bit."""
+    import asyncio
+
+    from moegemm.kernels import get_backend
+    from moegemm.server.engine import Engine
+
+    engine = Engine(get_backend(torch.device("cuda")), graphs=False, merge_window_us=0)
+    engine.start()
+
+    def answer(ws, x, x_scale, m_sizes) -> torch.Tensor:
+        from server_support import bf16_rows, gemm_call
+
+        return bf16_rows(asyncio.run(engine.gemm(gemm_call(ws, x, x_scale, m_sizes))))
+
+    yield answer
+    engine.close()
+
+
+def _set(g: int, n: int, k: int, seed: int):
+    """A device weight set (SimpleNamespace) and its host tensors, in the wire format."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(g, n, k, generator=gen).bfloat16()
+    from moegemm.kernels import quantize_weights
+
+    wq, ws = quantize_weights(w.cuda(), torch.float8_e4m3fn)
+    return SimpleNamespace(name="s", G=g, N=n, K=k, wq=wq, w_scale=ws), wq.cpu(), ws.cpu()
+
+
+def _calls(g: int, k: int, seed: int):
+    """Calls of every lane: small (merged on the loop or alone), large (the worker),
+    several buckets, fp8 and bf16 as they are, fp16 and fnuz converted."""
+    from moegemm.kernels.testing import random_m_sizes
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for m, kind in [(1, "fp8"), (7, "bf16"), (128, "fp8"), (256, "bf16"), (257, "fp8"),
+                    (1024, "fp8"), (3000, "bf16"), (5, "fp16"), (33, "fnuz"), (0, "fp8")]:
+        sizes = random_m_sizes(g, m, generator=gen)
+        x = torch.randn(m, k, generator=gen)
+        if kind in ("fp8", "fnuz"):
+            from moegemm.kernels import quantize_activations
+
+            xq, xs = quantize_activations(x, torch.float8_e4m3fn)
+            if kind == "fnuz":
+                tiny = xq.float().abs() < 2**-5  # exact conversion (SPEC 1.2)
+                xq = xq.float().masked_fill(tiny, 0).mul(0.5).to(torch.float8_e4m3fnuz)
+                xs = xs * 2
+            out.append((xq, xs, sizes))
+        else:
+            out.append((x.to(torch.bfloat16 if kind == "bf16" else torch.float16), None, sizes))
+    return out
+
+
+def test_the_client_gets_the_general_paths_answer_on_every_lane(shipped, general):
+    """Concurrent real clients (``moegemm.client.Client``, keep-alive, through the
+    acceptors) on every lane: each answer equals the general path's, bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moegemm.client import Client
+
+    ws, wq, w_scale = _set(8, 512, 1024, seed=1)
+    with Client(shipped.url, timeout=120) as c:
+        c.load_weights("lanes", wq, w_scale)
+    calls = _calls(8, 1024, seed=2)
+    want = [general(ws, *call) for call in calls]
+
+    def one(i):
+        with Client(shipped.url, timeout=120) as c:
+            for j in range(3):  # alone at first, then among the others
+                k = (i + j) % len(calls)
+                x, xs, sizes = calls[k]
+                got = c.grouped_gemm("lanes", x, sizes, x_scale=xs)
+                if not (got.shape == want[k].shape and torch.equal(got, want[k])):
+                    return k
+        return None
+
+    assert one(0) is None  # one client alone first
+    with ThreadPoolExecutor(16) as pool:
+        assert [k for k in pool.map(one, range(32)) if k is not None] == []
+
+
+def test_a_load_from_a_file_never_stops_the_calls(shipped, general, weights_dir):
+    """While a 1 GB set is loaded from a file (twice: a load and a replacement), another
+    set's calls keep coming back right; then the loaded set answers right."""
+    import json
+    import struct
+    import threading
+
+    from moegemm.client import Client
+
+    ws, wq, w_scale = _set(8, 512, 1024, seed=3)
+    g, n, k = 64, 2048, 7168
+    gen = torch.Generator().manual_seed(4)
+    big_w = torch.randint(0, 0x7F, (g, n, k), dtype=torch.uint8, generator=gen)
+    big_s = torch.rand(g, k // 128, n // 128, generator=gen) * 1e-3 + 1e-4
+    header = {"w": {"dtype": "F8_E4M3", "shape": [g, n, k], "data_offsets": [0, g * n * k]},
+              "w_scale": {"dtype": "F32", "shape": [g, k // 128, n // 128],
+                          "data_offsets": [g * n * k, g * n * k + big_s.numel() * 4]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(weights_dir / "big.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.write(big_w.numpy().tobytes())
+        f.write(big_s.numpy().tobytes())
+    x, xs, sizes = _calls(8, 1024, seed=5)[2]
+    with Client(shipped.url, timeout=300) as c:
+        c.load_weights("steady", wq, w_scale)
+        want = general(ws, x, xs, sizes)
+        answered, wrong, loading = [0], [0], threading.Event()
+
+        def calls():
+            with Client(shipped.url, timeout=120) as mine:
+                while loading.is_set():
+                    got = mine.grouped_gemm("steady", x, sizes, x_scale=xs)
+                    answered[0] += 1
+                    wrong[0] += not torch.equal(got, want)
+
+        loading.set()
+        caller = threading.Thread(target=calls)
+        caller.start()
+        started = time.monotonic()
+        for _ in range(2):
+            c.load_weights_file("big", "big.safetensors", "w", "w_scale")
+        took = time.monotonic() - started
+        loading.clear()
+        caller.join(60)
+        assert wrong[0] == 0 and answered[0] >= 50 * took, (answered, took)
+        from types import SimpleNamespace
+
+        big = SimpleNamespace(name="big", G=g, N=n, K=k, wq=big_w.view(torch.float8_e4m3fn).cuda(),
+                              w_scale=big_s.cuda())
+        bx, bxs, bsizes = _calls(g, k, seed=6)[2]
+        got = c.grouped_gemm("big", bx, bsizes, x_scale=bxs)
+        assert torch.equal(got, general(big, bx, bxs, bsizes))
     assert shipped.proc.poll() is None

@@ -67,28 +67,51 @@ def test_the_batch_arena_is_reused_and_growing_keeps_what_was_taken():
     assert staging.take(100).ctypes.data == second.ctypes.data
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
-                    reason="needs an NVIDIA CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("nbytes", [1, 4096 + 3, 64 << 10, (1 << 20) + 5])
-def test_driver_copies_equal_torch_copies(nbytes):
+def test_address_copies_equal_torch_copies(nbytes):
+    """The graph path's copies (the CUDA driver through cuda-bindings on NVIDIA, torch
+    elsewhere) move exactly the bytes, from pageable and page-locked memory, bytes
+    objects and views, to and from an offset."""
     import numpy as np
+    from moegemm.server import _staging
 
     staging = Staging(torch.device("cuda"))
-    assert staging.raw
+    if torch.version.hip is None:
+        assert isinstance(staging._copies, _staging._DriverCopies)  # what ships on NVIDIA
     staging.enter()
     gen = torch.Generator().manual_seed(nbytes)
     host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-    dev = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
+    dev = torch.full((nbytes + 64,), 7, dtype=torch.uint8, device="cuda")
     staging.begin()
-    staging.htod(dev.data_ptr(), host.data_ptr(), nbytes)  # from pageable memory
+    src = memoryview(host.numpy())
+    staging.htod(dev, 64, dev.data_ptr() + 64, src, nbytes)  # pageable, at an offset
     back = staging.take(nbytes)
-    staging.dtoh(back.ctypes.data, dev.data_ptr(), nbytes)
+    staging.dtoh(back, dev[64:], dev.data_ptr() + 64, nbytes)
     staging.wait()
-    assert torch.equal(dev.cpu(), host) and np.array_equal(back, host.numpy())
+    assert torch.equal(dev[64:].cpu(), host) and np.array_equal(back, host.numpy())
+    assert (dev[:64].cpu() == 7).all()
     pinned = host.flip(0).pin_memory()
-    staging.htod(dev.data_ptr(), pinned.data_ptr(), nbytes)  # from page-locked memory
+    staging.htod(dev, 0, dev.data_ptr(), memoryview(pinned.numpy()), nbytes)  # page-locked
     staging.wait()
-    assert torch.equal(dev.cpu(), pinned)
+    assert torch.equal(dev[:nbytes].cpu(), pinned)
+    staging.htod(dev, 0, dev.data_ptr(), bytes(host.numpy()), nbytes)  # a bytes object
+    staging.wait()
+    assert torch.equal(dev[:nbytes].cpu(), host)
+
+
+def test_torch_copies_on_the_cpu_move_the_bytes():
+    import numpy as np
+
+    staging = Staging(torch.device("cpu"))
+    staging.enter()
+    host = np.arange(300, dtype=np.uint8)
+    dev = torch.zeros(310, dtype=torch.uint8)
+    staging.htod(dev, 10, dev.data_ptr() + 10, memoryview(host), 300)
+    back = np.zeros(300, dtype=np.uint8)
+    staging.dtoh(back, dev[10:], dev.data_ptr() + 10, 300)
+    staging.wait()
+    assert np.array_equal(back, host) and not dev[:10].any()
 
 
 def test_gather_rows_with_an_empty_first_part():

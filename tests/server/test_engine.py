@@ -1,0 +1,318 @@
+"""The engine's one entry (``Engine.gemm``) on the CPU: batching, merging, the loop and
+the worker, deadlines, bad rows, jobs and shutdown.
+
+On a GPU small calls run on the event loop's thread (SPEC 3); on the CPU every
+call goes to the worker. The tests that are about the loop set the engine's
+loop bound as a GPU has it (``_loop_rows``), so the same batching runs here with
+the reference kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from moegemm.client._errors import DeadlineExceeded, NotFinite, NotReady
+from moegemm.kernels.reference import create as reference_backend
+from moegemm.kernels.testing import random_m_sizes, random_problem
+from moegemm.server.engine import SMALL_ROWS, Engine
+from server_support import bf16_rows, gemm_call
+
+N, K, G = 256, 256, 4
+
+
+def _engine(*, loop: bool, merge_window_us: int = 500, max_bucket_m: int = 64) -> Engine:
+    engine = Engine(reference_backend(torch.device("cpu")), max_bucket_m=max_bucket_m,
+                    merge_window_us=merge_window_us)
+    if loop:
+        engine._loop_rows = SMALL_ROWS  # as on a GPU
+    engine.start()
+    return engine
+
+
+def _set(gen, name="w"):
+    p = random_problem(1, N, K, G, generator=gen)
+    return SimpleNamespace(name=name, G=G, N=N, K=K, wq=p.wq, w_scale=p.w_scale)
+
+
+def _calls(gen, sets, count, rows=lambda i: 1 + (i * 7) % 40, deadline=None):
+    """``count`` fresh validated calls, on ``sets`` in turn."""
+    out = []
+    for i in range(count):
+        m = rows(i)
+        p = random_problem(m, N, K, G, generator=gen)
+        out.append(gemm_call(sets[i % len(sets)], p.xq, p.x_scale,
+                             random_m_sizes(G, m, generator=gen), deadline=deadline))
+    return out
+
+
+def _again(call):
+    """A fresh call of the same inputs (calls are used once)."""
+    return gemm_call(call.ws, *call.tensors)
+
+
+def _spy_batches(engine):
+    """Record (on the main thread?, calls) for every batch the engine runs."""
+    seen = []
+    executor = engine._executor
+    real = executor.run
+
+    def spy(ws, batch):
+        seen.append((threading.current_thread() is threading.main_thread(), len(batch)))
+        return real(ws, batch)
+
+    executor.run = spy
+    return seen
+
+
+async def _gather(engine, calls, **kw):
+    return await asyncio.gather(*(engine.gemm(c, **kw) for c in calls), return_exceptions=True)
+
+
+def _run(engine, coro_fn):
+    try:
+        return asyncio.run(coro_fn())
+    finally:
+        engine.close()
+
+
+def _one_by_one(calls):
+    """Each call's answer from an engine that never merges (the reference)."""
+    ref = _engine(loop=False, merge_window_us=0)
+    try:
+        async def each():
+            return [await ref.gemm(_again(c)) for c in calls]
+        return asyncio.run(each())
+    finally:
+        ref.close()
+
+
+@pytest.mark.parametrize("loop", [True, False])
+def test_merged_batches_equal_one_by_one_bit_for_bit(loop):
+    gen = torch.Generator().manual_seed(torch.seed())
+    a, b = _set(gen, "a"), _set(gen, "b")
+    calls = _calls(gen, [a, a, b], 12)
+    want = _one_by_one(calls)
+    engine = _engine(loop=loop)
+    seen = _spy_batches(engine)
+    got = _run(engine, lambda: _gather(engine, calls))
+    for x, y in zip(got, want):
+        assert torch.equal(bf16_rows(x), bf16_rows(y))
+    assert sum(n for _, n in seen) == len(calls)
+    assert max(n for _, n in seen) > 1 and len(seen) < len(calls)  # merged
+    assert all(on_loop == loop for on_loop, _ in seen)
+
+
+def test_without_a_window_every_call_is_its_own_batch():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    calls = _calls(gen, [ws], 5)
+    engine = _engine(loop=True, merge_window_us=0)
+    seen = _spy_batches(engine)
+    _run(engine, lambda: _gather(engine, calls))
+    assert [n for _, n in seen] == [1] * 5
+
+
+def test_a_lone_call_runs_at_once_on_the_callers_thread():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    [call] = _calls(gen, [ws], 1)
+    engine = _engine(loop=True)
+    seen = _spy_batches(engine)
+
+    async def scenario():
+        task = asyncio.ensure_future(engine.gemm(call, alone=True))
+        # Ran before the task was first awaited past its first step: no waiter made.
+        await asyncio.sleep(0)
+        assert task.done() and call.waiter is None
+        return await task
+
+    out = _run(engine, scenario)
+    assert seen == [(True, 1)]
+    assert torch.equal(bf16_rows(out), bf16_rows(_one_by_one([call])[0]))
+
+
+def test_a_batch_never_passes_the_bucket_limit():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    calls = _calls(gen, [ws], 9, rows=lambda i: 20)
+    engine = _engine(loop=True, max_bucket_m=64)
+    seen = []
+    real = engine._executor.run
+
+    def spy(ws_, batch):
+        seen.append(sum(c.rows for c in batch))
+        return real(ws_, batch)
+
+    engine._executor.run = spy
+    _run(engine, lambda: _gather(engine, calls))
+    assert sum(seen) == 180 and max(seen) <= 64
+
+
+def test_large_calls_go_to_the_worker_and_small_ones_stay_on_the_loop():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    small = _calls(gen, [ws], 3, rows=lambda i: 5)
+    large = _calls(gen, [ws], 2, rows=lambda i: SMALL_ROWS + 1)
+    engine = _engine(loop=True, max_bucket_m=512)
+    seen = []
+    real = engine._executor.run
+
+    def spy(ws_, batch):
+        seen.append((threading.current_thread() is threading.main_thread(),
+                     {c.rows for c in batch}))
+        return real(ws_, batch)
+
+    engine._executor.run = spy
+    got = _run(engine, lambda: _gather(engine, small + large))
+    assert all(not isinstance(g, BaseException) for g in got)
+    for on_loop, rows in seen:
+        assert on_loop == (rows == {5})
+
+
+def test_a_bad_row_or_a_passed_deadline_fails_only_its_own_call():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    calls = _calls(gen, [ws], 6)
+    x, xs, m = calls[2].tensors
+    xs = xs.clone()
+    xs[0, 0] = float("nan")
+    calls[2] = gemm_call(ws, x, xs, m)
+    calls[4] = gemm_call(ws, *calls[4].tensors, deadline=time.monotonic() - 1)
+    want = _one_by_one([c for i, c in enumerate(calls) if i not in (2, 4)])
+    engine = _engine(loop=True)
+    got = _run(engine, lambda: _gather(engine, calls))
+    assert isinstance(got[2], NotFinite) and isinstance(got[4], DeadlineExceeded)
+    for g, w in zip([g for i, g in enumerate(got) if i not in (2, 4)], want):
+        assert torch.equal(bf16_rows(g), bf16_rows(w))
+
+
+def test_mixed_dtypes_and_sets_batch_apart_and_each_caller_gets_its_rows():
+    gen = torch.Generator().manual_seed(torch.seed())
+    a, b = _set(gen, "a"), _set(gen, "b")
+    calls = []
+    for i in range(9):
+        m = 3 + i
+        ws = (a, b)[i % 2]
+        sizes = random_m_sizes(G, m, generator=gen)
+        if i % 3 == 0:
+            calls.append(gemm_call(ws, torch.randn(m, K, generator=gen).bfloat16(), None, sizes))
+        elif i % 3 == 1:
+            calls.append(gemm_call(ws, torch.randn(m, K, generator=gen).half(), None, sizes))
+        else:
+            p = random_problem(m, N, K, G, generator=gen)
+            calls.append(gemm_call(ws, p.xq, p.x_scale, sizes))
+    want = _one_by_one(calls)
+    for loop in (True, False):
+        engine = _engine(loop=loop)
+        got = _run(engine, lambda e=engine: _gather(e, [_again(c) for c in calls]))
+        for g, w in zip(got, want):
+            assert torch.equal(bf16_rows(g), bf16_rows(w))
+
+
+def test_calls_and_jobs_never_overlap_on_the_device():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    engine = _engine(loop=True)
+    lock, overlaps = threading.Lock(), []
+
+    def exclusive(fn):
+        def run(*args):
+            if not lock.acquire(blocking=False):
+                overlaps.append(fn)
+                return fn(*args)
+            try:
+                return fn(*args)
+            finally:
+                lock.release()
+        return run
+
+    engine._executor.run = exclusive(engine._executor.run)
+    job = exclusive(lambda: time.sleep(0.002))
+
+    async def scenario():
+        work = [engine.gemm(c) for c in _calls(gen, [ws], 30, rows=lambda i: 1 + i * 13 % 300)]
+        work += [engine.run(job) for _ in range(5)]
+        return await asyncio.gather(*work, return_exceptions=True)
+
+    got = _run(engine, scenario)
+    assert not overlaps
+    assert all(not isinstance(g, BaseException) for g in got), got
+
+
+def test_a_caller_that_goes_away_before_its_turn_is_not_run():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    calls = _calls(gen, [ws], 3)
+    engine = _engine(loop=True)
+    seen = _spy_batches(engine)
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(engine.gemm(c)) for c in calls]
+        await asyncio.sleep(0)  # each waits for the loop's next turn
+        tasks[1].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    got = _run(engine, scenario)
+    assert isinstance(got[1], asyncio.CancelledError)
+    assert sum(n for _, n in seen) == 2
+
+
+def test_calls_waiting_at_close_are_refused():
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    calls = _calls(gen, [ws], 3)
+    engine = _engine(loop=True)
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(engine.gemm(c)) for c in calls]
+        await asyncio.sleep(0)
+        engine.close()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    got = asyncio.run(scenario())
+    assert all(isinstance(g, NotReady) for g in got)
+    with pytest.raises(NotReady):
+        asyncio.run(engine.gemm(_again(calls[0])))
+
+
+def test_small_calls_get_the_device_between_large_ones():
+    """Fair turns: small calls that arrive while a large call's batch holds the device
+    run on the loop as soon as it ends, before the next large call, never queued
+    behind all of them."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    large = _calls(gen, [ws], 3, rows=lambda i: SMALL_ROWS + 10)
+    small = _calls(gen, [ws], 4, rows=lambda i: 3)
+    engine = _engine(loop=True, max_bucket_m=256, merge_window_us=0)
+    order, gate, entered = [], threading.Event(), threading.Event()
+    real = engine._executor.run
+
+    def spy(ws_, batch):
+        kind = "large" if batch[0].rows > SMALL_ROWS else "small"
+        order.append((kind, threading.current_thread() is threading.main_thread()))
+        if kind == "large" and len(order) == 1:
+            entered.set()
+            gate.wait(30)
+        return real(ws_, batch)
+
+    engine._executor.run = spy
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(engine.gemm(c)) for c in large]
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
+        tasks += [asyncio.ensure_future(engine.gemm(c)) for c in small]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    got = _run(engine, scenario)
+    assert all(not isinstance(g, BaseException) for g in got), got
+    kinds = [k for k, _ in order]
+    assert kinds[0] == "large" and kinds[1] == "small", kinds  # right after the first
+    assert all(on_loop == (k == "small") for k, on_loop in order)

@@ -1,0 +1,126 @@
+"""The gemm request's one schema and validator (server/_request.py).
+
+Valid bodies decode to views into the body (no copy of the rows) with exactly
+the tensors sent; anything else raises the contract's error, with the codes of
+SPEC 2.2 and the order bad_msgpack, bad_field, bad_tensor/bad_dtype.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import ml_dtypes
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moegemm.client._errors import (
+    APIError,
+    BadDtype,
+    BadField,
+    BadMsgpack,
+    BadMSizes,
+    BadShape,
+    BadTensor,
+    TooLarge,
+)
+from moegemm.client._wire import encode_tensor, packb
+from moegemm.server._request import decode_gemm, gemm_call
+
+G, K, N = 4, 256, 128
+WS = SimpleNamespace(name="w", G=G, K=K, N=N)
+
+
+def _body(rows=5, kind="fp8", sizes=None) -> dict:
+    rng = np.random.default_rng(rows)
+    if sizes is None:
+        sizes = rng.multinomial(rows, np.full(G, 1.0 / G))
+    sizes = encode_tensor(np.asarray(sizes, dtype=np.int64))
+    if kind == "bf16":
+        return {"x": encode_tensor(rng.standard_normal((rows, K)).astype(ml_dtypes.bfloat16)),
+                "m_sizes": sizes}
+    x = rng.uniform(-4, 4, (rows, K)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.1, 1, (rows, K // 128)).astype(np.float32)
+    return {"x": encode_tensor(x), "x_scale": encode_tensor(scale), "m_sizes": sizes}
+
+
+def _call(raw, max_m=1024):
+    return gemm_call(decode_gemm(raw), lambda: WS, max_m=max_m)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_a_valid_body_is_views_into_the_body(kind):
+    body = _body(9, kind)
+    raw = bytearray(packb(body))
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    call = _call(memoryview(raw))
+    assert call.rows == 9 and call.dtype == body["x"]["dtype"]
+    for got, sent in ((call.x, body["x"]), (call.x_scale, body.get("x_scale"))):
+        if sent is None:
+            assert got is None
+            continue
+        assert bytes(got) == bytes(sent["data"])
+        start = np.frombuffer(got, dtype=np.uint8).ctypes.data - buf.ctypes.data
+        assert 0 < start < len(raw)  # inside the body: not a copy
+    assert call.m_sizes.tolist() == list(np.frombuffer(body["m_sizes"]["data"], np.int64))
+
+
+def test_int32_sizes_and_an_empty_call():
+    body = _body(6)
+    body["m_sizes"] = encode_tensor(np.array([1, 2, 3, 0], dtype=np.int32))
+    assert _call(packb(body)).m_sizes.tolist() == [1, 2, 3, 0]
+    assert _call(packb(_body(0, sizes=[0] * G))).rows == 0
+
+
+@pytest.mark.parametrize(("raw", "error"), [
+    (b"\x82\xa1x\x01\xa1x\x02", BadMsgpack),  # a repeated key
+    (packb(_body()) + b"\x00", BadMsgpack),  # trailing bytes
+    (packb(_body())[:-3], BadMsgpack),  # truncated
+    (msgpack.packb({"x": msgpack.ExtType(1, b"a"), "m_sizes": 1}), BadMsgpack),
+    (b"\x81\x01\x02", BadMsgpack),  # a key that is not a string
+    (packb([1, 2]), BadMsgpack),
+    (packb({"x": 1}), BadField),  # m_sizes missing (before the bad tensor)
+    (packb({**_body(), "extra": 1}), BadField),
+    (packb({**_body(), "x_scale": None}), BadTensor),
+    (packb({**_body(), "x": {**_body()["x"], "shape": [5, -256]}}), BadTensor),
+    (packb({**_body(), "x": {**_body()["x"], "shape": [5, 256.0]}}), BadTensor),
+    (packb({**_body(), "x": {**_body()["x"], "data": b"short"}}), BadTensor),
+    (packb({**_body(), "x": {**_body()["x"], "extra": 1}}), BadTensor),
+    (packb({**_body(), "x": {**_body()["x"], "dtype": 7}}), BadDtype),
+    (packb({**_body(), "x": {**_body()["x"], "dtype": "float64"}}), BadDtype),
+    (packb({**_body(), "m_sizes": encode_tensor(np.ones(G, np.float32))}), BadDtype),
+    (packb({**_body(), "x": {**_body()["x"], "shape": [5 * K]}}), BadShape),
+    (packb({**_body(), "m_sizes": encode_tensor(np.array([5], np.int64))}), BadShape),
+    (packb(_body(2000)), TooLarge),
+    (packb(_body(5, sizes=[6, -1, 0, 0])), BadMSizes),
+    (packb(_body(16, sizes=[2**63 - 1, 2**63 - 1, 18, 0])), BadMSizes),  # wraps to 16 in int64
+    (packb({k: v for k, v in _body().items() if k != "x_scale"}), BadField),  # fp8, no scales
+    (packb({**_body(kind="bf16"), "x_scale": _body()["x_scale"]}), BadField),
+])
+def test_refusals_get_their_code(raw, error):
+    with pytest.raises(error):
+        _call(raw)
+
+
+values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+              st.text(max_size=8), st.binary(max_size=64)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.sampled_from(["x", "x_scale", "m_sizes", "dtype",
+                                                             "shape", "data", "y"]),
+                                            inner, max_size=4)),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(values.map(lambda v: msgpack.packb(v)), st.binary(max_size=200)))
+def test_any_body_is_a_call_or_a_contract_error(raw):
+    try:
+        call = _call(raw)
+    except APIError as exc:
+        assert exc.status in (400, 413) and exc.code
+        return
+    assert call.x.nbytes == call.rows * K * (1 if call.x_scale is not None else 2) or \
+        call.dtype in ("float16", "float32")
