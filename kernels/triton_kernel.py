@@ -247,12 +247,33 @@ def grid_for(config: TileConfig, m: int, n: int, k: int, g: int, sms: int) -> tu
     return (tiles * max(1, min(config.split_k, k // _SCALE_BLOCK)),)
 
 
+FLOAT32_OUT_PREFILL = TileConfig("prefill_tma", 128, 128, 8, 3, group_tiles_m=8)
+"""What a warp-specialised tile runs as when ``out`` is float32 (see :func:`tile_for_out`)."""
+
+
+def tile_for_out(config: TileConfig, out: torch.Tensor) -> TileConfig:
+    """The tile a launch into ``out`` runs: ``config``, except a ``persistent_ws`` tile into a
+    float32 ``out``, which runs as :data:`FLOAT32_OUT_PREFILL`.
+
+    Compiled for sm_90 (Triton 3.6), the float32 store stages through 48 KB more
+    shared memory in the warp-specialised kernel: 128x128 s2 197 KB (bf16 148),
+    128x256 s2 164 KB (115), 128x256 s3 213 KB (164). Warp-specialised tiles over
+    ~150 KB wrote NaN into column 0 (bench/NOTES.md v8, v9), the lead tile fixing
+    it only where measured (164 KB). The TMA prefill tile is 98 KB either way and
+    not warp-specialised. Both entries apply this, so they still launch one tile.
+    """
+    if out.dtype == torch.float32 and config.schedule == "persistent_ws":
+        return FLOAT32_OUT_PREFILL
+    return config
+
+
 def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
             addrs: bool) -> torch.Tensor:
     """Launch ``config``'s kernel; ``addrs``: ``w_arg`` is the int64 address pair, ``ws_arg`` unused."""
     m, k = xq.shape
     if m == 0:
         return out
+    config = tile_for_out(config, out)
     kernel = SCHEDULES[config.schedule]
     grid = grid_for(config, m, n, k, g, _sm_count(xq.device))
     consts = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": _SCALE_BLOCK,
