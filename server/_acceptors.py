@@ -15,7 +15,8 @@ in the owner.
 The Unix socket carries frames: ``<meta length u32><inline length u32>``, a
 msgpack map, then the inline bytes. Acceptor -> owner: ``req`` (method, path,
 query, headers, keep-alive, and the body either inline or as a slot of the
-acceptor's request arena), ``free`` (an answer slot the acceptor is done with).
+acceptor's request arena), ``free`` (an answer slot the acceptor is done with),
+``refused`` (a request it answered from the head, for the owner's metrics).
 Owner -> acceptor: ``res`` (status, header lines, close flag, the body inline
 or as a slot of the owner's answer arena), ``rel`` (a request slot the owner no
 longer references), ``ping`` (answered with ``pong``).
@@ -43,6 +44,11 @@ inline (as do chunked uploads); so does everything when /dev/shm is missing
 or full. Requests of one acceptor share one socket: a large inline body
 delays the requests behind it.
 
+Rooms: this module is the owner's side (spawning and watching the acceptors,
+taking handed-over connections, answering forwarded requests);
+``_acceptor.py`` is the acceptor process, ``_acceptor_shm.py`` the shared
+arenas, ``_acceptor_link.py`` the frames between them.
+
 Lifecycle: acceptors exit when the owner's socket closes; on SIGTERM/SIGINT the
 owner stops accepting, signals its acceptors (they stop accepting and finish
 what they forwarded, which the owner still serves) and waits for them within
@@ -56,184 +62,39 @@ keep handing a hung acceptor new connections.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
-import errno
 import logging
-import mmap
 import multiprocessing
 import os
-import secrets
 import shutil
 import signal
 import socket
-import struct
 import tempfile
 import time
 import weakref
-from collections import deque
 from typing import Any
 
-import msgpack
 import numpy as np
 
-from ._http import (
-    _REASONS,
-    FastHttpServer,
-    _Connection,
-    _error_bytes,
-    _plain_body,
-    whole_body_receive,
+from ._acceptor import acceptor_main
+from ._acceptor_link import _byte_view, _fd_path, _frame, _read_frame
+from ._acceptor_shm import (
+    _ARENA_BYTES,
+    _SLOT_MAX,
+    _create_arena,
+    _map_arena,
+    _Slots,
+    _unlink,
+    sweep_stale_arenas,
 )
+from ._http import FastHttpServer, _Connection, _error_bytes, whole_body_receive
 
 log = logging.getLogger("moegemm.server.acceptors")
 
-_FRAME = struct.Struct("<II")
-_ARENA_BYTES = 64 << 20  # per direction and acceptor
-_SLOT_MAX = _ARENA_BYTES // 4  # larger bodies travel inline
-_SLOT_ALIGN = 4096
 _INLINE_ANSWER = 16 << 10  # smaller answers travel inline
-_SHM_DIR = "/dev/shm"
 _RESTART_GAP_S = 1.0
 _PING_EVERY_S = 1.0  # the owner's heartbeat to each acceptor
 _CONNECT_ALLOWANCE_S = 5.0  # a new acceptor's start, on top of the heartbeat timeout
-
-
-# -- shared arenas ------------------------------------------------------------------
-
-
-class _Slots:
-    """First-fit allocation of one arena's byte ranges (only one process allocates)."""
-
-    def __init__(self, size: int) -> None:
-        self.free: list[tuple[int, int]] = [(0, size)]  # sorted, coalesced
-        self.used: dict[int, int] = {}
-
-    def take(self, size: int) -> int | None:
-        size = -(-max(size, 1) // _SLOT_ALIGN) * _SLOT_ALIGN
-        for i, (offset, length) in enumerate(self.free):
-            if length >= size:
-                if length == size:
-                    del self.free[i]
-                else:
-                    self.free[i] = (offset + size, length - size)
-                self.used[offset] = size
-                return offset
-        return None
-
-    def give(self, offset: int) -> None:
-        size = self.used.pop(offset)
-        i = bisect.bisect(self.free, (offset, 0))
-        if i < len(self.free) and offset + size == self.free[i][0]:
-            size += self.free.pop(i)[1]
-        if i > 0 and sum(self.free[i - 1]) == offset:
-            offset, before = self.free.pop(i - 1)
-            size += before
-            i -= 1
-        self.free.insert(i, (offset, size))
-
-
-def sweep_stale_arenas(directory: str = _SHM_DIR) -> list[str]:
-    """Remove arena files whose owner process is gone; return their names.
-
-    An owner killed before its acceptors mapped their arenas (they unlink them
-    once mapped) leaves the files behind; the next owner on the machine
-    removes them. A file whose pid is alive (or not ours to remove) stays.
-    """
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name.split("-")
-        if len(parts) < 3 or parts[0] != "moegemm" or not parts[1].isdigit():
-            continue
-        pid = int(parts[1])
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-    if removed:
-        log.info("removed %d shared-memory arenas of owners that are gone", len(removed))
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-def _create_arena(tag: str) -> str | None:
-    """A new /dev/shm file of ``_ARENA_BYTES``, its pages reserved; None when impossible."""
-    path = os.path.join(_SHM_DIR, f"moegemm-{os.getpid()}-{tag}-{secrets.token_hex(4)}")
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except OSError as exc:
-        log.warning("no shared memory for the acceptors (%s); bodies travel inline", exc)
-        return None
-    try:
-        os.posix_fallocate(fd, 0, _ARENA_BYTES)
-    except OSError as exc:
-        log.warning("cannot reserve %d bytes of shared memory (%s); bodies travel inline",
-                    _ARENA_BYTES, exc)
-        os.close(fd)
-        _unlink(path)
-        return None
-    os.close(fd)
-    return path
-
-
-def _map_arena(path: str | None, unlink: bool = False) -> np.ndarray | None:
-    """The arena at ``path``, mapped; ``unlink``: its name removed once mapped (the
-    acceptor maps last, so no file outlives both processes, whichever dies first)."""
-    if path is None:
-        return None
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return np.frombuffer(mmap.mmap(fd, _ARENA_BYTES), dtype=np.uint8)
-    finally:
-        os.close(fd)
-        if unlink:
-            _unlink(path)
-
-
-def _unlink(path: str | None) -> None:
-    if path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-def _address(view: Any) -> int | None:
-    obj = getattr(view, "obj", None)
-    return obj.ctypes.data if isinstance(obj, np.ndarray) else None
-
-
-def _frame(meta: dict, size: int) -> bytes:
-    packed = msgpack.packb(meta)
-    return _FRAME.pack(len(packed), size) + packed
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> tuple[dict, bytes]:
-    meta_size, size = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-    meta = msgpack.unpackb(await reader.readexactly(meta_size))
-    return meta, (await reader.readexactly(size) if size else b"")
-
-
-def _fd_path(socket_path: str) -> str:
-    """The owner's socket for handed-over connections, beside its main socket."""
-    return os.path.join(os.path.dirname(socket_path), "fds.sock")
-
-
-def _byte_view(part: Any) -> memoryview:
-    view = memoryview(part)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 # -- the owner's side ------------------------------------------------------------------
@@ -334,7 +195,7 @@ class Owner:
         link.process = multiprocessing.get_context("spawn").Process(
             target=acceptor_main, name=f"moegemm-acceptor-{index}", daemon=True,
             args=(index, server.host, server.port, self.socket_path, link.request_path,
-                  link.answer_path, server.max_body_bytes, self.acceptor_grace_s, self.log_level,
+                  link.answer_path, server.limits, self.acceptor_grace_s, self.log_level,
                   self.direct_limit > 0),
         )
         try:
@@ -500,6 +361,8 @@ class Owner:
                     task.add_done_callback(self._tasks.discard)
                 elif kind == "free":
                     link.answer_slots.give(meta["o"])
+                elif kind == "refused":  # answered by the acceptor from the head
+                    self.server.count_refusal(meta["st"], meta["m"], meta["p"])
                 elif kind == "pong":
                     link.ping_sent = None
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -726,358 +589,4 @@ async def serve_with_acceptors(
             owner.close()
 
 
-# -- the acceptor's side ------------------------------------------------------------------
-
-
-class _ForwardConnection(_Connection):
-    """A transport connection that forwards each request to the owner."""
-
-    def _dispatch(self) -> None:
-        self.transport.pause_reading()
-        self.task = asyncio.get_running_loop().create_task(self._forward(self.scope, self.body))
-        self.scope, self.body, self.body_used = None, None, 0
-
-    async def _forward(self, scope: dict, body: memoryview) -> None:
-        try:
-            status, head, data, close = await self.server.forward(scope, body)
-        except Exception:  # the owner is gone, or a bug: as _run_direct answers its failures
-            log.exception("forwarding %s %s failed", scope["method"], scope["path"])
-            if self.transport is not None:
-                self.transport.write(_error_bytes(500, "internal", "unexpected server error"))
-            self.keep_alive = False
-        else:
-            if close:
-                self.keep_alive = False
-            if status is not None and self.transport is not None:
-                line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "").encode())
-                end = b"\r\n" if self.keep_alive else b"connection: close\r\n\r\n"
-                self.transport.writelines([line + head + end, data])
-        del body
-        self._finish()
-
-
-class _Acceptor:
-    """An acceptor process's server: what ``_Connection`` needs of one, and the link."""
-
-    def __init__(self, index, host, port, socket_path, request_path, answer_path,
-                 max_body_bytes, grace_s, offer: bool = False) -> None:
-        self.index, self.host, self.port = index, host, port
-        # Offer each accepted connection to the owner first (its direct_limit > 0).
-        self.offering = offer
-        self.fd_channel: socket.socket | None = None
-        self.offers: deque = deque()  # connections waiting for the owner's answer, in order
-        self.listeners: list[socket.socket] = []
-        self.handing: set[asyncio.Task] = set()  # connections being set up to be served here
-        self.socket_path = socket_path
-        self.max_body_bytes = max_body_bytes
-        self.grace_s = grace_s
-        self.app = self.direct = None
-        self.active = 0  # what _Connection counts (the owner counts forwarded requests)
-        self.state: dict = {}
-        self.connections: set = set()
-        self.requests = _map_arena(request_path, unlink=True)
-        self.answers = _map_arena(answer_path, unlink=True)
-        self.base = None if self.requests is None else self.requests.ctypes.data
-        self.slots = _Slots(_ARENA_BYTES)
-        self.holders: dict[int, int] = {}  # slot -> holders (this process, the owner)
-        self.dropped: list[int] = []  # slots whose last local reference died
-        self.pending: dict[int, asyncio.Future] = {}
-        self.next_id = 0
-        self.lost = False  # the owner's socket closed
-        self.owner_pid = os.getppid()  # the owner spawned this process
-        self.writer: asyncio.StreamWriter | None = None
-
-    # -- accepting, and handing connections to the owner -------------------------------
-    #
-    # Connections are accepted here, not by loop.create_server: a transport starts
-    # reading as soon as it exists (uvloop ignores a pause in connection_made), and
-    # an offered connection must reach the owner with its request unread.
-
-    def _listen(self) -> None:
-        """Bind what the owner's ``loop.create_server`` binds: every address ``host``
-        resolves to (IPv4 and IPv6; all interfaces when empty), IPv6 sockets v6-only."""
-        infos = socket.getaddrinfo(self.host or None, self.port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-        loop = asyncio.get_running_loop()
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            listener = socket.socket(family, kind, proto)
-            self.listeners.append(listener)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            listener.bind(address)
-            listener.listen(1024)
-            listener.setblocking(False)
-            loop.add_reader(listener, self._accept, listener)
-
-    def _resume_accepting(self, listener: socket.socket) -> None:
-        if listener in self.listeners:  # not stopped meanwhile
-            asyncio.get_running_loop().add_reader(listener, self._accept, listener)
-
-    def _accept(self, listener: socket.socket) -> None:
-        for _ in range(64):  # a burst, then back to the loop
-            try:
-                sock, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except ConnectionAbortedError:  # the client gave up in the backlog
-                continue
-            except OSError as exc:
-                log.warning("acceptor %d: accept failed: %s", self.index, exc)
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of descriptors or memory: the listener stays readable, so
-                    # pause (as asyncio's own servers do) instead of spinning.
-                    loop = asyncio.get_running_loop()
-                    loop.remove_reader(listener)
-                    loop.call_later(1.0, self._resume_accepting, listener)
-                return
-            sock.setblocking(False)
-            if not self._offer(sock):
-                self._serve_here(sock)
-
-    def _offer(self, sock: socket.socket) -> bool:
-        """Offer a just-accepted connection to the owner; False: serve it here."""
-        if self.fd_channel is None:
-            return False
-        try:
-            socket.send_fds(self.fd_channel, [b"o"], [sock.fileno()])
-        except OSError:  # the owner is gone or its queue is full
-            return False
-        self.offers.append(sock)
-        return True
-
-    def _serve_here(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        task = loop.create_task(loop.connect_accepted_socket(lambda: _ForwardConnection(self),
-                                                             sock))
-        task.add_done_callback(_log_failure)
-        self.handing.add(task)
-        task.add_done_callback(self.handing.discard)
-
-    def _answers(self) -> None:
-        # Read every queued answer (one packet each): ``_accept`` offers up to 64
-        # connections per wake-up, and answers left unread fill the owner's send
-        # buffer (~280 packets), which makes its answers fail.
-        for _ in range(256):
-            if self.fd_channel is None:
-                return
-            try:
-                data = self.fd_channel.recv(64)
-            except (BlockingIOError, InterruptedError):
-                return
-            except ConnectionResetError:
-                # The owner closed the channel with offers unread; the answers it
-                # did send are still queued behind this error (then EOF).
-                continue
-            except OSError:
-                data = b""
-            if not data:  # the owner closed the channel: serve everything here
-                self._close_fd_channel()
-                return
-            for taken in data:
-                if not self.offers:
-                    break
-                sock = self.offers.popleft()
-                if taken == ord("T"):
-                    sock.close()  # our descriptor only: the owner holds the connection now
-                else:
-                    self._serve_here(sock)
-
-    def _close_fd_channel(self) -> None:
-        if self.fd_channel is None:
-            return
-        asyncio.get_running_loop().remove_reader(self.fd_channel)
-        self.fd_channel.close()
-        self.fd_channel = None
-        while self.offers:
-            self._serve_here(self.offers.popleft())
-
-    async def _settle_offers(self, timeout: float) -> None:
-        """At stop, before closing the channel: half-close it and wait for the owner's
-        answers to the offers in flight (it may have taken some: ``T`` not read yet)."""
-        if self.fd_channel is None:
-            return
-        with contextlib.suppress(OSError):
-            self.fd_channel.shutdown(socket.SHUT_WR)  # the owner answers, then sees EOF
-        deadline = time.monotonic() + timeout
-        while self.fd_channel is not None and self.offers and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        if self.fd_channel is not None:
-            while self.offers:  # unanswered: the owner may hold them; never serve one twice
-                self.offers.popleft().close()
-            self._close_fd_channel()
-
-    def _open_fd_channel(self) -> None:
-        channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            channel.connect(_fd_path(self.socket_path))
-        except OSError as exc:
-            log.warning("acceptor %d: cannot reach the owner's connection socket (%s); "
-                        "serving every connection here", self.index, exc)
-            channel.close()
-            return
-        channel.setblocking(False)
-        self.fd_channel = channel
-        asyncio.get_running_loop().add_reader(channel, self._answers)
-
-    # _Connection's body allocator: a slot of the request arena when one is free.
-    def allocate(self, size: int) -> memoryview:
-        self._collect()
-        if self.requests is not None and 0 < size <= _SLOT_MAX:
-            offset = self.slots.take(size)
-            if offset is not None:
-                array = self.requests[offset:offset + size]
-                self.holders[offset] = 1
-                # list.append only: a finalizer may run inside any allocation.
-                done = weakref.finalize(array, self.dropped.append, offset)
-                done.atexit = False
-                return memoryview(array)
-        return _plain_body(size)
-
-    def _collect(self) -> None:
-        while self.dropped:
-            self._unhold(self.dropped.pop())
-
-    def _unhold(self, offset: int) -> None:
-        self.holders[offset] -= 1
-        if not self.holders[offset]:
-            del self.holders[offset]
-            self.slots.give(offset)
-
-    async def forward(self, scope: dict, body: memoryview):
-        """The owner's answer to one request: (status, header lines, body, close)."""
-        if self.writer is None or self.lost or self.writer.is_closing():
-            # Raised, not queued: a request after the link is gone must get an
-            # answer (500), not wait for a reply that cannot come.
-            raise ConnectionError("not connected to the owner")
-        request_id = self.next_id = self.next_id + 1
-        client, server = scope["client"], scope["server"]
-        meta = {
-            "t": "req", "id": request_id, "m": scope["method"], "p": scope["path"],
-            "r": scope["raw_path"], "q": scope["query_string"], "v": scope["http_version"],
-            "h": scope["headers"],
-            "c": list(client[:2]) if client else None, "sv": list(server[:2]) if server else None,
-        }
-        address = _address(body) if self.base is not None and len(body) else None
-        offset = None if address is None else address - self.base
-        parts: list = [body]
-        if offset is not None and offset in self.holders:
-            self.holders[offset] += 1
-            meta["s"] = [offset, len(body)]
-            parts = []
-        future = asyncio.get_running_loop().create_future()
-        self.pending[request_id] = future
-        size = sum(len(p) for p in parts)
-        self.writer.writelines([_frame(meta, size), *parts])
-        del body, parts
-        try:
-            answer, data = await future
-        finally:
-            self.pending.pop(request_id, None)
-        slot = answer.get("s")
-        if slot is not None:
-            offset, size = slot
-            data = self.answers[offset:offset + size].tobytes()
-            self.writer.write(_frame({"t": "free", "o": offset}, 0))
-        return answer["st"], answer["hd"], data, answer["cl"]
-
-    async def _read_owner(self, reader: asyncio.StreamReader, stop: asyncio.Event) -> None:
-        try:
-            while True:
-                meta, data = await _read_frame(reader)
-                if meta["t"] == "res":
-                    future = self.pending.get(meta["id"])
-                    if future is not None and not future.done():
-                        future.set_result((meta, data))
-                    elif "s" in meta:  # nobody waits for it any more: free its slot
-                        self.writer.write(_frame({"t": "free", "o": meta["s"][0]}, 0))
-                elif meta["t"] == "rel":
-                    self._collect()
-                    self._unhold(meta["o"])
-                elif meta["t"] == "ping":
-                    self.writer.write(_frame({"t": "pong"}, 0))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except Exception:  # a bug: answer what is pending, then exit (the owner restarts us)
-            log.exception("acceptor %d: unexpected message from the owner", self.index)
-        self.lost = True
-        lost = ConnectionError("the owner closed its socket")
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(lost)
-        if not stop.is_set():
-            log.info("acceptor %d: the owner's socket closed; exiting", self.index)
-            # Did the owner die without cleaning up (SIGKILL)? Its private
-            # directory (the Unix socket) would outlive everyone otherwise. The
-            # socket closes before the kernel reparents us: give it a moment,
-            # before stopping (the process ends soon after ``stop``).
-            for _ in range(40):
-                if os.getppid() != self.owner_pid:
-                    shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
-                    break
-                await asyncio.sleep(0.05)
-            stop.set()
-
-    async def serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            reader, self.writer = await asyncio.open_unix_connection(self.socket_path,
-                                                                     limit=1 << 20)
-        except OSError:
-            if os.getppid() != self.owner_pid:  # the owner died before we connected
-                shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
-            raise
-        self.writer.write(_frame({"t": "hello", "i": self.index}, 0))
-        if self.offering:
-            self._open_fd_channel()
-        owner = loop.create_task(self._read_owner(reader, stop))
-        self._listen()
-        log.debug("acceptor %d listening on %s:%d", self.index, self.host, self.port)
-        await stop.wait()
-        listeners, self.listeners = self.listeners, []
-        for listener in listeners:
-            loop.remove_reader(listener)
-            listener.close()
-        await self._settle_offers(min(1.0, self.grace_s))
-        if self.handing:  # connections just handed back: counted below once connected
-            await asyncio.wait(list(self.handing), timeout=min(1.0, self.grace_s))
-        running = [c.task for c in self.connections if c.task is not None]
-        if running:
-            await asyncio.wait(running, timeout=self.grace_s)
-        closing = [asyncio.ensure_future(c.disconnected.wait()) for c in list(self.connections)]
-        for conn in list(self.connections):
-            if conn.transport is not None:
-                conn.transport.close()
-        if closing:
-            await asyncio.wait(closing, timeout=self.grace_s)
-        self.writer.close()
-        owner.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await owner
-
-
-def _log_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("a connection could not be served", exc_info=task.exception())
-
-
-def acceptor_main(index, host, port, socket_path, request_path, answer_path,
-                  max_body_bytes, grace_s, log_level, offer: bool = False) -> None:
-    """An acceptor process (multiprocessing "spawn" target): no torch, no device."""
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    acceptor = _Acceptor(index, host, port, socket_path, request_path, answer_path,
-                         max_body_bytes, grace_s, offer)
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(acceptor.serve())
-    else:
-        uvloop.run(acceptor.serve())
-
-
-__all__ = ["Owner", "acceptor_main", "serve_with_acceptors"]
+__all__ = ["Owner", "serve_with_acceptors"]

@@ -6,48 +6,81 @@ calls/s, while the GPU copies of the same bytes take ~60 us. Its protocol
 appends every 64 KB socket read to the previous ones and pauses and resumes the
 socket at each, a round trip through the event loop per chunk. Here:
 
+- heads are parsed by httptools (llhttp) with its strict RFC 9112 rules: bare
+  LF, obs-fold, CR/NUL in values, bad header names, duplicate or signed
+  Content-Length, Transfer-Encoding other than a final ``chunked``, CL with TE,
+  and chunk sizes that are not plain hex are all refused (400, then close);
+- a head that declares a body is judged before a byte of the body is read
+  (``_http_gate.py``: token, media type, body limit, in-flight budget), so a
+  refused client is answered and its body never received;
 - each request's body is received straight into one buffer allocated for its
   ``Content-Length`` (``asyncio.BufferedProtocol``: the kernel copies into it,
   nothing is accumulated), page-locked when a GPU is present so the engine
-  uploads from it without another host copy;
-- the app gets the whole body in one ``http.request`` message, as a memoryview
-  (Starlette and our routes read bytes-like bodies);
-- response parts go to the socket as they are (``transport.writelines``), so a
-  route can answer with a memoryview of a pinned output buffer;
-- sockets get TCP_NODELAY and large buffers.
+  uploads from it without another host copy; chunked bodies are decoded by
+  llhttp from the receive buffer where they land (no per-chunk memmove);
+- the app gets the whole body in one ``http.request`` message, as a memoryview;
+- response parts go to the socket as they are (``transport.writelines``);
+- a connection stops being read while its answers are not drained
+  (``pause_writing``), so a client that pipelines and never reads holds one
+  answer here, not all of them;
+- timeouts and limits (``HttpLimits``, settings ``MOEGEMM_HTTP_*``): the head's
+  arrival, the body's mean rate, idle keep-alive, connections per process.
 
-The app, its routes, middleware and error handling are unchanged: this is only
-the transport, selected with ``MOEGEMM_HTTP=fast`` (``uvicorn`` stays available).
-Deliberate limits: HTTP/1.1 and 1.0 only, one request at a time per connection
-(pipelined requests wait in the socket), no TLS (terminate it in front).
-Chunked uploads work on a slower path (accumulated, bounded by the body limit).
+HTTP/1.0: a connection is kept alive only when the request asks for it
+(``Connection: keep-alive``; llhttp's rule, as uvicorn), and the answer then
+says ``connection: keep-alive``. Absolute-form targets (``GET http://h/p``) are
+served as their path, as uvicorn does. Upgrades (``Upgrade: h2c``) are ignored
+and the request served over HTTP/1.1; CONNECT and HTTP/0.9 are refused.
+Deliberate limits: one request at a time per connection (pipelined ones wait
+in the receive buffer), no TLS (terminate it in front); a request pipelined
+behind a chunked upload is not served (the connection closes after the
+upload's answer: llhttp gives no position where the next one starts).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import logging
+import mmap
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
+import httptools
 import numpy as np
+
+from ._http_gate import (
+    REASONS,
+    HttpLimits,
+    Refusal,
+    bad_field,
+    error_bytes,
+    internal,
+    judge,
+    overloaded,
+    request_id,
+    too_large,
+)
 
 log = logging.getLogger("moegemm.server.http")
 
 _HEAD_LIMIT = 64 * 1024
 _SOCKET_BUFFER = 4 << 20
-_REASONS = {
-    100: "Continue", 200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request",
-    401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
-    413: "Content Too Large", 415: "Unsupported Media Type", 431: "Request Header Fields Too Large",
-    500: "Internal Server Error", 503: "Service Unavailable", 504: "Gateway Timeout",
-    507: "Insufficient Storage",
-}
+_REASONS = REASONS
+# A refused connection: the answer is sent, our side half-closed, and what the
+# client still sends is read and dropped for this long (or this much), so the
+# answer is not destroyed by the reset a close with unread data makes.
+_DRAIN_S = 1.0
+_DRAIN_BYTES = 4 << 20
+_SCRATCH = memoryview(bytearray(64 << 10))  # where dropped bytes land (one loop)
+
+# A connection's states.
+_IDLE, _HEAD, _BODY, _CHUNKED, _RUN, _DRAIN = range(6)
 
 
 def _plain_body(size: int) -> memoryview:
@@ -56,11 +89,12 @@ def _plain_body(size: int) -> memoryview:
 
 
 def _error_bytes(status: int, code: str, message: str) -> bytes:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    return (
-        f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-    ).encode() + body
+    """An answer for the transport's own failures (500 ``internal``), closing."""
+    return error_bytes(internal(message) if status == 500 else Refusal(status, code, message))
+
+
+class _Pipelined(Exception):
+    """Raised from the parser's callbacks at a request behind a chunked upload."""
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -68,20 +102,32 @@ class _Connection(asyncio.BufferedProtocol):
 
     def __init__(self, server: FastHttpServer) -> None:
         self.server = server
-        self.head = bytearray(_HEAD_LIMIT)
-        self.head_view = memoryview(self.head)
-        self.head_used = 0
+        self.limits: HttpLimits = server.limits
+        # The receive buffer of heads (and of chunked bodies): an anonymous map,
+        # so an idle connection's untouched pages cost no memory. [start, head_used)
+        # is unparsed; [start, fed) was given to the parser already.
+        self.head: mmap.mmap | None = None
+        self.head_view: memoryview | None = None
+        self.start = self.fed = self.head_used = 0
+        self.state = _IDLE
+        self.since = time.monotonic()  # when the current state began
+        self.parser: httptools.HttpRequestParser | None = None
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = self.message_done = False
         self.body: memoryview | None = None
         self.body_used = 0
+        self.chunked: bytearray | None = None
+        self.reserved = 0  # body bytes this request holds in server.receiving
         self.scope: dict | None = None
+        self.method = self.version = ""
         self.keep_alive = True
+        self.http10 = False
         self.transport: asyncio.Transport | None = None
         self.task: asyncio.Task | None = None
         self.disconnected: asyncio.Event | None = None
-        # Chunked uploads: the body so far, and the bytes left of the current chunk
-        # (None while a chunk-size line is expected).
-        self.chunked: bytearray | None = None
-        self.chunk_left: int | None = None
+        self.write_paused = False
+        self.drained = 0
         # Whether this connection's current request counts in ``server.active``.
         self.counted = False
         self.peer = self.local = None
@@ -94,6 +140,14 @@ class _Connection(asyncio.BufferedProtocol):
         self.peer = transport.get_extra_info("peername")
         self.local = transport.get_extra_info("sockname")
         self.disconnected = asyncio.Event()
+        self.since = time.monotonic()
+        full = len(self.server.connections) >= self.limits.max_connections
+        self.server.connections.add(self)
+        if full:
+            self._refuse(overloaded(
+                f"this server holds {self.limits.max_connections} connections "
+                f"(MOEGEMM_HTTP_MAX_CONNECTIONS); retry later", retry_after=1))
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -102,207 +156,305 @@ class _Connection(asyncio.BufferedProtocol):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
             except OSError:
                 pass  # e.g. a Unix socket: nothing to tune
-        self.server.connections.add(self)
+        # Answers of megabytes are common: pause reading only past one of them.
+        transport.set_write_buffer_limits(high=1 << 20)
 
     def connection_lost(self, exc) -> None:
         self._end()
+        self._unreserve()
         self.server.connections.discard(self)
         self.disconnected.set()
         self.transport = None
 
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.state == _IDLE:
+            self.since = time.monotonic()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        transport = self.transport
+        if (self.state == _IDLE and self.task is None and transport is not None
+                and not transport.is_closing()):
+            self._next()
+
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.body is not None and self.body_used < len(self.body):
+        state = self.state
+        if state == _BODY:
             return self.body[self.body_used:]
+        if state == _DRAIN:
+            return _SCRATCH
+        if self.head is None:
+            self.head = mmap.mmap(-1, _HEAD_LIMIT)
+            self.head_view = memoryview(self.head)
+        if self.head_used >= _HEAD_LIMIT and self.start:
+            self._compact()
         if self.head_used >= _HEAD_LIMIT:
-            # Only reachable while a request runs and the client pipelines a lot.
-            self.transport.pause_reading()
-            return memoryview(bytearray(1))
+            # A full buffer is parsed (and a head over the limit refused) as it
+            # fills; reading is paused while a request runs, so this is a guard.
+            self._refuse(too_large(f"the request head is over {_HEAD_LIMIT} bytes"))
+            return _SCRATCH
         return self.head_view[self.head_used:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.body is not None and self.body_used < len(self.body):
+        state = self.state
+        if state == _BODY:
             self.body_used += nbytes
             if self.body_used == len(self.body):
                 self._dispatch()
             return
+        if state == _DRAIN:
+            self.drained += nbytes
+            if self.drained > _DRAIN_BYTES:
+                self.transport.abort()
+            return
         self.head_used += nbytes
-        if self.task is None:
-            if self.chunked is not None:
-                self._feed_chunked()
-            else:
-                self._parse_head()
+        if state == _IDLE:
+            self._begin_head()
+        elif state == _HEAD:
+            self._parse_head()
+        elif state == _CHUNKED:
+            self._feed_chunked()
+            if self.state == _CHUNKED and self.transport is not None:
+                # Back to the loop after each buffer: decoding a buffer of tiny chunks
+                # takes milliseconds, and uvloop (libuv) reads a readable socket up to
+                # 32 times in a row, which starved the other connections for ~200 ms.
+                self.transport.pause_reading()
+                asyncio.get_running_loop().call_soon(self._resume_chunked)
 
     def eof_received(self) -> bool:
         return False  # close our side too
 
+    # -- timeouts (called by the server's sweep, about once a second) ----------------------
+
+    def check(self, now: float) -> None:
+        limits, state, elapsed = self.limits, self.state, now - self.since
+        if state == _IDLE:
+            late = elapsed > limits.keep_alive_s
+        elif state == _HEAD:
+            late = elapsed > limits.head_timeout_s
+        elif state in (_BODY, _CHUNKED):
+            got = self.body_used if state == _BODY else len(self.chunked)
+            late = elapsed > limits.head_timeout_s + got / limits.min_body_rate
+        elif state == _DRAIN:
+            late = elapsed > _DRAIN_S
+        else:
+            return  # the app is answering: its own deadlines apply
+        if late and self.transport is not None:
+            # abort: nothing more is owed to a client that does not read (close
+            # would wait to flush its answers first).
+            if state == _DRAIN or self.write_paused:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
     # -- parsing ------------------------------------------------------------------------
 
+    def _begin_head(self) -> None:
+        self.state, self.since = _HEAD, time.monotonic()
+        self.parser = httptools.HttpRequestParser(self)
+        self.url, self.headers, self.method = b"", [], ""
+        self.headers_done = self.message_done = False
+        self.fed = self.start
+        self._parse_head()
+
+    # httptools callbacks
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value.strip(b" \t")))
+
+    def on_headers_complete(self) -> None:
+        # Read here: llhttp clears its flags once the message is complete.
+        parser = self.parser
+        self.headers_done = True
+        self.keep_alive = parser.should_keep_alive()
+        self.version = parser.get_http_version()
+        self.method = parser.get_method().decode("ascii")
+
+    def on_message_begin(self) -> None:
+        if self.message_done:
+            raise _Pipelined
+
+    def on_body(self, data: bytes) -> None:
+        chunked = self.chunked
+        if len(chunked) + len(data) > self.limits.max_body_bytes:
+            raise too_large(f"the body is over {self.limits.max_body_bytes} bytes, the limit "
+                           f"of this server")
+        chunked += data
+
+    def on_message_complete(self) -> None:
+        self.message_done = True
+
     def _parse_head(self) -> None:
-        end = self.head.find(b"\r\n\r\n", 0, self.head_used)
-        if end < 0:
-            if self.head_used >= _HEAD_LIMIT:
-                self._refuse(431, "bad_request", "the request head is over 64 KiB")
-            return
-        try:
-            scope, length, expect_continue = self._scope(bytes(self.head_view[:end]))
-        except ValueError as exc:
-            self._refuse(400, "bad_request", str(exc))
-            return
-        self.scope = scope
-        self._begin()
-        start = end + 4
-        if length is None:
-            self._consume(start)
-            self.chunked, self.chunk_left = bytearray(), None
-            if expect_continue:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            self._feed_chunked()
-            return
-        if length > self.server.max_body_bytes:
-            # The app answers 413 from the declared length; the unread body
-            # means the connection cannot be reused.
-            self.keep_alive = False
-            length = 0
-        try:
-            self.body = self.server.allocate(length)
-        except Exception:  # noqa: BLE001 -- e.g. pinned memory exhausted: answer from plain memory
-            self.body = _plain_body(length)
-        have = min(length, self.head_used - start)
-        self.body[:have] = self.head_view[start:start + have]
-        self.body_used = have
-        rest = self.head_used - start - have
-        self.head_view[:rest] = self.head_view[start + have:self.head_used]
-        self.head_used = rest
-        if expect_continue and have < length:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        if self.body_used == length:
-            self._dispatch()
-
-    def _consume(self, n: int) -> None:
-        """Drop the first ``n`` bytes of the head buffer."""
-        rest = self.head_used - n
-        self.head_view[:rest] = self.head_view[n:self.head_used]
-        self.head_used = rest
-
-    def _feed_chunked(self) -> None:
-        """Decode chunked framing from the head buffer into ``self.chunked``."""
-        while True:
-            if self.chunk_left is None:
-                eol = self.head.find(b"\r\n", 0, self.head_used)
-                if eol < 0:
-                    if self.head_used >= _HEAD_LIMIT:
-                        self._refuse(400, "bad_request", "malformed chunked body")
-                    return
-                line = bytes(self.head_view[:eol]).partition(b";")[0].strip()
+        head = self.head
+        while not self.headers_done:
+            end = head.find(b"\r\n\r\n", max(self.start, self.fed - 3), self.head_used)
+            stop = self.head_used if end < 0 else end + 4
+            if stop > self.fed:
                 try:
-                    size = int(line, 16)
-                except ValueError:
-                    self._refuse(400, "bad_request", "malformed chunk size")
+                    self.parser.feed_data(self.head_view[self.fed:stop])
+                except httptools.HttpParserUpgrade:
+                    pass  # the head is complete; the upgrade is not taken (see above)
+                except httptools.HttpParserError as exc:
+                    self._refuse(bad_field(f"malformed HTTP request: {exc}"))
                     return
-                if size == 0:
-                    # The last chunk: skip trailer lines up to the empty one.
-                    stop = self.head.find(b"\r\n\r\n", eol, self.head_used)
-                    if stop < 0:
-                        return
-                    self._consume(stop + 4)
-                    self.body, self.chunked = memoryview(self.chunked), None
-                    self.body_used = len(self.body)
-                    self._dispatch()
-                    return
-                self._consume(eol + 2)
-                self.chunk_left = size
-            take = min(self.chunk_left, self.head_used)
-            self.chunked += self.head_view[:take]
-            self._consume(take)
-            self.chunk_left -= take
-            if len(self.chunked) > self.server.max_body_bytes:
-                # The app sees a body over its limit and answers 413; the rest
-                # of the upload is never read, so the connection closes after.
-                self.keep_alive = False
-                self.body, self.chunked = memoryview(self.chunked), None
-                self._dispatch()
+                self.fed = stop
+            if end < 0:
+                if self.head_used - self.start >= _HEAD_LIMIT:
+                    # SPEC 2.2 has no code of its own for this: too_large.
+                    self._refuse(too_large(f"the request head is over {_HEAD_LIMIT} bytes"))
                 return
-            if self.chunk_left:
-                return
-            if self.head_used < 2:
-                return  # wait for the CRLF after the chunk data
-            if bytes(self.head_view[:2]) != b"\r\n":
-                self._refuse(400, "bad_request", "malformed chunked body")
-                return
-            self._consume(2)
-            self.chunk_left = None
+        self._begin_request()
 
-    def _scope(self, head: bytes) -> tuple[dict, int | None, bool]:
-        lines = head.split(b"\r\n")
-        try:
-            method, target, version = lines[0].split(b" ")
-        except ValueError:
-            raise ValueError("malformed request line") from None
-        if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-            raise ValueError("only HTTP/1.1 and HTTP/1.0 are served")
-        headers = []
+    def _begin_request(self) -> None:
+        version, method = self.version, self.method
+        if version not in ("1.1", "1.0") or method == "CONNECT":
+            self._refuse(bad_field(f"HTTP/{version} {method} is not served (HTTP/1.1 or 1.0)"))
+            return
+        self.http10 = version == "1.0"
+        target = self.url
+        if target[:1] != b"/":
+            if target == b"*":
+                path, query = b"*", b""
+            else:  # absolute form: its path, as uvicorn serves it
+                try:
+                    url = httptools.parse_url(target)
+                except httptools.HttpParserInvalidURLError:
+                    self._refuse(bad_field("malformed request target"))
+                    return
+                path, query = url.path or b"/", url.query or b""
+        else:
+            path, _, query = target.partition(b"?")
         length: int | None = 0
-        lengths: set[bytes] = set()
-        chunked = False
-        expect_continue = False
-        keep_alive = version == b"HTTP/1.1"
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name != name.strip():
-                raise ValueError("malformed header line")
-            name = name.lower()
-            value = value.strip()
-            headers.append((name, value))
+        for name, value in self.headers:
             if name == b"content-length":
-                if not value.isdigit():
-                    raise ValueError("Content-Length is not a number")
-                length = int(value)
-                lengths.add(value)
-            elif name == b"transfer-encoding" and value.lower() != b"identity":
-                length = None
-                chunked = True
-            elif name == b"connection":
-                tokens = value.lower()
-                if b"close" in tokens:
-                    keep_alive = False
-                elif b"keep-alive" in tokens:
-                    keep_alive = True
-            elif name == b"expect" and value.lower() == b"100-continue":
-                expect_continue = True
-        # RFC 9112 6.3: a body framed two ways, or by disagreeing lengths, is
-        # a request-smuggling shape; refuse it rather than pick one.
-        if len(lengths) > 1 or (lengths and chunked):
-            raise ValueError("conflicting Content-Length / Transfer-Encoding framing")
-        if chunked:
-            length = None
-        self.keep_alive = keep_alive
-        path, _, query = target.partition(b"?")
-        scope = {
+                length = int(value)  # llhttp took only plain digits, and only once
+            elif name == b"transfer-encoding":
+                length = None  # llhttp took only a final "chunked" (and never with CL)
+        if length is None and self.http10:
+            # RFC 9112 6.1: Transfer-Encoding in an HTTP/1.0 request is faulty.
+            self._refuse(bad_field("Transfer-Encoding in an HTTP/1.0 request"))
+            return
+        decoded = unquote(path.decode("latin-1"))
+        self.scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": version[5:].decode(),
-            "method": method.decode("ascii"),
+            "http_version": version,
+            "method": method,
             "scheme": "http",
-            "path": unquote(path.decode("latin-1")),
+            "path": decoded,
             "raw_path": path,
             "query_string": query,
             "root_path": "",
-            "headers": headers,
+            "headers": self.headers,
             "client": self.peer,
             "server": self.local,
             "state": dict(self.server.state),
         }
-        return scope, length, expect_continue
+        self._begin()
+        if length != 0:
+            refusal = judge(self.limits, method, decoded, self.headers, length,
+                            self.server.held())
+            if refusal is not None:
+                self._refuse(refusal)
+                return
+            self.reserved = self.limits.max_body_bytes if length is None else length
+            self.server.receiving += self.reserved
+        expect_continue = any(n == b"expect" and v.lower() == b"100-continue"
+                              for n, v in self.headers)
+        start = self.fed  # the body's first byte
+        if length is None:
+            self.state, self.since = _CHUNKED, time.monotonic()
+            self.chunked = bytearray()
+            self.start = start
+            if expect_continue:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._feed_chunked()
+            return
+        self.parser = None  # a Content-Length body never goes through the parser
+        try:
+            self.body = self.server.allocate(length) if length else memoryview(b"")
+        except Exception:  # noqa: BLE001 -- e.g. pinned memory exhausted: answer from plain memory
+            self.body = _plain_body(length)
+        have = min(length, self.head_used - start)
+        if have:
+            self.body[:have] = self.head_view[start:start + have]
+        self.body_used = have
+        self.start = start + have
+        if self.start == self.head_used:
+            self.start = self.head_used = 0
+        if have == length:
+            self._dispatch()
+            return
+        self.state, self.since = _BODY, time.monotonic()
+        if expect_continue:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
-    def _refuse(self, status: int, code: str, message: str) -> None:
-        if self.transport is not None:
-            self.transport.write(_error_bytes(status, code, message))
-            self.transport.close()
+    def _feed_chunked(self) -> None:
+        """Decode the chunked body that has landed in the receive buffer (all of it:
+        the buffer is then free again from its start)."""
+        start, used = self.start, self.head_used
+        self.start = self.head_used = 0
+        try:
+            self.parser.feed_data(self.head_view[start:used])
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, Refusal):
+                self._refuse(cause)
+                return
+            if not (isinstance(cause, _Pipelined) and self.message_done):
+                raise
+            self.keep_alive = False  # see the module's docstring
+        except httptools.HttpParserError as exc:
+            self._refuse(bad_field(f"malformed chunked body: {exc}"))
+            return
+        if self.message_done:
+            self.parser = None
+            self.body, self.chunked = memoryview(self.chunked), None
+            self._dispatch()
+
+    def _resume_chunked(self) -> None:
+        if (self.state == _CHUNKED and self.transport is not None
+                and not self.transport.is_closing()):
+            self.transport.resume_reading()
+
+    def _compact(self) -> None:
+        """Move the unparsed bytes to the buffer's start (once per pipelined request)."""
+        start, used = self.start, self.head_used
+        self.head_view[:used - start] = self.head_view[start:used]
+        self.fed = max(0, self.fed - start)
+        self.start, self.head_used = 0, used - start
+
+    def _refuse(self, exc: Refusal) -> None:
+        """Answer ``exc`` and close, reading nothing more of the request."""
+        self._unreserve()
+        self._end()
+        transport = self.transport
+        self.state, self.since = _DRAIN, time.monotonic()
+        self.parser = self.body = self.chunked = None
+        if transport is None:
+            return
+        transport.write(error_bytes(exc, head_only=self.method == "HEAD",
+                                    request_id=request_id(self.headers)))
+        self.server.count_refusal(exc.status, self.method, self.scope and self.scope["path"])
+        if transport.can_write_eof():
+            transport.write_eof()  # the client reads the answer and an end; we drop the rest
+        else:
+            transport.close()
+
+    def _unreserve(self) -> None:
+        if self.reserved:
+            self.server.receiving -= self.reserved
+            self.reserved = 0
 
     # -- running the app ------------------------------------------------------------------
 
     def _dispatch(self) -> None:
         self.transport.pause_reading()
+        self.state = _RUN
+        self._unreserve()  # the app's budget holds it from here (BodyBudget, DirectGemm)
         scope, direct = self.scope, self.server.direct
         name = None if direct is None else direct.match(scope["method"], scope["path"])
         if name is None:
@@ -316,20 +468,26 @@ class _Connection(asyncio.BufferedProtocol):
         if not task.done():
             self.task = task
 
+    def _connection_line(self) -> bytes:
+        if not self.keep_alive:
+            return b"connection: close\r\n"
+        return b"connection: keep-alive\r\n" if self.http10 else b""
+
     async def _run_direct(self, name: str, scope: dict, body: memoryview) -> None:
         """A route the server answers without the ASGI app (``_direct.py``)."""
         try:
             status, head, parts = await self.server.direct(name, scope["headers"], body)
         except Exception:  # the handler answers its own errors; this is a bug in it
-            log.exception("the direct route failed on %s %s", scope["method"], scope["path"])
+            log.exception("the direct route failed on %s %r", scope["method"],
+                          scope["path"][:200])
             if self.transport is not None:
                 self.transport.write(_error_bytes(500, "internal", "unexpected server error"))
             self.keep_alive = False
         else:
             if self.transport is not None:
                 line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "").encode())
-                close = b"" if self.keep_alive else b"connection: close\r\n"
-                self.transport.writelines([line + head + close + b"\r\n", *parts])
+                self.transport.writelines([line + head + self._connection_line() + b"\r\n",
+                                           *parts])
         self._finish()
 
     async def _run(self, scope: dict, body: memoryview) -> None:
@@ -338,7 +496,7 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             await self.server.app(scope, receive, response.send)
         except Exception:
-            log.exception("the app failed on %s %s", scope["method"], scope["path"])
+            log.exception("the app failed on %s %r", scope["method"], scope["path"][:200])
             if not response.started and self.transport is not None:
                 self.transport.write(_error_bytes(500, "internal", "unexpected server error"))
             self.keep_alive = False
@@ -361,14 +519,30 @@ class _Connection(asyncio.BufferedProtocol):
         """After an answer: close, or read the next request on this connection."""
         self.task = None
         self._end()
+        self.state, self.since = _IDLE, time.monotonic()
         if self.transport is None:
             return
         if not self.keep_alive:
             self.transport.close()
             return
+        if not self.write_paused:  # else resume_writing goes on
+            self._next()
+
+    def _next(self) -> None:
+        """Read the next request: one already pipelined, or wait for one."""
+        if self.start:
+            self._compact()
         self.transport.resume_reading()
         if self.head_used:
-            self._parse_head()  # a pipelined request already waits in the head buffer
+            # From the loop, not from here: an answer finished eagerly (Python 3.12
+            # tasks) may be inside the previous request's parse, and a buffer of
+            # pipelined requests would otherwise nest one call deeper each.
+            asyncio.get_running_loop().call_soon(self._pipelined)
+
+    def _pipelined(self) -> None:
+        if (self.state == _IDLE and self.task is None and self.head_used
+                and self.transport is not None and not self.transport.is_closing()):
+            self._begin_head()
 
 
 def _start(coro) -> asyncio.Task:
@@ -407,7 +581,9 @@ class _Response:
 
     Parts are collected and written with one ``writelines`` when the response
     ends (or once a streamed body has collected 1 MiB): one syscall per answer,
-    the body parts never copied on our side.
+    the body parts never copied on our side. A HEAD request's answer has its
+    headers and no body; an HTTP/1.0 one is never chunked (it ends with the
+    connection instead).
     """
 
     _FLUSH_BYTES = 1 << 20
@@ -417,6 +593,7 @@ class _Response:
         self.started = False
         self.finished = False
         self.chunked = False
+        self.bodiless = conn.method == "HEAD"
         self.pending: list = []
         self.pending_bytes = 0
 
@@ -424,25 +601,29 @@ class _Response:
         kind = message["type"]
         if kind == "http.response.start":
             status = message["status"]
+            conn = self.conn
             lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n".encode()]
             has_length = False
             for name, value in message.get("headers", ()):
                 if name.lower() == b"content-length":
                     has_length = True
                 lines += [name, b": ", value, b"\r\n"]
-            if not has_length and status not in (204, 304):
-                self.chunked = True
-                lines.append(b"transfer-encoding: chunked\r\n")
-            if not self.conn.keep_alive:
-                lines.append(b"connection: close\r\n")
-            lines.append(b"\r\n")
+            if not has_length and status not in (204, 304) and not self.bodiless:
+                if conn.http10:
+                    conn.keep_alive = False  # the body ends with the connection
+                else:
+                    self.chunked = True
+                    lines.append(b"transfer-encoding: chunked\r\n")
+            lines += [conn._connection_line(), b"\r\n"]
             self.pending = [b"".join(lines)]
             self.started = True
         elif kind == "http.response.body":
             body = message.get("body", b"")
             more = message.get("more_body", False)
             size = len(body)
-            if self.chunked:
+            if self.bodiless:
+                pass
+            elif self.chunked:
                 if size:
                     self.pending += [b"%x\r\n" % size, body, b"\r\n"]
                 if not more:
@@ -481,6 +662,16 @@ def _refuse_if_taken(host: str, port: int) -> None:
             probe.close()
 
 
+async def sweep(connections: set, limits: HttpLimits) -> None:
+    """Apply every connection's timeouts, about once a second, forever."""
+    every = min(1.0, limits.head_timeout_s / 4, limits.keep_alive_s / 4)
+    while True:
+        await asyncio.sleep(every)
+        now = time.monotonic()
+        for conn in list(connections):
+            conn.check(now)
+
+
 class FastHttpServer:
     """Serve an ASGI app on ``host:port`` with :class:`_Connection` until stopped."""
 
@@ -495,6 +686,7 @@ class FastHttpServer:
         direct: Any = None,
         grace_s: float = 30.0,
         reuse_port: bool = False,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.app = app
         # Routes answered without the app (``_direct.DirectGemm``): an object with
@@ -511,6 +703,15 @@ class FastHttpServer:
         self.host = host
         self.port = port
         self.max_body_bytes = max_body_bytes
+        if limits is None:  # the app's settings (tokens, MOEGEMM_HTTP_*)
+            settings = getattr(getattr(app, "state", None), "settings", None)
+            limits = HttpLimits() if settings is None else HttpLimits.from_settings(settings)
+        # The transport's body limit is the one it was given.
+        self.limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
+        # Body bytes of requests whose head was let in and whose body is still
+        # arriving; the app's budget holds them once they run.
+        self.receiving = 0
+        self._budget = None
         self.allocate = allocate or _plain_body
         self.grace_s = grace_s
         # SO_REUSEPORT: other processes may bind the same port (``_acceptors.py``).
@@ -520,6 +721,26 @@ class FastHttpServer:
         self.connections: set[_Connection] = set()
         self.state: dict = {}
         self._server: asyncio.base_events.Server | None = None
+
+    def count_refusal(self, status: int, method: str, path: str | None) -> None:
+        """A request the transport answered itself (``_Connection._refuse``), in the
+        request metrics: under the gemm route when it was one (as the app and
+        ``DirectGemm`` count their refusals), else as "unmatched"."""
+        metrics = getattr(getattr(self.app, "state", None), "metrics", None)
+        if metrics is None:
+            return
+        from ._direct import _ENDPOINT, DirectGemm
+
+        gemm = path is not None and DirectGemm.match(method, path) is not None
+        metrics.requests.labels(endpoint=_ENDPOINT if gemm else "unmatched",
+                                status=str(status)).inc()
+
+    def held(self) -> int:
+        """Request body bytes held: arriving here, plus those the app's budget holds."""
+        budget = self._budget
+        if budget is None:
+            budget = self._budget = _find_budget(self.app)
+        return self.receiving + (budget.held if budget is not False else 0)
 
     async def _lifespan(self) -> tuple[asyncio.Task, asyncio.Queue, asyncio.Queue]:
         to_app: asyncio.Queue = asyncio.Queue()
@@ -555,6 +776,7 @@ class FastHttpServer:
         )
         self.port = self._server.sockets[0].getsockname()[1]
         self.listening.set()
+        sweeping = loop.create_task(sweep(self.connections, self.limits))
         log.info("listening on http://%s:%d (fast HTTP transport)", self.host, self.port)
         try:
             await stop.wait()
@@ -563,6 +785,7 @@ class FastHttpServer:
             running = [c.task for c in self.connections if c.task is not None]
             if running:
                 await asyncio.wait(running, timeout=self.grace_s)
+            sweeping.cancel()
             # close() flushes what is still buffered, asynchronously: wait for
             # every connection to be gone, or an answer in flight is cut short.
             closing = [c.disconnected.wait() for c in list(self.connections)]
@@ -575,3 +798,14 @@ class FastHttpServer:
             await to_app.put({"type": "lifespan.shutdown"})
             await from_app.get()
             await task
+
+
+def _find_budget(app: Any):
+    """The app's BodyBudget middleware (``_direct._find_budget``), or False for an
+    app without one (a bare ASGI app in the tests)."""
+    try:
+        from ._direct import _find_budget as find
+
+        return find(app)
+    except (RuntimeError, AttributeError, ImportError):
+        return False

@@ -139,6 +139,16 @@ class Settings(BaseSettings):
     # connection an acceptor accepts while it serves fewer than this many, so
     # a lone client pays no forwarding hop; the rest are forwarded. 0: never.
     owner_connections: int = Field(2, ge=0, le=1024)
+    # The fast transport's timeouts and limits (server/_http.py; uvicorn keeps its
+    # own, with the same keep-alive). A head must arrive whole within
+    # http_head_timeout_s of its first byte; a body at a mean rate of at least
+    # http_min_body_rate bytes/s after that much grace; a connection idle between
+    # requests (or not draining its answers) is closed after http_keep_alive_s;
+    # past http_max_connections per process, new connections get 503 overloaded.
+    http_head_timeout_s: float = Field(10.0, gt=0)
+    http_min_body_rate: int = Field(64 << 10, gt=0)
+    http_keep_alive_s: float = Field(30.0, gt=0)
+    http_max_connections: int = Field(2048, ge=1)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("preload", mode="before")

@@ -8,6 +8,7 @@ errors of ``moegemm.client._errors``; ``app.py`` turns them into JSON.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Callable
@@ -313,7 +314,11 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
     if "file" in body:
         check_fields(body, {"file", "w"}, {"w_scale"})
         file, w_key, scale_key = (_string(body, k) for k in ("file", "w", "w_scale"))
-        ws, replaced = await install(svc, lambda: svc.store.build_from_file(name, file, w_key, scale_key))
+        # Opened here, off the engine's thread: a slow path (800 KB, a slow disk)
+        # never holds up the calls the engine runs.
+        opened = await asyncio.to_thread(svc.store.resolve, file)
+        ws, replaced = await install(
+            svc, lambda: svc.store.build_from_file(name, opened, w_key, scale_key))
     else:
         check_fields(body, {"w"}, {"w_scale"})
         if isinstance(body["w"], str):

@@ -12,9 +12,14 @@ than silently ignored.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
+import stat
 import threading
+import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -62,8 +67,123 @@ _SAFETENSORS_DTYPES = {
 def check_name(name: str) -> str:
     """Return ``name`` if it is a valid weight-set name, else raise BadName."""
     if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
-        raise BadName(f"weight-set name {name!r} must match [A-Za-z0-9._-]{{1,128}}")
+        raise BadName(f"weight-set name {_shown(name)} must match [A-Za-z0-9._-]{{1,128}}")
+    if name in (".", ".."):
+        # They match the pattern, but name no resource in a URL path (clients and
+        # proxies resolve /v1/weights/.. to /v1/).
+        raise BadName(f"weight-set name {name!r} is a path step, not a name")
     return name
+
+
+def _shown(value: object, limit: int = 200) -> str:
+    """``repr(value)``, cut to about ``limit`` characters: client input in messages
+    and logs stays small whatever its size."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+_PATH_MAX = 4096  # Linux's PATH_MAX: a longer path never names a file
+_NAME_MAX = 255
+_SYMLINK_HOPS = 40  # as the kernel's own limit
+
+
+class OpenedFile(os.PathLike):
+    """A weights file opened under the weights directory: its descriptor (closed
+    when this object is dropped), named as ``/proc/self/fd/N`` so that what opens
+    that path (safetensors, ``Path.read_text``) reads the very file checked here,
+    whatever was renamed or swapped in the directory since."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd = fd
+        self.name = name
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def __fspath__(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    def __str__(self) -> str:
+        return self.__fspath__()
+
+    def __repr__(self) -> str:
+        return _shown(self.name)
+
+    def close(self) -> None:
+        self._close()
+
+
+def _open_beneath(root: Path, file: str) -> int:
+    """A descriptor of ``file`` opened strictly under ``root``, race-free.
+
+    Each step is an ``openat`` from the descriptor of the directory above it,
+    with O_NOFOLLOW: a symlink is read (``readlinkat``) and its target walked
+    the same way, relative to where it lies, so a directory swapped for a
+    symlink between two steps is seen as one and judged, never followed
+    blindly. An absolute target or a ``..`` above ``root`` is outside.
+    """
+    outside = BadField(f"file {_shown(file)} resolves outside the weights directory")
+    if file.startswith("/"):
+        raise outside
+    parts = deque(p for p in file.split("/") if p not in ("", "."))
+    if not parts:
+        raise outside  # the directory itself
+    stack = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    hops = 0
+    try:
+        while True:
+            part = parts.popleft()
+            if part == "..":
+                if len(stack) == 1:
+                    raise outside
+                os.close(stack.pop())
+                if not parts:  # a directory: the weights directory itself, or one in it
+                    if len(stack) == 1:
+                        raise outside
+                    raise NoSuchFile(f"no file {_shown(file)} in the weights directory")
+                continue
+            if len(part.encode(errors="surrogateescape")) > _NAME_MAX:
+                raise BadField(f"file {_shown(file)} has a name over {_NAME_MAX} bytes")
+            last = not parts
+            # O_NONBLOCK: a FIFO must not hang the open (it is refused below).
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            if not last:
+                flags |= os.O_DIRECTORY
+            try:
+                fd = os.open(part, flags, dir_fd=stack[-1])
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    # A symlink (O_NOFOLLOW), or a file where a folder was asked.
+                    try:
+                        target = os.readlink(part, dir_fd=stack[-1])
+                    except OSError as again:
+                        if not (exc.errno == errno.ELOOP and again.errno == errno.EINVAL):
+                            raise NoSuchFile(f"no file {_shown(file)} in the weights "
+                                             f"directory") from None
+                        target = None  # a link when opened, not now: look again
+                    hops += 1
+                    if hops > _SYMLINK_HOPS:
+                        raise BadField(f"file {_shown(file)} has too many symlinks "
+                                       f"(or keeps changing)") from None
+                    if target is None:
+                        parts.appendleft(part)
+                        continue
+                    if target.startswith("/"):
+                        raise outside from None
+                    parts.extendleft(reversed([p for p in target.split("/")
+                                               if p not in ("", ".")]))
+                    if not parts:
+                        raise outside from None
+                    continue
+                if exc.errno == errno.ENOENT:
+                    raise NoSuchFile(f"no file {_shown(file)} in the weights directory") from None
+                raise BadField(f"file {_shown(file)} cannot be opened: "
+                               f"{os.strerror(exc.errno or 0)}") from None
+            if last:
+                return fd
+            stack.append(fd)
+    finally:
+        for fd in stack:
+            os.close(fd)
+
 
 
 @dataclass(frozen=True, eq=False)
@@ -320,19 +440,30 @@ class WeightStore:
         w = (torch.randn((G, N, K), generator=gen) * 0.05).to(torch.bfloat16)
         return self.build(name, w, None)
 
-    def resolve(self, file: str) -> Path:
-        """``file`` resolved (symlinks too) strictly under ``weights_dir``."""
+    def resolve(self, file: str | OpenedFile) -> OpenedFile:
+        """``file`` opened (symlinks followed) strictly under ``weights_dir``, race-free
+        (``_open_beneath``), and checked to be a regular file; an ``OpenedFile``
+        as it is (``routes.put_weights`` opens files before the engine's thread
+        builds from them, so a slow path never holds up calls).
+
+        Errors are the contract's: 400 ``bad_field`` for a path outside the
+        directory, too long or not openable, 404 ``no_such_file`` for one that
+        is missing or not a file; messages quote at most 200 characters of it.
+        """
+        if isinstance(file, OpenedFile):
+            return file
         if self.weights_dir is None:
             raise BadField("this server has no weights directory (MOEGEMM_WEIGHTS_DIR)")
         if not isinstance(file, str) or not file or "\x00" in file:
             raise BadField("file is a non-empty path relative to the weights directory")
-        root = self.weights_dir.resolve()
-        path = (root / file).resolve()
-        if not path.is_relative_to(root) or path == root:
-            raise BadField(f"file {file!r} resolves outside the weights directory")
-        if not path.is_file():
-            raise NoSuchFile(f"no file {file!r} in the weights directory")
-        return path
+        if len(file) > _PATH_MAX:
+            raise BadField(f"file is a path of {len(file)} characters; at most {_PATH_MAX}")
+        fd = _open_beneath(self.weights_dir, file)
+        opened = OpenedFile(fd, file)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            opened.close()
+            raise NoSuchFile(f"no file {_shown(file)} in the weights directory (not a file)")
+        return opened
 
     def _assemble(
         self,

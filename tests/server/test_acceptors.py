@@ -24,7 +24,7 @@ import torch
 from moegemm.client import Client
 from moegemm.kernels import quantize_activations, quantize_weights, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, rel_error
-from moegemm.server._acceptors import _Slots
+from moegemm.server._acceptor_shm import _Slots
 from server_support import _free_port
 from test_direct import CASES, TOKEN, _request
 
@@ -51,7 +51,8 @@ class _Server:
             assert self.process.poll() is None, "the server exited"
             try:
                 status, _ = _exchange(self.port, _request("GET", "/v1/health/ready", b""))
-                if status.startswith(b"HTTP/1.1 200") and len(self.children()) == self.acceptors:
+                if (status.startswith(b"HTTP/1.1 200") and len(self.children()) == self.acceptors
+                        and _listeners(self.port) == self.acceptors + 1):
                     return
             except OSError:
                 pass
@@ -104,6 +105,14 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             raise
+
+
+def _listeners(port: int) -> int:
+    """Sockets listening on ``port`` (the owner's and each acceptor's, SO_REUSEPORT)."""
+    local = f":{port:04X}"
+    with open("/proc/net/tcp") as f:
+        return sum(1 for line in f.readlines()[1:]
+                   if line.split()[1].endswith(local) and line.split()[3] == "0A")
 
 
 def _server_inode(port: int, client_port: int) -> str | None:
@@ -470,9 +479,11 @@ def test_a_request_after_the_owner_link_is_lost_fails_at_once():
     that cannot come, once the owner's socket has closed."""
     import asyncio
 
-    from moegemm.server._acceptors import _Acceptor
+    from moegemm.server._acceptor import _Acceptor
+    from moegemm.server._http_gate import HttpLimits
 
-    acceptor = _Acceptor(0, "127.0.0.1", 0, "/nonexistent", None, None, 1 << 20, 1.0)
+    acceptor = _Acceptor(0, "127.0.0.1", 0, "/nonexistent", None, None,
+                         HttpLimits(max_body_bytes=1 << 20), 1.0)
     scope = {"method": "GET", "path": "/v1/info", "raw_path": b"/v1/info", "query_string": b"",
              "http_version": "1.1", "headers": [], "client": None, "server": None}
 

@@ -9,7 +9,8 @@ import socket
 import sys
 
 import pytest
-from moegemm.server import _acceptors
+from moegemm.server import _acceptor_shm, _acceptors
+from moegemm.server._acceptor import _Acceptor
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="SCM_RIGHTS over SOCK_SEQPACKET: Linux")
@@ -21,8 +22,8 @@ class _FakeServer:
         self.active = 0
 
 
-def _acceptor(channel: socket.socket, served_here: list) -> _acceptors._Acceptor:
-    acceptor = _acceptors._Acceptor.__new__(_acceptors._Acceptor)
+def _acceptor(channel: socket.socket, served_here: list) -> _Acceptor:
+    acceptor = _Acceptor.__new__(_Acceptor)
     acceptor.fd_channel, acceptor.offers, acceptor.index = channel, collections.deque(), 0
     acceptor._serve_here = served_here.append
     return acceptor
@@ -121,6 +122,6 @@ def test_arenas_of_owners_that_are_gone_are_swept(tmp_path):
     other = tmp_path / "moegemm-notapid-x"
     for path in (stale, alive, mine, other):
         path.write_bytes(b"x")
-    assert _acceptors.sweep_stale_arenas(str(tmp_path)) == [stale.name]
+    assert _acceptor_shm.sweep_stale_arenas(str(tmp_path)) == [stale.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in (alive, mine, other))

@@ -150,7 +150,7 @@ def _cases() -> list[tuple[str, bytes]]:
         ("bad deadline", _request("POST", gemm, good, {**auth, "x-deadline-ms": "-3"})),
         ("good deadline", _request("POST", gemm, good, {**auth, "x-deadline-ms": "60000"})),
         ("junk request id", _request("POST", gemm, good, auth).replace(
-            b"x-request-id: same-id-1", b"x-request-id: \x01bad")),
+            b"x-request-id: same-id-1", b"x-request-id: a\tbad")),  # llhttp refuses \x01
     ]
     chunked = _request("POST", gemm, b"", {**auth, "transfer-encoding": "chunked"}, length=False)
     cases.append(("chunked", chunked + b"%x\r\n" % len(good) + good + b"\r\n0\r\n\r\n"))
@@ -158,6 +158,7 @@ def _cases() -> list[tuple[str, bytes]]:
 
 
 CASES = _cases()
+_FROM_THE_HEAD = {"no token", "wrong token", "media type", "declared too large"}
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,9 @@ def test_direct_answers_as_the_app_does(pair, name, data):
     before = spy.calls
     d_status, d_headers, d_body = _exchange(d_port, data)
     a_status, a_headers, a_body = _exchange(a_port, data)
-    assert spy.calls == before + 1  # the direct path served it
+    # The direct path served it, unless the transport refused it from its head
+    # (_http_gate.py: the token, media type and declared size, before the body).
+    assert spy.calls == before + (name not in _FROM_THE_HEAD)
     if name == "junk request id":  # both made a fresh id: compare its form only
         assert len(d_headers.pop(b"x-request-id")) == len(a_headers.pop(b"x-request-id")) == 32
     assert d_status == a_status

@@ -1,4 +1,4 @@
-"""Fuzzing the fast HTTP transport (our own HTTP/1.1 parser) at the socket.
+"""Fuzzing the fast HTTP transport (llhttp heads, our framing around it) at the socket.
 
 Any bytes on a connection, and any request head built from plausible and
 implausible parts, get an answer below 500 or a closed connection; the

@@ -398,10 +398,12 @@ def test_names_never_reach_a_path_or_a_log(small, problem, caplog, name):
         assert "forged" not in message and "passwd" not in message and "\x00" not in message
 
 
-def test_dot_names_are_plain_keys(small, problem):
-    """'.' and '..' match the name pattern: they name sets, never directories."""
-    for spelled, name in (("%2E", "."), ("%2E%2E", "..")):
-        assert small.put(spelled, _weights(problem)).status_code == 201
-        assert name in [ws["name"] for ws in small.http.get("/v1/weights").json()["weights"]]
-        assert _correct(small.gemm(spelled, _call(problem)), problem)
-        assert small.http.delete(f"/v1/weights/{spelled}").status_code == 204
+def test_dot_names_are_refused(small, problem):
+    """'.' and '..' match the name pattern but are path steps, not names (issue 14):
+    400 bad_name, as for any other name outside the contract's."""
+    for spelled in ("%2E", "%2E%2E"):
+        for r in (small.put(spelled, _weights(problem)), small.gemm(spelled, _call(problem)),
+                  small.http.delete(f"/v1/weights/{spelled}")):
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_name", r.text
+    assert all(ws["name"] not in (".", "..")
+               for ws in small.http.get("/v1/weights").json()["weights"])

@@ -1,0 +1,140 @@
+"""Shared memory between the owner and its acceptors (``_acceptors.py``).
+
+Two /dev/shm files per acceptor, one per direction, of ``_ARENA_BYTES`` each:
+created (pages reserved with posix_fallocate, so a full tmpfs fails here,
+not later with SIGBUS) and mapped by the owner, mapped and unlinked by the
+acceptor, swept by the next owner when both died first. ``_Slots`` hands out
+byte ranges of one arena; only one process allocates from each.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import mmap
+import os
+import secrets
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("moegemm.server.acceptors")
+
+_ARENA_BYTES = 64 << 20  # per direction and acceptor
+_SLOT_MAX = _ARENA_BYTES // 4  # larger bodies travel inline
+_SLOT_ALIGN = 4096
+_SHM_DIR = "/dev/shm"
+
+
+class _Slots:
+    """First-fit allocation of one arena's byte ranges (only one process allocates)."""
+
+    def __init__(self, size: int) -> None:
+        self.free: list[tuple[int, int]] = [(0, size)]  # sorted, coalesced
+        self.used: dict[int, int] = {}
+
+    def take(self, size: int) -> int | None:
+        size = -(-max(size, 1) // _SLOT_ALIGN) * _SLOT_ALIGN
+        for i, (offset, length) in enumerate(self.free):
+            if length >= size:
+                if length == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + size, length - size)
+                self.used[offset] = size
+                return offset
+        return None
+
+    def give(self, offset: int) -> None:
+        size = self.used.pop(offset)
+        i = bisect.bisect(self.free, (offset, 0))
+        if i < len(self.free) and offset + size == self.free[i][0]:
+            size += self.free.pop(i)[1]
+        if i > 0 and sum(self.free[i - 1]) == offset:
+            offset, before = self.free.pop(i - 1)
+            size += before
+            i -= 1
+        self.free.insert(i, (offset, size))
+
+
+def sweep_stale_arenas(directory: str = _SHM_DIR) -> list[str]:
+    """Remove arena files whose owner process is gone; return their names.
+
+    An owner killed before its acceptors mapped their arenas (they unlink them
+    once mapped) leaves the files behind; the next owner on the machine
+    removes them. A file whose pid is alive (or not ours to remove) stays.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "moegemm" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    if removed:
+        log.info("removed %d shared-memory arenas of owners that are gone", len(removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _create_arena(tag: str) -> str | None:
+    """A new /dev/shm file of ``_ARENA_BYTES``, its pages reserved; None when impossible."""
+    path = os.path.join(_SHM_DIR, f"moegemm-{os.getpid()}-{tag}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as exc:
+        log.warning("no shared memory for the acceptors (%s); bodies travel inline", exc)
+        return None
+    try:
+        os.posix_fallocate(fd, 0, _ARENA_BYTES)
+    except OSError as exc:
+        log.warning("cannot reserve %d bytes of shared memory (%s); bodies travel inline",
+                    _ARENA_BYTES, exc)
+        os.close(fd)
+        _unlink(path)
+        return None
+    os.close(fd)
+    return path
+
+
+def _map_arena(path: str | None, unlink: bool = False) -> np.ndarray | None:
+    """The arena at ``path``, mapped; ``unlink``: its name removed once mapped (the
+    acceptor maps last, so no file outlives both processes, whichever dies first)."""
+    if path is None:
+        return None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return np.frombuffer(mmap.mmap(fd, _ARENA_BYTES), dtype=np.uint8)
+    finally:
+        os.close(fd)
+        if unlink:
+            _unlink(path)
+
+
+def _unlink(path: str | None) -> None:
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _address(view: Any) -> int | None:
+    obj = getattr(view, "obj", None)
+    return obj.ctypes.data if isinstance(obj, np.ndarray) else None

@@ -1,0 +1,198 @@
+"""What a request head alone decides, before a byte of its body is read.
+
+The fast transport (``_http.py``) and the acceptor processes (``_acceptors.py``)
+judge every request that declares a body from its head: the token, the media
+type, the body limit and the in-flight budget. A refused request is answered
+(401, 415, 413, 503) and its connection closed without its body ever being
+received, so an unauthenticated client cannot make the server hold a byte
+past its head. The app repeats these checks with the same rules (the gate
+only answers earlier); requests without a body are left to the app entirely.
+With a token configured, any body needs it, even one sent to an endpoint that
+takes none (the health probes): an unauthenticated body is never read.
+
+The answers use the contract's codes (SPEC 2.2): the transport has no codes
+of its own. Malformed HTTP (bad framing, a head llhttp refuses) is 400
+``bad_field``; a head over the head limit is 413 ``too_large``; a full server
+(connections or in-flight bytes) is 503 ``overloaded`` with Retry-After.
+
+:class:`HttpLimits` is plain data, so an acceptor process gets it as is.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import uuid
+from dataclasses import dataclass
+
+MSGPACK_TYPES = frozenset({"application/vnd.msgpack", "application/msgpack",
+                           "application/x-msgpack"})  # as routes.MSGPACK_TYPES
+# Bodies sent here are msgpack maps (SPEC 2.1): the media type is judged from the head.
+_MSGPACK_PREFIXES = ("/v1/weights/", "/v1/experts/")
+
+REASONS = {
+    100: "Continue", 200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request",
+    401: "unauthorized", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
+    413: "Content Too Large", 415: "Unsupported Media Type", 500: "Internal Server Error",
+    503: "Service Unavailable", 504: "Gateway Timeout", 507: "Insufficient Storage",
+}
+
+
+class Refusal(Exception):
+    """A transport-level answer: an HTTP status and a SPEC 2.2 code.
+
+    Not ``moegemm.client._errors``: that package imports the client's wire code
+    (ml_dtypes, ~0.8 s), which an acceptor process has no use for. The codes are
+    the same strings; ``error_bytes`` renders either kind.
+    """
+
+    def __init__(self, status: int, code: str, message: str,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after = (
+            status, code, message, retry_after)
+
+    def to_dict(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+def bad_field(message: str) -> Refusal:
+    return Refusal(400, "bad_field", message)
+
+
+def unauthorized(message: str) -> Refusal:
+    return Refusal(401, "unauthorized", message)
+
+
+def too_large(message: str) -> Refusal:
+    return Refusal(413, "too_large", message)
+
+
+def unsupported_media_type(message: str) -> Refusal:
+    return Refusal(415, "unsupported_media_type", message)
+
+
+def overloaded(message: str, retry_after: float = 1) -> Refusal:
+    return Refusal(503, "overloaded", message, retry_after)
+
+
+def internal(message: str) -> Refusal:
+    return Refusal(500, "internal", message)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The transport's limits and secrets (``Settings``' ``http_*`` fields and tokens)."""
+
+    max_body_bytes: int = 256 << 20
+    max_inflight_bytes: int = 2048 << 20
+    # Any of these authorizes a call; empty: no token is configured.
+    tokens: tuple[bytes, ...] = ()
+    # Weight and expert changes (PUT) need this one when set.
+    admin_token: bytes | None = None
+    head_timeout_s: float = 10.0
+    min_body_rate: int = 64 << 10
+    keep_alive_s: float = 30.0
+    max_connections: int = 2048
+
+    @classmethod
+    def from_settings(cls, settings) -> HttpLimits:
+        token = settings.token.get_secret_value().encode() if settings.token else None
+        admin = (settings.admin_token.get_secret_value().encode()
+                 if settings.admin_token else None)
+        return cls(
+            max_body_bytes=settings.max_body_bytes,
+            max_inflight_bytes=settings.max_inflight_bytes,
+            # routes.check_token: the admin token also authorizes every call.
+            tokens=tuple(t for t in (token, admin) if t is not None) if token else (),
+            admin_token=admin,
+            head_timeout_s=settings.http_head_timeout_s,
+            min_body_rate=settings.http_min_body_rate,
+            keep_alive_s=settings.http_keep_alive_s,
+            max_connections=settings.http_max_connections,
+        )
+
+
+def _bearer(value: bytes | None) -> bytes | None:
+    # routes.bearer, on bytes.
+    if value is None:
+        return None
+    scheme, _, token = value.partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
+def _matches(given: bytes | None, secrets: tuple[bytes, ...]) -> bool:
+    ok = False
+    for secret in secrets:  # every one, constant-time each
+        if given is not None and hmac.compare_digest(given, secret):
+            ok = True
+    return ok
+
+
+def judge(limits: HttpLimits, method: str, path: str, headers: list[tuple[bytes, bytes]],
+          size: int | None, held: int) -> Refusal | None:
+    """The refusal of a request that declares a body (``size`` bytes; None: chunked,
+    judged as the body limit), or None to read it. ``held``: the request bodies this
+    process holds now (received, being received, or running)."""
+    authorization = content_type = None
+    for name, value in headers:
+        if name == b"authorization" and authorization is None:
+            authorization = value
+        elif name == b"content-type" and content_type is None:
+            content_type = value
+    given = _bearer(authorization)
+    changes = method == "PUT" and path.startswith(_MSGPACK_PREFIXES)
+    if changes and limits.admin_token is not None:
+        if not _matches(given, (limits.admin_token,)):
+            return unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
+    elif limits.tokens and not _matches(given, limits.tokens):
+        return unauthorized("send 'Authorization: Bearer <token>' with this server's token")
+    if method in ("POST", "PUT") and path.startswith(_MSGPACK_PREFIXES):
+        media = (content_type or b"").partition(b";")[0].strip().lower().decode("latin-1")
+        if media not in MSGPACK_TYPES:
+            return unsupported_media_type(
+                f"send the body as application/vnd.msgpack (or application/msgpack), "
+                f"got {media[:100] or 'none'!r}")
+    limit = limits.max_body_bytes
+    if size is not None and size > limit:
+        return too_large(f"the body is {size} bytes; this server takes at most {limit}")
+    need = limit if size is None else size
+    # app.BodyBudget's rule: a lone body is always let in.
+    if held and held + need > limits.max_inflight_bytes:
+        return overloaded(
+            f"{held} bytes of request bodies are held; {need} more would pass the limit "
+            f"of {limits.max_inflight_bytes} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
+            retry_after=1)
+    return None
+
+
+def request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    """The X-Request-Id to answer with (SPEC 2.1): the client's, when safe in a
+    header and a log line (``app.RequestContext``'s rule), else a fresh one."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if 0 < len(text) <= 200 and text.isprintable():
+                return text
+            break
+    return uuid.uuid4().hex
+
+
+def error_bytes(exc: Refusal, *, head_only: bool = False, close: bool = True,
+                request_id: str | None = None) -> bytes:
+    """A whole HTTP/1.1 answer for ``exc``: SPEC 2 JSON, as ``app.error_response``
+    renders it (Retry-After, WWW-Authenticate); ``head_only`` for a HEAD request."""
+    body = json.dumps(exc.to_dict()).encode()
+    lines = [f"HTTP/1.1 {exc.status} {REASONS.get(exc.status, '')}",
+             "content-type: application/json", f"content-length: {len(body)}"]
+    if request_id is not None:
+        lines.append(f"x-request-id: {request_id}")
+    if exc.retry_after is not None:
+        lines.append(f"retry-after: {max(1, round(exc.retry_after))}")
+    if exc.status == 401:
+        lines.append("www-authenticate: Bearer")
+    if close:
+        lines.append("connection: close")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    return head if head_only else head + body

@@ -1,0 +1,131 @@
+"""The two Triton kernels around a moe graph's FFN: routing tokens to experts, combining back.
+
+| tensor         | shape        | dtype   | meaning |
+|----------------|--------------|---------|---------|
+| `ids`          | `[Tb * k]`   | int64   | `topk_ids` row-major, the bucket's `Tb` tokens (real ones first) |
+| `weights`      | `[Tb * k]`   | float32 | `topk_weights`, the same layout |
+| `tokens`       | `[]`         | int64   | real tokens `T <= Tb` (a device scalar: no host read) |
+| `m_sizes`      | `[G]`        | int64   | out: rows per expert |
+| `pos`          | `[Tb * k]`   | int64   | out: the expert-order row of each (token, slot) |
+| `src`          | `[Tb * k]`   | int64   | out: the token each expert-order row comes from |
+| `live`         | `[]`         | int64   | out: rows that belong to an expert (`sum(m_sizes)`) |
+| `flags`        | `[Tb]`       | int8    | out: 1 where a real token's routing is bad (SPEC 2.2 `bad_routing`) |
+
+``route`` is a stable counting sort: program ``g`` (one per expert, plus one
+for the rows that go to no expert) counts the entries routed below ``g``
+(its first row) and to ``g``, then gives its entries consecutive rows in
+(token, slot) order. Entries of padding tokens (``t >= T``) and ids outside
+``[0, G)`` go to the extra group past the last expert, which no GEMM tile
+stores, so a bad id never indexes out of bounds; the last program also checks
+every real token (ids in range and distinct, weights finite). The answer does
+not depend on the order the programs run in: no atomics.
+
+``combine``: ``out[t] = bf16(sum_j weights[t, j] * y[pos[t, j]])``, the sum in
+float32 in slot order, one multiply and one add per slot (no contraction).
+
+Both equal their torch definitions in ``_ffn_graphs`` bit for bit
+(``tests/server/test_ffn_gpu.py``). Imported only with the triton backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from moegemm.kernels._triton_act import _round_to_bf16
+
+_CHUNK = 1024
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _route_kernel(ids_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, src_ptr, live_ptr, flags_ptr,
+                  bucket_tokens: tl.constexpr, R: tl.constexpr, G: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                  CHUNK: tl.constexpr, TBLOCK: tl.constexpr):
+    g = tl.program_id(0)
+    T = tl.load(tokens_ptr)
+    below = tl.zeros([CHUNK], dtype=tl.int32)
+    own = tl.zeros([CHUNK], dtype=tl.int32)
+    for c in range(0, R, CHUNK):
+        i = c + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + i, mask=i < R, other=0)
+        eff = tl.where((i // K < T) & (e >= 0) & (e < G), e, G)
+        eff = tl.where(i < R, eff, G + 1)
+        below += (eff < g).to(tl.int32)
+        own += (eff == g).to(tl.int32)
+    start = tl.sum(below, axis=0).to(tl.int64)
+    if g < G:
+        tl.store(m_sizes_ptr + g, tl.sum(own, axis=0).to(tl.int64))
+    else:
+        tl.store(live_ptr, start)
+    run = start
+    for c in range(0, R, CHUNK):
+        i = c + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + i, mask=i < R, other=0)
+        eff = tl.where((i // K < T) & (e >= 0) & (e < G), e, G)
+        mine = (eff == g) & (i < R)
+        m = mine.to(tl.int64)
+        row = run + tl.cumsum(m, axis=0) - m
+        tl.store(pos_ptr + i, row, mask=mine)
+        tl.store(src_ptr + row, (i // K).to(tl.int64), mask=mine)
+        run += tl.sum(m, axis=0)
+    if g == G:
+        jj = tl.arange(0, KP)[None, :]
+        for t0 in range(0, bucket_tokens, TBLOCK):
+            tt = t0 + tl.arange(0, TBLOCK)[:, None]
+            slot = (tt < bucket_tokens) & (jj < K)
+            e = tl.load(ids_ptr + tt * K + jj, mask=slot, other=0)
+            w = tl.load(w_ptr + tt * K + jj, mask=slot, other=0.0)
+            bad = (e < 0) | (e >= G) | (w != w) | (tl.abs(w) > _FLT_MAX)  # noqa: PLR0124
+            for m in tl.static_range(K):
+                em = tl.sum(tl.where(jj == m, e, 0), axis=1)
+                bad = bad | ((jj != m) & (e == em[:, None]))
+            bad = bad & slot & (tt < T)
+            tok = t0 + tl.arange(0, TBLOCK)
+            tl.store(flags_ptr + tok, tl.max(bad.to(tl.int8), axis=1), mask=tok < bucket_tokens)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, tokens_ptr, stride_y, stride_out,
+                    H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    if t >= tl.load(tokens_ptr):
+        return
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    inside = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(pos_ptr + t * K + j)
+        w = tl.load(w_ptr + t * K + j)
+        y = tl.load(y_ptr + row * stride_y + cols, mask=inside, other=0.0).to(tl.float32)
+        acc = acc + w * y
+    # Rounded with integer operations (exact on a GPU and in the interpreter), then cast.
+    tl.store(out_ptr + t * stride_out + cols, _round_to_bf16(acc).to(tl.bfloat16), mask=inside)
+
+
+def route(ids: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, G: int, k: int,
+          m_sizes: torch.Tensor, pos: torch.Tensor, src: torch.Tensor, live: torch.Tensor,
+          flags: torch.Tensor) -> None:
+    """Fill ``m_sizes``, ``pos``, ``src``, ``live`` and ``flags`` (see the table) for the
+    ``len(flags)`` bucket tokens; capture-safe."""
+    bucket_tokens = flags.shape[0]
+    if bucket_tokens == 0:
+        return
+    _route_kernel[(G + 1,)](
+        ids, weights, tokens, m_sizes, pos, src, live, flags,
+        bucket_tokens=bucket_tokens, R=bucket_tokens * k, G=G, K=k, KP=triton.next_power_of_2(k), CHUNK=_CHUNK,
+        TBLOCK=max(1, _CHUNK // triton.next_power_of_2(k)), num_warps=4,
+    )
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor,
+            k: int, out: torch.Tensor) -> None:
+    """``out[t] = bf16(sum_j weights[t*k+j] * y[pos[t*k+j]])`` for ``t < tokens``; capture-safe."""
+    bucket_tokens, H = out.shape
+    if bucket_tokens == 0:
+        return
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(bucket_tokens, triton.cdiv(H, block_h))](
+        y, pos, weights, out, tokens, y.stride(0), out.stride(0), H=H, K=k, BLOCK_H=block_h,
+        num_warps=4, enable_fp_fusion=False,
+    )

@@ -1,0 +1,235 @@
+"""FfnGraphs on the CPU (the reference backend: eager, the same code path) and its
+routing and combine kernels in Triton's interpreter.
+
+Against the float64 chain (bound 3e-2) for ffn and moe, chunked calls equal
+unchunked ones, bad routing and bad rows get the contract's codes. In Triton's
+interpreter (a fresh process with ``TRITON_INTERPRET=1``): ``route`` and
+``combine`` equal their torch definitions bit for bit, and the GPU's path (rows
+padded to buckets, the Triton steps, NaN in the GEMMs' rows of no expert)
+answers what the CPU's path answers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ffn_support import (
+    FFN_TOLERANCE,
+    expert_set,
+    ffn_float64,
+    moe_float64,
+    pooled_error,
+    quantized,
+    random_routing,
+    random_x,
+    repeats,
+)
+from moegemm.client._errors import NotFinite
+from moegemm.kernels.reference import create as reference_backend
+from moegemm.kernels.testing import random_m_sizes
+from moegemm.server._ffn_graphs import FfnGraphs
+
+FP8 = torch.float8_e4m3fn
+G, H, I = 5, 512, 256
+
+
+@pytest.fixture(scope="module")
+def es():
+    return expert_set(G, H, I, FP8, "cpu", torch.Generator().manual_seed(torch.seed()))
+
+
+def _runner(max_bucket: int = 16) -> FfnGraphs:
+    return FfnGraphs(reference_backend(torch.device("cpu")), max_bucket)
+
+
+def test_ffn_meets_the_bound_and_chunks_agree(es):
+    gen = torch.Generator().manual_seed(torch.seed())
+    small, large = _runner(16), _runner(64)
+    for m in (1, 7, 40):
+        for fp8 in (None, FP8):
+            pairs = []
+            for _ in range(repeats(m)):
+                x, xs = random_x(m, H, gen, fp8)
+                sizes = random_m_sizes(G, m, generator=gen).tolist()
+                out = small.ffn(es, x, xs, sizes)
+                xq, xsq = quantized(x, xs, FP8)
+                pairs.append((out, ffn_float64(es, xq, xsq, sizes, FP8)))
+                if m > 16:
+                    assert torch.equal(out, large.ffn(es, x, xs, sizes))
+            assert pooled_error(pairs) <= FFN_TOLERANCE, (m, fp8)
+    assert small.ffn(es, *random_x(0, H, gen), [0] * G).shape == (0, H)
+
+
+def test_ffn_many_answers_each_call(es):
+    gen = torch.Generator().manual_seed(torch.seed())
+    runner = _runner()
+    calls = [(random_x(m, H, gen)[0], None, random_m_sizes(G, m, generator=gen).tolist())
+             for m in (3, 0, 6)]
+    bad = random_x(2, H, gen)[0]
+    bad[1, 0] = float("nan")
+    calls.append((bad, None, [2] + [0] * (G - 1)))
+    got = runner.ffn_many(es, calls)
+    assert isinstance(got[3], NotFinite)
+    pairs = []
+    for out, (x, _, sizes) in zip(got[:3], calls):
+        assert out.shape == (x.shape[0], H)
+        if not x.shape[0]:
+            continue
+        xq, xsq = quantized(x, None, FP8)
+        pairs.append((out, ffn_float64(es, xq, xsq, sizes, FP8)))
+    assert pooled_error(pairs) <= FFN_TOLERANCE
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_moe_meets_the_bound(es, k):
+    gen = torch.Generator().manual_seed(torch.seed())
+    runner = _runner()
+    for T in (1, 5, 11):  # 11 * 2 and 11 * 4 rows: chunks of the 16-row bucket
+        pairs = []
+        for _ in range(repeats(T)):
+            x, xs = random_x(T, H, gen, FP8 if T == 5 else None)
+            ids, w = random_routing(T, G, k, gen, dtype=torch.int32 if T == 1 else torch.int64)
+            out = runner.moe(es, x, xs, ids, w)
+            xq, xsq = quantized(x, xs, FP8)
+            pairs.append((out, moe_float64(es, xq, xsq, ids, w, FP8)))
+        assert pooled_error(pairs) <= FFN_TOLERANCE, (T, k)
+
+
+def test_moe_edges(es):
+    gen = torch.Generator().manual_seed(torch.seed())
+    runner = _runner()
+    x, _ = random_x(3, H, gen)
+    empty = torch.zeros((3, 0), dtype=torch.int64)
+    assert torch.equal(runner.moe(es, x, None, empty, empty.float()), torch.zeros((3, H),
+                                                                                  dtype=torch.bfloat16))
+    none = torch.zeros((0, 2), dtype=torch.int64)
+    assert runner.moe(es, x[:0], None, none, none.float()).shape == (0, H)
+
+
+def test_moe_bad_routing_and_bad_rows(es):
+    gen = torch.Generator().manual_seed(torch.seed())
+    runner = _runner()
+    x, _ = random_x(4, H, gen)
+    ids, w = random_routing(4, G, 2, gen)
+    for b, bw in ((ids.clone().index_fill_(0, torch.tensor([3]), G), w),
+                  (ids.clone().index_fill_(0, torch.tensor([0]), 1), w),
+                  (ids, w.clone().index_fill_(0, torch.tensor([2]), float("nan")))):
+        with pytest.raises(Exception) as info:
+            runner.moe(es, x, None, b, bw)
+        assert info.value.code == "bad_routing" and info.value.status == 400
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(NotFinite):
+        runner.moe(es, bad, None, ids, w)
+
+
+def compare_kernels_on_cpu() -> None:
+    from moegemm.server._ffn_graphs import combine_torch, route_torch
+    from moegemm.server._moe_route import combine, route
+
+    gen = torch.Generator().manual_seed(0)
+    for g, k, bucket, tokens in ((5, 2, 4, 3), (7, 3, 8, 8), (16, 8, 16, 11), (3, 1, 1, 1),
+                                 (9, 6, 4, 2)):
+        ids = torch.stack([torch.randperm(g, generator=gen)[:k] for _ in range(bucket)])
+        ids = ids.reshape(-1)
+        w = torch.rand(bucket * k, generator=gen)
+        if tokens > 2:
+            ids[k], ids[2 * k] = g + 3, -1
+            if k > 1:
+                ids[2 * k + 1] = ids[2 * k]
+            w[min(tokens - 1, 3) * k] = float("nan")
+        n = torch.tensor(tokens)
+        got = []
+        for fn in (route, route_torch):
+            outs = (torch.full((g,), -5, dtype=torch.int64),
+                    torch.full((bucket * k,), -5, dtype=torch.int64),
+                    torch.full((bucket * k,), -5, dtype=torch.int64), torch.tensor(-1),
+                    torch.full((bucket,), 9, dtype=torch.int8))
+            fn(ids, w, n, g, k, *outs)
+            got.append(outs)
+        for a, b in zip(*got):
+            assert torch.equal(a, b), (g, k, bucket, tokens, a, b)
+        assert got[0][4][: min(tokens, 4)].tolist()[1:] == [1] * (min(tokens, 4) - 1) \
+            if tokens > 2 else True
+        y = torch.randn((bucket * k, 256), generator=gen).to(torch.bfloat16)
+        o1 = torch.zeros((bucket, 256), dtype=torch.bfloat16)
+        o2 = o1.clone()
+        combine(y, got[0][1], w.nan_to_num(), n, k, o1)
+        combine_torch(y, got[0][1], w.nan_to_num(), n, k, o2)
+        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16))
+
+
+def test_route_and_combine_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    here = str(Path(__file__).parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_ffn_graphs; " \
+           "test_ffn_graphs.compare_kernels_on_cpu()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def compare_padded_path_on_cpu() -> None:
+    """The GPU's path (rows padded to buckets, the Triton steps) equals the CPU's, bit for bit.
+
+    The GEMM is the reference on the live rows, NaN past them: rows of no expert must never
+    reach an answer.
+    """
+    from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
+    from moegemm.kernels.reference import grouped_gemm
+    from moegemm.server._moe_route import combine, route
+    from moegemm.kernels._triton_prologue import check_and_gather
+
+    gen = torch.Generator().manual_seed(0)
+    es = expert_set(G, 256, 256, FP8, "cpu", gen)
+    plain, padded = _runner(), _runner()
+    padded.pad_to_bucket = True
+    padded.check_and_gather = check_and_gather
+    padded._act = lambda h, rows: silu_mul_quant_triton(h, FP8, rows=rows)
+    padded._route, padded._combine = route, combine
+    padded._gather_quant = gather_quantize_triton
+
+    def gemm(xq, xs, table, ws, m_sizes, out):
+        n = int(m_sizes.sum())
+        out.fill_(float("nan"))
+        grouped_gemm(xq[:n], ws.wq, xs[:n], ws.w_scale, m_sizes, out[:n])
+
+    padded._gemm = gemm
+
+    def same(a, b):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    for m, kind in ((3, None), (7, FP8), (20, None)):
+        x, xs = random_x(m, 256, gen, kind)
+        sizes = random_m_sizes(G, m, generator=gen).tolist()
+        assert same(plain.ffn(es, x, xs, sizes), padded.ffn(es, x, xs, sizes)), (m, kind)
+    calls = [(random_x(m, 256, gen)[0], None, random_m_sizes(G, m, generator=gen).tolist())
+             for m in (3, 2, 5)]
+    for a, b in zip(plain.ffn_many(es, calls), padded.ffn_many(es, calls)):
+        assert same(a, b)
+    for T, k, kind in ((1, 1, None), (3, 2, FP8), (6, 4, None)):
+        x, xs = random_x(T, 256, gen, kind)
+        ids, w = random_routing(T, G, k, gen)
+        assert same(plain.moe(es, x, xs, ids, w), padded.moe(es, x, xs, ids, w)), (T, k)
+    ids[0, 0] = G
+    for runner in (plain, padded):
+        with pytest.raises(Exception) as info:
+            runner.moe(es, x, xs, ids, w)
+        assert info.value.code == "bad_routing"
+
+
+def test_the_padded_triton_path_in_the_interpreter():
+    pytest.importorskip("triton")
+    here = str(Path(__file__).parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_ffn_graphs; " \
+           "test_ffn_graphs.compare_padded_path_on_cpu()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=False, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

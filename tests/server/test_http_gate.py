@@ -1,0 +1,64 @@
+"""The head gate's rules (server/_http_gate.py), as routes.py applies them later."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from moegemm.server import Settings
+from moegemm.server._http_gate import HttpLimits, error_bytes, judge, overloaded
+
+MSGPACK = (b"content-type", b"application/vnd.msgpack")
+
+
+def _limits(**settings) -> HttpLimits:
+    return HttpLimits.from_settings(Settings(**{"device": "cpu", "max_body_bytes": 1000,
+                                                "max_inflight_bytes": 3000, **settings}))
+
+
+def _code(limits, method="POST", path="/v1/weights/a/gemm", headers=(MSGPACK,), size=10,
+          held=0):
+    refusal = judge(limits, method, path, list(headers), size, held)
+    return None if refusal is None else (refusal.status, refusal.code)
+
+
+@pytest.mark.parametrize("token,admin,bearer,method,path,expected", [
+    (None, None, None, "POST", "/v1/weights/a/gemm", None),
+    ("t", None, None, "POST", "/v1/weights/a/gemm", (401, "unauthorized")),
+    ("t", None, b"t", "POST", "/v1/weights/a/gemm", None),
+    ("t", None, b"x", "POST", "/v1/weights/a/gemm", (401, "unauthorized")),
+    ("t", "a", b"a", "POST", "/v1/weights/a/gemm", None),  # the admin token calls too
+    ("t", "a", b"t", "PUT", "/v1/weights/a", (401, "unauthorized")),  # changes: admin only
+    ("t", "a", b"a", "PUT", "/v1/experts/a", None),
+    (None, "a", None, "POST", "/v1/weights/a/gemm", None),  # no call token: open
+    (None, "a", b"t", "PUT", "/v1/weights/a", (401, "unauthorized")),
+    ("t", None, None, "POST", "/v1/health/live", (401, "unauthorized")),  # any body
+])
+def test_tokens(token, admin, bearer, method, path, expected):
+    headers = [MSGPACK] + ([(b"authorization", b"Bearer " + bearer)] if bearer else [])
+    assert _code(_limits(token=token, admin_token=admin), method, path, headers) == expected
+
+
+def test_media_type_size_and_budget():
+    limits = _limits()
+    assert _code(limits, headers=[(b"content-type", b"application/json")]) == (
+        415, "unsupported_media_type")
+    assert _code(limits, headers=[(b"content-type", b"Application/MsgPack; x=1")]) is None
+    assert _code(limits, path="/elsewhere", headers=[]) is None  # the app's 404 to give
+    assert _code(limits, size=1001) == (413, "too_large")
+    assert _code(limits, size=None) is None  # chunked: judged as the body limit
+    assert _code(limits, size=1000, held=2000) is None
+    assert _code(limits, size=1000, held=2001) == (503, "overloaded")
+    assert _code(limits, size=None, held=2001) == (503, "overloaded")
+    assert _code(_limits(max_inflight_bytes=10), size=1000, held=0) is None  # a lone body
+
+
+def test_error_bytes():
+    raw = error_bytes(overloaded("full"), request_id="r1")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    lines = head.split(b"\r\n")[1:]
+    assert {b"retry-after: 1", b"connection: close", b"x-request-id: r1",
+            b"content-length: %d" % len(body)} <= set(lines)
+    assert json.loads(body) == {"error": {"code": "overloaded", "message": "full"}}
+    assert error_bytes(overloaded("full"), head_only=True, request_id="r1") == head + b"\r\n\r\n"
