@@ -89,8 +89,8 @@ def _check_contract(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
     if not wq.is_contiguous():
         raise ValueError("wq must be contiguous (row-major [G, N, K])")
     if out is not None:
-        if out.dtype != torch.bfloat16:
-            raise TypeError(f"out must be bfloat16, got {out.dtype}")
+        if out.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"out must be bfloat16 or float32, got {out.dtype}")
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
 
@@ -131,7 +131,8 @@ def grouped_gemm(
     dtype, ``x_scale`` ``[M, K/128]`` and ``w_scale`` ``[G, K/128, N/128]``
     float32, ``m_sizes`` ``[G]`` int64/int32 (rows per group, summing to M; not
     checked here, because that would read the device). Returns bf16 ``[M, N]``,
-    written into ``out`` when given. Raises TypeError/ValueError on a contract
+    written into ``out`` when given; a float32 ``out`` receives the same sum
+    unrounded (what the expert FFN keeps as ``h``; the flydsl backend refuses it). Raises TypeError/ValueError on a contract
     violation.
     """
     _check_contract(xq, wq, x_scale, w_scale, m_sizes, out)

@@ -7,6 +7,7 @@
     w_scale   [G, K/128, N/128] float32    stride_wsg, stride_wsk (N/128 fastest)
     m_sizes   [G]               int32/64   contiguous
     out       [M, N]            bfloat16   stride_om (N fastest)
+                                or float32 (every store casts to out_ptr's element type)
 
 One ``@triton.jit`` per schedule; the launcher (``triton_kernel.py``) picks one
 per shape class. Every schedule:
@@ -259,7 +260,7 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, part_ptr, 
             last = True
         keep = (rows < row_stop) & last
         out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[None, :])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[None, :])
 
 
 @triton.jit
@@ -321,7 +322,7 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, part_
             last = True
         keep = (rows < row_stop) & last
         out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[None, :])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[None, :])
 
 
 # ---- prefill ---------------------------------------------------------------------------------
@@ -370,7 +371,7 @@ def prefill_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
             w_ptrs += 2 * BLOCK_K
         keep = rows < row_stop
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 
 @triton.jit
@@ -407,7 +408,7 @@ def prefill_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         keep = rows < row_stop
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 
 @triton.jit
@@ -473,8 +474,8 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
                 acc_b += tl.dot(x, tl.trans(w_b)) * s_b[:, None]
             offs_n = tile_n * BLOCK_N + tl.arange(0, HALF_N)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc_a.to(tl.bfloat16), mask=keep[:, None])
-            tl.store(out_ptrs + HALF_N, acc_b.to(tl.bfloat16), mask=keep[:, None])
+            tl.store(out_ptrs, acc_a.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+            tl.store(out_ptrs + HALF_N, acc_b.to(out_ptr.dtype.element_ty), mask=keep[:, None])
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kp in range((num_k + 1) // 2):
@@ -493,7 +494,7 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
                 acc += part1 * s1[:, None]
             offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None])
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 
 SCHEDULES = {

@@ -288,7 +288,10 @@ def _check_call(xq, wq, x_scale, w_scale, m_sizes, out, fp8_dtype) -> None:
     if m_sizes.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"m_sizes must be int64 or int32, got {m_sizes.dtype}")
     if out.dtype != torch.bfloat16:
-        raise TypeError(f"out must be bfloat16, got {out.dtype}")
+        # The kernel's epilogue packs bf16 pairs; a float32 epilogue (the FFN's
+        # float32 h) is not built, so the expert FFN does not run on this backend.
+        raise TypeError(f"the flydsl kernel writes bfloat16 only, got out {out.dtype} "
+                        "(float32 output is not supported on this backend)")
     m, k = xq.shape
     g, n, wk = wq.shape
     _check_sizes(m, n, k, g)

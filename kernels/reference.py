@@ -3,7 +3,7 @@
 ``grouped_gemm`` evaluates the SPEC formula the way the GPU kernels do: per
 128-wide K block a float32 dot product, scaled by ``x_scale[r, kb] *
 w_scale[g, kb, n // 128]``, the blocks summed in float32, the sum cast to
-bfloat16. It runs on any device, reads ``m_sizes`` on the host (so it is not
+bfloat16 (or kept float32 when ``out`` is float32). It runs on any device, reads ``m_sizes`` on the host (so it is not
 capture-safe) and handles every valid input: M = 0, empty groups, any G.
 
 ``reference_float64`` is the same formula in float64: the oracle of the tests.
@@ -67,7 +67,8 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """SPEC 1 in plain torch: bf16 ``[M, N]`` from plain ``[G, N, K]`` weights.
 
-    Writes into ``out`` (bf16 ``[M, N]``) when given and returns it.
+    Writes into ``out`` (bf16 ``[M, N]``, or float32: the float32 sum
+    unrounded) when given and returns it.
     """
     _check(xq, wq, x_scale, w_scale, m_sizes)
     m, k = xq.shape
@@ -88,7 +89,7 @@ def grouped_gemm(
             x = xq[lo:hi].float().reshape(hi - lo, kb, BLOCK).transpose(0, 1)  # [kb, rows, 128]
             partial = torch.bmm(x, w)  # [kb, rows, N]: float32 dot per K block
             partial.mul_(x_scale[lo:hi].float().t().unsqueeze(2)).mul_(ws)
-            out[lo:hi] = partial.sum(dim=0).to(torch.bfloat16)
+            out[lo:hi] = partial.sum(dim=0).to(out.dtype)
         start += rows
     return out
 

@@ -247,12 +247,33 @@ def grid_for(config: TileConfig, m: int, n: int, k: int, g: int, sms: int) -> tu
     return (tiles * max(1, min(config.split_k, k // _SCALE_BLOCK)),)
 
 
+FLOAT32_OUT_PREFILL = TileConfig("prefill_tma", 128, 128, 8, 3, group_tiles_m=8)
+"""What a warp-specialised tile runs as when ``out`` is float32 (see :func:`tile_for_out`)."""
+
+
+def tile_for_out(config: TileConfig, out: torch.Tensor) -> TileConfig:
+    """The tile a launch into ``out`` runs: ``config``, except a ``persistent_ws`` tile into a
+    float32 ``out``, which runs as :data:`FLOAT32_OUT_PREFILL`.
+
+    Compiled for sm_90 (Triton 3.6), the float32 store stages through 48 KB more
+    shared memory in the warp-specialised kernel: 128x128 s2 197 KB (bf16 148),
+    128x256 s2 164 KB (115), 128x256 s3 213 KB (164). Warp-specialised tiles over
+    ~150 KB wrote NaN into column 0 (bench/NOTES.md v8, v9), the lead tile fixing
+    it only where measured (164 KB). The TMA prefill tile is 98 KB either way and
+    not warp-specialised. Both entries apply this, so they still launch one tile.
+    """
+    if out.dtype == torch.float32 and config.schedule == "persistent_ws":
+        return FLOAT32_OUT_PREFILL
+    return config
+
+
 def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
             addrs: bool) -> torch.Tensor:
     """Launch ``config``'s kernel; ``addrs``: ``w_arg`` is the int64 address pair, ``ws_arg`` unused."""
     m, k = xq.shape
     if m == 0:
         return out
+    config = tile_for_out(config, out)
     kernel = SCHEDULES[config.schedule]
     grid = grid_for(config, m, n, k, g, _sm_count(xq.device))
     consts = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": _SCALE_BLOCK,
@@ -322,12 +343,13 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int) -> torch
 
     ``addresses`` int64 on the device, words 0 and 1 the base of a contiguous
     ``wq [groups, N, K]`` and ``w_scale [groups, K/128, N/128]``; N is
-    ``out``'s width, K ``xq``'s. Capture-safe: a graph captures the words'
+    ``out``'s width (bf16 or float32), K ``xq``'s. Capture-safe: a graph captures the words'
     address, not their contents. Same kernel and tile as :func:`run`.
     """
     if addresses.dtype != torch.int64 or addresses.numel() < 2 or not addresses.is_contiguous():
         raise ValueError(f"addresses must be contiguous int64 words (>= 2), got {addresses.dtype} "
                          f"{tuple(addresses.shape)}")
+    _check_out_dtype(out)
     m, k = xq.shape
     n = out.shape[1]
     if xq.dtype != torch.float8_e4m3fn or n % _SCALE_BLOCK or k % _SCALE_BLOCK or groups < 1:
@@ -337,10 +359,20 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int) -> torch
     return _launch(xq, addresses, x_scale, addresses, m_sizes, out, n, groups, config, addrs=True)
 
 
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+"""What the kernels store: bf16 (SPEC 1) or the float32 accumulator unrounded (the FFN's h)."""
+
+
+def _check_out_dtype(out: torch.Tensor) -> None:
+    if out.dtype not in OUT_DTYPES:
+        raise TypeError(f"out must be bfloat16 or float32, got {out.dtype}")
+
+
 def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
     """Layout facts the kernel relies on beyond what the public entry checks."""
     if xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn:
         raise TypeError(f"the triton backend computes in float8_e4m3fn, got {xq.dtype}/{wq.dtype}")
+    _check_out_dtype(out)
     if xq.stride(1) != 1 or not wq.is_contiguous() or out.stride(1) != 1:
         raise ValueError("xq and out must be row-major and wq contiguous [G, N, K]")
     if x_scale.stride(1) != 1 or not w_scale.is_contiguous() or not m_sizes.is_contiguous():
@@ -363,7 +395,8 @@ def choose_config(xq, wq, x_scale, w_scale, m_sizes, out) -> TileConfig:
 
 
 def run(xq, wq, x_scale, w_scale, m_sizes, out) -> torch.Tensor:
-    """SPEC 1 into ``out`` on the GPU; returns ``out``. Capture-safe (no host reads)."""
+    """SPEC 1 into ``out`` (bf16, or float32: the sum unrounded) on the GPU; returns ``out``.
+    Capture-safe (no host reads)."""
     _check(xq, wq, x_scale, w_scale, m_sizes, out)
     return launch(xq, wq, x_scale, w_scale, m_sizes, out,
                   choose_config(xq, wq, x_scale, w_scale, m_sizes, out))

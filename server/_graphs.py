@@ -236,7 +236,11 @@ class GraphPool:
         addresses (a family's ``Buffers.addresses``, written before each replay);
         read when the pool launches by address, else ``wq`` and ``w_scale`` are
         captured directly. Either way the backend's kernel and tile for the shape.
+        ``out`` is bf16 (the gemm endpoint) or float32 (the sum unrounded: the
+        expert FFN's h); both launchers store ``out``'s dtype.
         """
+        if out.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"out must be bfloat16 or float32, got {out.dtype}")
         if self.run_table is not None:
             return self.run_table(xq, addresses, x_scale, m_sizes, out, groups=wq.shape[0])
         return self.backend.run(xq, wq, x_scale, w_scale, m_sizes, out)

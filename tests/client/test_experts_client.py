@@ -22,9 +22,8 @@ from moegemm.client import (
     NotFinite,
 )
 from moegemm.client._placement import place
-from moegemm.kernels import grouped_gemm, silu_mul_quant
 from moegemm.kernels.testing import random_m_sizes, rel_error
-from moegemm.kernels.testing_ffn import FFN_TOLERANCE, random_experts, random_routing
+from moegemm.kernels.testing_ffn import FFN_TOLERANCE, eager_ffn, random_experts, random_routing
 from moegemm.server import Settings
 from safetensors.torch import save_file
 
@@ -58,11 +57,7 @@ def _torch(a: np.ndarray) -> torch.Tensor:
 
 
 def _eager(p, x: torch.Tensor, sizes) -> torch.Tensor:
-    xq, x_scale = p.quantized(x)
-    sizes = torch.as_tensor(sizes, dtype=torch.int64)
-    h = grouped_gemm(xq, p.w13q, x_scale, p.w13_scale, sizes)
-    aq, a_scale = silu_mul_quant(h, p.fp8_dtype)
-    return grouped_gemm(aq, p.w2q, a_scale, p.w2_scale, sizes)
+    return eager_ffn(p, *p.quantized(x), sizes)
 
 
 def test_client_numpy_and_torch(servers):

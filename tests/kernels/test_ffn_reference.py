@@ -1,5 +1,6 @@
-"""SPEC 5's activation and float64 references: the eager chain meets the 3e-2 bound,
-and the classic mistakes (gate and up swapped, a scale on the wrong block) fail it."""
+"""SPEC 5's activation and float64 references: the eager chain (float32 h and a) meets
+the 3e-2 bound on every call, M = 1 included, and the classic mistakes (gate and up
+swapped, a scale on the wrong block) fail it."""
 
 import pytest
 import torch
@@ -8,12 +9,14 @@ from moegemm.kernels import (
     grouped_gemm,
     moe_reference_float64,
     quantize_activations,
+    reference_float64,
     silu_mul_quant,
 )
 from moegemm.kernels.testing import random_m_sizes, rel_error
 from moegemm.kernels.testing_ffn import (
     FFN_TOLERANCE,
-    MIN_BOUND_ROWS,
+    FP32_CHAIN_BOUND,
+    eager_ffn,
     random_experts,
     random_routing,
 )
@@ -22,18 +25,21 @@ FP8S = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
 
 
 def _chain(xq, x_scale, w13q, w13_scale, w2q, w2_scale, m_sizes, fp8):
-    """SPEC 5.1 the way a server computes it: bf16 h, bf16 a, quantized aq."""
-    h = grouped_gemm(xq, w13q, x_scale, w13_scale, m_sizes)
+    """SPEC 5.1 the way a server computes it: float32 h and a, quantized aq."""
+    h = torch.empty((xq.shape[0], w13q.shape[1]), dtype=torch.float32)
+    grouped_gemm(xq, w13q, x_scale, w13_scale, m_sizes, out=h)
     aq, a_scale = silu_mul_quant(h, fp8)
     return grouped_gemm(aq, w2q, a_scale, w2_scale, m_sizes)
 
 
+@pytest.mark.parametrize("h_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp8", FP8S)
-def test_silu_mul_quant_is_the_spec_definition(fp8):
-    h = (torch.randn(37, 512) * 4).to(torch.bfloat16)
+def test_silu_mul_quant_is_the_definition(fp8, h_dtype):
+    """a = silu(gate) * up in float32, quantized with no bf16 rounding in between."""
+    h = (torch.randn(37, 512) * 4).to(h_dtype)
     aq, a_scale = silu_mul_quant(h, fp8)
     gate, up = h[:, :256].float(), h[:, 256:].float()
-    a = (gate / (1 + torch.exp(-gate)) * up).to(torch.bfloat16)
+    a = gate / (1 + torch.exp(-gate)) * up
     want_q, want_s = quantize_activations(a, fp8)
     assert aq.dtype == fp8 and aq.shape == (37, 256)
     assert a_scale.dtype == torch.float32 and a_scale.shape == (37, 2)
@@ -42,11 +48,32 @@ def test_silu_mul_quant_is_the_spec_definition(fp8):
     # and the dequantized values are SiLU(gate) * up to fp8 precision
     back = (aq.float().reshape(37, 2, 128) * a_scale.unsqueeze(2)).reshape(37, 256)
     assert rel_error(back, a.float()) < 3e-2
+    if h_dtype == torch.float32:
+        # a is not rounded to bf16 first: that would quantize differently somewhere
+        rounded_q, _ = quantize_activations(a.to(torch.bfloat16), fp8)
+        assert not torch.equal(aq.view(torch.uint8), rounded_q.view(torch.uint8))
+
+
+def test_gemm_float32_out_is_the_sum_unrounded():
+    """A float32 out gets the float32 sum that the bf16 out is the rounding of."""
+    p = random_experts(3, 256, 128)
+    sizes = torch.tensor([5, 0, 12])
+    xq, x_scale = p.quantized(p.tokens(17))
+    wide = torch.full((17, 256), float("nan"))
+    assert grouped_gemm(xq, p.w13q, x_scale, p.w13_scale, sizes, out=wide) is wide
+    narrow = grouped_gemm(xq, p.w13q, x_scale, p.w13_scale, sizes)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(wide.to(torch.bfloat16), narrow)
+    assert not torch.equal(wide, narrow.float())
+    ref = reference_float64(xq, p.w13q, x_scale, p.w13_scale, sizes)
+    assert rel_error(wide, ref) < rel_error(narrow, ref) / 10
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        grouped_gemm(xq, p.w13q, x_scale, p.w13_scale, sizes,
+                     out=torch.empty(17, 256, dtype=torch.float16))
 
 
 def test_silu_mul_quant_refuses_bad_input():
     with pytest.raises(TypeError):
-        silu_mul_quant(torch.zeros(2, 256), torch.float8_e4m3fn)
+        silu_mul_quant(torch.zeros(2, 256, dtype=torch.float16), torch.float8_e4m3fn)
     with pytest.raises(ValueError):
         silu_mul_quant(torch.zeros(2, 384, dtype=torch.bfloat16), torch.float8_e4m3fn)
     with pytest.raises(TypeError):
@@ -56,7 +83,8 @@ def test_silu_mul_quant_refuses_bad_input():
 
 
 @pytest.mark.parametrize("fp8", FP8S)
-@pytest.mark.parametrize("m, g, h, i", [(64, 1, 256, 128), (83, 4, 384, 256), (301, 8, 256, 384)])
+@pytest.mark.parametrize("m, g, h, i", [(1, 1, 256, 128), (1, 4, 512, 512), (7, 3, 256, 256),
+                                        (83, 4, 384, 256), (301, 8, 256, 384)])
 def test_chain_meets_the_bound(fp8, m, g, h, i):
     p = random_experts(g, h, i, fp8_dtype=fp8)
     sizes = random_m_sizes(g, m)
@@ -67,19 +95,34 @@ def test_chain_meets_the_bound(fp8, m, g, h, i):
     assert rel_error(out, ref) <= FFN_TOLERANCE
 
 
-def test_single_rows_meet_the_bound_together():
-    """M = 1 calls, one per token, stacked: a single row's error has a tail (testing_ffn)."""
-    g, h, i = 3, 256, 256
+def test_single_rows_each_meet_a_tight_bound():
+    """Fresh M = 1 calls, each on its own: the float32 chain stays at or below 5e-3
+    (measured max 1.8e-3) where the bf16-h chain of SPEC 5.1's text scatters up to the
+    3e-2 bound and past it (median 1.4e-2): it fails this check, so the check is real."""
+    g, h, i = 4, 512, 512
     p = random_experts(g, h, i)
-    outs, refs = [], []
-    for _ in range(MIN_BOUND_ROWS):
+    fp32, bf16 = [], []
+    for _ in range(60):
         sizes = torch.zeros(g, dtype=torch.int64)
         sizes[int(torch.randint(g, ()))] = 1
         xq, x_scale = p.quantized(p.tokens(1))
-        outs.append(_chain(xq, x_scale, p.w13q, p.w13_scale, p.w2q, p.w2_scale, sizes,
-                           p.fp8_dtype))
-        refs.append(p.ffn_reference(xq, x_scale, sizes))
-    assert rel_error(torch.cat(outs), torch.cat(refs)) <= FFN_TOLERANCE
+        ref = p.ffn_reference(xq, x_scale, sizes)
+        fp32.append(rel_error(eager_ffn(p, xq, x_scale, sizes), ref))
+        bf16.append(rel_error(eager_ffn(p, xq, x_scale, sizes, h_dtype=torch.bfloat16), ref))
+    assert max(fp32) <= FP32_CHAIN_BOUND
+    assert max(bf16) > FP32_CHAIN_BOUND and sorted(bf16)[len(bf16) // 2] > FP32_CHAIN_BOUND
+
+
+@pytest.mark.parametrize("m", [1, 7, 83])
+def test_ragged_and_empty_groups_meet_the_bound(m):
+    """Every call on its own, groups ragged and empty among them."""
+    g = 6
+    p = random_experts(g, 256, 256)
+    for _ in range(20):
+        sizes = random_m_sizes(g, m)
+        xq, x_scale = p.quantized(p.tokens(m))
+        out = eager_ffn(p, xq, x_scale, sizes)
+        assert rel_error(out, p.ffn_reference(xq, x_scale, sizes)) <= FFN_TOLERANCE
 
 
 def test_controls_fail_the_bound():

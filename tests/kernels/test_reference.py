@@ -169,7 +169,9 @@ def test_contract_violations_raise(index, bad, error):
 def test_bad_out_buffer_raises():
     args = _args()
     with pytest.raises(TypeError):
-        grouped_gemm(*args, out=torch.empty(4, 256))
+        grouped_gemm(*args, out=torch.empty(4, 256, dtype=torch.float16))
+    with pytest.raises(ValueError):
+        grouped_gemm(*args, out=torch.empty(4, 128))
     with pytest.raises(ValueError):
         grouped_gemm(*args, out=torch.empty(4, 128, dtype=torch.bfloat16))
 

@@ -21,7 +21,7 @@ if torch.cuda.get_device_capability() < (9, 0):
     pytest.skip("needs compute capability 9.0 (Hopper)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from moegemm.kernels import reference_float64
+from moegemm.kernels import grouped_gemm, reference_float64
 from moegemm.kernels import triton_kernel as tk
 from moegemm.kernels.quant import quantize_activations, quantize_weights
 from moegemm.kernels.testing import (
@@ -261,6 +261,45 @@ def test_every_schedule_matches_reference_and_repeats(config, k, gen):
 
 
 _PLAIN = [getattr(c, "values", (c,))[0] for c in SCHEDULE_CONFIGS]
+
+
+@pytest.mark.parametrize("config", [c for c in SCHEDULE_CONFIGS if not hasattr(c, "values")],
+                         ids=lambda c: c.key())
+def test_every_schedule_stores_float32_when_out_is_float32(config, gen):
+    """A float32 out gets the float32 sum unrounded (the expert FFN's h), direct and by
+    address; rounded to bf16 it is the bf16 output bit for bit, which is unchanged."""
+    sizes = torch.tensor([0, 301, 1, 0, 77, 500, 17, 128])
+    m, n, k, g = int(sizes.sum()), 1280, 1152, 8
+    problem = make_problem(m, n, k, g, sizes, gen)
+    wide = torch.full((m, n), float("nan"), dtype=torch.float32, device=DEV)
+    narrow = run(problem, tk.tile_for_out(config, wide))  # the tile a float32 out runs
+    tk.launch(*problem, wide, config=config)
+    xq, wq, x_scale, w_scale, m_sizes = problem
+    by_address = torch.full_like(wide, float("nan"))
+    words = tk.weight_addresses(wq, w_scale)
+    tk._launch(xq, words, x_scale, words, m_sizes, by_address, n, g, config, addrs=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(wide).all(), "unwritten (NaN-poisoned) float32 output"
+    assert torch.equal(by_address, wide)
+    assert torch.equal(wide.to(torch.bfloat16), narrow)
+    assert not torch.equal(wide, narrow.float())  # really float32, not bf16 widened
+    # (the FP8 MMA's own accumulation error stays; the bf16 rounding is what goes)
+    ref = reference_float64(*problem)
+    assert rel_error(wide, ref) < rel_error(narrow, ref)
+
+
+def test_public_function_takes_a_float32_out(gen):
+    """grouped_gemm(out=float32) on the GPU: the sum unrounded; the default stays bf16."""
+    sizes = torch.tensor([3, 0, 60, 1])
+    problem = make_problem(64, 512, 1024, 4, sizes, gen)
+    assert tk.default_config(64, 512, 1024, 4).schedule != "persistent_ws"  # one tile for both
+    narrow = grouped_gemm(*problem)
+    assert narrow.dtype == torch.bfloat16
+    wide = torch.full((64, 512), float("nan"), dtype=torch.float32, device=DEV)
+    assert grouped_gemm(*problem, out=wide) is wide
+    assert torch.equal(wide.to(torch.bfloat16), narrow)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        tk.run(*problem, torch.empty((64, 512), dtype=torch.float16, device=DEV))
 
 
 @pytest.mark.parametrize("config", [c for c in _PLAIN if c.split_k > 1] + [

@@ -124,6 +124,48 @@ def test_every_bucket_replay_equals_eager_with_384_groups(backend, gen):
             assert rel_error(got, reference_float64(*problem)) <= SPEC_TOLERANCE
 
 
+@pytest.mark.parametrize("m,n,k,g", [(5, 1024, 2048, 8), (700, 512, 1024, 16)])
+def test_run_gemm_into_float32_is_the_public_float32_bit_for_bit(m, n, k, g, backend, gen):
+    """The pool's launcher (what an FFN graph captures for GEMM(w13)) with a float32 out,
+    eager and replayed in a graph on new data: the public function's float32 bits."""
+    pool = GraphPool(backend, 1 << (m - 1).bit_length())
+    family = Family(g, n, k, quantize=False)
+    bufs = pool.buffers(family)
+    first = _problem(m, n, k, g, random_m_sizes(g, m), gen)
+    pool._set_table(bufs, first[1], first[3])
+    assert pool.run_table is not None
+    xq, x_scale, sizes = first[0].clone(), first[2].clone(), first[4].clone()
+    wide = torch.full((m, n), float("nan"), dtype=torch.float32, device=DEV)
+
+    def launch():
+        pool.run_gemm(xq, x_scale, sizes, wide, addresses=bufs.addresses, wq=first[1],
+                      w_scale=first[3])
+
+    launch()
+    want = torch.full_like(wide, float("nan"))
+    grouped_gemm(*first, out=want)
+    torch.cuda.synchronize()
+    assert torch.isfinite(wide).all() and torch.equal(wide, want)
+    assert tk.default_config(m, n, k, g).schedule != "persistent_ws"  # one tile for both dtypes
+    assert torch.equal(wide.to(torch.bfloat16), grouped_gemm(*first))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    second = _problem(m, n, k, g, random_m_sizes(g, m), gen)
+    xq.copy_(second[0])
+    x_scale.copy_(second[2])
+    sizes.copy_(second[4])
+    wide.fill_(float("nan"))
+    graph.replay()
+    want = torch.full_like(wide, float("nan"))
+    grouped_gemm(second[0], first[1], second[2], first[3], second[4], out=want)
+    torch.cuda.synchronize()
+    assert torch.isfinite(wide).all() and torch.equal(wide, want)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        pool.run_gemm(xq, x_scale, sizes, wide.half(), addresses=bufs.addresses, wq=first[1],
+                      w_scale=first[3])
+
+
 @pytest.mark.slow
 def test_weights_past_2_31_elements_through_the_service(backend, gen):
     g, n, k, m = 48, 7168, 7168, 128

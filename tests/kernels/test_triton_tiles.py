@@ -199,3 +199,37 @@ def test_both_entries_launch_the_same_kernel_grid_and_tile(m, n, k, g, monkeypat
     assert args_a[1] is wq and args_b[1] is words
     same = [i for i in range(len(args_a)) if i not in (1, 3)]
     assert all(args_a[i] is args_b[i] or args_a[i] == args_b[i] for i in same)
+
+
+@pytest.mark.parametrize("m,n,k,g", [(16384, 2048, 7168, 8), (16384, 7168, 2304, 8), (32, 1280, 8192, 8),
+                                     (1024, 2048, 7168, 8), (4096, 1536, 7168, 8)])
+def test_float32_out_runs_warp_specialised_tiles_as_the_tma_prefill(m, n, k, g, monkeypatch):
+    """A float32 out (the FFN's h): persistent_ws tiles run as the TMA prefill tile, grid
+    and all, in both entries; other tiles, and every bf16 launch, run as the table says."""
+    config = tk.default_config(m, n, k, g)
+    want = tk.FLOAT32_OUT_PREFILL if config.schedule == "persistent_ws" else config
+    assert want.fits(n, g)
+    kernels = {name: _RecordingKernel() for name in tk.SCHEDULES}
+    for name, kernel in kernels.items():
+        monkeypatch.setitem(tk.SCHEDULES, name, kernel)
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tk, "_split_workspace", lambda *a: (None, None))
+    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
+    xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    w_scale, x_scale = torch.ones((g, k // 128, n // 128)), torch.ones((m, k // 128))
+    sizes = torch.full((g,), m // g)
+    words = torch.tensor([wq.data_ptr(), w_scale.data_ptr()])
+    for dtype, tile in ((torch.float32, want), (torch.bfloat16, config)):
+        out = torch.empty((m, n), dtype=dtype)
+        tk.run(xq, wq, x_scale, w_scale, sizes, out)
+        tk.run_addressed(xq, words, x_scale, sizes, out, groups=g)
+        (grid_a, _, kw_a), (grid_b, _, kw_b) = kernels[tile.schedule].launches
+        assert grid_a == grid_b == tk.grid_for(tile, m, n, k, g, 132)
+        assert (kw_a["BLOCK_M"], kw_a["BLOCK_N"], kw_a["num_stages"]) == (
+            tile.block_m, tile.block_n, tile.num_stages) == (kw_b["BLOCK_M"], kw_b["BLOCK_N"],
+                                                              kw_b["num_stages"])
+        kernels[tile.schedule].launches.clear()
+        assert not any(k.launches for k in kernels.values())
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        tk.run(xq, wq, x_scale, w_scale, sizes, torch.empty((m, n), dtype=torch.float16))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import torch
 from moegemm.client._wire import packb
-from moegemm.kernels import grouped_gemm, silu_mul_quant
+from moegemm.kernels import testing_ffn
 from server_support import MSGPACK, wire
 
 
@@ -42,11 +42,8 @@ def moe_body(x, ids, weights, x_scale=None) -> dict:
 
 
 def eager_ffn(p, xq, x_scale, m_sizes) -> torch.Tensor:
-    """SPEC 5.1 as the reference backend computes it: the same kernels, one call."""
-    sizes = torch.as_tensor(m_sizes, dtype=torch.int64)
-    h = grouped_gemm(xq, p.w13q, x_scale, p.w13_scale, sizes)
-    aq, a_scale = silu_mul_quant(h, p.fp8_dtype)
-    return grouped_gemm(aq, p.w2q, a_scale, p.w2_scale, sizes)
+    """SPEC 5.1 as the reference backend computes it (float32 h): the same kernels, one call."""
+    return testing_ffn.eager_ffn(p, xq, x_scale, m_sizes)
 
 
 def snapshot(http: httpx.Client) -> tuple[list, list]:

@@ -48,5 +48,5 @@ def test_readme_moe_example(server):
     weights = torch.from_numpy(scope["topk_weights"])
     ref = p.moe_reference(*p.quantized(x), ids, weights)
     got = torch.from_numpy(scope["out"].astype(np.float32))
-    assert rel_error(got, ref) <= FFN_TOLERANCE  # 128 expert rows (testing_ffn: the tail)
+    assert rel_error(got, ref) <= FFN_TOLERANCE
     assert server.http.delete("/v1/experts/layer3").status_code == 204
