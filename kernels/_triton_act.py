@@ -4,8 +4,8 @@
 
 | tensor    | shape       | dtype                  | meaning |
 |-----------|-------------|------------------------|---------|
-| `h`       | `[M, 2I]`   | bfloat16               | the w13 GEMM's output: gate columns `0..I-1`, up `I..2I-1` |
-| `aq`      | `[M, I]`    | fp8 e4m3fn or e4m3fnuz | `a = bf16(silu(gate) * up)` quantized per 128-wide block |
+| `h`       | `[M, 2I]`   | float32 (or bfloat16)  | the w13 GEMM's output: gate columns `0..I-1`, up `I..2I-1` |
+| `aq`      | `[M, I]`    | fp8 e4m3fn or e4m3fnuz | `a = silu(gate) * up` (float32, unrounded) quantized per 128-wide block |
 | `a_scale` | `[M, I/128]`| float32                | the blocks' dequant scales (SPEC 1.1) |
 | `rows`    | `[]`        | int64 (optional)       | rows to compute; rows at or past it are left untouched |
 
@@ -59,22 +59,6 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _round_to_bf16(v):
-    """float32 ``v`` rounded to the nearest bf16 (ties to even), as float32.
-
-    Integer operations rather than a cast: the interpreter's cast truncates.
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    rounded = tl.where(v != v, bits | 0x400000, rounded)  # noqa: PLR0124 (NaN stays NaN)
-    return rounded.to(tl.float32, bitcast=True)
-
-
-# The two formats' exponent bias, smallest normal and subnormal step (2^(-BIAS - 2)) inverse.
-_FORMAT = {False: (7, 0.015625, 512.0), True: (8, 0.0078125, 1024.0)}
-
-
-@triton.jit
 def _fp8_bits(v, FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
               SUB_SCALE: tl.constexpr):
     """Round float32 ``v`` (|v| <= the format's max, or NaN) to e4m3fn / e4m3fnuz bits (int32)."""
@@ -118,7 +102,7 @@ def _silu_mul_quant_kernel(h_ptr, aq_ptr, scale_ptr, rows_ptr, stride_h, stride_
     else:
         e = libdevice.exp(-gate)
     silu = tl.math.div_rn(gate, 1.0 + e)
-    a = _round_to_bf16(silu * up)
+    a = silu * up  # float32, not rounded to bf16 (kernels/activation.py says why)
     amax = tl.reduce(tl.abs(a), 1, _max_nan)
     scale = tl.math.div_rn(_max_nan(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
     v = tl.math.div_rn(a, tl.broadcast_to(scale[:, None], a.shape))
@@ -138,14 +122,14 @@ def silu_mul_quant_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``silu_mul_quant(h, fp8_dtype)`` in one kernel: ``(aq [M, I], a_scale [M, I/128])``.
 
-    ``h`` bf16 ``[M, 2I]`` (row stride free, columns contiguous) on a GPU;
+    ``h`` float32 or bf16 ``[M, 2I]`` (row stride free, columns contiguous) on a GPU;
     ``rows`` an optional int64 device scalar: rows ``>= rows`` are not computed
     (their outputs keep what they held). ``out`` optional preallocated
     ``(aq, a_scale)``. No host reads: capture-safe.
     """
     limit = fp8_max(fp8_dtype)
-    if h.dtype != torch.bfloat16:
-        raise TypeError(f"h must be bfloat16, got {h.dtype}")
+    if h.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"h must be float32 or bfloat16, got {h.dtype}")
     if h.dim() != 2 or h.shape[1] % (2 * BLOCK) or h.stride(1) != 1:
         raise ValueError(f"h must be [M, 2I] with I % {BLOCK} == 0, columns contiguous, "
                          f"got {tuple(h.shape)}")

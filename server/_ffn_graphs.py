@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from moegemm.kernels import quantize_activations
+from moegemm.kernels import quantize_activations, silu_mul_quant
 from moegemm.kernels._backend import Backend
 
 from ._checks import bad_rows, not_finite_error
@@ -61,14 +61,8 @@ BLOCK = 128
 
 
 def silu_mul_quant_torch(h: torch.Tensor, fp8_dtype: torch.dtype):
-    """SPEC 5.1's activation: ``a = bf16(silu(h[:, :I]) * h[:, I:])``, quantized (SPEC 1.1)."""
-    try:
-        from moegemm.kernels.activation import silu_mul_quant
-    except ImportError:  # E1's kernels/activation.py not merged yet: the same definition
-        inter = h.shape[1] // 2
-        gate, up = h[:, :inter].float(), h[:, inter:].float()
-        return quantize_activations((gate / (1.0 + torch.exp(-gate)) * up).to(torch.bfloat16),
-                                    fp8_dtype)
+    """SPEC 5.1's activation as the server computes it: ``a = silu(h[:, :I]) * h[:, I:]`` in
+    float32 (not rounded to bf16), quantized (SPEC 1.1): ``kernels.activation``."""
     return silu_mul_quant(h, fp8_dtype)
 
 
@@ -308,7 +302,7 @@ class FfnGraphs:
             y = torch.zeros((rows, f.H), dtype=torch.bfloat16, device=self.device)
             y[:n] = self._chain(bufs, es, xq[:n], xs[:n], n, 0)
             return y
-        h = torch.empty((rows, 2 * f.I), dtype=torch.bfloat16, device=self.device)
+        h = torch.empty((rows, 2 * f.I), dtype=torch.float32, device=self.device)  # _ffn.H_DTYPE
         self._gemm(xq, xs, bufs.table13(), es.w13, m_sizes, h)
         aq, a_scale = self._act(h, live)
         y = torch.empty((rows, f.H), dtype=torch.bfloat16, device=self.device)

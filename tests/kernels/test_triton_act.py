@@ -21,15 +21,16 @@ import torch
 FORMATS = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
-def _h(m: int, inter: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
-    """bf16 ``[m, 2I]`` with large, tiny, zero and signed-zero values, and a block of zeros."""
+def _h(m: int, inter: int, gen: torch.Generator, device="cpu",
+       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``dtype`` ``[m, 2I]`` with large, tiny, zero and signed-zero values, and a block of zeros."""
     h = torch.randn((m, 2 * inter), generator=gen) * 4
     h *= torch.exp(torch.randn((m, 1), generator=gen) * 2)  # rows of very different size
     h[0, :6] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0])
     h[0, inter + 7] = -1e-6
     if m > 1:
         h[1, inter : inter + 128] = 0  # a zero up block: a == 0, the scale's floor
-    return h.to(torch.bfloat16).to(device)
+    return h.to(dtype).to(device)
 
 
 def _same(got, want) -> bool:
@@ -44,12 +45,13 @@ def compare_on_cpu() -> None:
 
     gen = torch.Generator().manual_seed(0)
     for fp8 in FORMATS:
-        for m, inter in ((1, 128), (5, 768), (3, 2048)):
-            h = _h(m, inter, gen)
+        for (m, inter), dtype in zip(((1, 128), (5, 768), (3, 2048)),
+                                     (torch.float32, torch.bfloat16, torch.float32)):
+            h = _h(m, inter, gen, dtype=dtype)
             gate, up = h[:, :inter].float().numpy(), h[:, inter:].float().numpy()
             with np.errstate(over="ignore"):
                 a = (gate / (np.float32(1.0) + np.exp(-gate)) * up).astype(np.float32)
-            want = quantize_activations(torch.from_numpy(a).to(torch.bfloat16), fp8)
+            want = quantize_activations(torch.from_numpy(a), fp8)  # a not rounded to bf16
             assert _same(silu_mul_quant_triton(h, fp8), want), (fp8, m, inter)
             # Rows past ``rows`` are left as they were.
             aq = torch.zeros((m, inter), dtype=fp8)
@@ -119,7 +121,7 @@ def test_kernel_equals_the_torch_definition_on_the_gpu(fp8):
         want = silu_mul_quant_torch(h, fp8)
         assert _same(silu_mul_quant_triton(h, fp8), want), (fp8, m, inter)
         # A row stride other than 2I (a view into a wider buffer) reads the same.
-        wide = torch.zeros((m, 2 * inter + 256), dtype=torch.bfloat16, device="cuda")
+        wide = torch.zeros((m, 2 * inter + 256), dtype=h.dtype, device="cuda")
         wide[:, : 2 * inter] = h
         assert _same(silu_mul_quant_triton(wide[:, : 2 * inter], fp8), want)
         rows = torch.tensor(m // 2, device="cuda")
