@@ -59,6 +59,22 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def _round_to_bf16(v):
+    """float32 ``v`` rounded to the nearest bf16 (ties to even), as float32 (moe's
+    combine rounds with it). Integer operations rather than a cast: the
+    interpreter's cast truncates.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    rounded = tl.where(v != v, bits | 0x400000, rounded)  # noqa: PLR0124 (NaN stays NaN)
+    return rounded.to(tl.float32, bitcast=True)
+
+
+# The two formats' exponent bias, smallest normal and subnormal step (2^(-BIAS - 2)) inverse.
+_FORMAT = {False: (7, 0.015625, 512.0), True: (8, 0.0078125, 1024.0)}
+
+
+@triton.jit
 def _fp8_bits(v, FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
               SUB_SCALE: tl.constexpr):
     """Round float32 ``v`` (|v| <= the format's max, or NaN) to e4m3fn / e4m3fnuz bits (int32)."""
