@@ -44,5 +44,7 @@ class Backend:
     run: Callable[..., torch.Tensor]
     # run(xq, wq_prepared, x_scale, w_scale, m_sizes, out) -> out
     capture_safe: bool = False
+    # The dtypes ``run``'s ``out`` may have (bf16 always; float32 where the epilogue has it).
+    out_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
     run_addressed: Callable[..., torch.Tensor] | None = None
     check_and_gather: Callable[..., None] | None = None

@@ -46,6 +46,17 @@ H_DTYPE = torch.float32
 """GEMM(w13)'s output ``h``: float32, not SPEC 5.1's bf16 (see the module docstring)."""
 
 
+def h_dtype(backend: Backend) -> torch.dtype:
+    """``H_DTYPE`` where the backend's GEMM writes it, else bf16 (FlyDSL's epilogue is
+    bf16 only: its FFN keeps SPEC 5.1's bf16 h, with that chain's accuracy tail on
+    calls of a few rows)."""
+    if H_DTYPE in backend.out_dtypes:
+        return H_DTYPE
+    log.warning("backend %s writes no %s GEMM output: the expert FFN keeps h in bf16",
+                backend.name, H_DTYPE)
+    return torch.bfloat16
+
+
 def check_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, G: int) -> None:
     """BadRouting unless every id is in ``[0, G)``, distinct within its token, and
     every weight finite (SPEC 2.2 ``bad_routing``). Host tensors ``[T, k]``."""
@@ -70,6 +81,7 @@ class FfnExecutor:
         self.backend = backend
         self.device = backend.device
         self.fp8 = backend.fp8_dtype
+        self.h_dtype = h_dtype(backend)
 
     def ffn(self, es: ExpertSet, x: torch.Tensor, x_scale: torch.Tensor | None,
             m_sizes: list[int]) -> torch.Tensor:
@@ -105,7 +117,7 @@ class FfnExecutor:
         rows = xq.shape[0]
         if rows == 0:  # nothing to launch (a GPU kernel's grid would be empty)
             return torch.empty((0, es.H), dtype=torch.bfloat16, device=self.device)
-        h = torch.empty((rows, 2 * es.I), dtype=H_DTYPE, device=self.device)
+        h = torch.empty((rows, 2 * es.I), dtype=self.h_dtype, device=self.device)
         self.backend.run(xq, es.w13.wq, xs, es.w13.w_scale, sizes, h)
         aq, a_scale = silu_mul_quant(h, self.fp8)
         out = torch.empty((rows, es.H), dtype=torch.bfloat16, device=self.device)

@@ -48,6 +48,7 @@ from moegemm.kernels._backend import Backend
 
 from ._checks import bad_rows, not_finite_error
 from ._executor import chunk_sizes
+from ._ffn import h_dtype
 from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addresses
 from ._merge import plan_merge
 from ._tensors import to_backend_fp8
@@ -223,6 +224,7 @@ class FfnGraphs:
         self.backend = backend
         self.device = backend.device
         self.fp8 = backend.fp8_dtype
+        self.h_dtype = h_dtype(backend)  # float32 where the GEMM writes it (_ffn.py)
         self.max_bucket = max_bucket_m
         self.buckets = buckets_up_to(max_bucket_m)
         is_gpu = self.device.type == "cuda"
@@ -302,7 +304,7 @@ class FfnGraphs:
             y = torch.zeros((rows, f.H), dtype=torch.bfloat16, device=self.device)
             y[:n] = self._chain(bufs, es, xq[:n], xs[:n], n, 0)
             return y
-        h = torch.empty((rows, 2 * f.I), dtype=torch.float32, device=self.device)  # _ffn.H_DTYPE
+        h = torch.empty((rows, 2 * f.I), dtype=self.h_dtype, device=self.device)
         self._gemm(xq, xs, bufs.table13(), es.w13, m_sizes, h)
         aq, a_scale = self._act(h, live)
         y = torch.empty((rows, f.H), dtype=torch.bfloat16, device=self.device)
