@@ -420,13 +420,14 @@ class Engine:
             self._cv.notify()
         return await asyncio.wrap_future(job.future)
 
-    async def load(self, build: Callable[[], WeightSet]) -> WeightSet:
-        """Build a weight set and capture the graphs its shape needs, off the calls' path:
-        on the loader thread and its own CUDA stream, while calls go on (SPEC 3)."""
+    async def load(self, build: Callable[[], T]) -> T:
+        """Build a weight set (or an expert set: anything with ``weight_sets``) and
+        capture the graphs its shapes need, off the calls' path: on the loader thread
+        and its own CUDA stream, while calls go on (SPEC 3)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._loader, self._load, build)
 
-    def _load(self, build: Callable[[], WeightSet]) -> WeightSet:
+    def _load(self, build: Callable[[], T]) -> T:
         """On the loader thread (one load at a time). A shape already served only
         checks its graphs are there (sets of one shape share them through the
         weight table); a new shape is captured here, in thread-local capture mode,
@@ -434,27 +435,33 @@ class Engine:
         are bound to each set's own memory (no weight table) captures as a worker
         job, between batches, since calls use that family's buffers."""
         if self._load_stream is None:
-            ws = build()
+            built = build()
         else:
             torch.cuda.set_device(self.device)
             with torch.cuda.stream(self._load_stream):
-                ws = build()
+                built = build()
             self._load_stream.synchronize()
+        for ws in getattr(built, "weight_sets", (built,)):
+            self._graphs_for(ws)
+        return built
+
+    def _graphs_for(self, ws: WeightSet) -> None:
+        """On the loader thread: the graphs of ``ws``'s shape, captured if need be."""
         shape = (ws.G, ws.N, ws.K)
         if self._executor.captured(*shape, ws.wq, ws.w_scale):
             self._shapes.add(shape)
-            return ws
+            return
         if shape not in self._shapes:
             self._capture(ws)
             self._shapes.add(shape)
-            return ws
+            return
         job = _Job(lambda: self._capture(ws))
         with self._cv:
             if self._closed:
                 raise NotReady("the server is shutting down")
             self._items.append(job)
             self._cv.notify()
-        return job.future.result()
+        job.future.result()
 
     def _capture(self, ws: WeightSet) -> WeightSet:
         """Capture ``ws``'s graphs (a no-op on the CPU); return ``ws``."""

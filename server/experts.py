@@ -73,6 +73,11 @@ class ExpertSet:
         return self.w13.layout
 
     @property
+    def weight_sets(self) -> tuple[WeightSet, WeightSet]:
+        """Its two matrices (``Engine.load`` captures their gemm graphs)."""
+        return (self.w13, self.w2)
+
+    @property
     def bytes(self) -> int:
         return self.w13.bytes + self.w2.bytes
 

@@ -165,31 +165,18 @@ def moe_request(engine: Engine, es: ExpertSet, body: dict):
 
 
 async def install_experts(engine: Engine, experts: Experts, build) -> tuple[ExpertSet, bool]:
-    """Build an expert set and capture its matrices' gemm graphs on the engine's thread,
-    then swap it in; returns the set and whether it replaced one."""
-
-    def built() -> ExpertSet:
-        es = build()
-        prepared = []
-        try:
-            for ws in (es.w13, es.w2):
-                engine.prepare(ws)
-                prepared.append(ws)
-        except BaseException:
-            for ws in prepared:
-                engine.forget(ws)
-            raise
-        return es
-
-    es = await engine.run(built)
+    """Build an expert set and capture its matrices' gemm graphs off the calls' path
+    (``Engine.load``: the loader thread and stream), then swap it in; returns the set
+    and whether it replaced one."""
+    es = await engine.load(build)
     try:
         old = experts.store.put(es)
     except (OutOfMemory, BadName):
         # The name was taken or the room used meanwhile: this set never goes live.
-        await engine.run(lambda: _forget(engine, es))
+        _forget(engine, es)
         raise
     if old is not None:
-        await engine.run(lambda: _forget(engine, old))
+        _forget(engine, old)
     return es, old is not None
 
 
@@ -251,7 +238,7 @@ async def put_experts(name: str, request: Request, svc: ServicesDep):
 async def delete_experts(name: str, request: Request, svc: ServicesDep) -> Response:
     """Unload an expert set and its two weight sets."""
     old = _experts(request).store.delete(_name(name))
-    await svc.engine.run(lambda: _forget(svc.engine, old))
+    _forget(svc.engine, old)
     return Response(status_code=204)
 
 
