@@ -420,6 +420,27 @@ class Engine:
             self._cv.notify()
         return await asyncio.wrap_future(job.future)
 
+    async def run_call(self, fn: Callable[[], T], deadline: float | None = None) -> T:
+        """A call of another kind (an expert FFN or MoE call, whose runner batches and
+        graphs its own) on the worker between batches, bound by the same queue as
+        gemm calls: Overloaded when it is full, DeadlineExceeded when ``deadline``
+        (``time.monotonic()``) passed before it ran."""
+        def job() -> T:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceeded("the request's deadline passed before it ran")
+            return fn()
+
+        with self._cv:
+            if self._closed:
+                raise NotReady("the server is shutting down")
+            self._check_room()
+            self._pending_calls += 1
+        try:
+            return await self.run(job)
+        finally:
+            with self._cv:
+                self._pending_calls = max(0, self._pending_calls - 1)
+
     async def load(self, build: Callable[[], T]) -> T:
         """Build a weight set (or an expert set: anything with ``weight_sets``) and
         capture the graphs its shapes need, off the calls' path: on the loader thread

@@ -8,7 +8,6 @@ until a request is valid: a set is built aside and swapped in atomically.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,6 @@ from moegemm.client._errors import (
     BadMSizes,
     BadName,
     BadShape,
-    DeadlineExceeded,
     OutOfMemory,
     TooLarge,
 )
@@ -189,15 +187,6 @@ def _name(name: str) -> str:
     return check_expert_name(name)
 
 
-async def _run(engine: Engine, fn, deadline: float | None):
-    def job():
-        if deadline is not None and time.monotonic() >= deadline:
-            raise DeadlineExceeded("the request's deadline passed before it ran")
-        return fn()
-
-    return await engine.run(job)
-
-
 # -- the routes ------------------------------------------------------------------------------
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token), Depends(require_ready)])
@@ -251,7 +240,7 @@ async def ffn(name: str, request: Request, svc: ServicesDep) -> Response:
     body = await read_msgpack(request, svc.settings.max_body_bytes)
     es = experts.store.get(name)
     x, x_scale, sizes = ffn_request(svc.engine, es, body)
-    out = await _run(svc.engine, lambda: experts.runner.ffn(es, x, x_scale, sizes), deadline)
+    out = await svc.engine.run_call(lambda: experts.runner.ffn(es, x, x_scale, sizes), deadline)
     return PartsResponse(tensor_body_parts("out", out))
 
 
@@ -264,6 +253,6 @@ async def moe(name: str, request: Request, svc: ServicesDep) -> Response:
     body = await read_msgpack(request, svc.settings.max_body_bytes)
     es = experts.store.get(name)
     x, x_scale, ids, weights = moe_request(svc.engine, es, body)
-    out = await _run(svc.engine, lambda: experts.runner.moe(es, x, x_scale, ids, weights),
+    out = await svc.engine.run_call(lambda: experts.runner.moe(es, x, x_scale, ids, weights),
                      deadline)
     return PartsResponse(tensor_body_parts("out", out))
