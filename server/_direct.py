@@ -30,7 +30,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from moegemm.client._errors import APIError, InternalError, Overloaded, TooLarge
 
@@ -44,6 +44,17 @@ log = logging.getLogger("moegemm.server")
 # anything, so check_name answers bad_name); POST is the only method there.
 _PATH = re.compile(r"/v1/weights/([\s\S]*)/gemm")
 _ENDPOINT = "/v1/weights/{name}/gemm"  # the route's path_format: the metrics label
+# The expert sets' two calls (routes_experts.py), served the same way: their bodies
+# are as large as gemm's, and the ASGI body path costs milliseconds per megabyte.
+_EXPERTS = re.compile(r"/v1/experts/([\s\S]*)/(ffn|moe)")
+
+
+class Route(NamedTuple):
+    """A request this module answers: its kind, the set's name, its metrics label."""
+
+    kind: str  # "gemm", "ffn" or "moe"
+    name: str
+    endpoint: str
 _MSGPACK = MSGPACK.encode()
 
 Headers = list[tuple[bytes, bytes]]
@@ -64,29 +75,35 @@ class DirectGemm:
         self.in_progress: Callable[[], int] = lambda: 2  # unknown: not alone
 
     @staticmethod
-    def match(method: str, path: str) -> str | None:
-        """The weight-set name when this request is a gemm call, else None."""
+    def match(method: str, path: str) -> Route | None:
+        """The route when this request is a gemm, ffn or moe call, else None."""
         if method != "POST":
             return None
         found = _PATH.fullmatch(path)
-        return None if found is None else found.group(1)
+        if found is not None:
+            return Route("gemm", found.group(1), _ENDPOINT)
+        found = _EXPERTS.fullmatch(path)
+        if found is not None:
+            kind = found.group(2)
+            return Route(kind, found.group(1), "/v1/experts/{name}/" + kind)
+        return None
 
     async def __call__(
-        self, name: str, headers: Headers, body: memoryview
+        self, route: Route, headers: Headers, body: memoryview
     ) -> tuple[int, bytes, list]:
-        """Answer one gemm call: the status, the header lines (each ending in CRLF,
-        without the status line and the blank line) and the body parts."""
+        """Answer one call: the status, the header lines (each ending in CRLF, without
+        the status line and the blank line) and the body parts."""
         started = time.perf_counter()
         fields = _fields(headers)
         request_id = _request_id(fields.get("x-request-id"))
         try:
-            status, head, parts, endpoint = await self._budgeted(name, fields, body, request_id)
+            status, head, parts, endpoint = await self._budgeted(route, fields, body, request_id)
         except Exception as exc:  # never a crash: the same last resort as RequestContext
-            log.exception("request POST %r failed (request id %s)", f"/v1/weights/{name}/gemm",
+            log.exception("request POST %r failed (request id %s)", route.name[:200],
                           request_id)
             status, head, parts = _error(InternalError(
                 f"unexpected {type(exc).__name__}; see the server log"), request_id)
-            endpoint = _ENDPOINT
+            endpoint = route.endpoint
         self.metrics.bytes_out.inc(sum(len(p) for p in parts))
         if endpoint == _ENDPOINT:
             counter = self._requests.get(status)
@@ -101,7 +118,7 @@ class DirectGemm:
                 time.perf_counter() - started)
         return status, head, parts
 
-    async def _budgeted(self, name, fields, body, request_id) -> tuple[int, bytes, list, str]:
+    async def _budgeted(self, route: Route, fields, body, request_id) -> tuple[int, bytes, list, str]:
         """The answer, and the endpoint label its metrics go under."""
         # BodyBudget's rule, over the same declared size: a body over the body
         # limit was never read (answered 413 below), a chunked one counts in full.
@@ -121,15 +138,18 @@ class DirectGemm:
                 retry_after=1), request_id), "unmatched")
         budget.held += size
         try:
-            parts = await self._gemm(name, fields, body)
+            if route.kind == "gemm":
+                parts = await self._gemm(route.name, fields, body)
+            else:
+                parts = await self._expert(route, fields, body)
         except APIError as exc:
-            return (*_error(exc, request_id), _ENDPOINT)
+            return (*_error(exc, request_id), route.endpoint)
         finally:
             budget.held -= size
         size_out = sum(len(p) for p in parts)
         head = b"content-type: %s\r\ncontent-length: %d\r\nx-request-id: %s\r\n" % (
             _MSGPACK, size_out, request_id.encode())
-        return 200, head, parts, _ENDPOINT
+        return 200, head, parts, route.endpoint
 
     def _budget(self):
         """The app's BodyBudget middleware: direct and ASGI calls share one budget."""
@@ -151,6 +171,26 @@ class DirectGemm:
             raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
         self.metrics.bytes_in.inc(len(body))
         return await routes.run_gemm(svc, name, body, deadline, alone=self.in_progress() <= 1)
+
+
+    async def _expert(self, route: Route, fields: dict[str, str], body: memoryview):
+        """``routes_experts.ffn`` / ``moe``, in their order: the router's dependencies
+        (token, readiness), the name, the deadline, the media type and size, the body."""
+        from . import routes_experts
+        from ._body import unpack_body
+
+        svc: routes.Services = self.app.state.services
+        routes.check_token(svc.settings, fields.get("authorization"))
+        routes.check_ready(svc)
+        routes_experts.check_expert_name(route.name)
+        deadline = routes.parse_deadline(fields.get(routes.DEADLINE_HEADER))
+        limit = svc.settings.max_body_bytes
+        routes.check_body_head(fields.get("content-type"), fields.get("content-length"), limit)
+        if len(body) > limit:
+            raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
+        self.metrics.bytes_in.inc(len(body))
+        return await routes_experts.run_expert_call(
+            svc, self.app.state.experts, route.kind, route.name, unpack_body(body), deadline)
 
 
 def _fields(headers: Headers) -> dict[str, str]:

@@ -729,10 +729,10 @@ class FastHttpServer:
         metrics = getattr(getattr(self.app, "state", None), "metrics", None)
         if metrics is None:
             return
-        from ._direct import _ENDPOINT, DirectGemm
+        from ._direct import DirectGemm
 
-        gemm = path is not None and DirectGemm.match(method, path) is not None
-        metrics.requests.labels(endpoint=_ENDPOINT if gemm else "unmatched",
+        route = None if path is None else DirectGemm.match(method, path)
+        metrics.requests.labels(endpoint="unmatched" if route is None else route.endpoint,
                                 status=str(status)).inc()
 
     def held(self) -> int:

@@ -231,17 +231,31 @@ async def delete_experts(name: str, request: Request, svc: ServicesDep) -> Respo
     return Response(status_code=204)
 
 
+async def run_expert_call(svc, experts: Experts, kind: str, name: str, body: dict,
+                          deadline: float | None) -> list:
+    """An ``ffn`` or ``moe`` call on a decoded body: the answer's msgpack parts (header and
+    the output's memory). The ASGI routes below and the fast transport's direct path
+    (``_direct.py``) both answer through it."""
+    es = experts.store.get(name)
+    if kind == "ffn":
+        x, x_scale, sizes = ffn_request(svc.engine, es, body)
+        out = await svc.engine.run_call(lambda: experts.runner.ffn(es, x, x_scale, sizes),
+                                        deadline)
+    else:
+        x, x_scale, ids, weights = moe_request(svc.engine, es, body)
+        out = await svc.engine.run_call(
+            lambda: experts.runner.moe(es, x, x_scale, ids, weights), deadline)
+    return tensor_body_parts("out", out)
+
+
 @router.post("/experts/{name:wsname}/ffn")
 async def ffn(name: str, request: Request, svc: ServicesDep) -> Response:
     """SPEC 5.1: msgpack {x, x_scale?, m_sizes} -> {out} bf16 [M, H]."""
     _name(name)
     deadline = parse_deadline(request.headers.get("x-deadline-ms"))
-    experts = _experts(request)
     body = await read_msgpack(request, svc.settings.max_body_bytes)
-    es = experts.store.get(name)
-    x, x_scale, sizes = ffn_request(svc.engine, es, body)
-    out = await svc.engine.run_call(lambda: experts.runner.ffn(es, x, x_scale, sizes), deadline)
-    return PartsResponse(tensor_body_parts("out", out))
+    return PartsResponse(await run_expert_call(svc, _experts(request), "ffn", name, body,
+                                               deadline))
 
 
 @router.post("/experts/{name:wsname}/moe")
@@ -249,10 +263,6 @@ async def moe(name: str, request: Request, svc: ServicesDep) -> Response:
     """SPEC 5.2: msgpack {x, x_scale?, topk_ids, topk_weights} -> {out} bf16 [T, H]."""
     _name(name)
     deadline = parse_deadline(request.headers.get("x-deadline-ms"))
-    experts = _experts(request)
     body = await read_msgpack(request, svc.settings.max_body_bytes)
-    es = experts.store.get(name)
-    x, x_scale, ids, weights = moe_request(svc.engine, es, body)
-    out = await svc.engine.run_call(lambda: experts.runner.moe(es, x, x_scale, ids, weights),
-                     deadline)
-    return PartsResponse(tensor_body_parts("out", out))
+    return PartsResponse(await run_expert_call(svc, _experts(request), "moe", name, body,
+                                               deadline))

@@ -240,3 +240,60 @@ def test_output_matches_between_paths_for_numpy_rows(pair):
     _, _, a_body = _exchange(a_port, CASES[1][1])
     assert d_body == a_body and len(d_body) > 9 * 256 * 2
     assert np.frombuffer(d_body[-16:], np.uint8).any()
+
+
+def _expert_cases() -> list[tuple[str, bytes]]:
+    gen = torch.Generator().manual_seed(11)
+    auth = {"authorization": f"Bearer {TOKEN}", "content-type": "application/vnd.msgpack"}
+    x = torch.randn(6, 256, generator=gen).to(torch.bfloat16)
+    m = torch.tensor([3, 0, 2, 1])
+    ids = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]], dtype=torch.int32)
+    w = torch.rand(4, 2, generator=gen)
+    ffn, moe = "/v1/experts/ex/ffn", "/v1/experts/ex/moe"
+    x4 = x[:4].contiguous()
+    return [
+        ("ffn call", _request("POST", ffn, packb({"x": _wire(x), "m_sizes": _wire(m)}), auth)),
+        ("moe call", _request("POST", moe, packb(
+            {"x": _wire(x4), "topk_ids": _wire(ids), "topk_weights": _wire(w)}), auth)),
+        ("moe bad routing", _request("POST", moe, packb(
+            {"x": _wire(x4), "topk_ids": _wire(ids.clamp(max=0)), "topk_weights": _wire(w)}),
+            auth)),
+        ("ffn bad m_sizes", _request("POST", ffn, packb({"x": _wire(x), "m_sizes": _wire(m + 1)}),
+                                     auth)),
+        ("ffn missing field", _request("POST", ffn, packb({"x": _wire(x)}), auth)),
+        ("no such expert set", _request("POST", "/v1/experts/nope/moe", packb(
+            {"x": _wire(x4), "topk_ids": _wire(ids), "topk_weights": _wire(w)}), auth)),
+        ("bad expert name", _request("POST", "/v1/experts/a%20b/ffn", packb(
+            {"x": _wire(x), "m_sizes": _wire(m)}), auth)),
+        ("not msgpack", _request("POST", ffn, b"\xc1\x00", auth)),
+        ("bad deadline", _request("POST", moe, b"", {**auth, "x-deadline-ms": "-3"})),
+    ]
+
+
+EXPERT_CASES = _expert_cases()
+
+
+@pytest.fixture(scope="module")
+def expert_pair(pair):
+    gen = torch.Generator().manual_seed(3)
+    w13 = (torch.randn(4, 2 * 128, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(4, 256, 128, generator=gen) * 0.05).to(torch.bfloat16)
+    body = packb({"w13": _wire(w13), "w2": _wire(w2)})
+    auth = {"authorization": f"Bearer {TOKEN}", "content-type": "application/vnd.msgpack"}
+    for port in (pair[0][0], pair[1][0]):
+        status, _, text = _exchange(port, _request("PUT", "/v1/experts/ex", body, auth))
+        assert status.split()[1] in (b"200", b"201"), text
+    return pair
+
+
+@pytest.mark.parametrize("name,data", EXPERT_CASES, ids=[c[0] for c in EXPERT_CASES])
+def test_expert_calls_are_direct_and_answer_as_the_app_does(expert_pair, name, data):
+    (d_port, _, spy), (a_port, _, _) = expert_pair
+    before = spy.calls
+    d_status, d_headers, d_body = _exchange(d_port, data)
+    a_status, a_headers, a_body = _exchange(a_port, data)
+    assert spy.calls == before + 1
+    assert (d_status, d_body) == (a_status, a_body), name
+    assert d_headers == a_headers
+    if name.endswith("call"):
+        assert d_status.startswith(b"HTTP/1.1 200") and len(d_body) > 4 * 256 * 2
