@@ -159,36 +159,33 @@ class DirectGemm:
             self._budget_mw = budget
         return budget
 
-    async def _gemm(self, name: str, fields: dict[str, str], body: memoryview):
+    def _admit(self, fields: dict[str, str], body: memoryview, check_name: Callable[[str], Any],
+               name: str):
+        """What every route does before its body, in the app's order: the router's
+        dependencies (token, readiness), the name, the deadline, the media type and
+        size. Returns the services and the deadline."""
         svc: routes.Services = self.app.state.services
         routes.check_token(svc.settings, fields.get("authorization"))
         routes.check_ready(svc)
-        routes.check_name(name)
+        check_name(name)
         deadline = routes.parse_deadline(fields.get(routes.DEADLINE_HEADER))
         limit = svc.settings.max_body_bytes
         routes.check_body_head(fields.get("content-type"), fields.get("content-length"), limit)
         if len(body) > limit:
             raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
         self.metrics.bytes_in.inc(len(body))
+        return svc, deadline
+
+    async def _gemm(self, name: str, fields: dict[str, str], body: memoryview):
+        svc, deadline = self._admit(fields, body, routes.check_name, name)
         return await routes.run_gemm(svc, name, body, deadline, alone=self.in_progress() <= 1)
 
-
     async def _expert(self, route: Route, fields: dict[str, str], body: memoryview):
-        """``routes_experts.ffn`` / ``moe``, in their order: the router's dependencies
-        (token, readiness), the name, the deadline, the media type and size, the body."""
+        """``routes_experts.ffn`` / ``moe``: the same steps, then the decoded body."""
         from . import routes_experts
         from ._body import unpack_body
 
-        svc: routes.Services = self.app.state.services
-        routes.check_token(svc.settings, fields.get("authorization"))
-        routes.check_ready(svc)
-        routes_experts.check_expert_name(route.name)
-        deadline = routes.parse_deadline(fields.get(routes.DEADLINE_HEADER))
-        limit = svc.settings.max_body_bytes
-        routes.check_body_head(fields.get("content-type"), fields.get("content-length"), limit)
-        if len(body) > limit:
-            raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
-        self.metrics.bytes_in.inc(len(body))
+        svc, deadline = self._admit(fields, body, routes_experts.check_expert_name, route.name)
         return await routes_experts.run_expert_call(
             svc, self.app.state.experts, route.kind, route.name, unpack_body(body), deadline)
 
