@@ -357,7 +357,9 @@ def test_507_leaves_every_set_and_every_call_in_flight_untouched(problem):
 
 
 def test_graceful_shutdown_finishes_what_was_accepted(problem):
-    with serve(Settings(device="cpu", demo=False)) as srv:
+    # No merging: the first call alone holds the gate, the other four wait in the queue
+    # (with the default window a second call arriving within it joins the first batch).
+    with serve(Settings(device="cpu", demo=False, merge_window_us=0)) as srv:
         assert srv.put("base", _weights(problem)).status_code == 201
         engine = srv.services.engine
         gate = Gate(engine)
