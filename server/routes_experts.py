@@ -28,6 +28,7 @@ from ._tensors import BLOCK, FLOATS, FP8, require_dtype, require_shape
 from .engine import Engine
 from .experts import ExpertSet, ExpertStore, check_expert_name
 from .routes import (
+    DEADLINE_HEADER,
     ServicesDep,
     _string,
     _tensor,
@@ -248,21 +249,22 @@ async def run_expert_call(svc, experts: Experts, kind: str, name: str, body: dic
     return tensor_body_parts("out", out)
 
 
+async def _answer(kind: str, name: str, request: Request, svc) -> Response:
+    """An ffn or moe route: the name, the deadline, the body, then run_expert_call."""
+    _name(name)
+    deadline = parse_deadline(request.headers.get(DEADLINE_HEADER))
+    body = await read_msgpack(request, svc.settings.max_body_bytes)
+    return PartsResponse(await run_expert_call(svc, _experts(request), kind, name, body,
+                                               deadline))
+
+
 @router.post("/experts/{name:wsname}/ffn")
 async def ffn(name: str, request: Request, svc: ServicesDep) -> Response:
     """SPEC 5.1: msgpack {x, x_scale?, m_sizes} -> {out} bf16 [M, H]."""
-    _name(name)
-    deadline = parse_deadline(request.headers.get("x-deadline-ms"))
-    body = await read_msgpack(request, svc.settings.max_body_bytes)
-    return PartsResponse(await run_expert_call(svc, _experts(request), "ffn", name, body,
-                                               deadline))
+    return await _answer("ffn", name, request, svc)
 
 
 @router.post("/experts/{name:wsname}/moe")
 async def moe(name: str, request: Request, svc: ServicesDep) -> Response:
     """SPEC 5.2: msgpack {x, x_scale?, topk_ids, topk_weights} -> {out} bf16 [T, H]."""
-    _name(name)
-    deadline = parse_deadline(request.headers.get("x-deadline-ms"))
-    body = await read_msgpack(request, svc.settings.max_body_bytes)
-    return PartsResponse(await run_expert_call(svc, _experts(request), "moe", name, body,
-                                               deadline))
+    return await _answer("moe", name, request, svc)
