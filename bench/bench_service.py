@@ -9,8 +9,8 @@ What one run does:
    K=7168, a DeepSeek-V3-like set: 256 experts of the gate projection,
    N=2048, K=7168, 3.8 GB, and for the load point a DeepSeek-V3 layer's w13,
    [256, 4096, 7168], 7.5 GB), and starts several ``moegemm serve`` processes on
-   loopback that preload them: ``default`` (graphs, merging, fast transport),
-   ``graphs_off``, ``merge_off`` and ``uvicorn`` (the stock transport);
+   loopback that preload them: ``default`` (what ships, at its defaults),
+   ``merge_off`` and ``uvicorn`` (the same app on uvicorn, ``uvicorn_peer.py``);
 2. times the kernel's own graph replay for every shape in this process (the
    servers idle meanwhile);
 3. drives each server from client processes (``moegemm.client.Client``, one
@@ -192,8 +192,10 @@ class Server:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_dir / f"server_{name}.log", "w")
-        cmd = [sys.executable, "-m", "moegemm.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port), *args]
+        peer = name == "uvicorn"  # the same app on the stock transport
+        cmd = [sys.executable, *([str(Path(__file__).with_name("uvicorn_peer.py"))] if peer
+                                 else ["-m", "moegemm.cli"]),
+               "serve", "--host", "127.0.0.1", "--port", str(port), *args]
         self.cmd = cmd
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -307,7 +309,7 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (smoke test)")
     ap.add_argument("--duration", type=float, default=1.0, help="seconds per point")
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--servers", default="default,graphs_off,merge_off,uvicorn")
+    ap.add_argument("--servers", default="default,merge_off,uvicorn")
     ap.add_argument("--merge-window-us", type=int, default=200)
     ap.add_argument("--no-load", action="store_true",
                     help="skip the load point (a 7.5 GB set loaded from a file, repeatedly, "
@@ -365,10 +367,9 @@ def main() -> int:
     preload_main = ["--preload", "main=main.safetensors:w:w_scale"]
     window = str(args.merge_window_us)
     plans = {
-        "default": preload_all + ["--graphs", "--merge-window-us", window, "--http", "fast"],
-        "graphs_off": preload_main + ["--no-graphs", "--merge-window-us", window, "--http", "fast"],
-        "merge_off": preload_main + ["--graphs", "--merge-window-us", "0", "--http", "fast"],
-        "uvicorn": preload_main + ["--graphs", "--merge-window-us", window, "--http", "uvicorn"],
+        "default": preload_all + ["--merge-window-us", window],
+        "merge_off": preload_main + ["--merge-window-us", "0"],
+        "uvicorn": preload_main + ["--merge-window-us", window],
     }
     plans_base = set(plans)
     wanted = [s for s in args.servers.split(",") if s]
@@ -408,8 +409,7 @@ def main() -> int:
         # The done-criteria's points first, so a time budget cut keeps them.
         key_m = ms[2] if len(ms) > 2 else ms[-1]
         first = [("default", "main", ms[0], "fp8", 1), ("default", "main", key_m, "fp8", 1),
-                 ("default", "main", key_m, "fp8", c), ("graphs_off", "main", ms[0], "fp8", 1),
-                 ("graphs_off", "main", key_m, "fp8", 1), ("merge_off", "main", key_m, "fp8", c),
+                 ("default", "main", key_m, "fp8", c), ("merge_off", "main", key_m, "fp8", c),
                  ("uvicorn", "main", key_m, "fp8", c),
                  # merging's gain where calls are small: many one-row calls at once
                  ("default", "main", ms[0], "fp8", c), ("merge_off", "main", ms[0], "fp8", c)]
@@ -422,7 +422,6 @@ def main() -> int:
         rest = [("default", "main", m, kind, n) for m in ms for kind in kinds for n in (1, c)]
         if "deepseek" in sets:
             rest += [("default", "deepseek", m, "fp8", n) for m in ms for n in (1, c)]
-        rest += [("graphs_off", "main", m, "fp8", n) for m in ms for n in (1, c)]
         rest += [("merge_off", "main", m, "fp8", c) for m in ms] + [("merge_off", "main", 1, "fp8", 1)]
         rest += [("uvicorn", "main", m, "fp8", n) for m in ms[:3] for n in (1, c)]
         points = first + [p for p in rest if p not in first]
