@@ -15,6 +15,7 @@ size is recorded.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import sys
 
@@ -80,6 +81,7 @@ async def _linked(tmp_dir: str):
     loop = asyncio.get_running_loop()
     owner = _acceptors.Owner.__new__(_acceptors.Owner)
     owner.server, owner.loop, owner._tasks = _Server(), loop, set()
+    owner._copier = concurrent.futures.ThreadPoolExecutor(2)
     link = _acceptors._Link(0)
     owner.links = [link]
     path = os.path.join(tmp_dir, "owner.sock")
