@@ -165,14 +165,13 @@ class Spill:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as exc:
-            log.warning("no shared memory for a %d-byte spill (%s); it travels inline", size, exc)
+            _spill_failed(size, exc)
             return None
         try:
             os.posix_fallocate(fd, 0, size)
             mapped = mmap.mmap(fd, size)
         except OSError as exc:
-            log.warning("cannot reserve %d bytes of shared memory (%s); they travel inline",
-                        size, exc)
+            _spill_failed(size, exc)
             _unlink(path)
             return None
         finally:
@@ -195,6 +194,19 @@ class Spill:
 
     def unlink(self) -> None:
         _unlink(self.path)
+
+
+_spill_warned = False
+
+
+def _spill_failed(size: int, exc: OSError) -> None:
+    """Say once per process that /dev/shm is short (then quietly: it may be for a while)."""
+    global _spill_warned
+    level = logging.DEBUG if _spill_warned else logging.WARNING
+    _spill_warned = True
+    log.log(level, "no shared memory for a %d-byte body or answer (%s): it travels inline on "
+            "the acceptor's link, slower, and delays what follows it there; give /dev/shm "
+            "more room", size, exc)
 
 
 def _address(view: Any) -> int | None:

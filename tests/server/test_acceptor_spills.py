@@ -173,3 +173,22 @@ def test_small_bodies_still_travel_inline_when_the_arena_is_full(frames, tmp_pat
         await _close(acceptor, unix, reading)
 
     asyncio.run(scenario())
+
+
+def test_without_room_for_a_spill_a_large_body_still_arrives_inline(frames, tmp_path,
+                                                                      monkeypatch):
+    """A full /dev/shm (Spill.create fails: ENOSPC) costs speed, never an answer."""
+    async def scenario():
+        _, _, acceptor, unix, reading = await _linked(str(tmp_path))
+        held = [acceptor.allocate(_acceptor_shm._SLOT_MAX) for _ in range(4)]
+        monkeypatch.setattr(_acceptor_shm.Spill, "create",
+                            classmethod(lambda cls, owner_pid, size: None))
+        body = acceptor.allocate(2 * MiB)
+        body[:] = np.random.default_rng(3).integers(0, 256, 2 * MiB, dtype=np.uint8)
+        status, _, answer, _ = await acceptor.forward(_SCOPE, body)
+        assert status == 200 and bytes(answer) == bytes(body)[::-1]
+        assert ("req", 2 * MiB) in frames  # (the answer found room in its own arena)
+        del held, answer
+        await _close(acceptor, unix, reading)
+
+    asyncio.run(scenario())
