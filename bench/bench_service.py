@@ -9,8 +9,8 @@ What one run does:
    K=7168, a DeepSeek-V3-like set: 256 experts of the gate projection,
    N=2048, K=7168, 3.8 GB, and for the load point a DeepSeek-V3 layer's w13,
    [256, 4096, 7168], 7.5 GB), and starts several ``moegemm serve`` processes on
-   loopback that preload them: ``default`` (graphs, merging, fast transport),
-   ``graphs_off``, ``merge_off`` and ``uvicorn`` (the stock transport);
+   loopback that preload them: ``default`` (what ships, at its defaults),
+   ``merge_off`` and ``uvicorn`` (the same app on uvicorn, ``uvicorn_peer.py``);
 2. times the kernel's own graph replay for every shape in this process (the
    servers idle meanwhile);
 3. drives each server from client processes (``moegemm.client.Client``, one
@@ -19,8 +19,9 @@ What one run does:
    the overhead (p50 latency minus the kernel's own time);
    Issue 16's points: 32 clients of 1024-row calls, mixed traffic (32 clients,
    rows log-uniform in 1..1024), and the load point (one client's calls
-   while the 7.5 GB set is loaded from its file, over and over), each beside
-   the same calls on the idle server in the same run;
+   during the 7.5 GB set's first load, its graphs captured, and while it is
+   loaded from its file again and again), each beside the same calls on the
+   idle server in the same run;
 4. writes everything, with each server's graph-replay/eager and merge-size
    metrics, to one JSON file and prints a table.
 
@@ -130,29 +131,38 @@ class Workers:
             self.pipes.append(parent)
             self.procs.append(proc)
 
-    def run(self, clients: int, job: dict) -> dict:
+    def run(self, clients: int, job: dict, keep: bool = False) -> dict:
+        """One point: the summary, and with ``keep`` the latencies (s) under "lat"."""
         start_at = time.time() + 0.3 + 0.02 * clients
         for pipe in self.pipes[:clients]:
             pipe.send({**job, "start_at": start_at, "clients": clients})
         results = [pipe.recv() for pipe in self.pipes[:clients]]
         lat = sorted(x for r in results for x in r["lat"])
         wall = max(r["end"] for r in results) - start_at
-        calls = len(lat)
-        return {
-            "clients": clients,
-            "calls": calls,
-            "errors": sum(r["errors"] for r in results),
-            "p50_us": 1e6 * lat[calls // 2] if calls else None,
-            "p99_us": 1e6 * lat[min(calls - 1, int(calls * 0.99))] if calls else None,
-            "mean_us": 1e6 * statistics.fmean(lat) if calls else None,
-            "calls_per_s": calls / wall if wall > 0 else None,
-        }
+        out = _summary(clients, lat, sum(r["errors"] for r in results), wall)
+        if keep:
+            out["lat"] = lat
+        return out
 
     def close(self) -> None:
         for pipe in self.pipes:
             pipe.send(None)
         for proc in self.procs:
             proc.join(5)
+
+
+def _summary(clients: int, lat: list, errors: int, wall: float) -> dict:
+    calls = len(lat)
+    lat = sorted(lat)
+    return {
+        "clients": clients,
+        "calls": calls,
+        "errors": errors,
+        "p50_us": 1e6 * lat[calls // 2] if calls else None,
+        "p99_us": 1e6 * lat[min(calls - 1, int(calls * 0.99))] if calls else None,
+        "mean_us": 1e6 * statistics.fmean(lat) if calls else None,
+        "calls_per_s": calls / wall if wall > 0 else None,
+    }
 
 
 # -- weight files ------------------------------------------------------------------
@@ -192,8 +202,10 @@ class Server:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_dir / f"server_{name}.log", "w")
-        cmd = [sys.executable, "-m", "moegemm.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port), *args]
+        peer = name == "uvicorn"  # the same app on the stock transport
+        cmd = [sys.executable, *([str(Path(__file__).with_name("uvicorn_peer.py"))] if peer
+                                 else ["-m", "moegemm.cli"]),
+               "serve", "--host", "127.0.0.1", "--port", str(port), *args]
         self.cmd = cmd
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -307,7 +319,7 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (smoke test)")
     ap.add_argument("--duration", type=float, default=1.0, help="seconds per point")
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--servers", default="default,graphs_off,merge_off,uvicorn")
+    ap.add_argument("--servers", default="default,merge_off,uvicorn")
     ap.add_argument("--merge-window-us", type=int, default=200)
     ap.add_argument("--no-load", action="store_true",
                     help="skip the load point (a 7.5 GB set loaded from a file, repeatedly, "
@@ -365,10 +377,9 @@ def main() -> int:
     preload_main = ["--preload", "main=main.safetensors:w:w_scale"]
     window = str(args.merge_window_us)
     plans = {
-        "default": preload_all + ["--graphs", "--merge-window-us", window, "--http", "fast"],
-        "graphs_off": preload_main + ["--no-graphs", "--merge-window-us", window, "--http", "fast"],
-        "merge_off": preload_main + ["--graphs", "--merge-window-us", "0", "--http", "fast"],
-        "uvicorn": preload_main + ["--graphs", "--merge-window-us", window, "--http", "uvicorn"],
+        "default": preload_all + ["--merge-window-us", window],
+        "merge_off": preload_main + ["--merge-window-us", "0"],
+        "uvicorn": preload_main + ["--merge-window-us", window],
     }
     plans_base = set(plans)
     wanted = [s for s in args.servers.split(",") if s]
@@ -408,8 +419,7 @@ def main() -> int:
         # The done-criteria's points first, so a time budget cut keeps them.
         key_m = ms[2] if len(ms) > 2 else ms[-1]
         first = [("default", "main", ms[0], "fp8", 1), ("default", "main", key_m, "fp8", 1),
-                 ("default", "main", key_m, "fp8", c), ("graphs_off", "main", ms[0], "fp8", 1),
-                 ("graphs_off", "main", key_m, "fp8", 1), ("merge_off", "main", key_m, "fp8", c),
+                 ("default", "main", key_m, "fp8", c), ("merge_off", "main", key_m, "fp8", c),
                  ("uvicorn", "main", key_m, "fp8", c),
                  # merging's gain where calls are small: many one-row calls at once
                  ("default", "main", ms[0], "fp8", c), ("merge_off", "main", ms[0], "fp8", c)]
@@ -422,7 +432,6 @@ def main() -> int:
         rest = [("default", "main", m, kind, n) for m in ms for kind in kinds for n in (1, c)]
         if "deepseek" in sets:
             rest += [("default", "deepseek", m, "fp8", n) for m in ms for n in (1, c)]
-        rest += [("graphs_off", "main", m, "fp8", n) for m in ms for n in (1, c)]
         rest += [("merge_off", "main", m, "fp8", c) for m in ms] + [("merge_off", "main", 1, "fp8", 1)]
         rest += [("uvicorn", "main", m, "fp8", n) for m in ms[:3] for n in (1, c)]
         points = first + [p for p in rest if p not in first]
@@ -510,9 +519,11 @@ def main() -> int:
 
 
 def load_point(srv: Server, workers: Workers, main_set, m: int, big, seconds: float) -> dict:
-    """One client's M-row calls on the main set, idle and then while the 7.5 GB set is
-    loaded from its file again and again (each load a replacement after the first):
-    both latencies, and each load's seconds and GB/s (SPEC 3, issue 16)."""
+    """One client's M-row calls on the main set: idle; during the first load of the
+    7.5 GB set (a shape new to the server: its graphs are captured, their kernels
+    compiled when new to the machine); and while it is loaded again and again
+    (replacements): the latencies, and each load's seconds and GB/s (SPEC 3,
+    issue 16)."""
     import threading
 
     import httpx
@@ -526,27 +537,43 @@ def load_point(srv: Server, workers: Workers, main_set, m: int, big, seconds: fl
     nbytes = big[0] * big[1] * big[2] + 4 * big[0] * (big[2] // 128) * (big[1] // 128)
     loads, stop = [], threading.Event()
 
-    def loader():
+    def load() -> None:
         with httpx.Client(timeout=600) as http:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                r = http.put(srv.url + "/v1/weights/big", content=body,
-                             headers={"content-type": "application/vnd.msgpack"})
-                took = time.monotonic() - t0
-                loads.append({"s": took, "status": r.status_code,
-                              "GB_per_s": nbytes / took / 1e9})
+            t0 = time.monotonic()
+            r = http.put(srv.url + "/v1/weights/big", content=body,
+                         headers={"content-type": "application/vnd.msgpack"})
+            took = time.monotonic() - t0
+            loads.append({"s": took, "status": r.status_code, "GB_per_s": nbytes / took / 1e9})
 
+    def loader() -> None:
+        while not stop.is_set():
+            load()
+
+    # The first load, its calls gathered from short windows while it lasts.
+    first = threading.Thread(target=load, daemon=True)
+    first.start()
+    lat, errors, wall = [], 0, 0.0
+    while first.is_alive():
+        window = workers.run(1, {**job, "duration": 0.5, "min_calls": 1}, keep=True)
+        lat += window["lat"]
+        errors += window["errors"]
+        wall += window["calls"] / window["calls_per_s"] if window["calls_per_s"] else 0.0
+    first.join(600)
+    during_first = _summary(1, lat, errors, wall)
     thread = threading.Thread(target=loader, daemon=True)
     thread.start()
-    time.sleep(0.2)  # the first load under way before the calls are timed
+    time.sleep(0.2)  # the first replacement under way before the calls are timed
     busy = workers.run(1, job)
     stop.set()
     thread.join(600)
-    done = [x for x in loads if x["status"] in (200, 201)]
+    done = [x for x in loads[1:] if x["status"] in (200, 201)]
     return {
-        "M": m, "set_bytes": nbytes, "idle": idle, "during_loads": busy, "loads": loads,
+        "M": m, "set_bytes": nbytes, "idle": idle, "during_first_load": during_first,
+        "first_load": loads[0] if loads else None, "during_loads": busy, "loads": loads,
         "p99_ratio": (busy["p99_us"] / idle["p99_us"]) if idle["p99_us"] and busy["p99_us"]
         else None,
+        "first_load_p99_ratio": (during_first["p99_us"] / idle["p99_us"])
+        if idle["p99_us"] and during_first["p99_us"] else None,
         "load_GB_per_s_median": statistics.median(x["GB_per_s"] for x in done) if done else None,
     }
 

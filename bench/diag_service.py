@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -104,9 +105,10 @@ def over_http(m: int, transport: str, port: int) -> None:
     from moegemm.client import Client
     from moegemm.client._wire import encode_tensor, packb
 
-    proc = subprocess.Popen([sys.executable, "-m", "moegemm.cli", "serve", "--device", "cuda",
-                             "--port", str(port), "--demo", "--http", transport,
-                             "--log-level", "warning"])
+    entry = ([str(Path(__file__).with_name("uvicorn_peer.py"))] if transport == "uvicorn"
+             else ["-m", "moegemm.cli"])
+    proc = subprocess.Popen([sys.executable, *entry, "serve", "--device", "cuda",
+                             "--port", str(port), "--demo", "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     try:
         client = Client(url, timeout=60, retries=0)

@@ -357,7 +357,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=18750)
     ap.add_argument("--ms", default="1,128")
     ap.add_argument("--variants", default="default,acceptors0",
-                    help="server settings to trace: default, acceptors0, uvicorn, profile")
+                    help="server settings to trace: default, acceptors0, profile")
     ap.add_argument("--traced-serve", nargs=argparse.REMAINDER)
     ap.add_argument("--trace-out")
     ap.add_argument("--echo", type=int, help="(internal) run the floor server on this port")
@@ -418,7 +418,6 @@ def main() -> int:
     variants = {
         "default": [],
         "acceptors0": ["--acceptors", "0"],
-        "uvicorn": ["--http", "uvicorn", "--acceptors", "0"],
     }
     env_variants = {"profile": {"MOEGEMM_TRACE_PROFILE": "1"}}
     variants["profile"] = ["--acceptors", "0"]

@@ -22,7 +22,16 @@ import weakref
 from collections import deque
 
 from ._acceptor_link import _fd_path, _frame, _read_frame
-from ._acceptor_shm import _ARENA_BYTES, _SLOT_MAX, _address, _map_arena, _Slots
+from ._acceptor_shm import (
+    _ARENA_BYTES,
+    _INLINE_MAX,
+    _SLOT_MAX,
+    Spill,
+    _address,
+    _map_arena,
+    _Slots,
+    _unlink,
+)
 from ._http import _REASONS, _RUN, _Connection, _error_bytes, _plain_body, sweep
 from ._http_gate import HttpLimits
 
@@ -96,6 +105,8 @@ class _Acceptor:
         self.slots = _Slots(_ARENA_BYTES)
         self.holders: dict[int, int] = {}  # slot -> holders (this process, the owner)
         self.dropped: list[int] = []  # slots whose last local reference died
+        # Bodies in spills of their own (address -> path), until their memory is gone.
+        self.spills: dict[int, str] = {}
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 0
         self.lost = False  # the owner's socket closed
@@ -247,10 +258,13 @@ class _Acceptor:
             path = path if path is not None and len(path) <= 1024 else None
             self.writer.write(_frame({"t": "refused", "st": status, "m": method, "p": path}, 0))
 
-    # _Connection's body allocator: a slot of the request arena when one is free.
+    # _Connection's body allocator: a slot of the request arena when one is free,
+    # else a spill (``_acceptor_shm``): a large body never travels on the link.
     def allocate(self, size: int) -> memoryview:
         self._collect()
-        if self.requests is not None and 0 < size <= _SLOT_MAX:
+        if self.requests is None or size <= 0:
+            return _plain_body(size)
+        if size <= _SLOT_MAX:
             offset = self.slots.take(size)
             if offset is not None:
                 array = self.requests[offset:offset + size]
@@ -259,7 +273,22 @@ class _Acceptor:
                 done = weakref.finalize(array, self.dropped.append, offset)
                 done.atexit = False
                 return memoryview(array)
+        if size >= _INLINE_MAX:
+            spill = Spill.create(self.owner_pid, size)
+            if spill is not None:
+                address = spill.array.ctypes.data
+                self.spills[address] = spill.path
+                # The file goes with the memory: once the owner has answered (it maps
+                # the file when the request arrives) or the request was abandoned.
+                done = weakref.finalize(spill.array, self._spill_gone, address, spill.path)
+                done.atexit = False
+                return memoryview(spill.array)
         return _plain_body(size)
+
+    def _spill_gone(self, address: int, path: str) -> None:
+        if self.spills.get(address) == path:
+            del self.spills[address]
+        _unlink(path)
 
     def _collect(self) -> None:
         while self.dropped:
@@ -285,28 +314,67 @@ class _Acceptor:
             "h": scope["headers"],
             "c": list(client[:2]) if client else None, "sv": list(server[:2]) if server else None,
         }
-        address = _address(body) if self.base is not None and len(body) else None
-        offset = None if address is None else address - self.base
-        parts: list = [body]
-        if offset is not None and offset in self.holders:
-            self.holders[offset] += 1
-            meta["s"] = [offset, len(body)]
-            parts = []
+        where, body = self._shared(body)
+        parts: list = []
+        if where is None:
+            parts.append(body)
+        else:
+            meta[where[0]] = where[1]
+            if where[0] == "s":
+                self.holders[where[1][0]] += 1  # the owner's hold, until it says "rel"
         future = asyncio.get_running_loop().create_future()
         self.pending[request_id] = future
         size = sum(len(p) for p in parts)
         self.writer.writelines([_frame(meta, size), *parts])
-        del body, parts
+        del parts  # ``body`` stays: a spill's file lives as long as its memory
         try:
             answer, data = await future
         finally:
             self.pending.pop(request_id, None)
+        return answer["st"], answer["hd"], self._answer_bytes(answer, data), answer["cl"]
+
+    def _shared(self, body: memoryview) -> tuple[tuple[str, list] | None, memoryview]:
+        """Where the owner finds ``body`` (``_place``; None: inline), and the body. A large
+        body received elsewhere (a chunked upload) is copied to a slot or spill first."""
+        if self.requests is None or not len(body):
+            return None, body
+        where = self._place(body)
+        if where is None and len(body) >= _INLINE_MAX:
+            copy = self.allocate(len(body))
+            copy[:] = body
+            where = self._place(copy)
+            if where is not None:
+                body = copy
+        return where, body
+
+    def _place(self, view: memoryview) -> tuple[str, list] | None:
+        """``("s", [offset, size])`` for a slot of the request arena, ``("f", [path,
+        size])`` for a spill, None for memory of this process alone."""
+        address = _address(view)
+        if address is None:
+            return None
+        if address - self.base in self.holders:
+            return "s", [address - self.base, len(view)]
+        path = self.spills.get(address)
+        return None if path is None else ("f", [path, len(view)])
+
+    def _answer_bytes(self, answer: dict, data: bytes):
+        """An answer's body: inline, or out of the owner's answer arena (its slot freed at
+        once) or spill."""
         slot = answer.get("s")
         if slot is not None:
             offset, size = slot
             data = self.answers[offset:offset + size].tobytes()
             self.writer.write(_frame({"t": "free", "o": offset}, 0))
-        return answer["st"], answer["hd"], data, answer["cl"]
+            return data
+        spill = answer.get("f")
+        if spill is not None:
+            path, size = spill
+            try:
+                data = memoryview(Spill.open(path, size))
+            finally:
+                self.writer.write(_frame({"t": "free", "f": path}, 0))
+        return data
 
     async def _read_owner(self, reader: asyncio.StreamReader, stop: asyncio.Event) -> None:
         try:
@@ -318,6 +386,9 @@ class _Acceptor:
                         future.set_result((meta, data))
                     elif "s" in meta:  # nobody waits for it any more: free its slot
                         self.writer.write(_frame({"t": "free", "o": meta["s"][0]}, 0))
+                    elif "f" in meta:  # or its spill
+                        _unlink(meta["f"][0])
+                        self.writer.write(_frame({"t": "free", "f": meta["f"][0]}, 0))
                 elif meta["t"] == "rel":
                     self._collect()
                     self._unhold(meta["o"])

@@ -5,6 +5,17 @@ created (pages reserved with posix_fallocate, so a full tmpfs fails here,
 not later with SIGBUS) and mapped by the owner, mapped and unlinked by the
 acceptor, swept by the next owner when both died first. ``_Slots`` hands out
 byte ranges of one arena; only one process allocates from each.
+
+A body or answer that finds its arena full (or is larger than a slot) gets a
+file of its own, a *spill* (:class:`Spill`): created and filled by the writer,
+mapped and unlinked by the reader, unlinked by the writer too once the
+exchange is over (whichever comes first; a spill left by processes that died
+carries the owner's pid and is swept with its arenas). Before spills such
+bodies travelled inline on the link, and every request behind one on the same
+link waited for its megabytes to pass through the owner's event loop: on the
+H200, 32 clients of 1024-row calls (7.5 MB bodies; an acceptor's arena holds
+eight) had a p99 of ~1 s where the server's own time per call was ~20 ms
+(``bench/cpu_large_tail.py`` reproduces it on a CPU; ``bench/SERVICE_NOTES.md``).
 """
 
 from __future__ import annotations
@@ -22,7 +33,11 @@ import numpy as np
 log = logging.getLogger("moegemm.server.acceptors")
 
 _ARENA_BYTES = 64 << 20  # per direction and acceptor
-_SLOT_MAX = _ARENA_BYTES // 4  # larger bodies travel inline
+_SLOT_MAX = _ARENA_BYTES // 4  # larger bodies get a spill
+# Smaller bodies and answers travel inline on the link when their arena is full:
+# a frame this small delays the ones behind it by microseconds, a spill costs
+# a file's creation.
+_INLINE_MAX = 64 << 10
 _SLOT_ALIGN = 4096
 _SHM_DIR = "/dev/shm"
 
@@ -133,6 +148,65 @@ def _unlink(path: str | None) -> None:
     if path is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+class Spill:
+    """One body or answer in a /dev/shm file of its own (see the module's docstring)."""
+
+    def __init__(self, path: str, array: np.ndarray) -> None:
+        self.path = path
+        self.array = array  # the mapped bytes
+
+    @classmethod
+    def create(cls, owner_pid: int, size: int) -> Spill | None:
+        """A new spill of ``size`` bytes, its pages reserved; None when /dev/shm cannot
+        hold it (the caller then sends the bytes inline)."""
+        path = os.path.join(_SHM_DIR, f"moegemm-{owner_pid}-spill-{secrets.token_hex(8)}")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as exc:
+            _spill_failed(size, exc)
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mapped = mmap.mmap(fd, size)
+        except OSError as exc:
+            _spill_failed(size, exc)
+            _unlink(path)
+            return None
+        finally:
+            os.close(fd)
+        return cls(path, np.frombuffer(mapped, dtype=np.uint8))
+
+    @staticmethod
+    def open(path: str, size: int) -> np.ndarray:
+        """The spill at ``path`` (named by the peer), mapped, and its name removed."""
+        if os.path.dirname(path) != _SHM_DIR or not os.path.basename(path).startswith("moegemm-"):
+            raise ValueError(f"not a spill: {path[:200]!r}")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < size:
+                raise ValueError(f"the spill {path!r} holds fewer than {size} bytes")
+            return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+        finally:
+            os.close(fd)
+            _unlink(path)
+
+    def unlink(self) -> None:
+        _unlink(self.path)
+
+
+_spill_warned = False
+
+
+def _spill_failed(size: int, exc: OSError) -> None:
+    """Say once per process that /dev/shm is short (then quietly: it may be for a while)."""
+    global _spill_warned
+    level = logging.DEBUG if _spill_warned else logging.WARNING
+    _spill_warned = True
+    log.log(level, "no shared memory for a %d-byte body or answer (%s): it travels inline on "
+            "the acceptor's link, slower, and delays what follows it there; give /dev/shm "
+            "more room", size, exc)
 
 
 def _address(view: Any) -> int | None:

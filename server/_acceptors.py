@@ -14,12 +14,12 @@ in the owner.
 
 The Unix socket carries frames: ``<meta length u32><inline length u32>``, a
 msgpack map, then the inline bytes. Acceptor -> owner: ``req`` (method, path,
-query, headers, keep-alive, and the body either inline or as a slot of the
-acceptor's request arena), ``free`` (an answer slot the acceptor is done with),
-``refused`` (a request it answered from the head, for the owner's metrics).
-Owner -> acceptor: ``res`` (status, header lines, close flag, the body inline
-or as a slot of the owner's answer arena), ``rel`` (a request slot the owner no
-longer references), ``ping`` (answered with ``pong``).
+query, headers, keep-alive, and the body: inline, a slot of the acceptor's
+request arena, or a spill), ``free`` (an answer slot or spill the acceptor is
+done with), ``refused`` (a request it answered from the head, for the owner's
+metrics). Owner -> acceptor: ``res`` (status, header lines, close flag, the
+body: inline, a slot of the owner's answer arena, or a spill), ``rel`` (a
+request slot the owner no longer references), ``ping`` (answered with ``pong``).
 
 A lone client should not pay the forwarding hop (on the H200 it cost a
 one-client M=1 call ~0.6 ms): each acceptor accepts connections itself and
@@ -39,10 +39,13 @@ hook); the owner wraps the slot in a numpy array whose finalizer tells the
 acceptor to free it, so a slot is reused only once nothing in the owner (the
 engine included) references it. Answers of 16 KiB and more are copied into a
 slot of the answer arena and copied out by the acceptor, which frees it at
-once. Bodies over a quarter of an arena, or met with a full arena, travel
-inline (as do chunked uploads); so does everything when /dev/shm is missing
-or full. Requests of one acceptor share one socket: a large inline body
-delays the requests behind it.
+once. A body or answer of 64 KiB or more that finds no slot (larger than a
+quarter of an arena, or met with a full arena, or a chunked upload) goes in a
+spill, a /dev/shm file of its own (``_acceptor_shm.Spill``): requests of one
+acceptor share one socket, and a large body inline on it delayed every request
+behind it (the ~1 s p99 of 32 clients' 1024-row calls on the H200, v3-v6).
+Only small bodies travel inline, and everything when /dev/shm is missing or
+full.
 
 Rooms: this module is the owner's side (spawning and watching the acceptors,
 taking handed-over connections, answering forwarded requests);
@@ -62,6 +65,7 @@ keep handing a hung acceptor new connections.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import multiprocessing
@@ -80,7 +84,9 @@ from ._acceptor import acceptor_main
 from ._acceptor_link import _byte_view, _fd_path, _frame, _read_frame
 from ._acceptor_shm import (
     _ARENA_BYTES,
+    _INLINE_MAX,
     _SLOT_MAX,
+    Spill,
     _create_arena,
     _map_arena,
     _Slots,
@@ -92,6 +98,10 @@ from ._http import FastHttpServer, _Connection, _error_bytes, whole_body_receive
 log = logging.getLogger("moegemm.server.acceptors")
 
 _INLINE_ANSWER = 16 << 10  # smaller answers travel inline
+# Answers this large are copied into shared memory on a helper thread (numpy lets
+# go of the GIL for the copy) while the event loop serves on: a 1024-row call's
+# 4 MB answer held the loop ~0.5 ms, a quarter of it at 500 calls/s.
+_COPY_ASIDE = 1 << 20
 _RESTART_GAP_S = 1.0
 _PING_EVERY_S = 1.0  # the owner's heartbeat to each acceptor
 _CONNECT_ALLOWANCE_S = 5.0  # a new acceptor's start, on top of the heartbeat timeout
@@ -123,6 +133,8 @@ class _Link:
             self.unlink()
             raise
         self.answer_slots = _Slots(_ARENA_BYTES)
+        # Answers sent in spills the acceptor has not yet taken (it says "free").
+        self.spills: set[str] = set()
         self.writer: asyncio.StreamWriter | None = None
         self.connected = False  # the acceptor has said hello (its link may end later)
         # Heartbeat: when the oldest unanswered ping went out (None: all answered).
@@ -130,9 +142,13 @@ class _Link:
         self.last_ping = 0.0
 
     def unlink(self) -> None:
-        """The arenas' names, if the acceptor has not removed them (it died first)."""
+        """The arenas' names, if the acceptor has not removed them (it died first), and
+        the spills it did not take."""
         _unlink(self.request_path)
         _unlink(self.answer_path)
+        for path in self.spills:
+            _unlink(path)
+        self.spills.clear()
 
     def send(self, meta: dict, parts: list) -> None:
         if self.writer is None or self.writer.is_closing():
@@ -172,6 +188,7 @@ class Owner:
         self._unix: asyncio.base_events.Server | None = None
         self._watch: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._copier = concurrent.futures.ThreadPoolExecutor(2, "moegemm-answers")
         self.acceptor_grace_s = server.grace_s  # what each acceptor gets to drain
 
     async def start(self) -> None:
@@ -360,7 +377,10 @@ class Owner:
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
                 elif kind == "free":
-                    link.answer_slots.give(meta["o"])
+                    if "f" in meta:
+                        link.spills.discard(meta["f"])
+                    else:
+                        link.answer_slots.give(meta["o"])
                 elif kind == "refused":  # answered by the acceptor from the head
                     self.server.count_refusal(meta["st"], meta["m"], meta["p"])
                 elif kind == "pong":
@@ -372,9 +392,13 @@ class Owner:
         finally:
             if link.writer is writer:
                 link.writer = None
+                link.unlink()  # spills the acceptor will not take now
             writer.close()
 
     def _request_body(self, link: _Link, meta: dict, data: bytes) -> memoryview:
+        spill = meta.get("f")
+        if spill is not None:
+            return memoryview(Spill.open(*spill))  # mapped here until the body is dropped
         slot = meta.get("s")
         if slot is None:
             return memoryview(data)  # already a private copy of the bytes
@@ -419,22 +443,33 @@ class Owner:
         del body
         answer = {"t": "res", "id": meta["id"], "st": status, "hd": head, "cl": close}
         size = sum(_byte_view(p).nbytes for p in parts)
-        offset = None
-        if link.answers is not None and _INLINE_ANSWER <= size <= _SLOT_MAX:
-            offset = link.answer_slots.take(size)
-        if offset is None:
+        if link.answers is None or size < _INLINE_ANSWER:
             link.send(answer, [_byte_view(p) for p in parts])
             return
+        offset = link.answer_slots.take(size) if size <= _SLOT_MAX else None
+        spill = None
+        if offset is None:
+            spill = Spill.create(os.getpid(), size) if size >= _INLINE_MAX else None
+            if spill is None:  # small, or no shared memory left: inline
+                link.send(answer, [_byte_view(p) for p in parts])
+                return
+        target = link.answers[offset:offset + size] if spill is None else spill.array
         try:
-            at = offset
-            for part in parts:
-                view = np.frombuffer(_byte_view(part), dtype=np.uint8)
-                link.answers[at:at + view.size] = view
-                at += view.size
+            if size >= _COPY_ASIDE:
+                await self.loop.run_in_executor(self._copier, _fill, target, parts)
+            else:
+                _fill(target, parts)
         except BaseException:
-            link.answer_slots.give(offset)
+            if spill is None:
+                link.answer_slots.give(offset)
+            else:
+                spill.unlink()
             raise
-        answer["s"] = [offset, size]
+        if spill is None:
+            answer["s"] = [offset, size]
+        else:
+            answer["f"] = [spill.path, size]
+            link.spills.add(spill.path)
         link.send(answer, [])
 
     async def _run_app(self, meta: dict, headers: list, body: memoryview):
@@ -517,6 +552,7 @@ class Owner:
             process.join(0)
 
     def close(self) -> None:
+        self._copier.shutdown(wait=False)
         if self._unix is not None:
             self._unix.close()
         for channel in list(self._fd_channels):
@@ -530,6 +566,15 @@ class Owner:
             if link.writer is not None:
                 link.writer.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _fill(target: np.ndarray, parts: list) -> None:
+    """Copy an answer's parts back to back into ``target`` (shared memory)."""
+    at = 0
+    for part in parts:
+        view = np.frombuffer(_byte_view(part), dtype=np.uint8)
+        target[at:at + view.size] = view
+        at += view.size
 
 
 def _internal_error() -> tuple[int, bytes, list]:

@@ -19,8 +19,8 @@ does, in the same order and with the same helpers, what the ASGI path does:
 Errors become the same SPEC 2.2 JSON as ``app.error_response`` makes (it is
 used for the bytes); anything unexpected is logged and answered 500. The
 contract does not change with the transport: the whole API and error suites
-run against both (``tests/server/test_http_transport.py``). uvicorn
-(``MOEGEMM_HTTP=uvicorn``) keeps serving this route through FastAPI.
+run against both (``tests/server/test_http_transport.py``). uvicorn (the
+tests' and the benchmarks' peer) serves this route through FastAPI.
 """
 
 from __future__ import annotations

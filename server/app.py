@@ -94,7 +94,7 @@ async def _load_startup_sets(svc: routes.Services, experts: routes_experts.Exper
 async def _lifespan(app: FastAPI):
     settings: Settings = app.state.settings
     device = resolve_device(settings.device)
-    backend = get_backend(device, None if settings.backend == "auto" else settings.backend)
+    backend = get_backend(device)
     log.info("device %s, backend %s (%s, %s weights)", device, backend.name,
              backend.fp8_dtype, backend.weight_layout)
     metrics: Metrics = app.state.metrics
@@ -104,7 +104,6 @@ async def _lifespan(app: FastAPI):
         max_m=settings.max_m,
         max_bucket_m=settings.max_bucket_m,
         merge_window_us=settings.merge_window_us,
-        graphs=settings.graphs,
         metrics=metrics,
         switch_interval_us=settings.gil_switch_us,
     )

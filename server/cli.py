@@ -1,13 +1,14 @@
-"""``moegemm serve``: run the server (one process, one worker, owning one device).
+"""``moegemm serve``: run the server (one process owning one device, and its acceptors).
 
 Flags override the environment (``MOEGEMM_*``); anything without a flag is
-still read from it.
+still read from it. The transport is ``_http.py``'s, the only one that ships
+(uvicorn serves the same app in the tests and as the benchmarks' peer,
+``bench/uvicorn_peer.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import sys
 
@@ -24,7 +25,6 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--device", help="auto, cpu, cuda or cuda:N")
-    serve.add_argument("--backend", help="auto, reference, triton or flydsl")
     serve.add_argument("--weights-dir", dest="weights_dir")
     serve.add_argument("--preload", action="append",
                        help="name=file:w_key[:w_scale_key], repeatable")
@@ -46,9 +46,6 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-bucket-m", dest="max_bucket_m", type=int)
     serve.add_argument("--merge-window-us", dest="merge_window_us", type=int)
     serve.add_argument("--queue-size", dest="queue_size", type=int)
-    serve.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None)
-    serve.add_argument("--http", choices=["fast", "uvicorn"],
-                       help="HTTP transport (default fast; uvicorn for comparison)")
     serve.add_argument("--acceptors", type=int,
                        help="acceptor processes sharing the port (default: 4 on a GPU, "
                             "0 on the CPU)")
@@ -58,54 +55,33 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``moegemm <args>``; returns the exit status."""
-    args = vars(_parser().parse_args(argv))
-    args.pop("command")
-    overrides = {key: value for key, value in args.items() if value is not None}
     try:
-        settings = Settings(**overrides)
+        settings = parse_settings(argv)
     except ValidationError as exc:
         print(f"moegemm serve: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     return serve(settings)
 
 
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    """The settings of ``moegemm serve <flags>``: the flags given, over the environment."""
+    args = vars(_parser().parse_args(argv))
+    args.pop("command")
+    return Settings(**{key: value for key, value in args.items() if value is not None})
+
+
 def serve(settings: Settings) -> int:
-    """Run the app until interrupted, on the configured HTTP transport; the exit
-    status is EXIT_DEVICE_LOST when it stopped because its device failed for good."""
-    status = _serve(settings)
-    from . import engine
-
-    return engine.EXIT_DEVICE_LOST if engine.DEVICE_LOST.is_set() else status
-
-
-def _serve(settings: Settings) -> int:
+    """Run the app until interrupted; the exit status is EXIT_DEVICE_LOST when it
+    stopped because its device failed for good."""
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    logging.getLogger("moegemm").info("starting moegemm on %s:%d (%s transport)",
-                                      settings.host, settings.port, settings.http)
-    if settings.http == "fast":
-        return _serve_fast(settings)
-    import uvicorn
+    logging.getLogger("moegemm").info("starting moegemm on %s:%d", settings.host, settings.port)
+    status = _serve_fast(settings)
+    from . import engine
 
-    from .app import create_app
-
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        workers=1,
-        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http="httptools" if importlib.util.find_spec("httptools") else "h11",
-        log_level=settings.log_level,
-        # The body limit is enforced per request; this bounds idle keep-alives.
-        timeout_keep_alive=30,
-        # Graceful shutdown: stop accepting, let accepted requests finish, but not
-        # forever (a stalled upload must not hold the process past its grace period).
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
-    )
-    return 0
+    return engine.EXIT_DEVICE_LOST if engine.DEVICE_LOST.is_set() else status
 
 
 def _serve_fast(settings: Settings) -> int:

@@ -68,8 +68,6 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     # "auto": the first CUDA/ROCm device when there is one, else the CPU.
     device: str = "auto"
-    # "auto" lets the kernels pick; any other value must name the backend they pick.
-    backend: str = "auto"
     weights_dir: Path | None = None
     # Weight sets loaded at start-up; from the environment either a JSON list
     # or comma-separated entries.
@@ -102,7 +100,6 @@ class Settings(BaseSettings):
     # On SIGTERM/SIGINT: seconds the requests in flight get to finish (fits the
     # deployments' grace period after their preStop pause).
     shutdown_grace_s: float = Field(60.0, gt=0)
-    graphs: bool = True
     # CPython's GIL switch interval while the engine runs (microseconds). The
     # engine's worker gives up the GIL in every torch call and must win it back
     # from the event loop: under load each call of a batch waited up to this
@@ -110,13 +107,10 @@ class Settings(BaseSettings):
     # 20 and 50 served fewer calls at 32 clients than 200 or 1000, which were
     # within run-to-run noise of each other.
     gil_switch_us: int = Field(1000, ge=1, le=5000)
-    # The HTTP transport: "fast" (server/_http.py: bodies received in place,
-    # pinned on a GPU) or "uvicorn". Same app, same contract.
-    http: Literal["fast", "uvicorn"] = "fast"
     # Acceptor processes beside this one on the public port (SO_REUSEPORT):
     # they read and write HTTP and forward each request to this process, the
     # device's only owner (server/_acceptors.py). 0: this process alone. Unset:
-    # DEFAULT_GPU_ACCEPTORS when serving a GPU on the fast transport, else 0.
+    # DEFAULT_GPU_ACCEPTORS when serving a GPU, else 0.
     acceptors: int | None = Field(None, ge=0, le=64)
     # An acceptor that leaves the owner's heartbeat unanswered this long is
     # killed and replaced (a hung one would keep receiving connections).
@@ -125,8 +119,7 @@ class Settings(BaseSettings):
     # connection an acceptor accepts while it serves fewer than this many, so
     # a lone client pays no forwarding hop; the rest are forwarded. 0: never.
     owner_connections: int = Field(2, ge=0, le=1024)
-    # The fast transport's timeouts and limits (server/_http.py; uvicorn keeps its
-    # own, with the same keep-alive). A head must arrive whole within
+    # The HTTP transport's timeouts and limits (server/_http.py). A head must arrive whole within
     # http_head_timeout_s of its first byte; a body at a mean rate of at least
     # http_min_body_rate bytes/s after that much grace; a connection idle between
     # requests (or not draining its answers) is closed after http_keep_alive_s;
@@ -198,15 +191,13 @@ class Settings(BaseSettings):
             raise ValueError("checkpoint and layers go together (--checkpoint DIR --layers A-B)")
         if self.checkpoint is not None and self.weights_dir is None:
             raise ValueError("checkpoint needs weights_dir (it is resolved under it)")
-        if self.acceptors and self.http != "fast":
-            raise ValueError("acceptors need the fast HTTP transport (http=fast)")
         return self
 
     def acceptor_count(self, on_gpu: bool) -> int:
         """How many acceptor processes to start (``acceptors``, or its default)."""
         if self.acceptors is not None:
             return self.acceptors
-        return DEFAULT_GPU_ACCEPTORS if on_gpu and self.http == "fast" else 0
+        return DEFAULT_GPU_ACCEPTORS if on_gpu else 0
 
     def preload_entries(self) -> list[PreloadEntry]:
         """The preload list, parsed."""

@@ -14,6 +14,7 @@ than silently ignored.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import logging
@@ -44,6 +45,7 @@ from moegemm.client._errors import (
 )
 from moegemm.kernels._backend import Backend
 
+from ._staging import PacedUpload
 from ._tensors import (
     BLOCK,
     FLOATS,
@@ -523,8 +525,9 @@ class WeightStore:
     def _upload(self, name, shape, dtype, source: _Groups, w_scale):
         """The groups to the device in chunks on the current stream (the engine's loader
         stream): chunk ``i + 1`` is read into one page-locked buffer while chunk ``i``
-        is copied from the other; the contents are checked on the device and judged
-        once, at the end (NotFinite naming the first bad group)."""
+        goes to the device from the other, in paced pieces (``_staging.PacedUpload``:
+        the calls' copies never wait behind a whole chunk); the contents are checked on
+        the device and judged once, at the end (NotFinite naming the first bad group)."""
         G, N, K = shape
         fp8 = self.backend.fp8_dtype
         dev = self.device
@@ -534,9 +537,9 @@ class WeightStore:
         item = torch.empty((), dtype=dtype).element_size()
         group_bytes = N * K * item
         per_chunk = max(1, min(G, _CHUNK_BYTES // group_bytes))
+        chunks = [(g0, min(G, g0 + per_chunk)) for g0 in range(0, G, per_chunk)]
         staging = [torch.empty(per_chunk * group_bytes, dtype=torch.uint8, pin_memory=on_gpu)
-                   for _ in range(2 if G > per_chunk else 1)]
-        copied: list[torch.cuda.Event | None] = [None] * len(staging)
+                   .numpy() for _ in range(min(2, len(chunks)))]
         bad = torch.zeros(G, dtype=torch.bool, device=dev)
         as_is = dtype == fp8
         if dtype in FP8:
@@ -546,35 +549,34 @@ class WeightStore:
         step = max(1, G // 10)
         # Progress of sets of a GiB or more is worth an operator's attention.
         level = logging.INFO if G * N * K >= 1 << 30 else logging.DEBUG
-        for i, g0 in enumerate(range(0, G, per_chunk)):
-            g1 = min(G, g0 + per_chunk)
-            slot = i % len(staging)
-            if copied[slot] is not None:
-                copied[slot].synchronize()  # its last copy has left the buffer
-            buf = staging[slot][: (g1 - g0) * group_bytes]
-            source.read(g0, g1, group_bytes, buf.numpy())
-            host = buf.view(dtype).view(g1 - g0, N, K)
-            if as_is:
-                chunk = wq[g0:g1]
-                chunk.copy_(host, non_blocking=on_gpu)
-            else:
-                chunk = host.to(dev, non_blocking=on_gpu)
-            if on_gpu:
-                copied[slot] = torch.cuda.Event()
-                copied[slot].record()
-            if dtype in FP8:
-                bad[g0:g1] = _fp8_nan(chunk).flatten(1).any(1)
-                if not as_is:
-                    q, s = to_backend_fp8(chunk, scale_dev[g0:g1], fp8)
+        upload = PacedUpload(dev)
+        try:
+            reading = source.start(*chunks[0], group_bytes, staging[0])
+            for i, (g0, g1) in enumerate(chunks):
+                reading.result()  # chunk i is in staging[i % 2]
+                if i + 1 < len(chunks):
+                    # The other buffer's copies (chunk i - 1) have left it: read on into it.
+                    upload.wait()
+                    reading = source.start(*chunks[i + 1], group_bytes, staging[(i + 1) % 2])
+                host = staging[i % 2][: (g1 - g0) * group_bytes]
+                chunk = wq[g0:g1] if as_is else torch.empty((g1 - g0, N, K), dtype=dtype,
+                                                              device=dev)
+                upload.copy(chunk, host)
+                if dtype in FP8:
+                    bad[g0:g1] = _fp8_nan(chunk).flatten(1).any(1)
+                    if not as_is:
+                        q, s = to_backend_fp8(chunk, scale_dev[g0:g1], fp8)
+                        wq[g0:g1].copy_(q)
+                        scales[g0:g1].copy_(s)
+                else:
+                    bad[g0:g1] = ~torch.isfinite(chunk).flatten(1).all(1)
+                    q, s = _quantize_groups(chunk, fp8)
                     wq[g0:g1].copy_(q)
                     scales[g0:g1].copy_(s)
-            else:
-                bad[g0:g1] = ~torch.isfinite(chunk).flatten(1).all(1)
-                q, s = _quantize_groups(chunk, fp8)
-                wq[g0:g1].copy_(q)
-                scales[g0:g1].copy_(s)
-            if (g1 // step) != (g0 // step) or g1 == G:
-                log.log(level, "%r: %d/%d groups on %s", name, g1, G, dev)
+                if (g1 // step) != (g0 // step) or g1 == G:
+                    log.log(level, "%r: %d/%d groups on %s", name, g1, G, dev)
+        finally:
+            upload.close()
         first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else None  # the one sync
         if first is not None:
             what = "fp8 NaN encodings" if dtype in FP8 else "NaN or Inf"
@@ -591,10 +593,21 @@ _READERS = 4
 
 class _Groups:
     """Where a weight set's groups come from: ``read(g0, g1, group_bytes, dst)`` fills
-    ``dst`` (uint8) with groups ``g0:g1``'s raw bytes."""
+    ``dst`` (uint8) with groups ``g0:g1``'s raw bytes; ``start`` does it in the
+    background where it can (a file), ``.result()`` of what it returns waits."""
 
     def read(self, g0: int, g1: int, group_bytes: int, dst: np.ndarray) -> None:
         raise NotImplementedError
+
+    def start(self, g0: int, g1: int, group_bytes: int, dst: np.ndarray):
+        done = concurrent.futures.Future()
+        try:
+            self.read(g0, g1, group_bytes, dst)
+        except BaseException as exc:  # noqa: BLE001 -- raised by .result(), as a background read's is
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        return done
 
 
 class _MemoryGroups(_Groups):
@@ -624,7 +637,8 @@ class _CallableGroups(_Groups):
 
 class _FileGroups(_Groups):
     """Groups of a tensor at byte ``start`` of an open file: positioned reads straight
-    into the page-locked buffer (no memory map, no intermediate copy), several at once."""
+    into the page-locked buffer (no memory map, no intermediate copy), ``_READERS`` at
+    once, in the background (``start``) while the loader thread sends the last chunk."""
 
     def __init__(self, fd: int, start: int) -> None:
         self._fd = fd
@@ -632,17 +646,18 @@ class _FileGroups(_Groups):
         self._pool = None
 
     def read(self, g0, g1, group_bytes, dst) -> None:
-        import concurrent.futures
+        self.start(g0, g1, group_bytes, dst).result()
 
+    def start(self, g0, g1, group_bytes, dst):
         total = len(dst)
         at = self._start + g0 * group_bytes
         piece = -(-total // _READERS)
-        spans = [(a, min(total, a + piece)) for a in range(0, total, piece)]
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(_READERS)
         view = memoryview(dst)
-        list(self._pool.map(lambda span: self._pread(view[span[0]:span[1]], at + span[0]),
-                            spans))
+        spans = [self._pool.submit(self._pread, view[a:min(total, a + piece)], at + a)
+                 for a in range(0, total, piece)]
+        return _AllDone(spans)
 
     def _pread(self, view: memoryview, offset: int) -> None:
         while len(view):
@@ -654,6 +669,18 @@ class _FileGroups(_Groups):
     def __del__(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+class _AllDone:
+    """``.result()`` of several futures: waits for all, then raises the first failure."""
+
+    def __init__(self, futures: list) -> None:
+        self._futures = futures
+
+    def result(self) -> None:
+        concurrent.futures.wait(self._futures)
+        for future in self._futures:
+            future.result()
 
 
 def _safetensors_header(handle, file: str) -> tuple[dict, int]:

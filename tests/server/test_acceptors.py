@@ -24,7 +24,7 @@ import torch
 from moegemm.client import Client
 from moegemm.kernels import quantize_activations, quantize_weights, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, rel_error
-from moegemm.server._acceptor_shm import _Slots
+from moegemm.server._acceptor_shm import _SLOT_MAX, _Slots
 from server_support import _free_port
 from test_direct import CASES, TOKEN, _request
 
@@ -36,10 +36,11 @@ ARGS = ["--device", "cpu", "--demo", "--max-body-bytes", str(1 << 20), "--max-m"
 
 
 class _Server:
-    def __init__(self, acceptors: int, **env_extra: str) -> None:
+    def __init__(self, acceptors: int, args: tuple[str, ...] = (), **env_extra: str) -> None:
         self.port = _free_port()
         env = {**os.environ, "MOEGEMM_TOKEN": TOKEN, **env_extra}
-        command = [sys.executable, "-m", "moegemm.cli", "serve", *ARGS, "--port", str(self.port)]
+        command = [sys.executable, "-m", "moegemm.cli", "serve", *ARGS, *args,
+                   "--port", str(self.port)]
         if acceptors:
             command += ["--acceptors", str(acceptors)]
         self.process = subprocess.Popen(command, env=env)
@@ -289,6 +290,44 @@ def test_concurrent_calls_match_the_reference(servers):
     line = b'moegemm_requests_total{endpoint="/v1/weights/{name}/gemm",status="200"} '
     count = [r for r in body.split(b"\n") if r.startswith(line)]
     assert count and float(count[0][len(line):]) >= len(problems)
+
+
+def test_a_body_larger_than_a_slot_answers_as_on_the_owner():
+    """A 17 MiB body (over a quarter of the arena) read by an acceptor reaches the
+    owner in a spill (tests/server/test_acceptor_spills.py) and is answered with
+    exactly the bytes the owner answers when it reads the same request itself."""
+    from moegemm.client._wire import encode_tensor, packb
+
+    server = _Server(1, ("--max-body-bytes", str(64 << 20), "--max-m", "32768"),
+                     MOEGEMM_OWNER_CONNECTIONS="0")
+    try:
+        server.wait_ready()
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(17000, 512, generator=gen).to(torch.bfloat16)  # the demo set's K
+        m = torch.tensor([3000, 0, 4000, 2000, 1000, 5000, 1500, 500])
+        body = packb({"x": encode_tensor(x), "m_sizes": encode_tensor(m)})
+        assert len(body) > _SLOT_MAX
+        data = _request("POST", "/v1/weights/demo/gemm", body,
+                        {"authorization": f"Bearer {TOKEN}",
+                         "content-type": "application/vnd.msgpack"})
+        answers = {}
+        acceptors = set(server.children())
+        for _ in range(60):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+                by = "acceptor" if server.owner_of(sock) in acceptors else "owner"
+                if by in answers:
+                    continue
+                sock.sendall(data)
+                answers[by] = _read_answer(sock)
+            if len(answers) == 2:
+                break
+        assert set(answers) == {"acceptor", "owner"}
+        head, answer = answers["acceptor"]
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        assert len(answer) > 17000 * 256 * 2
+        assert answers["acceptor"] == answers["owner"]
+    finally:
+        server.stop()
 
 
 def test_a_killed_acceptor_is_replaced(servers):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from moegemm.server._staging import Staging
@@ -120,3 +122,38 @@ def test_gather_rows_with_an_empty_first_part():
     staging.begin()
     parts = [torch.empty((0, 8)), torch.arange(16.0).view(2, 8)]
     assert torch.equal(staging.gather_rows(parts), parts[1])
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a GPU")),
+])
+def test_a_paced_upload_moves_every_piece(device):
+    """A load's copies go in pieces (``_LOAD_PIECE``) with a bounded number queued,
+    on the current stream (the engine's loader stream on a GPU): every byte lands,
+    a size that is not a multiple of the piece included, and after ``wait`` the host
+    buffer is free to refill for the next chunk."""
+    import numpy as np
+    from moegemm.server import _staging
+
+    nbytes = 3 * _staging._LOAD_PIECE + 12345
+    on_gpu = device == "cuda"
+    side = torch.cuda.Stream() if on_gpu else None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu).numpy()
+    rng = np.random.default_rng(2)
+    with torch.cuda.stream(side) if on_gpu else contextlib.nullcontext():
+        upload = _staging.PacedUpload(torch.device(device))
+        if on_gpu and torch.version.hip is None:
+            assert isinstance(upload._copies, _staging._DriverCopies)  # what ships on NVIDIA
+        dst = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        want = []
+        for d in dst:
+            host[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+            want.append(host.copy())
+            upload.copy(d, host)
+            assert len(upload._marks) <= _staging._LOAD_AHEAD
+            upload.wait()  # before the buffer is refilled
+        upload.close()
+    for d, w in zip(dst, want):
+        assert np.array_equal(d.cpu().numpy(), w)
