@@ -136,7 +136,7 @@ def general():
     def answer(ws, x, x_scale, m_sizes) -> torch.Tensor:
         from server_support import bf16_rows, gemm_call
 
-        return bf16_rows(asyncio.run(engine.gemm(gemm_call(ws, x, x_scale, m_sizes))))
+        return bf16_rows(asyncio.run(engine.submit(gemm_call(ws, x, x_scale, m_sizes))))
 
     yield answer
     engine.close()
