@@ -352,8 +352,9 @@ class ExpertExecutor:
         words = bufs.meta_words(launched)
         bufs.meta[:words].copy_(bufs.meta_host[:words])
         launches.add(g.launch(bufs, es, launched))
-        # A synchronous copy: the next launch of this batch rewrites the host words.
-        host = bufs.result[: bufs.packed_bytes(launched, n)].cpu().numpy()
+        # A synchronous copy (a copy on the CPU too: the next batch reuses ``result``), so
+        # the next launch of this batch may rewrite the host words.
+        host = bufs.result[: bufs.packed_bytes(launched, n)].to("cpu", copy=True).numpy()
         out, flags, _ = unpack(host, launched, n, es.H)
         return out, flags
 
@@ -389,7 +390,7 @@ class ExpertExecutor:
                 words = bufs.meta_words(launched)
                 bufs.meta[:words].copy_(bufs.meta_host[:words])
                 launches.add(g.launch(bufs, es, launched))
-                host = bufs.result[: bufs.packed_bytes(launched, n)].cpu().numpy()
+                host = bufs.result[: bufs.packed_bytes(launched, n)].to("cpu", copy=True).numpy()
                 out[start:stop], x_flags[start:stop], routing[start:stop] = \
                     unpack(host, launched, n, es.H)
         if raw is not None:
