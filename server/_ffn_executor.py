@@ -192,9 +192,7 @@ class ExpertExecutor:
         rows = offsets[-1]
         if not 0 < rows <= g.max_bucket:
             return None
-        bufs = g._buffers.get(g.family(es, calls[0].dtype == "bfloat16"))
-        if bufs is None:
-            return None
+        bufs = g.buffers(g.family(es, calls[0].dtype == "bfloat16"))
         launched = g.launch_rows(rows)
         with bufs.lock:
             graph = g.graph(bufs.family, launched, es)
@@ -225,8 +223,8 @@ class ExpertExecutor:
         k = calls[0].top_k
         starts = [0, *itertools.accumulate(c.tokens for c in calls)]
         tokens = starts[-1]
-        bufs = g._buffers.get(g.family(es, calls[0].dtype == "bfloat16", k))
-        if bufs is None or not 0 < tokens <= bufs.units:
+        bufs = g.buffers(g.family(es, calls[0].dtype == "bfloat16", k))
+        if not 0 < tokens <= bufs.units:
             return None
         launched = g.launch_rows(tokens)
         id_bytes = 8 if calls[0].ids_dtype == "int64" else 4

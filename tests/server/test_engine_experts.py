@@ -129,7 +129,7 @@ def test_merged_moe_calls_equal_alone_bit_for_bit(es):
         if i == 4:
             ids[1, 1] = G  # bad routing: this call only
         raw.append((x, xs, ids, w))
-    make = lambda: [moe_call(es, *r) for r in raw]  # noqa: E731
+    make = lambda: [moe_call(es, *r) for r in raw]
     want = _alone(make)
     engine = _engine(loop=True)
     seen = _spy(engine)

@@ -194,21 +194,28 @@ def test_route_and_combine_in_the_triton_interpreter():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def compare_padded_path_on_cpu() -> None:
-    """The GPU's path (rows padded to buckets, the Triton steps) equals the CPU's, bit for bit.
+class _EagerGraph:
+    """Stands in for a captured graph on the CPU: its replay runs the same body eagerly."""
 
-    The GEMM is the reference on the live rows, NaN past them: rows of no expert must never
-    reach an answer.
-    """
+    def __init__(self, steps, family, launched, es) -> None:
+        self.steps, self.family, self.launched, self.es = steps, family, launched, es
+
+    def replay(self) -> None:
+        self.steps._body(self.steps.buffers(self.family), self.es, self.launched)
+
+
+def _padded_runner(graph_path: bool) -> Runner:
+    """A CPU runner on the GPU's steps (rows padded to buckets, the Triton kernels in the
+    interpreter; the GEMM the reference on the live rows, NaN past them: rows of no expert
+    must never reach an answer). ``graph_path``: "graphs" that replay the body eagerly, so
+    calls take the executor's graph path (driver-copy staging, the launch's words)."""
     from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
+    from moegemm.kernels._triton_prologue import check_and_gather
     from moegemm.kernels.reference import grouped_gemm
     from moegemm.server._moe_route import combine, route
-    from moegemm.kernels._triton_prologue import check_and_gather
 
-    gen = torch.Generator().manual_seed(0)
-    es = expert_set(G, 256, 256, FP8, "cpu", gen)
-    plain, padded = _runner(), _runner()
-    steps = padded.graphs
+    runner = _runner()
+    steps = runner.graphs
     steps.pad_to_bucket = True
     steps.check_and_gather = check_and_gather
     steps._act = lambda h, rows: silu_mul_quant_triton(h, FP8, rows=rows)
@@ -221,28 +228,59 @@ def compare_padded_path_on_cpu() -> None:
         grouped_gemm(xq[:n], ws.wq, xs[:n], ws.w_scale, m_sizes, out[:n])
 
     steps._gemm = gemm
+    if graph_path:
+        steps.graph = lambda f, launched, es: _EagerGraph(steps, f, launched, es)
+    return runner
+
+
+def compare_padded_path_on_cpu() -> None:
+    """The GPU's paths equal the CPU's bit for bit: the general path on padded rows, and the
+    graph path (each caller's bytes copied to their place, the words, one download),
+    merged or alone, int32 or int64 ids."""
+    gen = torch.Generator().manual_seed(0)
+    es = expert_set(G, 256, 256, FP8, "cpu", gen)
+    plain, padded, fast = _runner(), _padded_runner(False), _padded_runner(True)
 
     def same(a, b):
         return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
-    for m, kind in ((3, None), (7, FP8), (20, None)):
+    for m, kind in ((3, None), (7, FP8), (20, None), (16, FP8)):  # 20: chunks of 16
         x, xs = random_x(m, 256, gen, kind)
         sizes = random_m_sizes(G, m, generator=gen).tolist()
-        assert same(plain.ffn(es, x, xs, sizes), padded.ffn(es, x, xs, sizes)), (m, kind)
+        want = plain.ffn(es, x, xs, sizes)
+        assert same(want, padded.ffn(es, x, xs, sizes)), (m, kind)
+        assert same(want, fast.ffn(es, x, xs, sizes)), (m, kind)
     calls = [(random_x(m, 256, gen)[0], None, random_m_sizes(G, m, generator=gen).tolist())
-             for m in (3, 2, 5)]
-    for a, b in zip(plain.ffn_many(es, calls), padded.ffn_many(es, calls)):
-        assert same(a, b)
+             for m in (3, 2, 5, 1)]
+    for a, b, c in zip(plain.ffn_many(es, calls), padded.ffn_many(es, calls),
+                       fast.ffn_many(es, calls)):
+        assert same(a, b) and same(a, c)
+    assert fast.launches[-1].graph == 1  # the four merged into one "replay"
     for T, k, kind in ((1, 1, None), (3, 2, FP8), (6, 4, None)):
         x, xs = random_x(T, 256, gen, kind)
         ids, w = random_routing(T, G, k, gen)
-        assert same(plain.moe(es, x, xs, ids, w), padded.moe(es, x, xs, ids, w)), (T, k)
-        assert same(plain.moe(es, x, xs, ids, w), padded.moe(es, x, xs, ids.to(torch.int32), w))
+        want = plain.moe(es, x, xs, ids, w)
+        for runner in (padded, fast):
+            assert same(want, runner.moe(es, x, xs, ids, w)), (T, k)
+            assert same(want, runner.moe(es, x, xs, ids.to(torch.int32), w)), (T, k)
     ids[0, 0] = G
-    for runner in (plain, padded):
+    for runner in (plain, padded, fast):
         with pytest.raises(Exception) as info:
             runner.moe(es, x, xs, ids, w)
         assert info.value.code == "bad_routing"
+    moe_calls = []
+    for T in (2, 1, 3):
+        x, _ = random_x(T, 256, gen)
+        moe_calls.append((x, None, *random_routing(T, G, 2, gen, dtype=torch.int32)))
+    bad = moe_calls[1][2].clone()
+    bad[0, 1] = G
+    moe_calls.append((moe_calls[1][0], None, bad, moe_calls[1][3]))
+    wants = plain.moe_many(es, moe_calls)
+    gots = fast.moe_many(es, moe_calls)
+    assert fast.launches[-1].graph == 1
+    for a, b in zip(wants[:3], gots[:3]):
+        assert same(a, b)
+    assert wants[3].code == gots[3].code == "bad_routing"
 
 
 def test_the_padded_triton_path_in_the_interpreter():
@@ -263,7 +301,6 @@ def test_a_backend_without_float32_output_keeps_h_in_bf16():
 
     from moegemm.kernels.reference import create as reference_backend
     from moegemm.server._ffn import FfnExecutor
-
     from moegemm.server._ffn_graphs import FfnGraphs
 
     backend = reference_backend(torch.device("cpu"))
