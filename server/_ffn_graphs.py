@@ -294,6 +294,7 @@ class FfnGraphs:
         self._buffers_lock = threading.Lock()  # the device thread and the loader make them
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._side: torch.cuda.Stream | None = None  # the captures' warm-up stream
         self.replays = 0
         self.eager_runs = 0
         self.captures = 0
@@ -490,7 +491,10 @@ class FfnGraphs:
 
     def _capture(self, bufs: FfnBuffers, es, launched: int) -> None:
         """Capture one bucket's graph on the buffers as they are (a valid launch's words)."""
-        side = torch.cuda.Stream(self.device)
+        # One warm-up stream for all captures: split-K workspaces are kept per stream.
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._body(bufs, es, launched)  # warm-up: Triton compiles outside the capture
