@@ -7,17 +7,17 @@ One client, one keep-alive connection, calls one after the other. The client
 stamps each call (``time.perf_counter_ns``, CLOCK_MONOTONIC: one clock for every
 process on the machine); the server runs with stamps wrapped around its
 request path (``--traced-serve``: the transport's first read and dispatch, the
-gemm handler, ``Engine.gemm``, ``Executor.run`` and its steps) and writes them
+gemm handler, ``Engine.submit``, ``Executor.run`` and its steps) and writes them
 at exit. Each segment of the path is then a median over the calls:
 
     send hop  : client sendall -> the server's first read of the request
     body      : first read -> whole body (dispatch)
     task      : dispatch -> the handler runs
-    decode    : handler -> Engine.gemm (msgpack, names, checks)
-    to batch  : Engine.gemm -> Executor.run (validate, queue or inline)
+    decode    : handler -> Engine.submit (msgpack, names, checks)
+    to batch  : Engine.submit -> Executor.run (validate, queue or inline)
     executor  : Executor.run (staging, uploads, graph, download), with its steps
-    from batch: Executor.run returned -> Engine.gemm returns
-    answer    : Engine.gemm returned -> the handler returns (headers, metrics)
+    from batch: Executor.run returned -> Engine.submit returns
+    answer    : Engine.submit returned -> the handler returns (headers, metrics)
     write     : handler returned -> the transport wrote the answer
     back hop  : written -> the client holds the whole answer
 
@@ -105,7 +105,7 @@ def _install_stamps() -> None:
         setattr(cls, attr, _timed(getattr(cls, attr), key))
 
     stamp_async(_direct.DirectGemm, "__call__", "handler")
-    stamp_async(engine.Engine, "gemm", "gemm")
+    stamp_async(engine.Engine, "submit", "gemm")
     stamp_sync(_executor.Executor, "run", "executor")
     for cls, attr in ((_staging.Staging, "gather_rows"), (_staging.Staging, "upload"),
                       (_staging.Staging, "download"), (_graphs.GraphPool, "launch"),

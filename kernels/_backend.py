@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,6 +34,11 @@ class Backend:
     - ``check_and_gather(x, x_scale, gather, x_out, scale_out, flags)``: one
       kernel that checks the rows' contents (the server's ``bad_rows``) and
       regroups them (``x_out = x[gather]``); capture-safe.
+    - ``tile_key(m, n, k, g, out_dtype)``: a key of the tile (schedule, tile
+      sizes, split-K) a launch of ``m`` rows runs: launches whose keys are
+      equal compute each output row alike, bit for bit, whatever the other
+      rows hold (the server merges expert calls only then, SPEC 5.1). A
+      backend whose rows never depend on M returns one constant.
     """
 
     name: str
@@ -48,3 +53,4 @@ class Backend:
     out_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
     run_addressed: Callable[..., torch.Tensor] | None = None
     check_and_gather: Callable[..., None] | None = None
+    tile_key: Callable[[int, int, int, int, torch.dtype], Hashable] | None = None

@@ -21,6 +21,7 @@ as ``run`` for the same shape: the output is the same, bit for bit.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -359,6 +360,13 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int) -> torch
     return _launch(xq, addresses, x_scale, addresses, m_sizes, out, n, groups, config, addrs=True)
 
 
+def tile_key(m: int, n: int, k: int, g: int, out_dtype: torch.dtype, *,
+             device: torch.device) -> str:
+    """The key of the tile both entries launch for this shape into an ``out_dtype`` output
+    (``Backend.tile_key``): :func:`config_for`, then :func:`tile_for_out`."""
+    return tile_for_out(config_for(m, n, k, g, device), torch.empty(0, dtype=out_dtype)).key()
+
+
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 """What the kernels store: bf16 (SPEC 1) or the float32 accumulator unrounded (the FFN's h)."""
 
@@ -431,4 +439,5 @@ def create(device: torch.device) -> Backend:
         out_dtypes=(torch.bfloat16, torch.float32),
         run_addressed=run_addressed,
         check_and_gather=check_and_gather,
+        tile_key=functools.partial(tile_key, device=device),
     )

@@ -71,7 +71,7 @@ class DirectGemm:
         self._requests: dict[int, Any] = {}
         # The transport sets this: how many requests it has begun and not yet
         # answered (``FastHttpServer.active``). A call that is the only one may
-        # run on the loop's thread when the engine allows it (``Engine.gemm``).
+        # run on the loop's thread when the engine allows it (``Engine.submit``).
         self.in_progress: Callable[[], int] = lambda: 2  # unknown: not alone
 
     @staticmethod
@@ -181,13 +181,13 @@ class DirectGemm:
         return await routes.run_gemm(svc, name, body, deadline, alone=self.in_progress() <= 1)
 
     async def _expert(self, route: Route, fields: dict[str, str], body: memoryview):
-        """``routes_experts.ffn`` / ``moe``: the same steps, then the decoded body."""
+        """``routes_experts.ffn`` / ``moe``: the same steps, the same one path."""
         from . import routes_experts
-        from ._body import unpack_body
 
         svc, deadline = self._admit(fields, body, routes_experts.check_expert_name, route.name)
         return await routes_experts.run_expert_call(
-            svc, self.app.state.experts, route.kind, route.name, unpack_body(body), deadline)
+            svc, self.app.state.experts, route.kind, route.name, body, deadline,
+            alone=self.in_progress() <= 1)
 
 
 def _fields(headers: Headers) -> dict[str, str]:

@@ -22,7 +22,9 @@ need, not by a setting:
   converted on the device, run bucket by bucket.
 
 Both give each caller its bf16 output as bytes ``[rows, 2N]`` (uint8) and its
-rows' content flags (``_checks.bad_rows``).
+rows' content flags (``_checks.bad_rows``); :meth:`Executor.run_calls` turns
+them into each call's outcome, as the expert calls' executor
+(``_ffn_executor.py``) answers its own.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import numpy as np
 import torch
 from moegemm.kernels import quantize_activations
 
-from ._checks import bad_rows
+from ._checks import bad_rows, not_finite_error
 from ._graphs import Buffers, Family, GraphPool
 from ._merge import MergePlan, plan_merge
 from ._staging import Staging
@@ -129,6 +131,21 @@ class Executor:
     def has_family(self, G: int, N: int, K: int) -> bool:
         """Whether calls of this shape may be using the family's static buffers."""
         return any(Family(G, N, K, q) in self.pool._buffers for q in (False, True))
+
+    def batch_key(self, call) -> tuple:
+        """Calls merge per weight set and input dtype (one graph family, one conversion)."""
+        return "gemm", id(call.ws), call.dtype
+
+    def batch_rows(self, call) -> int:
+        """The most rows a batch may hold: the largest bucket."""
+        return self.pool.max_bucket
+
+    def run_calls(self, ws, calls) -> tuple[list, Launches]:
+        """What the engine runs: per call its outcome (output bytes ``[rows, 2N]``, or
+        ``not_finite`` for bad rows), and the launches made."""
+        results, launches = self.run(ws, calls)
+        return [out if (error := not_finite_error(flags)) is None else error
+                for out, flags in results], launches
 
     def run(self, ws, calls) -> tuple[list[tuple[np.ndarray, np.ndarray]], Launches]:
         """SPEC 1 for every call (one weight set, one input dtype): per call its output

@@ -1,8 +1,14 @@
-"""The expert FFN of SPEC 5, run eagerly on any device: ``FfnExecutor``.
+"""The expert FFN of SPEC 5 as a plain eager chain: ``FfnExecutor``, the oracle.
 
-    runner = make_ffn_runner(backend, max_bucket_m)
-    out = runner.ffn(es, x, x_scale, m_sizes)            # host bf16 [M, H]
-    out = runner.moe(es, x, x_scale, topk_ids, topk_weights)  # host bf16 [T, H]
+    eager = FfnExecutor(backend)
+    out = eager.ffn(es, x, x_scale, m_sizes)            # host bf16 [M, H]
+    out = eager.moe(es, x, x_scale, topk_ids, topk_weights)  # host bf16 [T, H]
+
+The server runs expert calls through the engine (``_ffn_executor`` and
+``_ffn_graphs``: merged, staged, in captured graphs); this module is the same
+chain written the obvious way, one call at a time, which the server's answers
+equal bit for bit on the same device (the GPU tests hold them to it), and the
+place of ``h_dtype``, the one choice both share.
 
 ``FfnExecutor`` is the chain of SPEC 5.1, built from the backend's GEMM
 (``backend.run``, the kernel the gemm endpoint runs) and
@@ -17,18 +23,13 @@ writes its float32 sum unrounded (the kernels store float32 when ``out`` is
 float32); the final output stays bf16. ``moe`` permutes the tokens to experts, runs the same chain, and
 combines the k answers of each token weighted, in float32, j = 0..k-1 in order.
 It checks what the tensors hold on the host (routing, NaN/Inf) before any
-device work, so bad input changes nothing and never indexes out of bounds.
-
-On a GPU backend, ``make_ffn_runner`` picks ``server._ffn_graphs.FfnGraphs``
-(one captured graph per bucket, nothing on the host reading the ids) when that
-module imports; the choice is made once per process.
+device work, so bad input changes nothing and never indexes out of bounds (the
+server checks them on the device instead, and never reads the ids).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from typing import Any
 
 import numpy as np
 import torch
@@ -137,27 +138,3 @@ def _check_finite(x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
     error = not_finite_error(bad_rows(x, x_scale).numpy())
     if error is not None:
         raise error
-
-
-@functools.cache
-def _graphs_class() -> Any:
-    """E2's ``FfnGraphs``, or None where ``server/_ffn_graphs.py`` is absent (looked up once)."""
-    try:
-        from ._ffn_graphs import FfnGraphs
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}._ffn_graphs":
-            raise  # the module is there and broken: say so, do not fall back silently
-        log.warning("expert FFN: no captured graphs (%s); it runs eagerly", exc)
-        return None
-    return FfnGraphs
-
-
-def make_ffn_runner(backend: Backend, max_bucket_m: int) -> Any:
-    """The FFN runner for ``backend``: ``FfnGraphs`` (captured graphs) on a GPU backend
-    when ``server/_ffn_graphs.py`` exists, else ``FfnExecutor``; both have ``ffn`` and
-    ``moe`` with the same arguments and answers."""
-    if backend.device.type == "cuda" and backend.capture_safe:
-        graphs = _graphs_class()
-        if graphs is not None:
-            return graphs(backend, max_bucket_m)
-    return FfnExecutor(backend)

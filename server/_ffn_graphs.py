@@ -3,15 +3,18 @@
 A *family* is what a graph depends on: the expert-set shape ``(G, H, I)``,
 whether x arrives as bf16 (quantized inside the graph) or as fp8 with scales,
 and for ``moe`` the top-k. Each family owns static device buffers sized for
-the largest bucket and one graph per bucket (powers of two of rows, up to
-``max_bucket_m``; ``moe`` buckets its tokens so that ``tokens * k`` fits);
-larger calls run in chunks.
+the largest bucket (:class:`FfnBuffers`) and one graph per bucket (powers of
+two of rows up to ``max_bucket_m``; ``moe`` buckets its tokens so that
+``tokens * k`` fits). The executor (``_ffn_executor.py``) writes a launch's
+inputs and words into the buffers, then :meth:`FfnGraphs.launch` replays the
+bucket's graph (or runs the same body eagerly).
 
 ``ffn`` graph, over a bucket of rows (the callers' rows concatenated):
 
-1. check the rows' contents and regroup them per expert (``_prologue``, as the
-   gemm graphs do: the merge order of ``_merge`` comes with the sizes), and
-   quantize them (bf16 families: one kernel, ``_triton_act.gather_quantize_triton``);
+1. check the rows' contents and regroup them per expert (the gemm graphs'
+   prologue, ``Backend.check_and_gather``: the merge order comes with the
+   sizes), and quantize them (bf16 families: one kernel,
+   ``_triton_act.gather_quantize_triton``);
 2. GEMM with ``w13``, the fused activation (``kernels._triton_act``), GEMM
    with ``w2``;
 3. put the rows back in the callers' order, in one result buffer with the
@@ -21,13 +24,20 @@ larger calls run in chunks.
 experts on the device (``_moe_route.route``: counts, positions, the routing
 checks), gather the x rows per expert, the FFN above, and the weighted combine
 ``out[t] = bf16(sum_j w[t, j] * y[pos(t, j)])`` (float32 sum). The host never
-reads the ids; the routing flags come back with the output, in the one
-download, and a flagged call is answered ``bad_routing``.
+reads the ids (int32 or int64 as sent, see ``_moe_route``); the routing flags
+come back with the output, in the one download.
 
-Expert sets of one family share its graphs: the GEMMs read each expert's
-weight and scale addresses from int64 tables (``w13`` and ``w2``) in the
+Expert sets of one family share its graphs: the GEMMs read each matrix's
+weight and scale base addresses from int64 words (``w13`` and ``w2``) in the
 family's meta buffer, uploaded with the sizes before each replay -- the gemm
 graphs' mechanism (``_graphs.fill_addresses``, ``Backend.run_addressed``).
+Without it (a backend with no address launcher) a graph is bound to one set.
+
+Graphs are captured when a set is loaded (:meth:`FfnGraphs.prepare`, on the
+engine's loader thread and stream), never on a call's path; a family's graphs
+and buffers are dropped when no loaded set has its shape (:meth:`forget`).
+Each family's buffers have a lock: the engine's thread holds it while a batch
+uses them, a capture while it writes them.
 
 With the triton backend the steps are the Triton kernels named above; with any
 other backend (the CPU reference: eager, the real rows only) their torch
@@ -37,8 +47,9 @@ definitions below, which the kernels equal bit for bit.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,12 +57,9 @@ import torch
 from moegemm.kernels import quantize_activations, silu_mul_quant
 from moegemm.kernels._backend import Backend
 
-from ._checks import bad_rows, not_finite_error
-from ._executor import chunk_sizes
+from ._checks import bad_rows
 from ._ffn import h_dtype
 from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addresses
-from ._merge import plan_merge
-from ._tensors import to_backend_fp8
 
 log = logging.getLogger("moegemm.server.ffn_graphs")
 
@@ -67,11 +75,21 @@ def silu_mul_quant_torch(h: torch.Tensor, fp8_dtype: torch.dtype):
     return silu_mul_quant(h, fp8_dtype)
 
 
-def route_torch(ids, weights, tokens, G, k, m_sizes, pos, src, live, flags) -> None:
-    """``_moe_route.route`` in torch (any device; ``tokens`` an int64 scalar tensor)."""
+def expert_ids_torch(ids: torch.Tensor, wide: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` expert ids of int32 words ``ids`` (int32 ids, or int64 ids as
+    (low, high) pairs when the device scalar ``wide`` is 1), int64; an int64 id whose
+    high word is not 0 reads as -1. No host read of ``wide``."""
+    index = torch.arange(rows, device=ids.device)
+    lo = ids[index * (1 + wide)]
+    hi = torch.where(wide != 0, ids[index * 2 + 1], 0)
+    return torch.where(hi == 0, lo, -1).to(torch.int64)
+
+
+def route_torch(ids, wide, weights, tokens, G, k, m_sizes, pos, src, live, flags) -> None:
+    """``_moe_route.route`` in torch (any device; ``tokens`` and ``wide`` int64 scalar tensors)."""
     bucket = flags.shape[0]
     rows = bucket * k
-    e = ids[:rows]
+    e = expert_ids_torch(ids, wide, rows)
     t = torch.arange(rows, device=ids.device) // k
     eff = torch.where((t < tokens) & (e >= 0) & (e < G), e, G)
     # Stable counting sort by expert: keys are unique, so any sort is stable.
@@ -115,32 +133,40 @@ class FfnFamily:
     top_k: int = 0
 
 
-class _Buffers:
+# Where the words of a launch sit in ``FfnBuffers.meta``, after the G group sizes.
+_T13, _T2 = 0, ADDRESS_WORDS  # the w13 and w2 base addresses (wq, w_scale each)
+_TOKENS, _LIVE, _WIDE = 2 * ADDRESS_WORDS, 2 * ADDRESS_WORDS + 1, 2 * ADDRESS_WORDS + 2
+_HEAD = 2 * ADDRESS_WORDS + 3  # words before the (gather, scatter) pairs
+
+
+class FfnBuffers:
     """One family's static device buffers (leading rows used by each bucket).
 
     ``meta`` int64, uploaded in one copy: the group sizes ``[G]`` (ffn; moe's
-    are computed on the device), the ``w13`` and ``w2`` tables ``[2, G]`` each,
-    ``tokens`` (moe) and ``live`` (ffn: the real rows), and per row its
-    (gather, scatter) pair (ffn). ``result``: flags at byte 0 (x's per row or token, then
-    moe's routing per token), the bf16 output at :meth:`out_offset`.
+    are computed on the device), the ``w13`` and ``w2`` address words, ``tokens``
+    (moe), ``live`` (ffn: the real rows), ``wide`` (moe: int64 ids), and per row
+    its (gather, scatter) pair (ffn). ``result``: the x flags per unit (row or
+    token), then moe's routing flags per token, the bf16 output at
+    :meth:`out_offset`. ``units``: the rows (ffn) or tokens (moe) a launch holds.
     """
 
-    def __init__(self, f: FfnFamily, rows: int, tokens: int, x_dtype, device) -> None:
+    def __init__(self, f: FfnFamily, rows: int, units: int, x_dtype, device) -> None:
         G = f.G
-        self.family, self.rows, self.tokens = f, rows, tokens
+        self.family, self.rows, self.units = f, rows, units
+        self.lock = threading.Lock()
+        # moe's x keeps ``rows`` rows too: its row check runs one program per expert row
+        # over ``x[:rows]`` and reads the token rows it gathers.
         self.x = torch.zeros((rows, f.H), dtype=x_dtype, device=device)
         self.x_scale = None if f.quantize else \
             torch.ones((rows, f.H // BLOCK), dtype=torch.float32, device=device)
-        self.words = 4 * G + 2 + G + 2 * rows
+        self.words = G + _HEAD + 2 * rows
         self.meta = torch.zeros(self.words, dtype=torch.int64, device=device)
         host = torch.zeros(self.words, dtype=torch.int64)
         self.meta_host = host.pin_memory() if device.type == "cuda" else host
-        order = self.meta_host[5 * G + 2:].view(rows, 2)
-        order.copy_(torch.arange(rows)[:, None])
+        self.meta_host[G + _HEAD:].view(rows, 2).copy_(torch.arange(rows)[:, None])
         self.meta.copy_(self.meta_host)
-        out_rows = tokens if f.top_k else rows
-        self.result = torch.zeros(self.out_offset(out_rows) + 2 * out_rows * f.H,
-                                  dtype=torch.uint8, device=device)
+        self.result = torch.zeros(self.out_offset(units) + 2 * units * f.H, dtype=torch.uint8,
+                                  device=device)
         if f.top_k:
             self.ids = torch.zeros(rows, dtype=torch.int64, device=device)
             self.weights = torch.zeros(rows, dtype=torch.float32, device=device)
@@ -148,35 +174,64 @@ class _Buffers:
             self.live_dev = torch.zeros((), dtype=torch.int64, device=device)
             self.pos = torch.zeros(rows, dtype=torch.int64, device=device)
             self.src = torch.zeros(rows, dtype=torch.int64, device=device)
+        # What meta_host holds from earlier launches (the executor skips rewriting it):
+        # the address words' source, and how many leading pairs are the identity.
         self.host_tables: tuple = ()
+        self.host_identity = rows
+        self.lane = None  # the executor's byte views and addresses of these buffers
 
-    def table13(self):
+    def _word(self, at: int) -> torch.Tensor:
+        return self.meta[self.family.G + at]
+
+    def table13(self) -> torch.Tensor:
         """The device words with w13's wq and w_scale base addresses (``run_addressed``)."""
         G = self.family.G
-        return self.meta[G : G + ADDRESS_WORDS]
+        return self.meta[G + _T13 : G + _T13 + ADDRESS_WORDS]
 
-    def table2(self):
-        """The same for w2 (each table keeps its [2, G] room in ``meta``)."""
+    def table2(self) -> torch.Tensor:
         G = self.family.G
-        return self.meta[3 * G : 3 * G + ADDRESS_WORDS]
+        return self.meta[G + _T2 : G + _T2 + ADDRESS_WORDS]
 
-    def tokens_word(self):
-        return self.meta[5 * self.family.G]
+    def tokens_word(self) -> torch.Tensor:
+        return self._word(_TOKENS)
 
-    def live_word(self):
-        return self.meta[5 * self.family.G + 1]
+    def live_word(self) -> torch.Tensor:
+        return self._word(_LIVE)
 
-    def m_sizes(self):
+    def wide_word(self) -> torch.Tensor:
+        return self._word(_WIDE)
+
+    def ids_words(self) -> torch.Tensor:
+        """``ids`` as int32 words: int32 ids fill the first half, int64 ids all of it."""
+        return self.ids.view(torch.int32)
+
+    def m_sizes(self) -> torch.Tensor:
         return self.m_sizes_dev if self.family.top_k else self.meta[: self.family.G]
 
     def order(self, rows: int):
-        G = self.family.G
-        pairs = self.meta[5 * G + 2 : 5 * G + 2 + 2 * rows].view(rows, 2)
+        at = self.family.G + _HEAD
+        pairs = self.meta[at : at + 2 * rows].view(rows, 2)
         return pairs[:, 0], pairs[:, 1]
 
+    def meta_words(self, launched: int) -> int:
+        """The leading words of ``meta`` a launch over ``launched`` units reads."""
+        return self.family.G + _HEAD + (0 if self.family.top_k else 2 * launched)
+
+    def host_words(self) -> np.ndarray:
+        """``meta_host`` as numpy (pinned on a GPU): where a launch's words are written."""
+        return self.meta_host.numpy()
+
+    @property
+    def word_at(self) -> dict[str, int]:
+        """The index in ``meta`` of each word: the address words' first, ``tokens``,
+        ``live``, ``wide`` and the first (gather, scatter) pair."""
+        G = self.family.G
+        return {"tokens": G + _TOKENS, "live": G + _LIVE, "wide": G + _WIDE,
+                "t13": G + _T13, "t2": G + _T2, "pairs": G + _HEAD}
+
     @staticmethod
-    def out_offset(rows: int) -> int:
-        return -(-2 * rows // 256) * 256  # room for two flag bytes per row
+    def out_offset(units: int) -> int:
+        return -(-2 * units // 256) * 256  # room for two flag bytes per unit
 
     def flags(self, n: int) -> torch.Tensor:
         return self.result[:n].view(torch.int8)
@@ -188,35 +243,24 @@ class _Buffers:
         at = self.out_offset(n)
         return self.result[at : at + 2 * n * self.family.H].view(torch.bfloat16).view(n, -1)
 
-    def packed(self, launched: int, n: int) -> torch.Tensor:
-        return self.result[: self.out_offset(launched) + 2 * n * self.family.H]
+    def packed_bytes(self, launched: int, n: int) -> int:
+        """The bytes of ``result`` holding the flags and the first ``n`` output rows of a
+        launch over ``launched`` units."""
+        return self.out_offset(launched) + 2 * n * self.family.H
 
 
-def _unpack(host: torch.Tensor, launched: int, n: int, H: int):
-    at = _Buffers.out_offset(launched)
-    out = host[at : at + 2 * n * H].view(torch.bfloat16).view(n, H)
-    return out, host[:n].view(torch.int8), host[launched : launched + n].view(torch.int8)
-
-
-def _bad_routing(message: str):
-    from moegemm.client._errors import error_for
-
-    return error_for(400, "bad_routing", message)
-
-
-_ROUTING_MESSAGE = ("topk_ids must hold distinct experts per token, each in [0, G), and "
-                    "topk_weights finite numbers")
+def unpack(host, launched: int, n: int, H: int):
+    """The packed result of a launch (a host byte array or tensor) as (bf16 output bytes
+    ``[n, 2H]``, x flags ``[n]``, routing flags ``[n]``)."""
+    at = FfnBuffers.out_offset(launched)
+    return (host[at : at + 2 * n * H].reshape(n, 2 * H), host[:n].view(np.int8),
+            host[launched : launched + n].view(np.int8))
 
 
 class FfnGraphs:
-    """SPEC 5's ``ffn`` and ``moe`` on the device, one captured graph per family and bucket.
-
-    ``ffn(es, x, x_scale, m_sizes)`` and ``moe(es, x, x_scale, topk_ids, topk_weights)``
-    return host bf16 tensors and raise the contract's errors (``not_finite``,
-    ``bad_routing``); ``ffn_many`` runs several ``ffn`` calls as one merged launch.
-    ``es`` has ``G``, ``H``, ``I`` and weight sets ``w13``/``w2`` (``wq``, ``w_scale``).
-    Call from one thread (the engine's device thread).
-    """
+    """SPEC 5's ``ffn`` and ``moe`` bodies on the device, one captured graph per family and
+    bucket (or eager: graphs off, the CPU). Used from the engine's threads only: calls on
+    its device thread, captures and drops on its loader thread."""
 
     def __init__(self, backend: Backend, max_bucket_m: int, *, graphs: bool = True) -> None:
         if max_bucket_m < 1 or max_bucket_m & (max_bucket_m - 1):
@@ -234,8 +278,7 @@ class FfnGraphs:
         # address (the public function's kernel and tile), where the backend has them.
         self.check_and_gather = backend.check_and_gather if is_gpu else None
         self.run_table: Callable | None = backend.run_addressed if is_gpu else None
-        triton = backend.name == "triton"
-        if triton:
+        if backend.name == "triton":
             from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
 
             from ._moe_route import combine, route
@@ -247,43 +290,60 @@ class FfnGraphs:
             self._gather_quant = None
             self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
             self._route, self._combine = route_torch, combine_torch
-        self._buffers: dict[FfnFamily, _Buffers] = {}
+        self._buffers: dict[FfnFamily, FfnBuffers] = {}
+        self._buffers_lock = threading.Lock()  # the device thread and the loader make them
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._side: torch.cuda.Stream | None = None  # the captures' warm-up stream
         self.replays = 0
         self.eager_runs = 0
+        self.captures = 0
 
     # -- families -----------------------------------------------------------------------------
 
-    def _family(self, es, x_dtype: torch.dtype, top_k: int = 0) -> FfnFamily:
-        return FfnFamily(es.G, es.H, es.I, x_dtype == torch.bfloat16, top_k)
+    def family(self, es, quantize: bool, top_k: int = 0) -> FfnFamily:
+        return FfnFamily(es.G, es.H, es.I, quantize, top_k)
 
     def max_tokens(self, k: int) -> int:
-        """The largest moe token bucket for top-``k``: a power of two with ``tokens * k <= max_bucket_m``."""
-        if k > self.max_bucket:
-            raise ValueError(f"top-k {k} exceeds max_bucket_m {self.max_bucket}")
+        """The largest moe token bucket for top-``k``: a power of two with ``tokens * k <=
+        max_bucket_m``."""
+        if not 1 <= k <= self.max_bucket:
+            raise ValueError(f"top-k {k} is outside [1, max_bucket_m={self.max_bucket}]")
         return 1 << ((self.max_bucket // k).bit_length() - 1)
 
-    def buffers(self, f: FfnFamily) -> _Buffers:
+    def units(self, f: FfnFamily) -> int:
+        """What one launch of ``f`` holds: rows (ffn) or tokens (moe)."""
+        return self.max_tokens(f.top_k) if f.top_k else self.max_bucket
+
+    def buffers(self, f: FfnFamily) -> FfnBuffers:
+        """The family's static buffers, allocated on first use."""
         bufs = self._buffers.get(f)
         if bufs is None:
-            x_dtype = torch.bfloat16 if f.quantize else self.fp8
-            tokens = self.max_tokens(f.top_k) if f.top_k else 0
-            bufs = _Buffers(f, self.max_bucket, tokens, x_dtype, self.device)
-            self._buffers[f] = bufs
+            with self._buffers_lock:
+                bufs = self._buffers.get(f)
+                if bufs is None:
+                    x_dtype = torch.bfloat16 if f.quantize else self.fp8
+                    bufs = FfnBuffers(f, self.max_bucket, self.units(f), x_dtype, self.device)
+                    self._buffers[f] = bufs
         return bufs
 
-    def _fill_tables(self, bufs: _Buffers, es) -> None:
-        """Write ``es``'s weight tables into the host meta (when they changed)."""
+    def launch_rows(self, n: int) -> int:
+        """The bucket a launch over ``n`` units runs (``n`` itself without padding)."""
+        return bucket_for(n, self.buckets) if self.pad_to_bucket else n
+
+    def fill_tables(self, bufs: FfnBuffers, es) -> None:
+        """Write ``es``'s address words into the host meta (when they changed)."""
         if self.run_table is None:
             return
         key = (es.w13.wq.data_ptr(), es.w13.w_scale.data_ptr(), es.w2.wq.data_ptr(),
                es.w2.w_scale.data_ptr())
         if bufs.host_tables == key:
             return
-        G = es.G
-        fill_addresses(bufs.meta_host[G : G + ADDRESS_WORDS], es.w13.wq, es.w13.w_scale)
-        fill_addresses(bufs.meta_host[3 * G : 3 * G + ADDRESS_WORDS], es.w2.wq, es.w2.w_scale)
+        at = bufs.word_at
+        fill_addresses(bufs.meta_host[at["t13"] : at["t13"] + ADDRESS_WORDS], es.w13.wq,
+                       es.w13.w_scale)
+        fill_addresses(bufs.meta_host[at["t2"] : at["t2"] + ADDRESS_WORDS], es.w2.wq,
+                       es.w2.w_scale)
         bufs.host_tables = key
 
     def _gemm(self, xq, xs, table, ws, m_sizes, out) -> None:
@@ -292,9 +352,32 @@ class FfnGraphs:
         else:
             self.backend.run(xq, ws.wq, xs, ws.w_scale, m_sizes, out)
 
+    # -- launching ---------------------------------------------------------------------------------
+
+    def graph(self, f: FfnFamily, launched: int, es) -> torch.cuda.CUDAGraph | None:
+        """The captured graph of ``f`` over ``launched`` units for ``es``, if any."""
+        return self._graphs.get(self._graph_key(f, launched, es))
+
+    def launch(self, bufs: FfnBuffers, es, launched: int) -> str:
+        """Run the family's body over ``launched`` units on the buffers as the caller wrote
+        them: "graph" (its captured graph replayed) or "eager"."""
+        graph = self.graph(bufs.family, launched, es)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return "graph"
+        self._body(bufs, es, launched)
+        self.eager_runs += 1
+        return "eager"
+
+    def _graph_key(self, f: FfnFamily, launched: int, es) -> tuple:
+        if self.run_table is not None:
+            return (f, launched)
+        return (f, launched, es.w13.wq.data_ptr(), es.w2.wq.data_ptr())
+
     # -- the graphs' bodies ----------------------------------------------------------------------
 
-    def _chain(self, bufs: _Buffers, es, xq, xs, rows: int, live) -> torch.Tensor:
+    def _chain(self, bufs: FfnBuffers, es, xq, xs, rows: int, live) -> torch.Tensor:
         """GEMM(w13) -> activation -> GEMM(w2) over ``rows`` expert-ordered rows."""
         f, m_sizes = bufs.family, bufs.m_sizes()
         if live is None and f.top_k:
@@ -311,7 +394,7 @@ class FfnGraphs:
         self._gemm(aq, a_scale, bufs.table2(), es.w2, m_sizes, y)
         return y
 
-    def _gather(self, bufs: _Buffers, x, xs, src, rows: int, flags) -> tuple:
+    def _gather(self, bufs: FfnBuffers, x, xs, src, rows: int, flags) -> tuple:
         """Rows ``src`` of ``x`` (and its scales), checking what the sources hold into ``flags``;
         quantized (bf16 families)."""
         if bufs.family.quantize and self._gather_quant is not None:
@@ -334,7 +417,7 @@ class FfnGraphs:
             return quantize_activations(x, self.fp8)
         return x, xs
 
-    def _ffn_body(self, bufs: _Buffers, es, rows: int) -> None:
+    def _ffn_body(self, bufs: FfnBuffers, es, rows: int) -> None:
         gather, scatter = bufs.order(rows)
         xs = None if bufs.x_scale is None else bufs.x_scale[:rows]
         xq, xs = self._gather(bufs, bufs.x[:rows], xs, gather, rows, bufs.flags(rows))
@@ -342,253 +425,106 @@ class FfnGraphs:
         y = self._chain(bufs, es, xq, xs, rows, live)
         torch.index_select(y, 0, scatter, out=bufs.out(rows))
 
-    def _moe_body(self, bufs: _Buffers, es, tokens: int) -> None:
+    def _moe_body(self, bufs: FfnBuffers, es, tokens: int) -> None:
         k = bufs.family.top_k
         rows = tokens * k
-        self._route(bufs.ids, bufs.weights, bufs.tokens_word(), es.G, k, bufs.m_sizes_dev,
-                    bufs.pos, bufs.src, bufs.live_dev, bufs.route_flags(tokens))
+        self._route(bufs.ids_words(), bufs.wide_word(), bufs.weights, bufs.tokens_word(), es.G,
+                    k, bufs.m_sizes_dev, bufs.pos, bufs.src, bufs.live_dev,
+                    bufs.route_flags(tokens))
         xs = None if bufs.x_scale is None else bufs.x_scale[:tokens]
         xq, xs = self._gather(bufs, bufs.x[:tokens], xs, bufs.src[:rows], rows, bufs.flags(tokens))
         live = bufs.live_dev if self.pad_to_bucket else None
         y = self._chain(bufs, es, xq, xs, rows, live)
         self._combine(y, bufs.pos, bufs.weights, bufs.tokens_word(), k, bufs.out(tokens))
 
-    def _run(self, bufs: _Buffers, es, launched: int) -> str:
-        """Replay the bucket's graph (capturing it first if needed), or run eagerly."""
-        key = self._graph_key(bufs.family, launched, es)
-        if self.use_graphs:
-            graph = self._graphs.get(key)
-            if graph is None:
-                graph = self._capture(bufs, es, launched)
-            graph.replay()
-            self.replays += 1
-            return "graph"
-        self._body(bufs, es, launched)
-        self.eager_runs += 1
-        return "eager"
-
-    def _body(self, bufs: _Buffers, es, launched: int) -> None:
+    def _body(self, bufs: FfnBuffers, es, launched: int) -> None:
         if bufs.family.top_k:
             self._moe_body(bufs, es, launched)
         else:
             self._ffn_body(bufs, es, launched)
 
-    def _graph_key(self, f: FfnFamily, launched: int, es) -> tuple:
-        if self.run_table is not None:
-            return (f, launched)
-        return (f, launched, es.w13.wq.data_ptr(), es.w2.wq.data_ptr())
+    # -- capture and release -------------------------------------------------------------------
 
-    def _capture(self, bufs: _Buffers, es, launched: int) -> torch.cuda.CUDAGraph:
-        """Capture one bucket's graph on the buffers as they are (a valid launch's words)."""
+    def prepare(self, es, top_ks: Iterable[int] = ()) -> int:
+        """Capture every bucket's graph for ``es``'s shape (``ffn`` with bf16 and fp8 inputs,
+        ``moe`` for each of ``top_ks`` up to G) that is not there yet, on the current thread
+        and stream; return how many are new. Calls of a top-k not captured run eagerly."""
+        if not self.use_graphs:
+            return 0
+        before = len(self._graphs)
+        kinds = [0] + sorted({k for k in top_ks if 1 <= k <= min(es.G, self.max_bucket)})
+        for k in kinds:
+            for quantize in (True, False):
+                self._prepare_family(self.family(es, quantize, k), es)
+        torch.cuda.synchronize(self.device)
+        return len(self._graphs) - before
+
+    def _prepare_family(self, f: FfnFamily, es) -> None:
+        bufs = self.buffers(f)
+        top = bufs.units
+        missing = [b for b in reversed(self.buckets)
+                   if b <= top and self._graph_key(f, b, es) not in self._graphs]
+        if not missing:
+            return
         started = time.monotonic()
-        side = torch.cuda.Stream(self.device)
+        with bufs.lock:
+            self.fill_tables(bufs, es)
+            for bucket in missing:
+                meta = bufs.host_words()
+                at = bufs.word_at
+                G = f.G
+                meta[:G] = 0
+                meta[0] = bucket  # every row in the first expert: valid for any bucket
+                meta[at["tokens"]] = meta[at["live"]] = bucket
+                meta[at["wide"]] = 1  # (ids are all zero: expert 0 for every slot)
+                pairs = meta[at["pairs"] : at["pairs"] + 2 * bucket].reshape(bucket, 2)
+                pairs[:] = np.arange(bucket, dtype=np.int64)[:, None]
+                words = at["pairs"] + 2 * bucket
+                bufs.meta[:words].copy_(bufs.meta_host[:words])
+                if f.top_k:  # distinct experts per token: routing the warm-up validly
+                    bufs.ids[: bucket * f.top_k].copy_(
+                        torch.arange(f.top_k, device=self.device).repeat(bucket))
+                self._capture(bufs, es, bucket)
+            bufs.host_identity = self.max_bucket
+        log.info("captured %d ffn graphs for %s in %.2f s", len(missing), f,
+                 time.monotonic() - started)
+
+    def _capture(self, bufs: FfnBuffers, es, launched: int) -> None:
+        """Capture one bucket's graph on the buffers as they are (a valid launch's words)."""
+        # One warm-up stream for all captures: split-K workspaces are kept per stream.
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._body(bufs, es, launched)  # warm-up: Triton compiles outside the capture
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        # thread_local: the event loop's thread keeps allocating pinned request buffers
+        # during a capture, which "global" mode would turn into errors.
         with _no_gc(), torch.cuda.graph(graph, pool=self._mempool,
                                         capture_error_mode="thread_local"):
             self._body(bufs, es, launched)
         self._graphs[self._graph_key(bufs.family, launched, es)] = graph
-        log.info("captured ffn graph %s bucket %d in %.2f s", bufs.family, launched,
-                 time.monotonic() - started)
-        return graph
+        self.captures += 1
 
-    def prepare(self, es, top_ks: Sequence[int] = ()) -> int:
-        """Capture every bucket's graphs for ``es``'s shape (``ffn`` with bf16 and fp8 inputs,
-        ``moe`` for each of ``top_ks``) ahead of the first calls; return how many are new.
-
-        Calls capture the graph of a bucket they find missing, so this only moves the
-        time (Triton compiles and captures: seconds per family) to load time.
-        """
-        if not self.use_graphs:
-            return 0
+    def forget(self, es, alive: Sequence) -> int:
+        """Drop what only ``es`` (replaced or deleted) used: its own graphs (graphs bound to
+        one set), and the graphs and buffers of every family whose shape no set in
+        ``alive`` has. Returns how many graphs were dropped."""
+        shapes = {(a.G, a.H, a.I) for a in alive}
         before = len(self._graphs)
-        families = [self._family(es, dtype) for dtype in (torch.bfloat16, self.fp8)]
-        families += [self._family(es, dtype, k) for k in top_ks for dtype in (torch.bfloat16, self.fp8)]
-        G = es.G
-        for f in families:
-            bufs = self.buffers(f)
-            self._fill_tables(bufs, es)
-            top = bufs.tokens if f.top_k else self.max_bucket
-            for bucket in reversed([b for b in self.buckets if b <= top]):
-                if self._graph_key(f, bucket, es) in self._graphs:
-                    continue
-                meta = bufs.meta_host.numpy()
-                meta[:G] = 0
-                meta[0] = bucket  # every row in the first expert: valid for any bucket
-                meta[5 * G] = meta[5 * G + 1] = bucket
-                pairs = meta[5 * G + 2 : 5 * G + 2 + 2 * bucket].reshape(bucket, 2)
-                pairs[:] = np.arange(bucket, dtype=np.int64)[:, None]
-                words = 5 * G + 2 + 2 * bucket
-                bufs.meta[:words].copy_(bufs.meta_host[:words])
-                self._capture(bufs, es, bucket)
-        torch.cuda.synchronize(self.device)
-        return len(self._graphs) - before
+        for f in [f for f in self._buffers if (f.G, f.H, f.I) not in shapes]:
+            with self._buffers[f].lock, self._buffers_lock:  # not while a batch uses them
+                for key in [key for key in self._graphs if key[0] == f]:
+                    del self._graphs[key]
+                del self._buffers[f]
+        if self.run_table is None:
+            ptrs = (es.w13.wq.data_ptr(), es.w2.wq.data_ptr())
+            for key in [key for key in self._graphs if key[2:] == ptrs]:
+                del self._graphs[key]
+        return before - len(self._graphs)
 
     def graph_count(self) -> int:
         """Graphs currently held."""
         return len(self._graphs)
-
-    # -- inputs --------------------------------------------------------------------------------
-
-    def _device_fp8(self, x: torch.Tensor, x_scale):
-        """x on the device in the family's dtype (bf16 or the device's fp8), and the flags of
-        the rows as they came when a conversion could hide them (None otherwise)."""
-        x = x.to(self.device, non_blocking=False)
-        x_scale = None if x_scale is None else x_scale.to(self.device, torch.float32)
-        if x.dtype == torch.bfloat16 or (x.dtype == self.fp8):
-            return x, x_scale, None
-        # fp16/fp32 are quantized, the other fp8 format converted: check before (fn -> fnuz
-        # keeps the bits, and fn's NaN codes are numbers in fnuz).
-        flags = bad_rows(x, x_scale)
-        if x_scale is None:
-            x, x_scale = quantize_activations(x, self.fp8)
-        else:
-            x, x_scale = to_backend_fp8(x, x_scale, self.fp8)
-        return x, x_scale, flags
-
-    def _launch_rows(self, rows: int) -> int:
-        return bucket_for(rows, self.buckets) if self.pad_to_bucket else rows
-
-    # -- ffn -------------------------------------------------------------------------------------
-
-    def ffn(self, es, x: torch.Tensor, x_scale, m_sizes: Sequence[int]) -> torch.Tensor:
-        """SPEC 5.1 for rows grouped per expert: host bf16 ``[M, H]``; raises NotFinite."""
-        (out,) = self.ffn_many(es, [(x, x_scale, m_sizes)])
-        if isinstance(out, Exception):
-            raise out
-        return out
-
-    def ffn_many(self, es, calls) -> list:
-        """Several ``(x, x_scale, m_sizes)`` calls on ``es`` merged into one launch (per x dtype
-        and per chunk of ``max_bucket_m`` rows): each call's host bf16 ``[M_i, H]`` -- the
-        same bits as alone -- or the contract error (NotFinite) for a call with bad rows."""
-        results: list = [None] * len(calls)
-        by_kind: dict[tuple, list[int]] = {}
-        for i, (x, xs, _) in enumerate(calls):
-            by_kind.setdefault((x.dtype, xs is None), []).append(i)
-        for idx in by_kind.values():
-            got = self._ffn_merged(es, [calls[i] for i in idx])
-            for i, r in zip(idx, got):
-                results[i] = r
-        return results
-
-    def _ffn_merged(self, es, calls) -> list:
-        plan = plan_merge([np.asarray(c[2], dtype=np.int64) for c in calls])
-        prepared = [self._device_fp8(x, xs) for x, xs, _ in calls]
-        x = torch.cat([p[0] for p in prepared]) if len(prepared) > 1 else prepared[0][0]
-        xs = None
-        if prepared[0][1] is not None:
-            xs = torch.cat([p[1] for p in prepared]) if len(prepared) > 1 else prepared[0][1]
-        bufs = self.buffers(self._family(es, x.dtype))
-        rows = plan.total
-        if rows <= self.max_bucket:
-            # One launch: the graph regroups the rows per expert and puts them back.
-            gather = None if plan.is_identity else plan.gather
-            out, flags = self._ffn_launch(bufs, es, x, xs, plan.m_sizes, gather)
-        else:
-            # Chunks of the largest bucket, each already in expert order.
-            if not plan.is_identity:
-                order = torch.from_numpy(plan.gather).to(self.device)
-                x = x.index_select(0, order)
-                xs = None if xs is None else xs.index_select(0, order)
-            out = torch.empty((rows, es.H), dtype=torch.bfloat16)
-            flags = np.zeros(rows, dtype=np.int8)
-            for start in range(0, rows, self.max_bucket):
-                stop = min(rows, start + self.max_bucket)
-                o, fl = self._ffn_launch(bufs, es, x[start:stop],
-                                         None if xs is None else xs[start:stop],
-                                         chunk_sizes(plan.m_sizes, start, stop), None)
-                out[start:stop], flags[start:stop] = o, fl
-            if not plan.is_identity:
-                out = out.index_select(0, torch.from_numpy(plan.scatter))
-                flags = flags[plan.scatter]
-        answers = []
-        for i, (a, b) in enumerate(zip(plan.offsets[:-1], plan.offsets[1:])):
-            raw = prepared[i][2]
-            call_flags = flags[a:b] if raw is None else flags[a:b] | raw.cpu().numpy()
-            err = not_finite_error(call_flags)
-            answers.append(err if err is not None else out[a:b])
-        return answers
-
-    def _ffn_launch(self, bufs: _Buffers, es, x, xs, sizes: np.ndarray, gather):
-        """One launch over ``len(x)`` rows (``<= max_bucket_m``) in the callers' order, whose
-        expert order is ``gather`` (None: the identity) with group sizes ``sizes``:
-        host (bf16 ``[n, H]``, int8 flags ``[n]``) in the callers' order."""
-        n, G = x.shape[0], es.G
-        if n == 0:
-            return torch.empty((0, es.H), dtype=torch.bfloat16), np.zeros(0, dtype=np.int8)
-        launched = self._launch_rows(n)
-        bufs.x[:n].copy_(x)
-        if xs is not None:
-            bufs.x_scale[:n].copy_(xs)
-        self._fill_tables(bufs, es)
-        meta = bufs.meta_host.numpy()
-        meta[5 * G + 1] = n
-        meta[:G] = sizes
-        pairs = meta[5 * G + 2 : 5 * G + 2 + 2 * launched].reshape(launched, 2)
-        pairs[:] = np.arange(launched, dtype=np.int64)[:, None]  # padding rows stay in place
-        if gather is not None:
-            pairs[:n, 0] = gather
-            pairs[gather, 1] = np.arange(n, dtype=np.int64)
-        words = 5 * G + 2 + 2 * launched
-        bufs.meta[:words].copy_(bufs.meta_host[:words], non_blocking=True)
-        self._run(bufs, es, launched)
-        host = bufs.packed(launched, n).to("cpu", copy=True)  # a copy on the CPU too
-        out, flags, _ = _unpack(host, launched, n, es.H)
-        return out, flags.numpy()
-
-    # -- moe -------------------------------------------------------------------------------------
-
-    def moe(self, es, x: torch.Tensor, x_scale, topk_ids: torch.Tensor,
-            topk_weights: torch.Tensor) -> torch.Tensor:
-        """SPEC 5.2 for tokens in their own order: host bf16 ``[T, H]``; raises NotFinite or
-        BadRouting (checked on the device, never read on the host)."""
-        T, k = topk_ids.shape
-        if k == 0:  # no expert for any token: the empty sum
-            err = not_finite_error(bad_rows(x.cpu(), None if x_scale is None else x_scale.cpu())
-                                   .numpy())
-            if err is not None:
-                raise err
-            return torch.zeros((T, es.H), dtype=torch.bfloat16)
-        x, x_scale, raw_flags = self._device_fp8(x, x_scale)
-        f = self._family(es, x.dtype, top_k=k)
-        bufs = self.buffers(f)
-        H, G = es.H, es.G
-        out = torch.empty((T, H), dtype=torch.bfloat16)
-        x_flags = np.zeros(T, dtype=np.int8)
-        routing = False
-        ids = topk_ids.reshape(-1)
-        weights = topk_weights.reshape(-1).to(torch.float32)
-        step = bufs.tokens
-        for start in range(0, T, step):
-            stop = min(T, start + step)
-            n = stop - start
-            launched = self._launch_rows(n)
-            bufs.x[:n].copy_(x[start:stop])
-            if x_scale is not None:
-                bufs.x_scale[:n].copy_(x_scale[start:stop])
-            # int32 ids widen on the device (a copy into the int64 buffer), not on the host.
-            bufs.ids[: n * k].copy_(ids[start * k : stop * k].to(self.device))
-            bufs.weights[: n * k].copy_(weights[start * k : stop * k])
-            self._fill_tables(bufs, es)
-            meta = bufs.meta_host.numpy()
-            meta[5 * G] = n
-            words = 5 * G + 2
-            bufs.meta[:words].copy_(bufs.meta_host[:words], non_blocking=True)
-            self._run(bufs, es, launched)
-            host = bufs.packed(launched, n).to("cpu", copy=True)  # a copy on the CPU too
-            o, fl, rfl = _unpack(host, launched, n, H)
-            out[start:stop] = o
-            x_flags[start:stop] = fl.numpy()
-            routing = routing or bool(rfl.numpy().any())
-        if raw_flags is not None:
-            x_flags |= raw_flags.cpu().numpy()
-        err = not_finite_error(x_flags)
-        if err is not None:
-            raise err
-        if routing:
-            raise _bad_routing(_ROUTING_MESSAGE)
-        return out

@@ -695,7 +695,7 @@ class FastHttpServer:
         self.direct = direct
         # Requests begun (head read, or forwarded by an acceptor) and not yet
         # answered. The engine runs a call on the loop's thread only when it is
-        # the only one (``Engine.gemm``'s ``alone``): every request whose bytes
+        # the only one (``Engine.submit``'s ``alone``): every request whose bytes
         # were ready in the same loop iteration is counted before any handler runs.
         self.active = 0
         if direct is not None:

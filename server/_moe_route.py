@@ -2,7 +2,8 @@
 
 | tensor         | shape        | dtype   | meaning |
 |----------------|--------------|---------|---------|
-| `ids`          | `[Tb * k]`   | int64   | `topk_ids` row-major, the bucket's `Tb` tokens (real ones first) |
+| `ids`          | `[2 Tb k]`   | int32   | `topk_ids` row-major, the bucket's `Tb` tokens (real ones first): int32 ids, or int64 ids as (low, high) word pairs |
+| `wide`         | `[]`         | int64   | 1 when `ids` holds int64 ids, 0 for int32 (a device word: one graph serves both) |
 | `weights`      | `[Tb * k]`   | float32 | `topk_weights`, the same layout |
 | `tokens`       | `[]`         | int64   | real tokens `T <= Tb` (a device scalar: no host read) |
 | `m_sizes`      | `[G]`        | int64   | out: rows per expert |
@@ -10,6 +11,10 @@
 | `src`          | `[Tb * k]`   | int64   | out: the token each expert-order row comes from |
 | `live`         | `[]`         | int64   | out: rows that belong to an expert (`sum(m_sizes)`) |
 | `flags`        | `[Tb]`       | int8    | out: 1 where a real token's routing is bad (SPEC 2.2 `bad_routing`) |
+
+``ids`` arrive as the caller sent them, int32 or int64, with no host pass over
+them: an int64 id whose high word is not zero (or whose low word passes
+int32's range) is read as -1, which is refused like any id outside ``[0, G)``.
 
 ``route`` is a stable counting sort: program ``g`` (one per expert, plus one
 for the rows that go to no expert) counts the entries routed below ``g``
@@ -39,16 +44,26 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _route_kernel(ids_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, src_ptr, live_ptr, flags_ptr,
+def _expert_of(ids_ptr, i, mask, wide):
+    """Entry ``i``'s expert: an int32 id as it is, an int64 id (two words) as its low word
+    when its high word is 0, else -1."""
+    lo = tl.load(ids_ptr + i * (1 + wide), mask=mask, other=0)
+    hi = tl.load(ids_ptr + i * 2 + 1, mask=mask & (wide != 0), other=0)
+    return tl.where(hi == 0, lo, -1)
+
+
+@triton.jit
+def _route_kernel(ids_ptr, wide_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, src_ptr, live_ptr, flags_ptr,
                   bucket_tokens: tl.constexpr, R: tl.constexpr, G: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                   CHUNK: tl.constexpr, TBLOCK: tl.constexpr):
     g = tl.program_id(0)
     T = tl.load(tokens_ptr)
+    wide = tl.load(wide_ptr).to(tl.int32)
     below = tl.zeros([CHUNK], dtype=tl.int32)
     own = tl.zeros([CHUNK], dtype=tl.int32)
     for c in range(0, R, CHUNK):
         i = c + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + i, mask=i < R, other=0)
+        e = _expert_of(ids_ptr, i, i < R, wide)
         eff = tl.where((i // K < T) & (e >= 0) & (e < G), e, G)
         eff = tl.where(i < R, eff, G + 1)
         below += (eff < g).to(tl.int32)
@@ -61,7 +76,7 @@ def _route_kernel(ids_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, src_ptr, liv
     run = start
     for c in range(0, R, CHUNK):
         i = c + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + i, mask=i < R, other=0)
+        e = _expert_of(ids_ptr, i, i < R, wide)
         eff = tl.where((i // K < T) & (e >= 0) & (e < G), e, G)
         mine = (eff == g) & (i < R)
         m = mine.to(tl.int64)
@@ -74,7 +89,7 @@ def _route_kernel(ids_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, src_ptr, liv
         for t0 in range(0, bucket_tokens, TBLOCK):
             tt = t0 + tl.arange(0, TBLOCK)[:, None]
             slot = (tt < bucket_tokens) & (jj < K)
-            e = tl.load(ids_ptr + tt * K + jj, mask=slot, other=0)
+            e = _expert_of(ids_ptr, tt * K + jj, slot, wide)
             w = tl.load(w_ptr + tt * K + jj, mask=slot, other=0.0)
             bad = (e < 0) | (e >= G) | (w != w) | (tl.abs(w) > _FLT_MAX)  # noqa: PLR0124
             for m in tl.static_range(K):
@@ -103,16 +118,19 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, tokens_ptr, stride_y, stride
     tl.store(out_ptr + t * stride_out + cols, _round_to_bf16(acc).to(tl.bfloat16), mask=inside)
 
 
-def route(ids: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, G: int, k: int,
-          m_sizes: torch.Tensor, pos: torch.Tensor, src: torch.Tensor, live: torch.Tensor,
-          flags: torch.Tensor) -> None:
+def route(ids: torch.Tensor, wide: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor,
+          G: int, k: int, m_sizes: torch.Tensor, pos: torch.Tensor, src: torch.Tensor,
+          live: torch.Tensor, flags: torch.Tensor) -> None:
     """Fill ``m_sizes``, ``pos``, ``src``, ``live`` and ``flags`` (see the table) for the
-    ``len(flags)`` bucket tokens; capture-safe."""
+    ``len(flags)`` bucket tokens; capture-safe. ``ids``: int32 words, at least
+    ``2 * len(flags) * k`` of them."""
     bucket_tokens = flags.shape[0]
     if bucket_tokens == 0:
         return
+    if ids.dtype != torch.int32 or ids.numel() < 2 * bucket_tokens * k:
+        raise ValueError(f"ids must be int32 words, 2 per entry, got {ids.dtype} {ids.numel()}")
     _route_kernel[(G + 1,)](
-        ids, weights, tokens, m_sizes, pos, src, live, flags,
+        ids, wide, weights, tokens, m_sizes, pos, src, live, flags,
         bucket_tokens=bucket_tokens, R=bucket_tokens * k, G=G, K=k, KP=triton.next_power_of_2(k), CHUNK=_CHUNK,
         TBLOCK=max(1, _CHUNK // triton.next_power_of_2(k)), num_warps=4,
     )

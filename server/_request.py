@@ -1,16 +1,22 @@
-"""The gemm request: one schema, one validator, from body bytes to a call the engine runs.
+"""The call requests: one schema and one validator per kind, from body bytes to a call.
 
-A body is decoded once, by msgspec, straight into :class:`GemmBody`: the
-schema (a map of exactly ``x``, ``m_sizes`` and optionally ``x_scale``, each
-a tensor map of exactly ``dtype``, ``shape`` and ``data``) is enforced while
-decoding, and every ``data`` bin is a memoryview into the body (pinned memory
-on a GPU: the rows reach the device with no host copy). :func:`gemm_call`
-then checks the tensors against each other and the weight set (SPEC 2.2) and
-returns a :class:`GemmCall`: raw views and exact group sizes, nothing torch.
+Three kinds of call reach the engine: ``gemm`` (SPEC 1) and an expert set's
+``ffn`` (SPEC 5.1), which share one body, and ``moe`` (SPEC 5.2). A body is
+decoded once, by msgspec, straight into its schema -- :class:`GemmBody` (a
+map of exactly ``x``, ``m_sizes`` and optionally ``x_scale``) or
+:class:`MoeBody` (``x``, ``topk_ids``, ``topk_weights``, ``x_scale``?), each
+tensor a map of exactly ``dtype``, ``shape`` and ``data`` -- and every
+``data`` bin is a memoryview into the body (pinned memory on a GPU: the rows
+reach the device with no host copy). :func:`gemm_call`, :func:`ffn_call`
+(the gemm rules against the set's ``w13``: K = H, G groups) and
+:func:`moe_call` then check the tensors against each other and the set
+(SPEC 2.2) and return the call the engine runs: raw views and exact sizes,
+nothing torch. What tensors hold (NaN, scales, routing ids) is checked on the
+device with the launch, never here.
 
 Every lane of the server -- the fast transport's direct route, the ASGI
-route, merged or alone, on the event loop or the worker -- takes the call
-from here; no other code checks a gemm request. A refused body raises the
+route, merged or alone, on the event loop or the worker -- takes its call
+from here; no other code checks a call's body. A refused body raises the
 contract's error. msgspec reports the first thing wrong where the old
 decoder reported the first by its own order; SPEC 2.2 fixes no order among
 a body's faults, only the code each fault gets.
@@ -22,7 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -42,6 +48,7 @@ BLOCK = 128
 FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz")
 FLOAT_NAMES = ("bfloat16", "float16", "float32")
 SIZE_DTYPES = {"int64": np.dtype("<i8"), "int32": np.dtype("<i4")}
+ID_DTYPES = ("int32", "int64")
 
 _MAX_DIM = 1 << 63  # torch sizes are int64
 
@@ -62,20 +69,45 @@ class GemmBody(msgspec.Struct, forbid_unknown_fields=True):
     x_scale: WireTensor | msgspec.UnsetType = msgspec.UNSET
 
 
-_DECODER = msgspec.msgpack.Decoder(GemmBody)
-_FIELDS = ("x", "m_sizes", "x_scale")
+class MoeBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /v1/experts/{name}/moe``: ``{"x", "x_scale"?, "topk_ids", "topk_weights"}``."""
+
+    x: WireTensor
+    topk_ids: WireTensor
+    topk_weights: WireTensor
+    x_scale: WireTensor | msgspec.UnsetType = msgspec.UNSET
+
+
+@dataclass(frozen=True)
+class _Schema:
+    decoder: msgspec.msgpack.Decoder
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ("x_scale",)
+
+
+_GEMM = _Schema(msgspec.msgpack.Decoder(GemmBody), ("m_sizes", "x"))
+_MOE = _Schema(msgspec.msgpack.Decoder(MoeBody), ("topk_ids", "topk_weights", "x"))
 
 
 def decode_gemm(body: bytes | bytearray | memoryview) -> GemmBody:
-    """The body as a :class:`GemmBody` (bins as views into ``body``), or the contract's
-    error: bad_msgpack for bytes that are not one msgpack map, bad_field for a
-    missing or unknown field, bad_tensor / bad_dtype for a malformed tensor map."""
+    """A gemm or ffn body as a :class:`GemmBody` (bins as views into ``body``), or the
+    contract's error: bad_msgpack for bytes that are not one msgpack map, bad_field
+    for a missing or unknown field, bad_tensor / bad_dtype for a malformed tensor map."""
+    return _decode(body, _GEMM)
+
+
+def decode_moe(body: bytes | bytearray | memoryview) -> MoeBody:
+    """A moe body as a :class:`MoeBody`, with the errors of :func:`decode_gemm`."""
+    return _decode(body, _MOE)
+
+
+def _decode(body, schema: _Schema):
     try:
-        decoded = _DECODER.decode(body)
+        decoded = schema.decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise _diagnose(body, exc) from None
+        raise _diagnose(body, exc, schema) from None
     # msgspec keeps the last of repeated keys; the contract's maps have unique ones.
-    present = 2 + (decoded.x_scale is not msgspec.UNSET)
+    present = len(schema.required) + (decoded.x_scale is not msgspec.UNSET)
     if _map_len(body) != present:
         raise BadMsgpack("the body's map repeats a key")
     return decoded
@@ -93,17 +125,17 @@ def _map_len(body) -> int | None:
     return None
 
 
-def _diagnose(body, exc: Exception) -> Exception:
+def _diagnose(body, exc: Exception, schema: _Schema) -> Exception:
     """The SPEC 2.2 error for a body the schema refused, in the contract's order: bytes
     that are not one msgpack map (bad_msgpack) before a missing or unknown field
     (bad_field) before a malformed tensor map (bad_tensor, bad_dtype). Only refused
     bodies come here, so decoding one again costs a valid call nothing."""
     obj = unpackb(body)  # raises BadMsgpack
-    missing = sorted({"x", "m_sizes"} - obj.keys())
-    unknown = sorted(obj.keys() - set(_FIELDS))
+    missing = sorted(set(schema.required) - obj.keys())
+    unknown = sorted(obj.keys() - set(schema.required) - set(schema.optional))
     if missing or unknown:
         return BadField(f"fields: missing {missing}, unknown {unknown}; this endpoint takes "
-                        f"['m_sizes', 'x'] and optionally ['x_scale']")
+                        f"{list(schema.required)} and optionally {list(schema.optional)}")
     message = str(exc)
     path = message.rpartition(" - at `")[2].rstrip("`") if " - at `" in message else "$"
     if not isinstance(exc, msgspec.ValidationError) or path == "$":  # (unpackb took it)
@@ -121,8 +153,11 @@ class GemmCall:
     ``dtype`` is the wire name of ``x``; ``x``/``x_scale`` are byte views of exactly
     ``rows * K`` elements (``x_scale``: ``rows * K/128`` float32, or None).
     ``outcome`` is set once it ran: the output's bf16 bytes ``[rows, 2N]`` (uint8)
-    or the error it gets.
+    or the error it gets. ``kind`` names the executor that runs it (the engine's
+    batches hold calls of one kind).
     """
+
+    kind: ClassVar[str] = "gemm"
 
     ws: Any
     rows: int
@@ -134,6 +169,59 @@ class GemmCall:
     enqueued: float = field(default_factory=time.monotonic)
     outcome: Any = None
     waiter: Any = None  # the engine's asyncio future for it, while it waits
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        """The answer's shape (bf16): ``[M, N]``."""
+        return self.rows, self.ws.N
+
+
+@dataclass(eq=False)
+class FfnCall(GemmCall):
+    """One validated ``ffn`` call (SPEC 5.1): a gemm call whose ``ws`` is the expert set
+    (``x`` ``[M, H]``, ``m_sizes`` ``[G]``); its answer is bf16 ``[M, H]``."""
+
+    kind: ClassVar[str] = "ffn"
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        return self.rows, self.ws.H
+
+
+@dataclass(eq=False)
+class MoeCall:
+    """One validated ``moe`` call (SPEC 5.2) on expert set ``ws``.
+
+    ``tokens`` rows of ``x`` (wire bytes, ``dtype``; ``x_scale`` for fp8), each
+    routed to ``top_k`` experts: ``ids`` (``ids_dtype`` int32 or int64) and
+    ``weights`` (float32) are byte views of ``tokens * top_k`` elements, never read
+    on the host. ``rows`` = ``tokens * top_k``, the expert rows the device runs
+    (what the engine's row bounds count). The answer is bf16 ``[tokens, H]``.
+    """
+
+    kind: ClassVar[str] = "moe"
+
+    ws: Any
+    tokens: int
+    top_k: int
+    dtype: str
+    x: memoryview
+    x_scale: memoryview | None
+    ids_dtype: str
+    ids: memoryview
+    weights: memoryview
+    deadline: float | None = None
+    enqueued: float = field(default_factory=time.monotonic)
+    outcome: Any = None
+    waiter: Any = None
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        return self.tokens, self.ws.H
 
 
 def _tensor(t: WireTensor, name: str) -> int:
@@ -169,38 +257,51 @@ def gemm_call(body: GemmBody, weights: Callable[[], Any], *, max_m: int,
     What the rows hold (NaN, Inf, scales <= 0: ``not_finite``) is checked on the
     device with the launch (``_checks.bad_rows``), not here.
     """
+    ws, rows, dtype, x, x_scale, sizes = _rows_call(body, weights, max_m, _width_k)
+    return GemmCall(ws, rows, dtype, x, x_scale, sizes, deadline)
+
+
+def ffn_call(body: GemmBody, experts: Callable[[], Any], *, max_m: int,
+             deadline: float | None = None) -> FfnCall:
+    """An ``ffn`` body (the gemm schema) checked as a gemm call on the expert set's
+    ``w13`` (K = H, G groups) that ``experts()`` returns: the call."""
+    es, rows, dtype, x, x_scale, sizes = _rows_call(body, experts, max_m, _width_h)
+    return FfnCall(es, rows, dtype, x, x_scale, sizes, deadline)
+
+
+def _width_k(ws) -> tuple[int, str]:
+    return ws.K, f"weight set {ws.name!r} has K={ws.K}"
+
+
+def _width_h(es) -> tuple[int, str]:
+    return es.H, f"expert set {es.name!r} has H={es.H}"
+
+
+def _rows_call(body: GemmBody, target: Callable[[], Any], max_m: int, width):
+    """SPEC 2.2's checks of a gemm/ffn body: ``(set, M, x dtype, x, x_scale, sizes)``."""
     x, m_sizes = body.x, body.m_sizes
     x_scale = None if body.x_scale is msgspec.UNSET else body.x_scale
     _tensor(x, "x")
     if x_scale is not None:
         _tensor(x_scale, "x_scale")
     _tensor(m_sizes, "m_sizes")
-    ws = weights()
-    if x.dtype not in FP8_NAMES + FLOAT_NAMES:
-        raise BadDtype(f"x is {x.dtype}; expected one of: {', '.join(FP8_NAMES + FLOAT_NAMES)}")
+    ws = target()
+    _x_dtype(x)
     kind = SIZE_DTYPES.get(m_sizes.dtype)
     if kind is None:
         raise BadDtype(f"m_sizes is {m_sizes.dtype}; expected one of: int64, int32")
     if len(x.shape) != 2:
         raise BadShape(f"x has shape {x.shape}; expected 2-D [M, K]")
     M, K = x.shape
-    if K != ws.K:
-        raise BadShape(f"x has K={K}; weight set {ws.name!r} has K={ws.K}")
+    want, held = width(ws)
+    if K != want:
+        raise BadShape(f"x has K={K}; {held}")
     if m_sizes.shape != [ws.G]:
         raise BadShape(f"m_sizes has shape {m_sizes.shape}; expected [{ws.G}] "
                        f"([G], G={ws.G} groups)")
     if M > max_m:
         raise TooLarge(f"x has M={M} rows; this server takes at most {max_m} per call")
-    if x.dtype in FP8_NAMES:
-        if x_scale is None:
-            raise BadField("fp8 x needs x_scale (float32 [M, K/128])")
-        if x_scale.dtype != "float32":
-            raise BadDtype(f"x_scale is {x_scale.dtype}; expected one of: float32")
-        if x_scale.shape != [M, K // BLOCK]:
-            raise BadShape(f"x_scale has shape {x_scale.shape}; expected [{M}, {K // BLOCK}] "
-                           f"([M, K/128])")
-    elif x_scale is not None:
-        raise BadField("x_scale is only for fp8 x; bf16/fp16/fp32 x is quantized by the server")
+    _x_scale(x, x_scale, M, "M")
     sizes = np.frombuffer(m_sizes.data, dtype=kind).astype(np.int64)
     if (sizes < 0).any():
         raise BadMSizes(f"m_sizes {sizes.tolist()} holds a negative size")
@@ -208,5 +309,69 @@ def gemm_call(body: GemmBody, weights: Callable[[], Any], *, max_m: int,
     if (sizes > M).any() or int(sizes.sum()) != M:
         total = sum(int(s) for s in sizes.tolist())  # Python ints: exact
         raise BadMSizes(f"m_sizes sum to {total}; x has M={M} rows")
-    return GemmCall(ws, M, x.dtype, _bytes(x.data),
-                    None if x_scale is None else _bytes(x_scale.data), sizes, deadline)
+    return ws, M, x.dtype, _bytes(x.data), None if x_scale is None else _bytes(x_scale.data), \
+        sizes
+
+
+def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k: int,
+             deadline: float | None = None) -> MoeCall:
+    """Check a decoded moe body against SPEC 2.2 and the expert set ``experts()``
+    returns: dtypes and shapes (``x`` ``[T, H]``, ``topk_ids`` and ``topk_weights``
+    ``[T, k]`` with ``1 <= k <= G``), ``T * k <= max_m`` expert rows and ``k <=
+    max_top_k`` (what one launch holds for one token), 413 beyond. The ids and
+    weights themselves (``bad_routing``) are checked on the device."""
+    x, ids, weights = body.x, body.topk_ids, body.topk_weights
+    x_scale = None if body.x_scale is msgspec.UNSET else body.x_scale
+    for t, name in ((x, "x"), (x_scale, "x_scale"), (ids, "topk_ids"),
+                    (weights, "topk_weights")):
+        if t is not None:
+            _tensor(t, name)
+    es = experts()
+    _x_dtype(x)
+    if ids.dtype not in ID_DTYPES:
+        raise BadDtype(f"topk_ids is {ids.dtype}; expected one of: int32, int64")
+    if weights.dtype != "float32":
+        raise BadDtype(f"topk_weights is {weights.dtype}; expected one of: float32")
+    if len(x.shape) != 2:
+        raise BadShape(f"x has shape {x.shape}; expected 2-D [T, H]")
+    T, H = x.shape
+    if H != es.H:
+        raise BadShape(f"x has H={H}; expert set {es.name!r} has H={es.H}")
+    if len(ids.shape) != 2 or ids.shape[0] != T:
+        raise BadShape(f"topk_ids has shape {ids.shape}; expected [T, k] with T={T}")
+    k = ids.shape[1]
+    if not 1 <= k <= es.G:
+        raise BadShape(f"topk_ids has k={k} experts per token; expected 1 <= k <= G={es.G}")
+    if weights.shape != [T, k]:
+        raise BadShape(f"topk_weights has shape {weights.shape}; expected [{T}, {k}] "
+                       f"([T, k], as topk_ids)")
+    if T * k > max_m:
+        raise TooLarge(f"T*k = {T * k} expert rows; this server takes at most {max_m} "
+                       f"per call")
+    if k > max_top_k:
+        raise TooLarge(f"k={k} experts per token; this server runs at most {max_top_k} "
+                       f"(its largest bucket)")
+    _x_scale(x, x_scale, T, "T")
+    return MoeCall(es, T, k, x.dtype, _bytes(x.data),
+                   None if x_scale is None else _bytes(x_scale.data),
+                   ids.dtype, _bytes(ids.data), _bytes(weights.data), deadline)
+
+
+def _x_dtype(x: WireTensor) -> None:
+    if x.dtype not in FP8_NAMES + FLOAT_NAMES:
+        raise BadDtype(f"x is {x.dtype}; expected one of: {', '.join(FP8_NAMES + FLOAT_NAMES)}")
+
+
+def _x_scale(x: WireTensor, x_scale: WireTensor | None, rows: int, label: str) -> None:
+    """fp8 ``x`` comes with float32 ``x_scale`` ``[rows, width/128]``; other x without."""
+    if x.dtype in FP8_NAMES:
+        width = x.shape[1]
+        if x_scale is None:
+            raise BadField(f"fp8 x needs x_scale (float32 [{label}, {width}/128])")
+        if x_scale.dtype != "float32":
+            raise BadDtype(f"x_scale is {x_scale.dtype}; expected one of: float32")
+        if x_scale.shape != [rows, width // BLOCK]:
+            raise BadShape(f"x_scale has shape {x_scale.shape}; expected "
+                           f"[{rows}, {width // BLOCK}] ([{label}, {width}/128])")
+    elif x_scale is not None:
+        raise BadField("x_scale is only for fp8 x; bf16/fp16/fp32 x is quantized by the server")

@@ -28,7 +28,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from . import routes, routes_experts
-from ._ffn import make_ffn_runner
 from .config import Settings, get_settings
 from .engine import EXIT_DEVICE_LOST, Engine
 from .experts import ExpertStore
@@ -106,6 +105,7 @@ async def _lifespan(app: FastAPI):
         merge_window_us=settings.merge_window_us,
         metrics=metrics,
         switch_interval_us=settings.gil_switch_us,
+        moe_top_k=settings.moe_top_k,
     )
     limits = WeightLimits(
         max_g=settings.max_g, max_n=settings.max_n, max_k=settings.max_k,
@@ -117,9 +117,7 @@ async def _lifespan(app: FastAPI):
     engine.on_lost = lambda reason: exit_for_restart(settings.shutdown_grace_s)
     svc = routes.Services(settings=settings, engine=engine, store=store, metrics=metrics)
     app.state.services = svc
-    app.state.experts = routes_experts.Experts(
-        ExpertStore(store), make_ffn_runner(backend, settings.max_bucket_m)
-    )
+    app.state.experts = routes_experts.Experts(ExpertStore(store))
     engine.start()
     loading = asyncio.create_task(_load_startup_sets(svc, app.state.experts))
     # A failed start-up load is fatal: a server that silently lacks its weights

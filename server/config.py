@@ -93,6 +93,9 @@ class Settings(BaseSettings):
     # Device memory a load leaves free for the calls in flight (507 when it cannot).
     memory_headroom_bytes: int = Field(1 << 30, ge=0)
     max_bucket_m: int = Field(8192, gt=0)
+    # The moe top-k whose graphs each expert set captures at load (engine.MOE_TOP_K);
+    # calls of another k run eagerly. From the environment a JSON list or "1,2,8".
+    moe_top_k: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [1, 2, 8])
     # Merge the calls for one weight set that arrive within this window (0: off);
     # the default is the measured best (server/engine.py, MERGE_WINDOW_US).
     merge_window_us: int = Field(200, ge=0, le=1_000_000)
@@ -138,6 +141,23 @@ class Settings(BaseSettings):
             if text.startswith("["):
                 return json.loads(text)
             return [part for part in (p.strip() for p in text.split(",")) if part]
+        return value
+
+    @field_validator("moe_top_k", mode="before")
+    @classmethod
+    def _split_top_k(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [int(part) for part in (p.strip() for p in text.split(",")) if part]
+        return value
+
+    @field_validator("moe_top_k")
+    @classmethod
+    def _positive_top_k(cls, value: list[int]) -> list[int]:
+        if any(k < 1 for k in value):
+            raise ValueError("moe_top_k holds positive integers")
         return value
 
     @field_validator("preload")

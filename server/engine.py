@@ -1,7 +1,9 @@
 """The engine: the only owner of the device's calls.
 
-One entry, :meth:`Engine.gemm`, takes a validated call (``_request.GemmCall``)
-and batches it with whatever else is pending:
+One entry, :meth:`Engine.submit`, takes a validated call of any kind -- a
+gemm call (``_request.GemmCall``), an expert set's ``ffn`` or ``moe`` call
+(``FfnCall``, ``MoeCall``, SPEC 5) -- and batches it with whatever else is
+pending:
 
 - a call of at most ``SMALL_ROWS`` rows (SPEC 3: a small call may launch and
   complete on the event loop) runs on the loop's thread: at once when it is
@@ -20,19 +22,20 @@ clients a merged batch of 9 small calls took 6.7 ms on the worker for
 ~0.3 ms of device work, and 0.86 ms on the loop (``bench/SERVICE_NOTES.md``,
 v5); the 256-row bound keeps any one batch's hold on the loop to a few ms.
 
-A batch is calls for one weight set and one input dtype; the executor
-(``_executor.py``) runs it through the graph path or, when the calls need a
-conversion or chunks, the general path. The queue is bounded (``queue_size``
-calls): a full queue answers ``Overloaded`` at once rather than letting
-latency grow without bound.
+A call object has ``kind``, ``ws``, ``rows`` (the rows the device runs: a
+moe call's tokens times its top-k), ``deadline``, ``enqueued``, ``outcome``
+and ``waiter``; its kind's executor (``_executor.py`` for gemm,
+``_ffn_executor.py`` for ffn and moe) gives its batch key and a batch's row
+bound, and runs a batch (calls of one key) through its graph path or, when
+the calls need a conversion or chunks, its general path. The batching here
+does not look inside: merging, fair turns, the queue bound, deadlines and the
+loop-thread rule are the same for every kind. The queue is bounded
+(``queue_size`` calls): a full queue answers ``Overloaded`` at once rather
+than letting latency grow without bound.
 
-Weight sets are built and their graphs captured off the calls' path, on a
-loader thread with its own CUDA stream (:meth:`Engine.load`): loads never
-hold the device against calls (SPEC 3).
-
-Other call kinds (an expert FFN, section 5) plug in the same way: a call
-object with ``ws``, ``rows``, ``deadline``, ``outcome``, a batch key and an
-executor that runs a list of them; the batching here does not look inside.
+Weight sets and expert sets are built and their graphs captured off the
+calls' path, on a loader thread with its own CUDA stream (:meth:`Engine.load`):
+loads never hold the device against calls (SPEC 3).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -60,11 +63,12 @@ from moegemm.client._errors import (
 )
 from moegemm.kernels._backend import Backend
 
-from ._checks import not_finite_error
 from ._executor import Executor
+from ._ffn_executor import ExpertExecutor
+from ._ffn_graphs import FfnGraphs
 from ._graphs import GraphPool
-from ._request import GemmCall
 from ._staging import Staging
+from .experts import ExpertSet
 from .store import WeightSet
 
 log = logging.getLogger("moegemm.server.engine")
@@ -78,6 +82,11 @@ SMALL_ROWS = 256
 # 1.3-1.6x more calls/s at 32 clients than no merging and kept the paced p99
 # lowest; loop batches merge without waiting).
 MERGE_WINDOW_US = 200
+
+# The moe top-k whose graphs an expert set captures when it loads: those of the
+# public MoE models in bench/real_models.json (DeepSeek-V3, Kimi-K2, Qwen3, GLM:
+# 8; Mixtral: 2; Llama 4: 1). Another k runs eagerly, on the same kernels.
+MOE_TOP_K = (1, 2, 8)
 
 # A full queue tells the caller to come back after this many seconds.
 _RETRY_AFTER_S = 1
@@ -95,11 +104,6 @@ class _Job:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-def _batch_key(call: GemmCall) -> tuple[int, str]:
-    """Calls merge per weight set and input dtype (one graph family, one conversion)."""
-    return id(call.ws), call.dtype
-
-
 class Engine:
     """Owns the device: batching on the loop and a worker, a loader, graphs."""
 
@@ -114,6 +118,7 @@ class Engine:
         graphs: bool = True,
         metrics: Any = None,
         switch_interval_us: int = 1000,
+        moe_top_k: Sequence[int] = MOE_TOP_K,
     ) -> None:
         self.backend = backend
         self.device = backend.device
@@ -123,15 +128,20 @@ class Engine:
         self.merge_window_s = merge_window_us / 1e6
         self.metrics = metrics
         self.switch_interval_s = switch_interval_us / 1e6
+        self.moe_top_k = tuple(moe_top_k)
         self._executor = Executor(GraphPool(backend, max_bucket_m, graphs=graphs),
                                   Staging(backend.device))
+        # Expert calls share the gemm calls' staging: one stream, one batch at a time.
+        self._experts = ExpertExecutor(FfnGraphs(backend, max_bucket_m, graphs=graphs),
+                                       self._executor.staging, moe_top_k)
+        self._executors = {"gemm": self._executor, "ffn": self._experts, "moe": self._experts}
         # On a GPU a small call is a launch and a short wait, which the loop may
         # make (SPEC 3); on the CPU the reference kernel computes it there and then,
         # for milliseconds: every call goes to the worker.
         self._loop_rows = SMALL_ROWS if self.device.type == "cuda" else 0
         self._graph_launches = None if metrics is None else metrics.launches.labels(mode="graph")
         self._eager_launches = None if metrics is None else metrics.launches.labels(mode="eager")
-        self._items: deque[GemmCall | _Job] = deque()
+        self._items: deque[Any] = deque()  # calls (of any kind) and jobs
         self._pending_calls = 0
         self._cv = threading.Condition()
         self._closed = False
@@ -141,7 +151,7 @@ class Engine:
         # True while a batch or job runs, on the worker or the loop (one at a time).
         self._busy = False
         # Calls waiting for the event loop's next drain, and its handle.
-        self._loop_calls: list[GemmCall] = []
+        self._loop_calls: list = []
         self._drain_handle: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # True while loop calls wait for a worker batch or job to release the device.
@@ -192,8 +202,9 @@ class Engine:
 
     # -- the one entry for calls -----------------------------------------------------
 
-    async def gemm(self, call: GemmCall, *, alone: bool = False) -> np.ndarray:
-        """SPEC 1 for a validated call: its output's bf16 bytes ``[rows, 2N]`` (uint8).
+    async def submit(self, call, *, alone: bool = False) -> np.ndarray:
+        """A validated call's answer: its output's bf16 bytes ``[rows, 2 width]`` (uint8;
+        ``call.out_shape`` is ``[rows, width]``), or its contract error raised.
 
         ``call.deadline`` is a ``time.monotonic()`` instant: a call still queued then
         fails with DeadlineExceeded instead of running. ``alone``: the caller
@@ -201,7 +212,7 @@ class Engine:
         small call that finds the device free runs at once, on this thread.
         """
         if call.rows == 0:  # nothing to run; validated like any other call
-            return np.empty((0, 2 * call.ws.N), dtype=np.uint8)
+            return np.empty((0, 2 * call.out_shape[1]), dtype=np.uint8)
         now = False
         with self._cv:
             if self._closed:
@@ -284,9 +295,9 @@ class Engine:
     # and the worker lets them have the device before its next item. A large call
     # thus delays a small one by at most its own batch, never by a queue of them.
     def _drain(self) -> None:
-        """Run the calls waiting for the loop, merged per weight set and dtype (in
-        arrival order, at most ``max_bucket_m`` rows a batch), or, when the worker
-        holds the device, leave them waiting for its release."""
+        """Run the calls waiting for the loop, merged per batch key (in arrival order,
+        within the key's row bound), or, when the worker holds the device, leave them
+        waiting for its release."""
         self._drain_handle = None
         waiting, self._loop_calls = self._loop_calls, []
         if not waiting:
@@ -316,17 +327,25 @@ class Engine:
             for call in waiting:
                 _wake(call)
 
-    def _batches(self, calls: list[GemmCall]) -> list[list[GemmCall]]:
-        """``calls`` as batches: per weight set and dtype, in arrival order, within the
-        largest bucket; one call a batch without a merge window."""
+    def _key(self, call) -> tuple:
+        """Calls of one key may share a launch (their executor says which)."""
+        return self._executors[call.kind].batch_key(call)
+
+    def _limit(self, call) -> int:
+        """The most rows a batch holding ``call`` may have (the same for its whole key)."""
+        return self._executors[call.kind].batch_rows(call)
+
+    def _batches(self, calls: list) -> list[list]:
+        """``calls`` as batches: per key (kind, set, dtype...), in arrival order, within
+        the key's row bound; one call a batch without a merge window."""
         if self.merge_window_s <= 0:
             return [[call] for call in calls]
-        batches: list[list[GemmCall]] = []
+        batches: list[list] = []
         open_: dict[Any, tuple[list, list[int]]] = {}
         for call in calls:
-            key = _batch_key(call)
+            key = self._key(call)
             batch, rows = open_.get(key, (None, [0]))
-            if batch is None or rows[0] + call.rows > self.max_bucket_m:
+            if batch is None or rows[0] + call.rows > self._limit(call):
                 batch, rows = [], [0]
                 batches.append(batch)
                 open_[key] = (batch, rows)
@@ -334,8 +353,8 @@ class Engine:
             rows[0] += call.rows
         return batches
 
-    def _run_batch(self, batch: list[GemmCall]) -> None:
-        """Run one batch on this thread; each call gets its ``outcome``."""
+    def _run_batch(self, batch: list) -> None:
+        """Run one batch (calls of one key) on this thread; each call gets its ``outcome``."""
         started = time.monotonic()
         live = []
         for call in batch:
@@ -345,10 +364,10 @@ class Engine:
                 live.append(call)
         if not live:
             return
-        executor = self._executor
+        executor = self._executors[live[0].kind]
         try:
             executor.staging.enter()
-            results, launches = executor.run(live[0].ws, live)
+            outcomes, launches = executor.run_calls(live[0].ws, live)
         except Exception as exc:  # noqa: BLE001 -- each caller gets it (_device_error logs)
             # Copies of a failed batch may still be queued on the engine stream;
             # the next batch reuses their pinned sources, so wait for them first.
@@ -367,9 +386,8 @@ class Engine:
                 m.queue_seconds.observe(started - call.enqueued)
             m.kernel_seconds.observe(time.monotonic() - started)
             m.batch_calls.observe(len(live))
-        for call, (out, flags) in zip(live, results):
-            error = not_finite_error(flags)
-            call.outcome = out if error is None else error
+        for call, outcome in zip(live, outcomes):
+            call.outcome = outcome
 
     def _device_error(self, exc: Exception, calls: int) -> APIError:
         """The answer for a batch that failed on the device (an API error passes as it is)."""
@@ -420,31 +438,10 @@ class Engine:
             self._cv.notify()
         return await asyncio.wrap_future(job.future)
 
-    async def run_call(self, fn: Callable[[], T], deadline: float | None = None) -> T:
-        """A call of another kind (an expert FFN or MoE call, whose runner batches and
-        graphs its own) on the worker between batches, bound by the same queue as
-        gemm calls: Overloaded when it is full, DeadlineExceeded when ``deadline``
-        (``time.monotonic()``) passed before it ran."""
-        def job() -> T:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise DeadlineExceeded("the request's deadline passed before it ran")
-            return fn()
-
-        with self._cv:
-            if self._closed:
-                raise NotReady("the server is shutting down")
-            self._check_room()
-            self._pending_calls += 1
-        try:
-            return await self.run(job)
-        finally:
-            with self._cv:
-                self._pending_calls = max(0, self._pending_calls - 1)
-
     async def load(self, build: Callable[[], T]) -> T:
-        """Build a weight set (or an expert set: anything with ``weight_sets``) and
-        capture the graphs its shapes need, off the calls' path: on the loader thread
-        and its own CUDA stream, while calls go on (SPEC 3)."""
+        """Build a weight set (or an expert set: its two matrices' gemm graphs, and its
+        ffn and moe graphs) and capture the graphs its shapes need, off the calls'
+        path: on the loader thread and its own CUDA stream, while calls go on (SPEC 3)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._loader, self._load, build)
 
@@ -464,7 +461,25 @@ class Engine:
             self._load_stream.synchronize()
         for ws in getattr(built, "weight_sets", (built,)):
             self._graphs_for(ws)
+        if isinstance(built, ExpertSet):
+            self._expert_graphs(built)
         return built
+
+    def _expert_graphs(self, es: ExpertSet) -> None:
+        """On the loader thread: the ffn and moe graphs of ``es``'s shape. A family
+        served already is complete (sets of one shape share its graphs through the
+        address words) and captures nothing; a new one is used by no call yet."""
+        try:
+            if self._load_stream is None:
+                self._experts.prepare(es)
+            else:
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(self._load_stream):
+                    self._experts.prepare(es)
+        except torch.OutOfMemoryError as exc:
+            raise OutOfMemory(
+                f"the device cannot hold the graphs of expert set {es.name!r}: {exc}"
+            ) from exc
 
     def _graphs_for(self, ws: WeightSet) -> None:
         """On the loader thread: the graphs of ``ws``'s shape, captured if need be."""
@@ -508,6 +523,15 @@ class Engine:
         """Drop graphs bound to ``ws``'s memory (after it was replaced or deleted)."""
         self._executor.pool.forget(ws.wq)
 
+    async def forget_experts(self, es: ExpertSet, alive: Sequence[ExpertSet]) -> None:
+        """After ``es`` was replaced or deleted: drop its matrices' gemm graphs, and the
+        ffn/moe graphs and buffers no set in ``alive`` (the sets loaded now) uses. On
+        the loader thread, in turn with loads and their captures."""
+        self.forget(es.w13)
+        self.forget(es.w2)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._loader, self._experts.forget, es, list(alive))
+
     @property
     def graphs(self) -> bool:
         """Whether calls replay captured CUDA graphs (False on the CPU)."""
@@ -530,7 +554,7 @@ class Engine:
             finally:
                 self._release()
 
-    def _work(self, item: GemmCall | _Job) -> None:
+    def _work(self, item) -> None:
         if isinstance(item, _Job):
             if item.future.set_running_or_notify_cancel():
                 try:
@@ -541,7 +565,7 @@ class Engine:
         batch = self._collect(item)
         try:
             live = [call for call in batch if not _gone(call)]
-            for part in self._batches(live) if len(set(map(_batch_key, live))) > 1 else [live]:
+            for part in self._batches(live) if len(set(map(self._key, live))) > 1 else [live]:
                 self._run_batch(part)
         except Exception:  # a bug here must not kill the device's only thread
             log.exception("the engine failed a batch of %d calls", len(batch))
@@ -552,7 +576,7 @@ class Engine:
             for call in batch:
                 self._wake_threadsafe(call)
 
-    def _next(self) -> GemmCall | _Job | None:
+    def _next(self):
         with self._cv:
             while (not self._items or self._busy or self._loop_waiting) and not self._closed:
                 self._cv.wait()
@@ -564,8 +588,8 @@ class Engine:
             self._busy = True
             return item
 
-    def _collect(self, first: GemmCall) -> list[GemmCall]:
-        """``first`` plus the calls for the same weight set and dtype that arrive with it.
+    def _collect(self, first) -> list:
+        """``first`` plus the calls of its key that arrive with it, within the key's rows.
 
         Calls already queued always join (they would wait anyway). The worker
         waits up to ``merge_window_us`` for more only while calls are arriving
@@ -575,16 +599,16 @@ class Engine:
         batch = [first]
         if self.merge_window_s <= 0:
             return batch
-        rows, key = first.rows, _batch_key(first)
+        rows, key, limit = first.rows, self._key(first), self._limit(first)
         wait = self._last_batch_calls > 1
         close_at = time.monotonic() + self.merge_window_s
         with self._cv:
-            while rows < self.max_bucket_m:
+            while rows < limit:
                 for item in list(self._items):
                     if (
                         not isinstance(item, _Job)
-                        and _batch_key(item) == key
-                        and rows + item.rows <= self.max_bucket_m
+                        and self._key(item) == key
+                        and rows + item.rows <= limit
                     ):
                         self._items.remove(item)
                         self._pending_calls -= 1
@@ -598,7 +622,7 @@ class Engine:
         return batch
 
     @staticmethod
-    def _wake_threadsafe(call: GemmCall) -> None:
+    def _wake_threadsafe(call) -> None:
         waiter = getattr(call, "waiter", None)
         if waiter is not None:
             try:
@@ -610,13 +634,13 @@ class Engine:
 _GONE = object()  # a call's outcome once its caller went away before it ran
 
 
-def _gone(call: GemmCall) -> bool:
+def _gone(call) -> bool:
     """Whether the call's caller went away (its wait cancelled) before it ran."""
     waiter = call.waiter
     return call.outcome is _GONE or (waiter is not None and waiter.cancelled())
 
 
-def _wake(call: GemmCall) -> None:
+def _wake(call) -> None:
     waiter = getattr(call, "waiter", None)
     if waiter is not None and not waiter.done():
         if call.outcome is None:  # never ran (a bug): never leave a caller hanging

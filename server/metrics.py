@@ -49,7 +49,7 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.batch_calls = Histogram(
-            "moegemm_batch_calls", "Gemm calls merged into one batch",
+            "moegemm_batch_calls", "Calls (gemm, ffn or moe) merged into one batch",
             buckets=_BATCH_BUCKETS, registry=r,
         )
         self.bytes_in = Counter("moegemm_bytes_in", "Request body bytes received", registry=r)

@@ -4,7 +4,7 @@ Each handler reads a straight line: check the name and the media type, read the
 body within its limit, decode the msgpack map and its tensors, hand them to the
 store or the engine, encode the answer. A gemm call takes one path whatever
 its transport (:func:`run_gemm`: ``_request.py``'s schema and validator, then
-``Engine.gemm``). Errors are raised as the domain
+``Engine.submit``). Errors are raised as the domain
 errors of ``moegemm.client._errors``; ``app.py`` turns them into JSON.
 """
 
@@ -210,11 +210,11 @@ async def run_gemm(svc: Services, name: str, body, deadline: float | None,
                    alone: bool = False) -> list:
     """A gemm call from its body to its answer's parts (header, output bytes): the one
     path of every transport. ``alone``: the transport knows of no other request in
-    progress (``Engine.gemm``)."""
+    progress (``Engine.submit``)."""
     request = decode_gemm(body)
     call = gemm_call(request, lambda: svc.store.get(name), max_m=svc.settings.max_m,
                      deadline=deadline)
-    out = await svc.engine.gemm(call, alone=alone)
+    out = await svc.engine.submit(call, alone=alone)
     return array_body_parts("out", out, "bfloat16", (call.rows, call.ws.N))
 
 
@@ -308,7 +308,7 @@ async def info(svc: ServicesDep, request: Request) -> dict:
             "queue_size": s.queue_size,
             "merge_window_us": s.merge_window_us,
         },
-        "experts": request.app.state.experts.info(),
+        "experts": request.app.state.experts.info(svc.engine),
     }
 
 

@@ -105,3 +105,109 @@ def pooled_error(pairs) -> float:
     from moegemm.kernels.testing import rel_error
 
     return rel_error(torch.cat([o.double() for o, _ in pairs]), torch.cat([r for _, r in pairs]))
+
+
+# -- the server's expert executor, driven with tensors ------------------------------------------
+
+
+def ffn_call(es, x: torch.Tensor, x_scale, m_sizes, deadline=None):
+    """A validated ffn call as the server makes one: the body packed, decoded and checked
+    by ``_request`` (the one validator), against expert set ``es``."""
+    from moegemm.client._wire import packb
+    from moegemm.server._request import decode_gemm
+    from moegemm.server._request import ffn_call as validate
+    from server_support import wire
+
+    body = {"x": wire(x.cpu()), "m_sizes": wire(torch.as_tensor(m_sizes, dtype=torch.int64))}
+    if x_scale is not None:
+        body["x_scale"] = wire(x_scale.cpu())
+    return validate(decode_gemm(packb(body)), lambda: es, max_m=1 << 20, deadline=deadline)
+
+
+def moe_call(es, x: torch.Tensor, x_scale, topk_ids, topk_weights, deadline=None):
+    """A validated moe call (``_request.moe_call``) against expert set ``es``."""
+    from moegemm.client._wire import packb
+    from moegemm.server._request import decode_moe
+    from moegemm.server._request import moe_call as validate
+    from server_support import wire
+
+    body = {"x": wire(x.cpu()), "topk_ids": wire(topk_ids.cpu()),
+            "topk_weights": wire(topk_weights.cpu())}
+    if x_scale is not None:
+        body["x_scale"] = wire(x_scale.cpu())
+    return validate(decode_moe(packb(body)), lambda: es, max_m=1 << 20, max_top_k=1 << 20,
+                    deadline=deadline)
+
+
+def answer_rows(out, width: int) -> torch.Tensor:
+    """An engine or executor answer (bf16 bytes ``[rows, 2 width]``) as bf16 ``[rows, width]``."""
+    rows = torch.from_numpy(out.copy())
+    if not rows.numel():
+        return torch.empty((out.shape[0], width), dtype=torch.bfloat16)
+    return rows.view(torch.bfloat16)
+
+
+class Runner:
+    """The server's ``ExpertExecutor`` (and its ``FfnGraphs``) driven with tensors: calls go
+    through the real validator and run as the engine runs a batch; answers come back as
+    host bf16 tensors, errors as exceptions (``*_many``: in the list)."""
+
+    def __init__(self, backend, max_bucket: int, *, graphs: bool = True, top_ks=(1, 2, 8)):
+        from moegemm.server._ffn_executor import ExpertExecutor
+        from moegemm.server._ffn_graphs import FfnGraphs
+        from moegemm.server._staging import Staging
+
+        self.graphs = FfnGraphs(backend, max_bucket, graphs=graphs)
+        self.executor = ExpertExecutor(self.graphs, Staging(backend.device), top_ks)
+        self.launches = []
+
+    def prepare(self, es) -> int:
+        return self.executor.prepare(es)
+
+    def run(self, es, calls) -> list:
+        """One batch of validated calls (one key), as ``Engine._run_batch`` runs it."""
+        self.executor.staging.enter()
+        outcomes, launches = self.executor.run_calls(es, calls)
+        self.launches.append(launches)
+        return [o if isinstance(o, Exception) else answer_rows(o, es.H) for o in outcomes]
+
+    def ffn_many(self, es, calls) -> list:
+        """``(x, x_scale, m_sizes)`` calls merged as the engine would: in batches by key."""
+        return self._batched(es, [ffn_call(es, *c) for c in calls])
+
+    def moe_many(self, es, calls) -> list:
+        """``(x, x_scale, topk_ids, topk_weights)`` calls merged by key, as ``ffn_many``."""
+        return self._batched(es, [moe_call(es, *c) for c in calls])
+
+    def _batched(self, es, calls) -> list:
+        by_key: dict = {}
+        for i, call in enumerate(calls):
+            if call.rows == 0:
+                continue
+            by_key.setdefault(self.executor.batch_key(call), []).append(i)
+        results: list = [torch.empty((c.out_shape[0], es.H), dtype=torch.bfloat16)
+                         for c in calls]
+        for idx in by_key.values():
+            limit = max(self.executor.batch_rows(calls[idx[0]]), 1)
+            batch, rows = [], 0
+            for i in idx + [None]:
+                if i is None or (batch and rows + calls[i].rows > limit):
+                    for j, out in zip(batch, self.run(es, [calls[b] for b in batch])):
+                        results[j] = out
+                    batch, rows = [], 0
+                if i is not None:
+                    batch.append(i)
+                    rows += calls[i].rows
+        return results
+
+    def ffn(self, es, x, x_scale, m_sizes) -> torch.Tensor:
+        return _raised(self.ffn_many(es, [(x, x_scale, m_sizes)])[0])
+
+    def moe(self, es, x, x_scale, topk_ids, topk_weights) -> torch.Tensor:
+        return _raised(self.moe_many(es, [(x, x_scale, topk_ids, topk_weights)])[0])
+
+
+def _raised(out):
+    if isinstance(out, Exception):
+        raise out
+    return out

@@ -1,4 +1,4 @@
-"""The engine's one entry (``Engine.gemm``) on the CPU: batching, merging, the loop and
+"""The engine's one entry (``Engine.submit``) on the CPU: batching, merging, the loop and
 the worker, deadlines, bad rows, jobs and shutdown.
 
 On a GPU small calls run on the event loop's thread (SPEC 3); on the CPU every
@@ -70,7 +70,7 @@ def _spy_batches(engine):
 
 
 async def _gather(engine, calls, **kw):
-    return await asyncio.gather(*(engine.gemm(c, **kw) for c in calls), return_exceptions=True)
+    return await asyncio.gather(*(engine.submit(c, **kw) for c in calls), return_exceptions=True)
 
 
 def _run(engine, coro_fn):
@@ -85,7 +85,7 @@ def _one_by_one(calls):
     ref = _engine(loop=False, merge_window_us=0)
     try:
         async def each():
-            return [await ref.gemm(_again(c)) for c in calls]
+            return [await ref.submit(_again(c)) for c in calls]
         return asyncio.run(each())
     finally:
         ref.close()
@@ -125,7 +125,7 @@ def test_a_lone_call_runs_at_once_on_the_callers_thread():
     seen = _spy_batches(engine)
 
     async def scenario():
-        task = asyncio.ensure_future(engine.gemm(call, alone=True))
+        task = asyncio.ensure_future(engine.submit(call, alone=True))
         # Ran before the task was first awaited past its first step: no waiter made.
         await asyncio.sleep(0)
         assert task.done() and call.waiter is None
@@ -235,7 +235,7 @@ def test_calls_and_jobs_never_overlap_on_the_device():
     job = exclusive(lambda: time.sleep(0.002))
 
     async def scenario():
-        work = [engine.gemm(c) for c in _calls(gen, [ws], 30, rows=lambda i: 1 + i * 13 % 300)]
+        work = [engine.submit(c) for c in _calls(gen, [ws], 30, rows=lambda i: 1 + i * 13 % 300)]
         work += [engine.run(job) for _ in range(5)]
         return await asyncio.gather(*work, return_exceptions=True)
 
@@ -252,7 +252,7 @@ def test_a_caller_that_goes_away_before_its_turn_is_not_run():
     seen = _spy_batches(engine)
 
     async def scenario():
-        tasks = [asyncio.ensure_future(engine.gemm(c)) for c in calls]
+        tasks = [asyncio.ensure_future(engine.submit(c)) for c in calls]
         await asyncio.sleep(0)  # each waits for the loop's next turn
         tasks[1].cancel()
         return await asyncio.gather(*tasks, return_exceptions=True)
@@ -269,7 +269,7 @@ def test_calls_waiting_at_close_are_refused():
     engine = _engine(loop=True)
 
     async def scenario():
-        tasks = [asyncio.ensure_future(engine.gemm(c)) for c in calls]
+        tasks = [asyncio.ensure_future(engine.submit(c)) for c in calls]
         await asyncio.sleep(0)
         engine.close()
         return await asyncio.gather(*tasks, return_exceptions=True)
@@ -277,7 +277,7 @@ def test_calls_waiting_at_close_are_refused():
     got = asyncio.run(scenario())
     assert all(isinstance(g, NotReady) for g in got)
     with pytest.raises(NotReady):
-        asyncio.run(engine.gemm(_again(calls[0])))
+        asyncio.run(engine.submit(_again(calls[0])))
 
 
 def test_small_calls_get_the_device_between_large_ones():
@@ -303,10 +303,10 @@ def test_small_calls_get_the_device_between_large_ones():
     engine._executor.run = spy
 
     async def scenario():
-        tasks = [asyncio.ensure_future(engine.gemm(c)) for c in large]
+        tasks = [asyncio.ensure_future(engine.submit(c)) for c in large]
         while not entered.is_set():
             await asyncio.sleep(0.001)
-        tasks += [asyncio.ensure_future(engine.gemm(c)) for c in small]
+        tasks += [asyncio.ensure_future(engine.submit(c)) for c in small]
         await asyncio.sleep(0.05)
         gate.set()
         return await asyncio.gather(*tasks, return_exceptions=True)

@@ -158,7 +158,7 @@ def test_weight_sets_of_one_shape_share_graphs(backend, gen):
 
 
 def test_the_engine_equals_the_general_path_on_every_lane(backend, gen):
-    """Concurrent calls through ``Engine.gemm`` -- fp8 and bf16, ragged, small ones
+    """Concurrent calls through ``Engine.submit`` -- fp8 and bf16, ragged, small ones
     merged on the loop, a lone one at once, large ones on the worker, fp16 and fnuz
     converted, a NaN row in one -- answer exactly what the eager general path answers
     one by one, bit for bit, and the NaN call alone is refused."""
@@ -196,10 +196,10 @@ def test_the_engine_equals_the_general_path_on_every_lane(backend, gen):
         async def run_all():
             for e in (engine, general):
                 await e.run(lambda e=e: e.prepare(ws))
-            lone = await engine.gemm(gemm_call(ws, *parts[0]), alone=True)
-            got = await asyncio.gather(*(engine.gemm(gemm_call(ws, *p)) for p in parts),
+            lone = await engine.submit(gemm_call(ws, *parts[0]), alone=True)
+            got = await asyncio.gather(*(engine.submit(gemm_call(ws, *p)) for p in parts),
                                        return_exceptions=True)
-            want = [await general.gemm(gemm_call(ws, *p)) for p in parts[:-1]]
+            want = [await general.submit(gemm_call(ws, *p)) for p in parts[:-1]]
             return lone, got, want
 
         lone, got, want = asyncio.run(run_all())
@@ -231,7 +231,7 @@ def test_a_load_and_its_capture_never_hold_the_calls(backend, gen):
         async def scenario():
             await engine.run(lambda: engine.prepare(a))
             part = _part(8, 16, "fp8", gen)
-            [want] = [await engine.gemm(gemm_call(a, *part))]
+            [want] = [await engine.submit(gemm_call(a, *part))]
             g2, loaded = 16, {}
 
             def build():
@@ -242,14 +242,14 @@ def test_a_load_and_its_capture_never_hold_the_calls(backend, gen):
             load = asyncio.ensure_future(engine.load(build))
             answered = 0
             while not load.done():
-                got = await engine.gemm(gemm_call(a, *part), alone=True)
+                got = await engine.submit(gemm_call(a, *part), alone=True)
                 assert torch.equal(bf16_rows(got), bf16_rows(want))
                 answered += 1
                 await asyncio.sleep(0)
             b = await load
             loaded["b"] = b
             part_b = _part(g2, 40, "bf16", gen)
-            out_b = await engine.gemm(gemm_call(b, *part_b))
+            out_b = await engine.submit(gemm_call(b, *part_b))
             return answered, b, part_b, out_b
 
         answered, b, part_b, out_b = asyncio.run(scenario())

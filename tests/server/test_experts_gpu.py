@@ -1,8 +1,9 @@
 """Expert sets on a GPU server: ffn/moe answers within the bound, equal bit for bit
-to the eager chain (FfnExecutor) on the same device whichever runner the server
-picked, the matrices' gemm graphs, and bad routing refused without touching memory.
+to the eager chain (FfnExecutor) on the same device, from graphs captured when
+the set loaded (no call captures one), and bad routing refused without touching
+memory.
 
-Skipped without a CUDA device (E1 had no device time: not yet run on the H200).
+Skipped without a CUDA device.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def test_gpu_ffn_and_moe(gpu_server):
     assert put_experts(srv.http, "e", upload_body(p)).status_code == 201
     es = srv.app.state.experts.store.get("e")
     eager = FfnExecutor(srv.services.engine.backend)
+    graphs = srv.services.engine._experts.graphs
+    captured = graphs.captures
+    assert captured > 0 and graphs.graph_count() == captured  # at load
     for m in (0, 1, 83, 256, 700):  # 700 > max_bucket_m
         sizes = random_m_sizes(g, m)
         x = p.tokens(m)
@@ -63,4 +67,6 @@ def test_gpu_ffn_and_moe(gpu_server):
     x = p.tokens(32)
     assert torch.equal(out_of(post(srv.http, "e", "ffn", ffn_body(x, sizes))),
                        eager.ffn(es, x, None, sizes.tolist()))
+    assert graphs.captures == captured  # no call captured a graph
     assert srv.http.delete("/v1/experts/e").status_code == 204
+    assert graphs.graph_count() == 0  # the last set of its shape took its graphs along

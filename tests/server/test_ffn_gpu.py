@@ -1,11 +1,14 @@
-"""FfnGraphs on the GPU: SPEC 5.1 ``ffn`` and 5.2 ``moe`` in captured graphs.
+"""The expert executor and FfnGraphs on the GPU: SPEC 5.1 ``ffn`` and 5.2 ``moe`` in
+graphs captured when the set is prepared (as the engine's loader does at load).
 
 Against the float64 chain (bound 3e-2): ragged groups with empty ones, M = 0,
 1 and odd; top-k 1, 2 and 8, tokens whose experts are all empty but one;
-calls past the largest bucket (chunks). Bit for bit: merged == unmerged,
-graph == eager, int32 ids == int64 ids, the routing and combine kernels ==
-their torch definitions. Bad routing is answered ``bad_routing`` and leaves
-the next call's answer unchanged. Skipped without an NVIDIA GPU and triton.
+calls past the largest bucket (chunks). Bit for bit: merged == unmerged (also
+where the GEMMs' tile changes with the bucket, and through the engine), graph
+== eager, int32 ids == int64 ids, the routing and combine kernels == their
+torch definitions. No call captures a graph. Bad routing is answered
+``bad_routing`` and leaves the next call's answer unchanged. Skipped without
+an NVIDIA GPU and triton.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ pytest.importorskip("triton")
 
 from ffn_support import (
     FFN_TOLERANCE,
+    Runner,
+    answer_rows,
     expert_set,
+    ffn_call,
     ffn_float64,
+    moe_call,
     moe_float64,
     pooled_error,
     quantized,
@@ -32,8 +39,9 @@ from ffn_support import (
 )
 from moegemm.kernels import get_backend
 from moegemm.kernels.testing import random_m_sizes, rel_error
-from moegemm.server._ffn_graphs import FfnGraphs, combine_torch, route_torch
+from moegemm.server._ffn_graphs import combine_torch, route_torch
 from moegemm.server._moe_route import combine, route
+from test_ffn_graphs import ids_words
 
 DEV = torch.device("cuda")
 G, H, I = 8, 1024, 256
@@ -51,18 +59,20 @@ def fp8(backend):
 
 
 @pytest.fixture(scope="module")
-def graphs(backend):
-    return FfnGraphs(backend, MAX_BUCKET)
+def es(fp8):
+    return expert_set(G, H, I, fp8, DEV, torch.Generator().manual_seed(torch.seed()))
+
+
+@pytest.fixture(scope="module")
+def graphs(backend, es):
+    runner = Runner(backend, MAX_BUCKET)
+    assert runner.prepare(es) > 0  # what the engine's loader does when a set loads
+    return runner
 
 
 @pytest.fixture(scope="module")
 def eager(backend):
-    return FfnGraphs(backend, MAX_BUCKET, graphs=False)
-
-
-@pytest.fixture(scope="module")
-def es(fp8):
-    return expert_set(G, H, I, fp8, DEV, torch.Generator().manual_seed(torch.seed()))
+    return Runner(backend, MAX_BUCKET, graphs=False)
 
 
 def _gen():
@@ -89,7 +99,7 @@ def test_ffn_meets_the_bound(graphs, es, fp8, kind):
         assert pooled_error(pairs) <= FFN_TOLERANCE, m
     out = graphs.ffn(es, *random_x(0, H, gen, None if kind == "bf16" else fp8), [0] * G)
     assert out.shape == (0, H)
-    assert graphs.replays > 0
+    assert graphs.graphs.replays > 0
 
 
 def test_ffn_merged_equals_unmerged_and_graph_equals_eager(graphs, eager, es, fp8):
@@ -197,8 +207,8 @@ def test_bad_routing_is_refused_and_changes_nothing(graphs, es, fp8):
 
 def test_route_and_combine_kernels_equal_their_torch_definitions():
     gen = _gen()
-    for g, k, bucket, tokens in ((5, 2, 4, 3), (256, 8, 256, 200), (128, 8, 1, 1), (9, 6, 16, 11),
-                                 (64, 1, 64, 64)):
+    for g, k, bucket, tokens, wide in ((5, 2, 4, 3, 1), (256, 8, 256, 200, 0), (128, 8, 1, 1, 1),
+                                       (9, 6, 16, 11, 0), (64, 1, 64, 64, 1), (64, 1, 64, 60, 0)):
         ids = torch.stack([torch.randperm(g, generator=gen)[:k] for _ in range(bucket)])
         ids = ids.reshape(-1)
         w = torch.rand(bucket * k, generator=gen)
@@ -206,7 +216,9 @@ def test_route_and_combine_kernels_equal_their_torch_definitions():
             ids[k] = g + 3
             ids[2 * k] = -1
             w[k * (tokens - 1)] = float("nan")
-        ids, w = ids.to(DEV), w.to(DEV)
+            if wide:
+                ids[0] = (1 << 32) + 1  # its low word is a valid id: must still be refused
+        words, w = ids_words(ids, wide).to(DEV), w.to(DEV)
         n = torch.tensor(tokens, device=DEV)
         got = []
         for fn in (route, route_torch):
@@ -215,7 +227,7 @@ def test_route_and_combine_kernels_equal_their_torch_definitions():
                     torch.full((bucket * k,), -5, dtype=torch.int64, device=DEV),
                     torch.tensor(-1, device=DEV),
                     torch.full((bucket,), 9, dtype=torch.int8, device=DEV))
-            fn(ids, w, n, g, k, *outs)
+            fn(words, torch.tensor(wide, device=DEV), w, n, g, k, *outs)
             got.append(outs)
         for a, b in zip(*got):
             assert torch.equal(a, b), (g, k, bucket, tokens)
@@ -230,14 +242,15 @@ def test_route_and_combine_kernels_equal_their_torch_definitions():
 
 def test_two_expert_sets_of_one_family_share_graphs(backend, fp8):
     gen = torch.Generator().manual_seed(torch.seed())
-    runner = FfnGraphs(backend, 16)
+    runner = Runner(backend, 16)
     a, b = (expert_set(G, 512, 128, fp8, DEV, gen, name=n) for n in "ab")
+    assert runner.prepare(a) > 0
+    assert runner.prepare(b) == 0  # b replays a's graphs through the address words
     x, _ = random_x(16, 512, gen, None)
     sizes = random_m_sizes(G, 16, generator=gen).tolist()
     out_a = runner.ffn(a, x, None, sizes)
-    count = runner.graph_count()
     out_b = runner.ffn(b, x, None, sizes)
-    assert runner.graph_count() == count  # b replays a's graph through the weight tables
+    assert runner.graphs.captures == runner.graphs.graph_count()  # none on the calls
     xq, xsq = quantized(x, None, fp8)
     assert rel_error(out_a, ffn_float64(a, xq, xsq, sizes, fp8)) <= FFN_TOLERANCE
     assert rel_error(out_b, ffn_float64(b, xq, xsq, sizes, fp8)) <= FFN_TOLERANCE
@@ -246,14 +259,108 @@ def test_two_expert_sets_of_one_family_share_graphs(backend, fp8):
 
 def test_prepare_captures_every_bucket_ahead(backend, fp8):
     gen = torch.Generator().manual_seed(torch.seed())
-    runner = FfnGraphs(backend, 8)
+    runner = Runner(backend, 8, top_ks=(2,))
     es = expert_set(4, 256, 128, fp8, DEV, gen)
     # ffn: 4 buckets x 2 input kinds; moe top-2: tokens up to 4, 3 buckets x 2 kinds
-    assert runner.prepare(es, top_ks=(2,)) == 14
-    assert runner.prepare(es, top_ks=(2,)) == 0
+    assert runner.prepare(es) == 14
+    assert runner.prepare(es) == 0
     x, _ = random_x(3, 256, gen, None)
     ids, w = random_routing(3, 4, 2, gen)
     out = runner.moe(es, x, None, ids, w)
-    assert runner.graph_count() == 14
-    want = FfnGraphs(backend, 8, graphs=False).moe(es, x, None, ids, w)
+    assert runner.graphs.graph_count() == 14 and runner.graphs.eager_runs == 0
+    want = Runner(backend, 8, graphs=False).moe(es, x, None, ids, w)
     assert torch.equal(_bits(out), _bits(want))
+    # A top-k with no graphs runs eagerly, on the same kernels: the same bits. Top-3 in an
+    # 8-row bucket holds 2 tokens a launch: the 3 tokens take two eager launches.
+    ids3, w3 = random_routing(3, 4, 3, gen)
+    got = runner.moe(es, x, None, ids3, w3)
+    assert runner.graphs.eager_runs == 2 and runner.graphs.graph_count() == 14
+    assert torch.equal(_bits(got), _bits(Runner(backend, 8, graphs=False).moe(es, x, None, ids3,
+                                                                              w3)))
+
+
+def test_merged_equals_alone_where_the_tile_changes_with_m(backend, fp8):
+    """G=8, H=4096: the w13 GEMM splits K two ways for buckets up to 128 rows and four
+    ways at 256, so a 100-row call must never share a 256-row bucket; where buckets share
+    tiles, merged calls equal alone ones bit for bit. The control: forced into one
+    batch, two 100-row calls do not."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    g, h, i = 8, 4096, 256
+    runner = Runner(backend, 256)
+    es = expert_set(g, h, i, fp8, DEV, gen)
+    assert runner.prepare(es) > 0
+    tile = backend.tile_key
+    assert tile(128, 2 * i, h, g, torch.float32) != tile(256, 2 * i, h, g, torch.float32)
+    ex = runner.executor
+
+    def calls_of(rows):
+        out = []
+        for m in rows:
+            x, xs = random_x(m, h, gen, fp8)
+            out.append((x, xs, random_m_sizes(g, m, generator=gen).tolist()))
+        return out
+
+    big = calls_of([100, 100])
+    made = [ffn_call(es, *c) for c in big]
+    assert ex.batch_rows(made[0]) == 128  # the run of 100 rows' tiles ends at 128
+    alone = [runner.ffn(es, *c) for c in big]
+    forced = runner.run(es, made)
+    assert not all(torch.equal(_bits(a), _bits(f)) for a, f in zip(alone, forced))
+    small = calls_of([20, 30, 5, 7, 50])  # buckets of 8 to 64 rows: one run of tiles
+    made = [ffn_call(es, *c) for c in small]
+    assert len({ex.batch_key(c) for c in made}) == 1
+    merged = runner.ffn_many(es, small)
+    assert runner.launches[-1].graph == 1  # one launch for the five
+    for got, call in zip(merged, small):
+        assert torch.equal(_bits(got), _bits(runner.ffn(es, *call)))
+    for got, call in zip(runner.ffn_many(es, big + small), big + small):  # by key, as the engine
+        assert torch.equal(_bits(got), _bits(runner.ffn(es, *call)))
+    assert runner.graphs.eager_runs == 0 and runner.graphs.captures == runner.graphs.graph_count()
+
+
+def test_the_engine_merges_expert_calls_from_graphs_captured_at_load(backend, fp8):
+    """Through ``Engine.submit`` on the GPU: the set's graphs are captured by ``load`` on the
+    loader thread; concurrent small calls merge on the event loop's thread; every answer
+    equals the call alone, bit for bit; no call captures or runs eagerly."""
+    import asyncio
+    import threading
+
+    from moegemm.server.engine import Engine
+    from moegemm.server.experts import ExpertSet
+
+    gen = torch.Generator().manual_seed(torch.seed())
+    ns = expert_set(G, H, I, fp8, DEV, gen, name="eng")
+    es = ExpertSet(name="eng", G=G, H=H, I=I, w13=ns.w13, w2=ns.w2, created="", source="test")
+    engine = Engine(backend, max_bucket_m=MAX_BUCKET)
+    engine.start()
+    graphs = engine._experts.graphs
+    seen = []
+    real = engine._experts.run_calls
+    engine._experts.run_calls = lambda s, batch: seen.append(
+        (threading.current_thread() is threading.main_thread(), len(batch))) or real(s, batch)
+    raw_ffn = [random_x(m, H, gen, fp8 if m % 2 else None) + (random_m_sizes(G, m, generator=gen)
+                                                               .tolist(),) for m in (1, 5, 9, 16, 3)]
+    raw_moe = []
+    for T in (1, 3, 4, 2):
+        x, xs = random_x(T, H, gen, None)
+        raw_moe.append((x, xs, *random_routing(T, G, 2, gen, dtype=torch.int32)))
+
+    def calls():
+        return [ffn_call(es, *r) for r in raw_ffn] + [moe_call(es, *r) for r in raw_moe]
+
+    async def scenario():
+        await engine.load(lambda: es)
+        captured = graphs.captures
+        assert captured > 0 and graphs.graph_count() == captured
+        alone = [await engine.submit(c, alone=True) for c in calls()]
+        together = await asyncio.gather(*(engine.submit(c) for c in calls()))
+        assert graphs.captures == captured and graphs.eager_runs == 0
+        return alone, together
+
+    try:
+        alone, together = asyncio.run(scenario())
+    finally:
+        engine.close()
+    for a, b in zip(alone, together):
+        assert torch.equal(_bits(answer_rows(a, H)), _bits(answer_rows(b, H)))
+    assert any(n > 1 for _, n in seen) and all(on_loop for on_loop, _ in seen)

@@ -1,12 +1,13 @@
-"""FfnGraphs on the CPU (the reference backend: eager, the same code path) and its
-routing and combine kernels in Triton's interpreter.
+"""The expert executor and FfnGraphs on the CPU (the reference backend: eager, the
+same code path) and the routing and combine kernels in Triton's interpreter.
 
 Against the float64 chain (bound 3e-2) for ffn and moe, chunked calls equal
-unchunked ones, bad routing and bad rows get the contract's codes. In Triton's
-interpreter (a fresh process with ``TRITON_INTERPRET=1``): ``route`` and
-``combine`` equal their torch definitions bit for bit, and the GPU's path (rows
-padded to buckets, the Triton steps, NaN in the GEMMs' rows of no expert)
-answers what the CPU's path answers.
+unchunked ones, merged calls equal alone ones bit for bit, bad routing and bad
+rows get the contract's codes. In Triton's interpreter (a fresh process with
+``TRITON_INTERPRET=1``): ``route`` and ``combine`` equal their torch
+definitions bit for bit (int32 and int64 ids), and the GPU's path (rows padded
+to buckets, the Triton steps, NaN in the GEMMs' rows of no expert) answers
+what the CPU's path answers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 from ffn_support import (
     FFN_TOLERANCE,
+    Runner,
     expert_set,
     ffn_float64,
     moe_float64,
@@ -32,7 +34,6 @@ from ffn_support import (
 from moegemm.client._errors import NotFinite
 from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import random_m_sizes
-from moegemm.server._ffn_graphs import FfnGraphs
 
 FP8 = torch.float8_e4m3fn
 G, H, I = 5, 512, 256
@@ -43,8 +44,8 @@ def es():
     return expert_set(G, H, I, FP8, "cpu", torch.Generator().manual_seed(torch.seed()))
 
 
-def _runner(max_bucket: int = 16) -> FfnGraphs:
-    return FfnGraphs(reference_backend(torch.device("cpu")), max_bucket)
+def _runner(max_bucket: int = 16) -> Runner:
+    return Runner(reference_backend(torch.device("cpu")), max_bucket)
 
 
 def test_ffn_meets_the_bound_and_chunks_agree(es):
@@ -101,12 +102,14 @@ def test_moe_meets_the_bound(es, k):
 
 
 def test_moe_edges(es):
+    from moegemm.client._errors import BadShape
+
     gen = torch.Generator().manual_seed(torch.seed())
     runner = _runner()
     x, _ = random_x(3, H, gen)
     empty = torch.zeros((3, 0), dtype=torch.int64)
-    assert torch.equal(runner.moe(es, x, None, empty, empty.float()), torch.zeros((3, H),
-                                                                                  dtype=torch.bfloat16))
+    with pytest.raises(BadShape):  # k = 0: no expert for any token is refused (1 <= k <= G)
+        runner.moe(es, x, None, empty, empty.float())
     none = torch.zeros((0, 2), dtype=torch.int64)
     assert runner.moe(es, x[:0], None, none, none.float()).shape == (0, H)
 
@@ -128,13 +131,23 @@ def test_moe_bad_routing_and_bad_rows(es):
         runner.moe(es, bad, None, ids, w)
 
 
+def ids_words(ids: torch.Tensor, wide: int) -> torch.Tensor:
+    """Ids as the moe buffers hold them: int32 words, int64 ids as (low, high) pairs, the
+    int32 ones in the first half (the rest stale)."""
+    if wide:
+        return ids.to(torch.int64).view(torch.int32).clone()
+    words = torch.full((2 * ids.numel(),), 12345, dtype=torch.int32)
+    words[: ids.numel()] = ids.to(torch.int32)
+    return words
+
+
 def compare_kernels_on_cpu() -> None:
     from moegemm.server._ffn_graphs import combine_torch, route_torch
     from moegemm.server._moe_route import combine, route
 
     gen = torch.Generator().manual_seed(0)
-    for g, k, bucket, tokens in ((5, 2, 4, 3), (7, 3, 8, 8), (16, 8, 16, 11), (3, 1, 1, 1),
-                                 (9, 6, 4, 2)):
+    for g, k, bucket, tokens, wide in ((5, 2, 4, 3, 1), (7, 3, 8, 8, 0), (16, 8, 16, 11, 1),
+                                       (3, 1, 1, 1, 0), (9, 6, 4, 2, 1), (9, 6, 4, 3, 0)):
         ids = torch.stack([torch.randperm(g, generator=gen)[:k] for _ in range(bucket)])
         ids = ids.reshape(-1)
         w = torch.rand(bucket * k, generator=gen)
@@ -143,6 +156,10 @@ def compare_kernels_on_cpu() -> None:
             if k > 1:
                 ids[2 * k + 1] = ids[2 * k]
             w[min(tokens - 1, 3) * k] = float("nan")
+        if wide and tokens > 2:  # int64 ids past int32: refused, never read as their low word
+            ids[0] = (1 << 32) + 1
+            ids[min(tokens - 1, 2) * k] = -(1 << 40)
+        words = ids_words(ids, wide)
         n = torch.tensor(tokens)
         got = []
         for fn in (route, route_torch):
@@ -150,10 +167,12 @@ def compare_kernels_on_cpu() -> None:
                     torch.full((bucket * k,), -5, dtype=torch.int64),
                     torch.full((bucket * k,), -5, dtype=torch.int64), torch.tensor(-1),
                     torch.full((bucket,), 9, dtype=torch.int8))
-            fn(ids, w, n, g, k, *outs)
+            fn(words, torch.tensor(wide), w, n, g, k, *outs)
             got.append(outs)
         for a, b in zip(*got):
             assert torch.equal(a, b), (g, k, bucket, tokens, a, b)
+        if wide and tokens > 2:
+            assert got[0][4][0] == 1
         assert got[0][4][: min(tokens, 4)].tolist()[1:] == [1] * (min(tokens, 4) - 1) \
             if tokens > 2 else True
         y = torch.randn((bucket * k, 256), generator=gen).to(torch.bfloat16)
@@ -175,53 +194,93 @@ def test_route_and_combine_in_the_triton_interpreter():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def compare_padded_path_on_cpu() -> None:
-    """The GPU's path (rows padded to buckets, the Triton steps) equals the CPU's, bit for bit.
+class _EagerGraph:
+    """Stands in for a captured graph on the CPU: its replay runs the same body eagerly."""
 
-    The GEMM is the reference on the live rows, NaN past them: rows of no expert must never
-    reach an answer.
-    """
+    def __init__(self, steps, family, launched, es) -> None:
+        self.steps, self.family, self.launched, self.es = steps, family, launched, es
+
+    def replay(self) -> None:
+        self.steps._body(self.steps.buffers(self.family), self.es, self.launched)
+
+
+def _padded_runner(graph_path: bool) -> Runner:
+    """A CPU runner on the GPU's steps (rows padded to buckets, the Triton kernels in the
+    interpreter; the GEMM the reference on the live rows, NaN past them: rows of no expert
+    must never reach an answer). ``graph_path``: "graphs" that replay the body eagerly, so
+    calls take the executor's graph path (driver-copy staging, the launch's words)."""
     from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
+    from moegemm.kernels._triton_prologue import check_and_gather
     from moegemm.kernels.reference import grouped_gemm
     from moegemm.server._moe_route import combine, route
-    from moegemm.kernels._triton_prologue import check_and_gather
 
-    gen = torch.Generator().manual_seed(0)
-    es = expert_set(G, 256, 256, FP8, "cpu", gen)
-    plain, padded = _runner(), _runner()
-    padded.pad_to_bucket = True
-    padded.check_and_gather = check_and_gather
-    padded._act = lambda h, rows: silu_mul_quant_triton(h, FP8, rows=rows)
-    padded._route, padded._combine = route, combine
-    padded._gather_quant = gather_quantize_triton
+    runner = _runner()
+    steps = runner.graphs
+    steps.pad_to_bucket = True
+    steps.check_and_gather = check_and_gather
+    steps._act = lambda h, rows: silu_mul_quant_triton(h, FP8, rows=rows)
+    steps._route, steps._combine = route, combine
+    steps._gather_quant = gather_quantize_triton
 
     def gemm(xq, xs, table, ws, m_sizes, out):
         n = int(m_sizes.sum())
         out.fill_(float("nan"))
         grouped_gemm(xq[:n], ws.wq, xs[:n], ws.w_scale, m_sizes, out[:n])
 
-    padded._gemm = gemm
+    steps._gemm = gemm
+    if graph_path:
+        steps.graph = lambda f, launched, es: _EagerGraph(steps, f, launched, es)
+    return runner
+
+
+def compare_padded_path_on_cpu() -> None:
+    """The GPU's paths equal the CPU's bit for bit: the general path on padded rows, and the
+    graph path (each caller's bytes copied to their place, the words, one download),
+    merged or alone, int32 or int64 ids."""
+    gen = torch.Generator().manual_seed(0)
+    es = expert_set(G, 256, 256, FP8, "cpu", gen)
+    plain, padded, fast = _runner(), _padded_runner(False), _padded_runner(True)
 
     def same(a, b):
         return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
-    for m, kind in ((3, None), (7, FP8), (20, None)):
+    for m, kind in ((3, None), (7, FP8), (20, None), (16, FP8)):  # 20: chunks of 16
         x, xs = random_x(m, 256, gen, kind)
         sizes = random_m_sizes(G, m, generator=gen).tolist()
-        assert same(plain.ffn(es, x, xs, sizes), padded.ffn(es, x, xs, sizes)), (m, kind)
+        want = plain.ffn(es, x, xs, sizes)
+        assert same(want, padded.ffn(es, x, xs, sizes)), (m, kind)
+        assert same(want, fast.ffn(es, x, xs, sizes)), (m, kind)
     calls = [(random_x(m, 256, gen)[0], None, random_m_sizes(G, m, generator=gen).tolist())
-             for m in (3, 2, 5)]
-    for a, b in zip(plain.ffn_many(es, calls), padded.ffn_many(es, calls)):
-        assert same(a, b)
+             for m in (3, 2, 5, 1)]
+    for a, b, c in zip(plain.ffn_many(es, calls), padded.ffn_many(es, calls),
+                       fast.ffn_many(es, calls)):
+        assert same(a, b) and same(a, c)
+    assert fast.launches[-1].graph == 1  # the four merged into one "replay"
     for T, k, kind in ((1, 1, None), (3, 2, FP8), (6, 4, None)):
         x, xs = random_x(T, 256, gen, kind)
         ids, w = random_routing(T, G, k, gen)
-        assert same(plain.moe(es, x, xs, ids, w), padded.moe(es, x, xs, ids, w)), (T, k)
+        want = plain.moe(es, x, xs, ids, w)
+        for runner in (padded, fast):
+            assert same(want, runner.moe(es, x, xs, ids, w)), (T, k)
+            assert same(want, runner.moe(es, x, xs, ids.to(torch.int32), w)), (T, k)
     ids[0, 0] = G
-    for runner in (plain, padded):
+    for runner in (plain, padded, fast):
         with pytest.raises(Exception) as info:
             runner.moe(es, x, xs, ids, w)
         assert info.value.code == "bad_routing"
+    moe_calls = []
+    for T in (2, 1, 3):
+        x, _ = random_x(T, 256, gen)
+        moe_calls.append((x, None, *random_routing(T, G, 2, gen, dtype=torch.int32)))
+    bad = moe_calls[1][2].clone()
+    bad[0, 1] = G
+    moe_calls.append((moe_calls[1][0], None, bad, moe_calls[1][3]))
+    wants = plain.moe_many(es, moe_calls)
+    gots = fast.moe_many(es, moe_calls)
+    assert fast.launches[-1].graph == 1
+    for a, b in zip(wants[:3], gots[:3]):
+        assert same(a, b)
+    assert wants[3].code == gots[3].code == "bad_routing"
 
 
 def test_the_padded_triton_path_in_the_interpreter():
@@ -242,8 +301,11 @@ def test_a_backend_without_float32_output_keeps_h_in_bf16():
 
     from moegemm.kernels.reference import create as reference_backend
     from moegemm.server._ffn import FfnExecutor
+    from moegemm.server._ffn_graphs import FfnGraphs
 
     backend = reference_backend(torch.device("cpu"))
     assert FfnExecutor(backend).h_dtype == torch.float32
+    assert FfnGraphs(backend, 16).h_dtype == torch.float32
     bf16_only = dataclasses.replace(backend, out_dtypes=(torch.bfloat16,))
     assert FfnExecutor(bf16_only).h_dtype == torch.bfloat16
+    assert FfnGraphs(bf16_only, 16).h_dtype == torch.bfloat16
