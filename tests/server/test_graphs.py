@@ -150,10 +150,15 @@ def test_address_words_hold_the_weight_sets_bases():
     assert words.tolist() == [ws.wq.data_ptr(), ws.w_scale.data_ptr()]
     with pytest.raises(ValueError):
         fill_addresses(torch.empty(2, dtype=torch.int64), ws.wq.transpose(1, 2), ws.w_scale)
-    # The pool's meta words: sizes, then the two addresses, then the order.
+    # The pool's meta words: sizes, the two addresses, the input words, then the order.
     bufs = _executor().pool.buffers(Family(G, N, K, quantize=False))
-    assert bufs.meta_words(3) == G + 2 + 6
-    assert bufs.addresses.shape == (2,)
+    assert bufs.meta_words(3) == G + 2 + 3 + 6
+    assert bufs.addresses.shape == (2,) and bufs.inputs.shape == (2,) and bufs.regroup.shape == (1,)
+    # A lone call's GEMM reads the rows where they arrived; merged calls' the regrouped copy.
+    assert bufs.input_words(regrouped=False) == (bufs.x.data_ptr(), bufs.x_scale.data_ptr(), 0)
+    assert bufs.input_words(regrouped=True) == (bufs.xg.data_ptr(), bufs.xsg.data_ptr(), 1)
+    quantized = _executor().pool.buffers(Family(G, N, K, quantize=True))
+    assert quantized.xg is None and quantized.input_words(regrouped=False)[2] == 1
     # A backend without an address launcher (the CPU reference) gets graphs per weight set.
     assert _executor().pool.run_table is None
 
