@@ -113,12 +113,9 @@ def sweep_configs(m, n, k, g):
     if m / g > 48:
         found = [T("prefill_tma", 64, 128, 4, 4),
                  T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
-                 T("persistent_tma", 64, 128, 4, 4, group_tiles_m=1, per_sm=2),
-                 T("persistent_tma", 64, 128, 4, 3, group_tiles_m=8, per_sm=2),
                  T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
                  T("persistent_tma", 128, 256, 8, 4, group_tiles_m=8),
-                 T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
-                 T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)]
+                 T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)]
     else:
         tt = tk.default_config(m, n, k, g).block_m
         found = [T("decode_pair", tt, 128, 4, 3, evict_w=ef), T("decode", min(64, 2 * tt), 128, 4, 3, evict_w=ef),
@@ -151,7 +148,15 @@ def compile_jobs(cases, sweep: bool) -> list[tuple]:
         jobs.add((tk.default_config(64, n, k, g), 16, n, k, g, True))
         if sweep:
             jobs.update((cfg, _stand_in_rows(m), n, k, g, False) for cfg in sweep_configs(m, n, k, g))
-    return sorted(jobs, key=repr)
+    # One job per compiled kernel: Triton specialises an int argument on == 1 and % 16 == 0.
+    by_class = {}
+    for job in sorted(jobs, key=repr):
+        cfg, m, n, k, g, service = job
+        ints = (m, n, k, g, n * k, k // 128, (k // 128) * (n // 128), n // 128)
+        key = (cfg, max(16, 1 << (g - 1).bit_length()), service, min(k // 128, cfg.split_k),
+               tuple((v == 1, v % 16 == 0) for v in ints))
+        by_class.setdefault(key, job)
+    return list(by_class.values())
 
 
 def _compile_one(job) -> str:

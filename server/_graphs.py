@@ -328,7 +328,10 @@ class GraphPool:
         fill_addresses(words[:ADDRESS_WORDS], wq, w_scale)
         words[ADDRESS_WORDS:] = torch.tensor([xq.data_ptr(), xs.data_ptr()])
         words = words.to(self.device)
-        flipped = torch.arange(rows - 1, -1, -1, device=self.device)
+        # A reversed row map with the stride of the graphs' (gather, scatter) pairs.
+        pairs = torch.zeros((rows, 2), dtype=torch.int64, device=self.device)
+        pairs[:, 1] = torch.arange(rows - 1, -1, -1, device=self.device)
+        flipped = pairs[:, 1]
         want = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
         self.backend.run(xq, wq, xs, w_scale, sizes, want)
         try:
