@@ -111,10 +111,9 @@ def sweep_configs(m, n, k, g):
     T = tk.TileConfig
     ef = "evict_first"
     if m / g > 48:
-        found = [T("prefill_tma", 64, 128, 4, 4),
-                 T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
+        found = [T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
+                 T("persistent_tma", 64, 128, 4, 4, per_sm=2),
                  T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
-                 T("persistent_tma", 128, 256, 8, 4, group_tiles_m=8),
                  T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)]
     else:
         tt = tk.default_config(m, n, k, g).block_m

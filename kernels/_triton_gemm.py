@@ -41,15 +41,18 @@ The schedules:
   Both take ``SPLIT_K``: that many programs share an output tile, each over
   its own K range, reduced by the last to arrive (float32 slots, counters
   that reset themselves).
-- :func:`prefill_pair_kernel`: 128 x 128 tiles, two warpgroups, pairs of K
-  blocks, plain loads (many groups with many rows each).
-- :func:`prefill_tma_kernel`: 64 x 128 tiles fed by TMA (skewed routing,
-  tens to a thousand rows per group).
-- :func:`persistent_ws_kernel`: one program per SM walking the tiles, TMA
-  loads, Triton's Hopper warp specialisation (a producer and two 64-row
-  consumers), 128 x 128 pairs or 128 x 256 as two halves; its group lookup
-  is an unrolled scalar walk (the pass rejects reductions), so it serves
-  G <= ``G_MAX``.
+- :func:`persistent_ws_kernel` (prefill, G <= 64): one program per SM walking
+  the tiles, TMA loads, Triton's Hopper warp specialisation (a producer and
+  two 64-row consumers), 128 x 128 pairs or 128 x 256 as two halves; its group
+  lookup is an unrolled scalar walk (the pass rejects reductions and tables).
+- :func:`persistent_tma_kernel` (prefill, many experts): the programs (two per
+  SM) walk exactly the real tiles group by group through a tile table each
+  writes first (O(log G) per tile), one software pipeline across tiles.
+
+For a server graph every schedule also takes ``X_WORDS`` (the activations'
+and their scales' base addresses from two more device words: the rows where a
+lone call's arrived, or regrouped) and ``ROW_MAP`` (row r stored at
+``out[map[r]]``: the callers' order). Neither changes a value computed.
 """
 
 from __future__ import annotations
@@ -367,47 +370,6 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
 # ---- prefill ---------------------------------------------------------------------------------
 
 
-@triton.jit
-def prefill_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
-                       M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
-                       stride_map,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
-                       GROUP_TILES_M: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                       ROW_MAP: tl.constexpr):
-    """Prefill tiles (BLOCK_N <= 128) loaded by TMA, one K block per iteration.
-
-    The descriptors are made on the device (``tl.make_tensor_descriptor``,
-    scratch from ``triton.set_allocator``), from the weight set's base: the
-    weights are seen as ``[G * N, K]``. TMA fills rows past M with zeros.
-    """
-    _, _, tile_n, group, first_row, row_stop, valid = _grid_tile(
-        m_sizes_ptr, M, N, G, 1, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
-    if valid:
-        w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
-        x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
-        x_desc = tl.make_tensor_descriptor(x_base, shape=[M, K], strides=[stride_xm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_base, shape=[G * N, K], strides=[stride_wn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
-        rows = first_row + tl.arange(0, BLOCK_M)
-        rows_in = tl.minimum(rows, M - 1).to(tl.int64)
-        w_row = group * N + tile_n * BLOCK_N
-        xs_ptrs = xs_base + rows_in * stride_xsm
-        ws_ptrs = ws_base + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(K // BLOCK_K):
-            x = x_desc.load([first_row, kb * BLOCK_K])
-            w = w_desc.load([w_row, kb * BLOCK_K])
-            xs = tl.load(xs_ptrs + kb)
-            ws = tl.load(ws_ptrs + kb * stride_wsk)
-            acc += tl.dot(x, tl.trans(w)) * (xs[:, None] * ws)
-        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        keep = rows < row_stop
-        dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
-        out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
-
-
 # ---- persistent: one program per SM ---------------------------------------------------------------
 
 
@@ -571,10 +533,10 @@ def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     current one is scaled and stored. Not warp-specialised: Triton 3.6's pass
     takes neither the table nor a reduction (see :func:`persistent_ws_kernel`).
 
-    BLOCK_N = 128: one dot per K block. BLOCK_N = 256: two 128-wide halves
-    (two dots per K block sharing the activation tile: the first is scaled
-    while the second runs), each with its own weight-scale column. BLOCK_M 64
-    (4 warps) or 128 (8 warps: two warpgroups of 64 rows).
+    BLOCK_N = 128 (one weight-scale column), one dot per K block; BLOCK_M 64
+    (4 warps, two programs per SM: one's scale-and-store overlaps the other's
+    MMA) or 128 (8 warps: two warpgroups of 64 rows). v12 measured 128 x 256
+    halves spilling (255 registers) and 1.2-3x slower.
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -586,9 +548,8 @@ def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     x_desc = tl.make_tensor_descriptor(x_base, shape=[M, K], strides=[stride_xm, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
     num_kb = K // BLOCK_K
-    HALF_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N > 128 else BLOCK_N
     w_desc = tl.make_tensor_descriptor(w_base, shape=[G * N, K], strides=[stride_wn, 1],
-                                       block_shape=[HALF_N, BLOCK_K])
+                                       block_shape=[BLOCK_N, BLOCK_K])
     for t in tl.range(pid, tiles, programs, flatten=True):
         group, first_row, tile_n, row_stop = _find_tile(table, t, num_n, BLOCK_M, G_POW2, GROUP_TILES_M)
         rows = first_row + tl.arange(0, BLOCK_M)
@@ -597,40 +558,20 @@ def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
         xs_ptrs = xs_base + rows_in * stride_xsm
         ws_ptrs = ws_base + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
         keep = rows < row_stop
-        if BLOCK_N > 128:
-            acc_a = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-            acc_b = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-            for kb in range(num_kb):
-                x = x_desc.load([first_row, kb * BLOCK_K])
-                w_a = w_desc.load([w_row, kb * BLOCK_K])
-                w_b = w_desc.load([w_row + HALF_N, kb * BLOCK_K])
-                xs = tl.load(xs_ptrs + kb)
-                s_a = xs * tl.load(ws_ptrs + kb * stride_wsk)
-                s_b = xs * tl.load(ws_ptrs + 1 + kb * stride_wsk)
-                acc_a += tl.dot(x, tl.trans(w_a)) * s_a[:, None]
-                acc_b += tl.dot(x, tl.trans(w_b)) * s_b[:, None]
-            dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
-            offs_n = tile_n * BLOCK_N + tl.arange(0, HALF_N)
-            out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc_a.to(out_ptr.dtype.element_ty), mask=keep[:, None])
-            tl.store(out_ptrs + HALF_N, acc_b.to(out_ptr.dtype.element_ty), mask=keep[:, None])
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kb in range(num_kb):
-                x = x_desc.load([first_row, kb * BLOCK_K])
-                w = w_desc.load([w_row, kb * BLOCK_K])
-                s = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
-                acc += tl.dot(x, tl.trans(w)) * s[:, None]
-            dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
-            offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
-
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(num_kb):
+            x = x_desc.load([first_row, kb * BLOCK_K])
+            w = w_desc.load([w_row, kb * BLOCK_K])
+            s = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
+            acc += tl.dot(x, tl.trans(w)) * s[:, None]
+        dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
+        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 SCHEDULES = {
     "decode": decode_kernel,
     "decode_pair": decode_pair_kernel,
-    "prefill_tma": prefill_tma_kernel,
     "persistent_ws": persistent_ws_kernel,
     "persistent_tma": persistent_tma_kernel,
 }

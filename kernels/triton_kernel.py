@@ -53,14 +53,11 @@ class TileConfig:
     ``decode`` / ``decode_pair``: ``block_m`` is the token tile (16-64),
     ``block_n`` the weight tile (64 or 128) on the MMA's M side; ``split_k``
     programs share an output tile; ``evict_w`` the weights' cache policy.
-    ``prefill_tma``: ``block_m`` x ``block_n`` (<= 128) output tiles,
-    ``group_tiles_m`` row tiles per band before moving along N.
     ``persistent_ws``: 128 x 128 (pairs) or 128 x 256 (two halves), 4 warps
     (warp-specialised: a producer and two 64-row consumers), ``group_tiles_m``
     row tiles per band; ``lead_tile`` runs a throwaway first tile (see the kernel).
-    ``persistent_tma``: 64 (4 warps) or 128 (8 warps) rows x 128 (pairs) or 256
-    (two halves), ``group_tiles_m`` row tiles of one group per band; ``per_sm``
-    programs per SM.
+    ``persistent_tma``: 64 (4 warps) or 128 (8 warps) rows x 128, ``group_tiles_m``
+    row tiles of one group per band; ``per_sm`` programs per SM.
     """
 
     schedule: str
@@ -94,10 +91,8 @@ class TileConfig:
         if self.schedule == "persistent_ws":
             return (self.block_m == 128 and self.block_n in (128, 256) and self.num_warps == 4
                     and g <= PERSISTENT_G_MAX)
-        if self.schedule == "persistent_tma":
-            return (self.block_m in (64, 128) and self.block_n in (128, 256)
-                    and self.num_warps == self.block_m // 16 and self.per_sm in (1, 2) and g <= TABLE_G_MAX)
-        return self.block_n <= 128
+        return (self.block_m in (64, 128) and self.block_n == 128
+                and self.num_warps == self.block_m // 16 and self.per_sm in (1, 2) and g <= TABLE_G_MAX)
 
     def key(self) -> str:
         """A short stable name, used in the autotune cache and benchmarks."""
@@ -127,7 +122,7 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
     The class is the mean rows per group ``r = m / g`` (the host never sees
     the real split). Rules (measurements in bench/NOTES.md):
 
-    - ``r <= 48`` (decode, bytes-bound): A and B swapped. Token tile =
+    - ``r <= 48``, at G >= 64 ``r < 32`` (decode, bytes-bound): A and B swapped. Token tile =
       ``next_pow2(r)`` in [16, 64], doubled at G >= 64 (skewed routing puts
       several times the mean on hot experts). Weights evicted first.
       - 16-token tiles at G < 64 run pairs of K blocks with the scales a
@@ -143,12 +138,13 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         warp-specialised schedule; 128 x 256 halves where their tiles still
         fill the SMs (3 stages behind a lead tile above 1024 rows per group,
         else 2), else 128 x 128 pairs.
-      - otherwise (many experts, skewed routing): the persistent TMA schedule
-        with its tile table, 64 x 128 tiles, two programs per SM, bands of 8
-        row tiles per group.
+      - otherwise (many experts, skewed routing; at G >= 64 from r = 32): the
+        persistent TMA schedule with its tile table, 64 x 128 tiles, two
+        programs per SM, bands of 8 row tiles per group. (v12: Kimi-K2 at 2048
+        tokens, r = 42, 3220 us against 4353 us for 64-token swapped tiles.)
     """
     rows_per_group = max(1, m // max(g, 1))
-    if rows_per_group <= 48:
+    if rows_per_group <= 48 and not (g >= 64 and rows_per_group >= 32):
         token_tile = min(64, max(16, _next_pow2(rows_per_group * (2 if g >= 64 else 1))))
         weight_tiles = min(g, m) * n // 128  # at most min(g, m) groups have rows
         pair = token_tile == 16 and g < 64
@@ -192,10 +188,9 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                         found.append(T("decode_pair", token, block_n, 4, 3, split_k=split, evict_w=ef))
                 found.append(T("decode_pair", token, 128, 8, 3, evict_w=ef))
     else:
-        found += [T("prefill_tma", 64, 128, 4, 4), T("prefill_tma", 128, 128, 8, 3),
-                  T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
+        found += [T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
+                  T("persistent_tma", 64, 128, 4, 4, per_sm=2),
                   T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
-                  T("persistent_tma", 128, 256, 8, 4, group_tiles_m=8),
                   T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
                   T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
                   T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)]
@@ -260,7 +255,7 @@ def grid_for(config: TileConfig, m: int, n: int, k: int, g: int, sms: int) -> tu
     return (tiles * max(1, min(config.split_k, k // _SCALE_BLOCK)),)
 
 
-FLOAT32_OUT_PREFILL = TileConfig("prefill_tma", 128, 128, 8, 3, group_tiles_m=8)
+FLOAT32_OUT_PREFILL = TileConfig("persistent_tma", 128, 128, 8, 4, group_tiles_m=8)
 """What a warp-specialised tile runs as when ``out`` is float32 (see :func:`tile_for_out`)."""
 
 
@@ -272,8 +267,9 @@ def tile_for_out(config: TileConfig, out: torch.Tensor) -> TileConfig:
     shared memory in the warp-specialised kernel: 128x128 s2 197 KB (bf16 148),
     128x256 s2 164 KB (115), 128x256 s3 213 KB (164). Warp-specialised tiles over
     ~150 KB wrote NaN into column 0 (bench/NOTES.md v8, v9), the lead tile fixing
-    it only where measured (164 KB). The TMA prefill tile is 98 KB either way and
-    not warp-specialised. Both entries apply this, so they still launch one tile.
+    it only where measured (164 KB). The persistent TMA tile is not
+    warp-specialised (checked into float32 on the H200, v12). Both entries apply
+    this, so they still launch one tile.
     """
     if out.dtype == torch.float32 and config.schedule == "persistent_ws":
         return FLOAT32_OUT_PREFILL

@@ -78,8 +78,9 @@ class Buffers:
     activations and scales from: ``x``/``x_scale`` for a lone call, ``xg``/``xsg``
     for merged calls; then the regroup flag, 1 when the check kernel must fill
     ``xg``), then per row its (gather, scatter) pair: rows arrive in the
-    callers' concatenated order; ``gather`` lists them per expert and row r of
-    the GEMM is stored at output row ``scatter[r]``.
+    callers' concatenated order; ``gather`` lists them per expert (GEMM row r
+    is the callers' row ``gather[r]``, and its output is stored back there);
+    ``scatter`` is the inverse (for backends that move the output afterwards).
     """
 
     G: int
@@ -265,9 +266,10 @@ class GraphPool:
         else:
             xq, xsq = xg, xsg
         if direct:
+            # Merged row r came from the callers' row gather[r]: it is stored there.
             self.run_gemm(xq, xsq, bufs.m_sizes, bufs.out(rows), addresses=bufs.addresses, wq=wq,
                           w_scale=w_scale, inputs=None if family.quantize else bufs.inputs,
-                          out_rows=scatter)
+                          out_rows=gather)
         else:
             out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
             self.run_gemm(xq, xsq, bufs.m_sizes, out, addresses=bufs.addresses, wq=wq, w_scale=w_scale)

@@ -126,8 +126,12 @@ def test_prefill_table_rules():
     # tiles with the tile table (any G up to TABLE_G_MAX).
     many = T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
     for m, n, k, g in ((512, 2048, 7168, 8), (32768, 4096, 7168, 256), (200000, 4096, 1536, 128),
-                       (16384, 7168, 2048, 256)):
+                       (16384, 7168, 2048, 256), (16384, 4096, 7168, 384)):
         assert tk.default_config(m, n, k, g) == many
+    # Below 32 rows per group at G >= 64 (and 48 below G = 64): the swapped decode tiles.
+    assert tk.default_config(2048, 16384, 5120, 128).swap_ab
+    assert tk.default_config(2048, 4096, 7168, 256).swap_ab
+    assert tk.default_config(40 * 8, 1280, 8192, 8).swap_ab
     # Deep warp-specialised buffers only behind a lead tile (NaN column otherwise, v8/v9).
     for m, n, k, g in SHAPES:
         for cfg in [tk.default_config(m, n, k, g), *tk.candidate_configs(m, n, k, g)]:
@@ -138,17 +142,18 @@ def test_schedule_limits_and_keys():
     T = tk.TileConfig
     assert len({c.key() for c in (T("decode", 16, 128), T("decode_pair", 16, 128), T("decode", 16, 128, split_k=2),
                                   T("decode", 16, 128, evict_w="evict_first"))}) == 4
-    assert not T("prefill_tma", 64, 128, split_k=2).fits(1280)  # split-K only on decode tiles
+    assert not T("persistent_tma", 64, 128, split_k=2).fits(1280)  # split-K only on decode tiles
     assert not T("decode", 16, 256).fits(1280)
     assert not T("persistent_tma", 128, 128, 4).fits(2048)  # 128 rows: two warpgroups
     assert not T("persistent_tma", 64, 128, 4, per_sm=3).fits(2048)
-    assert not T("prefill_tma", 64, 128, per_sm=2).fits(2048)
+    assert not T("persistent_ws", 128, 128, per_sm=2).fits(2048)
+    assert not T("persistent_tma", 64, 256, 4).fits(2048)  # 256-wide: spills (v12)
     assert T("persistent_tma", 64, 128, 4, per_sm=2).fits(2048, tk.TABLE_G_MAX)
     assert not T("persistent_tma", 64, 128, 4).fits(2048, tk.TABLE_G_MAX + 1)
     assert T("persistent_ws", 128, 256, 4, 3, lead_tile=True).fits(2048)
     assert not T("persistent_ws", 128, 256).fits(1152)
     assert not T("persistent_ws", 128, 128, 8).fits(2048)  # 4 warps: a producer and two consumers
-    assert not T("prefill_tma", 64, 128, lead_tile=True).fits(2048)
+    assert not T("persistent_tma", 64, 128, lead_tile=True).fits(2048)
     assert not T("nonesuch", 64, 128).fits(2048)
     # The persistent tile's group walk is unrolled: bounded G.
     assert T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX)
