@@ -186,6 +186,27 @@ def test_weights_past_2_31_elements_through_the_service(backend, gen):
 
 
 @pytest.mark.slow
+def test_many_expert_weights_past_2_31_elements_through_the_service(backend, gen):
+    """The persistent TMA tiles (G >= 64, 40 rows per group) over a weight set of 2^31+
+    elements: the last groups' rows sit past 2^31 in the descriptor's [G * N, K] view."""
+    g, n, k, m = 128, 4096, 4224, 128 * 40
+    assert g * n * k >= 2**31
+    assert tk.default_config(m, n, k, g).schedule == "persistent_tma"
+    sizes = random_m_sizes(g, m - 100)
+    sizes[g - 1] += 100  # rows in the last group, whose weights start past 2^31
+    problem = _problem(m, n, k, g, sizes, gen)
+    pool = GraphPool(backend, m)
+    pool.capture(Family(g, n, k, quantize=False), problem[1], problem[3], only=[m])
+    got, how = _service(pool, problem)
+    assert how == "graph"
+    assert torch.equal(got, grouped_gemm(*problem))
+    xq, wq, xs, ws, _ = problem
+    last = int(sizes[g - 1])
+    part = (xq[m - last:], wq[g - 1:], xs[m - last:], ws[g - 1:], torch.tensor([last], device=DEV))
+    assert rel_error(got[m - last:], reference_float64(*part)) <= SPEC_TOLERANCE
+
+
+@pytest.mark.slow
 def test_activations_past_2_31_elements_through_the_service(backend, gen):
     g, n, k, m = 4, 256, 8192, 1 << 18
     assert m * k >= 2**31
