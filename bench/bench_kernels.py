@@ -1,25 +1,27 @@
-"""Kernel benchmark: our triton grouped FP8 GEMM against the peers and the floor, on one GPU.
+"""Kernel benchmark: what a service call costs, against the peers and the floor, on one GPU.
 
-    python bench/bench_kernels.py [--json OUT.json] [--sweep] [--only seed|real|deepseek]
+    python bench/bench_kernels.py [--json OUT.json] [--only seed|real] [--match a,b] [--sweep]
+                                  [--no-peers] [--budget-s S]
 
-Every time is a CUDA-graph replay median (``triton.testing.do_bench_cudagraph``)
-on fresh random data. Ours is timed through the service path: a ``GraphPool``
-as the server builds it, its graph for the call's bucket captured, and the
-pool's GEMM launcher (``run_gemm``: the weights by address, over the whole
-bucket) timed as the graph runs it (``ours_us``, what floor/ours uses); the
-whole graph body (row checks and regrouping, GEMM, scatter back:
-``service_graph_us``) and the public ``run`` (``public_us``) beside it; the
-service output must equal the public one bit for bit. Shapes: the seed table
-(G = 8, even split), the real-model set (``--only real``: the 8 models of
-``../shared/bench/real_models.json``, w13 and w2, decode and prefill token
-counts, top-k distinct experts per token by Zipf-like popularity whose
-exponent per model is drawn in [0.5, 1.2] with a fixed seed) and, on request,
-DeepSeek-V3-like layers (``--only deepseek``). Peers in the same run: ``torch._scaled_grouped_mm`` (rowwise scales, a coarser recipe, cost only),
-a per-group loop of blockwise ``torch._scaled_mm``, and the CUTLASS op
-``torch.ops.mslk.f8f8bf16_groupwise_grouped`` (mslk-cuda 1.1.0) when importable.
-The floor is ``max(bytes / copy bandwidth, flops / FP8 dense rate)``, both
-ceilings measured at the start of the run. ``--sweep`` also times the
-table's neighbours (public entry). Never collected by pytest.
+Ours is the server's captured graph for the call's bucket (``service_us``):
+a ``GraphPool`` as the server builds it (triton backend, weights by address),
+the call's rows in its buffers, the graph replayed as ``Executor`` replays it
+(check kernel, GEMM with the output stored in the callers' order: everything
+the graph does). Its output must equal the public ``grouped_gemm``'s bit for
+bit (``public_us`` beside it: the public function alone, graph-captured).
+Peers in the same run: MSLK's CUTLASS kernel (``mslk-cuda`` 1.1.0, when
+importable), ``torch._scaled_grouped_mm`` (rowwise scales, a coarser recipe,
+cost only) and a per-group loop of blockwise ``torch._scaled_mm``. The floor
+is ``max(bytes / 4.27 TB/s, 2 M N K / 1290 TFLOP/s)`` with bytes = M K +
+(groups with rows) N K + 2 M N (the ceilings of the seed table; the run's own
+copy and FP8 rates are recorded beside). Every time is a median over CUDA
+graph replays on fresh random data. ``--sweep`` also times other tiles of the
+table's neighbourhood through the public entry. Never collected by pytest.
+
+Speed (the whole seed + real sets with peers in one device call): every kernel
+the run will launch is compiled first, in parallel worker processes
+(``kernel.warmup`` into Triton's on-disk cache); the weights are made on the
+device in a few large ops; a case is timed over about 10 ms of replays.
 """
 
 from __future__ import annotations
@@ -27,21 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-import triton
-import triton.testing
-from moegemm.kernels import reference_float64
-from moegemm.kernels import triton_kernel as tk
-from moegemm.kernels.quant import quantize_activations, quantize_weights
-from moegemm.kernels.testing import rel_error
 
 DEV = torch.device("cuda")
 FP8 = torch.float8_e4m3fn
-SEED_JSON = Path(__file__).resolve().parents[2] / "shared" / "bench" / "seed_shapes.json"
 SEED_SHAPES = [
     (32, 1280, 8192), (128, 1280, 8192), (1024, 2048, 7168), (16384, 2048, 7168),
     (1024, 7168, 2304), (16384, 7168, 2304), (32, 7168, 8192), (128, 7168, 8192),
@@ -49,57 +46,55 @@ SEED_SHAPES = [
     (32, 13312, 6656), (128, 13312, 6656), (32, 13312, 16384), (128, 13312, 16384),
     (32, 16384, 6656), (128, 16384, 6656),
 ]
-# DeepSeek-V3 MoE: 256 experts, top-8 routing; tokens 32 (decode), 512, 4096 (prefill).
-DEEPSEEK_SHAPES = [(t * 8, n, k) for n, k in ((4096, 7168), (7168, 2048)) for t in (32, 512, 4096)]
+# A copy beside this file (the device machine has no ../shared).
+REAL_JSON = Path(__file__).resolve().parent / "real_models.json"
+REAL_SEED = 0
+FLOOR_CEILINGS = {"copy_TBps": 4.27, "fp8_TFLOPs": 1290.0}
 
+
+# ---- the cases ------------------------------------------------------------------------------
 
 def even_split(m: int, g: int) -> torch.Tensor:
     base, extra = divmod(m, g)
     return torch.tensor([base + (1 if i < extra else 0) for i in range(g)], dtype=torch.int64)
 
 
-def skewed_split(m: int, g: int, seed: int = 0) -> torch.Tensor:
-    """Zipf-like expert popularity: a few hot experts, a long tail, some empty."""
-    gen = torch.Generator().manual_seed(seed)
-    popularity = 1.0 / torch.arange(1, g + 1, dtype=torch.float64) ** 1.1
+def real_routing(tokens: int, g: int, top_k: int, exponent: float, gen: torch.Generator) -> torch.Tensor:
+    """Rows per expert: each token to ``top_k`` distinct experts drawn by Zipf-like popularity
+    (``1 / rank^exponent``, experts in random order)."""
+    popularity = 1.0 / torch.arange(1, g + 1, dtype=torch.float64) ** exponent
     popularity = popularity[torch.randperm(g, generator=gen)]
-    picks = torch.multinomial(popularity, m, replacement=True, generator=gen)
-    return torch.bincount(picks, minlength=g).to(torch.int64)
+    picks = torch.multinomial(popularity.expand(tokens, g), top_k, replacement=False, generator=gen)
+    return torch.bincount(picks.flatten(), minlength=g).to(torch.int64)
 
 
-def make_inputs(m: int, n: int, k: int, g: int, sizes: torch.Tensor, gen: torch.Generator):
-    """Fresh random bf16 activations and their SPEC 1.1 quantization; weights per group."""
-    x = torch.randn((m, k), generator=gen, device=DEV).to(torch.bfloat16)
-    xq, x_scale = quantize_activations(x, FP8) if m else (
-        torch.empty((0, k), dtype=FP8, device=DEV), torch.empty((0, k // 128), device=DEV))
-    wq = torch.empty((g, n, k), dtype=FP8, device=DEV)
-    w_scale = torch.empty((g, k // 128, n // 128), dtype=torch.float32, device=DEV)
-    for i in range(g):
-        w = torch.randn((n, k), generator=gen, device=DEV) * math.exp(float(torch.randn(())))
-        wq[i], w_scale[i] = quantize_weights(w, FP8)
-    return x, (xq, wq, x_scale, w_scale, sizes.to(DEV))
+def real_cases() -> list[dict]:
+    """Every case of real_models.json; the routing exponent of each model drawn in [0.5, 1.2]
+    with a fixed seed (the same routing in every run)."""
+    spec = json.loads(REAL_JSON.read_text())
+    gen = torch.Generator().manual_seed(REAL_SEED)
+    cases = []
+    for model in spec["models"]:
+        exponent = 0.5 + 0.7 * float(torch.rand((), generator=gen, dtype=torch.float64))
+        g, top_k = model["G"], model["top_k"]
+        for matrix, n, k in (("w13", 2 * model["moe_intermediate"], model["hidden"]),
+                             ("w2", model["hidden"], model["moe_intermediate"])):
+            for phase in ("decode", "prefill"):
+                for tokens in spec["tokens"][phase]:
+                    sizes = real_routing(tokens, g, top_k, exponent, gen)
+                    name = f"real {model['model'].split(' ')[0]} {matrix} {phase} t{tokens} g{g}"
+                    cases.append({"name": name, "weights": (model["model"], matrix), "m": tokens * top_k,
+                                  "n": n, "k": k, "g": g, "sizes": sizes})
+    return cases
 
 
-def bench(fn, rep: int = 20) -> float:
-    """Microseconds per call: median of CUDA-graph replays."""
-    return 1e3 * float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+def seed_cases() -> list[dict]:
+    return [{"name": f"seed m{m} n{n} k{k} g8", "weights": ("seed", m, n, k), "m": m, "n": n, "k": k,
+             "g": 8, "sizes": even_split(m, 8)} for m, n, k in SEED_SHAPES]
 
 
-def measure_ceilings() -> dict:
-    """Copy bandwidth (bytes read + written) and dense FP8 tensorwise-scaled matmul rate."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=DEV).random_()
-    dst = torch.empty_like(src)
-    copy_us = bench(lambda: dst.copy_(src))
-    a = torch.randn(8192, 8192, device=DEV).to(FP8)
-    b = torch.randn(8192, 8192, device=DEV).to(FP8).t()
-    one = torch.ones((), device=DEV)
-    mm_us = bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
-    return {"copy_TBps": 2 * (2 << 30) / copy_us / 1e6, "fp8_TFLOPs": 2 * 8192**3 / mm_us / 1e6}
-
-
-# The floor's ceilings, as in ../shared/bench/seed_shapes.json, so figures compare across runs;
-# the ceilings measured in each run are recorded beside them.
-FLOOR_CEILINGS = {"copy_TBps": 4.27, "fp8_TFLOPs": 1290.0}
+def bucket_of(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
 
 
 def floor_us(m, n, k, sizes, ceilings=FLOOR_CEILINGS) -> float:
@@ -109,7 +104,190 @@ def floor_us(m, n, k, sizes, ceilings=FLOOR_CEILINGS) -> float:
     return max(bytes_moved / ceilings["copy_TBps"] / 1e6, 2 * m * n * k / ceilings["fp8_TFLOPs"] / 1e6)
 
 
-# ---- peers ---------------------------------------------------------------------------------
+def sweep_configs(m, n, k, g):
+    """The table's neighbours for ``--sweep`` (public entry)."""
+    from moegemm.kernels import triton_kernel as tk
+
+    T = tk.TileConfig
+    ef = "evict_first"
+    if m / g > 48:
+        found = [T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
+                 T("persistent_tma", 64, 128, 4, 4, per_sm=2),
+                 T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
+                 T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)]
+    else:
+        tt = tk.default_config(m, n, k, g).block_m
+        found = [T("decode_pair", tt, 128, 4, 3, evict_w=ef), T("decode", min(64, 2 * tt), 128, 4, 3, evict_w=ef),
+                 T("decode", tt, 64, 4, 3, evict_w=ef)]
+        if m / g > 8:
+            found.append(T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2))
+    default = tk.default_config(m, n, k, g)
+    return [c for c in dict.fromkeys(found) if c.fits(n, g) and c != default]
+
+
+# ---- compiling ahead --------------------------------------------------------------------------
+
+def _stand_in_rows(m: int) -> int:
+    """Rows with the same Triton specialisation as ``m`` (== 1, % 16 == 0, else)."""
+    return m if m < 16 else (16 if m % 16 == 0 else 17)
+
+
+def compile_jobs(cases, sweep: bool) -> list[tuple]:
+    """(config, m, n, k, g, service) for every launch the run makes: the public entry over M
+    rows, the service launch over the bucket, the pool's 64-row self-check, the sweep."""
+    from moegemm.kernels import triton_kernel as tk
+
+    jobs = set()
+    for c in cases:
+        m, n, k, g = c["m"], c["n"], c["k"], c["g"]
+        bucket = bucket_of(m)
+        jobs.add((tk.default_config(m, n, k, g), _stand_in_rows(m), n, k, g, False))
+        jobs.add((tk.default_config(bucket, n, k, g), _stand_in_rows(bucket), n, k, g, True))
+        jobs.add((tk.default_config(64, n, k, g), 16, n, k, g, False))
+        jobs.add((tk.default_config(64, n, k, g), 16, n, k, g, True))
+        if sweep:
+            jobs.update((cfg, _stand_in_rows(m), n, k, g, False) for cfg in sweep_configs(m, n, k, g))
+    # One job per compiled kernel: Triton specialises an int argument on == 1 and % 16 == 0.
+    by_class = {}
+    for job in sorted(jobs, key=repr):
+        cfg, m, n, k, g, service = job
+        ints = (m, n, k, g, n * k, k // 128, (k // 128) * (n // 128), n // 128)
+        key = (cfg, max(16, 1 << (g - 1).bit_length()), service, min(k // 128, cfg.split_k),
+               tuple((v == 1, v % 16 == 0) for v in ints))
+        by_class.setdefault(key, job)
+    return list(by_class.values())
+
+
+def _compile_one(job) -> str:
+    """Compile one launch into Triton's cache (runs in a worker process: nothing launched)."""
+    from moegemm.kernels import triton_kernel as tk
+
+    cfg, m, n, k, g, service = job
+    try:
+        xq = torch.empty((m, k), dtype=FP8, device=DEV)
+        xs = torch.empty((m, k // 128), dtype=torch.float32, device=DEV)
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=DEV)
+        sizes = torch.zeros(g, dtype=torch.int64, device=DEV)
+        words = torch.zeros(4, dtype=torch.int64, device=DEV)
+        if service:
+            rows = torch.zeros((m, 2), dtype=torch.int64, device=DEV)[:, 1]
+            plan = tk.launch_plan(xq, words[:2], xs, words[:2], sizes, out, n, g, cfg, True, words[2:], rows)
+        else:
+            w = torch.empty(16, dtype=FP8, device=DEV)
+            ws = torch.empty(16, dtype=torch.float32, device=DEV)
+            plan = tk.launch_plan(xq, w, xs, ws, sizes, out, n, g, cfg, False)
+        kernel, grid, args, consts = plan
+        kernel.warmup(*args, grid=grid, **consts)
+        return ""
+    except Exception as exc:  # noqa: BLE001  reported; the run compiles it again (and fails there)
+        return f"{cfg.key()} m{m} n{n} k{k} g{g}: {exc!r}"[:300]
+
+
+def compile_ahead(jobs, workers: int) -> list[str]:
+    """Compile ``jobs`` in ``workers`` spawned processes; the failures."""
+    import multiprocessing
+
+    if not jobs:
+        return []
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [e for e in pool.map(_compile_one, jobs, chunksize=1) if e]
+
+
+# ---- timing ---------------------------------------------------------------------------------
+
+def _event_ms(fn, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def time_us(fn, budget_ms: float = 10.0) -> float:
+    """Microseconds per call of ``fn``: median over replays of a CUDA graph of several calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        est = min(_event_ms(fn, 2))
+        calls = max(1, min(200, int(1.0 / max(est, 1e-3))))  # about 1 ms per replay
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        reps = max(3, min(30, int(budget_ms / max(est * calls, 1e-3))))
+        times = _event_ms(graph.replay, reps)
+    torch.cuda.synchronize()
+    return 1e3 * sorted(times)[len(times) // 2] / calls
+
+
+def time_replays_us(graph, budget_ms: float = 10.0) -> float:
+    """Microseconds per replay of a captured graph (the service call): median over replays."""
+    graph.replay()
+    est = min(_event_ms(graph.replay, 2))
+    reps = max(5, min(100, int(budget_ms / max(est, 1e-3))))
+    times = _event_ms(graph.replay, reps)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes read + written) and dense FP8 tensorwise-scaled matmul rate."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    copy_us = time_us(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device=DEV).to(FP8)
+    b = torch.randn(8192, 8192, device=DEV).to(FP8).t()
+    one = torch.ones((), device=DEV)
+    mm_us = time_us(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
+    return {"copy_TBps": 2 * (1 << 30) / copy_us / 1e6, "fp8_TFLOPs": 2 * 8192**3 / mm_us / 1e6}
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+
+def random_weights(g: int, n: int, k: int, gen: torch.Generator):
+    """Random fp8 weights with log-normal block scales, made on the device in chunks of ~1 GB."""
+    wq = torch.empty((g, n, k), dtype=FP8, device=DEV)
+    step = max(1, (1 << 28) // (n * k))
+    for lo in range(0, g, step):
+        hi = min(g, lo + step)
+        wq[lo:hi] = (torch.randn((hi - lo, n, k), generator=gen, device=DEV, dtype=torch.float16) * 64).to(FP8)
+    w_scale = torch.exp(torch.randn((g, k // 128, n // 128), generator=gen, device=DEV)) / 256
+    return wq, w_scale
+
+
+def random_activations(m: int, k: int, gen: torch.Generator):
+    """Fresh bf16 activations and their SPEC 1.1 quantization."""
+    from moegemm.kernels.quant import quantize_activations
+
+    x = torch.randn((m, k), generator=gen, device=DEV).to(torch.bfloat16)
+    xq, x_scale = quantize_activations(x, FP8)
+    return x, xq, x_scale
+
+
+def spot_error(problem, out) -> float:
+    """The worst relative error against the float64 oracle over (up to) three groups with rows:
+    the first, the largest and the last (the whole oracle is too slow for 384 big groups)."""
+    from moegemm.kernels import reference_float64
+    from moegemm.kernels.testing import rel_error
+
+    xq, wq, xs, ws, sizes = problem
+    host = sizes.cpu().tolist()
+    starts = [0]
+    for s in host:
+        starts.append(starts[-1] + s)
+    live = [i for i, s in enumerate(host) if s]
+    worst = 0.0
+    for i in sorted({live[0], max(live, key=lambda j: host[j]), live[-1]}):
+        a, b = starts[i], starts[i + 1]
+        part = (xq[a:b], wq[i:i + 1], xs[a:b], ws[i:i + 1], torch.tensor([b - a], device=DEV))
+        worst = max(worst, rel_error(out[a:b], reference_float64(*part)))
+    return worst
+
+
+# ---- peers ------------------------------------------------------------------------------------
 
 def peer_rowwise_grouped(x, problem):
     xq, wq, _, _, sizes = problem
@@ -122,29 +300,29 @@ def peer_rowwise_grouped(x, problem):
 
 
 def peer_blockwise_loop(x, problem):
+    """One blockwise-scaled cuBLAS GEMM per group with rows (tried on the first group first:
+    cuBLAS refuses some shapes, and then the peer is reported as failed at once)."""
     xq, wq, x_scale, w_scale, sizes = problem
-    bounds, start = [], 0
-    for i, rows in enumerate(sizes.tolist()):
-        if rows:
-            bounds.append((i, start, start + rows))
-        start += rows
+    host = sizes.cpu().tolist()
     out = torch.empty((xq.shape[0], wq.shape[1]), dtype=torch.bfloat16, device=DEV)
-    # The blockwise path wants M-major activation scales; try the weight-scale layouts in turn.
-    calls = []
-    for i, lo, hi in bounds:
-        sa = x_scale[lo:hi].t().contiguous().t()
-        calls.append((xq[lo:hi], wq[i].t(), sa, w_scale[i], out[lo:hi]))
+    xs_cols = x_scale.t().contiguous().t()  # M-major activation scales, once for all groups
+    calls, start = [], 0
+    for i, rows in enumerate(host):
+        if rows:
+            calls.append((xq[start:start + rows], wq[i].t(), xs_cols[start:start + rows], w_scale[i],
+                          out[start:start + rows]))
+        start += rows
     layouts = (lambda s: s, lambda s: s.t().contiguous().t())
     for fix in layouts:
         try:
             a, b, sa, sb, o = calls[0]
             o.copy_(torch._scaled_mm(a, b, sa, fix(sb), out_dtype=torch.bfloat16))
-            calls = [(a, b, sa, fix(sb), o) for a, b, sa, sb, o in calls]
             break
         except RuntimeError as exc:
             err = exc
     else:
         raise err
+    calls = [(a, b, sa, fix(sb), o) for a, b, sa, sb, o in calls]
 
     def fn():
         for a, b, sa, sb, o in calls:
@@ -163,38 +341,19 @@ def peer_mslk_cutlass(x, problem):
 
 
 PEERS = {
+    "mslk_cutlass_f8f8bf16_groupwise_grouped": peer_mslk_cutlass,
     "torch_scaled_grouped_mm_rowwise": peer_rowwise_grouped,
     "torch_scaled_mm_blockwise_per_group_loop": peer_blockwise_loop,
-    "mslk_cutlass_f8f8bf16_groupwise_grouped": peer_mslk_cutlass,
 }
+SHORT = {"mslk_cutlass_f8f8bf16_groupwise_grouped": "mslk", "torch_scaled_grouped_mm_rowwise": "rowwise",
+         "torch_scaled_mm_blockwise_per_group_loop": "blk_loop"}
 
 
-def sweep_configs(m, n, k, g):
-    """The table's neighbours for ``--sweep``: the other prefill schedules at prefill sizes,
-    other token tiles and the pair at decode sizes (bench/NOTES.md, v11)."""
-    T = tk.TileConfig
-    default = tk.default_config(m, n, k, g)
-    ef = "evict_first"
-    if m / g > 48:
-        found = [T("prefill_tma", 64, 128, 4, 4), T("prefill_tma", 64, 128, 4, 4, group_tiles_m=8),
-                 T("prefill_tma", 128, 128, 8, 3), T("prefill_tma", 128, 128, 8, 4, group_tiles_m=8),
-                 T("prefill_pair", 128, 128, 8, 3, group_tiles_m=8),
-                 T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
-                 T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
-                 T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)]
-    else:
-        tt = default.block_m
-        found = [T("decode_pair", tt, 128, 4, 3, evict_w=ef), T("decode", min(64, 2 * tt), 128, 4, 3, evict_w=ef),
-                 T("decode", tt, 64, 4, 3, evict_w=ef)]
-    return [c for c in dict.fromkeys(found) if c.fits(n, g) and c != default]
+# ---- one case -----------------------------------------------------------------------------------
 
-
-# ---- the service path -----------------------------------------------------------------------
-
-def service_setup(problem, bucket):
-    """A GraphPool as the server builds it (triton backend, weights by address), with
-    the call's bucket captured: (pool, family, graph). The call's rows are in the
-    pool's buffers and its sizes, order and weight addresses in the graph's words."""
+def service_graph(problem, bucket):
+    """A GraphPool as the server builds it, the call's rows in its buffers and its words
+    uploaded (``launch`` as the executor runs it), the bucket's graph captured: (pool, bufs, graph)."""
     from moegemm.kernels import get_backend
     from moegemm.server._graphs import Family, GraphPool
 
@@ -204,208 +363,146 @@ def service_setup(problem, bucket):
     family = Family(g, n, k, quantize=False)
     bufs = pool.buffers(family)
     m = xq.shape[0]
-    bufs.x[:m].copy_(xq)
-    bufs.x_scale[:m].copy_(x_scale)
     pool.capture(family, wq, w_scale, only=[bucket])
     assert pool.run_table is not None, "the address launcher failed its self-check"
+    bufs.result.fill_(0xFF)  # NaN-poisoned output
+    bufs.x[:m].copy_(xq)
+    bufs.x_scale[:m].copy_(x_scale)
     assert pool.launch(family, wq, w_scale, sizes.cpu().numpy()) == "graph"
-    return pool, family, pool.graph(family, bucket, wq, w_scale)
+    return pool, bufs, pool.graph(family, bucket, wq, w_scale)
 
 
-def run_shape(name, m, n, k, g, sizes, sweep, peers, gen, log, problem=None, x=None) -> dict:
-    """One case: ours through the service path (the pool's captured graph for the bucket,
-    its GEMM node timed alone and the whole graph body), the public function beside it,
-    the sweep and the peers."""
-    if problem is None:
-        x, problem = make_inputs(m, n, k, g, sizes, gen)
-    bucket = 1 << max(0, (m - 1).bit_length())
-    row = {"name": name, "m": m, "n": n, "k": k, "g": g, "bucket": bucket,
-           "active_groups": int((sizes > 0).sum()),
-           "floor_us": floor_us(m, n, k, sizes), "peers_us": {}, "errors": {}}
-    default = tk.default_config(m, n, k, g)
-    # Ours, public entry: poisoned output, then the float64 check where it is affordable.
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    tk.run(*problem, out)
-    row["ours_finite"] = bool(torch.isfinite(out).all())
-    if m * n * k * (2 if m > 4096 else 1) <= (1 << 38):
-        row["ours_rel_err"] = rel_error(out, reference_float64(*problem))
-    row["ours_config"] = default.key()
-    row["public_us"] = bench(lambda: tk.run(*problem, out))
-    # Ours, service path.
-    pool, family, _ = service_setup(problem, bucket)
-    bufs = pool.buffers(family)
+def run_case(case, problem, x, sweep: bool, peers: bool) -> dict:
+    from moegemm.kernels import triton_kernel as tk
+
+    m, n, k, g, sizes = case["m"], case["n"], case["k"], case["g"], case["sizes"]
+    bucket = bucket_of(m)
+    row = {"name": case["name"], "m": m, "n": n, "k": k, "g": g, "bucket": bucket,
+           "active_groups": int((sizes > 0).sum()), "floor_us": floor_us(m, n, k, sizes),
+           "config": tk.config_for(bucket, n, k, g, DEV).key(), "peers_us": {}, "errors": {}}
+    xq, wq, xs, ws, sizes_dev = problem
+    public = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    tk.run(*problem, public)
+    row["public_us"] = time_us(lambda: tk.run(*problem, public))
+    pool, bufs, graph = service_graph(problem, bucket)
     torch.cuda.synchronize()
-    row["service_same_bits_as_public"] = bool(torch.equal(bufs.out(bucket)[:m], out))
-    xq_b, xs_b = bufs.x[:bucket], bufs.x_scale[:bucket]
-    out_b = torch.empty((bucket, n), dtype=torch.bfloat16, device=DEV)
-
-    def gemm():
-        return pool.run_gemm(xq_b, xs_b, bufs.m_sizes, out_b, addresses=bufs.addresses,
-                             wq=problem[1], w_scale=problem[3])
-
-    row["ours_us"] = bench(gemm)
-    row["service_graph_us"] = bench(lambda: pool._body(family, bucket, problem[1], problem[3]))
-    pool = bufs = xq_b = xs_b = out_b = None  # free the pool's buffers before the sweep
+    got = bufs.out(bucket)[:m]
+    row["service_same_bits_as_public"] = bool(torch.equal(got, public))
+    row["finite"] = bool(torch.isfinite(got).all())
+    row["rel_err"] = spot_error(problem, got)
+    row["service_us"] = time_replays_us(graph)
+    row["floor_over_service"] = row["floor_us"] / row["service_us"]
+    del pool, bufs, graph, got
     if sweep:
         row["sweep_us"] = {}
         for cfg in sweep_configs(m, n, k, g):
             try:
-                out.fill_(float("nan"))
-                tk.launch(*problem, out, config=cfg)
-                first = out.clone()
-                finite = bool(torch.isfinite(first).all())
-                t = bench(lambda cfg=cfg: tk.launch(*problem, out, config=cfg), rep=10)
-                out.fill_(float("nan"))
-                tk.launch(*problem, out, config=cfg)
-                row["sweep_us"][cfg.key()] = (round(t, 2), finite, bool(torch.equal(out, first)))
+                public.fill_(float("nan"))
+                tk.launch(*problem, public, config=cfg)
+                torch.cuda.synchronize()
+                err = spot_error(problem, public)
+                row["sweep_us"][cfg.key()] = (round(time_us(lambda cfg=cfg: tk.launch(*problem, public, config=cfg),
+                                                            budget_ms=5.0), 2),
+                                              bool(torch.isfinite(public).all()) and err <= 5e-3)
             except Exception as exc:  # noqa: BLE001  keep sweeping past one bad candidate
                 row["sweep_us"][cfg.key()] = repr(exc)[:200]
     for peer, build in PEERS.items() if peers else ():
         try:
             fn = build(x, problem)
             fn()
-            row["peers_us"][peer] = bench(fn)
-        except Exception as exc:  # noqa: BLE001  a peer that cannot run this shape is reported, not fatal
+            row["peers_us"][peer] = time_us(fn)
+        except Exception as exc:  # noqa: BLE001  a peer that cannot run this shape is reported
             row["peers_us"][peer] = None
             row["errors"][peer] = repr(exc)[:300]
     measured = [v for v in row["peers_us"].values() if v]
     row["best_peer_us"] = min(measured) if measured else None
-    row["floor_over_ours"] = row["floor_us"] / row["ours_us"]
-    log(row)
     return row
 
 
-# ---- the real-model set -------------------------------------------------------------------------
-
-# A copy beside this file (the device machine has no ../shared), else the shared one.
-REAL_JSON = next(p for p in (Path(__file__).resolve().parent / "real_models.json",
-                             Path(__file__).resolve().parents[2] / "shared" / "bench" / "real_models.json")
-                 if p.exists() or p.name == "real_models.json" and "shared" in p.parts)
-REAL_SEED = 0
-
-
-def real_routing(tokens: int, g: int, top_k: int, exponent: float, gen: torch.Generator) -> torch.Tensor:
-    """Rows per expert: each token to ``top_k`` distinct experts drawn by Zipf-like popularity
-    (``1 / rank^exponent``, experts in random order)."""
-    popularity = 1.0 / torch.arange(1, g + 1, dtype=torch.float64) ** exponent
-    popularity = popularity[torch.randperm(g, generator=gen)]
-    picks = torch.multinomial(popularity.expand(tokens, g), top_k, replacement=False, generator=gen)
-    return torch.bincount(picks.flatten(), minlength=g).to(torch.int64)
-
-
-def real_cases():
-    """(name, model, matrix, tokens, m, n, k, g, sizes) for every case of real_models.json;
-    the routing exponent of each model drawn in [0.5, 1.2] with a fixed seed."""
-    spec = json.loads(REAL_JSON.read_text())
-    gen = torch.Generator().manual_seed(REAL_SEED)
-    cases = []
-    for model in spec["models"]:
-        exponent = 0.5 + 0.7 * float(torch.rand((), generator=gen, dtype=torch.float64))
-        g, top_k = model["G"], model["top_k"]
-        for matrix, n, k in (("w13", 2 * model["moe_intermediate"], model["hidden"]),
-                             ("w2", model["hidden"], model["moe_intermediate"])):
-            for phase in ("decode", "prefill"):
-                for tokens in spec["tokens"][phase]:
-                    sizes = real_routing(tokens, g, top_k, exponent, gen)
-                    name = f"real {model['model'].split(' ')[0]} {matrix} {phase} t{tokens} g{g}"
-                    cases.append((name, model["model"], matrix, tokens, tokens * top_k, n, k, g, sizes))
-    return cases
-
-
-def random_weights(g: int, n: int, k: int, gen: torch.Generator):
-    """Random fp8 weights with log-normal block scales, made on the device in chunks (fast)."""
-    wq = torch.empty((g, n, k), dtype=FP8, device=DEV)
-    for lo in range(0, g, 8):
-        hi = min(g, lo + 8)
-        wq[lo:hi] = (torch.randn((hi - lo, n, k), generator=gen, device=DEV) * 64).to(FP8)
-    w_scale = torch.exp(torch.randn((g, k // 128, n // 128), generator=gen, device=DEV)) / 256
-    return wq, w_scale
-
+# ---- the report -------------------------------------------------------------------------------
 
 def print_table(rows, file=sys.stdout):
-    peers = list(PEERS)
-    short = {"torch_scaled_grouped_mm_rowwise": "rowwise", "torch_scaled_mm_blockwise_per_group_loop":
-             "blk_loop", "mslk_cutlass_f8f8bf16_groupwise_grouped": "mslk_cutl"}
-    head = (f"{'shape':<44}{'floor':>8}{'ours':>8}{'fl/ours':>8}{'public':>8}{'graph':>8}"
-            + "".join(f"{short[p]:>10}" for p in peers))
-    print(head + f"{'best':>8}  same  config", file=file)
+    head = (f"{'case':<44}{'floor':>8}{'service':>9}{'fl/svc':>7}{'public':>8}"
+            + "".join(f"{SHORT[p]:>10}" for p in PEERS) + "  bits  config")
+    print(head, file=file)
     for r in rows:
-        cells = "".join(f"{r['peers_us'][p]:>10.1f}" if r["peers_us"].get(p) else f"{'-':>10}"
-                        for p in peers)
-        print(f"{r['name']:<44}{r['floor_us']:>8.1f}{r['ours_us']:>8.1f}{r['floor_over_ours']:>8.2f}"
-              f"{r['public_us']:>8.1f}{r['service_graph_us']:>8.1f}"
-              f"{cells}{r['best_peer_us'] or float('nan'):>8.1f}  {str(r['service_same_bits_as_public'])[0]}"
-              f"  {r['ours_config']}", file=file)
+        cells = "".join(f"{r['peers_us'][p]:>10.1f}" if r["peers_us"].get(p) else f"{'-':>10}" for p in PEERS)
+        print(f"{r['name']:<44}{r['floor_us']:>8.1f}{r['service_us']:>9.1f}{r['floor_over_service']:>7.2f}"
+              f"{r['public_us']:>8.1f}{cells}  {str(r['service_same_bits_as_public'])[0]}     {r['config']}",
+              file=file)
 
 
 def summarize(rows, prefix) -> dict:
-    """Geomean floor/ours, the worst prefill case and the cases slower than a peer, for one set."""
+    """Geomean floor/service, the worst prefill case and the cases not faster than a peer."""
     got = [r for r in rows if r["name"].startswith(prefix)]
     if not got:
         return {}
-    slower = [r["name"] for r in got if r["best_peer_us"] and r["ours_us"] >= r["best_peer_us"]]
+
+    def geo(vals):
+        return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
     prefill = [r for r in got if "prefill" in r["name"] or r["m"] >= 16384]
+    decode = [r for r in got if r not in prefill]
     return {"cases": len(got),
-            "geomean_floor_over_ours": math.exp(sum(math.log(r["floor_over_ours"]) for r in got) / len(got)),
-            "geomean_floor_over_public": math.exp(sum(math.log(r["floor_us"] / r["public_us"]) for r in got)
-                                                  / len(got)),
-            "worst_prefill": min(((r["floor_over_ours"], r["name"]) for r in prefill), default=None),
-            "slower_than_a_peer": slower,
-            "all_service_bits_equal_public": all(r["service_same_bits_as_public"] for r in got)}
+            "geomean_floor_over_service": geo([r["floor_over_service"] for r in got]),
+            "geomean_floor_over_public": geo([r["floor_us"] / r["public_us"] for r in got]),
+            "geomean_prefill": geo([r["floor_over_service"] for r in prefill]) if prefill else None,
+            "geomean_decode": geo([r["floor_over_service"] for r in decode]) if decode else None,
+            "worst_prefill": min(((round(r["floor_over_service"], 3), r["name"]) for r in prefill), default=None),
+            "prefill_below_0_75": [r["name"] for r in prefill if r["floor_over_service"] < 0.75],
+            "not_faster_than_a_peer": [r["name"] for r in got
+                                       if r["best_peer_us"] and r["service_us"] >= r["best_peer_us"]],
+            "all_bits_equal_public": all(r["service_same_bits_as_public"] for r in got),
+            "worst_rel_err": max(r["rel_err"] for r in got)}
 
 
 def main() -> None:
-    """Measure the ceilings, then every shape; print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--json", type=Path, help="write every figure here (after every case)")
+    parser.add_argument("--only", choices=("seed", "real"))
+    parser.add_argument("--match", default="", help="only cases whose name contains one of these (comma-separated)")
     parser.add_argument("--sweep", action="store_true", help="also time the table's neighbours (public entry)")
-    parser.add_argument("--no-peers", action="store_true", help="time ours only")
-    parser.add_argument("--match", default="", help="only shapes whose name contains one of these (comma-separated)")
-    parser.add_argument("--only", choices=("seed", "real", "deepseek"))
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting cases after this many seconds")
+    parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     args = parser.parse_args()
+    import triton
 
+    started = time.monotonic()
+    cases = []
+    if args.only in (None, "seed"):
+        cases += seed_cases()
+    if args.only in (None, "real"):
+        cases += real_cases()
+    patterns = args.match.split(",")
+    cases = [c for c in cases if any(p in c["name"] for p in patterns)]
+    failed = compile_ahead(compile_jobs(cases, args.sweep), args.workers)
+    print(f"compiled ahead in {time.monotonic() - started:.0f} s; failures: {failed}", flush=True)
     gen = torch.Generator(device=DEV)
     gen.manual_seed(int(time.time()))
     ceilings = measure_ceilings()
-    print(f"ceilings: copy {ceilings['copy_TBps']:.2f} TB/s, fp8 {ceilings['fp8_TFLOPs']:.0f} TFLOP/s",
-          flush=True)
-    patterns = args.match.split(",")
-    rows = []
-
-    def done(row):
+    print(f"ceilings: copy {ceilings['copy_TBps']:.2f} TB/s, fp8 {ceilings['fp8_TFLOPs']:.0f} TFLOP/s", flush=True)
+    rows, weights = [], {}
+    meta = {"measured_ceilings": ceilings, "floor_ceilings": FLOOR_CEILINGS, "compile_failures": failed,
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    for case in cases:
+        if time.monotonic() - started > args.budget_s:
+            meta["stopped_early"] = f"budget reached before {case['name']}"
+            break
+        key = case["weights"] + (case["n"], case["k"], case["g"])
+        if key not in weights:
+            weights.clear()
+            weights[key] = random_weights(case["g"], case["n"], case["k"], gen)
+        wq, w_scale = weights[key]
+        x, xq, x_scale = random_activations(case["m"], case["k"], gen)
+        problem = (xq, wq, x_scale, w_scale, case["sizes"].to(DEV))
+        row = run_case(case, problem, x, args.sweep, not args.no_peers)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.json:  # after every shape, so a run cut short still leaves its figures
-            args.json.write_text(json.dumps({"summary": {"partial": True}, "rows": rows}, indent=1))
-
-    shapes = []
-    if args.only in (None, "seed"):
-        shapes += [(f"seed m{m} n{n} k{k} g8", m, n, k, 8, even_split(m, 8)) for m, n, k in SEED_SHAPES]
-    if args.only == "deepseek":
-        shapes += [(f"dsv3 m{m} n{n} k{k} g256 skew", m, n, k, 256, skewed_split(m, 256))
-                   for m, n, k in DEEPSEEK_SHAPES]
-    for name, m, n, k, g, sizes in shapes:
-        if any(p in name for p in patterns):
-            run_shape(name, m, n, k, g, sizes, args.sweep, not args.no_peers, gen, done)
-    if args.only in (None, "real"):
-        # Weights once per (model, matrix); fresh activations per case.
-        weights = {}
-        for name, model, matrix, tokens, m, n, k, g, sizes in real_cases():
-            if not any(p in name for p in patterns):
-                continue
-            if (model, matrix) not in weights:
-                weights.clear()
-                torch.cuda.empty_cache()
-                weights[(model, matrix)] = random_weights(g, n, k, gen)
-            wq, w_scale = weights[(model, matrix)]
-            x = torch.randn((m, k), generator=gen, device=DEV).to(torch.bfloat16)
-            xq, x_scale = quantize_activations(x, FP8)
-            row_sizes = sizes
-            run_shape(name, m, n, k, g, row_sizes, args.sweep, not args.no_peers, gen, done,
-                      problem=(xq, wq, x_scale, w_scale, sizes.to(DEV)), x=x)
-    summary = {"measured_ceilings": ceilings, "floor_ceilings": FLOOR_CEILINGS, "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "triton": triton.__version__,
-               "seed": summarize(rows, "seed"), "real": summarize(rows, "real")}
+        if args.json:
+            args.json.write_text(json.dumps({"summary": dict(meta, partial=True), "rows": rows}, indent=1))
+    summary = dict(meta, seed=summarize(rows, "seed"), real=summarize(rows, "real"),
+                   wall_s=time.monotonic() - started)
     print_table(rows)
     print(json.dumps(summary))
     if args.json:

@@ -54,23 +54,29 @@ def ptxas_report(kernel) -> dict:
             "serialised": sorted(set(re.findall(r"\((C75\d\d)\)", text)))}
 
 
-def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False):
+def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, service: bool = False):
     """``cfg``'s kernel compiled as ``triton_kernel._launch`` would launch it on (m, n, k, g);
-    ``addrs``: the weights by address, as a server graph launches it."""
+    ``addrs``: the weights by address; ``service``: also the activations by address and
+    the output through a row map, as a server graph launches it."""
     from moegemm.kernels import triton_kernel as tk
     from moegemm.kernels._triton_gemm import SCHEDULES
 
     fn = SCHEDULES[cfg.schedule]
-    sig = {"x_ptr": "*fp8e4nv", "w_ptr": "*i64" if addrs else "*fp8e4nv", "xs_ptr": "*fp32",
-           "ws_ptr": "*i64" if addrs else "*fp32", "m_sizes_ptr": "*i64",
-           "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32",
+    addrs = addrs or service
+    sig = {"x_ptr": "*i64" if service else "*fp8e4nv", "w_ptr": "*i64" if addrs else "*fp8e4nv",
+           "xs_ptr": "*i64" if service else "*fp32", "ws_ptr": "*i64" if addrs else "*fp32",
+           "m_sizes_ptr": "*i64", "out_ptr": "*bf16", "map_ptr": "*i64",
+           "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32",
            "stride_wg": "i32", "stride_wn": "i32", "stride_xsm": "i32", "stride_wsg": "i32", "stride_wsk": "i32",
-           "stride_om": "i32"}
+           "stride_om": "i32", "stride_map": "i32"}
     values = {"M": m, "N": n, "K": k, "G": g, "stride_xm": k, "stride_wg": n * k, "stride_wn": k,
-              "stride_xsm": k // 128, "stride_wsg": (k // 128) * (n // 128), "stride_wsk": n // 128, "stride_om": n}
+              "stride_xsm": k // 128, "stride_wsg": (k // 128) * (n // 128), "stride_wsk": n // 128, "stride_om": n,
+              "stride_map": 2}
     # Triton specialises an int argument of 1 as a constant; none of these is 1 for real shapes.
     divisible = [a for a, t in sig.items() if t.startswith("*")] + [a for a, v in values.items() if v % 16 == 0]
-    consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "ADDRS": addrs}
+    g_pow2 = max(16, tk._next_pow2(g))
+    consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "ADDRS": addrs,
+              "X_WORDS": service, "ROW_MAP": service, "G_POW2": g_pow2}
     if cfg.swap_ab:
         split_k = max(1, min(cfg.split_k, k // 128))
         if split_k > 1:
@@ -78,17 +84,24 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False):
             divisible += ["part_ptr", "count_ptr"]
         else:
             consts.update({"part_ptr": None, "count_ptr": None})
-        consts.update(G_POW2=max(16, tk._next_pow2(g)), EVICT_W=cfg.evict_w, SPLIT_K=split_k)
+        consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k)
     elif cfg.schedule == "persistent_ws":
-        consts.update(G_MAX=max(16, tk._next_pow2(g)), GROUP_TILES_M=cfg.group_tiles_m, LEAD_TILE=cfg.lead_tile)
+        consts.update(GROUP_TILES_M=cfg.group_tiles_m, LEAD_TILE=cfg.lead_tile)
+    elif cfg.schedule == "persistent_tma":
+        sig["work_ptr"] = "*i32"
+        divisible.append("work_ptr")
+        consts.update(GROUP_TILES_M=cfg.group_tiles_m)
     else:
-        consts.update(G_POW2=max(16, tk._next_pow2(g)), GROUP_TILES_M=cfg.group_tiles_m)
+        consts.update(GROUP_TILES_M=cfg.group_tiles_m)
+    # Keep the kernel's argument order (the signature dict is ordered by the caller).
+    order = list(fn.arg_names)
+    sig = {a: sig[a] for a in order if a in sig}
     return compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
 
 
-def report(cfg, m, n, k, g, addrs: bool = False) -> dict:
+def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False) -> dict:
     try:
-        kernel = compile_config(cfg, m, n, k, g, addrs)
+        kernel = compile_config(cfg, m, n, k, g, addrs, service)
     except Exception as exc:  # noqa: BLE001  report and go on
         return {"config": cfg.key(), "error": str(exc).splitlines()[-1][:160]}
     info = {"config": cfg.key(), "smem": kernel.metadata.shared,

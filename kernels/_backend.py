@@ -26,14 +26,18 @@ class Backend:
 
     Optional, for a server's graphs (None where the backend has none):
 
-    - ``run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups)``: ``run``
-      with the weight set given as two int64 device words, the base addresses
-      of its contiguous ``wq`` and ``w_scale`` (in that order): one graph
-      captured per (G, N, K) then serves every weight set of that shape by
-      rewriting the words. Same kernel, same tile, same bits as ``run``.
-    - ``check_and_gather(x, x_scale, gather, x_out, scale_out, flags)``: one
-      kernel that checks the rows' contents (the server's ``bad_rows``) and
-      regroups them (``x_out = x[gather]``); capture-safe.
+    - ``run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups, inputs=None,
+      out_rows=None)``: ``run`` with the weight set given as two int64 device
+      words, the base addresses of its contiguous ``wq`` and ``w_scale`` (in
+      that order): one graph captured per (G, N, K) then serves every weight
+      set of that shape by rewriting the words. ``inputs``: two more words
+      holding the activations' and scales' base addresses (``xq``/``x_scale``
+      then give only shape and strides); ``out_rows``: int64 ``[M]``, row r
+      stored at ``out[out_rows[r]]``. Same kernel, same tile, same bits as ``run``.
+    - ``check_and_gather(x, x_scale, gather, x_out, scale_out, flags, *,
+      regroup=None)``: one kernel that checks the rows' contents (the server's
+      ``bad_rows``) and regroups them (``x_out = x[gather]``; not at all when
+      the int64 device word ``regroup`` holds 0); capture-safe.
     - ``tile_key(m, n, k, g, out_dtype)``: a key of the tile (schedule, tile
       sizes, split-K) a launch of ``m`` rows runs: launches whose keys are
       equal compute each output row alike, bit for bit, whatever the other

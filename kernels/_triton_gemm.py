@@ -41,15 +41,18 @@ The schedules:
   Both take ``SPLIT_K``: that many programs share an output tile, each over
   its own K range, reduced by the last to arrive (float32 slots, counters
   that reset themselves).
-- :func:`prefill_pair_kernel`: 128 x 128 tiles, two warpgroups, pairs of K
-  blocks, plain loads (many groups with many rows each).
-- :func:`prefill_tma_kernel`: 64 x 128 tiles fed by TMA (skewed routing,
-  tens to a thousand rows per group).
-- :func:`persistent_ws_kernel`: one program per SM walking the tiles, TMA
-  loads, Triton's Hopper warp specialisation (a producer and two 64-row
-  consumers), 128 x 128 pairs or 128 x 256 as two halves; its group lookup
-  is an unrolled scalar walk (the pass rejects reductions), so it serves
-  G <= ``G_MAX``.
+- :func:`persistent_ws_kernel` (prefill, G <= 64): one program per SM walking
+  the tiles, TMA loads, Triton's Hopper warp specialisation (a producer and
+  two 64-row consumers), 128 x 128 pairs or 128 x 256 as two halves; its group
+  lookup is an unrolled scalar walk (the pass rejects reductions and tables).
+- :func:`persistent_tma_kernel` (prefill, many experts): the programs (two per
+  SM) walk exactly the real tiles group by group through a tile table each
+  writes first (O(log G) per tile), one software pipeline across tiles.
+
+For a server graph every schedule also takes ``X_WORDS`` (the activations'
+and their scales' base addresses from two more device words: the rows where a
+lone call's arrived, or regrouped) and ``ROW_MAP`` (row r stored at
+``out[map[r]]``: the callers' order). Neither changes a value computed.
 """
 
 from __future__ import annotations
@@ -76,6 +79,37 @@ def _weights(w_ptr, ws_ptr, ADDRS: tl.constexpr):
         w_base = w_ptr
         ws_base = ws_ptr
     return w_base, ws_base
+
+
+@triton.jit
+def _inputs(x_ptr, xs_ptr, X_WORDS: tl.constexpr):
+    """The activations' and their scales' base pointers.
+
+    ``X_WORDS``: ``x_ptr`` is an int64 device buffer whose words 0 and 1 hold
+    them (a server graph points them at the callers' rows as they arrived, or
+    at the rows regrouped per expert); else they are the arguments.
+    """
+    if X_WORDS:
+        x_base = tl.multiple_of(tl.load(x_ptr).to(tl.pointer_type(tl.float8e4nv)), 16)
+        xs_base = tl.multiple_of(tl.load(x_ptr + 1).to(tl.pointer_type(tl.float32)), 16)
+    else:
+        x_base = x_ptr
+        xs_base = xs_ptr
+    return x_base, xs_base
+
+
+@triton.jit
+def _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP: tl.constexpr):
+    """The output rows (int64) the tile's ``rows`` are stored to.
+
+    ``ROW_MAP``: row r goes to ``map[r]`` (a server graph's merged calls: the
+    callers' order, so no pass after the GEMM moves the output); else to r.
+    Only the store's address changes: the values are the same bits.
+    """
+    if ROW_MAP:
+        return tl.load(map_ptr + rows_in * stride_map)
+    else:
+        return rows.to(tl.int64)
 
 
 @triton.jit
@@ -218,10 +252,12 @@ def _k_range(K, split, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, part_ptr, count_ptr,
+def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, part_ptr, count_ptr,
                   M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
+                  stride_map,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
-                  EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr):
+                  EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
+                  ROW_MAP: tl.constexpr):
     """Decode, one K block per iteration: ``acc[BLOCK_N, BLOCK_M] += dot(w, x^T) * (ws * xs)``.
 
     BLOCK_M is the token tile, BLOCK_N (<= 128) the weight tile: one
@@ -231,16 +267,17 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, part_ptr, 
         m_sizes_ptr, M, N, G, SPLIT_K, BLOCK_M, BLOCK_N, 1, G_POW2)
     if valid:
         w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
+        x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
         rows = first_row + tl.arange(0, BLOCK_M)
         rows_in = tl.minimum(rows, M - 1).to(tl.int64)
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         group64 = group.to(tl.int64)
         k_lo, k_hi = _k_range(K, split, SPLIT_K, BLOCK_K)
-        x_ptrs = x_ptr + rows_in[:, None] * stride_xm + (k_lo * BLOCK_K + offs_k)[None, :]
+        x_ptrs = x_base + rows_in[:, None] * stride_xm + (k_lo * BLOCK_K + offs_k)[None, :]
         w_ptrs = (w_base + group64 * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wn
                   + (k_lo * BLOCK_K + offs_k)[None, :])
-        xs_ptrs = xs_ptr + rows_in * stride_xsm + k_lo
+        xs_ptrs = xs_base + rows_in * stride_xsm + k_lo
         ws_ptrs = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128 + k_lo * stride_wsk
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(k_lo, k_hi):
@@ -259,15 +296,18 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, part_ptr, 
         else:
             last = True
         keep = (rows < row_stop) & last
-        out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
+        out_ptrs = out_ptr + dest[None, :] * stride_om + offs_n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[None, :])
 
 
 @triton.jit
-def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, part_ptr, count_ptr,
+def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, part_ptr, count_ptr,
                        M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
+                       stride_map,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
-                       EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr):
+                       EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
+                       ROW_MAP: tl.constexpr):
     """Decode, two K blocks per iteration, each pair's scales loaded one iteration ahead.
 
     The scale loads are not staged by the software pipeliner; waiting on
@@ -279,16 +319,17 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, part_
         m_sizes_ptr, M, N, G, SPLIT_K, BLOCK_M, BLOCK_N, 1, G_POW2)
     if valid:
         w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
+        x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
         rows = first_row + tl.arange(0, BLOCK_M)
         rows_in = tl.minimum(rows, M - 1).to(tl.int64)
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         group64 = group.to(tl.int64)
         k_lo, k_hi = _k_range(K, split, SPLIT_K, BLOCK_K)
-        x_ptrs = x_ptr + rows_in[:, None] * stride_xm + (k_lo * BLOCK_K + offs_k)[None, :]
+        x_ptrs = x_base + rows_in[:, None] * stride_xm + (k_lo * BLOCK_K + offs_k)[None, :]
         w_ptrs = (w_base + group64 * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wn
                   + (k_lo * BLOCK_K + offs_k)[None, :])
-        xs_row = xs_ptr + rows_in * stride_xsm
+        xs_row = xs_base + rows_in * stride_xsm
         ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
         step = tl.minimum(1, k_hi - 1 - k_lo)
         s0 = tl.load(xs_row + k_lo) * tl.load(ws_col + k_lo * stride_wsk)
@@ -321,108 +362,35 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, part_
         else:
             last = True
         keep = (rows < row_stop) & last
-        out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
+        out_ptrs = out_ptr + dest[None, :] * stride_om + offs_n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[None, :])
 
 
 # ---- prefill ---------------------------------------------------------------------------------
 
 
-@triton.jit
-def prefill_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
-                        M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
-                        GROUP_TILES_M: tl.constexpr, ADDRS: tl.constexpr):
-    """Prefill, ``acc[BLOCK_M, BLOCK_N] += dot(x, w^T) * (xs * ws)``, two K blocks per iteration.
-
-    Two independent dots per iteration: the second block's wgmma runs while
-    the first block's product is scaled and added. BLOCK_N <= 128.
-    """
-    _, _, tile_n, group, first_row, row_stop, valid = _grid_tile(
-        m_sizes_ptr, M, N, G, 1, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
-    if valid:
-        w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
-        rows = first_row + tl.arange(0, BLOCK_M)
-        rows_in = tl.minimum(rows, M - 1).to(tl.int64)
-        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        group64 = group.to(tl.int64)
-        num_k = K // BLOCK_K
-        x_ptrs = x_ptr + rows_in[:, None] * stride_xm + offs_k[None, :]
-        w_ptrs = w_base + group64 * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        xs_ptrs = xs_ptr + rows_in * stride_xsm
-        ws_ptrs = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, num_k, 2):
-            step = tl.minimum(1, num_k - 1 - kb)  # 0 on an odd last block
-            x0 = tl.load(x_ptrs)
-            w0 = tl.load(w_ptrs)
-            x1 = tl.load(x_ptrs + step * BLOCK_K)
-            w1 = tl.load(w_ptrs + step * BLOCK_K)
-            xs0 = tl.load(xs_ptrs + kb)
-            ws0 = tl.load(ws_ptrs + kb * stride_wsk)
-            xs1 = tl.load(xs_ptrs + kb + step)
-            ws1 = tl.load(ws_ptrs + (kb + step) * stride_wsk) * step.to(tl.float32)
-            part0 = tl.dot(x0, tl.trans(w0))
-            part1 = tl.dot(x1, tl.trans(w1))
-            acc += part0 * (xs0[:, None] * ws0)
-            acc += part1 * (xs1[:, None] * ws1)
-            x_ptrs += 2 * BLOCK_K
-            w_ptrs += 2 * BLOCK_K
-        keep = rows < row_stop
-        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+# ---- persistent: one program per SM ---------------------------------------------------------------
 
 
 @triton.jit
-def prefill_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
-                       M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
-                       GROUP_TILES_M: tl.constexpr, ADDRS: tl.constexpr):
-    """Prefill tiles (BLOCK_N <= 128) loaded by TMA, one K block per iteration.
-
-    The descriptors are made on the device (``tl.make_tensor_descriptor``,
-    scratch from ``triton.set_allocator``), from the weight set's base: the
-    weights are seen as ``[G * N, K]``. TMA fills rows past M with zeros.
-    """
-    _, _, tile_n, group, first_row, row_stop, valid = _grid_tile(
-        m_sizes_ptr, M, N, G, 1, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
-    if valid:
-        w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
-        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_base, shape=[G * N, K], strides=[stride_wn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
-        rows = first_row + tl.arange(0, BLOCK_M)
-        rows_in = tl.minimum(rows, M - 1).to(tl.int64)
-        w_row = group * N + tile_n * BLOCK_N
-        xs_ptrs = xs_ptr + rows_in * stride_xsm
-        ws_ptrs = ws_base + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(K // BLOCK_K):
-            x = x_desc.load([first_row, kb * BLOCK_K])
-            w = w_desc.load([w_row, kb * BLOCK_K])
-            xs = tl.load(xs_ptrs + kb)
-            ws = tl.load(ws_ptrs + kb * stride_wsk)
-            acc += tl.dot(x, tl.trans(w)) * (xs[:, None] * ws)
-        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        keep = rows < row_stop
-        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
-
-
-@triton.jit
-def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
+def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
                          M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_MAX: tl.constexpr,
-                         GROUP_TILES_M: tl.constexpr, LEAD_TILE: tl.constexpr, ADDRS: tl.constexpr):
+                         stride_map,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
+                         GROUP_TILES_M: tl.constexpr, LEAD_TILE: tl.constexpr, ADDRS: tl.constexpr,
+                         X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr):
     """Persistent warp-specialised prefill: one program per SM walks the tiles ``pid, pid + programs, ...``.
 
     The tile loop is the warp-specialised loop: the TMA producer runs ahead
     into the next tile's K blocks while the two consumers scale, convert and
     store the current one. The tile count is the launcher's static bound;
     tiles past the real row tiles run an empty K range and store nothing (no
-    branch: the pass rejects loops under an ``if``). G <= G_MAX.
+    branch: the pass rejects loops under an ``if``). Triton 3.6's warp
+    specialisation rejects any reduce or scan in the kernel and sinks stores
+    made before the loop into the consumer partitions (a tile table in memory
+    would race with the producer), so the group lookup is an unrolled scalar
+    walk over G_POW2 groups: the table keeps this kernel to G <= 64.
 
     BLOCK_N = 128: pairs of K blocks (each consumer scales its first product
     while the second runs). BLOCK_N = 256: two 128-wide halves, two dots per
@@ -441,7 +409,8 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
     # The launcher's row_tile_bound, from M and G alone.
     num_m = tl.minimum(tl.minimum(M, (M + G * (BLOCK_M - 1)) // BLOCK_M), tl.cdiv(M, BLOCK_M) + G - 1)
     w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+    x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
+    x_desc = tl.make_tensor_descriptor(x_base, shape=[M, K], strides=[stride_xm, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
     num_kb = K // BLOCK_K
     HALF_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N > 128 else BLOCK_N
@@ -449,7 +418,7 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
                                        block_shape=[HALF_N, BLOCK_K])
     for t in tl.range(pid - programs if LEAD_TILE else pid, num_m * num_n, programs, warp_specialize=True):
         tile_m, tile_n = _tile_coords(tl.maximum(t, 0), num_m, num_n, GROUP_TILES_M)
-        group, first_row, row_stop, valid = _locate_tile_unrolled(m_sizes_ptr, M, G, tile_m, BLOCK_M, G_MAX)
+        group, first_row, row_stop, valid = _locate_tile_unrolled(m_sizes_ptr, M, G, tile_m, BLOCK_M, G_POW2)
         group = tl.minimum(group, G - 1)
         rows = first_row + tl.arange(0, BLOCK_M)
         rows_in = tl.minimum(rows, M - 1).to(tl.int64)
@@ -457,9 +426,10 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
         num_k = tl.where(t < 0, 1, tl.where(valid, num_kb, 0))
         valid = valid & (t >= 0)
         w_row = group * N + tile_n * BLOCK_N
-        xs_ptrs = xs_ptr + rows_in * stride_xsm
+        xs_ptrs = xs_base + rows_in * stride_xsm
         ws_ptrs = ws_base + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
         keep = (rows < row_stop) & valid
+        dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
         if BLOCK_N > 128:
             acc_a = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
             acc_b = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
@@ -473,7 +443,7 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
                 acc_a += tl.dot(x, tl.trans(w_a)) * s_a[:, None]
                 acc_b += tl.dot(x, tl.trans(w_b)) * s_b[:, None]
             offs_n = tile_n * BLOCK_N + tl.arange(0, HALF_N)
-            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
             tl.store(out_ptrs, acc_a.to(out_ptr.dtype.element_ty), mask=keep[:, None])
             tl.store(out_ptrs + HALF_N, acc_b.to(out_ptr.dtype.element_ty), mask=keep[:, None])
         else:
@@ -493,14 +463,115 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
                 acc += part0 * s0[:, None]
                 acc += part1 * s1[:, None]
             offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
+
+@triton.jit
+def _tile_table(m_sizes_ptr, M, G, num_n, table_ptr, BLOCK_M: tl.constexpr, G_POW2: tl.constexpr):
+    """Write the launch's tile table into ``table_ptr`` (3 x G_POW2 int32); return the tile count.
+
+    Tiles are numbered group by group: group g owns ``row_tiles_g * num_n``
+    consecutive tiles (its rows clamped as in :func:`_locate_tile`). The table
+    holds each group's tile end (inclusive prefix), first row and end row,
+    read back with scalar loads (:func:`_find_tile`).
+    """
+    offs = tl.arange(0, G_POW2)
+    raw = tl.load(m_sizes_ptr + offs, mask=offs < G, other=0).to(tl.int64)
+    raw = tl.minimum(tl.maximum(raw, 0), M)
+    ends = tl.cumsum(raw, 0)
+    row_end = tl.minimum(ends, M).to(tl.int32)
+    row_start = tl.minimum(ends - raw, M).to(tl.int32)
+    tile_end = tl.cumsum((row_end - row_start + (BLOCK_M - 1)) // BLOCK_M * num_n, 0)
+    tl.store(table_ptr + offs, tile_end)
+    tl.store(table_ptr + G_POW2 + offs, row_start)
+    tl.store(table_ptr + 2 * G_POW2 + offs, row_end)
+    tl.debug_barrier()  # every thread of the program reads the whole table back
+    return tl.load(table_ptr + G_POW2 - 1)
+
+
+@triton.jit
+def _find_tile(table_ptr, t, num_n, BLOCK_M: tl.constexpr, G_POW2: tl.constexpr,
+               GROUP_TILES_M: tl.constexpr):
+    """(group, first row, column tile, group end row) of tile ``t`` < the tile count.
+
+    A binary search over the groups' tile ends: log2(G_POW2) dependent scalar
+    loads from this program's table (L1-resident after the first tile). Within
+    its group the tile is placed by :func:`_tile_coords`: bands of
+    GROUP_TILES_M row tiles sweep the column tiles, so the row tiles of one
+    (group, column tile) run at about the same time on neighbouring programs
+    and the weight tile comes from HBM about once per band.
+    """
+    lo = t * 0
+    for s in tl.static_range(1, 11):  # G_POW2 <= 1024
+        if (G_POW2 >> s) > 0:
+            probe = tl.load(table_ptr + (lo + (G_POW2 >> s) - 1))
+            lo = tl.where(probe <= t, lo + (G_POW2 >> s), lo)
+    before = tl.load(table_ptr + lo - 1, mask=lo > 0, other=0)
+    row_start = tl.load(table_ptr + G_POW2 + lo)
+    row_end = tl.load(table_ptr + 2 * G_POW2 + lo)
+    row_tiles = tl.maximum((row_end - row_start + (BLOCK_M - 1)) // BLOCK_M, 1)
+    tile_m, tile_n = _tile_coords(t - before, row_tiles, num_n, GROUP_TILES_M)
+    return lo, row_start + tile_m * BLOCK_M, tile_n, row_end
+
+
+@triton.jit
+def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
+                          M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk,
+                          stride_om, stride_map,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          G_POW2: tl.constexpr, GROUP_TILES_M: tl.constexpr, ADDRS: tl.constexpr,
+                          X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr):
+    """Persistent TMA prefill for many experts: the programs walk exactly the real tiles.
+
+    Each program first writes its own tile table (``work_ptr``: 3 x G_POW2
+    int32 per program, :func:`_tile_table`), then walks tiles ``pid, pid +
+    programs, ...`` in group order (:func:`_find_tile`: O(log G) per tile; no
+    program spends time on empty groups or on row tiles past the groups'
+    ends). The tile loop and the K loop are flattened into one software
+    pipeline, so the TMA loads of the next tile are in flight while the
+    current one is scaled and stored. Not warp-specialised: Triton 3.6's pass
+    takes neither the table nor a reduction (see :func:`persistent_ws_kernel`).
+
+    BLOCK_N = 128 (one weight-scale column), one dot per K block; BLOCK_M 64
+    (4 warps, two programs per SM: one's scale-and-store overlaps the other's
+    MMA) or 128 (8 warps: two warpgroups of 64 rows). v12 measured 128 x 256
+    halves spilling (255 registers) and 1.2-3x slower.
+    """
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    num_n = N // BLOCK_N
+    table = work_ptr + pid * (3 * G_POW2)
+    tiles = _tile_table(m_sizes_ptr, M, G, num_n, table, BLOCK_M, G_POW2)
+    w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
+    x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
+    x_desc = tl.make_tensor_descriptor(x_base, shape=[M, K], strides=[stride_xm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    num_kb = K // BLOCK_K
+    w_desc = tl.make_tensor_descriptor(w_base, shape=[G * N, K], strides=[stride_wn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    for t in tl.range(pid, tiles, programs, flatten=True):
+        group, first_row, tile_n, row_stop = _find_tile(table, t, num_n, BLOCK_M, G_POW2, GROUP_TILES_M)
+        rows = first_row + tl.arange(0, BLOCK_M)
+        rows_in = tl.minimum(rows, M - 1).to(tl.int64)
+        w_row = group * N + tile_n * BLOCK_N
+        xs_ptrs = xs_base + rows_in * stride_xsm
+        ws_ptrs = ws_base + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
+        keep = rows < row_stop
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(num_kb):
+            x = x_desc.load([first_row, kb * BLOCK_K])
+            w = w_desc.load([w_row, kb * BLOCK_K])
+            s = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
+            acc += tl.dot(x, tl.trans(w)) * s[:, None]
+        dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
+        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 SCHEDULES = {
     "decode": decode_kernel,
     "decode_pair": decode_pair_kernel,
-    "prefill_pair": prefill_pair_kernel,
-    "prefill_tma": prefill_tma_kernel,
     "persistent_ws": persistent_ws_kernel,
+    "persistent_tma": persistent_tma_kernel,
 }

@@ -2,7 +2,9 @@
 
 Every launch first checks what the callers' rows hold (``_checks.bad_rows``:
 fp8 NaN codes, NaN/Inf, scales that are not finite and > 0) and puts the rows
-in per-expert order (``gather``). In torch that is about fifteen small kernels
+in per-expert order (``gather``). A lone call's rows are already in that
+order: with a ``regroup`` word that holds 0 the kernel only checks (the GEMM
+then reads the rows where they arrived), so the graph moves no row twice. In torch that is about fifteen small kernels
 per graph (comparisons, reductions, casts, two ``index_select``), each a few
 microseconds of a lone call's latency; here it is one program per row that
 reads the row once, copies it (and its scales) to its place and writes its
@@ -28,17 +30,22 @@ _EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
 @triton.jit
-def _check_gather(x_ptr, xs_ptr, gather_ptr, xg_ptr, xsg_ptr, flags_ptr, gather_stride,
+def _check_gather(x_ptr, xs_ptr, gather_ptr, xg_ptr, xsg_ptr, flags_ptr, regroup_ptr, gather_stride,
                   K: tl.constexpr, KB: tl.constexpr, KIND: tl.constexpr, EXPONENT: tl.constexpr,
-                  HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+                  HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                  HAS_REGROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     src = tl.load(gather_ptr + row * gather_stride).to(tl.int64)
+    if HAS_REGROUP:
+        copy = tl.load(regroup_ptr) != 0
+    else:
+        copy = row >= 0  # always
     seen = tl.zeros([BLOCK_K], dtype=tl.int32)
     for k0 in tl.static_range(0, K, BLOCK_K):  # K is one per weight-set shape
         offs = k0 + tl.arange(0, BLOCK_K)
         inside = offs < K
         bits = tl.load(x_ptr + src * K + offs, mask=inside, other=0)
-        tl.store(xg_ptr + row * K + offs, bits, mask=inside)
+        tl.store(xg_ptr + row * K + offs, bits, mask=inside & copy)
         if KIND == 0:
             bad = (bits & 0x7F) == 0x7F
         elif KIND == 1:
@@ -51,7 +58,7 @@ def _check_gather(x_ptr, xs_ptr, gather_ptr, xg_ptr, xsg_ptr, flags_ptr, gather_
         offs = tl.arange(0, BLOCK_S)
         inside = offs < KB
         scale = tl.load(xs_ptr + src * KB + offs, mask=inside, other=1.0)
-        tl.store(xsg_ptr + row * KB + offs, scale, mask=inside)
+        tl.store(xsg_ptr + row * KB + offs, scale, mask=inside & copy)
         # NaN fails both comparisons; +Inf fails the second (the largest float32).
         good = (scale > 0.0) & (scale <= 3.4028234663852886e38)
         flag = flag | (tl.max((~good).to(tl.int32), axis=0) << 1)
@@ -65,6 +72,8 @@ def check_and_gather(
     x_out: torch.Tensor,
     scale_out: torch.Tensor | None,
     flags: torch.Tensor,
+    *,
+    regroup: torch.Tensor | None = None,
 ) -> None:
     """``x_out = x[gather]``, ``scale_out = x_scale[gather]``, ``flags = bad_rows(x, x_scale)``.
 
@@ -72,7 +81,8 @@ def check_and_gather(
     ``[rows, K/128]`` float32 (or None) are contiguous CUDA tensors; ``gather``
     is ``[rows]`` int64 (any stride), a permutation of ``range(rows)``;
     ``flags`` ``[rows]`` int8 is indexed like ``x`` (input order). No host
-    reads: capture-safe.
+    reads: capture-safe. ``regroup``: an int64 device word read at run time; 0 means
+    only the flags are written (``gather`` is the identity and ``x_out`` unused).
     """
     rows, K = x.shape
     if rows == 0:
@@ -83,8 +93,9 @@ def check_and_gather(
     KB = x_scale.shape[1] if has_scale else 1
     _check_gather[(rows,)](
         x.view(view), x_scale if has_scale else x.view(view), gather, x_out.view(view),
-        scale_out if has_scale else x_out.view(view), flags, gather.stride(0), K=K, KB=KB,
+        scale_out if has_scale else x_out.view(view), flags, gather if regroup is None else regroup,
+        gather.stride(0), K=K, KB=KB,
         KIND=kind, EXPONENT=_EXPONENT.get(x.dtype, 0), HAS_SCALE=has_scale,
         BLOCK_K=min(4096, triton.next_power_of_2(K)), BLOCK_S=triton.next_power_of_2(KB),
-        num_warps=4,
+        HAS_REGROUP=regroup is not None, num_warps=4,
     )

@@ -38,10 +38,13 @@ from . import _triton_tune
 from ._triton_gemm import SCHEDULES
 
 _SCALE_BLOCK = 128
-# The persistent warp-specialised schedule finds a tile's group by an unrolled
-# walk over max(16, next_pow2(G)) groups; past this the walk costs more than the
-# schedule gains (v11: at G = 128 it ran 1.4-2.5x slower than 64-row TMA tiles).
+# The warp-specialised schedule finds a tile's group by an unrolled walk over
+# max(16, next_pow2(G)) groups (its pass takes no table and no reduction); past this
+# the walk costs more than the schedule gains (v11: at G = 128 it ran 1.4-2.5x slower
+# than 64-row TMA tiles).
 PERSISTENT_G_MAX = 64
+# The persistent TMA schedule's tile table: its binary search is unrolled for up to 1024 groups.
+TABLE_G_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,11 @@ class TileConfig:
     ``decode`` / ``decode_pair``: ``block_m`` is the token tile (16-64),
     ``block_n`` the weight tile (64 or 128) on the MMA's M side; ``split_k``
     programs share an output tile; ``evict_w`` the weights' cache policy.
-    ``prefill_pair`` / ``prefill_tma``: ``block_m`` x ``block_n`` (<= 128)
-    output tiles, ``group_tiles_m`` row tiles per band before moving along N.
-    ``persistent_ws``: 128 x 128 (pairs) or 128 x 256 (two halves), 4 warps;
-    ``lead_tile`` runs a throwaway first tile (see the kernel).
+    ``persistent_ws``: 128 x 128 (pairs) or 128 x 256 (two halves), 4 warps
+    (warp-specialised: a producer and two 64-row consumers), ``group_tiles_m``
+    row tiles per band; ``lead_tile`` runs a throwaway first tile (see the kernel).
+    ``persistent_tma``: 64 (4 warps) or 128 (8 warps) rows x 128, ``group_tiles_m``
+    row tiles of one group per band; ``per_sm`` programs per SM.
     """
 
     schedule: str
@@ -66,6 +70,7 @@ class TileConfig:
     split_k: int = 1
     evict_w: str = ""
     lead_tile: bool = False
+    per_sm: int = 1
 
     @property
     def swap_ab(self) -> bool:
@@ -80,17 +85,20 @@ class TileConfig:
             return False
         if self.lead_tile and self.schedule != "persistent_ws":
             return False
+        if self.per_sm != 1 and self.schedule != "persistent_tma":
+            return False
         if self.swap_ab:
             return self.block_n in (64, 128) and self.block_m in (16, 32, 64)
         if self.schedule == "persistent_ws":
             return (self.block_m == 128 and self.block_n in (128, 256) and self.num_warps == 4
                     and g <= PERSISTENT_G_MAX)
-        return self.block_n <= 128
+        return (self.block_m in (64, 128) and self.block_n == 128
+                and self.num_warps == self.block_m // 16 and self.per_sm in (1, 2) and g <= TABLE_G_MAX)
 
     def key(self) -> str:
         """A short stable name, used in the autotune cache and benchmarks."""
         extra = (f"_sk{self.split_k}" if self.split_k > 1 else "") + ("_ef" if self.evict_w else "") + (
-            "_lead" if self.lead_tile else "")
+            "_lead" if self.lead_tile else "") + (f"_p{self.per_sm}" if self.per_sm != 1 else "")
         return (f"{self.schedule}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"_g{self.group_tiles_m}{extra}")
 
@@ -115,7 +123,7 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
     The class is the mean rows per group ``r = m / g`` (the host never sees
     the real split). Rules (measurements in bench/NOTES.md):
 
-    - ``r <= 48`` (decode, bytes-bound): A and B swapped. Token tile =
+    - ``r <= 48``, at G >= 64 ``r < 32`` (decode, bytes-bound): A and B swapped. Token tile =
       ``next_pow2(r)`` in [16, 64], doubled at G >= 64 (skewed routing puts
       several times the mean on hot experts). Weights evicted first.
       - 16-token tiles at G < 64 run pairs of K blocks with the scales a
@@ -131,13 +139,13 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         warp-specialised schedule; 128 x 256 halves where their tiles still
         fill the SMs (3 stages behind a lead tile above 1024 rows per group,
         else 2), else 128 x 128 pairs.
-      - ``r <= 1024``: TMA-fed 64 x 128 tiles (skewed routing: the 128-row
-        tiles lost 20-90 % at G = 256).
-      - more: 128 x 128 pairs on two warpgroups, banded 8 row tiles deep
-        when N <= 4096.
+      - otherwise (many experts, skewed routing; at G >= 64 from r = 32): the
+        persistent TMA schedule with its tile table, 64 x 128 tiles, two
+        programs per SM, bands of 8 row tiles per group. (v12: Kimi-K2 at 2048
+        tokens, r = 42, 3220 us against 4353 us for 64-token swapped tiles.)
     """
     rows_per_group = max(1, m // max(g, 1))
-    if rows_per_group <= 48:
+    if rows_per_group <= 48 and not (g >= 64 and rows_per_group >= 32):
         token_tile = min(64, max(16, _next_pow2(rows_per_group * (2 if g >= 64 else 1))))
         weight_tiles = min(g, m) * n // 128  # at most min(g, m) groups have rows
         pair = token_tile == 16 and g < 64
@@ -158,9 +166,7 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
                 return TileConfig("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)
             return TileConfig("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)
         return TileConfig("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
-    if rows_per_group <= 1024:
-        return TileConfig("prefill_tma", 64, 128, 4, 4)
-    return TileConfig("prefill_pair", 128, 128, 8, 3, group_tiles_m=8 if n <= 4096 else 1)
+    return TileConfig("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
 
 
 def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
@@ -183,9 +189,9 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                         found.append(T("decode_pair", token, block_n, 4, 3, split_k=split, evict_w=ef))
                 found.append(T("decode_pair", token, 128, 8, 3, evict_w=ef))
     else:
-        found += [T("prefill_tma", 64, 128, 4, 4), T("prefill_tma", 128, 128, 8, 3),
-                  T("prefill_tma", 64, 128, 4, 4, group_tiles_m=8),
-                  T("prefill_pair", 128, 128, 8, 3), T("prefill_pair", 128, 128, 8, 3, group_tiles_m=8),
+        found += [T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
+                  T("persistent_tma", 64, 128, 4, 4, per_sm=2),
+                  T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
                   T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
                   T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
                   T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)]
@@ -245,10 +251,12 @@ def grid_for(config: TileConfig, m: int, n: int, k: int, g: int, sms: int) -> tu
     tiles = row_tile_bound(m, g, config.block_m) * (n // config.block_n)
     if config.schedule == "persistent_ws":
         return (min(tiles, sms),)
+    if config.schedule == "persistent_tma":
+        return (min(tiles, sms * config.per_sm),)
     return (tiles * max(1, min(config.split_k, k // _SCALE_BLOCK)),)
 
 
-FLOAT32_OUT_PREFILL = TileConfig("prefill_tma", 128, 128, 8, 3, group_tiles_m=8)
+FLOAT32_OUT_PREFILL = TileConfig("persistent_tma", 128, 128, 8, 4, group_tiles_m=8)
 """What a warp-specialised tile runs as when ``out`` is float32 (see :func:`tile_for_out`)."""
 
 
@@ -260,25 +268,51 @@ def tile_for_out(config: TileConfig, out: torch.Tensor) -> TileConfig:
     shared memory in the warp-specialised kernel: 128x128 s2 197 KB (bf16 148),
     128x256 s2 164 KB (115), 128x256 s3 213 KB (164). Warp-specialised tiles over
     ~150 KB wrote NaN into column 0 (bench/NOTES.md v8, v9), the lead tile fixing
-    it only where measured (164 KB). The TMA prefill tile is 98 KB either way and
-    not warp-specialised. Both entries apply this, so they still launch one tile.
+    it only where measured (164 KB). The persistent TMA tile is not
+    warp-specialised (checked into float32 on the H200, v12). Both entries apply
+    this, so they still launch one tile.
     """
     if out.dtype == torch.float32 and config.schedule == "persistent_ws":
         return FLOAT32_OUT_PREFILL
     return config
 
 
-def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
-            addrs: bool) -> torch.Tensor:
-    """Launch ``config``'s kernel; ``addrs``: ``w_arg`` is the int64 address pair, ``ws_arg`` unused."""
+def _tile_tables(device: torch.device, programs: int, g_pow2: int) -> torch.Tensor:
+    """The persistent schedule's per-program tile tables: int32 ``[programs * 3 * g_pow2]``.
+
+    Each program writes its own table before reading it, so the buffer needs no
+    initialisation and is reused across launches; kept for the process's life
+    (a graph captured with it stays valid) and keyed like the split-K workspace
+    (two launches in flight at once on two streams do not share one).
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = ("tiles", str(device), stream, programs * 3 * g_pow2)
+    with _workspaces_lock:
+        found = _workspaces.get(key)
+        if found is None:
+            found = _workspaces[key] = (torch.empty(key[-1], dtype=torch.int32, device=device),)
+    return found[0]
+
+
+def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
+                addrs: bool, x_words: torch.Tensor | None = None, out_rows: torch.Tensor | None = None):
+    """(kernel, grid, args, constexprs and launch options) of one launch of ``config``.
+
+    ``addrs``: ``w_arg`` is the int64 address pair, ``ws_arg`` unused;
+    ``x_words``: the activations' and scales' base addresses (int64 device
+    words) instead of ``xq``'s and ``x_scale``'s (which still give M, K and the
+    strides); ``out_rows``: int64 ``[M]`` (any stride), row r stored at
+    ``out[out_rows[r]]``. Nothing is launched: ``bench/bench_kernels.py``
+    compiles the plans of a run ahead with ``kernel.warmup``.
+    """
     m, k = xq.shape
-    if m == 0:
-        return out
     config = tile_for_out(config, out)
     kernel = SCHEDULES[config.schedule]
     grid = grid_for(config, m, n, k, g, _sm_count(xq.device))
+    g_pow2 = max(16, _next_pow2(g))
     consts = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": _SCALE_BLOCK,
-              "ADDRS": addrs}
+              "ADDRS": addrs, "X_WORDS": x_words is not None, "ROW_MAP": out_rows is not None,
+              "G_POW2": g_pow2, "num_warps": config.num_warps, "num_stages": config.num_stages}
     extra = ()
     if config.swap_ab:
         split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
@@ -287,22 +321,36 @@ def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: Ti
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
                                              config.block_m * config.block_n)
         extra = (parts, counts)
-        consts.update(G_POW2=max(16, _next_pow2(g)), EVICT_W=config.evict_w, SPLIT_K=split_k)
+        consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k)
     elif config.schedule == "persistent_ws":
-        consts.update(G_MAX=max(16, _next_pow2(g)), GROUP_TILES_M=config.group_tiles_m,
-                      LEAD_TILE=config.lead_tile)
+        consts.update(GROUP_TILES_M=config.group_tiles_m, LEAD_TILE=config.lead_tile)
+    elif config.schedule == "persistent_tma":
+        extra = (_tile_tables(xq.device, grid[0], g_pow2),)
+        consts.update(GROUP_TILES_M=config.group_tiles_m)
     else:
-        consts.update(G_POW2=max(16, _next_pow2(g)), GROUP_TILES_M=config.group_tiles_m)
-    if config.schedule in ("prefill_tma", "persistent_ws"):
+        consts.update(GROUP_TILES_M=config.group_tiles_m)
+    x_arg = xq if x_words is None else x_words
+    xs_arg = x_scale if x_words is None else x_words
+    map_arg = m_sizes if out_rows is None else out_rows
+    args = (x_arg, w_arg, xs_arg, ws_arg, m_sizes, out, map_arg, *extra,
+            m, n, k, g,
+            xq.stride(0), n * k, k, x_scale.stride(0), (k // _SCALE_BLOCK) * (n // _SCALE_BLOCK),
+            n // _SCALE_BLOCK, out.stride(0), 0 if out_rows is None else out_rows.stride(0))
+    return kernel, grid, args, consts
+
+
+def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
+            addrs: bool, x_words: torch.Tensor | None = None,
+            out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch ``config``'s kernel (see :func:`launch_plan` for the arguments)."""
+    if xq.shape[0] == 0:
+        return out
+    kernel, grid, args, consts = launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, config,
+                                             addrs, x_words, out_rows)
+    if kernel is not SCHEDULES["decode"] and kernel is not SCHEDULES["decode_pair"]:
         # Descriptors made on the device need a little global scratch per launch.
         triton.set_allocator(_tma_scratch)
-    kernel[grid](
-        xq, w_arg, x_scale, ws_arg, m_sizes, out, *extra,
-        m, n, k, g,
-        xq.stride(0), n * k, k, x_scale.stride(0), (k // _SCALE_BLOCK) * (n // _SCALE_BLOCK),
-        n // _SCALE_BLOCK, out.stride(0),
-        **consts, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    kernel[grid](*args, **consts)
     return out
 
 
@@ -339,17 +387,33 @@ def config_for(m: int, n: int, k: int, g: int, device: torch.device) -> TileConf
     return default_config(m, n, k, g)
 
 
-def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int) -> torch.Tensor:
+def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
+                  inputs: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """SPEC 1 like :func:`run`, the weight set found through :func:`weight_addresses` words.
 
     ``addresses`` int64 on the device, words 0 and 1 the base of a contiguous
     ``wq [groups, N, K]`` and ``w_scale [groups, K/128, N/128]``; N is
     ``out``'s width (bf16 or float32), K ``xq``'s. Capture-safe: a graph captures the words'
     address, not their contents. Same kernel and tile as :func:`run`.
+
+    For a server graph (one graph serving lone and merged calls):
+
+    - ``inputs``: int64 device words holding the base addresses of the
+      activations and their scales, laid out like ``xq`` and ``x_scale``
+      (which then give only the shape and strides): the rows as the callers
+      sent them, or regrouped per expert, chosen per replay;
+    - ``out_rows``: int64 ``[M]`` on the device (any stride): row r is stored at
+      ``out[out_rows[r]]`` (the callers' order) instead of ``out[r]``.
+
+    Neither changes what is computed: the output values are the same bits.
     """
     if addresses.dtype != torch.int64 or addresses.numel() < 2 or not addresses.is_contiguous():
         raise ValueError(f"addresses must be contiguous int64 words (>= 2), got {addresses.dtype} "
                          f"{tuple(addresses.shape)}")
+    if inputs is not None and (inputs.dtype != torch.int64 or inputs.numel() < 2 or not inputs.is_contiguous()):
+        raise ValueError("inputs must be contiguous int64 words (>= 2)")
+    if out_rows is not None and (out_rows.dtype != torch.int64 or out_rows.shape[0] < xq.shape[0]):
+        raise ValueError("out_rows must be int64 with a row per row of xq")
     _check_out_dtype(out)
     m, k = xq.shape
     n = out.shape[1]
@@ -357,7 +421,8 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int) -> torch
         raise ValueError(f"need e4m3fn xq [M, K], N and K multiples of 128, G >= 1; got {tuple(xq.shape)}, "
                          f"N={n}, G={groups}")
     config = config_for(m, n, k, groups, xq.device)
-    return _launch(xq, addresses, x_scale, addresses, m_sizes, out, n, groups, config, addrs=True)
+    return _launch(xq, addresses, x_scale, addresses, m_sizes, out, n, groups, config, addrs=True,
+                   x_words=inputs, out_rows=out_rows)
 
 
 def tile_key(m: int, n: int, k: int, g: int, out_dtype: torch.dtype, *,

@@ -17,9 +17,16 @@ the public function holds for the service (SPEC 3). Without it, a graph
 captures the addresses of one weight set, and graphs are keyed by weight set
 as well (correct, but they multiply).
 
-Each graph also checks the rows' contents (``_checks.bad_rows``), regroups the
-callers' rows per expert before the GEMM and puts the output rows back in the
-callers' order after it, so merged calls cost the host nothing extra.
+Each graph also checks the rows' contents (``_checks.bad_rows``) and serves
+merged calls without host work: the rows arrive in the callers' order, and
+when that is not already per-expert order (merged calls) the check kernel
+regroups them into a second buffer. With a backend that launches by address
+the GEMM then reads the activations through two more device words (the
+buffer the rows arrived in for a lone call: no copy at all; the regrouped one
+otherwise) and stores each output row straight to its place in the callers'
+order (a row map in the kernel's store), so a lone call's graph costs the
+check and the GEMM and nothing else. Other backends regroup with torch and
+scatter the output back after the GEMM.
 
 The pool computes the same way with graphs off (eager) and on a CPU: the same
 body runs on the same static buffers, so captured and eager runs are
@@ -48,6 +55,7 @@ log = logging.getLogger("moegemm.server.graphs")
 
 BLOCK = 128
 ADDRESS_WORDS = 2  # wq's and w_scale's base address, in meta after the sizes
+INPUT_WORDS = 3  # then the activations' and their scales' base address, and the regroup flag
 
 
 @dataclass(frozen=True)
@@ -66,17 +74,22 @@ class Buffers:
 
     ``meta`` is one int64 buffer, uploaded with one copy per launch: the group
     sizes ``[G]``, the weight set's two base addresses (``wq``, ``w_scale``;
-    address mode), then per row its
-    (gather, scatter) pair: rows arrive in the callers' concatenated order and
-    the graph regroups them per expert (``gather``) and puts the output back
-    (``scatter``), so merged calls need no host or extra device copies.
+    address mode), the input words (the base addresses the GEMM reads the
+    activations and scales from: ``x``/``x_scale`` for a lone call, ``xg``/``xsg``
+    for merged calls; then the regroup flag, 1 when the check kernel must fill
+    ``xg``), then per row its (gather, scatter) pair: rows arrive in the
+    callers' concatenated order; ``gather`` lists them per expert (GEMM row r
+    is the callers' row ``gather[r]``, and its output is stored back there);
+    ``scatter`` is the inverse (for backends that move the output afterwards).
     """
 
     G: int
     N: int
     x: torch.Tensor  # [max_bucket, K], the backend's fp8 dtype, or bf16 when quantizing
     x_scale: torch.Tensor | None  # [max_bucket, K/128] float32; None when quantizing
-    meta: torch.Tensor  # [G + 2 + 2 max_bucket] int64, see above
+    xg: torch.Tensor | None  # x regrouped per expert (merged fp8 calls); None when quantizing
+    xsg: torch.Tensor | None  # x_scale regrouped likewise
+    meta: torch.Tensor  # [G + 2 + 3 + 2 max_bucket] int64, see above
     meta_host: torch.Tensor  # the same, on the host (pinned on a GPU)
     # The results of a launch over ``rows`` rows, packed so that one copy brings
     # them back (``packed``): the rows' bad_rows flags (int8) at byte 0, then
@@ -119,15 +132,35 @@ class Buffers:
         """``[2]`` int64: the weight set's wq and w_scale base addresses (``Backend.run_addressed``)."""
         return self.meta[self.G : self.G + ADDRESS_WORDS]
 
+    @property
+    def inputs(self) -> torch.Tensor:
+        """``[2]`` int64: where the GEMM reads the activations and their scales."""
+        at = self.G + ADDRESS_WORDS
+        return self.meta[at : at + 2]
+
+    @property
+    def regroup(self) -> torch.Tensor:
+        """``[1]`` int64: 1 when the check kernel fills ``xg``/``xsg`` (merged calls), else 0."""
+        at = self.G + ADDRESS_WORDS + 2
+        return self.meta[at : at + 1]
+
+    def input_words(self, regrouped: bool) -> tuple[int, int, int]:
+        """The input words for a launch whose rows are (not) regrouped."""
+        if self.xg is None:
+            return 0, 0, 1
+        if regrouped:
+            return self.xg.data_ptr(), self.xsg.data_ptr(), 1
+        return self.x.data_ptr(), self.x_scale.data_ptr(), 0
+
     def order(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``rows`` (gather, scatter) indices."""
-        at = self.G + ADDRESS_WORDS
+        at = self.G + ADDRESS_WORDS + INPUT_WORDS
         pairs = self.meta[at : at + 2 * rows].view(rows, 2)
         return pairs[:, 0], pairs[:, 1]
 
     def meta_words(self, rows: int) -> int:
         """How many leading int64 words of ``meta`` a launch over ``rows`` rows reads."""
-        return self.G + ADDRESS_WORDS + 2 * rows
+        return self.G + ADDRESS_WORDS + INPUT_WORDS + 2 * rows
 
 
 def buckets_up_to(max_bucket: int) -> list[int]:
@@ -161,6 +194,8 @@ class GraphPool:
         self.pad_to_bucket = bool(is_gpu and backend.capture_safe)
         # The weights by address (graphs shared by the weight sets of a family), where
         # the backend launches so; the name is the pool's interface (weight_table=).
+        # Such a launcher also reads the activations by address and stores through a
+        # row map (Backend.run_addressed's inputs= and out_rows=).
         self.run_table: Callable | None = backend.run_addressed if is_gpu and weight_table else None
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -191,6 +226,9 @@ class GraphPool:
             x=torch.zeros((rows, f.K), dtype=x_dtype, device=dev),
             x_scale=None if f.quantize
             else torch.ones((rows, f.K // BLOCK), dtype=torch.float32, device=dev),
+            xg=None if f.quantize else torch.zeros((rows, f.K), dtype=x_dtype, device=dev),
+            xsg=None if f.quantize
+            else torch.ones((rows, f.K // BLOCK), dtype=torch.float32, device=dev),
             G=f.G,
             N=f.N,
             meta=_identity_meta(f.G, rows, dev),
@@ -202,58 +240,77 @@ class GraphPool:
     # -- the computation ----------------------------------------------------------
 
     def _body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
-        """Check the inputs' contents, quantize (bf16 families) and run the GEMM over
-        the first ``rows`` buffer rows."""
+        """Check the inputs' contents, regroup and quantize them where needed and run the GEMM
+        over the first ``rows`` buffer rows, its output in the callers' order in ``bufs.out``."""
         bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
         xs = None if family.quantize else bufs.x_scale[:rows]
-        # Check the rows and put them in per-expert order (an identity for a
-        # lone call: a copy the size of the input, microseconds on the device).
-        if self.check_and_gather is not None:
-            xg = torch.empty_like(x)
-            xsg = None if xs is None else torch.empty_like(xs)
-            self.check_and_gather(x, xs, gather, xg, xsg, bufs.flags(rows))
-            x, xs = xg, xsg
-        else:
-            bufs.flags(rows).copy_(bad_rows(x, xs))
-            x = x.index_select(0, gather)
-            xs = None if xs is None else xs.index_select(0, gather)
+        flags = bufs.flags(rows)
+        direct = self.run_table is not None  # inputs by address, output through the row map
         if family.quantize:
-            xq, xs = quantize_activations(x, self.backend.fp8_dtype)
+            xg, xsg, regroup = torch.empty_like(x), None, None
         else:
-            xq = x
-        out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
-        self.run_gemm(xq, xs, bufs.m_sizes, out, addresses=bufs.addresses, wq=wq, w_scale=w_scale)
-        torch.index_select(out, 0, scatter, out=bufs.out(rows))
+            xg, xsg = bufs.xg[:rows], bufs.xsg[:rows]
+            regroup = bufs.regroup if direct else None
+        if self.check_and_gather is not None:
+            # One kernel: checks every row; copies into xg unless regroup holds 0 (lone call).
+            self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
+        else:
+            flags.copy_(bad_rows(x, xs))
+            torch.index_select(x, 0, gather, out=xg)
+            if xs is not None:
+                torch.index_select(xs, 0, gather, out=xsg)
+        if family.quantize:
+            xq, xsq = quantize_activations(xg, self.backend.fp8_dtype)
+        else:
+            xq, xsq = xg, xsg
+        if direct:
+            # Merged row r came from the callers' row gather[r]: it is stored there.
+            self.run_gemm(xq, xsq, bufs.m_sizes, bufs.out(rows), addresses=bufs.addresses, wq=wq,
+                          w_scale=w_scale, inputs=None if family.quantize else bufs.inputs,
+                          out_rows=gather)
+        else:
+            out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
+            self.run_gemm(xq, xsq, bufs.m_sizes, out, addresses=bufs.addresses, wq=wq, w_scale=w_scale)
+            torch.index_select(out, 0, scatter, out=bufs.out(rows))
 
     def run_gemm(self, xq: torch.Tensor, x_scale: torch.Tensor, m_sizes: torch.Tensor, out: torch.Tensor,
-                 *, addresses: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+                 *, addresses: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                 inputs: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The service GEMM of one weight set into ``out``, capture-safe: the launcher every
         graph of the pool uses (callable inside another capture, e.g. an FFN graph).
 
         ``addresses``: the device words holding ``wq``'s and ``w_scale``'s base
         addresses (a family's ``Buffers.addresses``, written before each replay);
         read when the pool launches by address, else ``wq`` and ``w_scale`` are
-        captured directly. Either way the backend's kernel and tile for the shape.
-        ``out`` is bf16 (the gemm endpoint) or float32 (the sum unrounded: the
-        expert FFN's h); both launchers store ``out``'s dtype.
+        captured directly. ``inputs`` (device words: where the activations are)
+        and ``out_rows`` (the row map of the store) only in address mode.
+        Either way the backend's kernel and tile for the shape. ``out`` is bf16
+        (the gemm endpoint) or float32 (the sum unrounded: the expert FFN's h);
+        both launchers store ``out``'s dtype.
         """
         if out.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"out must be bfloat16 or float32, got {out.dtype}")
         if self.run_table is not None:
-            return self.run_table(xq, addresses, x_scale, m_sizes, out, groups=wq.shape[0])
+            return self.run_table(xq, addresses, x_scale, m_sizes, out, groups=wq.shape[0], inputs=inputs,
+                                  out_rows=out_rows)
+        if inputs is not None or out_rows is not None:
+            raise ValueError("inputs and out_rows need a backend that launches by address")
         return self.backend.run(xq, wq, x_scale, w_scale, m_sizes, out)
 
     def _set_table(self, bufs: Buffers, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
-        """Write ``wq``'s addresses into the device buffers (capture time; launches go
-        through :meth:`launch`, which sends sizes and addresses in one copy)."""
-        host = torch.zeros(ADDRESS_WORDS, dtype=torch.int64)
-        fill_addresses(host, wq, w_scale)
-        bufs.addresses.copy_(host.to(self.device))
+        """Write ``wq``'s addresses and a lone call's input words into the device buffers
+        (capture time; launches go through :meth:`launch`, which sends them with the
+        sizes in one copy)."""
+        host = torch.zeros(ADDRESS_WORDS + INPUT_WORDS, dtype=torch.int64)
+        fill_addresses(host[:ADDRESS_WORDS], wq, w_scale)
+        host[ADDRESS_WORDS:] = torch.tensor(bufs.input_words(regrouped=False))
+        bufs.meta[bufs.G : bufs.G + ADDRESS_WORDS + INPUT_WORDS].copy_(host.to(self.device))
 
     def _check_table(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
-        """Once per shape: the address launcher must equal ``backend.run`` bit for bit.
+        """Once per shape: the address launcher, as the graphs launch it (activations by
+        address, the store through a row map), must equal ``backend.run`` bit for bit.
 
         Both are the same kernel and tile by the backend's contract; if they
         ever drift apart (a failure or a different answer), fall back to graphs
@@ -269,14 +326,21 @@ class GraphPool:
         xq, xs = quantize_activations(x, fp8)
         sizes = torch.zeros(family.G, dtype=torch.int64, device=self.device)
         sizes[family.G - 1] = rows
-        addresses = fill_addresses(torch.empty(ADDRESS_WORDS, dtype=torch.int64), wq, w_scale)
-        addresses = addresses.to(self.device)
+        words = torch.zeros(ADDRESS_WORDS + 2, dtype=torch.int64)
+        fill_addresses(words[:ADDRESS_WORDS], wq, w_scale)
+        words[ADDRESS_WORDS:] = torch.tensor([xq.data_ptr(), xs.data_ptr()])
+        words = words.to(self.device)
+        # A reversed row map with the stride of the graphs' (gather, scatter) pairs.
+        pairs = torch.zeros((rows, 2), dtype=torch.int64, device=self.device)
+        pairs[:, 1] = torch.arange(rows - 1, -1, -1, device=self.device)
+        flipped = pairs[:, 1]
         want = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
         self.backend.run(xq, wq, xs, w_scale, sizes, want)
         try:
             got = torch.full_like(want, float("nan"))
-            self.run_table(xq, addresses, xs, sizes, got, groups=family.G)
-            same = bool(torch.equal(got, want))
+            self.run_table(torch.empty_like(xq), words[:ADDRESS_WORDS], torch.empty_like(xs), sizes, got,
+                           groups=family.G, inputs=words[ADDRESS_WORDS:], out_rows=flipped)
+            same = bool(torch.equal(got.flip(0), want))
         except Exception:
             log.exception("the address launcher failed")
             same = False
@@ -344,7 +408,7 @@ class GraphPool:
     def fill_words(self, bufs: Buffers, meta: np.ndarray, sizes, gather: np.ndarray | None,
                    rows: int, launched: int, wq: torch.Tensor, w_scale: torch.Tensor,
                    *, own: bool = True) -> None:
-        """Write a launch's words (sizes, table, order) into host ``meta``.
+        """Write a launch's words (sizes, table, input words, order) into host ``meta``.
 
         ``own``: ``meta`` is the family's ``meta_host`` (then what it already holds
         from earlier launches is not written again: a lone call usually changes
@@ -357,6 +421,8 @@ class GraphPool:
         if self.run_table is not None and known[0] != table_of:
             fill_addresses(torch.from_numpy(meta[G : G + ADDRESS_WORDS]), wq, w_scale)
         at = G + ADDRESS_WORDS
+        meta[at : at + INPUT_WORDS] = bufs.input_words(regrouped=gather is not None)
+        at += INPUT_WORDS
         pairs = meta[at : at + 2 * launched].reshape(launched, 2)
         if gather is None:
             if known[1] < launched:
@@ -392,7 +458,7 @@ class GraphPool:
         bufs = self.buffers(family)
         self._check_table(family, wq, w_scale)
         if self.run_table is not None:
-            self._set_table(bufs, wq, w_scale)
+            self._set_table(bufs, wq, w_scale)  # and a lone call's input words
         # All m_sizes in the first group: a valid split for every bucket.
         new, started = 0, time.monotonic()
         side = torch.cuda.Stream(self.device)
@@ -470,9 +536,9 @@ _IDENTITY = np.arange(1 << 16, dtype=np.int64)
 
 
 def _identity_meta(G: int, rows: int, device) -> torch.Tensor:
-    """A ``meta`` buffer with zero sizes and addresses, and every row in place."""
-    meta = torch.zeros(G + ADDRESS_WORDS + 2 * rows, dtype=torch.int64, device=device)
-    meta[G + ADDRESS_WORDS :].view(rows, 2).copy_(torch.arange(rows, device=device)[:, None])
+    """A ``meta`` buffer with zero sizes, addresses and input words, and every row in place."""
+    meta = torch.zeros(G + ADDRESS_WORDS + INPUT_WORDS + 2 * rows, dtype=torch.int64, device=device)
+    meta[G + ADDRESS_WORDS + INPUT_WORDS :].view(rows, 2).copy_(torch.arange(rows, device=device)[:, None])
     return meta
 
 

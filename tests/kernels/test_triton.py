@@ -228,10 +228,9 @@ SCHEDULE_CONFIGS = [
     T("decode_pair", 16, 128, 4, 3, evict_w="evict_first"),
     T("decode_pair", 16, 128, 8, 3, evict_w="evict_first"),
     T("decode_pair", 16, 64, 4, 3, split_k=2, evict_w="evict_first"),
-    T("prefill_pair", 128, 128, 8, 3),
-    T("prefill_pair", 128, 128, 8, 3, group_tiles_m=8),
-    T("prefill_tma", 64, 128, 4, 4),
-    T("prefill_tma", 128, 128, 8, 3, group_tiles_m=8),
+    T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
+    T("persistent_tma", 64, 128, 4, 3, per_sm=2),
+    T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
     T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
     T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
     # Warp-specialised tiles with more than ~150 KB of shared memory write NaN into
@@ -303,7 +302,8 @@ def test_public_function_takes_a_float32_out(gen):
 
 
 @pytest.mark.parametrize("config", [c for c in _PLAIN if c.split_k > 1] + [
-    T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8), T("prefill_tma", 64, 128, 4, 4)],
+    T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
+    T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)],
     ids=lambda c: c.key())
 def test_split_k_and_persistent_graph_replay_matches_eager_on_new_data(config, gen):
     m, n, k, g = 700, 512, 2048, 8
@@ -326,13 +326,19 @@ def test_split_k_and_persistent_graph_replay_matches_eager_on_new_data(config, g
 
 
 # The persistent tiles with more tiles than programs (each program walks several,
-# across group boundaries, with empty groups and surplus row tiles), up to G = 128.
-@pytest.mark.parametrize("config", [
+# across group boundaries, with empty groups and surplus row tiles), up to G = 384
+# (the warp-specialised tiles up to their G limit).
+_PERSISTENT = [
     T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8), T("persistent_ws", 128, 128, 4, 2),
     T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
     T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True),
-], ids=lambda c: c.key())
-@pytest.mark.parametrize("g", [8, 128])
+    T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
+    T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8), T("persistent_tma", 64, 128, 4, 4, per_sm=2),
+]
+
+
+@pytest.mark.parametrize("config,g", [(c, g) for c in _PERSISTENT for g in (8, 64, 384) if c.fits(2048, g)],
+                         ids=lambda v: v.key() if hasattr(v, "key") else f"g{v}")
 def test_persistent_tiles_walk_more_tiles_than_programs(config, g, gen):
     m, n, k = 6000, 2048, 1152
     sizes = random_m_sizes(g, m)

@@ -25,6 +25,7 @@ from moegemm.kernels import get_backend, grouped_gemm, reference_float64
 from moegemm.kernels import triton_kernel as tk
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
 from moegemm.server._graphs import Family, GraphPool
+from moegemm.server._merge import plan_merge
 
 DEV = torch.device("cuda")
 FP8 = torch.float8_e4m3fn
@@ -68,9 +69,10 @@ def backend():
     return get_backend(DEV, "triton")
 
 
-# (m, n, k, g): decode at G = 8 and 256, prefill at G = 8 (persistent), 128 and 384.
+# (m, n, k, g): decode at G = 8, 128, 256 and 384; prefill at G = 8 (warp-specialised)
+# and at G = 128 and 384 (the persistent TMA tiles with their tile table).
 SHAPES = [(5, 1280, 8192, 8), (37, 4096, 1024, 256), (2048, 512, 2048, 8), (3000, 512, 1536, 128),
-          (1500, 256, 1024, 384), (200, 7168, 2048, 384)]
+          (1500, 256, 1024, 384), (200, 7168, 2048, 384), (9000, 512, 1536, 128), (30000, 256, 512, 384)]
 
 
 @pytest.mark.parametrize("m,n,k,g", SHAPES)
@@ -184,6 +186,27 @@ def test_weights_past_2_31_elements_through_the_service(backend, gen):
 
 
 @pytest.mark.slow
+def test_many_expert_weights_past_2_31_elements_through_the_service(backend, gen):
+    """The persistent TMA tiles (G >= 64, 40 rows per group) over a weight set of 2^31+
+    elements: the last groups' rows sit past 2^31 in the descriptor's [G * N, K] view."""
+    g, n, k, m = 128, 4096, 4224, 128 * 40
+    assert g * n * k >= 2**31
+    assert tk.default_config(m, n, k, g).schedule == "persistent_tma"
+    sizes = random_m_sizes(g, m - 100)
+    sizes[g - 1] += 100  # rows in the last group, whose weights start past 2^31
+    problem = _problem(m, n, k, g, sizes, gen)
+    pool = GraphPool(backend, m)
+    pool.capture(Family(g, n, k, quantize=False), problem[1], problem[3], only=[m])
+    got, how = _service(pool, problem)
+    assert how == "graph"
+    assert torch.equal(got, grouped_gemm(*problem))
+    xq, wq, xs, ws, _ = problem
+    last = int(sizes[g - 1])
+    part = (xq[m - last:], wq[g - 1:], xs[m - last:], ws[g - 1:], torch.tensor([last], device=DEV))
+    assert rel_error(got[m - last:], reference_float64(*part)) <= SPEC_TOLERANCE
+
+
+@pytest.mark.slow
 def test_activations_past_2_31_elements_through_the_service(backend, gen):
     g, n, k, m = 4, 256, 8192, 1 << 18
     assert m * k >= 2**31
@@ -199,3 +222,80 @@ def test_activations_past_2_31_elements_through_the_service(backend, gen):
     part = (xq[m - tail:], wq[3:], xs[m - tail:], ws[3:], torch.tensor([tail], device=DEV))
     assert rel_error(got[m - tail:], reference_float64(*part)) <= SPEC_TOLERANCE
     assert bool(np.isfinite(got[m - tail:].float().cpu().numpy()).all())
+
+
+@pytest.mark.parametrize("m,n,k,g", [(300, 1280, 1024, 8), (9000, 512, 1536, 128), (3000, 256, 512, 384)])
+def test_merged_calls_come_back_in_the_callers_order_and_a_lone_call_moves_no_row(m, n, k, g, backend, gen):
+    """Three callers merged into one replay: the rows regrouped per expert by the check
+    kernel, the GEMM storing each row at its caller's place (no pass after it): every
+    caller's rows equal the public function's on the regrouped rows. A lone call's graph
+    leaves the regroup buffer alone (the GEMM reads the rows where they arrived)."""
+    parts = [random_m_sizes(g, r).numpy() for r in (m // 3, m // 3, m - 2 * (m // 3))]
+    plan = plan_merge(parts)
+    assert not plan.is_identity
+    sizes = torch.from_numpy(plan.m_sizes)
+    problem = _problem(m, n, k, g, sizes, gen)
+    xq, wq, x_scale, w_scale, m_sizes = problem  # rows in merged (per-expert) order
+    bucket = 1 << (m - 1).bit_length()
+    pool = GraphPool(backend, bucket)
+    family = Family(g, n, k, quantize=False)
+    pool.capture(family, wq, w_scale, only=[bucket])
+    bufs = pool.buffers(family)
+    # The callers' concatenated rows: concatenated row gather[r] is merged row r.
+    gather = torch.from_numpy(plan.gather).to(DEV)
+    concatenated = torch.empty_like(xq)
+    concatenated[gather] = xq
+    concatenated_scale = torch.empty_like(x_scale)
+    concatenated_scale[gather] = x_scale
+    bufs.result.fill_(0xFF)
+    bufs.x[:m].copy_(concatenated)
+    bufs.x_scale[:m].copy_(concatenated_scale)
+    assert pool.launch(family, wq, w_scale, plan.m_sizes, plan.gather) == "graph"
+    torch.cuda.synchronize()
+    got = bufs.out(bucket)[:m].clone()
+    pad = bucket - m
+    public = grouped_gemm(torch.cat([xq, xq.new_zeros((pad, k))]), wq,
+                          torch.cat([x_scale, x_scale.new_ones((pad, k // 128))]), w_scale, m_sizes)[:m]
+    assert torch.equal(got[gather], public)
+    assert not bool(bufs.flags(bucket)[:m].any())
+    # A lone call: no row is copied to the regroup buffer.
+    bufs.xg.view(torch.uint8).fill_(0x7F)
+    lone, how = _service(pool, (xq, wq, x_scale, w_scale, m_sizes), family)
+    assert how == "graph"
+    assert torch.equal(lone, public)
+    assert bool((bufs.xg.view(torch.uint8) == 0x7F).all())
+
+
+@pytest.mark.parametrize("m,n,k,g", [(16384, 2048, 1024, 8), (9000, 512, 1536, 128), (37, 4096, 1024, 256)])
+def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, gen, monkeypatch):
+    """SPEC 3 pinned: the pool's launcher and ``grouped_gemm`` launch the same kernel with the
+    same tile for a shape (recorded at the launch), and the same bits come out."""
+    launched = []
+    real = tk._launch
+
+    def recording(xq, w_arg, x_scale, ws_arg, m_sizes, out, n_, g_, config, addrs, x_words=None,
+                  out_rows=None):
+        launched.append((config, addrs, x_words is not None, out_rows is not None))
+        return real(xq, w_arg, x_scale, ws_arg, m_sizes, out, n_, g_, config, addrs, x_words, out_rows)
+
+    monkeypatch.setattr(tk, "_launch", recording)
+    sizes = random_m_sizes(g, m)
+    problem = _problem(m, n, k, g, sizes, gen)
+    bucket = 1 << (m - 1).bit_length()
+    pool = GraphPool(backend, bucket)
+    family = Family(g, n, k, quantize=False)
+    pool.capture(family, problem[1], problem[3], only=[bucket])
+    launched.clear()
+    pool._body(family, bucket, problem[1], problem[3])  # what the graph runs, eagerly
+    bufs = pool.buffers(family)
+    bufs.x[:m].copy_(problem[0])
+    bufs.x_scale[:m].copy_(problem[2])
+    got, _ = _service(pool, problem, family)
+    xq, wq, x_scale, w_scale, m_sizes = problem
+    pad = bucket - m
+    public = grouped_gemm(torch.cat([xq, xq.new_zeros((pad, k))]), wq,
+                          torch.cat([x_scale, x_scale.new_ones((pad, k // 128))]), w_scale, m_sizes)
+    (service_tile, *service_how), *_, (public_tile, *public_how) = launched
+    assert service_tile == public_tile == tk.default_config(bucket, n, k, g)
+    assert service_how == [True, True, True] and public_how == [False, False, False]
+    assert torch.equal(got, public[:m])

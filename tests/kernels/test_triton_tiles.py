@@ -122,12 +122,16 @@ def test_prefill_table_rules():
     # ... else the 128-wide pair (also where N is no multiple of 256).
     assert tk.default_config(1024, 2048, 7168, 8) == pair
     assert tk.default_config(16384, 1152, 7168, 8) == pair
-    # Fewer than 128 rows per group, or skewed routing over many experts: 64-row TMA tiles.
-    assert tk.default_config(512, 2048, 7168, 8) == T("prefill_tma", 64, 128, 4, 4)
-    assert tk.default_config(32768, 4096, 7168, 256) == T("prefill_tma", 64, 128, 4, 4)
-    # Over 1024 rows per group at G >= 64: 128 x 128 pairs, banded where N <= 4096.
-    assert tk.default_config(200000, 4096, 1536, 128) == T("prefill_pair", 128, 128, 8, 3, group_tiles_m=8)
-    assert tk.default_config(200000, 7168, 1536, 128) == T("prefill_pair", 128, 128, 8, 3)
+    # Fewer than 128 rows per group, or many experts (skewed routing): the persistent TMA
+    # tiles with the tile table (any G up to TABLE_G_MAX).
+    many = T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
+    for m, n, k, g in ((512, 2048, 7168, 8), (32768, 4096, 7168, 256), (200000, 4096, 1536, 128),
+                       (16384, 7168, 2048, 256), (16384, 4096, 7168, 384)):
+        assert tk.default_config(m, n, k, g) == many
+    # Below 32 rows per group at G >= 64 (and 48 below G = 64): the swapped decode tiles.
+    assert tk.default_config(2048, 16384, 5120, 128).swap_ab
+    assert tk.default_config(2048, 4096, 7168, 256).swap_ab
+    assert tk.default_config(40 * 8, 1280, 8192, 8).swap_ab
     # Deep warp-specialised buffers only behind a lead tile (NaN column otherwise, v8/v9).
     for m, n, k, g in SHAPES:
         for cfg in [tk.default_config(m, n, k, g), *tk.candidate_configs(m, n, k, g)]:
@@ -138,13 +142,18 @@ def test_schedule_limits_and_keys():
     T = tk.TileConfig
     assert len({c.key() for c in (T("decode", 16, 128), T("decode_pair", 16, 128), T("decode", 16, 128, split_k=2),
                                   T("decode", 16, 128, evict_w="evict_first"))}) == 4
-    assert not T("prefill_tma", 64, 128, split_k=2).fits(1280)  # split-K only on decode tiles
+    assert not T("persistent_tma", 64, 128, split_k=2).fits(1280)  # split-K only on decode tiles
     assert not T("decode", 16, 256).fits(1280)
-    assert not T("prefill_pair", 128, 256).fits(2048)
+    assert not T("persistent_tma", 128, 128, 4).fits(2048)  # 128 rows: two warpgroups
+    assert not T("persistent_tma", 64, 128, 4, per_sm=3).fits(2048)
+    assert not T("persistent_ws", 128, 128, per_sm=2).fits(2048)
+    assert not T("persistent_tma", 64, 256, 4).fits(2048)  # 256-wide: spills (v12)
+    assert T("persistent_tma", 64, 128, 4, per_sm=2).fits(2048, tk.TABLE_G_MAX)
+    assert not T("persistent_tma", 64, 128, 4).fits(2048, tk.TABLE_G_MAX + 1)
     assert T("persistent_ws", 128, 256, 4, 3, lead_tile=True).fits(2048)
     assert not T("persistent_ws", 128, 256).fits(1152)
     assert not T("persistent_ws", 128, 128, 8).fits(2048)  # 4 warps: a producer and two consumers
-    assert not T("prefill_tma", 64, 128, lead_tile=True).fits(2048)
+    assert not T("persistent_tma", 64, 128, lead_tile=True).fits(2048)
     assert not T("nonesuch", 64, 128).fits(2048)
     # The persistent tile's group walk is unrolled: bounded G.
     assert T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX)
@@ -233,3 +242,44 @@ def test_float32_out_runs_warp_specialised_tiles_as_the_tma_prefill(m, n, k, g, 
         assert not any(k.launches for k in kernels.values())
     with pytest.raises(TypeError, match="bfloat16 or float32"):
         tk.run(xq, wq, x_scale, w_scale, sizes, torch.empty((m, n), dtype=torch.float16))
+
+
+@pytest.mark.parametrize("m,n,k,g", [(64, 8192, 1024, 8), (16384, 7168, 2304, 8), (32768, 4096, 7168, 256)])
+def test_the_service_launch_differs_only_in_where_it_reads_and_stores(m, n, k, g, monkeypatch):
+    """A server graph's launch (activations by address, the store through a row map) is the
+    public launch's kernel, grid, tile and compile-time constants but for the three source
+    flags: what is computed is the same."""
+    config = tk.default_config(m, n, k, g)
+    kernel = _RecordingKernel()
+    monkeypatch.setitem(tk.SCHEDULES, config.schedule, kernel)
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tk, "_split_workspace", lambda *a: (None, None))
+    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
+    xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    w_scale, x_scale = torch.ones((g, k // 128, n // 128)), torch.ones((m, k // 128))
+    sizes = torch.full((g,), m // g)
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    tk.run(xq, wq, x_scale, w_scale, sizes, out)
+    words = torch.tensor([wq.data_ptr(), w_scale.data_ptr(), xq.data_ptr(), x_scale.data_ptr()])
+    pairs = torch.zeros((m, 2), dtype=torch.int64)
+    tk.run_addressed(xq, words[:2], x_scale, sizes, out, groups=g, inputs=words[2:], out_rows=pairs[:, 1])
+    (grid_a, args_a, kw_a), (grid_b, args_b, kw_b) = kernel.launches
+    assert grid_a == grid_b
+    flags = ("ADDRS", "X_WORDS", "ROW_MAP")
+    assert [kw_a.pop(f) for f in flags] == [False] * 3 and [kw_b.pop(f) for f in flags] == [True] * 3
+    assert kw_a == kw_b
+    assert args_a[0] is xq and args_b[0] is args_b[2] and args_b[6] is not sizes
+    assert args_b[-1] == 2 and args_a[-1] == 0  # the row map's stride (pairs)
+    with pytest.raises(ValueError, match="out_rows"):
+        tk.run_addressed(xq, words[:2], x_scale, sizes, out, groups=g, out_rows=pairs[:3, 1])
+
+
+def test_tile_tables_are_per_program_and_cached():
+    cpu = torch.device("cpu")
+    table = tk._tile_tables(cpu, 264, 256)
+    assert table.dtype == torch.int32 and table.numel() == 264 * 3 * 256
+    assert tk._tile_tables(cpu, 264, 256) is table
+    assert tk.grid_for(tk.TileConfig("persistent_tma", 64, 128, 4, 4, per_sm=2), 65536, 4096, 7168, 256, 132) \
+        == (264,)
+    assert tk.grid_for(tk.TileConfig("persistent_tma", 128, 128, 8, 4), 256, 256, 512, 1, 132) == (2 * 2,)

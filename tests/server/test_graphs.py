@@ -150,10 +150,15 @@ def test_address_words_hold_the_weight_sets_bases():
     assert words.tolist() == [ws.wq.data_ptr(), ws.w_scale.data_ptr()]
     with pytest.raises(ValueError):
         fill_addresses(torch.empty(2, dtype=torch.int64), ws.wq.transpose(1, 2), ws.w_scale)
-    # The pool's meta words: sizes, then the two addresses, then the order.
+    # The pool's meta words: sizes, the two addresses, the input words, then the order.
     bufs = _executor().pool.buffers(Family(G, N, K, quantize=False))
-    assert bufs.meta_words(3) == G + 2 + 6
-    assert bufs.addresses.shape == (2,)
+    assert bufs.meta_words(3) == G + 2 + 3 + 6
+    assert bufs.addresses.shape == (2,) and bufs.inputs.shape == (2,) and bufs.regroup.shape == (1,)
+    # A lone call's GEMM reads the rows where they arrived; merged calls' the regrouped copy.
+    assert bufs.input_words(regrouped=False) == (bufs.x.data_ptr(), bufs.x_scale.data_ptr(), 0)
+    assert bufs.input_words(regrouped=True) == (bufs.xg.data_ptr(), bufs.xsg.data_ptr(), 1)
+    quantized = _executor().pool.buffers(Family(G, N, K, quantize=True))
+    assert quantized.xg is None and quantized.input_words(regrouped=False)[2] == 1
     # A backend without an address launcher (the CPU reference) gets graphs per weight set.
     assert _executor().pool.run_table is None
 
@@ -239,3 +244,26 @@ def test_the_graph_path_by_address_copies_equals_the_general_path():
             assert torch.equal(out, want)
             _check(ws, part, out)
         assert not any(f.any() for f in flags)
+
+
+def test_launch_words_say_where_the_gemm_reads_each_launch():
+    """A lone call's words point the GEMM at the rows where they arrived (no regroup copy);
+    merged calls' at the regrouped buffer, with the regroup flag set; and back again."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _weights(gen)
+    pool = _executor(max_bucket=16).pool
+    bufs = pool.buffers(Family(G, N, K, quantize=False))
+    meta = bufs.meta_host.numpy()
+    at = G + 2
+    sizes = np.array([3, 0, 2, 1, 0])
+    pool.fill_words(bufs, meta, sizes, None, 6, 8, ws.wq, ws.w_scale)
+    assert tuple(meta[at:at + 3]) == (bufs.x.data_ptr(), bufs.x_scale.data_ptr(), 0)
+    gather = np.array([5, 0, 3, 1, 4, 2])
+    pool.fill_words(bufs, meta, sizes, gather, 6, 8, ws.wq, ws.w_scale)
+    assert tuple(meta[at:at + 3]) == (bufs.xg.data_ptr(), bufs.xsg.data_ptr(), 1)
+    pairs = meta[at + 3:at + 3 + 16].reshape(8, 2)
+    assert pairs[:6, 0].tolist() == gather.tolist()
+    assert (pairs[gather, 1] == np.arange(6)).all() and pairs[6:].tolist() == [[6, 6], [7, 7]]
+    pool.fill_words(bufs, meta, sizes, None, 6, 8, ws.wq, ws.w_scale)
+    assert tuple(meta[at:at + 3]) == (bufs.x.data_ptr(), bufs.x_scale.data_ptr(), 0)
+    assert pairs[:, 0].tolist() == list(range(8))
