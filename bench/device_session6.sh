@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s]"; }
 if [ -z "$SKIP_TESTS" ]; then
-timeout -k 5 ${TESTS_S:-230} python3 -P -m pytest -q -p no:cacheprovider -m "not slow" -x --durations=10 \
+timeout -k 5 ${TESTS_S:-230} python3 -P -m pytest -q -p no:cacheprovider -m "not slow" --timeout 120 --durations=10 \
   tests/server/test_shipped_gpu.py tests/server/test_engine_gpu.py tests/server/test_staging.py \
   tests/server/test_server_gpu.py tests/server/test_ffn_gpu.py tests/server/test_experts_gpu.py \
   tests/server/test_prologue.py tests/server/test_http_body.py tests/kernels/test_triton_service.py \
