@@ -389,7 +389,6 @@ def run_case(case, problem, x, sweep: bool, peers: bool) -> dict:
     row = {"name": case["name"], "m": m, "n": n, "k": k, "g": g, "bucket": bucket,
            "active_groups": int((sizes > 0).sum()), "floor_us": floor_us(m, n, k, sizes),
            "config": tk.config_for(bucket, n, k, g, DEV).key(), "peers_us": {}, "errors": {}}
-    xq, wq, xs, ws, sizes_dev = problem
     public = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     tk.run(*problem, public)
     row["public_us"] = time_us(lambda: tk.run(*problem, public))
