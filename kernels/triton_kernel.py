@@ -206,16 +206,26 @@ _workspaces_lock = threading.Lock()
 def _split_workspace(device: torch.device, tiles: int, split_k: int, tile_elems: int):
     """The float32 partial slots ``[tiles * split_k * tile_elems]`` and int32 counters ``[tiles]``.
 
-    Allocated once per (device, current stream, shape) and kept for the
-    process's life: the counters start at zero and the kernel's last split of
-    each tile puts its counter back to zero, so reuse needs no memset, and a
-    graph captured with them stays valid (they are never freed or replaced).
-    Keyed on the current stream because two launches in flight at once must
-    not share counters: do not replay two graphs captured on one stream
-    concurrently on two streams. An allocation during a capture lands in the
-    graph's pool and its zeroing is captured too (harmless: it only clears
-    counters that are already 0).
+    Eager launches: allocated once per (device, current stream, shape) and kept
+    for the process's life. The counters start at zero and the kernel's last
+    split of each tile puts its counter back to zero, so reuse needs no memset.
+    Keyed on the current stream because two launches in flight at once must not
+    share counters.
+
+    A launch being captured into a graph gets a workspace of its own, its
+    counters zeroed by a memset node that runs at the start of every replay. A
+    cached one must never be made during a capture: its zeroing would be
+    captured, not run, so its counters would hold whatever the graph pool's
+    memory held (earlier captures' data), no split would see itself last and
+    the tiles would never be stored -- every later graph that shared it would
+    answer zeros (seen on the H200: a server's expert FFN graph answered zeros
+    once other graphs had used the pool). The partial slots are written before
+    they are read within a launch, so the pool may hand their memory to later
+    allocations of the graph or of other graphs that never run at once with it.
     """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return (torch.empty(tiles * split_k * tile_elems, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream, tiles, split_k * tile_elems)
     with _workspaces_lock:

@@ -299,3 +299,46 @@ def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, 
     assert service_tile == public_tile == tk.default_config(bucket, n, k, g)
     assert service_how == [True, True, True] and public_how == [False, False, False]
     assert torch.equal(got, public[:m])
+
+
+def test_split_k_graphs_never_share_counters_the_pool_left_dirty(monkeypatch):
+    """A split-K launch captured into a graph gets counters of its own, zeroed at every
+    replay. Before, the workspace was cached per stream even when first made inside a
+    capture: its zeroing was captured (not run) into that first graph, and a second graph
+    sharing it read counters holding whatever the pool's memory held, stored nothing and
+    answered zeros (a shipped server's expert FFN, once other graphs had used the pool)."""
+    monkeypatch.setattr(tk, "_workspaces", {})  # no workspace of an earlier test
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    m, n, k, g = 4, 512, 4096, 8
+    config = tk.default_config(m, n, k, g)
+    assert config.swap_ab and config.split_k > 1  # the shape runs split-K
+    sizes = torch.tensor([1, 0, 2, 0, 0, 1, 0, 0])
+    xq, wq, x_scale, w_scale, sizes = _problem(m, n, k, g, sizes, gen)
+    want = torch.empty((m, n), dtype=torch.bfloat16, device=DEV)
+    side = torch.cuda.Stream(DEV)
+    with torch.cuda.stream(side):  # warm-up (compiles), its workspace keyed by this stream
+        tk.launch(xq, wq, x_scale, w_scale, sizes, want, config)
+    torch.cuda.synchronize()
+    pool = torch.cuda.graph_pool_handle()
+    capture = torch.cuda.Stream(DEV)
+    # A graph whose replay leaves non-zero words in memory the pool hands out again.
+    dirty = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(dirty, pool=pool, stream=capture):
+        junk = torch.empty(1 << 17, dtype=torch.int32, device=DEV)
+        junk.fill_(7)
+        del junk
+    dirty.replay()
+    torch.cuda.synchronize()
+    outs, graphs = [], []
+    for _ in range(2):  # two graphs of one shape on one capture stream
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=capture):
+            tk.launch(xq, wq, x_scale, w_scale, sizes, out, config)
+        outs.append(out)
+        graphs.append(graph)
+    graphs[1].replay()  # the second graph first: the first one's memset never ran
+    graphs[0].replay()
+    torch.cuda.synchronize()
+    for out in outs:
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
