@@ -39,7 +39,7 @@ from moegemm.kernels import quantize_activations
 
 from ._checks import bad_rows, not_finite_error
 from ._graphs import Buffers, Family, GraphPool
-from ._merge import MergePlan, plan_merge
+from ._merge import MergePlan, group_order, plan_merge
 from ._staging import Staging
 from ._tensors import TORCH_DTYPES, to_backend_fp8
 
@@ -177,11 +177,7 @@ class Executor:
         graph = self.pool.graph(family, launched, ws.wq, ws.w_scale)
         if graph is None:
             return None
-        if len(calls) == 1:
-            sizes, gather = calls[0].m_sizes, None
-        else:
-            plan = plan_merge([c.m_sizes for c in calls])
-            sizes, gather = plan.m_sizes, None if plan.is_identity else plan.gather
+        sizes, gather = group_order([c.m_sizes for c in calls])
         lane = self._lane(family)
         staging, bufs = self.staging, lane.bufs
         for call, at in zip(calls, offsets):  # (offsets has one more)

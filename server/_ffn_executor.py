@@ -44,7 +44,7 @@ from ._checks import bad_rows, not_finite_error
 from ._executor import Launches, chunk_sizes
 from ._ffn_graphs import FfnBuffers, FfnGraphs, unpack
 from ._graphs import bucket_for
-from ._merge import plan_merge
+from ._merge import group_order, plan_merge
 from ._staging import Staging
 from ._tensors import TORCH_DTYPES, to_backend_fp8
 
@@ -198,11 +198,7 @@ class ExpertExecutor:
             graph = g.graph(bufs.family, launched, es)
             if graph is None:
                 return None
-            if len(calls) == 1:
-                sizes, gather = calls[0].m_sizes, None
-            else:
-                plan = plan_merge([c.m_sizes for c in calls])
-                sizes, gather = plan.m_sizes, None if plan.is_identity else plan.gather
+            sizes, gather = group_order([c.m_sizes for c in calls])
             lane = self._lane(bufs)
             for call, at in zip(calls, offsets):  # (offsets has one more)
                 self._rows_up(lane, call, at, call.rows)

@@ -102,6 +102,15 @@ def plan_merge(m_sizes: Sequence[np.ndarray | Sequence[int]]) -> MergePlan:
     )
 
 
+def group_order(m_sizes: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The graphs' view of calls merged in order: ``(m_sizes, gather)``, ``gather`` None
+    when the rows are already grouped (one call, or a merge that is the identity)."""
+    if len(m_sizes) == 1:
+        return m_sizes[0], None
+    plan = plan_merge(m_sizes)
+    return plan.m_sizes, None if plan.is_identity else plan.gather
+
+
 def _index(rows: np.ndarray, like: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     if isinstance(like, torch.Tensor):
         return torch.from_numpy(rows).to(like.device, non_blocking=True)
