@@ -22,14 +22,20 @@ def _caller_inputs(callers: int):
 
 
 def _hammer(url: str, name: str, problems, rounds: int = 3):
+    # Every round's calls leave together (a barrier), so they are concurrent on the
+    # server however the threads happen to be scheduled on a busy machine.
+    together = threading.Barrier(len(problems))
+
     def one(i):
         p = problems[i % len(problems)]
         body = packb({"x": wire(p.xq), "x_scale": wire(p.x_scale), "m_sizes": wire(p.m_sizes)})
+        outs = []
         with httpx.Client(base_url=url, timeout=60) as http:
-            return i % len(problems), [
-                out_of(http.post(f"/v1/weights/{name}/gemm", content=body, headers=MSGPACK))
-                for _ in range(rounds)
-            ]
+            for _ in range(rounds):
+                together.wait(timeout=60)
+                outs.append(out_of(http.post(f"/v1/weights/{name}/gemm", content=body,
+                                             headers=MSGPACK)))
+        return i % len(problems), outs
 
     with ThreadPoolExecutor(len(problems)) as pool:
         return list(pool.map(one, range(len(problems))))
