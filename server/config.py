@@ -58,6 +58,17 @@ def parse_layers(text: str) -> list[int]:
 DEFAULT_GPU_ACCEPTORS = 4
 
 
+
+def _comma_list(value: object, convert) -> object:
+    """An env string as a list: JSON (``[...]``) or comma-separated items through ``convert``;
+    anything else as it is (pydantic checks it)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [convert(part) for part in (p.strip() for p in text.split(",")) if part]
+    return value
+
 class Settings(BaseSettings):
     """Everything the server reads from its environment, validated once."""
 
@@ -136,22 +147,12 @@ class Settings(BaseSettings):
     @field_validator("preload", mode="before")
     @classmethod
     def _split_preload(cls, value: object) -> object:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [part for part in (p.strip() for p in text.split(",")) if part]
-        return value
+        return _comma_list(value, str)
 
     @field_validator("moe_top_k", mode="before")
     @classmethod
     def _split_top_k(cls, value: object) -> object:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [int(part) for part in (p.strip() for p in text.split(",")) if part]
-        return value
+        return _comma_list(value, int)
 
     @field_validator("moe_top_k")
     @classmethod
