@@ -38,6 +38,10 @@ class Backend:
       regroup=None)``: one kernel that checks the rows' contents (the server's
       ``bad_rows``) and regroups them (``x_out = x[gather]``; not at all when
       the int64 device word ``regroup`` holds 0); capture-safe.
+    - ``gather_quantize(x, gather, flags, (xq, x_scale))``: bf16 rows ``x[gather]``
+      quantized (SPEC 1.1, ``quantize_activations`` bit for bit) into ``xq`` and
+      ``x_scale``, and ``flags[gather[r]]`` set as ``bad_rows`` sets it, in one
+      kernel; capture-safe.
     - ``tile_key(m, n, k, g, out_dtype)``: a key of the tile (schedule, tile
       sizes, split-K) a launch of ``m`` rows runs: launches whose keys are
       equal compute each output row alike, bit for bit, whatever the other
@@ -57,4 +61,5 @@ class Backend:
     out_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
     run_addressed: Callable[..., torch.Tensor] | None = None
     check_and_gather: Callable[..., None] | None = None
+    gather_quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     tile_key: Callable[[int, int, int, int, torch.dtype], Hashable] | None = None

@@ -501,6 +501,7 @@ def create(device: torch.device) -> Backend:
         raise BackendUnavailable(
             f"the triton backend needs compute capability 9.0 or newer, {device} has {major}.{minor}"
         )
+    from ._triton_act import gather_quantize_triton
     from ._triton_prologue import check_and_gather
 
     return Backend(
@@ -514,5 +515,6 @@ def create(device: torch.device) -> Backend:
         out_dtypes=(torch.bfloat16, torch.float32),
         run_addressed=run_addressed,
         check_and_gather=check_and_gather,
+        gather_quantize=gather_quantize_triton,
         tile_key=functools.partial(tile_key, device=device),
     )

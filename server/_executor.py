@@ -125,8 +125,9 @@ class Executor:
     def captured(self, G: int, N: int, K: int, wq: torch.Tensor, w_scale: torch.Tensor) -> bool:
         """Whether every graph a weight set of this shape needs is there already."""
         pool = self.pool
-        return all(pool.graph(Family(G, N, K, q), bucket, wq, w_scale) is not None
-                   for q in (False, True) for bucket in pool.buckets)
+        return all(pool.graph(f, bucket, wq, w_scale, merged) is not None
+                   for f in (Family(G, N, K, q) for q in (False, True))
+                   for merged in pool.variants(f) for bucket in pool.buckets)
 
     def has_family(self, G: int, N: int, K: int) -> bool:
         """Whether calls of this shape may be using the family's static buffers."""
@@ -174,10 +175,10 @@ class Executor:
             return None
         family = self.family(ws.G, ws.N, ws.K, calls[0].dtype)
         launched = self.pool.launch_rows(rows)
-        graph = self.pool.graph(family, launched, ws.wq, ws.w_scale)
+        sizes, gather = group_order([c.m_sizes for c in calls])
+        graph = self.pool.graph(family, launched, ws.wq, ws.w_scale, merged=gather is not None)
         if graph is None:
             return None
-        sizes, gather = group_order([c.m_sizes for c in calls])
         lane = self._lane(family)
         staging, bufs = self.staging, lane.bufs
         for call, at in zip(calls, offsets):  # (offsets has one more)

@@ -278,16 +278,15 @@ class FfnGraphs:
         # address (the public function's kernel and tile), where the backend has them.
         self.check_and_gather = backend.check_and_gather if is_gpu else None
         self.run_table: Callable | None = backend.run_addressed if is_gpu else None
+        self._gather_quant = backend.gather_quantize if is_gpu else None
         if backend.name == "triton":
-            from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
+            from moegemm.kernels._triton_act import silu_mul_quant_triton
 
             from ._moe_route import combine, route
 
             self._act = lambda h, rows: silu_mul_quant_triton(h, self.fp8, rows=rows)
             self._route, self._combine = route, combine
-            self._gather_quant = gather_quantize_triton
         else:
-            self._gather_quant = None
             self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
             self._route, self._combine = route_torch, combine_torch
         self._buffers: dict[FfnFamily, FfnBuffers] = {}

@@ -28,6 +28,15 @@ order (a row map in the kernel's store), so a lone call's graph costs the
 check and the GEMM and nothing else. Other backends regroup with torch and
 scatter the output back after the GEMM.
 
+A lone fp8 call's GEMM does not wait for the check: nothing it reads comes
+from it, so its graph runs the check on a parallel branch beside the GEMM
+(the answer is read after both: a flagged call is refused as before). The
+check node cost every lone replay 2-5 us before the GEMM at decode and 3-10 %
+at prefill (``bench/NOTES.md``). Merged calls need the regrouped rows first, so
+with a backend that launches by address an fp8 family has two graphs per
+bucket, *lone* and *merged* (:meth:`GraphPool.variants`), chosen by whether the
+launch regroups.
+
 The pool computes the same way with graphs off (eager) and on a CPU: the same
 body runs on the same static buffers, so captured and eager runs are
 comparable bit for bit. A capture-safe backend is launched over the whole
@@ -191,6 +200,8 @@ class GraphPool:
         self.use_graphs = bool(graphs and is_gpu and backend.capture_safe)
         # The checks and the regrouping as one kernel, where the backend has one.
         self.check_and_gather = backend.check_and_gather if is_gpu and fused_prologue else None
+        # bf16 rows: the checks, the regrouping and the quantization as one kernel.
+        self.gather_quantize = backend.gather_quantize if is_gpu and fused_prologue else None
         self.pad_to_bucket = bool(is_gpu and backend.capture_safe)
         # The weights by address (graphs shared by the weight sets of a family), where
         # the backend launches so; the name is the pool's interface (weight_table=).
@@ -200,6 +211,7 @@ class GraphPool:
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._beside: torch.cuda.Stream | None = None  # a lone call's check branch
         self._table_checked: set[tuple[int, int, int]] = set()
         self.replays = 0
         self.eager_runs = 0
@@ -239,9 +251,25 @@ class GraphPool:
 
     # -- the computation ----------------------------------------------------------
 
-    def _body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
+    def variants(self, family: Family) -> tuple[bool, ...]:
+        """The ``merged`` values that get a graph of their own: (False, True) where a lone
+        call's check runs beside its GEMM (fp8 inputs read by address), else (False,)
+        (one graph serves both)."""
+        return (False, True) if self.run_table is not None and not family.quantize else (False,)
+
+    def _variant(self, family: Family, merged: bool) -> bool:
+        return merged and self.run_table is not None and not family.quantize
+
+    def _body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor,
+              merged: bool = True) -> None:
         """Check the inputs' contents, regroup and quantize them where needed and run the GEMM
-        over the first ``rows`` buffer rows, its output in the callers' order in ``bufs.out``."""
+        over the first ``rows`` buffer rows, its output in the callers' order in ``bufs.out``.
+
+        ``merged`` False (a lone call, whose input words point at ``x``): an fp8
+        family's check runs on a parallel branch beside the GEMM."""
+        if not merged and self.check_and_gather is not None and self.variants(family)[-1]:
+            self._lone_body(family, rows, wq, w_scale)
+            return
         bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
@@ -253,18 +281,24 @@ class GraphPool:
         else:
             xg, xsg = bufs.xg[:rows], bufs.xsg[:rows]
             regroup = bufs.regroup if direct else None
-        if self.check_and_gather is not None:
-            # One kernel: checks every row; copies into xg unless regroup holds 0 (lone call).
-            self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
+        if family.quantize and self.gather_quantize is not None:
+            # One kernel: checks, regroups and quantizes every row.
+            xq = torch.empty((rows, family.K), dtype=self.backend.fp8_dtype, device=self.device)
+            xsq = torch.empty((rows, family.K // BLOCK), dtype=torch.float32, device=self.device)
+            self.gather_quantize(x, gather, flags, (xq, xsq))
         else:
-            flags.copy_(bad_rows(x, xs))
-            torch.index_select(x, 0, gather, out=xg)
-            if xs is not None:
-                torch.index_select(xs, 0, gather, out=xsg)
-        if family.quantize:
-            xq, xsq = quantize_activations(xg, self.backend.fp8_dtype)
-        else:
-            xq, xsq = xg, xsg
+            if self.check_and_gather is not None:
+                # One kernel: checks every row; copies into xg unless regroup holds 0 (lone call).
+                self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
+            else:
+                flags.copy_(bad_rows(x, xs))
+                torch.index_select(x, 0, gather, out=xg)
+                if xs is not None:
+                    torch.index_select(xs, 0, gather, out=xsg)
+            if family.quantize:
+                xq, xsq = quantize_activations(xg, self.backend.fp8_dtype)
+            else:
+                xq, xsq = xg, xsg
         if direct:
             # Merged row r came from the callers' row gather[r]: it is stored there.
             self.run_gemm(xq, xsq, bufs.m_sizes, bufs.out(rows), addresses=bufs.addresses, wq=wq,
@@ -274,6 +308,25 @@ class GraphPool:
             out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
             self.run_gemm(xq, xsq, bufs.m_sizes, out, addresses=bufs.addresses, wq=wq, w_scale=w_scale)
             torch.index_select(out, 0, scatter, out=bufs.out(rows))
+
+    def _lone_body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
+        """A lone fp8 call: the GEMM reads the rows where they arrived (the input words),
+        the check (``regroup`` holds 0: flags only) runs beside it on a second stream,
+        joined before the graph ends."""
+        bufs = self._buffers[family]
+        gather, _ = bufs.order(rows)
+        main = torch.cuda.current_stream(self.device)
+        if self._beside is None:
+            self._beside = torch.cuda.Stream(self.device)
+        beside = self._beside
+        beside.wait_stream(main)
+        with torch.cuda.stream(beside):
+            self.check_and_gather(bufs.x[:rows], bufs.x_scale[:rows], gather, bufs.xg[:rows],
+                                  bufs.xsg[:rows], bufs.flags(rows), regroup=bufs.regroup)
+        self.run_gemm(bufs.xg[:rows], bufs.xsg[:rows], bufs.m_sizes, bufs.out(rows),
+                      addresses=bufs.addresses, wq=wq, w_scale=w_scale, inputs=bufs.inputs,
+                      out_rows=gather)
+        main.wait_stream(beside)
 
     def run_gemm(self, xq: torch.Tensor, x_scale: torch.Tensor, m_sizes: torch.Tensor, out: torch.Tensor,
                  *, addresses: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -350,10 +403,11 @@ class GraphPool:
             self.run_table = None
 
     def _graph_key(
-        self, family: Family, bucket: int, wq: torch.Tensor, w_scale: torch.Tensor
+        self, family: Family, bucket: int, wq: torch.Tensor, w_scale: torch.Tensor,
+        merged: bool = False,
     ) -> tuple:
         if self.run_table is not None:
-            return (family, bucket)
+            return (family, bucket, self._variant(family, merged))
         return (family, bucket, wq.data_ptr(), w_scale.data_ptr())
 
     def launch_rows(self, rows: int) -> int:
@@ -396,12 +450,13 @@ class GraphPool:
         bufs.meta[:words].copy_(host, non_blocking=self.device.type == "cuda")
         if rows == 0:
             return "none"  # nothing ran: neither a replay nor an eager run (SPEC 2.3 counts)
-        graph = self._graphs.get(self._graph_key(family, launched, wq, w_scale))
+        merged = gather is not None
+        graph = self._graphs.get(self._graph_key(family, launched, wq, w_scale, merged))
         if graph is not None:
             graph.replay()
             self.replays += 1
             return "graph"
-        self._body(family, launched, wq, w_scale)
+        self._body(family, launched, wq, w_scale, merged)
         self.eager_runs += 1
         return "eager"
 
@@ -438,10 +493,11 @@ class GraphPool:
         if own:
             bufs.host_known = (table_of if self.run_table is not None else None, identity)
 
-    def graph(self, family: Family, launched: int, wq: torch.Tensor,
-              w_scale: torch.Tensor) -> torch.cuda.CUDAGraph | None:
-        """The captured graph for ``family`` over ``launched`` rows on these weights, if any."""
-        return self._graphs.get(self._graph_key(family, launched, wq, w_scale))
+    def graph(self, family: Family, launched: int, wq: torch.Tensor, w_scale: torch.Tensor,
+              merged: bool = False) -> torch.cuda.CUDAGraph | None:
+        """The captured graph for ``family`` over ``launched`` rows on these weights, for a
+        lone call or (``merged``) a launch that regroups its rows, if any."""
+        return self._graphs.get(self._graph_key(family, launched, wq, w_scale, merged))
 
     # -- capture --------------------------------------------------------------------
 
@@ -463,28 +519,31 @@ class GraphPool:
         new, started = 0, time.monotonic()
         side = torch.cuda.Stream(self.device)
         for bucket in reversed([b for b in self.buckets if only is None or b in only]):
-            key = self._graph_key(family, bucket, wq, w_scale)
-            if key in self._graphs:
-                continue
-            bufs.m_sizes.zero_()
-            bufs.m_sizes[0] = bucket
-            gather, scatter = bufs.order(bucket)  # in place: valid indices for the warm-up
-            gather.copy_(torch.arange(bucket, device=self.device))
-            scatter.copy_(gather)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._body(family, bucket, wq, w_scale)  # warm-up: compiles the kernel
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the event loop's thread keeps allocating pinned request
-            # buffers during a capture, which "global" mode would turn into errors.
-            with _no_gc(), torch.cuda.graph(graph, pool=self._mempool,
-                                            capture_error_mode="thread_local"):
-                self._body(family, bucket, wq, w_scale)
-            self._graphs[key] = graph
-            new += 1
-            log.info("captured graph %s bucket %d (%d/%d)", _describe(family), bucket,
-                     len(self.buckets) - self.buckets.index(bucket), len(self.buckets))
+            before = new
+            for merged in self.variants(family):
+                key = self._graph_key(family, bucket, wq, w_scale, merged)
+                if key in self._graphs:
+                    continue
+                bufs.m_sizes.zero_()
+                bufs.m_sizes[0] = bucket
+                gather, scatter = bufs.order(bucket)  # in place: valid indices for the warm-up
+                gather.copy_(torch.arange(bucket, device=self.device))
+                scatter.copy_(gather)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    self._body(family, bucket, wq, w_scale, merged)  # warm-up: compiles
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the event loop's thread keeps allocating pinned request
+                # buffers during a capture, which "global" mode would turn into errors.
+                with _no_gc(), torch.cuda.graph(graph, pool=self._mempool,
+                                                capture_error_mode="thread_local"):
+                    self._body(family, bucket, wq, w_scale, merged)
+                self._graphs[key] = graph
+                new += 1
+            if new > before:
+                log.info("captured graph %s bucket %d (%d/%d)", _describe(family), bucket,
+                         len(self.buckets) - self.buckets.index(bucket), len(self.buckets))
         torch.cuda.synchronize(self.device)
         if new:
             log.info("graphs for %s ready: %d captured in %.1f s", _describe(family), new,

@@ -266,6 +266,41 @@ def test_merged_calls_come_back_in_the_callers_order_and_a_lone_call_moves_no_ro
     assert bool((bufs.xg.view(torch.uint8) == 0x7F).all())
 
 
+@pytest.mark.parametrize("m,n,k,g", [(5, 1280, 8192, 8), (3000, 512, 1536, 128)])
+def test_a_lone_calls_check_runs_beside_its_gemm_and_still_flags_bad_rows(m, n, k, g, backend, gen):
+    """A lone call's graph is its own (the check on a parallel branch): both graphs exist
+    per bucket, the lone one flags a NaN row and a bad scale as the serial check does,
+    and the other rows are the public function's bits."""
+    sizes = random_m_sizes(g, m)
+    problem = _problem(m, n, k, g, sizes, gen)
+    xq, wq, x_scale, w_scale, m_sizes = problem
+    bucket = 1 << (m - 1).bit_length()
+    pool = GraphPool(backend, bucket)
+    family = Family(g, n, k, quantize=False)
+    assert pool.variants(family) == (False, True)
+    pool.capture(family, wq, w_scale, only=[bucket])
+    lone_graph, merged_graph = (pool.graph(family, bucket, wq, w_scale, merged) for merged in (False, True))
+    assert lone_graph is not None and merged_graph is not None and lone_graph is not merged_graph
+    bad_x, bad_scale = m // 2, m - 1
+    xq = xq.clone()
+    xq.view(torch.uint8)[bad_x, 7] = 0x7F  # an fp8 NaN code
+    x_scale = x_scale.clone()
+    x_scale[bad_scale, 0] = -1.0
+    got, how = _service(pool, (xq, wq, x_scale, w_scale, m_sizes), family)
+    assert how == "graph"
+    flags = pool.buffers(family).flags(bucket)[:m].cpu()
+    want = torch.zeros(m, dtype=torch.int8)
+    want[bad_x] |= 1
+    want[bad_scale] |= 2
+    assert torch.equal(flags, want)
+    pad = bucket - m
+    public = grouped_gemm(torch.cat([xq, xq.new_zeros((pad, k))]), wq,
+                          torch.cat([x_scale, x_scale.new_ones((pad, k // 128))]), w_scale, m_sizes)[:m]
+    good = torch.ones(m, dtype=torch.bool)
+    good[[bad_x, bad_scale]] = False
+    assert torch.equal(got[good.to(DEV)], public[good.to(DEV)])
+
+
 @pytest.mark.parametrize("m,n,k,g", [(16384, 2048, 1024, 8), (9000, 512, 1536, 128), (37, 4096, 1024, 256)])
 def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, gen, monkeypatch):
     """SPEC 3 pinned: the pool's launcher and ``grouped_gemm`` launch the same kernel with the

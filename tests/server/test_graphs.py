@@ -222,13 +222,13 @@ def test_the_graph_path_by_address_copies_equals_the_general_path():
     pool = ex.pool
 
     class Eager:  # what a captured graph replays, run now
-        def __init__(self, family, rows):
-            self.family, self.rows = family, rows
+        def __init__(self, family, rows, merged):
+            self.family, self.rows, self.merged = family, rows, merged
 
         def replay(self):
-            pool._body(self.family, self.rows, ws.wq, ws.w_scale)
+            pool._body(self.family, self.rows, ws.wq, ws.w_scale, self.merged)
 
-    pool.graph = lambda family, launched, wq, w_scale: Eager(family, launched)
+    pool.graph = lambda family, launched, wq, w_scale, merged=False: Eager(family, launched, merged)
     for kind in ("fp8", "bf16"):
         parts = []
         for m in (3, 0, 17, 1, 30):

@@ -87,7 +87,12 @@ def test_check_and_gather_equals_the_torch_ops(dtype, rows, k):
     assert want.any() and (rows == 1 or not want.all())  # both kinds of rows were there
 
 
-def test_executors_with_and_without_it_answer_alike():
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("merged", [True, False])
+def test_executors_with_and_without_it_answer_alike(kind, merged):
+    """fp8 calls (the check and regroup kernel; a lone call's check beside its GEMM) and
+    bf16 calls (checked, regrouped and quantized in one kernel) answer as the torch ops do,
+    merged and alone, replayed and eager, a bad row in one call."""
     backend = get_backend(DEV, "triton")
     gen = torch.Generator(device=DEV).manual_seed(7)
     g, n, k = 8, 256, 1024
@@ -97,10 +102,15 @@ def test_executors_with_and_without_it_answer_alike():
     for i, m in enumerate((3, 5, 40, 17)):
         sizes = random_m_sizes(g, m).tolist()
         q = random_problem(m, n, k, g, device=DEV, generator=gen, m_sizes=torch.tensor(sizes))
-        xs = q.x_scale.cpu()
-        if i == 2:
-            xs[5, 1] = float("nan")  # one bad row in one call
-        parts.append((q.xq.cpu(), xs, sizes))
+        if kind == "bf16":
+            x, xs = torch.randn((m, k), generator=gen, device=DEV).to(torch.bfloat16).cpu(), None
+            if i == 2:
+                x[5, 1] = float("inf")  # one bad row in one call
+        else:
+            x, xs = q.xq.cpu(), q.x_scale.cpu()
+            if i == 2:
+                xs[5, 1] = float("nan")  # one bad row in one call
+        parts.append((x, xs, sizes))
     got = {}
     for fused in (True, False):
         for graphs in (True, False):
@@ -109,7 +119,11 @@ def test_executors_with_and_without_it_answer_alike():
             ex = Executor(pool, Staging(DEV))
             ex.prepare(g, n, k, ws.wq, ws.w_scale)
             ex.staging.enter()
-            results, _ = ex.run(ws, [gemm_call(ws, *part) for part in parts])
+            calls = [gemm_call(ws, *part) for part in parts]
+            if merged:
+                results, _ = ex.run(ws, calls)
+            else:
+                results = [ex.run(ws, [call])[0][0] for call in calls]
             torch.cuda.synchronize()
             got[fused, graphs] = [(bf16_rows(out).clone(), np.array(flags, copy=True))
                                   for out, flags in results]
