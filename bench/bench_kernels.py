@@ -105,24 +105,12 @@ def floor_us(m, n, k, sizes, ceilings=FLOOR_CEILINGS) -> float:
 
 
 def sweep_configs(m, n, k, g):
-    """The table's neighbours for ``--sweep`` (public entry)."""
+    """The table's neighbours for ``--sweep`` (public entry): ``candidate_configs`` but the
+    table's own choice."""
     from moegemm.kernels import triton_kernel as tk
 
-    T = tk.TileConfig
-    ef = "evict_first"
-    if m / g > 48:
-        found = [T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
-                 T("persistent_tma", 64, 128, 4, 4, per_sm=2),
-                 T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
-                 T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)]
-    else:
-        tt = tk.default_config(m, n, k, g).block_m
-        found = [T("decode_pair", tt, 128, 4, 3, evict_w=ef), T("decode", min(64, 2 * tt), 128, 4, 3, evict_w=ef),
-                 T("decode", tt, 64, 4, 3, evict_w=ef)]
-        if m / g > 8:
-            found.append(T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2))
     default = tk.default_config(m, n, k, g)
-    return [c for c in dict.fromkeys(found) if c.fits(n, g) and c != default]
+    return [c for c in tk.candidate_configs(m, n, k, g) if c != default]
 
 
 # ---- compiling ahead --------------------------------------------------------------------------
