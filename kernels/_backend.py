@@ -42,6 +42,10 @@ class Backend:
       quantized (SPEC 1.1, ``quantize_activations`` bit for bit) into ``xq`` and
       ``x_scale``, and ``flags[gather[r]]`` set as ``bad_rows`` sets it, in one
       kernel; capture-safe.
+    - ``persistent(m, n, k, g)``: whether a launch of ``m`` rows runs a persistent tile
+      (one program per SM slot for the whole launch): a kernel beside it on another
+      stream would hold SMs its programs wait for (the server's lone-call check
+      then runs before it, not beside it).
     - ``tile_key(m, n, k, g, out_dtype)``: a key of the tile (schedule, tile
       sizes, split-K) a launch of ``m`` rows runs: launches whose keys are
       equal compute each output row alike, bit for bit, whatever the other
@@ -63,3 +67,4 @@ class Backend:
     check_and_gather: Callable[..., None] | None = None
     gather_quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     tile_key: Callable[[int, int, int, int, torch.dtype], Hashable] | None = None
+    persistent: Callable[[int, int, int, int], bool] | None = None

@@ -442,6 +442,11 @@ def tile_key(m: int, n: int, k: int, g: int, out_dtype: torch.dtype, *,
     return tile_for_out(config_for(m, n, k, g, device), torch.empty(0, dtype=out_dtype)).key()
 
 
+def persistent(m: int, n: int, k: int, g: int, *, device: torch.device) -> bool:
+    """Whether the tile for this shape is persistent (``Backend.persistent``)."""
+    return config_for(m, n, k, g, device).schedule in ("persistent_tma", "persistent_ws")
+
+
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 """What the kernels store: bf16 (SPEC 1) or the float32 accumulator unrounded (the FFN's h)."""
 
@@ -517,4 +522,5 @@ def create(device: torch.device) -> Backend:
         check_and_gather=check_and_gather,
         gather_quantize=gather_quantize_triton,
         tile_key=functools.partial(tile_key, device=device),
+        persistent=functools.partial(persistent, device=device),
     )

@@ -127,7 +127,7 @@ class Executor:
         pool = self.pool
         return all(pool.graph(f, bucket, wq, w_scale, merged) is not None
                    for f in (Family(G, N, K, q) for q in (False, True))
-                   for merged in pool.variants(f) for bucket in pool.buckets)
+                   for bucket in pool.buckets for merged in pool.variants(f, bucket))
 
     def has_family(self, G: int, N: int, K: int) -> bool:
         """Whether calls of this shape may be using the family's static buffers."""

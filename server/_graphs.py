@@ -29,13 +29,14 @@ check and the GEMM and nothing else. Other backends regroup with torch and
 scatter the output back after the GEMM.
 
 A lone fp8 call's GEMM does not wait for the check: nothing it reads comes
-from it, so its graph runs the check on a parallel branch beside the GEMM
-(the answer is read after both: a flagged call is refused as before). The
-check node cost every lone replay 2-5 us before the GEMM at decode and 3-10 %
-at prefill (``bench/NOTES.md``). Merged calls need the regrouped rows first, so
-with a backend that launches by address an fp8 family has two graphs per
-bucket, *lone* and *merged* (:meth:`GraphPool.variants`), chosen by whether the
-launch regroups.
+from it, so where the bucket's tile is not persistent (decode), its graph runs
+the check on a parallel branch beside the GEMM (the answer is read after both:
+a flagged call is refused as before). The check node before the GEMM cost a
+decode replay 1-5 us (seed m1: 7.5 -> 6.2 us). A persistent tile (prefill) keeps
+the check before it: beside it, the check's programs held SMs the GEMM's
+programs waited for, 3-19 % slower (``bench/NOTES.md`` v13). Merged calls need
+the regrouped rows first, so such a bucket has two graphs, *lone* and
+*merged* (:meth:`GraphPool.variants`), chosen by whether the launch regroups.
 
 The pool computes the same way with graphs off (eager) and on a CPU: the same
 body runs on the same static buffers, so captured and eager runs are
@@ -211,7 +212,7 @@ class GraphPool:
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._beside: torch.cuda.Stream | None = None  # a lone call's check branch
+        self._check_stream: torch.cuda.Stream | None = None  # a lone call's check branch
         self._table_checked: set[tuple[int, int, int]] = set()
         self.replays = 0
         self.eager_runs = 0
@@ -251,14 +252,19 @@ class GraphPool:
 
     # -- the computation ----------------------------------------------------------
 
-    def variants(self, family: Family) -> tuple[bool, ...]:
-        """The ``merged`` values that get a graph of their own: (False, True) where a lone
-        call's check runs beside its GEMM (fp8 inputs read by address), else (False,)
-        (one graph serves both)."""
-        return (False, True) if self.run_table is not None and not family.quantize else (False,)
+    def _beside(self, family: Family, rows: int) -> bool:
+        """Whether a lone call's check runs beside its GEMM over ``rows`` rows: fp8 inputs
+        read by address, the fused check, and a tile that is not persistent."""
+        persistent = self.backend.persistent
+        return (self.run_table is not None and not family.quantize
+                and self.check_and_gather is not None and persistent is not None
+                and not persistent(rows, family.N, family.K, family.G))
 
-    def _variant(self, family: Family, merged: bool) -> bool:
-        return merged and self.run_table is not None and not family.quantize
+    def variants(self, family: Family, bucket: int) -> tuple[bool, ...]:
+        """The ``merged`` values that get a graph of their own for ``bucket``: (False, True)
+        where a lone call's check runs beside its GEMM, else (False,) (one graph serves
+        both)."""
+        return (False, True) if self._beside(family, bucket) else (False,)
 
     def _body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor,
               merged: bool = True) -> None:
@@ -267,7 +273,7 @@ class GraphPool:
 
         ``merged`` False (a lone call, whose input words point at ``x``): an fp8
         family's check runs on a parallel branch beside the GEMM."""
-        if not merged and self.check_and_gather is not None and self.variants(family)[-1]:
+        if not merged and self._beside(family, rows):
             self._lone_body(family, rows, wq, w_scale)
             return
         bufs = self._buffers[family]
@@ -316,9 +322,9 @@ class GraphPool:
         bufs = self._buffers[family]
         gather, _ = bufs.order(rows)
         main = torch.cuda.current_stream(self.device)
-        if self._beside is None:
-            self._beside = torch.cuda.Stream(self.device)
-        beside = self._beside
+        if self._check_stream is None:
+            self._check_stream = torch.cuda.Stream(self.device)
+        beside = self._check_stream
         beside.wait_stream(main)
         with torch.cuda.stream(beside):
             self.check_and_gather(bufs.x[:rows], bufs.x_scale[:rows], gather, bufs.xg[:rows],
@@ -407,7 +413,7 @@ class GraphPool:
         merged: bool = False,
     ) -> tuple:
         if self.run_table is not None:
-            return (family, bucket, self._variant(family, merged))
+            return (family, bucket, merged and self._beside(family, bucket))
         return (family, bucket, wq.data_ptr(), w_scale.data_ptr())
 
     def launch_rows(self, rows: int) -> int:
@@ -520,7 +526,7 @@ class GraphPool:
         side = torch.cuda.Stream(self.device)
         for bucket in reversed([b for b in self.buckets if only is None or b in only]):
             before = new
-            for merged in self.variants(family):
+            for merged in self.variants(family, bucket):
                 key = self._graph_key(family, bucket, wq, w_scale, merged)
                 if key in self._graphs:
                     continue

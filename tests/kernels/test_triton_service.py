@@ -109,7 +109,8 @@ def test_every_bucket_replay_equals_eager_with_384_groups(backend, gen):
     captured = GraphPool(backend, max_bucket)
     eager = GraphPool(backend, max_bucket, graphs=False)
     family = Family(g, n, k, quantize=False)
-    assert captured.capture(family, first[1], first[3]) == len(captured.buckets)
+    assert all(captured.variants(family, b) == (False, True) for b in captured.buckets)  # decode tiles
+    assert captured.capture(family, first[1], first[3]) == 2 * len(captured.buckets)  # lone, merged
     for bucket in captured.buckets:
         for m in sorted({max(1, bucket // 2 + 1), bucket}):
             sizes = random_m_sizes(g, m)
@@ -277,7 +278,7 @@ def test_a_lone_calls_check_runs_beside_its_gemm_and_still_flags_bad_rows(m, n, 
     bucket = 1 << (m - 1).bit_length()
     pool = GraphPool(backend, bucket)
     family = Family(g, n, k, quantize=False)
-    assert pool.variants(family) == (False, True)
+    assert pool.variants(family, bucket) == (False, True)  # decode tiles: the check beside
     pool.capture(family, wq, w_scale, only=[bucket])
     lone_graph, merged_graph = (pool.graph(family, bucket, wq, w_scale, merged) for merged in (False, True))
     assert lone_graph is not None and merged_graph is not None and lone_graph is not merged_graph
