@@ -22,6 +22,36 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import MODELS, TOKENS, TOP_K, _call, capture, expert_set, replay_median_us, routing
 
+_AROUND = ("_route_kernel", "_gather_quant_kernel", "_silu_mul_quant_kernel", "_combine_kernel")
+
+
+def kernel_sums_us(graph, flush, reps) -> tuple[float, float]:
+    """(all the graph's kernels, its GEMM kernels alone): summed device times per replay
+    (the profiler's kernel records, L2 flushed before each replay, the flush not counted),
+    median over ``reps`` replays. The issue's measure: "the graph's kernels, summed"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    totals, gemms = [], []
+    for _ in range(reps):
+        flush.zero_()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        total = gemm = 0.0
+        for evt in prof.events():
+            if evt.device_type != torch.autograd.DeviceType.CUDA or "FillFunctor" in evt.name:
+                continue
+            t = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+            total += t
+            if not any(name in evt.name for name in _AROUND):
+                gemm += t
+        totals.append(total)
+        gemms.append(gemm)
+    return sorted(totals)[reps // 2], sorted(gemms)[reps // 2]
+
 
 def steps(executor, es, T, gen, flush, reps) -> dict:
     from moegemm.server._ffn_graphs import FfnFamily
@@ -62,6 +92,12 @@ def steps(executor, es, T, gen, flush, reps) -> dict:
     for name, fn in parts.items():
         row[f"{name}_us"] = round(replay_median_us(capture(fn), flush, reps), 1)
     row["steps_sum_us"] = round(sum(row[f"{n}_us"] for n in parts), 1)
+    try:
+        total, gemm = kernel_sums_us(whole, flush, min(reps, 10))
+        row["kernels_sum_us"], row["gemm_kernels_us"] = round(total, 1), round(gemm, 1)
+        row["kernels_over_gemm_kernels"] = round(total / gemm, 3) if gemm else None
+    except Exception as exc:  # noqa: BLE001  the profiler is a measurement aid, never fatal
+        row["kernels_sum_error"] = repr(exc)[:300]
     row["gemms_us"] = round(row["gemm13_us"] + row["gemm2_us"], 1)
     row["moe_over_gemms"] = round(row["moe_us"] / row["gemms_us"], 3)
     return row
