@@ -64,9 +64,15 @@ def test_decode_table_rules():
     assert tk.default_config(1, 8192, 1024, 8).num_warps == 8
     assert tk.default_config(1, 8192, 3584, 8).num_warps == 4
     assert tk.default_config(32, 7168, 8192, 8).num_warps == 4
-    # Not for K = 1024 with enough tiles, nor at G >= 64 (token tile doubled there).
+    # Not for K = 1024 with enough tiles.
     assert tk.default_config(128, 8192, 1024, 8) == T("decode", 16, 128, 4, 3, evict_w=ef)
-    assert tk.default_config(256, 4096, 7168, 256) == T("decode", 16, 128, 4, 3, evict_w=ef)
+    # At G >= 64, 16-token tiles: the 8-warp pair for a few experts' tiles (a decode
+    # step) or K >= 4096; many tiles at short K keep the plain tile.
+    pair8 = T("decode_pair", 16, 128, 8, 3, evict_w=ef)
+    assert tk.default_config(8, 2048, 768, 128) == pair8  # Qwen3-30B w2, 1 token
+    assert tk.default_config(8, 4096, 7168, 256) == pair8  # DeepSeek-V3 w13, 1 token
+    assert tk.default_config(256, 4096, 7168, 256) == pair8  # many tiles, K >= 4096
+    assert tk.default_config(128, 2048, 768, 128) == T("decode", 16, 128, 4, 3, evict_w=ef)
     assert tk.default_config(2048, 4096, 7168, 256).block_m == 16
 
 
