@@ -501,6 +501,7 @@ def create(device: torch.device) -> Backend:
         raise BackendUnavailable(
             f"the triton backend needs compute capability 9.0 or newer, {device} has {major}.{minor}"
         )
+    from . import _triton_ahead
     from ._triton_prologue import check_and_gather
 
     return Backend(
@@ -515,4 +516,5 @@ def create(device: torch.device) -> Backend:
         run_addressed=run_addressed,
         check_and_gather=check_and_gather,
         tile_key=functools.partial(tile_key, device=device),
+        ahead=_triton_ahead.create(),
     )
