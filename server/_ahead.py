@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,11 @@ log = logging.getLogger("moegemm.server.ahead")
 # How long the loader waits for a child before compiling in-process: the child's start
 # (importing torch: ~5 s) plus the compile of a new shape's kernels (seconds each).
 TIMEOUT_S = 600.0
+
+# What children compiled for this process (by settings and set), so that another engine
+# of the process (tests make many) does not start a child for it again.
+_done: set[tuple] = set()
+_done_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,11 @@ class Job:
     gemm: tuple[Weights, ...]
     experts: tuple[Experts, ...]
 
+    def key(self, item: Weights | Experts) -> tuple:
+        """What a child compiled for ``item`` under this job's settings (``_done``)."""
+        top_k = self.top_k if isinstance(item, Experts) else ()
+        return self.backend, self.device, self.max_bucket_m, top_k, item
+
     def describe(self) -> str:
         shapes = [f"G={w.G} N={w.N} K={w.K}" for w in self.gemm]
         shapes += [f"experts G={e.G} H={e.H} I={e.I}" for e in self.experts]
@@ -155,11 +166,15 @@ class _StandInExperts:
 def make_job(backend, max_bucket_m: int, top_k, weight_sets, expert_sets) -> Job | None:
     """The job for these new weight sets and expert sets, or None when there is nothing to
     compile or the backend compiles only in-process."""
-    if backend.ahead is None or not (weight_sets or expert_sets):
+    if backend.ahead is None:
         return None
-    return Job(backend.name, str(backend.device), max_bucket_m, tuple(top_k),
-               tuple(Weights.of(ws) for ws in weight_sets),
-               tuple(Experts.of(es) for es in expert_sets))
+    job = Job(backend.name, str(backend.device), max_bucket_m, tuple(top_k), (), ())
+    with _done_lock:
+        gemm = tuple(w for w in map(Weights.of, weight_sets) if job.key(w) not in _done)
+        experts = tuple(e for e in map(Experts.of, expert_sets) if job.key(e) not in _done)
+    if not (gemm or experts):
+        return None
+    return Job(job.backend, job.device, max_bucket_m, job.top_k, gemm, experts)
 
 
 def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S) -> int | None:
@@ -191,6 +206,8 @@ def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S) -> int | None:
         log.warning("compiling %s ahead failed (%s, exit code %s): compiling in-process",
                     job.describe(), detail, child.exitcode)
         return None
+    with _done_lock:
+        _done.update(job.key(item) for item in (*job.gemm, *job.experts))
     log.info("compiled %d kernels for %s ahead, in a child process, in %.1f s", detail,
              job.describe(), time.monotonic() - started)
     return detail

@@ -114,3 +114,17 @@ def test_the_reference_backend_loads_without_a_child(monkeypatch):
         assert asyncio.run(engine.load(lambda: ws)) is ws
     finally:
         engine.close()
+
+
+def test_a_set_compiled_ahead_for_this_process_needs_no_second_child(monkeypatch):
+    """Another engine of the process (tests make many) loads it without a child; other
+    settings or another shape still get one."""
+    monkeypatch.setattr(_ahead, "_done", set())
+    backend = _backend_with_ahead()
+    a, b = _set(8, 256, 512, "a"), _set(4, 512, 256, "b")
+    job = _ahead.make_job(backend, 1024, (8,), [a], [])
+    _ahead._done.update(job.key(w) for w in job.gemm)
+    assert _ahead.make_job(backend, 1024, (8,), [a], []) is None
+    again = _ahead.make_job(backend, 1024, (8,), [a, b], [])
+    assert [(w.G, w.N, w.K) for w in again.gemm] == [(4, 512, 256)]
+    assert _ahead.make_job(backend, 2048, (8,), [a], []) is not None
