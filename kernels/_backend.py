@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,6 +14,22 @@ WeightLayout = Literal["plain", "preshuffled"]
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot run on this device or in this process."""
+
+
+@dataclass(frozen=True)
+class CompileAhead:
+    """How a backend's kernels compile in another process, before a capture here needs them.
+
+    - ``compile_only()``: a context in which this thread's launches of the
+      backend's kernels compile them into its on-disk cache and launch nothing
+      (their outputs keep whatever they held): a process that compiles for
+      another one runs the other's warm-ups under it.
+    - ``compiles()``: how many kernels this process has compiled so far; a
+      kernel loaded from the on-disk cache does not count.
+    """
+
+    compile_only: Callable[[], AbstractContextManager[None]]
+    compiles: Callable[[], int]
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,10 @@ class Backend:
       equal compute each output row alike, bit for bit, whatever the other
       rows hold (the server merges expert calls only then, SPEC 5.1). A
       backend whose rows never depend on M returns one constant.
+    - ``ahead``: the backend's kernels can be compiled in a separate process,
+      into a cache this one then loads them from (:class:`CompileAhead`; the
+      server compiles a new shape's kernels so, ``server/_ahead.py``). None:
+      they compile in the process that launches them.
     """
 
     name: str
@@ -68,3 +89,4 @@ class Backend:
     gather_quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     tile_key: Callable[[int, int, int, int, torch.dtype], Hashable] | None = None
     persistent: Callable[[int, int, int, int], bool] | None = None
+    ahead: CompileAhead | None = None

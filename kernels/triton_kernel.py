@@ -512,6 +512,7 @@ def create(device: torch.device) -> Backend:
         raise BackendUnavailable(
             f"the triton backend needs compute capability 9.0 or newer, {device} has {major}.{minor}"
         )
+    from . import _triton_ahead
     from ._triton_act import gather_quantize_triton
     from ._triton_prologue import check_and_gather
 
@@ -529,4 +530,5 @@ def create(device: torch.device) -> Backend:
         gather_quantize=gather_quantize_triton,
         tile_key=functools.partial(tile_key, device=device),
         persistent=functools.partial(persistent, device=device),
+        ahead=_triton_ahead.create(),
     )

@@ -118,9 +118,7 @@ class Executor:
 
     def prepare(self, G: int, N: int, K: int, wq: torch.Tensor, w_scale: torch.Tensor) -> int:
         """Capture the graphs a weight set of this shape needs (fp8 and bf16 inputs)."""
-        return sum(
-            self.pool.capture(Family(G, N, K, quantize), wq, w_scale) for quantize in (False, True)
-        )
+        return self.pool.prepare(G, N, K, wq, w_scale)
 
     def captured(self, G: int, N: int, K: int, wq: torch.Tensor, w_scale: torch.Tensor) -> bool:
         """Whether every graph a weight set of this shape needs is there already."""

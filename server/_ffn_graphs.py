@@ -37,7 +37,10 @@ Graphs are captured when a set is loaded (:meth:`FfnGraphs.prepare`, on the
 engine's loader thread and stream), never on a call's path; a family's graphs
 and buffers are dropped when no loaded set has its shape (:meth:`forget`).
 Each family's buffers have a lock: the engine's thread holds it while a batch
-uses them, a capture while it writes them.
+uses them, a capture while it writes them. Made with ``compile_only`` (a
+process compiling a new shape's kernels ahead for a server, ``_ahead.py``),
+:meth:`FfnGraphs.prepare` runs the captures' warm-ups only, under the backend's
+compile-only launches, and keeps no family's buffers past its warm-up.
 
 With the triton backend the steps are the Triton kernels named above; with any
 other backend (the CPU reference: eager, the real rows only) their torch
@@ -262,7 +265,8 @@ class FfnGraphs:
     bucket (or eager: graphs off, the CPU). Used from the engine's threads only: calls on
     its device thread, captures and drops on its loader thread."""
 
-    def __init__(self, backend: Backend, max_bucket_m: int, *, graphs: bool = True) -> None:
+    def __init__(self, backend: Backend, max_bucket_m: int, *, graphs: bool = True,
+                 compile_only: bool = False) -> None:
         if max_bucket_m < 1 or max_bucket_m & (max_bucket_m - 1):
             raise ValueError(f"max_bucket_m must be a power of two, got {max_bucket_m}")
         self.backend = backend
@@ -294,6 +298,7 @@ class FfnGraphs:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._side: torch.cuda.Stream | None = None  # the captures' warm-up stream
+        self.compile_only = compile_only
         self.replays = 0
         self.eager_runs = 0
         self.captures = 0
@@ -451,12 +456,23 @@ class FfnGraphs:
         if not self.use_graphs:
             return 0
         before = len(self._graphs)
-        kinds = [0] + sorted({k for k in top_ks if 1 <= k <= min(es.G, self.max_bucket)})
-        for k in kinds:
-            for quantize in (True, False):
-                self._prepare_family(self.family(es, quantize, k), es)
+        for f in self.families(es, top_ks):
+            self._prepare_family(f, es)
         torch.cuda.synchronize(self.device)
         return len(self._graphs) - before
+
+    def families(self, es, top_ks: Iterable[int]) -> list[FfnFamily]:
+        """The families :meth:`prepare` captures for ``es``: ``ffn`` and each top-k up to G,
+        with bf16 and fp8 inputs."""
+        kinds = [0] + sorted({k for k in top_ks if 1 <= k <= min(es.G, self.max_bucket)})
+        return [self.family(es, quantize, k) for k in kinds for quantize in (True, False)]
+
+    def prepared(self, es, top_ks: Iterable[int]) -> bool:
+        """Whether every graph :meth:`prepare` would capture for ``es`` is there (graphs off:
+        there is nothing to capture)."""
+        return not self.use_graphs or all(
+            self._graph_key(f, b, es) in self._graphs
+            for f in self.families(es, top_ks) for b in self.buckets if b <= self.units(f))
 
     def _prepare_family(self, f: FfnFamily, es) -> None:
         bufs = self.buffers(f)
@@ -485,6 +501,11 @@ class FfnGraphs:
                         torch.arange(f.top_k, device=self.device).repeat(bucket))
                 self._capture(bufs, es, bucket)
             bufs.host_identity = self.max_bucket
+        if self.compile_only:
+            # Its device may be nearly full: a family's buffers live only while it warms up.
+            torch.cuda.synchronize(self.device)
+            with self._buffers_lock:
+                del self._buffers[f]
         log.info("captured %d ffn graphs for %s in %.2f s", len(missing), f,
                  time.monotonic() - started)
 
@@ -498,6 +519,8 @@ class FfnGraphs:
         with torch.cuda.stream(side):
             self._body(bufs, es, launched)  # warm-up: Triton compiles outside the capture
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.compile_only:
+            return
         graph = torch.cuda.CUDAGraph()
         # thread_local: the event loop's thread keeps allocating pinned request buffers
         # during a capture, which "global" mode would turn into errors.

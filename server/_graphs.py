@@ -38,6 +38,11 @@ programs waited for, 3-19 % slower (``bench/NOTES.md`` v13). Merged calls need
 the regrouped rows first, so such a bucket has two graphs, *lone* and
 *merged* (:meth:`GraphPool.variants`), chosen by whether the launch regroups.
 
+A pool made with ``compile_only`` runs in a process that compiles a new
+shape's kernels ahead for a server (``_ahead.py``): :meth:`GraphPool.prepare`
+runs every warm-up a capture runs, under the backend's compile-only launches,
+and captures nothing, judges no result and keeps no family's buffers.
+
 The pool computes the same way with graphs off (eager) and on a CPU: the same
 body runs on the same static buffers, so captured and eager runs are
 comparable bit for bit. A capture-safe backend is launched over the whole
@@ -191,7 +196,7 @@ class GraphPool:
 
     def __init__(
         self, backend: Backend, max_bucket: int, *, graphs: bool = True, weight_table: bool = True,
-        fused_prologue: bool = True,
+        fused_prologue: bool = True, compile_only: bool = False,
     ) -> None:
         self.backend = backend
         self.device = backend.device
@@ -214,6 +219,7 @@ class GraphPool:
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._check_stream: torch.cuda.Stream | None = None  # a lone call's check branch
         self._table_checked: set[tuple[int, int, int]] = set()
+        self.compile_only = compile_only
         self.replays = 0
         self.eager_runs = 0
 
@@ -379,6 +385,22 @@ class GraphPool:
         if self.run_table is None or shape in self._table_checked:
             return
         self._table_checked.add(shape)
+        try:
+            got, want = self._table_answers(family, wq, w_scale)
+            # A compiling process launches nothing: there is no answer to judge.
+            same = self.compile_only or bool(torch.equal(got, want))
+        except Exception:
+            log.exception("the address launcher failed")
+            same = False
+        if not same:
+            log.warning("the address launcher disagrees with the backend: graphs are "
+                        "captured per weight set instead")
+            self.run_table = None
+
+    def _table_answers(self, family: Family, wq: torch.Tensor,
+                       w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The address launcher's answer (its rows put back in order) and ``backend.run``'s,
+        to one input of 64 rows."""
         rows, fp8 = 64, self.backend.fp8_dtype
         gen = torch.Generator(device=self.device).manual_seed(0)
         x = torch.randn((rows, family.K), generator=gen, device=self.device)
@@ -395,18 +417,10 @@ class GraphPool:
         flipped = pairs[:, 1]
         want = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
         self.backend.run(xq, wq, xs, w_scale, sizes, want)
-        try:
-            got = torch.full_like(want, float("nan"))
-            self.run_table(torch.empty_like(xq), words[:ADDRESS_WORDS], torch.empty_like(xs), sizes, got,
-                           groups=family.G, inputs=words[ADDRESS_WORDS:], out_rows=flipped)
-            same = bool(torch.equal(got.flip(0), want))
-        except Exception:
-            log.exception("the address launcher failed")
-            same = False
-        if not same:
-            log.warning("the address launcher disagrees with the backend: graphs are "
-                        "captured per weight set instead")
-            self.run_table = None
+        got = torch.full_like(want, float("nan"))
+        self.run_table(torch.empty_like(xq), words[:ADDRESS_WORDS], torch.empty_like(xs), sizes, got,
+                       groups=family.G, inputs=words[ADDRESS_WORDS:], out_rows=flipped)
+        return got.flip(0), want
 
     def _graph_key(
         self, family: Family, bucket: int, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -507,13 +521,19 @@ class GraphPool:
 
     # -- capture --------------------------------------------------------------------
 
+    def prepare(self, G: int, N: int, K: int, wq: torch.Tensor, w_scale: torch.Tensor) -> int:
+        """Capture the graphs a weight set of this shape needs (fp8 and bf16 inputs); return
+        how many are new."""
+        return sum(self.capture(Family(G, N, K, quantize), wq, w_scale) for quantize in (False, True))
+
     def capture(self, family: Family, wq: torch.Tensor, w_scale: torch.Tensor,
                 only: list[int] | None = None) -> int:
         """Capture every bucket's graph for ``family`` (largest first), or the buckets in
         ``only``; return how many are new.
 
         Runs each bucket eagerly first (Triton compiles there, never inside a
-        capture). Logs progress. A no-op with graphs off.
+        capture). Logs progress. A no-op with graphs off. ``compile_only``: the
+        warm-ups alone (they compile), then the family's buffers are dropped.
         """
         if not self.use_graphs:
             return 0
@@ -539,6 +559,8 @@ class GraphPool:
                 with torch.cuda.stream(side):
                     self._body(family, bucket, wq, w_scale, merged)  # warm-up: compiles
                 torch.cuda.current_stream(self.device).wait_stream(side)
+                if self.compile_only:
+                    continue
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the event loop's thread keeps allocating pinned request
                 # buffers during a capture, which "global" mode would turn into errors.
@@ -551,6 +573,9 @@ class GraphPool:
                 log.info("captured graph %s bucket %d (%d/%d)", _describe(family), bucket,
                          len(self.buckets) - self.buckets.index(bucket), len(self.buckets))
         torch.cuda.synchronize(self.device)
+        if self.compile_only:
+            # Its device may be nearly full: a family's buffers live only while it warms up.
+            del self._buffers[family]
         if new:
             log.info("graphs for %s ready: %d captured in %.1f s", _describe(family), new,
                      time.monotonic() - started)

@@ -35,7 +35,9 @@ than letting latency grow without bound.
 
 Weight sets and expert sets are built and their graphs captured off the
 calls' path, on a loader thread with its own CUDA stream (:meth:`Engine.load`):
-loads never hold the device against calls (SPEC 3).
+loads never hold the device against calls (SPEC 3). The kernels of a shape new
+to the engine are compiled first in a spawned process (``_ahead.py``), so that
+the compiler's Python does not hold the GIL against the calls.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from moegemm.client._errors import (
 )
 from moegemm.kernels._backend import Backend
 
+from . import _ahead
 from ._executor import Executor
 from ._ffn_executor import ExpertExecutor
 from ._ffn_graphs import FfnGraphs
@@ -459,11 +462,35 @@ class Engine:
             with torch.cuda.stream(self._load_stream):
                 built = build()
             self._load_stream.synchronize()
+        ahead = self._compile_ahead(built)
+        if ahead is not None:
+            compiled = self.backend.ahead.compiles()
         for ws in getattr(built, "weight_sets", (built,)):
             self._graphs_for(ws)
         if isinstance(built, ExpertSet):
             self._expert_graphs(built)
+        if ahead is not None and (late := self.backend.ahead.compiles() - compiled):
+            log.warning("%d kernels compiled in the serving process while capturing %s, after "
+                        "compiling them ahead: the ahead specialisations differ", late,
+                        ahead.describe())
         return built
+
+    def _compile_ahead(self, built) -> _ahead.Job | None:
+        """On the loader thread: compile the kernels of ``built``'s shapes that are new to this
+        engine in a child process (``_ahead.py``); the job, or None when there was nothing to
+        compile ahead or the child failed (the captures then compile here)."""
+        if not self._executor.pool.use_graphs:
+            return None
+        new_sets = [ws for ws in getattr(built, "weight_sets", (built,))
+                    if (ws.G, ws.N, ws.K) not in self._shapes
+                    and not self._executor.captured(ws.G, ws.N, ws.K, ws.wq, ws.w_scale)]
+        new_experts = [built] if isinstance(built, ExpertSet) and not \
+            self._experts.graphs.prepared(built, self.moe_top_k) else []
+        job = _ahead.make_job(self.backend, self.max_bucket_m, self.moe_top_k, new_sets,
+                              new_experts)
+        if job is None or _ahead.compile_ahead(job) is None:
+            return None
+        return job
 
     def _expert_graphs(self, es: ExpertSet) -> None:
         """On the loader thread: the ffn and moe graphs of ``es``'s shape. A family

@@ -1,0 +1,252 @@
+"""A new shape's kernels, compiled ahead in a spawned process before the loader captures.
+
+Capturing the graphs of a new (G, N, K) -- or of a new expert-set shape --
+first runs each graph's body once, and that warm-up compiles the body's
+kernels. Triton's compiler is mostly Python holding the GIL in slices, so
+compiling on the serving process's loader thread makes every call's GIL
+hand-off wait: on the H200 another set's p99 rose to 3.19x idle during the
+first load of a 7.5 GB set, against 1.52x during replacements of it, whose
+kernels were already compiled (``bench/SERVICE_NOTES.md``, v8).
+
+So when a load brings a shape whose graphs are not captured yet, and the
+backend can compile in another process (``Backend.ahead``), the loader hands
+a :class:`Job` to a child process started with the "spawn" method (a fresh
+interpreter: nothing of the server's threads or CUDA state is inherited) and
+waits for it without holding the GIL. The child runs the same prepare code the
+engine runs -- ``GraphPool.prepare`` for each new weight-set shape,
+``FfnGraphs.prepare`` with the server's top-k list for each new expert-set
+shape, with the server's bucket bound -- with ``compile_only`` pools and the
+backend's compile-only launches: every kernel a capture will launch is
+specialised as the server will launch it and compiled into the on-disk cache,
+and nothing runs. The loader's own warm-ups then load the binaries from the
+cache (milliseconds) instead of compiling them.
+
+The child has none of the set's memory: it gets the weights as ``meta``
+tensors of the same shape, strides, dtype and 16-byte alignment (what a
+kernel's specialisation reads of a pointer argument), and the graphs' GEMMs
+find the weights through address words anyway. Its device memory is one
+family's static buffers at a time and its CUDA context.
+
+A child that fails (out of memory, a crash, a timeout) is logged and the
+loader compiles in-process, as before: the load still works, only slower on
+the calls. If the loader's warm-ups still compile after a child succeeded
+(the specialisations differ), the engine logs a warning with the count.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("moegemm.server.ahead")
+
+# How long the loader waits for a child before compiling in-process: the child's start
+# (importing torch: ~5 s) plus the compile of a new shape's kernels (seconds each).
+TIMEOUT_S = 600.0
+
+# What children compiled for this process (by settings and set), so that another engine
+# of the process (tests make many) does not start a child for it again.
+_done: set[tuple] = set()
+_done_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a kernel's specialisation reads of a tensor: shape, strides, dtype, and where
+    its data starts modulo 16 bytes."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str  # torch's name, e.g. "float8_e4m3fn"
+    align: int  # data_ptr() % 16
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSpec:
+        return cls(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."),
+                   t.data_ptr() % 16)
+
+    def stand_in(self) -> torch.Tensor:
+        """A ``meta`` tensor with this spec (no memory anywhere)."""
+        dtype = getattr(torch, self.dtype)
+        size = self.align // dtype.itemsize
+        if size * dtype.itemsize != self.align:
+            raise ValueError(f"a {self.dtype} tensor at {self.align} bytes past 16-byte alignment")
+        end = size + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1
+        base = torch.empty(end, dtype=dtype, device="meta")
+        return base.as_strided(self.shape, self.stride, storage_offset=size)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A weight set's shape and its two tensors' specs (the child's stand-in set)."""
+
+    G: int
+    N: int
+    K: int
+    wq: TensorSpec
+    w_scale: TensorSpec
+
+    @classmethod
+    def of(cls, ws) -> Weights:
+        return cls(ws.G, ws.N, ws.K, TensorSpec.of(ws.wq), TensorSpec.of(ws.w_scale))
+
+    def stand_in(self) -> _StandInSet:
+        return _StandInSet(self.G, self.N, self.K, self.wq.stand_in(), self.w_scale.stand_in())
+
+
+@dataclass(frozen=True)
+class Experts:
+    """An expert set's shape and its two matrices (the child's stand-in expert set)."""
+
+    G: int
+    H: int
+    I: int
+    w13: Weights
+    w2: Weights
+
+    @classmethod
+    def of(cls, es) -> Experts:
+        return cls(es.G, es.H, es.I, Weights.of(es.w13), Weights.of(es.w2))
+
+    def stand_in(self) -> _StandInExperts:
+        return _StandInExperts(self.G, self.H, self.I, self.w13.stand_in(), self.w2.stand_in())
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a child compiles: the kernels of the graphs an engine with these settings
+    captures for these weight sets and expert sets. Picklable."""
+
+    backend: str  # the engine's backend, as ``kernels.get_backend`` names it
+    device: str
+    max_bucket_m: int
+    top_k: tuple[int, ...]  # the engine's moe top-k list (expert sets' moe graphs)
+    gemm: tuple[Weights, ...]
+    experts: tuple[Experts, ...]
+
+    def key(self, item: Weights | Experts) -> tuple:
+        """What a child compiled for ``item`` under this job's settings (``_done``)."""
+        top_k = self.top_k if isinstance(item, Experts) else ()
+        return self.backend, self.device, self.max_bucket_m, top_k, item
+
+    def describe(self) -> str:
+        shapes = [f"G={w.G} N={w.N} K={w.K}" for w in self.gemm]
+        shapes += [f"experts G={e.G} H={e.H} I={e.I}" for e in self.experts]
+        return ", ".join(shapes)
+
+
+@dataclass(frozen=True)
+class _StandInSet:
+    """What the pools read of a WeightSet."""
+
+    G: int
+    N: int
+    K: int
+    wq: torch.Tensor
+    w_scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _StandInExperts:
+    """What the pools read of an ExpertSet."""
+
+    G: int
+    H: int
+    I: int
+    w13: _StandInSet
+    w2: _StandInSet
+
+
+def make_job(backend, max_bucket_m: int, top_k, weight_sets, expert_sets) -> Job | None:
+    """The job for these new weight sets and expert sets, or None when there is nothing to
+    compile or the backend compiles only in-process."""
+    if backend.ahead is None:
+        return None
+    job = Job(backend.name, str(backend.device), max_bucket_m, tuple(top_k), (), ())
+    with _done_lock:
+        gemm = tuple(w for w in map(Weights.of, weight_sets) if job.key(w) not in _done)
+        experts = tuple(e for e in map(Experts.of, expert_sets) if job.key(e) not in _done)
+    if not (gemm or experts):
+        return None
+    return Job(job.backend, job.device, max_bucket_m, job.top_k, gemm, experts)
+
+
+def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S) -> int | None:
+    """Run ``job`` in a spawned child and wait (the GIL free meanwhile); the kernels the child
+    compiled (0: all were in the on-disk cache already), or None when it failed (logged)."""
+    started = time.monotonic()
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(job, theirs), name="moegemm-compile", daemon=True)
+    try:
+        child.start()
+    except Exception as exc:  # noqa: BLE001 -- any failure to start means "compile here"
+        log.warning("cannot start a process to compile %s ahead (%s): compiling in-process",
+                    job.describe(), exc)
+        return None
+    theirs.close()
+    try:
+        answer: Any = ours.recv() if ours.poll(timeout_s) else ("failed", f"no answer in {timeout_s:.0f} s")
+    except EOFError:
+        answer = ("failed", "it ended without an answer")
+    finally:
+        ours.close()
+    child.join(5.0)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    status, detail = answer
+    if status != "ok":
+        log.warning("compiling %s ahead failed (%s, exit code %s): compiling in-process",
+                    job.describe(), detail, child.exitcode)
+        return None
+    with _done_lock:
+        _done.update(job.key(item) for item in (*job.gemm, *job.experts))
+    log.info("compiled %d kernels for %s ahead, in a child process, in %.1f s", detail,
+             job.describe(), time.monotonic() - started)
+    return detail
+
+
+def _child(job: Job, answer) -> None:
+    """The child process: run ``job``, then send ("ok", kernels compiled) or ("failed", why)."""
+    try:
+        compiled = run_job(job)
+    except BaseException as exc:  # noqa: BLE001 -- the parent logs it and compiles itself
+        answer.send(("failed", f"{type(exc).__name__}: {exc}"[:2000]))
+    else:
+        answer.send(("ok", compiled))
+    finally:
+        answer.close()
+
+
+def run_job(job: Job) -> int:
+    """Compile ``job``'s kernels in this process (a child's work); how many it compiled."""
+    from moegemm.kernels import get_backend
+
+    from ._ffn_graphs import FfnGraphs
+    from ._graphs import GraphPool
+
+    device = torch.device(job.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = get_backend(device, job.backend)
+    if backend.ahead is None:
+        raise RuntimeError(f"the {backend.name} backend does not compile ahead")
+    before = backend.ahead.compiles()
+    with backend.ahead.compile_only():
+        if job.gemm:
+            pool = GraphPool(backend, job.max_bucket_m, compile_only=True)
+            for w in job.gemm:
+                s = w.stand_in()
+                pool.prepare(s.G, s.N, s.K, s.wq, s.w_scale)
+        if job.experts:
+            ffn = FfnGraphs(backend, job.max_bucket_m, compile_only=True)
+            for e in job.experts:
+                ffn.prepare(e.stand_in(), job.top_k)
+    return backend.ahead.compiles() - before

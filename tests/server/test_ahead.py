@@ -1,0 +1,130 @@
+"""Compiling a new shape's kernels ahead (server/_ahead.py), the parts a CPU can check:
+the child's job and its stand-in tensors, and the fall-back when a child fails (real
+spawned processes). The compile itself is checked on the GPU (test_ahead_gpu.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+from moegemm.kernels import get_backend
+from moegemm.kernels._backend import Backend, CompileAhead
+from moegemm.server import _ahead
+from moegemm.server._ahead import Job, TensorSpec, Weights
+
+FP8 = torch.float8_e4m3fn
+
+
+def _set(g, n, k, name="w"):
+    wq = torch.zeros((g, n, k), dtype=FP8)
+    ws = torch.ones((g, k // 128, n // 128), dtype=torch.float32)
+    return SimpleNamespace(name=name, G=g, N=n, K=k, wq=wq, w_scale=ws)
+
+
+def _backend_with_ahead() -> Backend:
+    ref = get_backend("cpu", "reference")
+    ahead = CompileAhead(compile_only=contextlib.nullcontext, compiles=lambda: 0)
+    return Backend(**{**ref.__dict__, "name": "triton", "ahead": ahead})
+
+
+@pytest.mark.parametrize("offset", [0, 5, 16, 33])
+def test_a_stand_in_specialises_like_the_tensor_it_stands_for(offset):
+    """Shape, strides, dtype, contiguity and the data's 16-byte alignment (all a kernel's
+    specialisation reads of a pointer) are the real tensor's; no memory is behind it."""
+    base = torch.zeros(offset + 2 * 3 * 256, dtype=FP8)
+    real = base[offset:].view(2, 3, 256)
+    spec = TensorSpec.of(real)
+    assert spec == TensorSpec((2, 3, 256), (768, 256, 1), "float8_e4m3fn", real.data_ptr() % 16)
+    s = spec.stand_in()
+    assert s.device.type == "meta"
+    assert (s.shape, s.stride(), s.dtype) == (real.shape, real.stride(), real.dtype)
+    assert s.is_contiguous() and s.data_ptr() % 16 == real.data_ptr() % 16
+
+
+def test_a_float32_stand_in_keeps_its_alignment_and_strides():
+    base = torch.ones(1 + 4 * 6, dtype=torch.float32)
+    real = base[1:].view(4, 6)[:, :3]  # not contiguous, 4 bytes past alignment (or 20)
+    s = TensorSpec.of(real).stand_in()
+    assert (s.shape, s.stride(), s.is_contiguous()) == (real.shape, real.stride(), False)
+    assert s.data_ptr() % 16 == real.data_ptr() % 16
+
+
+def test_the_job_lists_the_new_sets_and_the_engines_settings():
+    backend = _backend_with_ahead()
+    a, b = _set(8, 256, 512, "a"), _set(4, 512, 256, "b")
+    es = SimpleNamespace(G=4, H=256, I=128, w13=_set(4, 256, 256), w2=_set(4, 256, 128))
+    job = _ahead.make_job(backend, 1024, (1, 2, 8), [a, b], [es])
+    assert job.backend == "triton" and job.device == "cpu"
+    assert job.max_bucket_m == 1024 and job.top_k == (1, 2, 8)
+    assert [(w.G, w.N, w.K) for w in job.gemm] == [(8, 256, 512), (4, 512, 256)]
+    assert job.gemm[0].wq == TensorSpec.of(a.wq)
+    assert job.gemm[1].w_scale == TensorSpec.of(b.w_scale)
+    [e] = job.experts
+    assert (e.G, e.H, e.I) == (4, 256, 128)
+    assert (e.w13.N, e.w13.K, e.w2.N, e.w2.K) == (256, 256, 256, 128)
+    assert pickle.loads(pickle.dumps(job)) == job  # what the spawned child receives
+    stand = e.stand_in()
+    assert stand.w2.wq.shape == (4, 256, 128) and stand.w2.wq.device.type == "meta"
+    assert "G=8 N=256 K=512" in job.describe() and "experts G=4 H=256 I=128" in job.describe()
+
+
+def test_no_job_without_new_shapes_or_for_a_backend_that_compiles_in_process():
+    assert _ahead.make_job(_backend_with_ahead(), 1024, (8,), [], []) is None
+    reference = get_backend("cpu", "reference")
+    assert reference.ahead is None
+    assert _ahead.make_job(reference, 1024, (8,), [_set(8, 256, 512)], []) is None
+
+
+def test_a_failed_child_is_logged_and_the_load_compiles_in_process(caplog):
+    """A real spawned child whose job cannot run (no CUDA here for the triton backend):
+    None comes back at once, with the reason logged."""
+    job = Job("triton", "cpu", 256, (8,), (Weights.of(_set(8, 256, 512)),), ())
+    with caplog.at_level(logging.WARNING, logger="moegemm.server.ahead"):
+        assert _ahead.compile_ahead(job, timeout_s=120) is None
+    [record] = [r for r in caplog.records if r.name == "moegemm.server.ahead"]
+    assert "compiling in-process" in record.getMessage()
+    assert "BackendUnavailable" in record.getMessage() or "RuntimeError" in record.getMessage()
+
+
+def test_a_child_that_does_not_answer_in_time_is_ended(caplog):
+    job = Job("triton", "cpu", 256, (8,), (Weights.of(_set(8, 256, 512)),), ())
+    with caplog.at_level(logging.WARNING, logger="moegemm.server.ahead"):
+        assert _ahead.compile_ahead(job, timeout_s=0.01) is None
+    assert any("no answer in" in r.getMessage() for r in caplog.records)
+
+
+def test_the_reference_backend_loads_without_a_child(monkeypatch):
+    """CPU engines (reference backend, no graphs) keep compiling nothing ahead."""
+    import asyncio
+
+    from moegemm.server.engine import Engine
+
+    def refuse(job, timeout_s=None):
+        raise AssertionError("no child for the reference backend")
+
+    monkeypatch.setattr(_ahead, "compile_ahead", refuse)
+    engine = Engine(get_backend("cpu", "reference"), max_bucket_m=256)
+    engine.start()
+    try:
+        ws = _set(8, 256, 512)
+        assert asyncio.run(engine.load(lambda: ws)) is ws
+    finally:
+        engine.close()
+
+
+def test_a_set_compiled_ahead_for_this_process_needs_no_second_child(monkeypatch):
+    """Another engine of the process (tests make many) loads it without a child; other
+    settings or another shape still get one."""
+    monkeypatch.setattr(_ahead, "_done", set())
+    backend = _backend_with_ahead()
+    a, b = _set(8, 256, 512, "a"), _set(4, 512, 256, "b")
+    job = _ahead.make_job(backend, 1024, (8,), [a], [])
+    _ahead._done.update(job.key(w) for w in job.gemm)
+    assert _ahead.make_job(backend, 1024, (8,), [a], []) is None
+    again = _ahead.make_job(backend, 1024, (8,), [a, b], [])
+    assert [(w.G, w.N, w.K) for w in again.gemm] == [(4, 512, 256)]
+    assert _ahead.make_job(backend, 2048, (8,), [a], []) is not None
