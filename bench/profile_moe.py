@@ -2,7 +2,7 @@
 
 For each model and token count of ``bench_moe.py``: the whole moe graph, the two-GEMM
 graph it is measured against, and each step of the moe body (``FfnGraphs._moe_body``:
-route, gather+quantize, GEMM w13, SiLU*up+fp8, GEMM w2, combine) captured in a graph
+route with gather+quantize, GEMM w13, SiLU*up+fp8, GEMM w2, combine) captured in a graph
 of its own, each timed as ``bench_moe`` times (L2 flushed before every replay,
 median). The steps' sum against the whole graph shows the cost of the graph's
 dependent nodes beyond their kernels.
@@ -67,21 +67,27 @@ def steps(executor, es, T, gen, flush, reps) -> dict:
     rows = T * TOP_K
     k = TOP_K
 
-    def route():
-        graphs._route(bufs.ids_words(), bufs.wide_word(), bufs.weights, bufs.tokens_word(), es.G,
-                      k, bufs.m_sizes_dev, bufs.pos, bufs.src, bufs.live_dev,
-                      bufs.route_flags(T))
+    words = (bufs.ids_words(), bufs.wide_word(), bufs.weights, bufs.tokens_word(), es.G, k,
+             bufs.m_sizes_dev, bufs.pos, bufs.src, bufs.live_dev, bufs.route_flags(T))
+    xq = torch.empty((rows, es.H), dtype=graphs.fp8, device="cuda")
+    xs = torch.empty((rows, es.H // 128), dtype=torch.float32, device="cuda")
+
+    def route():  # the moe body's first step (routing, with the gather and quantization)
+        if graphs._route_quantizes:
+            graphs._route(*words, quantize=(bufs.x[:T], (xq, xs), bufs.flags(T)))
+        else:
+            graphs._route(*words)
+            graphs._gather(bufs, bufs.x[:T], None, bufs.src[:rows], rows, bufs.flags(T))
 
     route()
-    xq, xs = graphs._gather(bufs, bufs.x[:T], None, bufs.src[:rows], rows, bufs.flags(T))
+    if not graphs._route_quantizes:
+        xq, xs = graphs._gather(bufs, bufs.x[:T], None, bufs.src[:rows], rows, bufs.flags(T))
     h = torch.empty((rows, 2 * es.I), dtype=graphs.h_dtype, device="cuda")
     y = torch.empty((rows, es.H), dtype=torch.bfloat16, device="cuda")
     graphs._gemm(xq, xs, bufs.table13(), es.w13, bufs.m_sizes(), h)
     aq, a_s = graphs._act(h, bufs.live_dev)
     parts = {
-        "route": route,
-        "gather_quant": lambda: graphs._gather(bufs, bufs.x[:T], None, bufs.src[:rows], rows,
-                                               bufs.flags(T)),
+        "route_quant": route,
         "gemm13": lambda: graphs._gemm(xq, xs, bufs.table13(), es.w13, bufs.m_sizes(), h),
         "act": lambda: graphs._act(h, bufs.live_dev),
         "gemm2": lambda: graphs._gemm(aq, a_s, bufs.table2(), es.w2, bufs.m_sizes(), y),

@@ -182,6 +182,17 @@ def _gather_quant_kernel(x_ptr, gather_ptr, gather_stride, aq_ptr, scale_ptr, fl
                          BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     src = tl.load(gather_ptr + row * gather_stride).to(tl.int64)
+    quantize_row(x_ptr, src, row, aq_ptr, scale_ptr, flags_ptr, FP8_MAX, K, BLOCKS, FNUZ, BIAS,
+                 MIN_NORMAL, SUB_SCALE)
+
+
+@triton.jit
+def quantize_row(x_ptr, src, row, aq_ptr, scale_ptr, flags_ptr, FP8_MAX, K: tl.constexpr,
+                 BLOCKS: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
+                 MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
+    """Row ``src`` of bf16 ``x`` ``[*, K]`` quantized into row ``row`` of ``aq`` and its
+    scales, ``flags[src]`` = 1 where it holds NaN or Inf (``gather_quantize_triton``'s
+    program; moe's routing kernel runs it for the rows it routes)."""
     KB: tl.constexpr = K // 128
     blk = tl.arange(0, BLOCKS)
     col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]

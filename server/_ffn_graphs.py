@@ -22,7 +22,8 @@ bucket's graph (or runs the same body eagerly).
 
 ``moe`` graph, over a bucket of tokens: route the (token, slot) pairs to
 experts on the device (``_moe_route.route``: counts, positions, the routing
-checks), gather the x rows per expert, the FFN above, and the weighted combine
+checks), gather the x rows per expert (bf16 tokens: quantized by the routing
+kernel itself, in the same launch), the FFN above, and the weighted combine
 ``out[t] = bf16(sum_j w[t, j] * y[pos(t, j)])`` (float32 sum). The host never
 reads the ids (int32 or int64 as sent, see ``_moe_route``); the routing flags
 come back with the output, in the one download.
@@ -290,7 +291,9 @@ class FfnGraphs:
 
             self._act = lambda h, rows: silu_mul_quant_triton(h, self.fp8, rows=rows)
             self._route, self._combine = route, combine
+            self._route_quantizes = True  # bf16 tokens: routed, gathered and quantized at once
         else:
+            self._route_quantizes = False
             self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
             self._route, self._combine = route_torch, combine_torch
         self._buffers: dict[FfnFamily, FfnBuffers] = {}
@@ -432,11 +435,17 @@ class FfnGraphs:
     def _moe_body(self, bufs: FfnBuffers, es, tokens: int) -> None:
         k = bufs.family.top_k
         rows = tokens * k
-        self._route(bufs.ids_words(), bufs.wide_word(), bufs.weights, bufs.tokens_word(), es.G,
-                    k, bufs.m_sizes_dev, bufs.pos, bufs.src, bufs.live_dev,
-                    bufs.route_flags(tokens))
-        xs = None if bufs.x_scale is None else bufs.x_scale[:tokens]
-        xq, xs = self._gather(bufs, bufs.x[:tokens], xs, bufs.src[:rows], rows, bufs.flags(tokens))
+        route = (bufs.ids_words(), bufs.wide_word(), bufs.weights, bufs.tokens_word(), es.G, k,
+                 bufs.m_sizes_dev, bufs.pos, bufs.src, bufs.live_dev, bufs.route_flags(tokens))
+        if bufs.family.quantize and self._route_quantizes:
+            xq = torch.empty((rows, es.H), dtype=self.fp8, device=self.device)
+            xs = torch.empty((rows, es.H // BLOCK), dtype=torch.float32, device=self.device)
+            self._route(*route, quantize=(bufs.x[:tokens], (xq, xs), bufs.flags(tokens)))
+        else:
+            self._route(*route)
+            xs = None if bufs.x_scale is None else bufs.x_scale[:tokens]
+            xq, xs = self._gather(bufs, bufs.x[:tokens], xs, bufs.src[:rows], rows,
+                                  bufs.flags(tokens))
         live = bufs.live_dev if self.pad_to_bucket else None
         y = self._chain(bufs, es, xq, xs, rows, live)
         self._combine(y, bufs.pos, bufs.weights, bufs.tokens_word(), k, bufs.out(tokens))

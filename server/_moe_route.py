@@ -25,6 +25,13 @@ stores, so a bad id never indexes out of bounds; the last program also checks
 every real token (ids in range and distinct, weights finite). The answer does
 not depend on the order the programs run in: no atomics.
 
+``route`` with ``quantize`` (bf16 tokens) also gathers and quantizes the
+rows it routes, ``gather_quantize_triton`` bit for bit, in the same launch
+(one kernel node less in a moe graph, v14: each node cost ~3 us of a decode
+step's kernels): ``S`` programs per expert share its rows (program ``(g, s)``
+takes rows ``start + s, start + s + S, ...``), each reading back the ``src``
+words its own threads stored (a barrier between).
+
 ``combine``: ``out[t] = bf16(sum_j weights[t, j] * y[pos[t, j]])``, the sum in
 float32 in slot order, one multiply and one add per slot (no contraction).
 
@@ -37,7 +44,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from moegemm.kernels._triton_act import _round_to_bf16
+from moegemm.kernels._triton_act import _FORMAT, _round_to_bf16, quantize_row
+from moegemm.kernels.quant import BLOCK, fp8_max
 
 _CHUNK = 1024
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -54,9 +62,13 @@ def _expert_of(ids_ptr, i, mask, wide):
 
 @triton.jit
 def _route_kernel(ids_ptr, wide_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, src_ptr, live_ptr, flags_ptr,
+                  x_ptr, aq_ptr, scale_ptr, x_flags_ptr, FP8_MAX,
                   bucket_tokens: tl.constexpr, R: tl.constexpr, G: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                  CHUNK: tl.constexpr, TBLOCK: tl.constexpr):
+                  CHUNK: tl.constexpr, TBLOCK: tl.constexpr, QUANT: tl.constexpr, S: tl.constexpr,
+                  H: tl.constexpr, BLOCKS: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
+                  MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
     g = tl.program_id(0)
+    part = tl.program_id(1)
     T = tl.load(tokens_ptr)
     wide = tl.load(wide_ptr).to(tl.int32)
     below = tl.zeros([CHUNK], dtype=tl.int32)
@@ -69,10 +81,11 @@ def _route_kernel(ids_ptr, wide_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, sr
         below += (eff < g).to(tl.int32)
         own += (eff == g).to(tl.int32)
     start = tl.sum(below, axis=0).to(tl.int64)
-    if g < G:
-        tl.store(m_sizes_ptr + g, tl.sum(own, axis=0).to(tl.int64))
-    else:
-        tl.store(live_ptr, start)
+    if part == 0:
+        if g < G:
+            tl.store(m_sizes_ptr + g, tl.sum(own, axis=0).to(tl.int64))
+        else:
+            tl.store(live_ptr, start)
     run = start
     for c in range(0, R, CHUNK):
         i = c + tl.arange(0, CHUNK)
@@ -84,7 +97,15 @@ def _route_kernel(ids_ptr, wide_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, sr
         tl.store(pos_ptr + i, row, mask=mine)
         tl.store(src_ptr + row, (i // K).to(tl.int64), mask=mine)
         run += tl.sum(m, axis=0)
-    if g == G:
+    if QUANT:
+        tl.debug_barrier()  # this program's src words, stored above by its threads
+        r = start + part  # a while loop: the interpreter takes no run-time range bounds
+        while r < run:
+            token = tl.load(src_ptr + r)
+            quantize_row(x_ptr, token, r, aq_ptr, scale_ptr, x_flags_ptr, FP8_MAX, H, BLOCKS, FNUZ,
+                         BIAS, MIN_NORMAL, SUB_SCALE)
+            r += S
+    if g == G and part == 0:
         jj = tl.arange(0, KP)[None, :]
         for t0 in range(0, bucket_tokens, TBLOCK):
             tt = t0 + tl.arange(0, TBLOCK)[:, None]
@@ -120,19 +141,45 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, tokens_ptr, stride_y, stride
 
 def route(ids: torch.Tensor, wide: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor,
           G: int, k: int, m_sizes: torch.Tensor, pos: torch.Tensor, src: torch.Tensor,
-          live: torch.Tensor, flags: torch.Tensor) -> None:
+          live: torch.Tensor, flags: torch.Tensor, quantize: tuple | None = None) -> None:
     """Fill ``m_sizes``, ``pos``, ``src``, ``live`` and ``flags`` (see the table) for the
     ``len(flags)`` bucket tokens; capture-safe. ``ids``: int32 words, at least
-    ``2 * len(flags) * k`` of them."""
+    ``2 * len(flags) * k`` of them.
+
+    ``quantize``: ``(x, (xq, x_scale), x_flags)``: also the routed rows of bf16 tokens
+    ``x`` ``[Tb, H]`` quantized, ``xq[r], x_scale[r]`` from token ``src[r]`` (``R = Tb * k``
+    rows), and ``x_flags[t]`` 1 where token ``t`` holds NaN or Inf:
+    ``gather_quantize_triton(x, src, x_flags, (xq, x_scale))`` bit for bit."""
     bucket_tokens = flags.shape[0]
     if bucket_tokens == 0:
         return
     if ids.dtype != torch.int32 or ids.numel() < 2 * bucket_tokens * k:
         raise ValueError(f"ids must be int32 words, 2 per entry, got {ids.dtype} {ids.numel()}")
-    _route_kernel[(G + 1,)](
-        ids, wide, weights, tokens, m_sizes, pos, src, live, flags,
-        bucket_tokens=bucket_tokens, R=bucket_tokens * k, G=G, K=k, KP=triton.next_power_of_2(k), CHUNK=_CHUNK,
-        TBLOCK=max(1, _CHUNK // triton.next_power_of_2(k)), num_warps=4,
+    rows = bucket_tokens * k
+    if quantize is None:
+        x = xq = x_scale = x_flags = flags
+        H, blocks, parts, limit, fnuz = BLOCK, 1, 1, 1.0, False
+    else:
+        x, (xq, x_scale), x_flags = quantize
+        H = x.shape[1]
+        if x.dtype != torch.bfloat16 or H % BLOCK or not x.is_contiguous() or \
+                tuple(xq.shape) != (rows, H) or tuple(x_scale.shape) != (rows, H // BLOCK) or \
+                not (xq.is_contiguous() and x_scale.is_contiguous()):
+            raise ValueError("quantize must be (bf16 x [Tb, H], (xq [Tb*k, H], x_scale [Tb*k, H/128]), "
+                             "x_flags [Tb])")
+        blocks = triton.next_power_of_2(H // BLOCK)
+        # Programs per expert: as many as its mean rows (each row's loads wait on the src word
+        # before them: a program walks its rows one by one), 32 at most.
+        parts = min(32, triton.next_power_of_2(triton.cdiv(rows, G + 1)))
+        limit, fnuz = fp8_max(xq.dtype), xq.dtype == torch.float8_e4m3fnuz
+        xq = xq.view(torch.uint8)
+    bias, min_normal, sub_scale = _FORMAT[fnuz]
+    _route_kernel[(G + 1, parts)](
+        ids, wide, weights, tokens, m_sizes, pos, src, live, flags, x, xq, x_scale, x_flags, limit,
+        bucket_tokens=bucket_tokens, R=rows, G=G, K=k, KP=triton.next_power_of_2(k), CHUNK=_CHUNK,
+        TBLOCK=max(1, _CHUNK // triton.next_power_of_2(k)), QUANT=quantize is not None, S=parts,
+        H=H, BLOCKS=blocks, FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal, SUB_SCALE=sub_scale,
+        num_warps=4 if blocks <= 16 else 8, enable_fp_fusion=False,
     )
 
 

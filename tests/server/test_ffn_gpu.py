@@ -41,7 +41,7 @@ from moegemm.kernels import get_backend
 from moegemm.kernels.testing import random_m_sizes, rel_error
 from moegemm.server._ffn_graphs import combine_torch, route_torch
 from moegemm.server._moe_route import combine, route
-from test_ffn_graphs import ids_words
+from test_ffn_graphs import _route_quantizes_as_torch, ids_words
 
 DEV = torch.device("cuda")
 G, H, I = 8, 1024, 256
@@ -231,6 +231,8 @@ def test_route_and_combine_kernels_equal_their_torch_definitions():
             got.append(outs)
         for a, b in zip(*got):
             assert torch.equal(a, b), (g, k, bucket, tokens)
+        _route_quantizes_as_torch(words, torch.tensor(wide, device=DEV), w, n, g, k, bucket,
+                                  got[0][2], gen, H=7168 if g == 256 else 384)
         y = torch.randn((bucket * k, 384), generator=gen).to(torch.bfloat16).to(DEV)
         pos, ww = got[0][1], w.nan_to_num()
         o1 = torch.zeros((bucket, 384), dtype=torch.bfloat16, device=DEV)

@@ -141,6 +141,34 @@ def ids_words(ids: torch.Tensor, wide: int) -> torch.Tensor:
     return words
 
 
+def _route_quantizes_as_torch(words, wide, w, n, g, k, bucket, src, gen, H=384) -> None:
+    """``route`` with ``quantize`` gives route's words and ``gather_quantize``'s rows and flags
+    (the torch definitions: ``quantize_activations(x[src])``, ``bad_rows(x)``), bit for bit,
+    tokens holding NaN and Inf among them."""
+    from moegemm.kernels import quantize_activations
+    from moegemm.server._checks import bad_rows
+    from moegemm.server._moe_route import route
+
+    dev = words.device
+    x = (torch.randn((bucket, H), generator=gen) * 8).to(torch.bfloat16).to(dev)
+    x[bucket // 2, 5] = float("nan")
+    x[bucket - 1, H - 1] = float("-inf")
+    rows = bucket * k
+    outs = (torch.full((g,), -5, dtype=torch.int64, device=dev),
+            torch.full((rows,), -5, dtype=torch.int64, device=dev),
+            torch.full((rows,), -5, dtype=torch.int64, device=dev), torch.tensor(-1, device=dev),
+            torch.full((bucket,), 9, dtype=torch.int8, device=dev))
+    xq = torch.full((rows, H), 0x55, dtype=torch.uint8, device=dev).view(FP8)
+    xs = torch.full((rows, H // 128), -7.0, device=dev)
+    x_flags = torch.full((bucket,), 9, dtype=torch.int8, device=dev)
+    route(words, wide, w, n, g, k, *outs, quantize=(x, (xq, xs), x_flags))
+    assert torch.equal(outs[2], src)
+    want_q, want_s = quantize_activations(x[src], FP8)
+    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(xs.view(torch.int32), want_s.view(torch.int32))  # NaN scales too
+    assert torch.equal(x_flags.cpu(), bad_rows(x.cpu(), None))
+
+
 def compare_kernels_on_cpu() -> None:
     from moegemm.server._ffn_graphs import combine_torch, route_torch
     from moegemm.server._moe_route import combine, route
@@ -171,6 +199,7 @@ def compare_kernels_on_cpu() -> None:
             got.append(outs)
         for a, b in zip(*got):
             assert torch.equal(a, b), (g, k, bucket, tokens, a, b)
+        _route_quantizes_as_torch(words, torch.tensor(wide), w, n, g, k, bucket, got[0][2], gen)
         if wide and tokens > 2:
             assert got[0][4][0] == 1
         assert got[0][4][: min(tokens, 4)].tolist()[1:] == [1] * (min(tokens, 4) - 1) \
@@ -220,6 +249,7 @@ def _padded_runner(graph_path: bool) -> Runner:
     steps.check_and_gather = check_and_gather
     steps._act = lambda h, rows: silu_mul_quant_triton(h, FP8, rows=rows)
     steps._route, steps._combine = route, combine
+    steps._route_quantizes = True
     steps._gather_quant = gather_quantize_triton
 
     def gemm(xq, xs, table, ws, m_sizes, out):
