@@ -25,7 +25,7 @@ from bench_moe import MODELS, TOKENS, TOP_K, _call, capture, expert_set, replay_
 _AROUND = ("_route_kernel", "_gather_quant_kernel", "_silu_mul_quant_kernel", "_combine_kernel")
 
 
-def kernel_sums_us(graph, flush, reps) -> tuple[float, float]:
+def kernel_sums_us(graph, flush, reps) -> tuple[float, float, dict]:
     """(all the graph's kernels, its GEMM kernels alone): summed device times per replay
     (the profiler's kernel records, L2 flushed before each replay, the flush not counted),
     median over ``reps`` replays. The issue's measure: "the graph's kernels, summed"."""
@@ -33,7 +33,7 @@ def kernel_sums_us(graph, flush, reps) -> tuple[float, float]:
 
     graph.replay()
     torch.cuda.synchronize()
-    totals, gemms = [], []
+    totals, gemms, named = [], [], {}
     for _ in range(reps):
         flush.zero_()
         torch.cuda.synchronize()
@@ -48,9 +48,11 @@ def kernel_sums_us(graph, flush, reps) -> tuple[float, float]:
             total += t
             if not any(name in evt.name for name in _AROUND):
                 gemm += t
+            named.setdefault(evt.name[:60], []).append(t)
         totals.append(total)
         gemms.append(gemm)
-    return sorted(totals)[reps // 2], sorted(gemms)[reps // 2]
+    per_kernel = {name: round(sorted(ts)[len(ts) // 2], 1) for name, ts in named.items()}
+    return sorted(totals)[reps // 2], sorted(gemms)[reps // 2], per_kernel
 
 
 def steps(executor, es, T, gen, flush, reps) -> dict:
@@ -99,8 +101,9 @@ def steps(executor, es, T, gen, flush, reps) -> dict:
         row[f"{name}_us"] = round(replay_median_us(capture(fn), flush, reps), 1)
     row["steps_sum_us"] = round(sum(row[f"{n}_us"] for n in parts), 1)
     try:
-        total, gemm = kernel_sums_us(whole, flush, min(reps, 10))
+        total, gemm, per_kernel = kernel_sums_us(whole, flush, min(reps, 10))
         row["kernels_sum_us"], row["gemm_kernels_us"] = round(total, 1), round(gemm, 1)
+        row["per_kernel_us"] = per_kernel
         row["kernels_over_gemm_kernels"] = round(total / gemm, 3) if gemm else None
     except Exception as exc:  # noqa: BLE001  the profiler is a measurement aid, never fatal
         row["kernels_sum_error"] = repr(exc)[:300]
