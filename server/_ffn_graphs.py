@@ -68,6 +68,11 @@ from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addr
 log = logging.getLogger("moegemm.server.ffn_graphs")
 
 BLOCK = 128
+# The most rows (tokens * k) whose gather and quantization the routing kernel does itself. Its
+# programs (one per expert, ``S`` per expert sharing the rows) each scan all the launch's ids, so
+# past a decode step's rows the separate gather (one program per row) is the better split; 2048
+# (256 tokens of top-8) is as far as it was measured (bench/profile_moe.py).
+ROUTE_QUANTIZES_UP_TO = 2048
 
 
 # -- the torch definitions of the graph's own steps ------------------------------------------
@@ -437,7 +442,7 @@ class FfnGraphs:
         rows = tokens * k
         route = (bufs.ids_words(), bufs.wide_word(), bufs.weights, bufs.tokens_word(), es.G, k,
                  bufs.m_sizes_dev, bufs.pos, bufs.src, bufs.live_dev, bufs.route_flags(tokens))
-        if bufs.family.quantize and self._route_quantizes:
+        if bufs.family.quantize and self._route_quantizes and rows <= ROUTE_QUANTIZES_UP_TO:
             xq = torch.empty((rows, es.H), dtype=self.fp8, device=self.device)
             xs = torch.empty((rows, es.H // BLOCK), dtype=torch.float32, device=self.device)
             self._route(*route, quantize=(bufs.x[:tokens], (xq, xs), bufs.flags(tokens)))
