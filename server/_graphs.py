@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -217,7 +218,9 @@ class GraphPool:
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._check_stream: torch.cuda.Stream | None = None  # a lone call's check branch
+        # A lone call's check branch: a stream per thread (a capture on the loader thread
+        # must never meet the engine thread's eager launches on one stream).
+        self._check_streams = threading.local()
         self._table_checked: set[tuple[int, int, int]] = set()
         self.compile_only = compile_only
         self.replays = 0
@@ -328,9 +331,9 @@ class GraphPool:
         bufs = self._buffers[family]
         gather, _ = bufs.order(rows)
         main = torch.cuda.current_stream(self.device)
-        if self._check_stream is None:
-            self._check_stream = torch.cuda.Stream(self.device)
-        beside = self._check_stream
+        beside = getattr(self._check_streams, "stream", None)
+        if beside is None:
+            beside = self._check_streams.stream = torch.cuda.Stream(self.device)
         beside.wait_stream(main)
         with torch.cuda.stream(beside):
             self.check_and_gather(bufs.x[:rows], bufs.x_scale[:rows], gather, bufs.xg[:rows],
