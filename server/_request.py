@@ -51,6 +51,7 @@ SIZE_DTYPES = {"int64": np.dtype("<i8"), "int32": np.dtype("<i4")}
 ID_DTYPES = ("int32", "int64")
 
 _MAX_DIM = 1 << 63  # torch sizes are int64
+_MAX, _ADD = np.maximum, np.add  # their reduce, without ndarray.max's Python wrapper
 
 
 class WireTensor(msgspec.Struct, forbid_unknown_fields=True):
@@ -303,10 +304,12 @@ def _rows_call(body: GemmBody, target: Callable[[], Any], max_m: int, width):
         raise TooLarge(f"x has M={M} rows; this server takes at most {max_m} per call")
     _x_scale(x, x_scale, M, "M")
     sizes = np.frombuffer(m_sizes.data, dtype=kind).astype(np.int64)
-    if (sizes < 0).any():
-        raise BadMSizes(f"m_sizes {sizes.tolist()} holds a negative size")
-    # Each size in [0, M] first: then the int64 sum of G sizes is exact.
-    if (sizes > M).any() or int(sizes.sum()) != M:
+    # Each size in [0, M] first (one reduction: read as unsigned, a negative size is
+    # above any M): then the int64 sum of G sizes is exact. Two reductions, not
+    # five array operations: ~2 us less per call on the CPU box (bench/overhead_cpu.py).
+    if _MAX.reduce(sizes.view(np.uint64)) > M or int(_ADD.reduce(sizes)) != M:
+        if (sizes < 0).any():
+            raise BadMSizes(f"m_sizes {sizes.tolist()} holds a negative size")
         total = sum(int(s) for s in sizes.tolist())  # Python ints: exact
         raise BadMSizes(f"m_sizes sum to {total}; x has M={M} rows")
     return ws, M, x.dtype, _bytes(x.data), None if x_scale is None else _bytes(x_scale.data), \
