@@ -29,6 +29,7 @@ time per call (``moegemm_request_seconds``: the handler, as bench_service's
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -124,10 +125,8 @@ def _install_stamps(out: str) -> None:
     atexit.register(dump)
 
 
-def serve_inline(argv: list[str], profile_out: str | None, stub: bool,
-                 stamps_out: str | None = None) -> int:
-    """``moegemm serve`` with small calls on the loop's thread (the GPU's path), the
-    executor a stub when ``stub``."""
+def _as_on_gpu(stub: bool) -> None:
+    """Small calls on the loop's thread (the GPU's path); the executor a stub when ``stub``."""
     from moegemm.server import engine
 
     init = engine.Engine.__init__
@@ -148,6 +147,13 @@ def serve_inline(argv: list[str], profile_out: str | None, stub: bool,
                     _executor.Launches(graph=1))
 
         _executor.Executor.run_calls = run_calls
+
+
+def serve_inline(argv: list[str], profile_out: str | None, stub: bool,
+                 stamps_out: str | None = None) -> int:
+    """``moegemm serve`` with small calls on the loop's thread (the GPU's path), the
+    executor a stub when ``stub``."""
+    _as_on_gpu(stub)
     if stamps_out:
         _install_stamps(stamps_out)
     profile = None
@@ -259,6 +265,150 @@ def _calls(m: int, rng):
     return x, sizes, scale
 
 
+# -- in process: the handler and the transport alone, without sockets ------------------
+
+
+async def _handler_us(m: int, calls: int) -> float:
+    """Microseconds per ``DirectGemm`` call (the gemm handler: headers, budget, admission,
+    decode, validation, ``Engine.submit`` inline, the answer's parts, metrics), stub
+    executor, in this process's ``moegemm``."""
+    import ml_dtypes
+    from moegemm.client._wire import encode_tensor, packb
+    from moegemm.server._direct import DirectGemm
+    from moegemm.server.app import create_app
+    from moegemm.server.config import Settings
+
+    work = Path(tempfile.mkdtemp(prefix="moegemm_overhead_"))
+    _write_weights(work / "main.safetensors")
+    app = create_app(Settings(device="cpu", weights_dir=work, demo=False,
+                              preload=["main=main.safetensors:w:w_scale"]))
+    async with app.router.lifespan_context(app):
+        svc = app.state.services
+        while not svc.ready:
+            await asyncio.sleep(0.05)
+        direct = DirectGemm(app)
+        direct.in_progress = lambda: 1  # the lone request: inline, as on a GPU
+        x, sizes, scale = _calls(m, np.random.default_rng(0))
+        body = memoryview(packb({"x": encode_tensor(x), "x_scale": encode_tensor(scale),
+                                 "m_sizes": encode_tensor(sizes)}))
+        headers = [(b"host", b"127.0.0.1:8000"), (b"user-agent", b"moegemm-client"),
+                   (b"content-type", b"application/vnd.msgpack"),
+                   (b"x-request-id", b"0123456789abcdef0123456789abcdef"),
+                   (b"content-length", str(len(body)).encode())]
+        route = direct.match("POST", "/v1/weights/main/gemm")
+        for _ in range(500):
+            status, _, _ = await direct(route, headers, body)
+            assert status == 200, status
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            await direct(route, headers, body)
+        return (time.perf_counter_ns() - t0) / calls / 1e3
+
+
+class _FakeTransport:
+    """What ``_Connection`` asks of a transport, writing nowhere."""
+
+    def get_extra_info(self, key, default=None):
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(key,
+                                                                                     default)
+
+    def set_write_buffer_limits(self, high=None):
+        pass
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def writelines(self, parts):
+        pass
+
+    def write(self, data):
+        pass
+
+    def is_closing(self):
+        return False
+
+    def close(self):
+        pass
+
+
+async def _transport_us(calls: int) -> float:
+    """Microseconds per request through the fast transport's ``_Connection`` (head parse,
+    gate, body, dispatch to a direct route answering canned bytes, answer, next),
+    in this process's ``moegemm``."""
+    from moegemm.server._direct import DirectGemm
+    from moegemm.server._http import FastHttpServer, _Connection
+
+    class Canned:
+        match = staticmethod(DirectGemm.match)
+
+        async def __call__(self, route, headers, body):
+            return 200, (b"content-type: application/vnd.msgpack\r\ncontent-length: 10\r\n"
+                         b"x-request-id: 0123456789abcdef0123456789abcdef\r\n"), [b"0" * 10]
+
+    async def app(scope, receive, send):
+        raise AssertionError("not the direct route")
+
+    body = bytes(600)
+    request = (b"POST /v1/weights/main/gemm HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+               b"User-Agent: moegemm-client\r\nContent-Type: application/vnd.msgpack\r\n"
+               b"X-Request-Id: 0123456789abcdef0123456789abcdef\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    server = FastHttpServer(app, "127.0.0.1", 0, max_body_bytes=1 << 28, direct=Canned())
+    server._budget = False  # a bare app: no BodyBudget to find
+    conn = _Connection(server)
+    conn.connection_made(_FakeTransport())
+
+    async def one() -> None:
+        conn.get_buffer(65536)[:len(request)] = request
+        conn.buffer_updated(len(request))
+        if conn.task is not None:  # Python < 3.12: the task runs in the loop's next turn
+            await conn.task
+
+    for _ in range(1000):
+        await one()
+    t0 = time.perf_counter_ns()
+    for _ in range(calls):
+        await one()
+    return (time.perf_counter_ns() - t0) / calls / 1e3
+
+
+def harness(calls: int) -> None:
+    """(internal) One line of JSON: the in-process figures of this ``moegemm``."""
+    import uvloop
+
+    _as_on_gpu(stub=True)
+
+    async def main() -> dict:
+        return {"handler M=1": await _handler_us(1, calls),
+                "handler M=128": await _handler_us(128, calls),
+                "transport": await _transport_us(2 * calls)}
+
+    print(json.dumps(uvloop.run(main())))
+
+
+def in_process(pkgs: list[str], rounds: int, calls: int) -> dict:
+    """The in-process figures of each checkout, rounds alternating; medians."""
+    got: dict = {}
+    for r in range(rounds):
+        for spec in pkgs if r % 2 == 0 else pkgs[::-1]:
+            name, _, pkg = spec.partition("=")
+            env = {**os.environ, "PYTHONPATH": pkg, "PYTHONSAFEPATH": "1"}
+            out = subprocess.run([sys.executable, str(_HERE), "--harness", "--calls", str(calls)],
+                                 env=env, capture_output=True, text=True, check=True).stdout
+            for key, us in json.loads(out.strip().splitlines()[-1]).items():
+                got.setdefault(f"{name} {key}", []).append(us)
+    print(f"in process, us per call (median of {rounds} rounds, min-max):")
+    summary = {}
+    for key in sorted(got):
+        v = got[key]
+        summary[key] = round(statistics.median(v), 2)
+        print(f"{key:>20} | {summary[key]:7.2f} ({min(v):.2f}-{max(v):.2f})")
+    return summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pkg", action="append", default=[], help="NAME=DIR (repeatable)")
@@ -272,10 +422,21 @@ def main() -> int:
                     help="run the reference kernel (else a stub answers zeros)")
     ap.add_argument("--stamps", nargs="?", const="1",
                     help="stamp the lone call's path in each server and print the segments")
+    ap.add_argument("--in-process", action="store_true",
+                    help="time the handler and the transport in process (no sockets) instead")
+    ap.add_argument("--harness", action="store_true", help="(internal)")
     ap.add_argument("--stub", action="store_true", help="(internal)")
     ap.add_argument("--serve-inline", action="store_true", help="(internal)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args()
+    if args.harness:
+        harness(args.calls)
+        return 0
+    if args.in_process:
+        summary = in_process(args.pkg, args.rounds, args.calls)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"in_process": summary}, indent=1))
+        return 0
     if args.serve_inline:
         return serve_inline([a for a in args.rest if a != "--"], args.profile, args.stub,
                             args.stamps)
