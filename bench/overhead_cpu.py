@@ -2,6 +2,8 @@
 
     python bench/overhead_cpu.py --pkg A=/tmp/pkg-base --pkg B=/tmp/pkg-new [--rounds 6]
     python bench/overhead_cpu.py --pkg B=/tmp/pkg-new --profile OUT.txt   # cProfile the loop
+    python bench/overhead_cpu.py --pkg B=/tmp/pkg-new --stamps   # the lone call's segments
+    python bench/overhead_cpu.py --in-process --pkg A=... --pkg B=...     # no sockets
 
 Each ``--pkg NAME=DIR`` starts a real ``moegemm serve`` (the fast transport,
 ``MOEGEMM_ACCEPTORS=4`` as on a GPU: the lone connection is handed to the
@@ -14,12 +16,19 @@ calls).
 
 The executor is a stub answering zeros (``--real-executor``: the reference
 kernel, ~0.6 ms a call here, CPU only): the batch time left is the engine's
-bookkeeping around it. The servers run small calls as the GPU does: on the event loop's thread, inline
-when alone (``Engine._loop_rows = SMALL_ROWS``; on the CPU the engine sends every
-call to its worker thread because the reference kernel of a real shape takes
-milliseconds). Everything else is the shipped code, so the figures are the
-transport, decode, validation, engine and answer costs shared with the GPU path,
-plus the reference executor (CPU only; the same in A and B).
+bookkeeping around it. The servers run small calls as the GPU does: on the
+event loop's thread, inline when alone (``Engine._loop_rows = SMALL_ROWS``; on
+the CPU the engine sends every call to its worker thread because the reference
+kernel of a real shape takes milliseconds). Everything else is the shipped
+code, so the figures are the transport, decode, validation, engine and answer
+costs shared with the GPU path. (This box runs Python 3.11: a request's task
+starts in the loop's next turn, where the H200's 3.12 starts it eagerly.)
+
+``--in-process`` times the same code without sockets, each checkout in its own
+process, rounds alternating: the gemm handler (``DirectGemm``, inline, stub
+executor), the transport (``_Connection`` with a canned direct route) and the
+executor's graph path (the GPU's; driver copies and replay stubbed). Far less
+noise than the loopback figures on this shared 2-core box.
 
 Per server and M: the median over rounds of the client's p50, the in-server
 time per call (``moegemm_request_seconds``: the handler, as bench_service's
@@ -375,16 +384,77 @@ async def _transport_us(calls: int) -> float:
     return (time.perf_counter_ns() - t0) / calls / 1e3
 
 
+def _graph_path_us(m: int, calls: int) -> float:
+    """Microseconds of host Python per lone call in ``Executor.run_calls``'s graph path
+    (the GPU's), here on the CPU: the family's buffers, the launch words, the result
+    slicing and checks, with the driver's copies and the graph replay stubbed out (on
+    the H200 each of those six driver calls costs a few us more, and the device's
+    own time comes on top). G=8, N=2048, K=7168 as the device bench."""
+    import torch
+    from moegemm.kernels import get_backend
+    from moegemm.server._executor import Executor
+    from moegemm.server._graphs import GraphPool
+    from moegemm.server._request import GemmCall
+    from moegemm.server._staging import Staging
+
+    g, n, k = 8, 2048, 7168
+    pool = GraphPool(get_backend(torch.device("cpu")), 8192, graphs=False)
+    pool.pad_to_bucket = True  # as on a GPU: launches cover a bucket
+    pool.run_table = lambda *a, **kw: None  # as on a GPU: graphs by family, weights by address
+
+    class Replay:
+        def replay(self):
+            pass
+
+    replay = Replay()
+    pool.graph = lambda *a, **kw: replay
+
+    class NoCopies:
+        def htod(self, *a):
+            pass
+
+        def dtoh(self, *a):
+            pass
+
+        def wait(self):
+            pass
+
+    staging = Staging(torch.device("cpu"))
+    staging._copies = NoCopies()
+    executor = Executor(pool, staging)
+
+    class Set:
+        G, N, K = g, n, k
+        wq = torch.zeros(g, n, k, dtype=torch.float8_e4m3fn)
+        w_scale = torch.ones(g, k // 128, n // 128)
+
+    x = np.zeros((m, k), np.uint8)
+    scale = np.ones((m, k // 128), np.float32)
+    sizes = np.random.default_rng(0).multinomial(m, np.full(g, 1.0 / g)).astype(np.int64)
+    call = GemmCall(Set, m, "float8_e4m3fn", memoryview(x).cast("B"),
+                    memoryview(scale).cast("B"), sizes)
+    for _ in range(200):
+        staging.begin()
+        executor.run_calls(Set, [call])
+    t0 = time.perf_counter_ns()
+    for _ in range(calls):
+        staging.begin()
+        executor.run_calls(Set, [call])
+    return (time.perf_counter_ns() - t0) / calls / 1e3
+
+
 def harness(calls: int) -> None:
     """(internal) One line of JSON: the in-process figures of this ``moegemm``."""
     import uvloop
 
+    graph = {"graph path M=1": _graph_path_us(1, calls),
+             "graph path M=128": _graph_path_us(128, calls)}  # before the stub goes in
     _as_on_gpu(stub=True)
 
     async def main() -> dict:
         return {"handler M=1": await _handler_us(1, calls),
                 "handler M=128": await _handler_us(128, calls),
-                "transport": await _transport_us(2 * calls)}
+                "transport": await _transport_us(2 * calls), **graph}
 
     print(json.dumps(uvloop.run(main())))
 
