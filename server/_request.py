@@ -236,9 +236,10 @@ def _tensor(t: WireTensor, name: str) -> int:
     if t.data.nbytes != want:
         raise BadTensor(f"{name}: data holds {t.data.nbytes} bytes; {t.dtype} {t.shape} "
                         f"needs {want}")
-    if any(d >= _MAX_DIM for d in t.shape) or (
-            count == 0 and math.prod(max(d, 1) for d in t.shape) >= _MAX_DIM):
-        # torch lays out even an empty tensor: its dims and strides must fit int64.
+    # Data that holds count > 0 elements bounds every dim by count; only an empty
+    # tensor can name huge dims, and torch lays out even that one: its dims and
+    # strides must fit int64 (the product of its non-zero dims bounds them all).
+    if count == 0 and math.prod(max(d, 1) for d in t.shape) >= _MAX_DIM:
         raise BadTensor(f"{name}: shape {t.shape} is too large to lay out")
     return count
 
