@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -125,7 +126,7 @@ def _install_stamps(out: str) -> None:
     def dump() -> None:
         segs: dict[str, list[float]] = {}
         for call in _STAMPS[50:]:
-            for (a, t0), (b, t1) in zip(call, call[1:]):
+            for (a, t0), (b, t1) in itertools.pairwise(call):
                 segs.setdefault(f"{a} -> {b}", []).append((t1 - t0) / 1e3)
             segs.setdefault("total", []).append((call[-1][1] - call[0][1]) / 1e3)
         Path(out).write_text(json.dumps(
@@ -223,7 +224,7 @@ class _Server:
                "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
                "--no-demo", "--weights-dir", str(work),
                "--preload", "main=main.safetensors:w:w_scale", "--log-level", "warning"]
-        self.log = open(work / f"server_{name}.log", "w")
+        self.log = open(work / f"server_{name}.log", "w")  # noqa: SIM115 -- closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 180) -> None:
@@ -281,7 +282,6 @@ async def _handler_us(m: int, calls: int) -> float:
     """Microseconds per ``DirectGemm`` call (the gemm handler: headers, budget, admission,
     decode, validation, ``Engine.submit`` inline, the answer's parts, metrics), stub
     executor, in this process's ``moegemm``."""
-    import ml_dtypes
     from moegemm.client._wire import encode_tensor, packb
     from moegemm.server._direct import DirectGemm
     from moegemm.server.app import create_app
