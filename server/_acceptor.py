@@ -32,7 +32,7 @@ from ._acceptor_shm import (
     _Slots,
     _unlink,
 )
-from ._http import _REASONS, _RUN, _Connection, _error_bytes, _plain_body, sweep
+from ._http import _RUN, _Connection, _error_bytes, _plain_body, status_line, sweep
 from ._http_gate import HttpLimits
 
 log = logging.getLogger("moegemm.server.acceptors")
@@ -60,7 +60,7 @@ class _ForwardConnection(_Connection):
             if close:
                 self.keep_alive = False
             if status is not None and self.transport is not None:
-                line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "").encode())
+                line = status_line(status)
                 if scope["http_version"] == "1.0" and b"transfer-encoding: chunked" in head:
                     # _http._Response's rule for a 1.0 client: no chunks, the end of
                     # the body is the end of the connection (the owner chunked it).

@@ -67,8 +67,11 @@ class DirectGemm:
         self.app = app
         self.metrics: Metrics = app.state.metrics
         self.settings = app.state.settings
-        self._request_seconds = self.metrics.request_seconds.labels(endpoint=_ENDPOINT)
-        self._requests: dict[int, Any] = {}
+        # Metric children by (endpoint, status) and by endpoint (few of each); the gemm
+        # route's latency is in the exposition from the start.
+        self._requests: dict[tuple[str, int], Any] = {}
+        self._request_seconds: dict[str, Any] = {
+            _ENDPOINT: self.metrics.request_seconds.labels(endpoint=_ENDPOINT)}
         # The transport sets this: how many requests it has begun and not yet
         # answered (``FastHttpServer.active``). A call that is the only one may
         # run on the loop's thread when the engine allows it (``Engine.submit``).
@@ -105,17 +108,18 @@ class DirectGemm:
                 f"unexpected {type(exc).__name__}; see the server log"), request_id)
             endpoint = route.endpoint
         self.metrics.bytes_out.inc(sum(len(p) for p in parts))
-        if endpoint == _ENDPOINT:
-            counter = self._requests.get(status)
-            if counter is None:
-                counter = self.metrics.requests.labels(endpoint=_ENDPOINT, status=str(status))
-                self._requests[status] = counter
-            counter.inc()
-            self._request_seconds.observe(time.perf_counter() - started)
-        else:
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-            self.metrics.request_seconds.labels(endpoint=endpoint).observe(
-                time.perf_counter() - started)
+        # The labelled children, looked up once each: prometheus-client's labels()
+        # costs more than the update itself.
+        counter = self._requests.get((endpoint, status))
+        if counter is None:
+            counter = self.metrics.requests.labels(endpoint=endpoint, status=str(status))
+            self._requests[endpoint, status] = counter
+        counter.inc()
+        seconds = self._request_seconds.get(endpoint)
+        if seconds is None:
+            seconds = self._request_seconds[endpoint] = \
+                self.metrics.request_seconds.labels(endpoint=endpoint)
+        seconds.observe(time.perf_counter() - started)
         return status, head, parts
 
     async def _budgeted(self, route: Route, fields, body, request_id) -> tuple[int, bytes, list, str]:

@@ -328,11 +328,14 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             path, _, query = target.partition(b"?")
         length: int | None = 0
+        expect_continue = False
         for name, value in self.headers:
             if name == b"content-length":
                 length = int(value)  # llhttp took only plain digits, and only once
             elif name == b"transfer-encoding":
                 length = None  # llhttp took only a final "chunked" (and never with CL)
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expect_continue = True
         if length is None and self.http10:
             # RFC 9112 6.1: Transfer-Encoding in an HTTP/1.0 request is faulty.
             self._refuse(bad_field("Transfer-Encoding in an HTTP/1.0 request"))
@@ -362,8 +365,6 @@ class _Connection(asyncio.BufferedProtocol):
                 return
             self.reserved = self.limits.max_body_bytes if length is None else length
             self.server.receiving += self.reserved
-        expect_continue = any(n == b"expect" and v.lower() == b"100-continue"
-                              for n, v in self.headers)
         start = self.fed  # the body's first byte
         if length is None:
             self.state, self.since = _CHUNKED, time.monotonic()
@@ -485,9 +486,8 @@ class _Connection(asyncio.BufferedProtocol):
             self.keep_alive = False
         else:
             if self.transport is not None:
-                line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "").encode())
-                self.transport.writelines([line + head + self._connection_line() + b"\r\n",
-                                           *parts])
+                self.transport.writelines([status_line(status) + head + self._connection_line()
+                                           + b"\r\n", *parts])
         self._finish()
 
     async def _run(self, scope: dict, body: memoryview) -> None:
@@ -543,6 +543,19 @@ class _Connection(asyncio.BufferedProtocol):
         if (self.state == _IDLE and self.task is None and self.head_used
                 and self.transport is not None and not self.transport.is_closing()):
             self._begin_head()
+
+
+def status_line(status: int) -> bytes:
+    """``HTTP/1.1 <status> <reason>`` and CRLF, made once per status."""
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "").encode())
+        if 100 <= status <= 999:  # a bounded table: statuses are three digits
+            _STATUS_LINES[status] = line
+    return line
+
+
+_STATUS_LINES: dict[int, bytes] = {}
 
 
 def _start(coro) -> asyncio.Task:

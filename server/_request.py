@@ -51,6 +51,7 @@ SIZE_DTYPES = {"int64": np.dtype("<i8"), "int32": np.dtype("<i4")}
 ID_DTYPES = ("int32", "int64")
 
 _MAX_DIM = 1 << 63  # torch sizes are int64
+_MAX, _ADD = np.maximum, np.add  # their reduce, without ndarray.max's Python wrapper
 
 
 class WireTensor(msgspec.Struct, forbid_unknown_fields=True):
@@ -235,9 +236,10 @@ def _tensor(t: WireTensor, name: str) -> int:
     if t.data.nbytes != want:
         raise BadTensor(f"{name}: data holds {t.data.nbytes} bytes; {t.dtype} {t.shape} "
                         f"needs {want}")
-    if any(d >= _MAX_DIM for d in t.shape) or (
-            count == 0 and math.prod(max(d, 1) for d in t.shape) >= _MAX_DIM):
-        # torch lays out even an empty tensor: its dims and strides must fit int64.
+    # Data that holds count > 0 elements bounds every dim by count; only an empty
+    # tensor can name huge dims, and torch lays out even that one: its dims and
+    # strides must fit int64 (the product of its non-zero dims bounds them all).
+    if count == 0 and math.prod(max(d, 1) for d in t.shape) >= _MAX_DIM:
         raise BadTensor(f"{name}: shape {t.shape} is too large to lay out")
     return count
 
@@ -303,10 +305,12 @@ def _rows_call(body: GemmBody, target: Callable[[], Any], max_m: int, width):
         raise TooLarge(f"x has M={M} rows; this server takes at most {max_m} per call")
     _x_scale(x, x_scale, M, "M")
     sizes = np.frombuffer(m_sizes.data, dtype=kind).astype(np.int64)
-    if (sizes < 0).any():
-        raise BadMSizes(f"m_sizes {sizes.tolist()} holds a negative size")
-    # Each size in [0, M] first: then the int64 sum of G sizes is exact.
-    if (sizes > M).any() or int(sizes.sum()) != M:
+    # Each size in [0, M] first (one reduction: read as unsigned, a negative size is
+    # above any M): then the int64 sum of G sizes is exact. Two reductions, not
+    # five array operations: ~2 us less per call on the CPU box (bench/overhead_cpu.py).
+    if _MAX.reduce(sizes.view(np.uint64)) > M or int(_ADD.reduce(sizes)) != M:
+        if (sizes < 0).any():
+            raise BadMSizes(f"m_sizes {sizes.tolist()} holds a negative size")
         total = sum(int(s) for s in sizes.tolist())  # Python ints: exact
         raise BadMSizes(f"m_sizes sum to {total}; x has M={M} rows")
     return ws, M, x.dtype, _bytes(x.data), None if x_scale is None else _bytes(x_scale.data), \
