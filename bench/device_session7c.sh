@@ -22,9 +22,9 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     print(r["model"], r["tokens"], "moe", r["moe_us"], "kern", r.get("kernels_sum_us"), "gemm", r.get("gemm_kernels_us"),
           "ratio", r.get("kernels_over_gemm_kernels"), "route_quant", r.get("route_quant_us"))
 PY
-timeout -k 5 ${EXP_S:-75} python3 -P bench/exp_check_order.py --json "$OUT/exp_check_order.json" > "$OUT/exp.log" 2>&1
-echo "experiment rc=$? $(el)"; cut -c1-300 "$OUT/exp.log" | grep "^{" 
 timeout -k 5 ${SERV_S:-170} python3 -P bench/bench_service.py --quick --no-deepseek --servers default \
   --budget-s $(( ${SERV_S:-170} - 40 )) --duration 1.0 --out "$OUT/service.json" > "$OUT/service.log" 2>&1
 echo "service bench rc=$? $(el)"; grep -v "^ " "$OUT/service.log" | grep -v "^median" | tail -14 | cut -c1-400
+timeout -k 5 ${EXP_S:-75} python3 -P bench/exp_check_order.py --json "$OUT/exp_check_order.json" > "$OUT/exp.log" 2>&1
+echo "experiment rc=$? $(el)"; cut -c1-300 "$OUT/exp.log" | grep "^{" 
 true
