@@ -22,8 +22,8 @@ bucket's graph (or runs the same body eagerly).
 
 ``moe`` graph, over a bucket of tokens: route the (token, slot) pairs to
 experts on the device (``_moe_route.route``: counts, positions, the routing
-checks), gather the x rows per expert (bf16 tokens: quantized by the routing
-kernel itself, in the same launch), the FFN above, and the weighted combine
+checks), gather the x rows per expert (bf16 tokens of a launch of up to
+``ROUTE_QUANTIZES_UP_TO`` rows: quantized by the routing kernel itself), the FFN above, and the weighted combine
 ``out[t] = bf16(sum_j w[t, j] * y[pos(t, j)])`` (float32 sum). The host never
 reads the ids (int32 or int64 as sent, see ``_moe_route``); the routing flags
 come back with the output, in the one download.
@@ -68,11 +68,12 @@ from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addr
 log = logging.getLogger("moegemm.server.ffn_graphs")
 
 BLOCK = 128
-# The most rows (tokens * k) whose gather and quantization the routing kernel does itself. Its
-# programs (one per expert, ``S`` per expert sharing the rows) each scan all the launch's ids, so
-# past a decode step's rows the separate gather (one program per row) is the better split; 2048
-# (256 tokens of top-8) is as far as it was measured (bench/profile_moe.py).
-ROUTE_QUANTIZES_UP_TO = 2048
+# The most rows (tokens * k) whose gather and quantization the routing kernel does itself (one
+# kernel node less). Its programs walk their expert's rows one by one, so a hot expert's rows
+# queue behind each other; the per-row gather kernel wins from there. Measured (H200, the moe
+# graph's kernel times summed, bench/profile_moe.py): one token of top-8 (8 rows) ~1 us faster
+# fused on DeepSeek-V3 and Qwen3-30B; 128 rows 2-7 us slower, 2048 rows 25-60 us slower.
+ROUTE_QUANTIZES_UP_TO = 8
 
 
 # -- the torch definitions of the graph's own steps ------------------------------------------

@@ -27,8 +27,8 @@ not depend on the order the programs run in: no atomics.
 
 ``route`` with ``quantize`` (bf16 tokens) also gathers and quantizes the
 rows it routes, ``gather_quantize_triton`` bit for bit, in the same launch
-(one kernel node less in a moe graph, v14: each node cost ~3 us of a decode
-step's kernels): ``S`` programs per expert share its rows (program ``(g, s)``
+(one kernel node less in a moe graph; worth it for a few rows only, see
+``_ffn_graphs.ROUTE_QUANTIZES_UP_TO``): ``S`` programs per expert share its rows (program ``(g, s)``
 takes rows ``start + s, start + s + S, ...``), each reading back the ``src``
 words its own threads stored (a barrier between).
 
