@@ -72,7 +72,7 @@ BLOCK = 128
 # kernel node less). Its programs walk their expert's rows one by one, so a hot expert's rows
 # queue behind each other; the per-row gather kernel wins from there. Measured (H200, the moe
 # graph's kernel times summed, bench/profile_moe.py): one token of top-8 (8 rows) ~1 us faster
-# fused on DeepSeek-V3 and Qwen3-30B; 128 rows 2-7 us slower, 2048 rows 25-60 us slower.
+# fused on DeepSeek-V3 and Qwen3-30B; 128 rows 2-8 us slower, 2048 rows 26-41 us slower.
 ROUTE_QUANTIZES_UP_TO = 8
 
 
