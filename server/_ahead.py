@@ -35,8 +35,12 @@ the calls. If the loader's warm-ups still compile after a child succeeded
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -177,34 +181,60 @@ def make_job(backend, max_bucket_m: int, top_k, weight_sets, expert_sets) -> Job
     return Job(job.backend, job.device, max_bucket_m, job.top_k, gemm, experts)
 
 
-def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S) -> int | None:
+# A child needs a CUDA context and one family's static buffers at a time (a few hundred MB at
+# most): below this much free device memory it would take memory the calls may need, so the
+# loader compiles in-process instead.
+MIN_FREE_BYTES = 2 << 30
+
+
+def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S,
+                  stop: threading.Event | None = None) -> int | None:
     """Run ``job`` in a spawned child and wait (the GIL free meanwhile); the kernels the child
-    compiled (0: all were in the on-disk cache already), or None when it failed (logged)."""
+    compiled (0: all were in the on-disk cache already), or None when it failed or was not
+    started (logged; the loader then compiles in-process). ``stop`` set (the engine closing)
+    ends the wait within a second and kills the child."""
     started = time.monotonic()
-    ctx = multiprocessing.get_context("spawn")
-    ours, theirs = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(job, theirs), name="moegemm-compile", daemon=True)
-    try:
-        child.start()
-    except Exception as exc:  # noqa: BLE001 -- any failure to start means "compile here"
-        log.warning("cannot start a process to compile %s ahead (%s): compiling in-process",
-                    job.describe(), exc)
+    device = torch.device(job.device)
+    if device.type == "cuda" and torch.cuda.is_available() and \
+            torch.cuda.mem_get_info(device)[0] < MIN_FREE_BYTES:
+        log.info("compiling %s in-process: less than %d MiB free on the device", job.describe(),
+                 MIN_FREE_BYTES >> 20)
         return None
-    theirs.close()
+    ours = theirs = child = None
     try:
-        answer: Any = ours.recv() if ours.poll(timeout_s) else ("failed", f"no answer in {timeout_s:.0f} s")
-    except EOFError:
-        answer = ("failed", "it ended without an answer")
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_child, args=(job, theirs), name="moegemm-compile",
+                            daemon=True)
+        child.start()
+        theirs.close()
+        theirs = None
+        answer: Any = ("failed", f"no answer in {timeout_s:.0f} s")
+        while time.monotonic() - started < timeout_s:
+            if ours.poll(1.0):
+                answer = ours.recv()
+                break
+            if stop is not None and stop.is_set():
+                answer = ("failed", "the server is closing")
+                break
+            if not child.is_alive():
+                answer = ours.recv() if ours.poll(0) else ("failed", "it ended without an answer")
+                break
+    except Exception as exc:  # noqa: BLE001 -- any failure here means "compile in-process"
+        answer = ("failed", f"{type(exc).__name__}: {exc}")
     finally:
-        ours.close()
-    child.join(5.0)
-    if child.is_alive():
-        child.kill()
-        child.join()
+        for end in (ours, theirs):
+            if end is not None:
+                end.close()
+        if child is not None and child.pid is not None:
+            child.join(0 if answer[0] != "ok" else 5.0)
+            if child.is_alive():
+                child.kill()
+                child.join()
     status, detail = answer
     if status != "ok":
         log.warning("compiling %s ahead failed (%s, exit code %s): compiling in-process",
-                    job.describe(), detail, child.exitcode)
+                    job.describe(), detail, None if child is None else child.exitcode)
         return None
     with _done_lock:
         _done.update(job.key(item) for item in (*job.gemm, *job.experts))
@@ -214,7 +244,12 @@ def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S) -> int | None:
 
 
 def _child(job: Job, answer) -> None:
-    """The child process: run ``job``, then send ("ok", kernels compiled) or ("failed", why)."""
+    """The child process: run ``job``, then send ("ok", kernels compiled) or ("failed", why).
+    It dies with its parent (a SIGKILLed server leaves no child holding device memory), and
+    never autotunes: its launches run nothing, so timings would be noise (written to the
+    shared autotune cache)."""
+    _die_with_parent()
+    os.environ["MOEGEMM_AUTOTUNE"] = "0"
     try:
         compiled = run_job(job)
     except BaseException as exc:  # noqa: BLE001 -- the parent logs it and compiles itself
@@ -223,6 +258,17 @@ def _child(job: Job, answer) -> None:
         answer.send(("ok", compiled))
     finally:
         answer.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the daemon flag ends it with a parent that exits normally
+    if os.getppid() == 1:  # the parent died before the prctl took effect
+        os._exit(1)
 
 
 def run_job(job: Job) -> int:

@@ -218,8 +218,7 @@ class GraphPool:
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        # A lone call's check branch: a stream per thread (a capture on the loader thread
-        # must never meet the engine thread's eager launches on one stream).
+        # A lone call's check branch, used while capturing (on the loader's thread).
         self._check_streams = threading.local()
         self._table_checked: set[tuple[int, int, int]] = set()
         self.compile_only = compile_only
@@ -280,9 +279,12 @@ class GraphPool:
         """Check the inputs' contents, regroup and quantize them where needed and run the GEMM
         over the first ``rows`` buffer rows, its output in the callers' order in ``bufs.out``.
 
-        ``merged`` False (a lone call, whose input words point at ``x``): an fp8
-        family's check runs on a parallel branch beside the GEMM."""
-        if not merged and self._beside(family, rows):
+        ``merged`` False (a lone call, whose input words point at ``x``): in a graph being
+        captured, an fp8 family's check runs on a parallel branch beside the GEMM. Eager
+        runs (the general path, warm-ups) keep one stream: the same kernels and bits, and no
+        second stream on the engine's threads that a capture on the loader's could share
+        (torch hands out pooled streams)."""
+        if not merged and self._beside(family, rows) and torch.cuda.is_current_stream_capturing():
             self._lone_body(family, rows, wq, w_scale)
             return
         bufs = self._buffers[family]
@@ -292,7 +294,7 @@ class GraphPool:
         flags = bufs.flags(rows)
         direct = self.run_table is not None  # inputs by address, output through the row map
         if family.quantize:
-            xg, xsg, regroup = torch.empty_like(x), None, None
+            xg, xsg, regroup = None, None, None  # made below if the torch ops regroup
         else:
             xg, xsg = bufs.xg[:rows], bufs.xsg[:rows]
             regroup = bufs.regroup if direct else None
@@ -302,6 +304,8 @@ class GraphPool:
             xsq = torch.empty((rows, family.K // BLOCK), dtype=torch.float32, device=self.device)
             self.gather_quantize(x, gather, flags, (xq, xsq))
         else:
+            if xg is None:
+                xg = torch.empty_like(x)
             if self.check_and_gather is not None:
                 # One kernel: checks every row; copies into xg unless regroup holds 0 (lone call).
                 self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)

@@ -152,6 +152,7 @@ class Engine:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._closed = False
+        self._closing = threading.Event()  # set by close(): a load stops waiting on a child
         self._thread: threading.Thread | None = None
         # Calls in the last worker batch: more than one means callers arrive together.
         self._last_batch_calls = 1
@@ -189,6 +190,7 @@ class Engine:
 
     def close(self, timeout: float = 30.0) -> None:
         """Refuse new work, fail what is queued, and wait for the running batch."""
+        self._closing.set()  # a load waiting on a compiling child stops waiting
         with self._cv:
             self._closed = True
             dropped = list(self._items)
@@ -492,7 +494,7 @@ class Engine:
             self._experts.graphs.prepared(built, self.moe_top_k) else []
         job = _ahead.make_job(self.backend, self.max_bucket_m, self.moe_top_k, new_sets,
                               new_experts)
-        if job is None or _ahead.compile_ahead(job) is None:
+        if job is None or _ahead.compile_ahead(job, stop=self._closing) is None:
             return None
         return job
 

@@ -97,13 +97,27 @@ def test_a_child_that_does_not_answer_in_time_is_ended(caplog):
     assert any("no answer in" in r.getMessage() for r in caplog.records)
 
 
+def test_a_closing_engine_stops_waiting_for_its_child():
+    """The engine's stop event ends the wait within about a second and the child is
+    killed, whatever the timeout (a server shutting down never waits on a compile)."""
+    import threading
+    import time
+
+    stop = threading.Event()
+    stop.set()
+    job = Job("triton", "cpu", 256, (8,), (Weights.of(_set(8, 256, 512)),), ())
+    started = time.monotonic()
+    assert _ahead.compile_ahead(job, timeout_s=600, stop=stop) is None
+    assert time.monotonic() - started < 30  # the child's own start dominates
+
+
 def test_the_reference_backend_loads_without_a_child(monkeypatch):
     """CPU engines (reference backend, no graphs) keep compiling nothing ahead."""
     import asyncio
 
     from moegemm.server.engine import Engine
 
-    def refuse(job, timeout_s=None):
+    def refuse(job, timeout_s=None, stop=None):
         raise AssertionError("no child for the reference backend")
 
     monkeypatch.setattr(_ahead, "compile_ahead", refuse)
