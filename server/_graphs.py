@@ -284,9 +284,9 @@ class GraphPool:
         runs (the general path, warm-ups) keep one stream: the same kernels and bits, and no
         second stream on the engine's threads that a capture on the loader's could share
         (torch hands out pooled streams)."""
+        side = None
         if not merged and self._beside(family, rows) and torch.cuda.is_current_stream_capturing():
-            self._lone_body(family, rows, wq, w_scale)
-            return
+            side = self._check_branch()
         bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
@@ -308,7 +308,8 @@ class GraphPool:
                 xg = torch.empty_like(x)
             if self.check_and_gather is not None:
                 # One kernel: checks every row; copies into xg unless regroup holds 0 (lone call).
-                self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
+                with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
+                    self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
             else:
                 flags.copy_(bad_rows(x, xs))
                 torch.index_select(x, 0, gather, out=xg)
@@ -323,29 +324,23 @@ class GraphPool:
             self.run_gemm(xq, xsq, bufs.m_sizes, bufs.out(rows), addresses=bufs.addresses, wq=wq,
                           w_scale=w_scale, inputs=None if family.quantize else bufs.inputs,
                           out_rows=gather)
+            if side is not None:  # the check's branch joins before the graph ends
+                torch.cuda.current_stream(self.device).wait_stream(side)
         else:
             out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
             self.run_gemm(xq, xsq, bufs.m_sizes, out, addresses=bufs.addresses, wq=wq, w_scale=w_scale)
             torch.index_select(out, 0, scatter, out=bufs.out(rows))
 
-    def _lone_body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
-        """A lone fp8 call: the GEMM reads the rows where they arrived (the input words),
-        the check (``regroup`` holds 0: flags only) runs beside it on a second stream,
-        joined before the graph ends."""
-        bufs = self._buffers[family]
-        gather, _ = bufs.order(rows)
-        main = torch.cuda.current_stream(self.device)
-        beside = getattr(self._check_streams, "stream", None)
-        if beside is None:
-            beside = self._check_streams.stream = torch.cuda.Stream(self.device)
-        beside.wait_stream(main)
-        with torch.cuda.stream(beside):
-            self.check_and_gather(bufs.x[:rows], bufs.x_scale[:rows], gather, bufs.xg[:rows],
-                                  bufs.xsg[:rows], bufs.flags(rows), regroup=bufs.regroup)
-        self.run_gemm(bufs.xg[:rows], bufs.xsg[:rows], bufs.m_sizes, bufs.out(rows),
-                      addresses=bufs.addresses, wq=wq, w_scale=w_scale, inputs=bufs.inputs,
-                      out_rows=gather)
-        main.wait_stream(beside)
+    def _check_branch(self) -> torch.cuda.Stream:
+        """A second stream forked from the current one (a parallel branch of the graph being
+        captured): a lone call's check runs there, beside the GEMM, which reads the rows
+        where they arrived (its input words); ``regroup`` holds 0, so the check writes flags
+        only."""
+        side = getattr(self._check_streams, "stream", None)
+        if side is None:
+            side = self._check_streams.stream = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        return side
 
     def run_gemm(self, xq: torch.Tensor, x_scale: torch.Tensor, m_sizes: torch.Tensor, out: torch.Tensor,
                  *, addresses: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
