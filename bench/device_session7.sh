@@ -4,13 +4,7 @@
 # executor test; then every other GPU test file in parallel pytest workers, one file per
 # worker), then optional benches (MOE/KERN/SERV as in device_session6.sh).
 # Carry .whl (server, mslk, test wheels). Writes under $OUT.
-R=$PWD; mkdir -p /tmp/pkg/moegemm && cp moegemm/*.py /tmp/pkg/moegemm/
-for d in kernels server client; do ln -sfn $R/$d /tmp/pkg/moegemm/$d; done
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/server/*.whl .whl/mslk/*.whl .whl/test/*.whl
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
-T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s]"; }
-PT="python3 -P -m pytest -q -p no:cacheprovider -m not\ slow --timeout 150 -rfE"
+source bench/device_env.sh
 if [ -z "$SKIP_FIRST" ]; then
 timeout -k 5 ${FIRST_S:-200} python3 -P -m pytest -q -p no:cacheprovider -m "not slow" --timeout 150 -rfE --durations=8 \
   tests/server/test_shipped_gpu.py tests/kernels/test_triton_service.py tests/server/test_prologue.py ${FIRST_EXTRA} \

@@ -6,12 +6,7 @@
 #   PROF_S   profile_moe.py (a moe graph's steps)                            -> moe_steps.json
 #   MOEK_S   bench_moe.py kernel side                                          -> moe_kernels.json
 # Carry .whl (server, mslk, test wheels). Writes under $OUT.
-R=$PWD; mkdir -p /tmp/pkg/moegemm && cp moegemm/*.py /tmp/pkg/moegemm/
-for d in kernels server client; do ln -sfn $R/$d /tmp/pkg/moegemm/$d; done
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/server/*.whl .whl/mslk/*.whl .whl/test/*.whl
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
-T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s]"; }
+source bench/device_env.sh
 if [ -n "$TESTS_S" ]; then
   timeout -k 5 $TESTS_S python3 -P -m pytest -q -p no:cacheprovider -m "not slow" --timeout 200 -rfE \
     --durations=5 -n ${WORKERS:-6} --dist loadfile $TESTS > "$OUT/gpu_tests.log" 2>&1

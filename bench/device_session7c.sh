@@ -2,11 +2,7 @@
 # The seventh session's last device call: the GPU tests of everything changed since call 3 (in
 # pytest-xdist workers, one file each), the moe graph's steps and kernel sums, the check-order
 # experiment, and the service bench's quick points. Carry .whl. Writes under $OUT.
-R=$PWD; mkdir -p /tmp/pkg/moegemm && cp moegemm/*.py /tmp/pkg/moegemm/
-for d in kernels server client; do ln -sfn $R/$d /tmp/pkg/moegemm/$d; done
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/server/*.whl .whl/mslk/*.whl .whl/test/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
-T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s]"; }
+source bench/device_env.sh
 timeout -k 5 ${TESTS_S:-190} python3 -P -m pytest -q -p no:cacheprovider -m "not slow" --timeout 180 -rfE --durations=5 \
   -n ${WORKERS:-10} --dist loadfile tests/server/test_ffn_gpu.py tests/server/test_experts_gpu.py \
   tests/kernels/test_triton_service.py tests/server/test_ahead_gpu.py tests/server/test_engine_gpu.py \

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk
+from bench_moe import capture
 
 CASES = ("seed m16384 n2048 k7168 g8", "seed m16384 n7168 k2304 g8", "real DeepSeek-V3 w13 prefill t2048 g256",
          "real Qwen3-30B-A3B w2 prefill t8192 g128", "real Mixtral-8x7B w13 prefill t2048 g8",
@@ -40,19 +41,7 @@ def gemm_first_graph(pool, bufs, family, bucket, wq, w_scale):
                                   bufs.xsg[:bucket], bufs.flags(bucket), regroup=bufs.regroup)
         main.wait_stream(side)
 
-    return _capture(body)
-
-
-def _capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    return capture(body)
 
 
 def main() -> None:
