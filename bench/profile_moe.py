@@ -56,7 +56,7 @@ def kernel_sums_us(graph, flush, reps) -> tuple[float, float, dict]:
 
 
 def steps(executor, es, T, gen, flush, reps) -> dict:
-    from moegemm.server._ffn_graphs import ROUTE_QUANTIZES_UP_TO, FfnFamily
+    from moegemm.server._ffn_graphs import FfnFamily
 
     graphs = executor.graphs
     ids, w = routing(T, es.G, TOP_K, gen)
@@ -69,22 +69,10 @@ def steps(executor, es, T, gen, flush, reps) -> dict:
     rows = T * TOP_K
     k = TOP_K
 
-    fused = graphs._route_quantizes and rows <= ROUTE_QUANTIZES_UP_TO
-    words = (bufs.ids_words(), bufs.wide_word(), bufs.weights, bufs.tokens_word(), es.G, k,
-             bufs.m_sizes_dev, bufs.pos, bufs.src, bufs.live_dev, bufs.route_flags(T))
-    xq = torch.empty((rows, es.H), dtype=graphs.fp8, device="cuda")
-    xs = torch.empty((rows, es.H // 128), dtype=torch.float32, device="cuda")
+    def route():  # the moe body's first step: routing, the gather and quantization
+        return graphs._route_gather(bufs, es, T)
 
-    def route():  # the moe body's first step (routing, with the gather and quantization)
-        if fused:
-            graphs._route(*words, quantize=(bufs.x[:T], (xq, xs), bufs.flags(T)))
-        else:
-            graphs._route(*words)
-            graphs._gather(bufs, bufs.x[:T], None, bufs.src[:rows], rows, bufs.flags(T))
-
-    route()
-    if not fused:
-        xq, xs = graphs._gather(bufs, bufs.x[:T], None, bufs.src[:rows], rows, bufs.flags(T))
+    xq, xs = route()
     h = torch.empty((rows, 2 * es.I), dtype=graphs.h_dtype, device="cuda")
     y = torch.empty((rows, es.H), dtype=torch.bfloat16, device="cuda")
     graphs._gemm(xq, xs, bufs.table13(), es.w13, bufs.m_sizes(), h)

@@ -440,6 +440,15 @@ class FfnGraphs:
 
     def _moe_body(self, bufs: FfnBuffers, es, tokens: int) -> None:
         k = bufs.family.top_k
+        xq, xs = self._route_gather(bufs, es, tokens)
+        live = bufs.live_dev if self.pad_to_bucket else None
+        y = self._chain(bufs, es, xq, xs, tokens * k, live)
+        self._combine(y, bufs.pos, bufs.weights, bufs.tokens_word(), k, bufs.out(tokens))
+
+    def _route_gather(self, bufs: FfnBuffers, es, tokens: int) -> tuple:
+        """moe's first step over ``tokens`` bucket tokens: route them, and the routed rows
+        gathered per expert (quantized for bf16 tokens), as ``(xq, x_scale)``."""
+        k = bufs.family.top_k
         rows = tokens * k
         route = (bufs.ids_words(), bufs.wide_word(), bufs.weights, bufs.tokens_word(), es.G, k,
                  bufs.m_sizes_dev, bufs.pos, bufs.src, bufs.live_dev, bufs.route_flags(tokens))
@@ -452,9 +461,7 @@ class FfnGraphs:
             xs = None if bufs.x_scale is None else bufs.x_scale[:tokens]
             xq, xs = self._gather(bufs, bufs.x[:tokens], xs, bufs.src[:rows], rows,
                                   bufs.flags(tokens))
-        live = bufs.live_dev if self.pad_to_bucket else None
-        y = self._chain(bufs, es, xq, xs, rows, live)
-        self._combine(y, bufs.pos, bufs.weights, bufs.tokens_word(), k, bufs.out(tokens))
+        return xq, xs
 
     def _body(self, bufs: FfnBuffers, es, launched: int) -> None:
         if bufs.family.top_k:
