@@ -212,6 +212,20 @@ def quantize_row(x_ptr, src, row, aq_ptr, scale_ptr, flags_ptr, FP8_MAX, K: tl.c
     tl.store(flags_ptr + src, flag)
 
 
+def check_gather_quantize(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor], rows: int) -> int:
+    """Refuse arguments the gather-and-quantize programs cannot take; K. ``x``: contiguous
+    bf16 ``[*, K]``, K % 128 == 0; ``out``: contiguous (xq ``[rows, K]``, x_scale ``[rows, K/128]``)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % BLOCK or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous bf16 [rows, K], K % 128 == 0, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    k = x.shape[1]
+    xq, x_scale = out
+    if tuple(xq.shape) != (rows, k) or tuple(x_scale.shape) != (rows, k // BLOCK) or \
+            not (xq.is_contiguous() and x_scale.is_contiguous()):
+        raise ValueError("out must be contiguous (xq [R, K], x_scale [R, K/128])")
+    return k
+
+
 def gather_quantize_triton(
     x: torch.Tensor,
     gather: torch.Tensor,
@@ -228,13 +242,7 @@ def gather_quantize_triton(
     xq, x_scale = out
     fp8_dtype = xq.dtype
     limit = fp8_max(fp8_dtype)
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % BLOCK or not x.is_contiguous():
-        raise ValueError(f"x must be contiguous bf16 [rows, K], K % 128 == 0, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    rows, k = gather.shape[0], x.shape[1]
-    if tuple(xq.shape) != (rows, k) or tuple(x_scale.shape) != (rows, k // BLOCK) or \
-            not (xq.is_contiguous() and x_scale.is_contiguous()):
-        raise ValueError("out must be contiguous (xq [R, K], x_scale [R, K/128])")
+    rows, k = gather.shape[0], check_gather_quantize(x, out, gather.shape[0])
     if rows == 0:
         return xq, x_scale
     fnuz = fp8_dtype == torch.float8_e4m3fnuz

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from moegemm.kernels._triton_act import _FORMAT, _round_to_bf16, quantize_row
+from moegemm.kernels._triton_act import _FORMAT, _round_to_bf16, check_gather_quantize, quantize_row
 from moegemm.kernels.quant import BLOCK, fp8_max
 
 _CHUNK = 1024
@@ -161,12 +161,7 @@ def route(ids: torch.Tensor, wide: torch.Tensor, weights: torch.Tensor, tokens: 
         H, blocks, parts, limit, fnuz = BLOCK, 1, 1, 1.0, False
     else:
         x, (xq, x_scale), x_flags = quantize
-        H = x.shape[1]
-        if x.dtype != torch.bfloat16 or H % BLOCK or not x.is_contiguous() or \
-                tuple(xq.shape) != (rows, H) or tuple(x_scale.shape) != (rows, H // BLOCK) or \
-                not (xq.is_contiguous() and x_scale.is_contiguous()):
-            raise ValueError("quantize must be (bf16 x [Tb, H], (xq [Tb*k, H], x_scale [Tb*k, H/128]), "
-                             "x_flags [Tb])")
+        H = check_gather_quantize(x, (xq, x_scale), rows)
         blocks = triton.next_power_of_2(H // BLOCK)
         # Programs per expert: as many as its mean rows (each row's loads wait on the src word
         # before them: a program walks its rows one by one), 32 at most.
