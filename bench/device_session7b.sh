@@ -23,7 +23,7 @@ if [ -n "$SWEEP_S" ]; then
   echo "sweep rc=$? $(el)"
 fi
 if [ -n "$PROF_S" ]; then
-  timeout -k 5 $PROF_S python3 -P bench/profile_moe.py --reps 20 --out "$OUT/moe_steps.json" > "$OUT/moe_steps.log" 2>&1
+  timeout -k 5 $PROF_S python3 -P bench/profile_moe.py ${PROF_MODELS:+--models $PROF_MODELS} --reps 20 --out "$OUT/moe_steps.json" > "$OUT/moe_steps.log" 2>&1
   echo "profile rc=$? $(el)"; tail -8 "$OUT/moe_steps.log" | cut -c1-400
 fi
 if [ -n "$MOEK_S" ]; then
