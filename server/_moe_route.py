@@ -106,19 +106,29 @@ def _route_kernel(ids_ptr, wide_ptr, w_ptr, tokens_ptr, m_sizes_ptr, pos_ptr, sr
                          BIAS, MIN_NORMAL, SUB_SCALE)
             r += S
     if g == G and part == 0:
-        jj = tl.arange(0, KP)[None, :]
-        for t0 in range(0, bucket_tokens, TBLOCK):
-            tt = t0 + tl.arange(0, TBLOCK)[:, None]
-            slot = (tt < bucket_tokens) & (jj < K)
-            e = _expert_of(ids_ptr, tt * K + jj, slot, wide)
-            w = tl.load(w_ptr + tt * K + jj, mask=slot, other=0.0)
-            bad = (e < 0) | (e >= G) | (w != w) | (tl.abs(w) > _FLT_MAX)  # noqa: PLR0124
-            for m in tl.static_range(K):
-                em = tl.sum(tl.where(jj == m, e, 0), axis=1)
-                bad = bad | ((jj != m) & (e == em[:, None]))
-            bad = bad & slot & (tt < T)
-            tok = t0 + tl.arange(0, TBLOCK)
-            tl.store(flags_ptr + tok, tl.max(bad.to(tl.int8), axis=1), mask=tok < bucket_tokens)
+        routing_flags(ids_ptr, w_ptr, flags_ptr, T, wide, bucket_tokens, G, K, KP, TBLOCK)
+
+
+@triton.jit
+def routing_flags(ids_ptr, w_ptr, flags_ptr, T, wide, bucket_tokens: tl.constexpr, G: tl.constexpr,
+                  K: tl.constexpr, KP: tl.constexpr, TBLOCK: tl.constexpr):
+    """``flags[t]`` = 1 where real token ``t < T`` routes badly (an id outside ``[0, G)`` or
+    repeated, a weight NaN or Inf), else 0, for the ``bucket_tokens`` tokens: SPEC 2.2
+    ``bad_routing``, checked by one program (the routing kernel's last; the one-token moe's
+    first, ``_moe_token``)."""
+    jj = tl.arange(0, KP)[None, :]
+    for t0 in range(0, bucket_tokens, TBLOCK):
+        tt = t0 + tl.arange(0, TBLOCK)[:, None]
+        slot = (tt < bucket_tokens) & (jj < K)
+        e = _expert_of(ids_ptr, tt * K + jj, slot, wide)
+        w = tl.load(w_ptr + tt * K + jj, mask=slot, other=0.0)
+        bad = (e < 0) | (e >= G) | (w != w) | (tl.abs(w) > _FLT_MAX)  # noqa: PLR0124
+        for m in tl.static_range(K):
+            em = tl.sum(tl.where(jj == m, e, 0), axis=1)
+            bad = bad | ((jj != m) & (e == em[:, None]))
+        bad = bad & slot & (tt < T)
+        tok = t0 + tl.arange(0, TBLOCK)
+        tl.store(flags_ptr + tok, tl.max(bad.to(tl.int8), axis=1), mask=tok < bucket_tokens)
 
 
 @triton.jit

@@ -1,0 +1,305 @@
+"""A one-token moe graph in two Triton kernels: up (w13), then down (w2) with the combine.
+
+| tensor        | shape      | dtype     | meaning |
+|---------------|------------|-----------|---------|
+| `x`           | `[1, H]`   | bf16, or fp8 e4m3fn with `x_scale` `[1, H/128]` float32 | the token |
+| `ids`         | `[2k]`     | int32     | its `topk_ids` as words: int32 ids, or int64 ids as (low, high) pairs (``_moe_route``) |
+| `wide`        | `[]`       | int64     | 1 when `ids` holds int64 ids |
+| `weights`     | `[k]`      | float32   | its `topk_weights` |
+| `tokens`      | `[]`       | int64     | real tokens (1; a device word as for the routing kernel) |
+| `table13`, `table2` | `[2]` | int64    | `w13`'s and `w2`'s `wq` and `w_scale` base addresses (the family's words) |
+| `h`           | `[k, 2I]`  | float32   | out of the up kernel: slot j's `x @ w13[e_j]^T`, the grouped path's `h` row |
+| `parts`       | `[k, H]`   | float32   | workspace: slot j's `y` (rounded to bf16) |
+| `counts`      | `[H/64]`   | int32     | zero, and left zero: the down kernel's arrival counters |
+| `out`         | `[1, H]`   | bf16      | `sum_j weights[j] * y_j` |
+| `x_flags`, `route_flags` | `[1]` | int8 | the token's NaN/Inf (and bad scale) flags, its routing flag (SPEC 2.2) |
+
+Why two kernels are enough at one token: a token's top-k ids are distinct when
+they are valid, so each expert the token names gets exactly one row of the
+grouped GEMMs, and that row is the token itself. There is nothing to sort,
+gather or scatter; expert ``e_j``'s weights are read once, by the programs of
+slot ``j``. (From two tokens an expert may get several rows: the grouped path.)
+
+- **up** (grid: slot ``j`` x tiles of ``2I``): each program reads its slot's id
+  (a bad id reads expert 0: nothing out of bounds, and the flags refuse the
+  call), quantizes the token's bf16 blocks as ``quantize_row`` does (fp8 tokens:
+  read as given) and computes its tile of ``h[j]``. Program (0, 0) writes the
+  token's flags and the routing flags (``routing_flags``, the routing kernel's check).
+- **down + combine** (grid: tiles of ``H`` x slot ``j``): each program computes
+  SiLU(gate) * up and its fp8 blocks from ``h[j]`` as ``_silu_mul_quant_kernel``
+  does, multiplies by ``w2[e_j]``, rounds ``y_j`` to bf16 as the w2 GEMM stores
+  it, and parks it in ``parts``; the last program of a tile to arrive sums
+  ``weights[j] * y_j`` in float32 in slot order and rounds once, as
+  ``_combine_kernel`` does (no atomics on values: the order is fixed).
+
+**Bit for bit the grouped path.** A merged launch (several calls in a bucket of
+2+ tokens) runs the grouped path; a lone call must get the same bits
+(SPEC 5.1). Every element here is computed as the grouped GEMM's tile for the
+bucket's ``k`` rows computes it (``triton_kernel.config_for``: the executor
+merges calls only across buckets whose tiles are equal): the same 128-wide K
+blocks in order, the same dot shapes (the token repeated over the tile's
+``BLOCK_M`` rows; the weight tile is the MMA's M side, whose height does not
+change an element), ``acc = fma(dot, x_scale * w_scale, acc)`` (the GEMM's
+promotion, contracted there: ``enable_fp_fusion`` is off here for the
+quantization's sake, so the fma is written out), split-K partials summed in
+split order, ``decode_pair``'s odd last block paired with itself at scale 0.
+The quantization, activation and roundings are the shared ``@triton.jit``
+helpers of ``_triton_act``. ``tests/server/test_moe_token_gpu.py`` checks the
+bits on the device. Imported only with the triton backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from moegemm.kernels._triton_act import (
+    _FORMAT,
+    _INTERPRETED,
+    _round_to_bf16,
+    nan_inf_flag,
+    quantize_blocks,
+    silu_mul,
+)
+from moegemm.kernels._triton_gemm import _weights
+from moegemm.kernels.quant import BLOCK, fp8_max
+from moegemm.kernels.triton_kernel import config_for
+
+from ._moe_route import _FLT_MAX, _expert_of, routing_flags
+
+# The H200's multiprocessors: a kernel's weight tile is 128 rows where that still gives
+# every SM a program, else 64 (a 128-row tile keeps more loads in flight per program).
+_SMS = 132
+_MODE_QUANTIZE, _MODE_FP8, _MODE_ACT = 0, 1, 2
+
+
+# A split's K blocks, as ``_k_range`` gives them: [lo, hi). Constexpr functions, not
+# expressions in the kernel: the interpreter makes every assigned value a tensor.
+@triton.constexpr_function
+def _split_lo(s, per, kb):
+    return min(s * per, kb)
+
+
+@triton.constexpr_function
+def _split_hi(s, per, kb):
+    return min(s * per + per, kb)
+
+
+@triton.constexpr_function
+def _pair_tail(s, per, kb, pair):
+    """1 where ``decode_pair`` ends split ``s`` on an odd block paired with itself."""
+    return (_split_hi(s, per, kb) - _split_lo(s, per, kb)) % 2 if pair else 0
+
+
+@triton.jit
+def _operand(a_ptr, as_ptr, kb, FP8_MAX, UP: tl.constexpr, BLOCK_M: tl.constexpr,
+             MODE: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
+             MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Block ``kb`` of the row a GEMM multiplies: (its fp8 values repeated over ``BLOCK_M``
+    rows ``[BLOCK_M, 128]``, its scale repeated ``[BLOCK_M]``, its flags int32).
+
+    MODE 0: bf16 ``a_ptr`` quantized (``quantize_row``'s arithmetic, NaN/Inf flagged);
+    1: fp8 bits at ``a_ptr`` with scales at ``as_ptr`` as given (flagged as ``bad_rows``
+    flags them: NaN codes 1, a scale not finite and > 0 2); 2: SiLU(gate) * up of the
+    float32 ``h`` row at ``a_ptr`` (up ``UP`` columns on), quantized (the activation kernel's
+    arithmetic)."""
+    cols = kb * 128 + tl.arange(0, 128)[None, :]
+    if MODE == 0:
+        x = tl.load(a_ptr + cols).to(tl.float32)
+        code, scale = quantize_blocks(x, FP8_MAX, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
+        flag = nan_inf_flag(x).to(tl.int32)
+        a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    elif MODE == 1:
+        bits = tl.load(a_ptr + cols)
+        a = bits.to(tl.float8e4nv, bitcast=True)
+        scale = tl.load(as_ptr + kb + tl.zeros([1], dtype=tl.int32))
+        good = (scale > 0.0) & (scale <= _FLT_MAX)
+        flag = tl.max(tl.max(((bits & 0x7F) == 0x7F).to(tl.int32), axis=1), axis=0)
+        flag = flag | (tl.max((~good).to(tl.int32), axis=0) << 1)
+    else:
+        gate = tl.load(a_ptr + cols)
+        up = tl.load(a_ptr + UP + cols)
+        code, scale = quantize_blocks(silu_mul(gate, up, INTERPRETED), FP8_MAX, FNUZ, BIAS,
+                                      MIN_NORMAL, SUB_SCALE)
+        flag = 0
+        a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return tl.broadcast_to(a, (BLOCK_M, 128)), tl.broadcast_to(scale, (BLOCK_M,)), flag
+
+
+@triton.jit
+def _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, FP8_MAX, UP: tl.constexpr, WS_STEP: tl.constexpr,
+              KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+              SPLIT_K: tl.constexpr, PAIR: tl.constexpr, MODE: tl.constexpr,
+              EVICT_W: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
+              MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One weight tile times the row, as the decode GEMMs compute it: (``acc``
+    ``[BLOCK_N, BLOCK_M]``, every column the row's, float32 unrounded; the operand's flags).
+
+    ``w_ptrs``: the tile's first K block ``[BLOCK_N, 128]``; ``ws_ptr``: its weight-scale
+    column at K block 0 (``WS_STEP`` apart per block). ``_k_range``'s splits, each summed
+    from zero, added in split order (``_split_k_finish``); within a split ``acc =
+    fma(dot, x_scale * w_scale, acc)`` block by block (``decode_kernel``; ``decode_pair``
+    the same, its odd last block paired with itself scaled by ``x_scale * (w_scale * 0)``)."""
+    PER: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
+    flag = tl.full([], 0, dtype=tl.int32)
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kb in range(_split_lo(s, PER, KB), _split_hi(s, PER, KB) - _pair_tail(s, PER, KB, PAIR)):
+            a, a_scale, f = _operand(a_ptr, as_ptr, kb, FP8_MAX, UP, BLOCK_M, MODE, FNUZ, BIAS,
+                                     MIN_NORMAL, SUB_SCALE, INTERPRETED)
+            w = tl.load(w_ptrs + kb * 128, eviction_policy=EVICT_W)
+            ws = tl.load(ws_ptr + kb * WS_STEP)
+            acc = tl.fma(tl.dot(w, tl.trans(a)), (a_scale * ws)[None, :], acc)
+            flag = flag | f
+        if _pair_tail(s, PER, KB, PAIR) == 1:
+            last = _split_hi(s, PER, KB) - 1
+            a, a_scale, f = _operand(a_ptr, as_ptr, last, FP8_MAX, UP, BLOCK_M, MODE, FNUZ, BIAS,
+                                     MIN_NORMAL, SUB_SCALE, INTERPRETED)
+            w = tl.load(w_ptrs + last * 128, eviction_policy=EVICT_W)
+            ws = tl.load(ws_ptr + last * WS_STEP)
+            part = tl.dot(w, tl.trans(a))
+            acc = tl.fma(part, (a_scale * ws)[None, :], acc)
+            acc = tl.fma(part, (a_scale * (ws * 0.0))[None, :], acc)
+            flag = flag | f
+        if s == 0:
+            total = acc
+        else:
+            total = total + acc
+    return total, flag
+
+
+@triton.jit
+def _slot_expert(ids_ptr, j, wide, G: tl.constexpr):
+    """Slot ``j``'s expert as int64; a bad id (refused by the routing flag) reads expert 0."""
+    e = _expert_of(ids_ptr, j, j >= 0, wide)
+    return tl.where((e >= 0) & (e < G), e, 0).to(tl.int64)
+
+
+@triton.jit
+def _store_column(row_ptr, offs_n, acc, BLOCK_M: tl.constexpr):
+    """Column 0 of ``acc`` ``[BLOCK_N, BLOCK_M]`` (the row's) at ``row_ptr[offs_n]``, its bits as
+    they are."""
+    m = tl.arange(0, BLOCK_M)[None, :]
+    tl.store(row_ptr + offs_n[:, None] + m * 0, acc, mask=m == 0)
+
+
+@triton.jit
+def _up_kernel(x_ptr, xs_ptr, ids_ptr, wide_ptr, wts_ptr, tokens_ptr, table_ptr, h_ptr,
+               x_flags_ptr, route_flags_ptr, FP8_MAX,
+               G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, TOP_K: tl.constexpr,
+               KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+               SPLIT_K: tl.constexpr, PAIR: tl.constexpr, MODE: tl.constexpr,
+               EVICT_W: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
+               MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
+    j = tl.program_id(0)
+    tile = tl.program_id(1)
+    wide = tl.load(wide_ptr).to(tl.int32)
+    e = _slot_expert(ids_ptr, j, wide, G)
+    w_base, ws_base = _weights(table_ptr, table_ptr, True)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ptrs = w_base + e * (N * H) + offs_n.to(tl.int64)[:, None] * H + tl.arange(0, 128)[None, :]
+    ws_ptr = ws_base + e * ((H // 128) * (N // 128)) + (tile * BLOCK_N) // 128
+    acc, flag = _row_tile(x_ptr, xs_ptr, w_ptrs, ws_ptr, FP8_MAX, 0, N // 128, H // 128, BLOCK_N,
+                          BLOCK_M, SPLIT_K, PAIR, MODE, EVICT_W, FNUZ, BIAS, MIN_NORMAL,
+                          SUB_SCALE, INTERPRETED)
+    _store_column(h_ptr + j * N, offs_n, acc, BLOCK_M)
+    if (j == 0) & (tile == 0):
+        tl.store(x_flags_ptr, flag.to(tl.int8))
+        routing_flags(ids_ptr, wts_ptr, route_flags_ptr, tl.load(tokens_ptr), wide, 1, G, TOP_K,
+                      KP, 1)
+
+
+@triton.jit
+def _down_kernel(h_ptr, ids_ptr, wide_ptr, wts_ptr, table_ptr, parts_ptr, counts_ptr, out_ptr,
+                 FP8_MAX, G: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                 TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 SPLIT_K: tl.constexpr, PAIR: tl.constexpr, EVICT_W: tl.constexpr,
+                 FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                 SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
+    tile = tl.program_id(0)
+    j = tl.program_id(1)
+    wide = tl.load(wide_ptr).to(tl.int32)
+    e = _slot_expert(ids_ptr, j, wide, G)
+    w_base, ws_base = _weights(table_ptr, table_ptr, True)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ptrs = w_base + e * (H * I) + offs_n.to(tl.int64)[:, None] * I + tl.arange(0, 128)[None, :]
+    ws_ptr = ws_base + e * ((I // 128) * (H // 128)) + (tile * BLOCK_N) // 128
+    acc, _ = _row_tile(h_ptr + j * (2 * I), h_ptr, w_ptrs, ws_ptr, FP8_MAX, I, H // 128, I // 128,
+                       BLOCK_N, BLOCK_M, SPLIT_K, PAIR, 2, EVICT_W, FNUZ, BIAS, MIN_NORMAL,
+                       SUB_SCALE, INTERPRETED)
+    # y_j as the w2 GEMM stores it (bf16), parked until the tile's last slot arrives.
+    _store_column(parts_ptr + j * H, offs_n, _round_to_bf16(acc), BLOCK_M)
+    tl.debug_barrier()  # every thread's part is written before one thread announces it
+    arrived = tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K - 1:
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in tl.static_range(TOP_K):  # the combine: slot order, one multiply and one add each
+            w = tl.load(wts_ptr + i)
+            y = tl.load(parts_ptr + i * H + offs_n, cache_modifier=".cg")
+            total = total + w * y
+        tl.store(out_ptr + offs_n, _round_to_bf16(total).to(tl.bfloat16))
+        tl.store(counts_ptr + tile, 0)
+
+
+def _gemm_tile(rows: int, n: int, k: int, g: int, device: torch.device) -> tuple[int, int, bool]:
+    """(token tile, split-K ways, pairs) of the grouped GEMM's tile for ``rows`` rows: the
+    arithmetic the one-token kernels reproduce."""
+    config = config_for(rows, n, k, g, device)
+    if not config.swap_ab:
+        raise ValueError(f"a {rows}-row launch runs {config.key()}, not a decode tile")
+    split = max(1, min(config.split_k, k // BLOCK))
+    return config.block_m, split, config.schedule == "decode_pair"
+
+
+def weight_tile(top_k: int, n: int) -> tuple[int, int]:
+    """(rows of a program's weight tile, warps) for ``top_k`` slots of ``n`` outputs: 128
+    rows (8 warps, as the decode GEMMs' 128-row tiles) where ``top_k * n / 128`` programs
+    still fill the SMs, else 64 (4 warps: one warpgroup)."""
+    return (128, 8) if top_k * n // 128 >= _SMS else (64, 4)
+
+
+def counts_words(H: int) -> int:
+    """The int32 counters the down kernel needs (its most tiles: 64 rows each)."""
+    return H // 64
+
+
+def moe_token(x: torch.Tensor, x_scale: torch.Tensor | None, ids: torch.Tensor,
+              wide: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor,
+              table13: torch.Tensor, table2: torch.Tensor, G: int, I: int, h: torch.Tensor,
+              parts: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
+              x_flags: torch.Tensor, route_flags: torch.Tensor) -> None:
+    """One token's moe (the table) in two launches; capture-safe, no host reads. ``k`` is
+    ``weights``' length."""
+    k, H = weights.shape[0], x.shape[1]
+    if x.shape[0] != 1 or H % BLOCK or I % BLOCK or not x.is_contiguous():
+        raise ValueError(f"x must be one contiguous row of H % 128 == 0, got {tuple(x.shape)}")
+    if tuple(h.shape) != (k, 2 * I) or h.dtype != torch.float32 or not h.is_contiguous():
+        raise ValueError(f"h must be contiguous float32 [{k}, {2 * I}]")
+    if parts.dtype != torch.float32 or parts.numel() < k * H or counts.numel() < counts_words(H):
+        raise ValueError("parts must hold k * H float32, counts H / 64 int32")
+    if ids.dtype != torch.int32 or ids.numel() < 2 * k:
+        raise ValueError(f"ids must be int32 words, 2 per slot, got {ids.dtype} {ids.numel()}")
+    fp8 = torch.float8_e4m3fn  # what the triton backend computes in
+    if x.dtype == torch.bfloat16:
+        mode, xs = _MODE_QUANTIZE, x
+    elif x.dtype == fp8 and x_scale is not None:
+        mode, xs = _MODE_FP8, x_scale
+        x = x.view(torch.uint8)
+    else:
+        raise TypeError(f"x must be bf16, or e4m3fn with x_scale, got {x.dtype}")
+    bias, min_normal, sub_scale = _FORMAT[False]
+    common = dict(FNUZ=False, BIAS=bias, MIN_NORMAL=min_normal, SUB_SCALE=sub_scale,
+                  EVICT_W="evict_first", INTERPRETED=_INTERPRETED, enable_fp_fusion=False)
+    bm, split, pair = _gemm_tile(k, 2 * I, H, G, x.device)
+    bn, warps = weight_tile(k, 2 * I)
+    _up_kernel[(k, 2 * I // bn)](
+        x, xs, ids, wide, weights, tokens, table13, h, x_flags, route_flags, fp8_max(fp8),
+        G=G, H=H, N=2 * I, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_M=bm,
+        SPLIT_K=split, PAIR=pair, MODE=mode, num_warps=warps, num_stages=3, **common)
+    bm, split, pair = _gemm_tile(k, H, I, G, x.device)
+    bn, warps = weight_tile(k, H)
+    _down_kernel[(H // bn, k)](
+        h, ids, wide, weights, table2, parts, counts, out, fp8_max(fp8),
+        G=G, H=H, I=I, TOP_K=k, BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=split, PAIR=pair,
+        num_warps=warps, num_stages=3, **common)
