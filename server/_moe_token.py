@@ -289,8 +289,8 @@ def moe_token(x: torch.Tensor, x_scale: torch.Tensor | None, ids: torch.Tensor,
     else:
         raise TypeError(f"x must be bf16, or e4m3fn with x_scale, got {x.dtype}")
     bias, min_normal, sub_scale = _FORMAT[False]
-    common = dict(FNUZ=False, BIAS=bias, MIN_NORMAL=min_normal, SUB_SCALE=sub_scale,
-                  EVICT_W="evict_first", INTERPRETED=_INTERPRETED, enable_fp_fusion=False)
+    common = {"FNUZ": False, "BIAS": bias, "MIN_NORMAL": min_normal, "SUB_SCALE": sub_scale,
+              "EVICT_W": "evict_first", "INTERPRETED": _INTERPRETED, "enable_fp_fusion": False}
     bm, split, pair = _gemm_tile(k, 2 * I, H, G, x.device)
     bn, warps = weight_tile(k, 2 * I)
     _up_kernel[(k, 2 * I // bn)](
