@@ -70,7 +70,6 @@ from ._moe_route import _FLT_MAX, _expert_of, routing_flags
 # The H200's multiprocessors: a kernel's weight tile is 128 rows where that still gives
 # every SM a program, else 64 (a 128-row tile keeps more loads in flight per program).
 _SMS = 132
-_MODE_QUANTIZE, _MODE_FP8, _MODE_ACT = 0, 1, 2
 
 
 # A split's K blocks, as ``_k_range`` gives them: [lo, hi). Constexpr functions, not
@@ -91,49 +90,65 @@ def _pair_tail(s, per, kb, pair):
     return (_split_hi(s, per, kb) - _split_lo(s, per, kb)) % 2 if pair else 0
 
 
-@triton.jit
-def _operand(a_ptr, as_ptr, kb, FP8_MAX, UP: tl.constexpr, BLOCK_M: tl.constexpr,
-             MODE: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
-             MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Block ``kb`` of the row a GEMM multiplies: (its fp8 values repeated over ``BLOCK_M``
-    rows ``[BLOCK_M, 128]``, its scale repeated ``[BLOCK_M]``, its flags int32).
+@triton.constexpr_function
+def _chunk(kb):
+    """Blocks of 128 a program quantizes at once before its K loop (bounds its registers)."""
+    return min(16, triton.next_power_of_2(kb))
 
-    MODE 0: bf16 ``a_ptr`` quantized (``quantize_row``'s arithmetic, NaN/Inf flagged);
-    1: fp8 bits at ``a_ptr`` with scales at ``as_ptr`` as given (flagged as ``bad_rows``
-    flags them: NaN codes 1, a scale not finite and > 0 2); 2: SiLU(gate) * up of the
-    float32 ``h`` row at ``a_ptr`` (up ``UP`` columns on), quantized (the activation kernel's
-    arithmetic)."""
-    cols = kb * 128 + tl.arange(0, 128)[None, :]
-    if MODE == 0:
-        x = tl.load(a_ptr + cols).to(tl.float32)
+
+@triton.jit
+def _quantize_into(src_ptr, up_ptr, q_ptr, qs_ptr, FP8_MAX, KB: tl.constexpr, ACT: tl.constexpr,
+                   FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                   SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A row's ``KB`` blocks quantized into ``q`` (fp8) and ``qs`` (scales): the bf16 row at
+    ``src_ptr`` (``quantize_row``'s arithmetic), or with ``ACT`` SiLU(gate) * up of the
+    float32 gate row at ``src_ptr`` and up row at ``up_ptr`` (the activation kernel's).
+    Done once, before the K loop, so the loop's body is the GEMM's: an operand's loads, not
+    a reduction and IEEE divisions on each block's way to the tensor cores."""
+    CH: tl.constexpr = _chunk(KB)
+    for c0 in tl.static_range(0, KB, CH):
+        blk = c0 + tl.arange(0, CH)
+        col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+        inside = blk[:, None] < KB
+        x = tl.load(src_ptr + col, mask=inside, other=0.0).to(tl.float32)
+        if ACT:
+            x = silu_mul(x, tl.load(up_ptr + col, mask=inside, other=0.0), INTERPRETED)
         code, scale = quantize_blocks(x, FP8_MAX, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
-        flag = nan_inf_flag(x).to(tl.int32)
-        a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    elif MODE == 1:
-        bits = tl.load(a_ptr + cols)
-        a = bits.to(tl.float8e4nv, bitcast=True)
-        scale = tl.load(as_ptr + kb + tl.zeros([1], dtype=tl.int32))
-        good = (scale > 0.0) & (scale <= _FLT_MAX)
-        flag = tl.max(tl.max(((bits & 0x7F) == 0x7F).to(tl.int32), axis=1), axis=0)
-        flag = flag | (tl.max((~good).to(tl.int32), axis=0) << 1)
-    else:
-        gate = tl.load(a_ptr + cols)
-        up = tl.load(a_ptr + UP + cols)
-        code, scale = quantize_blocks(silu_mul(gate, up, INTERPRETED), FP8_MAX, FNUZ, BIAS,
-                                      MIN_NORMAL, SUB_SCALE)
-        flag = 0
-        a = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    return tl.broadcast_to(a, (BLOCK_M, 128)), tl.broadcast_to(scale, (BLOCK_M,)), flag
+        tl.store(q_ptr + col, code.to(tl.uint8).to(tl.float8e4nv, bitcast=True), mask=inside)
+        tl.store(qs_ptr + blk, scale, mask=blk < KB)
+    tl.debug_barrier()  # the K loop reads back what this program's threads stored
 
 
 @triton.jit
-def _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, FP8_MAX, UP: tl.constexpr, WS_STEP: tl.constexpr,
-              KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-              SPLIT_K: tl.constexpr, PAIR: tl.constexpr, MODE: tl.constexpr,
-              EVICT_W: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
-              MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One weight tile times the row, as the decode GEMMs compute it: (``acc``
-    ``[BLOCK_N, BLOCK_M]``, every column the row's, float32 unrounded; the operand's flags).
+def _x_flags(x_ptr, xs_ptr, KB: tl.constexpr, FP8_IN: tl.constexpr):
+    """The token's flags as ``bad_rows`` gives them: bf16 NaN/Inf 1; fp8 NaN codes 1, a
+    scale not finite and > 0 2 (int32)."""
+    CH: tl.constexpr = _chunk(KB)
+    flag = tl.full([], 0, dtype=tl.int32)
+    for c0 in tl.static_range(0, KB, CH):
+        blk = c0 + tl.arange(0, CH)
+        col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+        inside = blk[:, None] < KB
+        if FP8_IN:
+            bits = tl.load(x_ptr + col, mask=inside, other=0.0).to(tl.uint8, bitcast=True)
+            flag = flag | tl.max(tl.max(((bits & 0x7F) == 0x7F).to(tl.int32), axis=1), axis=0)
+            scale = tl.load(xs_ptr + blk, mask=blk < KB, other=1.0)
+            good = (scale > 0.0) & (scale <= _FLT_MAX)
+            flag = flag | (tl.max((~good).to(tl.int32), axis=0) << 1)
+        else:
+            x = tl.load(x_ptr + col, mask=inside, other=0.0).to(tl.float32)
+            flag = flag | nan_inf_flag(x).to(tl.int32)
+    return flag
+
+
+@triton.jit
+def _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, WS_STEP: tl.constexpr, KB: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+              PAIR: tl.constexpr, EVICT_W: tl.constexpr):
+    """One weight tile times the fp8 row at ``a_ptr`` (scales at ``as_ptr``), as the decode
+    GEMMs compute it: ``acc`` ``[BLOCK_N, BLOCK_M]``, every column the row's (its loads
+    repeat the row over the token tile, as the GEMM's clamp repeats a group's last row),
+    float32 unrounded.
 
     ``w_ptrs``: the tile's first K block ``[BLOCK_N, 128]``; ``ws_ptr``: its weight-scale
     column at K block 0 (``WS_STEP`` apart per block). ``_k_range``'s splits, each summed
@@ -141,32 +156,32 @@ def _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, FP8_MAX, UP: tl.constexpr, WS_STEP:
     fma(dot, x_scale * w_scale, acc)`` block by block (``decode_kernel``; ``decode_pair``
     the same, its odd last block paired with itself scaled by ``x_scale * (w_scale * 0)``)."""
     PER: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
-    flag = tl.full([], 0, dtype=tl.int32)
+    rows = tl.arange(0, BLOCK_M)
+    a_ptrs = a_ptr + rows[:, None] * 0 + tl.arange(0, 128)[None, :]
+    as_ptrs = as_ptr + rows * 0
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(_split_lo(s, PER, KB), _split_hi(s, PER, KB) - _pair_tail(s, PER, KB, PAIR)):
-            a, a_scale, f = _operand(a_ptr, as_ptr, kb, FP8_MAX, UP, BLOCK_M, MODE, FNUZ, BIAS,
-                                     MIN_NORMAL, SUB_SCALE, INTERPRETED)
+            a = tl.load(a_ptrs + kb * 128)
             w = tl.load(w_ptrs + kb * 128, eviction_policy=EVICT_W)
+            xs = tl.load(as_ptrs + kb)
             ws = tl.load(ws_ptr + kb * WS_STEP)
-            acc = tl.fma(tl.dot(w, tl.trans(a)), (a_scale * ws)[None, :], acc)
-            flag = flag | f
+            acc = tl.fma(tl.dot(w, tl.trans(a)), (xs * ws)[None, :], acc)
         if _pair_tail(s, PER, KB, PAIR) == 1:
             last = _split_hi(s, PER, KB) - 1
-            a, a_scale, f = _operand(a_ptr, as_ptr, last, FP8_MAX, UP, BLOCK_M, MODE, FNUZ, BIAS,
-                                     MIN_NORMAL, SUB_SCALE, INTERPRETED)
+            a = tl.load(a_ptrs + last * 128)
             w = tl.load(w_ptrs + last * 128, eviction_policy=EVICT_W)
+            xs = tl.load(as_ptrs + last)
             ws = tl.load(ws_ptr + last * WS_STEP)
             part = tl.dot(w, tl.trans(a))
-            acc = tl.fma(part, (a_scale * ws)[None, :], acc)
-            acc = tl.fma(part, (a_scale * (ws * 0.0))[None, :], acc)
-            flag = flag | f
+            acc = tl.fma(part, (xs * ws)[None, :], acc)
+            acc = tl.fma(part, (xs * (ws * 0.0))[None, :], acc)
         if s == 0:
             total = acc
         else:
             total = total + acc
-    return total, flag
+    return total
 
 
 @triton.jit
@@ -186,10 +201,10 @@ def _store_column(row_ptr, offs_n, acc, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _up_kernel(x_ptr, xs_ptr, ids_ptr, wide_ptr, wts_ptr, tokens_ptr, table_ptr, h_ptr,
-               x_flags_ptr, route_flags_ptr, FP8_MAX,
+               q_ptr, qs_ptr, x_flags_ptr, route_flags_ptr, FP8_MAX,
                G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, TOP_K: tl.constexpr,
                KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-               SPLIT_K: tl.constexpr, PAIR: tl.constexpr, MODE: tl.constexpr,
+               SPLIT_K: tl.constexpr, PAIR: tl.constexpr, FP8_IN: tl.constexpr,
                EVICT_W: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
                MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
     j = tl.program_id(0)
@@ -200,23 +215,29 @@ def _up_kernel(x_ptr, xs_ptr, ids_ptr, wide_ptr, wts_ptr, tokens_ptr, table_ptr,
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ptrs = w_base + e * (N * H) + offs_n.to(tl.int64)[:, None] * H + tl.arange(0, 128)[None, :]
     ws_ptr = ws_base + e * ((H // 128) * (N // 128)) + (tile * BLOCK_N) // 128
-    acc, flag = _row_tile(x_ptr, xs_ptr, w_ptrs, ws_ptr, FP8_MAX, 0, N // 128, H // 128, BLOCK_N,
-                          BLOCK_M, SPLIT_K, PAIR, MODE, EVICT_W, FNUZ, BIAS, MIN_NORMAL,
-                          SUB_SCALE, INTERPRETED)
+    if FP8_IN:
+        a_ptr, as_ptr = x_ptr, xs_ptr
+    else:  # each program quantizes the token into its own rows of q and qs
+        pid = (j * tl.num_programs(1) + tile).to(tl.int64)
+        a_ptr, as_ptr = q_ptr + pid * H, qs_ptr + pid * (H // 128)
+        _quantize_into(x_ptr, x_ptr, a_ptr, as_ptr, FP8_MAX, H // 128, False, FNUZ, BIAS,
+                       MIN_NORMAL, SUB_SCALE, INTERPRETED)
+    acc = _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, N // 128, H // 128, BLOCK_N, BLOCK_M, SPLIT_K,
+                    PAIR, EVICT_W)
     _store_column(h_ptr + j * N, offs_n, acc, BLOCK_M)
     if (j == 0) & (tile == 0):
-        tl.store(x_flags_ptr, flag.to(tl.int8))
+        tl.store(x_flags_ptr, _x_flags(x_ptr, xs_ptr, H // 128, FP8_IN).to(tl.int8))
         routing_flags(ids_ptr, wts_ptr, route_flags_ptr, tl.load(tokens_ptr), wide, 1, G, TOP_K,
                       KP, 1)
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, wide_ptr, wts_ptr, table_ptr, parts_ptr, counts_ptr, out_ptr,
-                 FP8_MAX, G: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                 TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 SPLIT_K: tl.constexpr, PAIR: tl.constexpr, EVICT_W: tl.constexpr,
-                 FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                 SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _down_kernel(h_ptr, ids_ptr, wide_ptr, wts_ptr, table_ptr, q_ptr, qs_ptr, parts_ptr,
+                 counts_ptr, out_ptr, FP8_MAX, G: tl.constexpr, H: tl.constexpr,
+                 I: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, PAIR: tl.constexpr,
+                 EVICT_W: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
+                 MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
     tile = tl.program_id(0)
     j = tl.program_id(1)
     wide = tl.load(wide_ptr).to(tl.int32)
@@ -225,9 +246,13 @@ def _down_kernel(h_ptr, ids_ptr, wide_ptr, wts_ptr, table_ptr, parts_ptr, counts
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ptrs = w_base + e * (H * I) + offs_n.to(tl.int64)[:, None] * I + tl.arange(0, 128)[None, :]
     ws_ptr = ws_base + e * ((I // 128) * (H // 128)) + (tile * BLOCK_N) // 128
-    acc, _ = _row_tile(h_ptr + j * (2 * I), h_ptr, w_ptrs, ws_ptr, FP8_MAX, I, H // 128, I // 128,
-                       BLOCK_N, BLOCK_M, SPLIT_K, PAIR, 2, EVICT_W, FNUZ, BIAS, MIN_NORMAL,
-                       SUB_SCALE, INTERPRETED)
+    # Each program activates and quantizes slot j's h row into its own rows of q and qs.
+    pid = (tile * TOP_K + j).to(tl.int64)
+    a_ptr, as_ptr = q_ptr + pid * I, qs_ptr + pid * (I // 128)
+    _quantize_into(h_ptr + j * (2 * I), h_ptr + j * (2 * I) + I, a_ptr, as_ptr, FP8_MAX, I // 128,
+                   True, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE, INTERPRETED)
+    acc = _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, H // 128, I // 128, BLOCK_N, BLOCK_M, SPLIT_K,
+                    PAIR, EVICT_W)
     # y_j as the w2 GEMM stores it (bf16), parked until the tile's last slot arrives.
     _store_column(parts_ptr + j * H, offs_n, _round_to_bf16(acc), BLOCK_M)
     tl.debug_barrier()  # every thread's part is written before one thread announces it
@@ -282,24 +307,31 @@ def moe_token(x: torch.Tensor, x_scale: torch.Tensor | None, ids: torch.Tensor,
         raise ValueError(f"ids must be int32 words, 2 per slot, got {ids.dtype} {ids.numel()}")
     fp8 = torch.float8_e4m3fn  # what the triton backend computes in
     if x.dtype == torch.bfloat16:
-        mode, xs = _MODE_QUANTIZE, x
+        fp8_in, xs = False, x
     elif x.dtype == fp8 and x_scale is not None:
-        mode, xs = _MODE_FP8, x_scale
-        x = x.view(torch.uint8)
+        fp8_in, xs = True, x_scale
     else:
         raise TypeError(f"x must be bf16, or e4m3fn with x_scale, got {x.dtype}")
     bias, min_normal, sub_scale = _FORMAT[False]
     common = {"FNUZ": False, "BIAS": bias, "MIN_NORMAL": min_normal, "SUB_SCALE": sub_scale,
               "EVICT_W": "evict_first", "INTERPRETED": _INTERPRETED, "enable_fp_fusion": False}
-    bm, split, pair = _gemm_tile(k, 2 * I, H, G, x.device)
+    dev = x.device
+    bm, split, pair = _gemm_tile(k, 2 * I, H, G, dev)
     bn, warps = weight_tile(k, 2 * I)
-    _up_kernel[(k, 2 * I // bn)](
-        x, xs, ids, wide, weights, tokens, table13, h, x_flags, route_flags, fp8_max(fp8),
+    grid = (k, 2 * I // bn)
+    programs = 1 if fp8_in else grid[0] * grid[1]  # (fp8 tokens are read as given)
+    q = torch.empty((programs, H), dtype=fp8, device=dev)
+    qs = torch.empty((programs, H // BLOCK), dtype=torch.float32, device=dev)
+    _up_kernel[grid](
+        x, xs, ids, wide, weights, tokens, table13, h, q, qs, x_flags, route_flags, fp8_max(fp8),
         G=G, H=H, N=2 * I, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_M=bm,
-        SPLIT_K=split, PAIR=pair, MODE=mode, num_warps=warps, num_stages=3, **common)
-    bm, split, pair = _gemm_tile(k, H, I, G, x.device)
+        SPLIT_K=split, PAIR=pair, FP8_IN=fp8_in, num_warps=warps, num_stages=3, **common)
+    bm, split, pair = _gemm_tile(k, H, I, G, dev)
     bn, warps = weight_tile(k, H)
-    _down_kernel[(H // bn, k)](
-        h, ids, wide, weights, table2, parts, counts, out, fp8_max(fp8),
+    grid = (H // bn, k)
+    q = torch.empty((grid[0] * grid[1], I), dtype=fp8, device=dev)
+    qs = torch.empty((grid[0] * grid[1], I // BLOCK), dtype=torch.float32, device=dev)
+    _down_kernel[grid](
+        h, ids, wide, weights, table2, q, qs, parts, counts, out, fp8_max(fp8),
         G=G, H=H, I=I, TOP_K=k, BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=split, PAIR=pair,
         num_warps=warps, num_stages=3, **common)
