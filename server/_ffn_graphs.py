@@ -20,13 +20,16 @@ bucket's graph (or runs the same body eagerly).
 3. put the rows back in the callers' order, in one result buffer with the
    flags, downloaded in one copy.
 
-``moe`` graph, over a bucket of tokens: route the (token, slot) pairs to
+``moe`` graph, over a bucket of two or more tokens: route the (token, slot) pairs to
 experts on the device (``_moe_route.route``: counts, positions, the routing
 checks), gather the x rows per expert (bf16 tokens of a launch of up to
 ``ROUTE_QUANTIZES_UP_TO`` rows: quantized by the routing kernel itself), the FFN above, and the weighted combine
 ``out[t] = bf16(sum_j w[t, j] * y[pos(t, j)])`` (float32 sum). The host never
 reads the ids (int32 or int64 as sent, see ``_moe_route``); the routing flags
-come back with the output, in the one download.
+come back with the output, in the one download. The bucket of one token runs two
+kernels instead (``_moe_token``, triton backend): a lone token's valid ids are
+distinct, so every expert it names gets one row and the routing, quantization,
+activation and combine fold into the two GEMMs; the same bits.
 
 Expert sets of one family share its graphs: the GEMMs read each matrix's
 weight and scale base addresses from int64 words (``w13`` and ``w2``) in the

@@ -11,6 +11,7 @@
 | `h`           | `[k, 2I]`  | float32   | out of the up kernel: slot j's `x @ w13[e_j]^T`, the grouped path's `h` row |
 | `parts`       | `[k, H]`   | float32   | workspace: slot j's `y` (rounded to bf16) |
 | `counts`      | `[H/64]`   | int32     | zero, and left zero: the down kernel's arrival counters |
+| `q`, `qs`     | `[P, K]`, `[P, K/128]` | fp8, float32 | scratch: each of a kernel's ``P`` programs' quantized row (K = H up, I down) |
 | `out`         | `[1, H]`   | bf16      | `sum_j weights[j] * y_j` |
 | `x_flags`, `route_flags` | `[1]` | int8 | the token's NaN/Inf (and bad scale) flags, its routing flag (SPEC 2.2) |
 
@@ -22,15 +23,23 @@ slot ``j``. (From two tokens an expert may get several rows: the grouped path.)
 
 - **up** (grid: slot ``j`` x tiles of ``2I``): each program reads its slot's id
   (a bad id reads expert 0: nothing out of bounds, and the flags refuse the
-  call), quantizes the token's bf16 blocks as ``quantize_row`` does (fp8 tokens:
-  read as given) and computes its tile of ``h[j]``. Program (0, 0) writes the
-  token's flags and the routing flags (``routing_flags``, the routing kernel's check).
+  call), quantizes the token's bf16 blocks as ``quantize_row`` does into its own
+  scratch row (fp8 tokens: read as given) and computes its tile of ``h[j]``.
+  Program (0, 0) writes the token's flags and the routing flags
+  (``routing_flags``, the routing kernel's check).
 - **down + combine** (grid: tiles of ``H`` x slot ``j``): each program computes
   SiLU(gate) * up and its fp8 blocks from ``h[j]`` as ``_silu_mul_quant_kernel``
-  does, multiplies by ``w2[e_j]``, rounds ``y_j`` to bf16 as the w2 GEMM stores
-  it, and parks it in ``parts``; the last program of a tile to arrive sums
-  ``weights[j] * y_j`` in float32 in slot order and rounds once, as
-  ``_combine_kernel`` does (no atomics on values: the order is fixed).
+  does (into its scratch row), multiplies by ``w2[e_j]``, rounds ``y_j`` to bf16
+  as the w2 GEMM stores it, and parks it in ``parts``; the last program of a tile
+  to arrive sums ``weights[j] * y_j`` in float32 in slot order and rounds once,
+  as ``_combine_kernel`` does (no atomics on values: the order is fixed). The
+  slots are programs of their own, not a loop in one: at Qwen3-30B's H = 2048 the
+  tiles of H alone are 16-32 programs for 132 SMs.
+
+The quantization runs once per program before its K loop (a reduction and IEEE
+divisions on every block's way to the tensor cores would lengthen each
+iteration), so the loop is the decode GEMM's: the operand's and the weights'
+loads, the dot, the promotion.
 
 **Bit for bit the grouped path.** A merged launch (several calls in a bucket of
 2+ tokens) runs the grouped path; a lone call must get the same bits
