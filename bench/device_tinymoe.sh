@@ -8,15 +8,15 @@
 # Run from the checkout's root or a carried copy's; carry .whl/server and .whl/test.
 # Writes under $OUT; a short table last. Time limits (s): TESTS_S, PROF_S, TILES_S.
 source bench/device_env.sh
-timeout -k 5 ${TESTS_S:-120} python3 -P -m pytest -q -p no:cacheprovider -m "not slow" \
-  --timeout 110 -rfE --durations=8 -n ${WORKERS:-4} --dist loadfile \
+timeout -k 5 ${TESTS_S:-115} python3 -P -m pytest -q -p no:cacheprovider -m "not slow" \
+  --timeout 105 -rfE --durations=8 -n ${WORKERS:-4} --dist loadfile \
   tests/server/test_moe_token_gpu.py tests/server/test_ffn_gpu.py tests/server/test_experts_gpu.py \
   tests/kernels/test_triton_act.py > "$OUT/gpu_tests.log" 2>&1
 echo "tests rc=$? $(el)"; tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
-timeout -k 5 ${PROF_S:-75} python3 -P bench/profile_moe.py --models qwen3-30b-a3b,deepseek-v3 \
+timeout -k 5 ${PROF_S:-70} python3 -P bench/profile_moe.py --models qwen3-30b-a3b,deepseek-v3 \
   --tokens 1,16 --reps 15 --out "$OUT/moe_steps.json" > "$OUT/moe_steps.log" 2>&1
 echo "profile rc=$? $(el)"; grep -v "^{" "$OUT/moe_steps.log" | tail -3 | cut -c1-300
-timeout -k 5 ${TILES_S:-35} python3 -P bench/tinymoe_tiles.py --out "$OUT/tinymoe_tiles.json" \
+timeout -k 5 ${TILES_S:-30} python3 -P bench/tinymoe_tiles.py --out "$OUT/tinymoe_tiles.json" \
   > "$OUT/tinymoe_tiles.log" 2>&1
 echo "tiles rc=$? $(el)"; grep -v "^{" "$OUT/tinymoe_tiles.log" | tail -3 | cut -c1-300
 python3 - "$OUT" <<'PY'

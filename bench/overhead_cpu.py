@@ -4,6 +4,8 @@
     python bench/overhead_cpu.py --pkg B=/tmp/pkg-new --profile OUT.txt   # cProfile the loop
     python bench/overhead_cpu.py --pkg B=/tmp/pkg-new --stamps   # the lone call's segments
     python bench/overhead_cpu.py --in-process --pkg A=... --pkg B=...     # no sockets
+    python bench/overhead_cpu.py --pkg B=/tmp/pkg-new --peer old=client:/tmp/pkg-base \
+        --peer new=client:/tmp/pkg-new --peer raw=raw    # callers A/B against one server
 
 Each ``--pkg NAME=DIR`` starts a real ``moegemm serve`` (the fast transport,
 ``MOEGEMM_ACCEPTORS=4`` as on a GPU: the lone connection is handed to the
@@ -30,9 +32,18 @@ executor), the transport (``_Connection`` with a canned direct route) and the
 executor's graph path (the GPU's; driver copies and replay stubbed). Far less
 noise than the loopback figures on this shared 2-core box.
 
-Per server and M: the median over rounds of the client's p50, the in-server
-time per call (``moegemm_request_seconds``: the handler, as bench_service's
-"in-server") and the batch time (``moegemm_kernel_seconds``).
+Callers (``--peer NAME=KIND[:DIR]``, default one ``client``), each a process of
+its own holding one keep-alive connection to each server, blocks alternating:
+``client`` is ``Client.grouped_gemm`` of the ``moegemm`` in DIR (default: this
+process's); ``raw`` sends the same request bytes, prebuilt, with ``sendall`` and
+reads the answer with blocking ``recv_into`` (the floor of a Python caller);
+``rawpoll`` is ``raw`` polling the socket for the answer instead of sleeping in
+``recv`` (what a wake-up costs). ``client - raw`` is the client's own share,
+``raw - in-server`` the loopback and the transport around the handler.
+
+Per server, caller and M: the median over rounds of the caller's p50, the
+in-server time per call (``moegemm_request_seconds``: the handler, as
+bench_service's "in-server") and the batch time (``moegemm_kernel_seconds``).
 """
 
 from __future__ import annotations
@@ -216,7 +227,11 @@ class _Server:
         self.stamps = work / f"stamps_{name}.json" if stamps else None
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "PYTHONPATH": pkg, "PYTHONSAFEPATH": "1", "MOEGEMM_ACCEPTORS": "4"}
+        # The owner takes every caller's connection (as it takes a lone client's), so
+        # that each caller is served the way one client is: 4 callers exceed the
+        # default of 2 handed-over connections, and the rest would be forwarded.
+        env = {**os.environ, "PYTHONPATH": pkg, "PYTHONSAFEPATH": "1", "MOEGEMM_ACCEPTORS": "4",
+               "MOEGEMM_OWNER_CONNECTIONS": "16"}
         cmd = [sys.executable, str(_HERE), "--serve-inline", *(["--profile", profile] if profile
                                                                else []),
                *(["--stub"] if stub else []),
@@ -264,6 +279,137 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+def _request_bytes(port: int, m: int) -> bytes:
+    """What ``Client.grouped_gemm`` sends for M rows (``_calls``' inputs), spelled out."""
+    from moegemm.client._wire import encode_tensor, packb
+
+    x, sizes, scale = _calls(m, np.random.default_rng(m))
+    body = packb({"x": encode_tensor(x), "m_sizes": encode_tensor(sizes),
+                  "x_scale": encode_tensor(scale)})
+    head = (f"POST /v1/weights/main/gemm HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            "User-Agent: moegemm-client\r\nAccept: application/vnd.msgpack, application/json\r\n"
+            f"X-Request-Id: {os.urandom(16).hex()}\r\nContent-Type: application/vnd.msgpack\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+class _RawCaller:
+    """One keep-alive socket: prebuilt request bytes, the whole answer read back; with
+    ``poll`` the answer is polled for (a busy wait) instead of slept on."""
+
+    def __init__(self, url: str, poll: bool) -> None:
+        import select
+        import socket
+
+        host, port = url.rsplit("/", 1)[-1].split(":")
+        self.port = int(port)
+        self.sock = socket.create_connection((host, self.port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(4 << 20)
+        self.view = memoryview(self.buf)
+        self.poller = None
+        if poll:
+            self.poller = select.poll()
+            self.poller.register(self.sock, select.POLLIN)
+        self.requests: dict[int, bytes] = {}
+
+    def __call__(self, m: int) -> None:
+        request = self.requests.get(m)
+        if request is None:
+            request = self.requests[m] = _request_bytes(self.port, m)
+        sock, buf, view, poller = self.sock, self.buf, self.view, self.poller
+        sock.sendall(request)
+        if poller is not None:
+            while not poller.poll(0):
+                pass
+        got = sock.recv_into(view)
+        while (end := buf.find(b"\r\n\r\n", 0, got)) < 0:
+            got += sock.recv_into(view[got:])
+        at = buf.find(b"content-length: ", 0, end) + 16
+        want = end + 4 + int(buf[at:buf.find(b"\r\n", at)])
+        while got < want:
+            if poller is not None:
+                while not poller.poll(0):
+                    pass
+            got += sock.recv_into(view[got:want])
+
+
+def peer(kind: str) -> None:
+    """(internal) A caller process: per line ``URL M CALLS`` on stdin, one line of JSON
+    on stdout: the calls' latencies (us), after a few untimed ones."""
+    callers: dict = {}
+    inputs: dict = {}
+    for line in sys.stdin:
+        url, m, calls = line.split()
+        m, calls = int(m), int(calls)
+        if m not in inputs:
+            inputs[m] = _calls(m, np.random.default_rng(m))
+        call = callers.get(url)
+        if call is None:
+            if kind == "client":
+                from moegemm.client import Client
+
+                client = Client(url, timeout=60, retries=0)
+
+                def call(m, client=client):
+                    x, sizes, scale = inputs[m]
+                    client.grouped_gemm("main", x, sizes, x_scale=scale)
+            else:
+                call = _RawCaller(url, poll=kind == "rawpoll")
+            callers[url] = call
+        for _ in range(30):
+            call(m)
+        lat = []
+        clock = time.perf_counter_ns
+        for _ in range(calls):
+            t0 = clock()
+            call(m)
+            lat.append((clock() - t0) / 1e3)
+        print(json.dumps(lat), flush=True)
+
+
+class _Peer:
+    def __init__(self, spec: str) -> None:
+        self.name, _, rest = spec.partition("=")
+        kind, _, pkg = rest.partition(":")
+        if kind not in ("client", "raw", "rawpoll"):
+            raise SystemExit(f"--peer {spec}: the kind is client, raw or rawpoll")
+        env = dict(os.environ)
+        if pkg:
+            env.update(PYTHONPATH=pkg, PYTHONSAFEPATH="1")
+        self.proc = subprocess.Popen([sys.executable, str(_HERE), "--as-peer", kind], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, url: str, m: int, calls: int) -> list[float]:
+        self.proc.stdin.write(f"{url} {m} {calls}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"caller {self.name} exited")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a server's acceptors), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += children.get(out[-1], [])
+    return out
 
 
 def _calls(m: int, rng):
@@ -494,13 +640,22 @@ def main() -> int:
                     help="stamp the lone call's path in each server and print the segments")
     ap.add_argument("--in-process", action="store_true",
                     help="time the handler and the transport in process (no sockets) instead")
+    ap.add_argument("--peer", action="append", default=[],
+                    help="NAME=KIND[:DIR] (repeatable): a caller, KIND client|raw|rawpoll, "
+                         "client from the moegemm in DIR")
+    ap.add_argument("--pin", action="store_true",
+                    help="callers on the first CPU, servers on the last (always across CPUs)")
     ap.add_argument("--harness", action="store_true", help="(internal)")
+    ap.add_argument("--as-peer", help="(internal)")
     ap.add_argument("--stub", action="store_true", help="(internal)")
     ap.add_argument("--serve-inline", action="store_true", help="(internal)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     if args.harness:
         harness(args.calls)
+        return 0
+    if args.as_peer:
+        peer(args.as_peer)
         return 0
     if args.in_process:
         summary = in_process(args.pkg, args.rounds, args.calls)
@@ -511,62 +666,60 @@ def main() -> int:
         return serve_inline([a for a in args.rest if a != "--"], args.profile, args.stub,
                             args.stamps)
 
-    from moegemm.client import Client
-
     work = Path(tempfile.mkdtemp(prefix="moegemm_overhead_"))
     _write_weights(work / "main.safetensors")
-    servers = []
+    servers, peers = [], []
     try:
         for i, spec in enumerate(args.pkg):
             name, _, pkg = spec.partition("=")
             servers.append(_Server(name, pkg, args.port + i, work, args.profile,
                                    not args.real_executor, bool(args.stamps)))
+        peers = [_Peer(spec) for spec in args.peer or ["client=client"]]
         for s in servers:
             s.wait_ready()
-        rng = np.random.default_rng(0)
+        if args.pin:
+            # Callers on the first CPU, each server (owner and acceptors) on the last: a
+            # round trip then always crosses CPUs, as between the H200 host's cores.
+            cpus = sorted(os.sched_getaffinity(0))
+            for s in servers:
+                for pid in _tree(s.proc.pid):
+                    os.sched_setaffinity(pid, {cpus[-1]})
+            for p in peers:
+                os.sched_setaffinity(p.proc.pid, {cpus[0]})
         ms = [int(m) for m in args.ms.split(",")]
-        inputs = {m: _calls(m, rng) for m in ms}
-        clients = {s.name: Client(s.url, timeout=60, retries=0) for s in servers}
         rows: dict = {}
         for r in range(args.rounds):
-            order = servers if r % 2 == 0 else servers[::-1]
-            for s in order:
-                client = clients[s.name]
-                for m in ms:
-                    x, sizes, scale = inputs[m]
-                    for _ in range(30):
-                        client.grouped_gemm("main", x, sizes, x_scale=scale)
-                    before = s.metrics()
-                    lat = []
-                    for _ in range(args.calls):
-                        t0 = time.perf_counter_ns()
-                        client.grouped_gemm("main", x, sizes, x_scale=scale)
-                        lat.append((time.perf_counter_ns() - t0) / 1e3)
-                    after = s.metrics()
-                    calls = after["calls"] - before["calls"] or 1
-                    batches = after["batches"] - before["batches"] or 1
-                    row = rows.setdefault(f"{s.name} M={m}", {"p50": [], "server": [], "batch": []})
-                    row["p50"].append(statistics.median(lat))
-                    row["server"].append(1e6 * (after["server_s"] - before["server_s"]) / calls)
-                    row["batch"].append(1e6 * (after["batch_s"] - before["batch_s"]) / batches)
-        for c in clients.values():
-            c.close()
+            for s in servers if r % 2 == 0 else servers[::-1]:
+                for p in peers if r % 2 == 0 else peers[::-1]:
+                    for m in ms:
+                        before = s.metrics()
+                        lat = p.run(s.url, m, args.calls)
+                        after = s.metrics()
+                        calls = after["calls"] - before["calls"] or 1
+                        batches = after["batches"] - before["batches"] or 1
+                        key = f"{s.name} {p.name} M={m}" if len(peers) > 1 else f"{s.name} M={m}"
+                        row = rows.setdefault(key, {"p50": [], "server": [], "batch": []})
+                        row["p50"].append(statistics.median(lat))
+                        row["server"].append(1e6 * (after["server_s"] - before["server_s"]) / calls)
+                        row["batch"].append(1e6 * (after["batch_s"] - before["batch_s"]) / batches)
     finally:
+        for p in peers:
+            p.close()
         for s in servers:
             s.stop()
     summary = {}
-    print(f"{'server':>12} | client p50 us (median of {args.rounds} rounds, min-max) | "
+    print(f"{'server caller M':>18} | p50 us (median of {args.rounds} rounds, min-max) | "
           f"in-server us | batch us")
     for key, row in rows.items():
         summary[key] = {k: round(statistics.median(v), 1) for k, v in row.items()}
         summary[key]["p50_range"] = [round(min(row["p50"]), 1), round(max(row["p50"]), 1)]
-        print(f"{key:>12} | {summary[key]['p50']:8.1f} ({min(row['p50']):.0f}-"
+        print(f"{key:>18} | {summary[key]['p50']:8.1f} ({min(row['p50']):.0f}-"
               f"{max(row['p50']):.0f}) | {summary[key]['server']:8.1f} | "
               f"{summary[key]['batch']:7.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": [G, N, K], "rounds": args.rounds,
-                                               "calls": args.calls, "results": summary,
-                                               "per_round": rows}, indent=1))
+                                               "calls": args.calls, "peers": args.peer,
+                                               "results": summary, "per_round": rows}, indent=1))
     for s in servers:
         if s.stamps is not None and s.stamps.exists():
             stamps = json.loads(s.stamps.read_text())

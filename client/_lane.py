@@ -46,6 +46,18 @@ _HEAD_LIMIT = 1 << 20
 _DIRECT_FROM = 1 << 16
 _IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 _POOL = 8  # idle sockets kept per client
+# How long a call waits for its answer by polling the socket (a busy wait)
+# before it blocks in the kernel, and only while the lane's last answer came
+# within it. Waking a thread that sleeps on a socket costs more than the wait
+# it ends on a virtual machine: on this repo's CPU box (2 vCPUs) a loopback
+# ping-pong of small messages takes 65 us with both sides blocking and 23 us
+# with the client polling, and a one-row gemm call against the real server
+# 123 -> 70 us (``bench/overhead_cpu.py --peers``, ``bench/SERVICE_NOTES.md``).
+# A lone caller's answers on the H200 come in ~0.4 ms (1 row) to ~1.1 ms
+# (128 rows); calls queued behind many others (32 clients: 4-13 ms) take
+# longer than the window, so their lanes block as before and spend no CPU
+# polling. The poll gives up the GIL at each try (a system call).
+_SPIN_S = 2e-3
 _ILLEGAL = re.compile("[\r\n\0]")  # never inside a header field
 
 
@@ -206,6 +218,9 @@ class Lane:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        # Whether the last answer came within _SPIN_S (then the next one is polled
+        # for first; threads share it: a stale value costs one poll window at most).
+        self._quick = True
 
     # -- sockets ---------------------------------------------------------------------
 
@@ -272,7 +287,7 @@ class Lane:
         keep = False
         try:
             sent = self._send(sock, data, parts, timeout, deadline)
-            answer, keep = self._receive(sock, timeout, deadline, sent)
+            answer, keep = self._receive(sock, timeout, deadline, sent, self._quick)
             return answer
         finally:
             if keep:
@@ -296,16 +311,23 @@ class Lane:
             return exc
         return None
 
-    def _receive(self, sock, timeout, deadline, send_error: OSError | None) -> tuple[Answer, bool]:
+    def _receive(self, sock, timeout, deadline, send_error: OSError | None,
+                 spin: bool) -> tuple[Answer, bool]:
         parse, where = _Parse(), f"{self.host}:{self.port}"
         done = False
+        sent = time.perf_counter()
+        # Poll for the answer until then (see _SPIN_S), then block.
+        spin_until = sent + _SPIN_S if spin else 0.0
+        first = True
         while not done:
             if parse.body is not None:
-                self._read_body(sock, parse, timeout, deadline, send_error, where)
+                self._read_body(sock, parse, timeout, deadline, send_error, where, spin_until)
                 # Read to its exact length: bytes already behind it are extra.
                 parse.reader.extra = parse.reader.extra or _readable(sock)
                 break
             recv_error = None
+            if spin_until:
+                _poll_until(sock, spin_until)
             try:
                 _settimeout(sock, _left(timeout.read, deadline))
                 chunk = sock.recv(_RECV_HEAD)
@@ -313,15 +335,21 @@ class Lane:
                 raise httpx.ReadTimeout(f"reading from {where}: {exc}") from exc
             except OSError as exc:  # e.g. reset after the server answered early
                 chunk, recv_error = b"", exc
+            if first:
+                first = False
+                self._quick = time.perf_counter() - sent <= _SPIN_S
             done = parse.feed(chunk, where, send_error, recv_error)
         return parse.answer(send_error)
 
     @staticmethod
-    def _read_body(sock, parse: _Parse, timeout, deadline, send_error, where: str) -> None:
+    def _read_body(sock, parse: _Parse, timeout, deadline, send_error, where: str,
+                   spin_until: float) -> None:
         """The rest of a body of known length, received straight into its buffer."""
         view = memoryview(parse.body)
         while parse.got < len(view):
             recv_error = None
+            if spin_until:
+                _poll_until(sock, spin_until)
             try:
                 _settimeout(sock, _left(timeout.read, deadline))
                 n = sock.recv_into(view[parse.got:])
@@ -343,6 +371,20 @@ def _readable(sock: socket.socket) -> bool:
         return bool(poller.poll(0))
     except OSError:
         return True
+
+
+def _poll_until(sock: socket.socket, until: float) -> None:
+    """Return once ``sock`` has something to read (or an EOF, or an error), or at
+    ``until`` (a ``time.perf_counter()`` instant), whichever comes first: a busy wait
+    (``_SPIN_S``); the caller's read then finds its bytes without sleeping."""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN)
+        poll, clock = poller.poll, time.perf_counter
+        while not poll(0) and clock() < until:
+            pass
+    except OSError:
+        return  # the read reports it
 
 
 def _parts(body: bytes | list | None) -> list:

@@ -214,12 +214,11 @@ def _gather_quant_kernel(x_ptr, gather_ptr, gather_stride, aq_ptr, scale_ptr, fl
 
 
 @triton.jit
-def quantize_row(x_ptr, src, row, aq_ptr, scale_ptr, flags_ptr, FP8_MAX, K: tl.constexpr,
-                 BLOCKS: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
-                 MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
-    """Row ``src`` of bf16 ``x`` ``[*, K]`` quantized into row ``row`` of ``aq`` and its
-    scales, ``flags[src]`` = 1 where it holds NaN or Inf (``gather_quantize_triton``'s
-    program; moe's routing kernel runs it for the rows it routes)."""
+def quantized_row(x_ptr, src, FP8_MAX, K: tl.constexpr, BLOCKS: tl.constexpr, FNUZ: tl.constexpr,
+                  BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
+    """Row ``src`` of bf16 ``x`` ``[*, K]`` quantized: ``(codes [BLOCKS, 128] uint8, scales
+    [BLOCKS], flag)``, flag 1 where the row holds NaN or Inf. Blocks past ``K / 128`` hold
+    nothing meaningful (the stores mask them: :func:`store_quantized_row`)."""
     KB: tl.constexpr = K // 128
     blk = tl.arange(0, BLOCKS)
     col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -227,8 +226,28 @@ def quantize_row(x_ptr, src, row, aq_ptr, scale_ptr, flags_ptr, FP8_MAX, K: tl.c
     x = tl.load(x_ptr + src * K + col, mask=inside, other=0.0).to(tl.float32)
     flag = nan_inf_flag(x)
     code, scale = quantize_blocks(x, FP8_MAX, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
-    tl.store(aq_ptr + row * K + col, code.to(tl.uint8), mask=inside)
+    return code.to(tl.uint8), scale, flag
+
+
+@triton.jit
+def store_quantized_row(code, scale, row, aq_ptr, scale_ptr, K: tl.constexpr, BLOCKS: tl.constexpr):
+    """:func:`quantized_row`'s codes and scales into row ``row`` of ``aq`` and its scales."""
+    KB: tl.constexpr = K // 128
+    blk = tl.arange(0, BLOCKS)
+    col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(aq_ptr + row * K + col, code, mask=blk[:, None] < KB)
     tl.store(scale_ptr + row * KB + blk, scale, mask=blk < KB)
+
+
+@triton.jit
+def quantize_row(x_ptr, src, row, aq_ptr, scale_ptr, flags_ptr, FP8_MAX, K: tl.constexpr,
+                 BLOCKS: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
+                 MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
+    """Row ``src`` of bf16 ``x`` ``[*, K]`` quantized into row ``row`` of ``aq`` and its
+    scales, ``flags[src]`` = 1 where it holds NaN or Inf (``gather_quantize_triton``'s
+    program; moe's routing kernel runs it for the rows it routes)."""
+    code, scale, flag = quantized_row(x_ptr, src, FP8_MAX, K, BLOCKS, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
+    store_quantized_row(code, scale, row, aq_ptr, scale_ptr, K, BLOCKS)
     tl.store(flags_ptr + src, flag)
 
 

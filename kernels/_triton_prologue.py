@@ -1,7 +1,7 @@
 """One kernel at the head of each captured graph: check the rows, regroup them.
 
 Every launch first checks what the callers' rows hold (``_checks.bad_rows``:
-fp8 NaN codes, NaN/Inf, scales that are not finite and > 0) and puts the rows
+NaN/Inf in 16-bit rows, scales that are not finite and > 0) and puts the rows
 in per-expert order (``gather``). A lone call's rows are already in that
 order: with a ``regroup`` word that holds 0 the kernel only checks (the GEMM
 then reads the rows where they arrived), so the graph moves no row twice. In torch that is about fifteen small kernels
@@ -21,17 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-# What x holds, as the kernel reads its bits.
-_FP8_FN, _FP8_FNUZ, _FLOAT16 = 0, 1, 2
-_KINDS = {torch.float8_e4m3fn: _FP8_FN, torch.float8_e4m3fnuz: _FP8_FNUZ,
-          torch.bfloat16: _FLOAT16, torch.float16: _FLOAT16}
 # Exponent bits of the 16-bit floats: all ones is Inf or NaN.
 _EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
 @triton.jit
 def _check_gather(x_ptr, xs_ptr, gather_ptr, xg_ptr, xsg_ptr, flags_ptr, regroup_ptr, gather_stride,
-                  K: tl.constexpr, KB: tl.constexpr, KIND: tl.constexpr, EXPONENT: tl.constexpr,
+                  K: tl.constexpr, KB: tl.constexpr, FLOAT16: tl.constexpr, EXPONENT: tl.constexpr,
                   HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                   HAS_REGROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -41,18 +37,20 @@ def _check_gather(x_ptr, xs_ptr, gather_ptr, xg_ptr, xsg_ptr, flags_ptr, regroup
     else:
         copy = row >= 0  # always
     seen = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for k0 in tl.static_range(0, K, BLOCK_K):  # K is one per weight-set shape
-        offs = k0 + tl.arange(0, BLOCK_K)
-        inside = offs < K
-        bits = tl.load(x_ptr + src * K + offs, mask=inside, other=0)
-        tl.store(xg_ptr + row * K + offs, bits, mask=inside & copy)
-        if KIND == 0:
-            bad = (bits & 0x7F) == 0x7F
-        elif KIND == 1:
-            bad = bits == 0x80
-        else:
-            bad = (bits & EXPONENT) == EXPONENT
-        seen = seen | bad.to(tl.int32)
+    if FLOAT16:
+        # 16-bit rows are checked for NaN/Inf (the server quantizes them), copied or not.
+        for k0 in tl.static_range(0, K, BLOCK_K):  # K is one per weight-set shape
+            offs = k0 + tl.arange(0, BLOCK_K)
+            inside = offs < K
+            bits = tl.load(x_ptr + src * K + offs, mask=inside, other=0)
+            tl.store(xg_ptr + row * K + offs, bits, mask=inside & copy)
+            seen = seen | ((bits & EXPONENT) == EXPONENT).to(tl.int32)
+    elif copy:
+        # fp8 rows: SPEC 2.2 checks their scales, not their codes; read only to regroup.
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            inside = offs < K
+            tl.store(xg_ptr + row * K + offs, tl.load(x_ptr + src * K + offs, mask=inside), mask=inside)
     flag = tl.max(seen, axis=0)
     if HAS_SCALE:
         offs = tl.arange(0, BLOCK_S)
@@ -87,15 +85,17 @@ def check_and_gather(
     rows, K = x.shape
     if rows == 0:
         return
-    kind = _KINDS[x.dtype]
-    view = torch.uint8 if kind != _FLOAT16 else torch.int16
+    float16 = x.dtype in _EXPONENT
+    if not float16 and x.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        raise TypeError(f"x must be fp8, bf16 or fp16, got {x.dtype}")
+    view = torch.int16 if float16 else torch.uint8
     has_scale = x_scale is not None
     KB = x_scale.shape[1] if has_scale else 1
     _check_gather[(rows,)](
         x.view(view), x_scale if has_scale else x.view(view), gather, x_out.view(view),
         scale_out if has_scale else x_out.view(view), flags, gather if regroup is None else regroup,
         gather.stride(0), K=K, KB=KB,
-        KIND=kind, EXPONENT=_EXPONENT.get(x.dtype, 0), HAS_SCALE=has_scale,
+        FLOAT16=float16, EXPONENT=_EXPONENT.get(x.dtype, 0), HAS_SCALE=has_scale,
         BLOCK_K=min(4096, triton.next_power_of_2(K)), BLOCK_S=triton.next_power_of_2(KB),
         HAS_REGROUP=regroup is not None, num_warps=4,
     )

@@ -13,11 +13,9 @@ transport writes both parts as they are.
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import torch
-from moegemm.client._wire import bin_header, unpack_in_place, unpackb
+from moegemm.client._wire import bin_header, packb, unpack_in_place, unpackb
 from starlette.responses import Response
 
 from ._tensors import WIRE_NAMES
@@ -45,17 +43,6 @@ def _str(s: str) -> bytes:
     return bytes([0xA0 | len(raw)]) + raw  # our keys and dtype names are < 32 bytes
 
 
-_U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
-
-
-def _uint(n: int) -> bytes:
-    if n <= 0x7F:
-        return bytes([n])
-    if n < 1 << 32:
-        return b"\xce" + _U32.pack(n)
-    return b"\xcf" + _U64.pack(n)
-
-
 def tensor_body_parts(key: str, t: torch.Tensor) -> list[bytes | memoryview]:
     """``{key: {"dtype", "shape", "data"}}`` as msgpack: a header, then the tensor's bytes.
 
@@ -79,7 +66,10 @@ def array_body_parts(key: str, raw, dtype: str, shape: tuple[int, ...]) -> list:
         header = b"".join((
             b"\x81", _str(key), b"\x83",
             _str("dtype"), _str(dtype),
-            _str("shape"), bytes([0x90 | len(shape)]), *(_uint(d) for d in shape),
+            # Dims as packb writes them (the shortest form): the client recognises an
+            # answer head it has seen by its bytes (``_client._decode_out``), and
+            # skips decoding it again only when they are packb's.
+            _str("shape"), bytes([0x90 | len(shape)]), *(packb(int(d)) for d in shape),
             _str("data"), bin_header(data.nbytes),
         ))
         if len(_HEADERS) < 4096:  # answers come in few shapes; never grow without bound

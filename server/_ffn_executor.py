@@ -287,8 +287,8 @@ class ExpertExecutor:
         xs = None if xs is None else xs.to(self.device, non_blocking=True)
         if dtype in (torch.bfloat16, self.backend.fp8_dtype):
             return x, xs, None
-        # fp16/fp32 are quantized, the other fp8 format converted: check first (fn -> fnuz
-        # keeps the bits, and fn's NaN codes are numbers in fnuz).
+        # fp16/fp32 are quantized, the other fp8 format converted: check first (their values,
+        # or the fp8 rows' scales, as the graphs' prologue checks bf16 and fp8 rows).
         flags = bad_rows(x, xs)
         if xs is None:
             x, xs = quantize_activations(x, self.backend.fp8_dtype)

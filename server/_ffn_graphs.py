@@ -22,8 +22,10 @@ bucket's graph (or runs the same body eagerly).
 
 ``moe`` graph, over a bucket of two or more tokens: route the (token, slot) pairs to
 experts on the device (``_moe_route.route``: counts, positions, the routing
-checks), gather the x rows per expert (bf16 tokens of a launch of up to
-``ROUTE_QUANTIZES_UP_TO`` rows: quantized by the routing kernel itself), the FFN above, and the weighted combine
+checks), gather the x rows per expert (bf16 tokens: quantized by the routing
+kernel itself in a launch of up to ``ROUTE_QUANTIZES_UP_TO`` rows, else each
+token once and stored at its k rows, ``_moe_route.quantize_scatter``), the FFN
+above, and the weighted combine
 ``out[t] = bf16(sum_j w[t, j] * y[pos(t, j)])`` (float32 sum). The host never
 reads the ids (int32 or int64 as sent, see ``_moe_route``); the routing flags
 come back with the output, in the one download. The bucket of one token runs two
@@ -300,17 +302,18 @@ class FfnGraphs:
         if backend.name == "triton":
             from moegemm.kernels._triton_act import silu_mul_quant_triton
 
-            from ._moe_route import combine, route
-
-            self._act = lambda h, rows: silu_mul_quant_triton(h, self.fp8, rows=rows)
+            from ._moe_route import combine, quantize_scatter, route
             from ._moe_token import moe_token
 
+            self._act = lambda h, rows: silu_mul_quant_triton(h, self.fp8, rows=rows)
             self._route, self._combine = route, combine
             self._route_quantizes = True  # bf16 tokens: routed, gathered and quantized at once
+            self._quantize_scatter = quantize_scatter  # bf16 tokens past that: once per token
             self._moe_token = moe_token
         else:
             self._moe_token = None
             self._route_quantizes = False
+            self._quantize_scatter = None
             self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
             self._route, self._combine = route_torch, combine_torch
         self._buffers: dict[FfnFamily, FfnBuffers] = {}
@@ -485,6 +488,11 @@ class FfnGraphs:
             xq = torch.empty((rows, es.H), dtype=self.fp8, device=self.device)
             xs = torch.empty((rows, es.H // BLOCK), dtype=torch.float32, device=self.device)
             self._route(*route, quantize=(bufs.x[:tokens], (xq, xs), bufs.flags(tokens)))
+        elif bufs.family.quantize and self._quantize_scatter is not None:
+            self._route(*route)
+            xq = torch.empty((rows, es.H), dtype=self.fp8, device=self.device)
+            xs = torch.empty((rows, es.H // BLOCK), dtype=torch.float32, device=self.device)
+            self._quantize_scatter(bufs.x[:tokens], bufs.pos[:rows], k, bufs.flags(tokens), (xq, xs))
         else:
             self._route(*route)
             xs = None if bufs.x_scale is None else bufs.x_scale[:tokens]

@@ -26,7 +26,7 @@ slot ``j``. (From two tokens an expert may get several rows: the grouped path.)
   call), quantizes the token's bf16 blocks as ``quantize_row`` does into its own
   scratch row (fp8 tokens: read as given) and computes its tile of ``h[j]``.
   Program (0, 0) writes the token's flags and the routing flags
-  (``routing_flags``, the routing kernel's check).
+  (``_check_tokens``, the routing kernel's check).
 - **down + combine** (grid: tiles of ``H`` x slot ``j``): each program computes
   SiLU(gate) * up and its fp8 blocks from ``h[j]`` as ``_silu_mul_quant_kernel``
   does (into its scratch row), multiplies by ``w2[e_j]``, rounds ``y_j`` to bf16
@@ -74,7 +74,7 @@ from moegemm.kernels._triton_gemm import _weights
 from moegemm.kernels.quant import BLOCK, fp8_max
 from moegemm.kernels.triton_kernel import config_for
 
-from ._moe_route import _FLT_MAX, _expert_of, routing_flags
+from ._moe_route import _FLT_MAX, _check_tokens, _expert_of
 
 # The H200's multiprocessors: a kernel's weight tile is 128 rows where that still gives
 # every SM a program, else 64 (a 128-row tile keeps more loads in flight per program).
@@ -130,22 +130,19 @@ def _quantize_into(src_ptr, up_ptr, q_ptr, qs_ptr, FP8_MAX, KB: tl.constexpr, AC
 
 @triton.jit
 def _x_flags(x_ptr, xs_ptr, KB: tl.constexpr, FP8_IN: tl.constexpr):
-    """The token's flags as ``bad_rows`` gives them: bf16 NaN/Inf 1; fp8 NaN codes 1, a
-    scale not finite and > 0 2 (int32)."""
+    """The token's flags as ``bad_rows`` gives them: bf16 NaN/Inf 1; fp8 a scale not finite
+    and > 0 2 (its codes are not checked, SPEC 2.2) (int32)."""
     CH: tl.constexpr = _chunk(KB)
     flag = tl.full([], 0, dtype=tl.int32)
     for c0 in tl.static_range(0, KB, CH):
         blk = c0 + tl.arange(0, CH)
-        col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
-        inside = blk[:, None] < KB
         if FP8_IN:
-            bits = tl.load(x_ptr + col, mask=inside, other=0.0).to(tl.uint8, bitcast=True)
-            flag = flag | tl.max(tl.max(((bits & 0x7F) == 0x7F).to(tl.int32), axis=1), axis=0)
             scale = tl.load(xs_ptr + blk, mask=blk < KB, other=1.0)
             good = (scale > 0.0) & (scale <= _FLT_MAX)
             flag = flag | (tl.max((~good).to(tl.int32), axis=0) << 1)
         else:
-            x = tl.load(x_ptr + col, mask=inside, other=0.0).to(tl.float32)
+            col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+            x = tl.load(x_ptr + col, mask=blk[:, None] < KB, other=0.0).to(tl.float32)
             flag = flag | nan_inf_flag(x).to(tl.int32)
     return flag
 
@@ -236,7 +233,7 @@ def _up_kernel(x_ptr, xs_ptr, ids_ptr, wide_ptr, wts_ptr, tokens_ptr, table_ptr,
     _store_column(h_ptr + j * N, offs_n, acc, BLOCK_M)
     if (j == 0) & (tile == 0):
         tl.store(x_flags_ptr, _x_flags(x_ptr, xs_ptr, H // 128, FP8_IN).to(tl.int8))
-        routing_flags(ids_ptr, wts_ptr, route_flags_ptr, tl.load(tokens_ptr), wide, 1, G, TOP_K,
+        _check_tokens(ids_ptr, wts_ptr, route_flags_ptr, tl.load(tokens_ptr), wide, 1, G, TOP_K,
                       KP, 1)
 
 

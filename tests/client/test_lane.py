@@ -525,3 +525,40 @@ def test_async_bytes_after_a_whole_answer_close_the_socket(size, trailing):
 
     _run(scenario())
     assert len(peers) == 3
+
+
+def test_answers_are_polled_for_only_while_they_come_quickly(server, monkeypatch):
+    """A lane polls for an answer (a busy wait of at most _SPIN_S) only after one that
+    came within that window; a slow answer sends the next call back to a blocking read,
+    and a quick one brings the polling back. Either way the answer is the same."""
+    from moegemm.client import _lane
+
+    url, _ = server
+    polls = []
+    poll_until = _lane._poll_until
+    monkeypatch.setattr(_lane, "_poll_until", lambda sock, until: (polls.append(until),
+                                                                   poll_until(sock, until)))
+    slow = threading.Event()
+    handle = _Handler.do_GET
+
+    def maybe_slow(self):
+        if slow.is_set():
+            time.sleep(3 * _lane._SPIN_S)
+        handle(self)
+
+    monkeypatch.setattr(_Handler, "do_GET", maybe_slow)
+    with Client(url) as c:
+        lane = c._lane
+        assert lane._quick  # a new lane polls first
+        first = c.info()
+        assert polls and lane._quick
+        slow.set()
+        assert c.info()["path"] == first["path"]
+        assert not lane._quick  # that answer took longer than the window
+        polls.clear()
+        slow.clear()
+        assert c.info()["path"] == first["path"]
+        assert not polls  # read blocking: nothing was polled for
+        assert lane._quick  # the quick answer brings polling back
+        c.info()
+        assert polls

@@ -155,9 +155,12 @@ def test_not_finite(server, unchanged, loaded):
         w = torch.randn(G, N, K)
         w[2, 5, 9] = poison
         assert_error(server.put("base", {"w": wire(w)}), 400, "not_finite")
+    # fp8 rows' codes are not checked (SPEC 2.2 names their scales): a NaN code is answered,
+    # NaN in its own row only, as the float64 reference has it.
     xq = p.xq.clone()
     xq.view(torch.uint8)[0, 0] = 0x7F  # NaN in e4m3fn
-    assert_error(server.gemm("base", call(p, x=wire(xq))), 400, "not_finite")
+    got = server.gemm("base", call(p, x=wire(xq)))
+    assert got.status_code == 200, got.content[:200]
 
 
 @pytest.mark.parametrize("name", ["a%20b", "a$b", "x" * 129, "%C3%A9t%C3%A9"])

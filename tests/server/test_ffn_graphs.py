@@ -167,6 +167,16 @@ def _route_quantizes_as_torch(words, wide, w, n, g, k, bucket, src, gen, H=384) 
     assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(xs.view(torch.int32), want_s.view(torch.int32))  # NaN scales too
     assert torch.equal(x_flags.cpu(), bad_rows(x.cpu(), None))
+    # Past the routing's few rows: each token quantized once, stored at its k rows (pos).
+    from moegemm.server._moe_route import quantize_scatter
+
+    xq.view(torch.uint8).fill_(0x55)
+    xs.fill_(-7.0)
+    x_flags.fill_(9)
+    quantize_scatter(x, outs[1], k, x_flags, (xq, xs))
+    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(xs.view(torch.int32), want_s.view(torch.int32))
+    assert torch.equal(x_flags.cpu(), bad_rows(x.cpu(), None))
 
 
 def compare_kernels_on_cpu() -> None:
@@ -241,7 +251,7 @@ def _padded_runner(graph_path: bool) -> Runner:
     from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
     from moegemm.kernels._triton_prologue import check_and_gather
     from moegemm.kernels.reference import grouped_gemm
-    from moegemm.server._moe_route import combine, route
+    from moegemm.server._moe_route import combine, quantize_scatter, route
 
     runner = _runner()
     steps = runner.graphs
@@ -250,6 +260,7 @@ def _padded_runner(graph_path: bool) -> Runner:
     steps._act = lambda h, rows: silu_mul_quant_triton(h, FP8, rows=rows)
     steps._route, steps._combine = route, combine
     steps._route_quantizes = True
+    steps._quantize_scatter = quantize_scatter
     steps._gather_quant = gather_quantize_triton
 
     def gemm(xq, xs, table, ws, m_sizes, out):

@@ -36,10 +36,8 @@ SHAPES = {"qwen3-30b-like": (64, 2048, 768), "deepseek-v3-like": (64, 7168, 2048
 # (shape, top-k, token kind, ids dtype)
 CASES = [("qwen3-30b-like", 8, "bf16", torch.int64), ("qwen3-30b-like", 8, "fp8", torch.int32),
          ("qwen3-30b-like", 1, "bf16", torch.int32), ("qwen3-30b-like", 2, "fp8", torch.int64),
-         ("deepseek-v3-like", 8, "bf16", torch.int32), ("deepseek-v3-like", 8, "fp8", torch.int64),
-         ("deepseek-v3-like", 2, "bf16", torch.int64), ("deepseek-v3-like", 1, "fp8", torch.int32),
-         ("split-k", 2, "bf16", torch.int64), ("split-k", 1, "fp8", torch.int32),
-         ("split-k", 8, "bf16", torch.int32)]
+         ("deepseek-v3-like", 8, "bf16", torch.int32), ("deepseek-v3-like", 1, "fp8", torch.int64),
+         ("split-k", 2, "bf16", torch.int64), ("split-k", 8, "fp8", torch.int32)]
 
 
 @pytest.fixture(scope="module")
@@ -166,11 +164,11 @@ def test_graph_replays_equal_eager_and_bad_calls_change_nothing(backend):
                 graphs.moe(es, x, xs, b, bw)
             assert getattr(info.value, "code", None) == "bad_routing", (b, bw)
             assert torch.equal(_bits(graphs.moe(es, x, xs, ids, w)), _bits(want))
-        bad = x.clone()
+        bad, bad_s = x.clone(), None if xs is None else xs.clone()
         if kind == "bf16":
             bad[0, 3] = float("nan")
         else:
-            bad.view(torch.uint8)[0, 3] = 0x7F
+            bad_s[0, 3] = float("nan")
         with pytest.raises(NotFinite):
-            graphs.moe(es, bad, xs, ids, w)
+            graphs.moe(es, bad, bad_s, ids, w)
         assert torch.equal(_bits(graphs.moe(es, x, xs, ids, w)), _bits(want))

@@ -34,7 +34,7 @@ DEV = torch.device("cuda")
 
 
 def _rows_with_bad_values(dtype, rows, k, gen):
-    """Random rows of ``dtype``; a few hold NaN codes / NaN / Inf."""
+    """Random rows of ``dtype``; a few hold NaN codes (fp8: not flagged) / NaN / Inf."""
     if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
         bits = torch.randint(0, 256, (rows, k), generator=gen, device=DEV, dtype=torch.int32)
         bits = bits.to(torch.uint8)
@@ -84,7 +84,8 @@ def test_check_and_gather_equals_the_torch_ops(dtype, rows, k):
         assert torch.equal(xsg.view(torch.int32), xs.index_select(0, gather).view(torch.int32))
     want = _bad_rows_torch(x, xs)
     assert torch.equal(flags, want)
-    assert want.any() and (rows == 1 or not want.all())  # both kinds of rows were there
+    # Both kinds of rows were there (fp8: bad scales from row 2; a NaN code is no flag).
+    assert (want.any() or (fp8 and rows < 3)) and (rows == 1 or not want.all())
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])

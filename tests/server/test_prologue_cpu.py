@@ -58,7 +58,7 @@ def compare_on_cpu() -> None:
                                    xs.index_select(0, gather).view(torch.int32))
             want = _bad_rows_torch(x, xs)
             assert torch.equal(flags, want), (dtype, rows, k, flags, want)
-            assert want.any()
+            assert want.any() or (fp8 and rows < 3)  # fp8: scales flag (from row 2), codes never
 
 
 def test_check_and_gather_in_the_triton_interpreter():
