@@ -29,6 +29,10 @@ the two GEMMs of an expert-FFN graph. It is the torch definition
 ``rows`` (a device scalar) lets a graph captured for a bucket of rows skip the
 rows past the call's real ones without a host read.
 
+The per-block arithmetic is three ``@triton.jit`` helpers (``silu_mul``,
+``quantize_blocks``, ``nan_inf_flag``) that the one-token moe kernels
+(``server/_moe_token.py``) call too: one definition, the same bits.
+
 ``gather_quantize_triton`` is the same quantization for the rows a graph
 gathers (bf16 inputs): rows ``gather`` of ``x`` quantized, with their NaN/Inf
 flags, in one kernel instead of a gather, a check and torch's seven
@@ -98,6 +102,39 @@ def _fp8_bits(v, FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexp
 
 
 @triton.jit
+def silu_mul(gate, up, INTERPRETED: tl.constexpr):
+    """``silu(gate) * up`` in float32 as torch computes it (not rounded to bf16:
+    kernels/activation.py says why): IEEE division, the math library's ``expf``."""
+    if INTERPRETED:
+        e = tl.exp(-gate)  # the interpreter has no libdevice; its tl.exp is numpy's expf
+    else:
+        e = libdevice.exp(-gate)
+    return tl.math.div_rn(gate, 1.0 + e) * up
+
+
+@triton.jit
+def quantize_blocks(x, FP8_MAX, FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                    SUB_SCALE: tl.constexpr):
+    """float32 ``x`` ``[R, 128]``, each row one 128-wide block, quantized (SPEC 1.1): (the
+    fp8 codes, int32 ``[R, 128]``; the blocks' scales ``[R]``). NaN propagates as torch's
+    ``amax``/``clamp`` propagate it; every division IEEE."""
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    scale = tl.math.div_rn(_max_nan(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
+    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    v = tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return _fp8_bits(v, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE), scale
+
+
+@triton.jit
+def nan_inf_flag(x):
+    """1 (int8) where float32 ``x`` ``[R, C]`` holds NaN or Inf (exponent all ones), as
+    ``_checks.bad_rows`` flags a bf16 row; else 0."""
+    exponent = x.to(tl.int32, bitcast=True) & 0x7F800000
+    return tl.max(tl.max((exponent == 0x7F800000).to(tl.int8), axis=1), axis=0)
+
+
+@triton.jit
 def _silu_mul_quant_kernel(h_ptr, aq_ptr, scale_ptr, rows_ptr, stride_h, stride_aq, stride_scale,
                            FP8_MAX, I: tl.constexpr, HAS_ROWS: tl.constexpr,
                            BLOCKS: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
@@ -113,18 +150,8 @@ def _silu_mul_quant_kernel(h_ptr, aq_ptr, scale_ptr, rows_ptr, stride_h, stride_
     inside = blk[:, None] < IB
     gate = tl.load(h_ptr + row * stride_h + col, mask=inside, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + row * stride_h + I + col, mask=inside, other=0.0).to(tl.float32)
-    if INTERPRETED:
-        e = tl.exp(-gate)  # the interpreter has no libdevice; its tl.exp is numpy's expf
-    else:
-        e = libdevice.exp(-gate)
-    silu = tl.math.div_rn(gate, 1.0 + e)
-    a = silu * up  # float32, not rounded to bf16 (kernels/activation.py says why)
-    amax = tl.reduce(tl.abs(a), 1, _max_nan)
-    scale = tl.math.div_rn(_max_nan(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
-    v = tl.math.div_rn(a, tl.broadcast_to(scale[:, None], a.shape))
-    v = tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
-    code = _fp8_bits(v, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
+    a = silu_mul(gate, up, INTERPRETED)
+    code, scale = quantize_blocks(a, FP8_MAX, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
     tl.store(aq_ptr + row * stride_aq + col, code.to(tl.uint8), mask=inside)
     tl.store(scale_ptr + row * stride_scale + blk, scale, mask=blk < IB)
 
@@ -197,15 +224,8 @@ def quantized_row(x_ptr, src, FP8_MAX, K: tl.constexpr, BLOCKS: tl.constexpr, FN
     col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
     inside = blk[:, None] < KB
     x = tl.load(x_ptr + src * K + col, mask=inside, other=0.0).to(tl.float32)
-    # NaN or Inf (exponent all ones), as _checks.bad_rows flags a bf16 row.
-    exponent = x.to(tl.int32, bitcast=True) & 0x7F800000
-    flag = tl.max(tl.max((exponent == 0x7F800000).to(tl.int8), axis=1), axis=0)
-    amax = tl.reduce(tl.abs(x), 1, _max_nan)
-    scale = tl.math.div_rn(_max_nan(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
-    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    v = tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
-    code = _fp8_bits(v, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
+    flag = nan_inf_flag(x)
+    code, scale = quantize_blocks(x, FP8_MAX, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
     return code.to(tl.uint8), scale, flag
 
 

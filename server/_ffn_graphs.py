@@ -20,7 +20,7 @@ bucket's graph (or runs the same body eagerly).
 3. put the rows back in the callers' order, in one result buffer with the
    flags, downloaded in one copy.
 
-``moe`` graph, over a bucket of tokens: route the (token, slot) pairs to
+``moe`` graph, over a bucket of two or more tokens: route the (token, slot) pairs to
 experts on the device (``_moe_route.route``: counts, positions, the routing
 checks), gather the x rows per expert (bf16 tokens: quantized by the routing
 kernel itself in a launch of up to ``ROUTE_QUANTIZES_UP_TO`` rows, else each
@@ -28,7 +28,10 @@ token once and stored at its k rows, ``_moe_route.quantize_scatter``), the FFN
 above, and the weighted combine
 ``out[t] = bf16(sum_j w[t, j] * y[pos(t, j)])`` (float32 sum). The host never
 reads the ids (int32 or int64 as sent, see ``_moe_route``); the routing flags
-come back with the output, in the one download.
+come back with the output, in the one download. The bucket of one token runs two
+kernels instead (``_moe_token``, triton backend): a lone token's valid ids are
+distinct, so every expert it names gets one row and the routing, quantization,
+activation and combine fold into the two GEMMs; the same bits.
 
 Expert sets of one family share its graphs: the GEMMs read each matrix's
 weight and scale base addresses from int64 words (``w13`` and ``w2``) in the
@@ -186,6 +189,10 @@ class FfnBuffers:
             self.live_dev = torch.zeros((), dtype=torch.int64, device=device)
             self.pos = torch.zeros(rows, dtype=torch.int64, device=device)
             self.src = torch.zeros(rows, dtype=torch.int64, device=device)
+            # The one-token body's workspace (``_moe_token``): slot parts, and counters that
+            # start at zero and are left at zero by every launch.
+            self.parts = torch.zeros((f.top_k, f.H), dtype=torch.float32, device=device)
+            self.counts = torch.zeros(f.H // 64, dtype=torch.int32, device=device)
         # What meta_host holds from earlier launches (the executor skips rewriting it):
         # the address words' source, and how many leading pairs are the identity.
         self.host_tables: tuple = ()
@@ -296,12 +303,15 @@ class FfnGraphs:
             from moegemm.kernels._triton_act import silu_mul_quant_triton
 
             from ._moe_route import combine, quantize_scatter, route
+            from ._moe_token import moe_token
 
             self._act = lambda h, rows: silu_mul_quant_triton(h, self.fp8, rows=rows)
             self._route, self._combine = route, combine
             self._route_quantizes = True  # bf16 tokens: routed, gathered and quantized at once
             self._quantize_scatter = quantize_scatter  # bf16 tokens past that: once per token
+            self._moe_token = moe_token
         else:
+            self._moe_token = None
             self._route_quantizes = False
             self._quantize_scatter = None
             self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
@@ -443,11 +453,29 @@ class FfnGraphs:
         torch.index_select(y, 0, scatter, out=bufs.out(rows))
 
     def _moe_body(self, bufs: FfnBuffers, es, tokens: int) -> None:
+        if tokens == 1 and self._moe_token is not None:
+            self._token_body(bufs, es)
+            return
         k = bufs.family.top_k
         xq, xs = self._route_gather(bufs, es, tokens)
         live = bufs.live_dev if self.pad_to_bucket else None
         y = self._chain(bufs, es, xq, xs, tokens * k, live)
         self._combine(y, bufs.pos, bufs.weights, bufs.tokens_word(), k, bufs.out(tokens))
+
+    def _token_body(self, bufs: FfnBuffers, es) -> None:
+        """moe's body for a launch of one token, in two kernels (``_moe_token``): the token's
+        valid ids are distinct, so each expert it names gets one row, the token itself --
+        nothing to route, gather or put back, and the GEMMs can quantize, activate and
+        combine as they go (a kernel costs 2-5 us of dependent latency at this size). From
+        two tokens an expert may get several rows: the grouped body. The bits are the
+        grouped body's for the same rows (``_moe_token`` says how)."""
+        f = bufs.family
+        h = torch.empty((f.top_k, 2 * f.I), dtype=torch.float32, device=self.device)
+        xs = None if bufs.x_scale is None else bufs.x_scale[:1]
+        self._moe_token(bufs.x[:1], xs, bufs.ids_words(), bufs.wide_word(),
+                        bufs.weights[: f.top_k], bufs.tokens_word(), bufs.table13(),
+                        bufs.table2(), f.G, f.I, h, bufs.parts, bufs.counts, bufs.out(1),
+                        bufs.flags(1), bufs.route_flags(1))
 
     def _route_gather(self, bufs: FfnBuffers, es, tokens: int) -> tuple:
         """moe's first step over ``tokens`` bucket tokens: route them, and the routed rows
