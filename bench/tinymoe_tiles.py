@@ -63,9 +63,9 @@ def main() -> None:
             out = torch.empty((1, H), dtype=torch.bfloat16, device=dev)
             flags = torch.zeros(2, dtype=torch.int8, device=dev)
 
-            args = (x, None, bufs["ids"], bufs["wide"], bufs["w"], bufs["tokens"], bufs["t13"],
-                    bufs["t2"], G, I, h, bufs["parts"], bufs["counts"], out, flags[:1], flags[1:])
-            graph = capture(lambda args=args: mt.moe_token(*args))
+            launch = (x, None, bufs["ids"], bufs["wide"], bufs["w"], bufs["tokens"], bufs["t13"],
+                      bufs["t2"], G, I, h, bufs["parts"], bufs["counts"], out, flags[:1], flags[1:])
+            graph = capture(lambda launch=launch: mt.moe_token(*launch))
             graph.replay()
             torch.cuda.synchronize()
             got = (h.clone(), out.clone())
