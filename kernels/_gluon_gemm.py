@@ -36,7 +36,6 @@ per stored row), nothing else changes.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -47,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import triton_kernel as tk
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 BLOCK_N = 128  # one weight-scale column per tile
@@ -260,53 +261,33 @@ def grouped_gemm_ws_kernel(x_desc, w_desc, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr,
 # ---- host side ---------------------------------------------------------------------------------
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
 def operand_layout() -> gl.NVMMASharedLayout:
     """The shared layout of both 128 x 128 fp8 tiles (128-byte swizzle: what wgmma reads)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
 
 
-def row_tile_bound(m: int, g: int) -> int:
-    """The most 128-row tiles ``m`` rows in ``g`` groups can need."""
-    if m == 0:
-        return 0
-    return min(m, (m + g * (BLOCK_M - 1)) // BLOCK_M, triton.cdiv(m, BLOCK_M) + g - 1)
-
-
-_tables: dict[tuple, torch.Tensor] = {}
-
-
-def _work(device: torch.device, programs: int, g_pow2: int) -> torch.Tensor:
-    """Per-program tile tables (each program writes its own before reading it: no init)."""
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream, programs * 3 * g_pow2)
-    if key not in _tables:
-        _tables[key] = torch.empty(key[-1], dtype=torch.int32, device=device)
-    return _tables[key]
-
-
 def launch(xq, wq, x_scale, w_scale, m_sizes, out, *, stages: int = 4, pair: bool = True,
-           group_tiles_m: int = 8, sms: int | None = None) -> torch.Tensor:
-    """``out[rows of g] = (xq * x_scale) @ (wq[g] * w_scale[g])^T`` for every group: capture-safe."""
+           group_tiles_m: int = 8) -> torch.Tensor:
+    """SPEC 1 into ``out`` (bf16 or float32) with this kernel: capture-safe, no host reads.
+
+    Layouts as ``triton_kernel.run`` checks them (``wq`` contiguous, rows K-major).
+    The descriptors are made on the host per call (a captured graph keeps them).
+    """
     m, k = xq.shape
     g, n, _ = wq.shape
     if m == 0:
         return out
     if n % BLOCK_N or k % BLOCK_K:
         raise ValueError(f"N and K must be multiples of 128, got N={n}, K={k}")
-    if sms is None:
-        sms = torch.cuda.get_device_properties(xq.device).multi_processor_count
     layout = operand_layout()
     x_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [BLOCK_M, BLOCK_K], layout)
-    w2 = wq.view(g * n, k)
-    w_desc = TensorDescriptor(w2, [g * n, k], [k, 1], [BLOCK_N, BLOCK_K], layout)
-    programs = min(row_tile_bound(m, g) * (n // BLOCK_N), sms)
-    g_pow2 = max(16, _next_pow2(g))
-    work = _work(xq.device, programs, g_pow2)
+    w_desc = TensorDescriptor(wq.view(g * n, k), [g * n, k], [k, 1], [BLOCK_N, BLOCK_K], layout)
+    programs = min(tk.row_tile_bound(m, g, BLOCK_M) * (n // BLOCK_N), tk._sm_count(xq.device))
+    g_pow2 = max(16, tk._next_pow2(g))
+    if g_pow2 > tk.TABLE_G_MAX:
+        raise ValueError(f"at most {tk.TABLE_G_MAX} groups, got {g}")
     grouped_gemm_ws_kernel[(programs, )](
-        x_desc, w_desc, x_scale, w_scale, m_sizes, out, work,
+        x_desc, w_desc, x_scale, w_scale, m_sizes, out, tk._tile_tables(xq.device, programs, g_pow2),
         m, n, k, g, x_scale.stride(0), (k // 128) * (n // 128), n // 128, out.stride(0),
         G_POW2=g_pow2, GROUP_TILES_M=group_tiles_m, STAGES=stages, PAIR=pair,
         num_warps=4, maxnreg=MAXNREG)
