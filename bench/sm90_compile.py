@@ -114,12 +114,13 @@ def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False) -> dict:
 
 GLUON_VARIANTS = {  # name -> launch options of _gluon_gemm.launch (bench/gluon_prefill.py times these)
     "s4p": {"stages": 4, "pair": True}, "s5p": {"stages": 5, "pair": True}, "s6p": {"stages": 6, "pair": True},
-    "s5": {"stages": 5, "pair": False}, "s6": {"stages": 6, "pair": False},
-    "s5p_g1": {"stages": 5, "pair": True, "group_tiles_m": 1},
+    "s5": {"stages": 5, "pair": False},
+    "w3": {"stages": 3, "pair": False, "block_n": 256}, "w4": {"stages": 4, "pair": False, "block_n": 256},
 }
 
 
-def compile_gluon(g: int, stages: int, pair: bool, group_tiles_m: int = 8, out: str = "bf16"):
+def compile_gluon(g: int, stages: int, pair: bool, block_n: int = 128, group_tiles_m: int = 8,
+                  out: str = "bf16"):
     """``_gluon_gemm.grouped_gemm_ws_kernel`` compiled for sm_90 as ``launch`` would launch it
     for G groups (N, K and the output stride multiples of 16, M not)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -129,11 +130,12 @@ def compile_gluon(g: int, stages: int, pair: bool, group_tiles_m: int = 8, out: 
 
     fn = gg.grouped_gemm_ws_kernel
     desc = f"tensordesc<fp8e4nv[{gg.BLOCK_M}, {gg.BLOCK_K}],{gg.operand_layout()!r}>"
-    sig = {"x_desc": desc, "w_desc": desc, "xs_ptr": "*fp32", "ws_ptr": "*fp32", "m_sizes_ptr": "*i64",
+    w_desc = f"tensordesc<fp8e4nv[{block_n}, {gg.BLOCK_K}],{gg.operand_layout()!r}>"
+    sig = {"x_desc": desc, "w_desc": w_desc, "xs_ptr": "*fp32", "ws_ptr": "*fp32", "m_sizes_ptr": "*i64",
            "out_ptr": f"*{out}", "work_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32",
            "stride_xsm": "i32", "stride_wsg": "i32", "stride_wsk": "i32", "stride_om": "i32"}
     consts = {"G_POW2": max(16, tk._next_pow2(g)), "GROUP_TILES_M": group_tiles_m, "STAGES": stages,
-              "PAIR": pair}
+              "PAIR": pair and block_n == 128}
     sig.update({c: "constexpr" for c in consts})
     names = list(fn.arg_names)
     divisible = [a for a, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_om"]

@@ -25,16 +25,18 @@ from moegemm.kernels import reference_float64  # noqa: E402
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_problem, rel_error  # noqa: E402
 
 DEV = torch.device("cuda")
-VARIANTS = [{"stages": 4, "pair": True}, {"stages": 6, "pair": True}, {"stages": 5, "pair": False}]
+VARIANTS = [{"stages": 4, "pair": True}, {"stages": 6, "pair": True}, {"stages": 5, "pair": False},
+            {"stages": 4, "pair": False, "block_n": 256}]
 
 
 def _poisoned(m, n, dtype=torch.bfloat16):
     return torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"s{v['stages']}{'p' if v['pair'] else ''}")
-@pytest.mark.parametrize("m,n,k,g", [(1000, 256, 1152, 8), (3000, 384, 1024, 8), (16384, 512, 2048, 128),
-                                     (8191, 256, 7168, 256), (5000, 384, 1536, 384)])
+@pytest.mark.parametrize("variant", VARIANTS,
+                         ids=lambda v: f"s{v['stages']}{'p' if v['pair'] else ''}n{v.get('block_n', 128)}")
+@pytest.mark.parametrize("m,n,k,g", [(1000, 256, 1152, 8), (3000, 768, 1024, 8), (16384, 512, 2048, 128),
+                                     (8191, 256, 7168, 256), (5000, 512, 1536, 384)])
 def test_matches_float64_on_ragged_groups(variant, m, n, k, g):
     gen = torch.Generator(device=DEV).manual_seed(m + g)
     torch.manual_seed(m * g)
