@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 # The check, resumed past a variant that hangs or crashes (at most three runs).
 for run in 1 2 3; do
-  left=$(( 110 - $(el) )); [ $left -lt 15 ] && break
+  left=$(( 140 - $(el) )); [ $left -lt 15 ] && break
   timeout -k 5 $left python3 -P bench/gluon_prefill.py --phase check --resume --json "$OUT/gluon_check.json" \
     >> "$OUT/gluon_check.log" 2>&1
   rc=$?; echo "check run $run rc=$rc [$(el) s]"

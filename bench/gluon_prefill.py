@@ -155,7 +155,10 @@ def phase_check(args) -> None:
 # ---- time -------------------------------------------------------------------------------------
 
 def timing_cases() -> list[dict]:
+    """Real prefill at G >= 128, t8192 before t2048 of each weight set (the compute-bound case
+    first, should the budget run out), then the seed case."""
     cases = [c for c in bk.real_cases() if " prefill " in c["name"] and c["g"] >= 128]
+    cases.sort(key=lambda c: (c["weights"], -c["m"]))
     cases += [c for c in bk.seed_cases() if c["name"] == "seed m16384 n2048 k7168 g8"]
     return cases
 

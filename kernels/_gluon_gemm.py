@@ -55,7 +55,6 @@ from . import triton_kernel as tk
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 BLOCK_K = 128  # one scale block per K step
-HALF_M = BLOCK_M // 2
 CONSUMER_REGS = gl.constexpr(232)  # per thread, each consumer warpgroup (acc + two parts = 192 live floats)
 PRODUCER_REGS = gl.constexpr(40)
 MAXNREG = 168  # 12 warps x 32 x 168 <= 65536: the budget setmaxnreg redistributes
