@@ -204,7 +204,12 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, xs_ptr, ws_ptr, out_ptr, HAL
         group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
         rows = first_row + HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)
         xs_row = xs_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_xsm
-        ws_col = ws_ptr + group.to(gl.int64) * stride_wsg + tile_n * (BN // 128)
+        # The weight scale loaded per thread: a load from one address for all threads goes into a
+        # uniform register, and ptxas puts that conversion right before the next wgmma, which
+        # then waits for the load's L2 latency (seen in the SASS). An offset that is 0 but
+        # depends on the thread's rows keeps it in an ordinary register, used an iteration later.
+        ws_col = (ws_ptr + group.to(gl.int64) * stride_wsg + tile_n * (BN // 128)
+                  + gl.where(rows < 0, rows, 0))
         acc = gl.zeros([ROWS, 128], gl.float32, mma_layout)
         if WIDE:
             acc_b = gl.zeros([ROWS, 128], gl.float32, mma_layout)

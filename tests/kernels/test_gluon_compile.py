@@ -25,14 +25,14 @@ if not PTXAS.exists():
 
 
 @pytest.mark.parametrize("name,g,out", [("s4p", 256, "bf16"), ("s6p", 384, "bf16"), ("s5", 8, "bf16"),
-                                        ("s5p", 128, "fp32")])
+                                        ("s5p", 128, "fp32"), ("w4", 256, "bf16")])
 def test_variant_compiles_clean_for_sm90(name, g, out):
     report = gluon_report(g, out, **GLUON_VARIANTS[name])
     assert "error" not in report, report
     assert report["spill_bytes"] == 0
     assert report["fits_smem"], report["smem"]
     assert report["serialised"] == []
-    # Two consumer warpgroups, each issuing 4 wgmma of K = 32 per 128-wide K block.
+    # Two consumer warpgroups, each issuing 4 wgmma of K = 32 per 128-wide K block (and half).
     assert report["wgmma"] >= 8 and report["wgmma"] % 8 == 0
     assert {"232", "40"} <= set(report["setmaxnreg"])
 
