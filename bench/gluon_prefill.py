@@ -1,7 +1,7 @@
 """Device bench of the Gluon prefill kernel (``kernels/_gluon_gemm.py``, issue 15, exploratory).
 
     python bench/gluon_prefill.py --phase check --json OUT/check.json [--resume]
-    python bench/gluon_prefill.py --phase time --check-json OUT/check.json --json OUT/time.json
+    python bench/gluon_prefill.py --phase time --check-json OUT/check.json --json OUT/time.json [--resume]
 
 ``check``: every variant of ``sm90_compile.GLUON_VARIANTS`` on ragged groups
 with empty ones (G = 8, 128, 256; M up to 65536; an odd K-block count; a
@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +42,11 @@ from sm90_compile import GLUON_VARIANTS  # noqa: E402
 
 DEV = torch.device("cuda")
 FP8 = torch.float8_e4m3fn
+
+
+def _err(exc: BaseException, width: int = 300) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[-1][:width] if lines else ''}"
 
 
 def _write(path: str, data) -> None:
@@ -60,7 +67,21 @@ def _gluon(problem, out, variant):
 
 # ---- check ------------------------------------------------------------------------------------
 
+def _watchdog(seconds: float, what: str) -> threading.Timer:
+    """End the process if ``what`` runs past ``seconds`` (a kernel that never finishes blocks
+    the synchronize forever); the JSON written so far stays."""
+    def fire():
+        print(f"watchdog: {what} ran past {seconds:.0f} s; ending the process", flush=True)
+        os._exit(4)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 CHECKS = [  # (name, m, n, k, g, out dtype, whole oracle)
+    ("g1 m128 n256 k128 (smallest)", 128, 256, 128, 1, torch.bfloat16, True),
     ("g8 m3000 n768 k1024", 3000, 768, 1024, 8, torch.bfloat16, True),
     ("g8 m1000 n256 k1152 (odd K blocks)", 1000, 256, 1152, 8, torch.bfloat16, True),
     ("g128 m16384 n512 k2048", 16384, 512, 2048, 128, torch.bfloat16, True),
@@ -92,6 +113,7 @@ def check_variant(variant, problems) -> dict:
     rows = []
     ok = True
     for name, problem, dtype, ref, shipped in problems:
+        print(f"  {name}", flush=True)  # the log names the problem a hang stopped at
         m, n = problem[0].shape[0], problem[1].shape[1]
         out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
         _gluon(problem, out, variant)
@@ -104,7 +126,7 @@ def check_variant(variant, problems) -> dict:
         rows.append({"problem": name, "nan_rows": nan_rows, "err_vs_f64": err, "err_vs_shipped": vs_shipped,
                      "identical_to_shipped": bool(torch.equal(out, shipped)), "ok": good})
     # Graph replay == eager, bit for bit (the g128 problem).
-    name, problem, dtype, _, _ = problems[2]
+    name, problem, dtype, _, _ = next((p for p in problems if p[0].startswith("g128")), problems[-1])
     m, n = problem[0].shape[0], problem[1].shape[1]
     eager = _gluon(problem, torch.empty((m, n), dtype=dtype, device=DEV), variant).clone()
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
@@ -138,11 +160,14 @@ def phase_check(args) -> None:
     for name in todo:
         result["variants"][name] = {"ok": False, "started": True}
         _write(args.json, result)
+        print(f"check {name} ...", flush=True)
         t1 = time.time()
+        watchdog = _watchdog(args.variant_s, f"check {name}")
         try:
             found = check_variant(GLUON_VARIANTS[name], problems)
         except Exception as exc:  # noqa: BLE001  recorded; the process ends (the context may be spoilt)
-            found = {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300]}"}
+            found = {"ok": False, "error": _err(exc)}
+        watchdog.cancel()
         found["seconds"] = round(time.time() - t1, 1)
         result["variants"][name] = found
         _write(args.json, result)
@@ -173,15 +198,22 @@ def phase_time(args) -> None:
     checked = json.loads(Path(args.check_json).read_text())["variants"]
     variants = {name: v for name, v in GLUON_VARIANTS.items() if checked.get(name, {}).get("ok")}
     result = {"ceilings": bk.FLOOR_CEILINGS, "variants": {n: GLUON_VARIANTS[n] for n in variants},
-              "left_out": sorted(set(GLUON_VARIANTS) - set(variants)), "rows": []}
+              "left_out": sorted(set(GLUON_VARIANTS) - set(variants)), "rows": [], "hung": []}
+    if args.resume and Path(args.json).exists():
+        result = json.loads(Path(args.json).read_text())
+        if result.pop("current", None):
+            result["hung"].append(result.get("last_started"))
+    done = {r["case"] for r in result["rows"]} | set(result["hung"])
     gen = torch.Generator(device=DEV).manual_seed(7)
-    cases = timing_cases()
+    cases = [c for c in timing_cases() if c["name"] not in done]
     weights_for, weights = None, None
     deadline = time.time() + args.budget_s
     for case in cases:
         if time.time() > deadline:
             result["stopped"] = f"budget reached before {case['name']}"
             break
+        result["current"] = result["last_started"] = case["name"]
+        _write(args.json, result)
         m, n, k, g, sizes = case["m"], case["n"], case["k"], case["g"], case["sizes"]
         if weights_for != case["weights"]:
             weights = None
@@ -193,6 +225,7 @@ def phase_time(args) -> None:
         floor = bk.floor_us(m, n, k, sizes)
         row = {"case": case["name"], "m": m, "n": n, "k": k, "g": g, "floor_us": round(floor, 1)}
         shipped_out = torch.empty((m, n), dtype=torch.bfloat16, device=DEV)
+        watchdog = _watchdog(args.case_s, case["name"])
         try:
             us = bk.time_us(lambda: _shipped(problem, shipped_out))
             row["shipped_us"] = round(us, 1)
@@ -200,7 +233,7 @@ def phase_time(args) -> None:
             row["shipped_tflops"] = round(2 * m * n * k / us / 1e6, 1)
             row["shipped_err_vs_f64"] = bk.spot_error(problem, shipped_out)
         except Exception as exc:  # noqa: BLE001
-            row["shipped_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"
+            row["shipped_error"] = _err(exc, 200)
         for name, variant in variants.items():
             out = torch.empty((m, n), dtype=torch.bfloat16, device=DEV)
             try:
@@ -212,8 +245,10 @@ def phase_time(args) -> None:
                     row[f"{name}_vs_shipped"] = _rel_diff(out, shipped_out)
                     row[f"{name}_identical"] = bool(torch.equal(out, shipped_out))
             except Exception as exc:  # noqa: BLE001
-                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"
+                row[f"{name}_error"] = _err(exc, 200)
+        watchdog.cancel()
         result["rows"].append(row)
+        result.pop("current")
         _write(args.json, result)
         best = min(((row[f"{v}_us"], v) for v in variants if f"{v}_us" in row), default=(None, None))
         print(f"{case['name']:<44} floor {floor:8.1f} shipped {row.get('shipped_us', float('nan')):8.1f} "
@@ -249,8 +284,12 @@ def main() -> None:
     parser.add_argument("--phase", choices=("check", "time"), required=True)
     parser.add_argument("--json", required=True)
     parser.add_argument("--check-json", help="the check phase's JSON (time: only variants that passed)")
-    parser.add_argument("--resume", action="store_true", help="check: keep the finished variants of --json")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep what --json holds (check: finished variants; time: timed cases), "
+                             "and skip the variant or case left started (it hung or crashed)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="time: stop starting cases after this")
+    parser.add_argument("--variant-s", type=float, default=45.0, help="check: the most one variant may take")
+    parser.add_argument("--case-s", type=float, default=45.0, help="time: the most one case may take")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.phase == "check":

@@ -113,8 +113,8 @@ def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False) -> dict:
 
 
 GLUON_VARIANTS = {  # name -> launch options of _gluon_gemm.launch (bench/gluon_prefill.py times these)
-    "s4p": {"stages": 4, "pair": True}, "s5p": {"stages": 5, "pair": True}, "s6p": {"stages": 6, "pair": True},
     "s5": {"stages": 5, "pair": False},
+    "s4p": {"stages": 4, "pair": True}, "s5p": {"stages": 5, "pair": True}, "s6p": {"stages": 6, "pair": True},
     "w3": {"stages": 3, "pair": False, "block_n": 256}, "w4": {"stages": 4, "pair": False, "block_n": 256},
 }
 
