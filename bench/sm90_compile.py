@@ -1,6 +1,7 @@
 """Compile the triton kernel for sm_90 on a machine without a GPU and report what matters.
 
     python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
+    python bench/sm90_compile.py --gluon          # the Gluon prefill kernel's variants (_gluon_gemm)
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
 serialisation warnings (C7514/C7515, which mean the tensor cores wait for
@@ -111,11 +112,64 @@ def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False) -> dict:
     return info
 
 
+GLUON_VARIANTS = {  # name -> launch options of _gluon_gemm.launch (bench/gluon_prefill.py times these)
+    "s5": {"stages": 5, "pair": False},
+    "s4p": {"stages": 4, "pair": True}, "s5p": {"stages": 5, "pair": True}, "s6p": {"stages": 6, "pair": True},
+    "w3": {"stages": 3, "pair": False, "block_n": 256}, "w4": {"stages": 4, "pair": False, "block_n": 256},
+}
+
+
+def compile_gluon(g: int, stages: int, pair: bool, block_n: int = 128, group_tiles_m: int = 8,
+                  out: str = "bf16"):
+    """``_gluon_gemm.grouped_gemm_ws_kernel`` compiled for sm_90 as ``launch`` would launch it
+    for G groups (N, K and the output stride multiples of 16, M not)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from moegemm.kernels import _gluon_gemm as gg
+    from moegemm.kernels import triton_kernel as tk
+
+    fn = gg.grouped_gemm_ws_kernel
+    desc = f"tensordesc<fp8e4nv[{gg.BLOCK_M}, {gg.BLOCK_K}],{gg.operand_layout()!r}>"
+    w_desc = f"tensordesc<fp8e4nv[{block_n}, {gg.BLOCK_K}],{gg.operand_layout()!r}>"
+    sig = {"x_desc": desc, "w_desc": w_desc, "xs_ptr": "*fp32", "ws_ptr": "*fp32", "m_sizes_ptr": "*i64",
+           "out_ptr": f"*{out}", "work_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32",
+           "stride_xsm": "i32", "stride_wsg": "i32", "stride_wsk": "i32", "stride_om": "i32"}
+    consts = {"G_POW2": max(16, tk._next_pow2(g)), "GROUP_TILES_M": group_tiles_m, "STAGES": stages,
+              "PAIR": pair and block_n == 128}
+    sig.update({c: "constexpr" for c in consts})
+    names = list(fn.arg_names)
+    divisible = [a for a, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_om"]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    src = GluonASTSource(fn, sig, consts, attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": gg.MAXNREG})
+
+
+def gluon_report(g: int, out: str = "bf16", **variant) -> dict:
+    """Registers (the entry cap: setmaxnreg hands the consumers their share), spills, shared
+    memory and the wgmma count in the SASS-bound PTX of one Gluon variant."""
+    try:
+        kernel = compile_gluon(g, out=out, **variant)
+    except Exception as exc:  # noqa: BLE001  report and go on
+        return {"error": str(exc).splitlines()[-1][:160]}
+    ptx = kernel.asm["ptx"]
+    info = {"smem": kernel.metadata.shared, "fits_smem": kernel.metadata.shared <= SMEM_LIMIT,
+            "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
+            "wgmma": ptx.count("wgmma.mma_async")}
+    info.update(ptxas_report(kernel))
+    return info
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--addresses", action="store_true", help="the weights by address (the server's graphs)")
+    parser.add_argument("--gluon", action="store_true", help="the Gluon prefill kernel's variants instead")
     args = parser.parse_args()
+    if args.gluon:
+        for name, variant in GLUON_VARIANTS.items():
+            for g, out in ((8, "bf16"), (256, "bf16"), (384, "fp32")):
+                print(f"{name} g{g} {out}", gluon_report(g, out, **variant), flush=True)
+        return
     import bench_kernels as bk
     from moegemm.kernels import triton_kernel as tk
 
