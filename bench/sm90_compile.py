@@ -1,7 +1,7 @@
 """Compile the triton kernel for sm_90 on a machine without a GPU and report what matters.
 
     python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
-    python bench/sm90_compile.py --gluon          # the Gluon prefill kernel's variants (_gluon_gemm)
+    python bench/sm90_compile.py --gluon          # the Gluon schedule in every form (_gluon_gemm)
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
 serialisation warnings (C7514/C7515, which mean the tensor cores wait for
@@ -29,16 +29,19 @@ SMEM_LIMIT = 232448  # bytes of dynamic shared memory one block may have on sm_9
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, divisible=()):
+def compile_sm90(fn, signature: dict, constexprs: dict, options: dict, divisible=(), gluon: bool = False):
     """A compiled kernel for sm_90 (``signature`` maps every non-constexpr argument to its type;
-    ``divisible`` names the arguments a launch would see as multiples of 16)."""
+    ``divisible`` names the arguments a launch would see as multiples of 16; ``gluon``: a
+    ``@gluon.jit`` kernel)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     sig = dict(signature)
     for name in constexprs:
         sig[name] = "constexpr"
     names = list(fn.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
-    src = ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    src = (GluonASTSource if gluon else ASTSource)(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options=options)
 
 
 def ptxas_report(kernel) -> dict:
@@ -55,18 +58,18 @@ def ptxas_report(kernel) -> dict:
             "serialised": sorted(set(re.findall(r"\((C75\d\d)\)", text)))}
 
 
-def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, service: bool = False):
+def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, service: bool = False,
+                   out: str = "bf16"):
     """``cfg``'s kernel compiled as ``triton_kernel._launch`` would launch it on (m, n, k, g);
     ``addrs``: the weights by address; ``service``: also the activations by address and
-    the output through a row map, as a server graph launches it."""
+    the output through a row map, as a server graph launches it; ``out``: bf16 or fp32."""
     from moegemm.kernels import triton_kernel as tk
-    from moegemm.kernels._triton_gemm import SCHEDULES
 
-    fn = SCHEDULES[cfg.schedule]
+    fn = tk.SCHEDULES[cfg.schedule]
     addrs = addrs or service
     sig = {"x_ptr": "*i64" if service else "*fp8e4nv", "w_ptr": "*i64" if addrs else "*fp8e4nv",
            "xs_ptr": "*i64" if service else "*fp32", "ws_ptr": "*i64" if addrs else "*fp32",
-           "m_sizes_ptr": "*i64", "out_ptr": "*bf16", "map_ptr": "*i64",
+           "m_sizes_ptr": "*i64", "out_ptr": f"*{out}", "map_ptr": "*i64",
            "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32",
            "stride_wg": "i32", "stride_wn": "i32", "stride_xsm": "i32", "stride_wsg": "i32", "stride_wsk": "i32",
            "stride_om": "i32", "stride_map": "i32"}
@@ -88,7 +91,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
         consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k)
     elif cfg.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=cfg.group_tiles_m, LEAD_TILE=cfg.lead_tile)
-    elif cfg.schedule == "persistent_tma":
+    elif cfg.schedule in ("persistent_tma", "gluon_ws"):
         sig["work_ptr"] = "*i32"
         divisible.append("work_ptr")
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
@@ -97,66 +100,34 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     # Keep the kernel's argument order (the signature dict is ordered by the caller).
     order = list(fn.arg_names)
     sig = {a: sig[a] for a in order if a in sig}
-    return compile_sm90(fn, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
+    if cfg.schedule == "gluon_ws":  # launch_plan's options for it
+        consts["STAGES"] = cfg.num_stages
+        return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "maxnreg": tk._GLUON_MAXNREG},
+                            divisible, gluon=True)
+    return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, divisible)
 
 
-def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False) -> dict:
+def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False, out: str = "bf16") -> dict:
+    """Registers (for Gluon: the entry cap; setmaxnreg hands the consumers their share), spills,
+    serialisation warnings, shared memory, partitions and the wgmma count of one compiled form."""
     try:
-        kernel = compile_config(cfg, m, n, k, g, addrs, service)
+        kernel = compile_config(cfg, m, n, k, g, addrs, service, out)
     except Exception as exc:  # noqa: BLE001  report and go on
         return {"config": cfg.key(), "error": str(exc).splitlines()[-1][:160]}
+    ptx = kernel.asm["ptx"]
     info = {"config": cfg.key(), "smem": kernel.metadata.shared,
-            "partitions": kernel.asm["ttgir"].count("partition")}
+            "partitions": kernel.asm["ttgir"].count("partition"),
+            "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
+            "wgmma": ptx.count("wgmma.mma_async"), "scratch": kernel.metadata.global_scratch_size}
     info.update(ptxas_report(kernel))
     info["fits_smem"] = info["smem"] <= SMEM_LIMIT
     return info
 
 
-GLUON_VARIANTS = {  # name -> launch options of _gluon_gemm.launch (bench/gluon_prefill.py times these)
-    "s5": {"stages": 5, "pair": False},
-    "s4p": {"stages": 4, "pair": True}, "s5p": {"stages": 5, "pair": True}, "s6p": {"stages": 6, "pair": True},
-    "w3": {"stages": 3, "pair": False, "block_n": 256}, "w4": {"stages": 4, "pair": False, "block_n": 256},
-}
-
-
-def compile_gluon(g: int, stages: int, pair: bool, block_n: int = 128, group_tiles_m: int = 8,
-                  out: str = "bf16"):
-    """``_gluon_gemm.grouped_gemm_ws_kernel`` compiled for sm_90 as ``launch`` would launch it
-    for G groups (N, K and the output stride multiples of 16, M not)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from moegemm.kernels import _gluon_gemm as gg
-    from moegemm.kernels import triton_kernel as tk
-
-    fn = gg.grouped_gemm_ws_kernel
-    desc = f"tensordesc<fp8e4nv[{gg.BLOCK_M}, {gg.BLOCK_K}],{gg.operand_layout()!r}>"
-    w_desc = f"tensordesc<fp8e4nv[{block_n}, {gg.BLOCK_K}],{gg.operand_layout()!r}>"
-    sig = {"x_desc": desc, "w_desc": w_desc, "xs_ptr": "*fp32", "ws_ptr": "*fp32", "m_sizes_ptr": "*i64",
-           "out_ptr": f"*{out}", "work_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32",
-           "stride_xsm": "i32", "stride_wsg": "i32", "stride_wsk": "i32", "stride_om": "i32"}
-    consts = {"G_POW2": max(16, tk._next_pow2(g)), "GROUP_TILES_M": group_tiles_m, "STAGES": stages,
-              "PAIR": pair and block_n == 128}
-    sig.update({c: "constexpr" for c in consts})
-    names = list(fn.arg_names)
-    divisible = [a for a, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_om"]
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
-    src = GluonASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": gg.MAXNREG})
-
-
-def gluon_report(g: int, out: str = "bf16", **variant) -> dict:
-    """Registers (the entry cap: setmaxnreg hands the consumers their share), spills, shared
-    memory and the wgmma count in the SASS-bound PTX of one Gluon variant."""
-    try:
-        kernel = compile_gluon(g, out=out, **variant)
-    except Exception as exc:  # noqa: BLE001  report and go on
-        return {"error": str(exc).splitlines()[-1][:160]}
-    ptx = kernel.asm["ptx"]
-    info = {"smem": kernel.metadata.shared, "fits_smem": kernel.metadata.shared <= SMEM_LIMIT,
-            "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
-            "wgmma": ptx.count("wgmma.mma_async")}
-    info.update(ptxas_report(kernel))
-    return info
+GLUON_FORMS = [(addrs, service, out) for addrs, service in ((False, False), (True, False), (True, True))
+               for out in ("bf16", "fp32")]
+"""Every form a launch of ``gluon_ws`` takes: plain pointers, the weights by address (ADDRS), the
+server graph's (ADDRS + X_WORDS + ROW_MAP); bf16 and float32 out."""
 
 
 def main() -> None:
@@ -165,13 +136,16 @@ def main() -> None:
     parser.add_argument("--addresses", action="store_true", help="the weights by address (the server's graphs)")
     parser.add_argument("--gluon", action="store_true", help="the Gluon prefill kernel's variants instead")
     args = parser.parse_args()
+    from moegemm.kernels import triton_kernel as tk
+
     if args.gluon:
-        for name, variant in GLUON_VARIANTS.items():
-            for g, out in ((8, "bf16"), (256, "bf16"), (384, "fp32")):
-                print(f"{name} g{g} {out}", gluon_report(g, out, **variant), flush=True)
+        for m, n, k, g in ((65536, 4096, 7168, 256), (16384, 7168, 2048, 384), (8192, 16384, 5120, 128)):
+            cfg = tk.default_config(m, n, k, g)
+            for addrs, service, out in GLUON_FORMS:
+                print(f"m{m} n{n} k{k} g{g} addrs={addrs} service={service} {out}",
+                      report(cfg, m, n, k, g, addrs, service, out), flush=True)
         return
     import bench_kernels as bk
-    from moegemm.kernels import triton_kernel as tk
 
     jobs = [(cfg, m, n, k, g) for m, n, k, g in ((16384, 2048, 7168, 8), (16384, 7168, 2304, 8),
                                                  (32768, 4096, 7168, 256), (32, 1280, 8192, 8))

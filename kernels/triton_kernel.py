@@ -4,7 +4,8 @@
     backend.run(xq, wq, x_scale, w_scale, m_sizes, out)            # capture-safe
     backend.run_addressed(xq, addresses, x_scale, m_sizes, out, groups=G)
 
-The kernels are in ``_triton_gemm.py`` (one per schedule). This module checks
+The kernels are in ``_triton_gemm.py`` (one per schedule) and, for many-expert
+prefill, ``_gluon_gemm.py`` (the same arguments). This module checks
 the device, picks a schedule and tile per shape class from a small table (or,
 with ``MOEGEMM_AUTOTUNE=1``, from an on-disk cache filled by benchmarking on a
 miss, see ``_triton_tune.py``) and launches. Everything the launch needs comes
@@ -35,7 +36,12 @@ except ImportError as exc:  # the selector turns this into BackendUnavailable
     raise ImportError(f"the triton backend needs the triton package: {exc}") from exc
 
 from . import _triton_tune
-from ._triton_gemm import SCHEDULES
+from ._gluon_gemm import MAXNREG as _GLUON_MAXNREG
+from ._gluon_gemm import gluon_ws_kernel
+from ._triton_gemm import SCHEDULES as _TRITON_SCHEDULES
+
+SCHEDULES = {**_TRITON_SCHEDULES, "gluon_ws": gluon_ws_kernel}
+"""Every schedule's kernel by name: the Triton ones (``_triton_gemm.py``) and ``gluon_ws`` (``_gluon_gemm.py``)."""
 
 _SCALE_BLOCK = 128
 # The warp-specialised schedule finds a tile's group by an unrolled walk over
@@ -43,13 +49,14 @@ _SCALE_BLOCK = 128
 # the walk costs more than the schedule gains (v11: at G = 128 it ran 1.4-2.5x slower
 # than 64-row TMA tiles).
 PERSISTENT_G_MAX = 64
-# The persistent TMA schedule's tile table: its binary search is unrolled for up to 1024 groups.
+# The tile table of the persistent TMA and Gluon schedules: its binary search is unrolled for up to
+# 1024 groups.
 TABLE_G_MAX = 1024
 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One schedule (a kernel of ``_triton_gemm.SCHEDULES``) and its tile.
+    """One schedule (a kernel of :data:`SCHEDULES`) and its tile.
 
     ``decode`` / ``decode_pair``: ``block_m`` is the token tile (16-64),
     ``block_n`` the weight tile (64 or 128) on the MMA's M side; ``split_k``
@@ -59,6 +66,9 @@ class TileConfig:
     row tiles per band; ``lead_tile`` runs a throwaway first tile (see the kernel).
     ``persistent_tma``: 64 (4 warps) or 128 (8 warps) rows x 128, ``group_tiles_m``
     row tiles of one group per band; ``per_sm`` programs per SM.
+    ``gluon_ws``: 128 x 256, 4 warps (a producer warp and two 64-row consumer
+    warpgroups: 12 warps launched), ``num_stages`` ring slots, ``group_tiles_m``
+    row tiles of one group per band; one program per SM.
     """
 
     schedule: str
@@ -92,6 +102,9 @@ class TileConfig:
         if self.schedule == "persistent_ws":
             return (self.block_m == 128 and self.block_n in (128, 256) and self.num_warps == 4
                     and g <= PERSISTENT_G_MAX)
+        if self.schedule == "gluon_ws":
+            return (self.block_m == 128 and self.block_n == 256 and self.num_warps == 4
+                    and self.num_stages in (3, 4) and g <= TABLE_G_MAX)
         return (self.block_m in (64, 128) and self.block_n == 128
                 and self.num_warps == self.block_m // 16 and self.per_sm in (1, 2) and g <= TABLE_G_MAX)
 
@@ -143,10 +156,16 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         warp-specialised schedule; 128 x 256 halves where their tiles still
         fill the SMs (3 stages behind a lead tile above 1024 rows per group,
         else 2), else 128 x 128 pairs.
-      - otherwise (many experts, skewed routing; at G >= 64 from r = 32): the
-        persistent TMA schedule with its tile table, 64 x 128 tiles, two
-        programs per SM, bands of 8 row tiles per group. (v12: Kimi-K2 at 2048
-        tokens, r = 42, 3220 us against 4353 us for 64-token swapped tiles.)
+      - G >= 64 (many experts, skewed routing; from r = 32) with N a multiple
+        of 256: the warp-specialised Gluon schedule, 128 x 256 tiles, 3 stages,
+        bands of 8 row tiles per group, one program per SM (v16: faster than
+        the persistent TMA tile on all 24 real many-expert prefill cases,
+        r = 16-512, t8192 1.2-1.5x, Kimi-K2 t2048 at r = 42 1.04-1.10x).
+      - otherwise (G < 64 below 128 rows per group, or N not a multiple of
+        256; the Gluon tile is not measured there): the persistent TMA schedule
+        with its tile table, 64 x 128 tiles, two programs per SM, bands of 8
+        row tiles per group. (v12: Kimi-K2 at 2048 tokens, r = 42, 3220 us
+        against 4353 us for 64-token swapped tiles.)
     """
     rows_per_group = max(1, m // max(g, 1))
     if rows_per_group <= 48 and not (g >= 64 and rows_per_group >= 32):
@@ -172,6 +191,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
                 return TileConfig("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)
             return TileConfig("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)
         return TileConfig("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
+    if g >= 64 and n % 256 == 0:
+        return TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
     return TileConfig("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
 
 
@@ -198,6 +219,8 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
         found += [T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
                   T("persistent_tma", 64, 128, 4, 4, per_sm=2),
                   T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
+                  T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8),
+                  T("gluon_ws", 128, 256, 4, 4, group_tiles_m=8),
                   T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
                   T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
                   T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)]
@@ -265,7 +288,7 @@ def _sm_count(device: torch.device) -> int:
 def grid_for(config: TileConfig, m: int, n: int, k: int, g: int, sms: int) -> tuple[int]:
     """The launch grid: row-tile bound x column tiles (x splits), or one program per SM."""
     tiles = row_tile_bound(m, g, config.block_m) * (n // config.block_n)
-    if config.schedule == "persistent_ws":
+    if config.schedule in ("persistent_ws", "gluon_ws"):
         return (min(tiles, sms),)
     if config.schedule == "persistent_tma":
         return (min(tiles, sms * config.per_sm),)
@@ -343,6 +366,12 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
     elif config.schedule == "persistent_tma":
         extra = (_tile_tables(xq.device, grid[0], g_pow2),)
         consts.update(GROUP_TILES_M=config.group_tiles_m)
+    elif config.schedule == "gluon_ws":
+        # The ring depth is the kernel's STAGES; the launch option caps the registers each of the
+        # 12 warps starts with (setmaxnreg then moves them from the producer to the consumers).
+        extra = (_tile_tables(xq.device, grid[0], g_pow2),)
+        del consts["num_stages"]
+        consts.update(GROUP_TILES_M=config.group_tiles_m, STAGES=config.num_stages, maxnreg=_GLUON_MAXNREG)
     else:
         consts.update(GROUP_TILES_M=config.group_tiles_m)
     x_arg = xq if x_words is None else x_words
@@ -450,7 +479,7 @@ def tile_key(m: int, n: int, k: int, g: int, out_dtype: torch.dtype, *,
 
 def persistent(m: int, n: int, k: int, g: int, *, device: torch.device) -> bool:
     """Whether the tile for this shape is persistent (``Backend.persistent``)."""
-    return config_for(m, n, k, g, device).schedule in ("persistent_tma", "persistent_ws")
+    return config_for(m, n, k, g, device).schedule in ("persistent_tma", "persistent_ws", "gluon_ws")
 
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
