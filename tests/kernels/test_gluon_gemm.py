@@ -1,10 +1,11 @@
-"""The Gluon prefill kernel on an NVIDIA Hopper GPU: SPEC 1 on ragged groups.
+"""The Gluon many-expert prefill schedule (``gluon_ws``) on an NVIDIA Hopper GPU: SPEC 1 on ragged groups.
 
-``kernels/_gluon_gemm.launch`` against the float64 oracle, with empty groups,
-a group of one row, M not a multiple of the 128-row tile, an odd number of K
-blocks (the paired loop's tail), G up to 384, a float32 output, and a CUDA
-graph replay equal to eager bit for bit. Outputs are NaN-poisoned first, so a
-row the kernel skips fails.
+Launched through ``triton_kernel`` as every entry launches it: against the
+float64 oracle with empty groups, a group of one row, M not a multiple of the
+128-row tile, G up to 384, a float32 output; and the server's form (weights and
+activations by address, rows stored through a map) captured in a CUDA graph,
+its replay equal bit for bit to the public entry. Outputs are NaN-poisoned
+first, so a row the kernel skips fails.
 """
 
 from __future__ import annotations
@@ -18,31 +19,33 @@ if not torch.cuda.is_available() or torch.version.hip:
     pytest.skip("needs an NVIDIA CUDA device", allow_module_level=True)
 if torch.cuda.get_device_capability() < (9, 0):
     pytest.skip("needs compute capability 9.0 (Hopper)", allow_module_level=True)
-pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
-from moegemm.kernels import _gluon_gemm as gg  # noqa: E402
-from moegemm.kernels import reference_float64  # noqa: E402
-from moegemm.kernels.testing import SPEC_TOLERANCE, random_problem, rel_error  # noqa: E402
+from moegemm.kernels import grouped_gemm, reference_float64  # noqa: E402
+from moegemm.kernels import triton_kernel as tk  # noqa: E402
+from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error  # noqa: E402
 
 DEV = torch.device("cuda")
-VARIANTS = [{"stages": 4, "pair": True}, {"stages": 6, "pair": True}, {"stages": 5, "pair": False},
-            {"stages": 4, "pair": False, "block_n": 256}]
+GLUON = tk.TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
 
 
 def _poisoned(m, n, dtype=torch.bfloat16):
     return torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
 
 
-@pytest.mark.parametrize("variant", VARIANTS,
-                         ids=lambda v: f"s{v['stages']}{'p' if v['pair'] else ''}n{v.get('block_n', 128)}")
+def _launch(p, out, config=GLUON):
+    return tk.launch(*p.args(), out, config)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("m,n,k,g", [(1000, 256, 1152, 8), (3000, 768, 1024, 8), (16384, 512, 2048, 128),
                                      (8191, 256, 7168, 256), (5000, 512, 1536, 384)])
-def test_matches_float64_on_ragged_groups(variant, m, n, k, g):
+def test_matches_float64_on_ragged_groups(stages, m, n, k, g):
     gen = torch.Generator(device=DEV).manual_seed(m + g)
     torch.manual_seed(m * g)
     p = random_problem(m, n, k, g, device=DEV, generator=gen)
     assert int((p.m_sizes == 0).sum()) >= 1  # empty groups in the split
-    out = gg.launch(*p.args(), _poisoned(m, n), **variant)
+    config = tk.TileConfig("gluon_ws", 128, 256, 4, stages, group_tiles_m=8)
+    out = _launch(p, _poisoned(m, n), config)
     torch.cuda.synchronize()
     assert not out.isnan().any()
     assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
@@ -54,19 +57,20 @@ def test_one_live_group_of_one_row():
     sizes[77] = 1
     gen = torch.Generator(device=DEV).manual_seed(5)
     p = random_problem(m, n, k, g, device=DEV, m_sizes=sizes, generator=gen)
-    out = gg.launch(*p.args(), _poisoned(m, n))
+    out = _launch(p, _poisoned(m, n))
     torch.cuda.synchronize()
     assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
 
 
 def test_float32_out_is_the_sum_unrounded():
     """Rounded to bf16 it is the bf16 output bit for bit; closer to the oracle than that."""
-    sizes = torch.tensor([0, 301, 1, 0, 77, 500, 17, 128])
-    m, n, k, g = int(sizes.sum()), 384, 1152, 8
+    sizes = torch.tensor([0, 301, 1, 0, 77, 500, 17, 128] * 8)
+    m, n, k, g = int(sizes.sum()), 512, 1152, 64
+    assert tk.default_config(m, n, k, g) == GLUON
     gen = torch.Generator(device=DEV).manual_seed(6)
     p = random_problem(m, n, k, g, device=DEV, m_sizes=sizes, generator=gen)
-    narrow = gg.launch(*p.args(), _poisoned(m, n))
-    wide = gg.launch(*p.args(), _poisoned(m, n, torch.float32))
+    narrow = grouped_gemm(*p.args(), out=_poisoned(m, n))
+    wide = grouped_gemm(*p.args(), out=_poisoned(m, n, torch.float32))
     torch.cuda.synchronize()
     assert torch.isfinite(wide).all()
     assert torch.equal(wide.to(torch.bfloat16), narrow)
@@ -81,27 +85,51 @@ def test_rows_outside_every_group_are_not_written():
     sizes = torch.tensor([100, 0, 250, 0, 0, 50, 0, 0], dtype=torch.int64)
     gen = torch.Generator(device=DEV).manual_seed(9)
     p = random_problem(m, n, k, g, device=DEV, m_sizes=sizes, generator=gen)
-    out = gg.launch(*p.args(), _poisoned(m, n))
+    out = _launch(p, _poisoned(m, n))
     torch.cuda.synchronize()
     assert out[400:].isnan().all()
     ref = reference_float64(p.xq[:400], p.wq, p.x_scale[:400], p.w_scale, p.m_sizes)
     assert rel_error(out[:400], ref) <= SPEC_TOLERANCE
 
 
-def test_graph_replay_equals_eager():
-    m, n, k, g = 6000, 384, 2048, 160
-    gen = torch.Generator(device=DEV).manual_seed(11)
-    torch.manual_seed(11)
-    p = random_problem(m, n, k, g, device=DEV, generator=gen)
-    eager = gg.launch(*p.args(), _poisoned(m, n)).clone()
-    out = _poisoned(m, n)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_server_form_in_a_graph_equals_the_public_entry(dtype):
+    """G = 384, ragged with empty groups: weights and activations by address (device words
+    rewritten between replays), rows stored through a map; each replay == the public entry on
+    the same data, bit for bit, and both run the Gluon tile."""
+    m, n, k, g = 9000, 512, 1536, 384
+    assert tk.default_config(m, n, k, g) == GLUON
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    torch.manual_seed(13)
+    first = random_problem(m, n, k, g, device=DEV, generator=gen)
+    second = random_problem(m, n, k, g, device=DEV, generator=gen, m_sizes=random_m_sizes(g, m))
+    assert int((first.m_sizes == 0).sum()) >= 1 and int((second.m_sizes == 0).sum()) >= 1
+    sizes = first.m_sizes.clone()
+    words = torch.zeros(4, dtype=torch.int64, device=DEV)
+    rows = torch.randperm(m, device=DEV)
+    pairs = torch.stack([rows, rows], 1)  # a map with stride 2, as the server's
+    out = _poisoned(m, n, dtype)
+
+    def point_at(p):
+        words.copy_(torch.tensor([p.wq.data_ptr(), p.w_scale.data_ptr(), p.xq.data_ptr(), p.x_scale.data_ptr()]))
+        sizes.copy_(p.m_sizes)
+
+    point_at(first)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
+        tk.run_addressed(first.xq, words[:2], first.x_scale, sizes, out, groups=g, inputs=words[2:],
+                         out_rows=pairs[:, 1])  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            gg.launch(*p.args(), out)
+            tk.run_addressed(first.xq, words[:2], first.x_scale, sizes, out, groups=g, inputs=words[2:],
+                             out_rows=pairs[:, 1])
     torch.cuda.synchronize()
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    for p in (first, second, first):
+        point_at(p)
+        out.fill_(float("nan"))
+        graph.replay()
+        want = grouped_gemm(*p.args(), out=_poisoned(m, n, dtype))
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[rows], want)
+    assert tk.tile_key(m, n, k, g, dtype, device=DEV) == GLUON.key()

@@ -231,6 +231,7 @@ SCHEDULE_CONFIGS = [
     T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
     T("persistent_tma", 64, 128, 4, 3, per_sm=2),
     T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
+    T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8),
     T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
     T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
     # Warp-specialised tiles with more than ~150 KB of shared memory write NaN into
@@ -303,7 +304,8 @@ def test_public_function_takes_a_float32_out(gen):
 
 @pytest.mark.parametrize("config", [c for c in _PLAIN if c.split_k > 1] + [
     T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
-    T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)],
+    T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
+    T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)],
     ids=lambda c: c.key())
 def test_split_k_and_persistent_graph_replay_matches_eager_on_new_data(config, gen):
     m, n, k, g = 700, 512, 2048, 8
@@ -334,6 +336,7 @@ _PERSISTENT = [
     T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True),
     T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
     T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8), T("persistent_tma", 64, 128, 4, 4, per_sm=2),
+    T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8), T("gluon_ws", 128, 256, 4, 4),
 ]
 
 

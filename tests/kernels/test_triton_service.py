@@ -188,11 +188,11 @@ def test_weights_past_2_31_elements_through_the_service(backend, gen):
 
 @pytest.mark.slow
 def test_many_expert_weights_past_2_31_elements_through_the_service(backend, gen):
-    """The persistent TMA tiles (G >= 64, 40 rows per group) over a weight set of 2^31+
-    elements: the last groups' rows sit past 2^31 in the descriptor's [G * N, K] view."""
+    """The Gluon tiles (G >= 64, 40 rows per group) over a weight set of 2^31+ elements: the
+    last groups' rows sit past 2^31 in the descriptor's [G * N, K] view."""
     g, n, k, m = 128, 4096, 4224, 128 * 40
     assert g * n * k >= 2**31
-    assert tk.default_config(m, n, k, g).schedule == "persistent_tma"
+    assert tk.default_config(m, n, k, g).schedule == "gluon_ws"
     sizes = random_m_sizes(g, m - 100)
     sizes[g - 1] += 100  # rows in the last group, whose weights start past 2^31
     problem = _problem(m, n, k, g, sizes, gen)

@@ -128,11 +128,17 @@ def test_prefill_table_rules():
     # ... else the 128-wide pair (also where N is no multiple of 256).
     assert tk.default_config(1024, 2048, 7168, 8) == pair
     assert tk.default_config(16384, 1152, 7168, 8) == pair
-    # Fewer than 128 rows per group, or many experts (skewed routing): the persistent TMA
-    # tiles with the tile table (any G up to TABLE_G_MAX).
+    # Many experts (skewed routing), from 32 rows per group: the Gluon warp-specialised tile
+    # (any G up to TABLE_G_MAX) where N is a multiple of 256 ...
+    gluon = T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
+    for m, n, k, g in ((32768, 4096, 7168, 256), (200000, 4096, 1536, 128), (16384, 7168, 2048, 256),
+                       (16384, 4096, 7168, 384), (9000, 512, 1536, 128), (65536, 3072, 5120, 160),
+                       (8192, 16384, 5120, 128), (32 * 1024, 2048, 7168, 1024)):
+        assert tk.default_config(m, n, k, g) == gluon
+    # ... else, and below 128 rows per group at G < 64: the persistent TMA tiles with the tile table.
     many = T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
-    for m, n, k, g in ((512, 2048, 7168, 8), (32768, 4096, 7168, 256), (200000, 4096, 1536, 128),
-                       (16384, 7168, 2048, 256), (16384, 4096, 7168, 384)):
+    for m, n, k, g in ((512, 2048, 7168, 8), (16384, 1408, 2048, 128), (4000, 1408, 2048, 64),
+                       (100 * 32, 4096, 7168, 32)):
         assert tk.default_config(m, n, k, g) == many
     # Below 32 rows per group at G >= 64 (and 48 below G = 64): the swapped decode tiles.
     assert tk.default_config(2048, 16384, 5120, 128).swap_ab
@@ -161,6 +167,15 @@ def test_schedule_limits_and_keys():
     assert not T("persistent_ws", 128, 128, 8).fits(2048)  # 4 warps: a producer and two consumers
     assert not T("persistent_tma", 64, 128, lead_tile=True).fits(2048)
     assert not T("nonesuch", 64, 128).fits(2048)
+    # The Gluon tile: 128 x 256, a producer warp and two consumer warpgroups, 3-4 ring slots.
+    assert T("gluon_ws", 128, 256, 4, 3).fits(2048, tk.TABLE_G_MAX)
+    assert not T("gluon_ws", 128, 256, 4, 3).fits(2048, tk.TABLE_G_MAX + 1)
+    assert not T("gluon_ws", 128, 256, 4, 3).fits(1408)
+    assert not T("gluon_ws", 128, 128, 4, 3).fits(2048)
+    assert not T("gluon_ws", 64, 256, 4, 3).fits(2048)
+    assert not T("gluon_ws", 128, 256, 8, 3).fits(2048)
+    assert not T("gluon_ws", 128, 256, 4, 5).fits(2048)  # 5 slots: 240 KiB of shared memory
+    assert not T("gluon_ws", 128, 256, 4, 3, per_sm=2).fits(2048)
     # The persistent tile's group walk is unrolled: bounded G.
     assert T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX)
     assert not T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX + 1)
@@ -188,7 +203,8 @@ class _RecordingKernel:
 
 
 @pytest.mark.parametrize("m,n,k,g", [(1, 8192, 1024, 8), (32, 1280, 8192, 8), (16384, 2048, 7168, 8),
-                                     (1024, 2048, 7168, 8), (32768, 4096, 7168, 256), (200000, 4096, 1536, 128)])
+                                     (1024, 2048, 7168, 8), (32768, 4096, 7168, 256), (200000, 4096, 1536, 128),
+                                     (16384, 1408, 2048, 128)])
 def test_both_entries_launch_the_same_kernel_grid_and_tile(m, n, k, g, monkeypatch):
     """SPEC 3: the address entry (a server graph) and the public entry run the same kernel
     with the same tile and grid; only the weights' source differs (ADDRS)."""
@@ -217,10 +233,11 @@ def test_both_entries_launch_the_same_kernel_grid_and_tile(m, n, k, g, monkeypat
 
 
 @pytest.mark.parametrize("m,n,k,g", [(16384, 2048, 7168, 8), (16384, 7168, 2304, 8), (32, 1280, 8192, 8),
-                                     (1024, 2048, 7168, 8), (4096, 1536, 7168, 8)])
+                                     (1024, 2048, 7168, 8), (4096, 1536, 7168, 8), (65536, 4096, 7168, 256)])
 def test_float32_out_runs_warp_specialised_tiles_as_the_tma_prefill(m, n, k, g, monkeypatch):
     """A float32 out (the FFN's h): persistent_ws tiles run as the TMA prefill tile, grid
-    and all, in both entries; other tiles, and every bf16 launch, run as the table says."""
+    and all, in both entries; other tiles (the Gluon tile too), and every bf16 launch, run as
+    the table says."""
     config = tk.default_config(m, n, k, g)
     want = tk.FLOAT32_OUT_PREFILL if config.schedule == "persistent_ws" else config
     assert want.fits(n, g)
@@ -241,16 +258,17 @@ def test_float32_out_runs_warp_specialised_tiles_as_the_tma_prefill(m, n, k, g, 
         tk.run_addressed(xq, words, x_scale, sizes, out, groups=g)
         (grid_a, _, kw_a), (grid_b, _, kw_b) = kernels[tile.schedule].launches
         assert grid_a == grid_b == tk.grid_for(tile, m, n, k, g, 132)
-        assert (kw_a["BLOCK_M"], kw_a["BLOCK_N"], kw_a["num_stages"]) == (
-            tile.block_m, tile.block_n, tile.num_stages) == (kw_b["BLOCK_M"], kw_b["BLOCK_N"],
-                                                              kw_b["num_stages"])
+        stages = "STAGES" if tile.schedule == "gluon_ws" else "num_stages"
+        assert (kw_a["BLOCK_M"], kw_a["BLOCK_N"], kw_a[stages]) == (
+            tile.block_m, tile.block_n, tile.num_stages) == (kw_b["BLOCK_M"], kw_b["BLOCK_N"], kw_b[stages])
         kernels[tile.schedule].launches.clear()
         assert not any(k.launches for k in kernels.values())
     with pytest.raises(TypeError, match="bfloat16 or float32"):
         tk.run(xq, wq, x_scale, w_scale, sizes, torch.empty((m, n), dtype=torch.float16))
 
 
-@pytest.mark.parametrize("m,n,k,g", [(64, 8192, 1024, 8), (16384, 7168, 2304, 8), (32768, 4096, 7168, 256)])
+@pytest.mark.parametrize("m,n,k,g", [(64, 8192, 1024, 8), (16384, 7168, 2304, 8), (32768, 4096, 7168, 256),
+                                     (16384, 1408, 2048, 128)])
 def test_the_service_launch_differs_only_in_where_it_reads_and_stores(m, n, k, g, monkeypatch):
     """A server graph's launch (activations by address, the store through a row map) is the
     public launch's kernel, grid, tile and compile-time constants but for the three source
@@ -289,3 +307,31 @@ def test_tile_tables_are_per_program_and_cached():
     assert tk.grid_for(tk.TileConfig("persistent_tma", 64, 128, 4, 4, per_sm=2), 65536, 4096, 7168, 256, 132) \
         == (264,)
     assert tk.grid_for(tk.TileConfig("persistent_tma", 128, 128, 8, 4), 256, 256, 512, 1, 132) == (2 * 2,)
+    # The Gluon tile: one program per SM, or one per 128 x 256 tile where there are fewer.
+    gluon = tk.TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
+    assert tk.grid_for(gluon, 65536, 4096, 7168, 256, 132) == (132,)
+    assert tk.grid_for(gluon, 256, 512, 512, 1, 132) == (2 * 2,)
+
+
+def test_gluon_launch_options(monkeypatch):
+    """The Gluon tile's launch: its ring depth as the kernel's STAGES (no pipeliner option),
+    the register cap setmaxnreg redistributes, and a tile table per program."""
+    kernel = _RecordingKernel()
+    monkeypatch.setitem(tk.SCHEDULES, "gluon_ws", kernel)
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    allocators = []
+    monkeypatch.setattr(tk.triton, "set_allocator", allocators.append)
+    m, n, k, g = 32768, 4096, 7168, 256
+    xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    w_scale, x_scale = torch.ones((g, k // 128, n // 128)), torch.ones((m, k // 128))
+    out = torch.empty((m, n), dtype=torch.float32)
+    tk.run(xq, wq, x_scale, w_scale, torch.full((g,), m // g), out)
+    ((grid, args, kw),) = kernel.launches
+    assert grid == (132,) and allocators == [tk._tma_scratch]
+    assert kw["STAGES"] == 3 and "num_stages" not in kw and kw["maxnreg"] == tk._GLUON_MAXNREG
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["G_POW2"]) == (128, 256, 128, 4, 256)
+    assert args[7] is tk._tile_tables(xq.device, 132, 256)
+    assert tk.persistent(m, n, k, g, device=xq.device)
+    assert tk.tile_key(m, n, k, g, torch.float32, device=xq.device) == \
+        tk.tile_key(m, n, k, g, torch.bfloat16, device=xq.device) == "gluon_ws_m128_n256_w4_s3_g8"
