@@ -146,3 +146,32 @@ def test_compile_only_launches_compile_into_the_cache_and_run_nothing(backend, t
     _fill[(8,)](out, 3.0, out.numel(), BLOCK=128)  # outside: runs, compiles nothing more
     torch.cuda.synchronize()
     assert bool((out == 3.0).all()) and backend.ahead.compiles() == before + 1
+
+
+def test_compile_only_gluon_launches_compile_and_run_nothing(backend, tmp_path):
+    """The many-expert prefill tile (a Gluon kernel) takes part in compile-only launches: the
+    server's form compiles into the cache and runs nothing, and the real launch after it
+    compiles nothing more."""
+    from moegemm.kernels import triton_kernel as tk
+
+    gen = torch.Generator(device=DEV).manual_seed(18)
+    m, n, k, g = 4000, 768, 640, 64
+    config = tk.default_config(m, n, k, g)
+    assert config.schedule == "gluon_ws"
+    p = random_problem(m, n, k, g, device=DEV, generator=gen)
+    words = torch.tensor([p.wq.data_ptr(), p.w_scale.data_ptr(), p.xq.data_ptr(), p.x_scale.data_ptr()],
+                         device=DEV)
+    rows = torch.arange(m, device=DEV)
+    out = torch.zeros((m, n), dtype=torch.bfloat16, device=DEV)
+    before = backend.ahead.compiles()
+    with backend.ahead.compile_only():
+        tk.run_addressed(p.xq, words[:2], p.x_scale, p.m_sizes, out, groups=g, inputs=words[2:], out_rows=rows)
+    torch.cuda.synchronize()
+    assert not out.any()  # nothing ran
+    assert backend.ahead.compiles() == before + 1
+    tk.run_addressed(p.xq, words[:2], p.x_scale, p.m_sizes, out, groups=g, inputs=words[2:], out_rows=rows)
+    torch.cuda.synchronize()
+    assert backend.ahead.compiles() == before + 1
+    want = torch.empty_like(out)
+    backend.run(p.xq, p.wq, p.x_scale, p.w_scale, p.m_sizes, want)
+    assert torch.equal(out, want)
