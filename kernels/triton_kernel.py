@@ -159,8 +159,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
       - G >= 64 (many experts, skewed routing; from r = 32) with N a multiple
         of 256: the warp-specialised Gluon schedule, 128 x 256 tiles, 3 stages,
         bands of 8 row tiles per group, one program per SM (v16: faster than
-        the persistent TMA tile on all 24 real many-expert prefill cases,
-        r = 16-512, t8192 1.2-1.5x, Kimi-K2 t2048 at r = 42 1.04-1.10x).
+        the persistent TMA tile on all 22 real cases of the class, r = 42-512:
+        t8192 1.14-1.53x, t2048 1.04-1.21x, Kimi-K2 at r = 42 1.04-1.10x).
       - otherwise (G < 64 below 128 rows per group, or N not a multiple of
         256; the Gluon tile is not measured there): the persistent TMA schedule
         with its tile table, 64 x 128 tiles, two programs per SM, bands of 8
