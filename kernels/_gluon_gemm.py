@@ -139,7 +139,7 @@ def _load_partition(descs, bufs, table_ptr, tiles, N, K, G_POW2: gl.constexpr, G
     programs = gl.num_programs(0)
     it = 0
     for t in range(pid, tiles, programs):
-        group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
+        group, first_row, tile_n, _ = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
         w_row = group * N + tile_n * BN
         for kb in range(num_kb):
             slot = it % STAGES

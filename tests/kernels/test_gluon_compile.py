@@ -20,9 +20,8 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-from sm90_compile import GLUON_FORMS, PTXAS, report  # noqa: E402
-
-from moegemm.kernels import triton_kernel as tk  # noqa: E402
+from moegemm.kernels import triton_kernel as tk
+from sm90_compile import GLUON_FORMS, PTXAS, report
 
 if not PTXAS.exists():
     pytest.skip("Triton's ptxas is not installed", allow_module_level=True)

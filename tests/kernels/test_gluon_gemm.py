@@ -20,9 +20,9 @@ if not torch.cuda.is_available() or torch.version.hip:
 if torch.cuda.get_device_capability() < (9, 0):
     pytest.skip("needs compute capability 9.0 (Hopper)", allow_module_level=True)
 
-from moegemm.kernels import grouped_gemm, reference_float64  # noqa: E402
-from moegemm.kernels import triton_kernel as tk  # noqa: E402
-from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error  # noqa: E402
+from moegemm.kernels import grouped_gemm, reference_float64
+from moegemm.kernels import triton_kernel as tk
+from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
 
 DEV = torch.device("cuda")
 GLUON = tk.TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
