@@ -4,7 +4,6 @@
 #   SERV_S   bench_service.py quick points, default server                -> service.json
 #   OVH_S    overhead_gpu.py: a lone call's batch, host-side variants       -> overhead_gpu.json
 #   PROF_S   profile_moe.py ($PROF_MODELS, $PROF_TOKENS)                     -> moe_steps.json
-#   GLUON_S  bench/gluon_prefill.py (the Gluon prefill experiment)           -> gluon.json
 #   KERN_S   bench_kernels.py, seed + real through the service graph, peers  -> kernels.json
 source bench/device_env.sh
 if [ -n "$TESTS_S" ]; then
@@ -27,19 +26,14 @@ for r in json.load(open(sys.argv[1]))["rows"]:
           "ratio", r.get("kernels_over_gemm_kernels"), r.get("per_kernel_us"))
 PY
 fi
-if [ -n "$GLUON_S" ]; then
-  timeout -k 5 $GLUON_S python3 -P bench/gluon_prefill.py --budget-s $(( GLUON_S - 20 )) --json "$OUT/gluon.json" \
-    > "$OUT/gluon.log" 2>&1
-  echo "gluon rc=$? $(el)"; tail -30 "$OUT/gluon.log" | cut -c1-220
+if [ -n "$KERN_S" ]; then
+  timeout -k 5 $KERN_S python3 -P bench/bench_kernels.py --budget-s $(( KERN_S - 25 )) \
+    --json "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+  echo "kernel bench rc=$? $(el)"; tail -1 "$OUT/kernels.log" | cut -c1-1500
 fi
 if [ -n "$SERV_S" ]; then
   timeout -k 5 $SERV_S python3 -P bench/bench_service.py --quick --no-deepseek --servers default \
     --budget-s $(( SERV_S - 40 )) --duration 1.0 --out "$OUT/service.json" > "$OUT/service.log" 2>&1
   echo "service bench rc=$? $(el)"; grep -v "^ " "$OUT/service.log" | grep -v "^median" | tail -14 | cut -c1-400
-fi
-if [ -n "$KERN_S" ]; then
-  timeout -k 5 $KERN_S python3 -P bench/bench_kernels.py --budget-s $(( KERN_S - 25 )) \
-    --json "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
-  echo "kernel bench rc=$? $(el)"; tail -1 "$OUT/kernels.log" | cut -c1-1500
 fi
 true
