@@ -52,27 +52,16 @@ MAXNREG = 168  # 12 warps x 32 x 168 <= 65536: the budget setmaxnreg redistribut
 
 
 @gluon.jit
-def _weights(w_ptr, ws_ptr, ADDRS: gl.constexpr):
-    """The weight set's ``wq`` and ``w_scale`` base pointers (``_triton_gemm._weights``)."""
-    if ADDRS:
-        w_base = gl.multiple_of(gl.load(w_ptr).to(gl.pointer_type(gl.float8e4nv)), 16)
-        ws_base = gl.multiple_of(gl.load(w_ptr + 1).to(gl.pointer_type(gl.float32)), 16)
+def _bases(ptr, scale_ptr, FROM_WORDS: gl.constexpr):
+    """An fp8 operand's and its float32 scales' base pointers: the arguments, or (FROM_WORDS) the
+    two int64 device words at ``ptr`` (``_triton_gemm._weights`` / ``_inputs``: ADDRS, X_WORDS)."""
+    if FROM_WORDS:
+        base = gl.multiple_of(gl.load(ptr).to(gl.pointer_type(gl.float8e4nv)), 16)
+        scale_base = gl.multiple_of(gl.load(ptr + 1).to(gl.pointer_type(gl.float32)), 16)
     else:
-        w_base = w_ptr
-        ws_base = ws_ptr
-    return w_base, ws_base
-
-
-@gluon.jit
-def _inputs(x_ptr, xs_ptr, X_WORDS: gl.constexpr):
-    """The activations' and their scales' base pointers (``_triton_gemm._inputs``)."""
-    if X_WORDS:
-        x_base = gl.multiple_of(gl.load(x_ptr).to(gl.pointer_type(gl.float8e4nv)), 16)
-        xs_base = gl.multiple_of(gl.load(x_ptr + 1).to(gl.pointer_type(gl.float32)), 16)
-    else:
-        x_base = x_ptr
-        xs_base = xs_ptr
-    return x_base, xs_base
+        base = ptr
+        scale_base = scale_ptr
+    return base, scale_base
 
 
 @gluon.jit
@@ -272,8 +261,8 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
     pid = gl.program_id(0)
     table = work_ptr + pid * (3 * G_POW2)
     tiles = _tile_table(m_sizes_ptr, M, G, N // BLOCK_N, table, BLOCK_M, G_POW2, gl.num_warps())
-    w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
-    x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
+    w_base, ws_base = _bases(w_ptr, ws_ptr, ADDRS)
+    x_base, xs_base = _bases(x_ptr, xs_ptr, X_WORDS)
     # 128-byte swizzle: what wgmma reads (both operands fp8, K-major rows of 128 bytes).
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     x_desc = tma.make_tensor_descriptor(x_base, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K], smem_layout)

@@ -307,12 +307,12 @@ class FfnGraphs:
 
             self._act = lambda h, rows: silu_mul_quant_triton(h, self.fp8, rows=rows)
             self._route, self._combine = route, combine
-            self._route_quantizes = True  # bf16 tokens: routed, gathered and quantized at once
-            self._quantize_scatter = quantize_scatter  # bf16 tokens past that: once per token
+            # bf16 tokens: quantized by the routing kernel for a few rows, past that once per
+            # token and stored at its k rows.
+            self._quantize_scatter = quantize_scatter
             self._moe_token = moe_token
         else:
             self._moe_token = None
-            self._route_quantizes = False
             self._quantize_scatter = None
             self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
             self._route, self._combine = route_torch, combine_torch
@@ -484,15 +484,15 @@ class FfnGraphs:
         rows = tokens * k
         route = (bufs.ids_words(), bufs.wide_word(), bufs.weights, bufs.tokens_word(), es.G, k,
                  bufs.m_sizes_dev, bufs.pos, bufs.src, bufs.live_dev, bufs.route_flags(tokens))
-        if bufs.family.quantize and self._route_quantizes and rows <= ROUTE_QUANTIZES_UP_TO:
+        if bufs.family.quantize and self._quantize_scatter is not None:
             xq = torch.empty((rows, es.H), dtype=self.fp8, device=self.device)
             xs = torch.empty((rows, es.H // BLOCK), dtype=torch.float32, device=self.device)
-            self._route(*route, quantize=(bufs.x[:tokens], (xq, xs), bufs.flags(tokens)))
-        elif bufs.family.quantize and self._quantize_scatter is not None:
-            self._route(*route)
-            xq = torch.empty((rows, es.H), dtype=self.fp8, device=self.device)
-            xs = torch.empty((rows, es.H // BLOCK), dtype=torch.float32, device=self.device)
-            self._quantize_scatter(bufs.x[:tokens], bufs.pos[:rows], k, bufs.flags(tokens), (xq, xs))
+            if rows <= ROUTE_QUANTIZES_UP_TO:
+                self._route(*route, quantize=(bufs.x[:tokens], (xq, xs), bufs.flags(tokens)))
+            else:
+                self._route(*route)
+                self._quantize_scatter(bufs.x[:tokens], bufs.pos[:rows], k, bufs.flags(tokens),
+                                       (xq, xs))
         else:
             self._route(*route)
             xs = None if bufs.x_scale is None else bufs.x_scale[:tokens]

@@ -206,6 +206,17 @@ def _store_column(row_ptr, offs_n, acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(table_ptr, e, tile, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Expert ``e``'s weight tile ``tile`` (rows ``tile * BLOCK_N ...`` of its ``[N, K]``) through
+    the family's address table: ``(offs_n, w_ptrs [BLOCK_N, 128], ws_ptr)`` at K block 0."""
+    w_base, ws_base = _weights(table_ptr, table_ptr, True)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ptrs = w_base + e * (N * K) + offs_n.to(tl.int64)[:, None] * K + tl.arange(0, 128)[None, :]
+    ws_ptr = ws_base + e * ((K // 128) * (N // 128)) + (tile * BLOCK_N) // 128
+    return offs_n, w_ptrs, ws_ptr
+
+
+@triton.jit
 def _up_kernel(x_ptr, xs_ptr, ids_ptr, wide_ptr, wts_ptr, tokens_ptr, table_ptr, h_ptr,
                q_ptr, qs_ptr, x_flags_ptr, route_flags_ptr, FP8_MAX,
                G: tl.constexpr, H: tl.constexpr, N: tl.constexpr, TOP_K: tl.constexpr,
@@ -217,10 +228,7 @@ def _up_kernel(x_ptr, xs_ptr, ids_ptr, wide_ptr, wts_ptr, tokens_ptr, table_ptr,
     tile = tl.program_id(1)
     wide = tl.load(wide_ptr).to(tl.int32)
     e = _slot_expert(ids_ptr, j, wide, G)
-    w_base, ws_base = _weights(table_ptr, table_ptr, True)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ptrs = w_base + e * (N * H) + offs_n.to(tl.int64)[:, None] * H + tl.arange(0, 128)[None, :]
-    ws_ptr = ws_base + e * ((H // 128) * (N // 128)) + (tile * BLOCK_N) // 128
+    offs_n, w_ptrs, ws_ptr = _weight_tile(table_ptr, e, tile, N, H, BLOCK_N)
     if FP8_IN:
         a_ptr, as_ptr = x_ptr, xs_ptr
     else:  # each program quantizes the token into its own rows of q and qs
@@ -248,10 +256,7 @@ def _down_kernel(h_ptr, ids_ptr, wide_ptr, wts_ptr, table_ptr, q_ptr, qs_ptr, pa
     j = tl.program_id(1)
     wide = tl.load(wide_ptr).to(tl.int32)
     e = _slot_expert(ids_ptr, j, wide, G)
-    w_base, ws_base = _weights(table_ptr, table_ptr, True)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ptrs = w_base + e * (H * I) + offs_n.to(tl.int64)[:, None] * I + tl.arange(0, 128)[None, :]
-    ws_ptr = ws_base + e * ((I // 128) * (H // 128)) + (tile * BLOCK_N) // 128
+    offs_n, w_ptrs, ws_ptr = _weight_tile(table_ptr, e, tile, H, I, BLOCK_N)
     # Each program activates and quantizes slot j's h row into its own rows of q and qs.
     pid = (tile * TOP_K + j).to(tl.int64)
     a_ptr, as_ptr = q_ptr + pid * I, qs_ptr + pid * (I // 128)

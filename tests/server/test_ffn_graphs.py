@@ -259,7 +259,6 @@ def _padded_runner(graph_path: bool) -> Runner:
     steps.check_and_gather = check_and_gather
     steps._act = lambda h, rows: silu_mul_quant_triton(h, FP8, rows=rows)
     steps._route, steps._combine = route, combine
-    steps._route_quantizes = True
     steps._quantize_scatter = quantize_scatter
     steps._gather_quant = gather_quantize_triton
 
