@@ -1,0 +1,50 @@
+#!/bin/bash
+# The ninth session's device calls. Stages, each run when its time limit is set (carry .whl):
+#   TESTS_S  GPU tests ($TESTS, pytest-xdist workers, one file each)      -> gpu_tests.log
+#   SERV_S   bench_service.py quick points, default server                -> service.json
+#   OVH_S    overhead_gpu.py: a lone call's batch, host-side variants       -> overhead_gpu.json
+#   PROF_S   profile_moe.py ($PROF_MODELS, $PROF_TOKENS)                     -> moe_steps.json
+#   TILE_S   tinymoe_tiles.py: the one-token moe kernels' weight tiles    -> tinymoe_tiles.json
+#   TRACE_S  trace_service.py: a lone call's timeline, client and server   -> trace.json
+#   KERN_S   bench_kernels.py, seed + real through the service graph, peers  -> kernels.json
+source bench/device_env.sh
+if [ -n "$TESTS_S" ]; then
+  timeout -k 5 $TESTS_S python3 -P -m pytest -q -p no:cacheprovider -m "not slow" --timeout 200 -rfE \
+    --durations=5 -n ${WORKERS:-6} --dist loadfile $TESTS > "$OUT/gpu_tests.log" 2>&1
+  echo "tests rc=$? $(el)"; tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+fi
+if [ -n "$OVH_S" ]; then
+  timeout -k 5 $OVH_S python3 -P bench/overhead_gpu.py --json "$OUT/overhead_gpu.json" > "$OUT/overhead_gpu.log" 2>&1
+  echo "overhead_gpu rc=$? $(el)"; tail -22 "$OUT/overhead_gpu.log" | cut -c1-200
+fi
+if [ -n "$PROF_S" ]; then
+  timeout -k 5 $PROF_S python3 -P bench/profile_moe.py ${PROF_MODELS:+--models $PROF_MODELS} \
+    ${PROF_TOKENS:+--tokens $PROF_TOKENS} --reps 20 --out "$OUT/moe_steps.json" > "$OUT/moe_steps.log" 2>&1
+  echo "profile rc=$? $(el)"
+  python3 - "$OUT/moe_steps.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["model"], r["tokens"], "moe", r["moe_us"], "kern", r.get("kernels_sum_us"), "gemm", r.get("gemm_kernels_us"),
+          "ratio", r.get("kernels_over_gemm_kernels"), r.get("per_kernel_us"))
+PY
+fi
+if [ -n "$TILE_S" ]; then
+  timeout -k 5 $TILE_S python3 -P bench/tinymoe_tiles.py --out "$OUT/tinymoe_tiles.json" > "$OUT/tinymoe_tiles.log" 2>&1
+  echo "tiles rc=$? $(el)"; tail -8 "$OUT/tinymoe_tiles.log" | cut -c1-300
+fi
+if [ -n "$TRACE_S" ]; then
+  timeout -k 5 $TRACE_S python3 -P bench/trace_service.py --out "$OUT/trace.json" --ms ${TRACE_MS:-1,128} \
+    --variants ${TRACE_VARIANTS:-default} --calls ${TRACE_CALLS:-400} > "$OUT/trace.log" 2>&1
+  echo "trace rc=$? $(el)"; grep -v "^ *step" "$OUT/trace.log" | tail -40 | cut -c1-300; grep "^ *step" "$OUT/trace.log" | tail -40
+fi
+if [ -n "$KERN_S" ]; then
+  timeout -k 5 $KERN_S python3 -P bench/bench_kernels.py --budget-s $(( KERN_S - 25 )) \
+    --json "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+  echo "kernel bench rc=$? $(el)"; tail -1 "$OUT/kernels.log" | cut -c1-1500
+fi
+if [ -n "$SERV_S" ]; then
+  timeout -k 5 $SERV_S python3 -P bench/bench_service.py --quick --no-deepseek --servers default \
+    --budget-s $(( SERV_S - 40 )) --duration 1.0 --out "$OUT/service.json" > "$OUT/service.log" 2>&1
+  echo "service bench rc=$? $(el)"; grep -v "^ " "$OUT/service.log" | grep -v "^median" | tail -14 | cut -c1-400
+fi
+true
