@@ -161,17 +161,16 @@ def _mma(a_bufs, b_bufs, slot, part, HALF: gl.constexpr, COL: gl.constexpr):
 
 
 @gluon.jit
-def _store(acc, out_ptr, map_ptr, first_row, col, row_stop, M, stride_om, stride_map, ROW_MAP: gl.constexpr,
-           layout: gl.constexpr):
+def _store(acc, out_ptr, dest, first_row, col, row_stop, stride_om, ROW_MAP: gl.constexpr, layout: gl.constexpr):
     """Store a 64 x 128 block at (first_row, col), only the rows before ``row_stop``; ``ROW_MAP``:
-    row r at ``out[map[r]]`` (``_triton_gemm._out_rows``)."""
+    row r of the block at ``out[dest[r]]`` (``dest`` loaded by the caller)."""
     ROWS: gl.constexpr = acc.shape[0]
     COLS: gl.constexpr = acc.shape[1]
     vals = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), layout)
     rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = col + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     if ROW_MAP:
-        dest = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map)
+        dest = gl.convert_layout(dest, gl.SliceLayout(1, layout))
     else:
         dest = rows.to(gl.int64)
     ptrs = out_ptr + dest[:, None] * stride_om + cols[None, :]
@@ -212,6 +211,13 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, m
         group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
         rows = first_row + HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)
         xs_row = xs_base + gl.minimum(rows, M - 1).to(gl.int64) * stride_xsm
+        # Where each row is stored; ROW_MAP: row r at out[map[r]] (``_triton_gemm._out_rows``),
+        # loaded here, before the K loop, so its latency is not the epilogue's (v16 loaded it
+        # at each of the two stores, with the tensor cores idle).
+        if ROW_MAP:
+            dest = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map)
+        else:
+            dest = rows  # unused: the store numbers the rows itself
         # The weight scale loaded per thread: a load from one address for all threads goes into a
         # uniform register, and ptxas puts that conversion right before the next wgmma, which
         # then waits for the load's L2 latency (seen in the SASS). An offset that is 0 but
@@ -240,9 +246,8 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, m
             acc_b = acc_b + p0 * s_b[:, None]
             it += 1
         top = first_row + HALF * ROWS
-        _store(acc_b, out_ptr, map_ptr, top, tile_n * BN + 128, row_stop, M, stride_om, stride_map, ROW_MAP,
-               out_layout)
-        _store(acc, out_ptr, map_ptr, top, tile_n * BN, row_stop, M, stride_om, stride_map, ROW_MAP, out_layout)
+        _store(acc_b, out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
+        _store(acc, out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
 
 
 @gluon.jit

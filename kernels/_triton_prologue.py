@@ -6,9 +6,15 @@ in per-expert order (``gather``). A lone call's rows are already in that
 order: with a ``regroup`` word that holds 0 the kernel only checks (the GEMM
 then reads the rows where they arrived), so the graph moves no row twice. In torch that is about fifteen small kernels
 per graph (comparisons, reductions, casts, two ``index_select``), each a few
-microseconds of a lone call's latency; here it is one program per row that
-reads the row once, copies it (and its scales) to its place and writes its
-flags. The answer is the same, bit for bit (``tests/server/test_prologue.py``
+microseconds of a lone call's latency; here it is one kernel that reads each
+row once, copies it (and its scales) to its place and writes its flags.
+
+A program takes a block of rows, not one: the check runs before a prefill
+bucket's persistent GEMM (``server/_graphs.py``), and one 4-warp program per row
+(65536 at the largest bucket, each two dependent loads long) cost about 1 ns a
+row there (Qwen3-30B w2 t8192 through the service graph: 340 us against 277 us
+for the public entry, v16; measured apart by ``bench/gap_gluon.py``), where a
+lone fp8 call's work is only its scales (24-224 bytes a row). The answer is the same, bit for bit (``tests/server/test_prologue.py``
 on a GPU); the CPU and backends without Triton keep the torch ops.
 
 The triton backend hands it to the server (``Backend.check_and_gather``); only imported
@@ -26,41 +32,64 @@ _EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
 @triton.jit
-def _check_gather(x_ptr, xs_ptr, gather_ptr, xg_ptr, xsg_ptr, flags_ptr, regroup_ptr, gather_stride,
+def _check_gather(x_ptr, xs_ptr, gather_ptr, xg_ptr, xsg_ptr, flags_ptr, regroup_ptr, gather_stride, rows,
                   K: tl.constexpr, KB: tl.constexpr, FLOAT16: tl.constexpr, EXPONENT: tl.constexpr,
-                  HAS_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                  HAS_REGROUP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    src = tl.load(gather_ptr + row * gather_stride).to(tl.int64)
+                  HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_S: tl.constexpr, HAS_REGROUP: tl.constexpr):
+    """Rows ``[pid * BLOCK_R, pid * BLOCK_R + BLOCK_R)`` of the gather order: row r is the callers'
+    row ``gather[r]``; its codes (16-bit: checked; copied when regrouping) in ``BLOCK_K``-wide
+    column blocks, its scales in one block, its flag stored at the callers' index."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = row < rows
+    src = tl.load(gather_ptr + row * gather_stride, mask=live, other=0).to(tl.int64)
     if HAS_REGROUP:
         copy = tl.load(regroup_ptr) != 0
     else:
-        copy = row >= 0  # always
-    seen = tl.zeros([BLOCK_K], dtype=tl.int32)
+        copy = tl.program_id(0) >= 0  # always
+    seen = tl.zeros([BLOCK_R], dtype=tl.int32)
     if FLOAT16:
         # 16-bit rows are checked for NaN/Inf (the server quantizes them), copied or not.
-        for k0 in tl.static_range(0, K, BLOCK_K):  # K is one per weight-set shape
+        for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
-            inside = offs < K
-            bits = tl.load(x_ptr + src * K + offs, mask=inside, other=0)
-            tl.store(xg_ptr + row * K + offs, bits, mask=inside & copy)
-            seen = seen | ((bits & EXPONENT) == EXPONENT).to(tl.int32)
+            inside = live[:, None] & (offs < K)[None, :]
+            bits = tl.load(x_ptr + src[:, None] * K + offs[None, :], mask=inside, other=0)
+            tl.store(xg_ptr + row[:, None] * K + offs[None, :], bits, mask=inside & copy)
+            seen = seen | tl.max(((bits & EXPONENT) == EXPONENT).to(tl.int32), axis=1)
     elif copy:
         # fp8 rows: SPEC 2.2 checks their scales, not their codes; read only to regroup.
-        for k0 in tl.static_range(0, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
-            inside = offs < K
-            tl.store(xg_ptr + row * K + offs, tl.load(x_ptr + src * K + offs, mask=inside), mask=inside)
-    flag = tl.max(seen, axis=0)
+            inside = live[:, None] & (offs < K)[None, :]
+            tl.store(xg_ptr + row[:, None] * K + offs[None, :],
+                     tl.load(x_ptr + src[:, None] * K + offs[None, :], mask=inside), mask=inside)
+    flag = seen
     if HAS_SCALE:
         offs = tl.arange(0, BLOCK_S)
-        inside = offs < KB
-        scale = tl.load(xs_ptr + src * KB + offs, mask=inside, other=1.0)
-        tl.store(xsg_ptr + row * KB + offs, scale, mask=inside & copy)
+        inside = live[:, None] & (offs < KB)[None, :]
+        scale = tl.load(xs_ptr + src[:, None] * KB + offs[None, :], mask=inside, other=1.0)
+        tl.store(xsg_ptr + row[:, None] * KB + offs[None, :], scale, mask=inside & copy)
         # NaN fails both comparisons; +Inf fails the second (the largest float32).
         good = (scale > 0.0) & (scale <= 3.4028234663852886e38)
-        flag = flag | (tl.max((~good).to(tl.int32), axis=0) << 1)
-    tl.store(flags_ptr + src, flag.to(tl.int8))
+        flag = flag | (tl.max((~good).to(tl.int32), axis=1) << 1)
+    tl.store(flags_ptr + src, flag.to(tl.int8), mask=live)
+
+
+# Rows a program takes: enough programs to keep every SM busy (PROGRAMS, about 8 per SM of an
+# H200), up to 64 rows. Below PROGRAMS rows one row a program, the shape that is fastest where
+# the rows are few and copied (merged calls: each program streams one row); at the largest
+# buckets 64 rows, 1024 programs, all resident at once.
+PROGRAMS = 1024
+ROWS_PER_PROGRAM = 64
+ELEMENTS = 8192  # the most codes (or scales) one load of a program covers: 64 per thread
+
+
+def block_sizes(rows: int, K: int, KB: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_K, BLOCK_S) of a check over ``rows`` rows of ``K`` codes and ``KB`` scales."""
+    block_s = triton.next_power_of_2(KB)
+    block_r = min(ROWS_PER_PROGRAM, triton.next_power_of_2(triton.cdiv(rows, PROGRAMS)),
+                  max(1, ELEMENTS // block_s))
+    block_k = max(16, min(triton.next_power_of_2(K), ELEMENTS // block_r))
+    return block_r, block_k, block_s
 
 
 def check_and_gather(
@@ -91,11 +120,11 @@ def check_and_gather(
     view = torch.int16 if float16 else torch.uint8
     has_scale = x_scale is not None
     KB = x_scale.shape[1] if has_scale else 1
-    _check_gather[(rows,)](
+    block_r, block_k, block_s = block_sizes(rows, K, KB)
+    _check_gather[(triton.cdiv(rows, block_r),)](
         x.view(view), x_scale if has_scale else x.view(view), gather, x_out.view(view),
         scale_out if has_scale else x_out.view(view), flags, gather if regroup is None else regroup,
-        gather.stride(0), K=K, KB=KB,
+        gather.stride(0), rows, K=K, KB=KB,
         FLOAT16=float16, EXPONENT=_EXPONENT.get(x.dtype, 0), HAS_SCALE=has_scale,
-        BLOCK_K=min(4096, triton.next_power_of_2(K)), BLOCK_S=triton.next_power_of_2(KB),
-        HAS_REGROUP=regroup is not None, num_warps=4,
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_S=block_s, HAS_REGROUP=regroup is not None, num_warps=4,
     )

@@ -63,7 +63,8 @@ def _scales_with_bad_values(rows, kb, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz,
                                    torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,k", [(1, 128), (7, 7168), (300, 1024), (64, 8448)])
+# 4999 and 70000 rows: blocks of 8 and 64 rows a program, the last one partly past the rows.
+@pytest.mark.parametrize("rows,k", [(1, 128), (7, 7168), (300, 1024), (64, 8448), (4999, 1024), (70000, 256)])
 def test_check_and_gather_equals_the_torch_ops(dtype, rows, k):
     gen = torch.Generator(device=DEV).manual_seed(rows * 131 + k)
     x = _rows_with_bad_values(dtype, rows, k, gen)

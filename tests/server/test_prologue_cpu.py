@@ -3,7 +3,9 @@
 The same comparison as ``test_prologue.py`` (which runs the compiled kernel on
 a GPU), on small shapes: rows in gather order, their scales bit for bit, and
 the flags of ``_checks._bad_rows_torch`` with NaN codes, NaN/Inf and bad scales
-planted. The interpreter is chosen when the kernel is defined, so the check
+planted; one row a program and blocks of rows a program (the last block
+partly past the rows), the regroup word 1 (copies) and 0 (flags only, nothing
+copied). The interpreter is chosen when the kernel is defined, so the check
 runs in a fresh process with ``TRITON_INTERPRET=1``.
 """
 
@@ -21,6 +23,18 @@ BAD_SCALES = (float("nan"), float("inf"), 0.0, -1.0, -float("inf"))
 
 
 def compare_on_cpu() -> None:
+    from moegemm.kernels import _triton_prologue
+
+    # Blocks of rows: PROGRAMS lowered so that these few rows take 4 to 16 a program.
+    assert _triton_prologue.block_sizes(33, 256, 2)[0] == 1
+    assert _triton_prologue.block_sizes(65536, 7168, 56) == (64, 128, 64)
+    for programs, block_rows in ((1024, (1, 1, 1)), (3, (1, 4, 16))):
+        _triton_prologue.PROGRAMS = programs
+        assert tuple(_triton_prologue.block_sizes(r, 256, 2)[0] for r in (1, 7, 33)) == block_rows
+        compare_blocks()
+
+
+def compare_blocks() -> None:
     from moegemm.server._checks import _bad_rows_torch
     from moegemm.kernels._triton_prologue import check_and_gather
 
@@ -59,6 +73,19 @@ def compare_on_cpu() -> None:
             want = _bad_rows_torch(x, xs)
             assert torch.equal(flags, want), (dtype, rows, k, flags, want)
             assert want.any() or (fp8 and rows < 3)  # fp8: scales flag (from row 2), codes never
+            # The regroup word: 1 copies as above, 0 writes the flags and copies nothing.
+            for word in (1, 0):
+                xg2 = torch.full_like(x.view(torch.uint8), 0xEE).view(dtype)
+                xsg2 = None if xs is None else torch.full_like(xs, float("nan"))
+                flags.fill_(99)
+                check_and_gather(x, xs, gather, xg2, xsg2, flags, regroup=torch.tensor([word]))
+                assert torch.equal(flags, want), (dtype, rows, k, word)
+                if word:
+                    assert torch.equal(xg2.view(bits_dtype), xg.view(bits_dtype))
+                    assert xs is None or torch.equal(xsg2.view(torch.int32), xsg.view(torch.int32))
+                else:
+                    assert (xg2.view(torch.uint8) == 0xEE).all()
+                    assert xs is None or xsg2.isnan().all()
 
 
 def test_check_and_gather_in_the_triton_interpreter():
