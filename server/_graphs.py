@@ -34,9 +34,12 @@ the check on a parallel branch beside the GEMM (the answer is read after both:
 a flagged call is refused as before). The check node before the GEMM cost a
 decode replay 1-5 us (seed m1: 7.5 -> 6.2 us). A persistent tile (prefill) keeps
 the check before it: beside it, the check's programs held SMs the GEMM's
-programs waited for, 3-19 % slower (``bench/NOTES.md`` v13). Merged calls need
-the regrouped rows first, so such a bucket has two graphs, *lone* and
-*merged* (:meth:`GraphPool.variants`), chosen by whether the launch regroups.
+programs waited for, 3-19 % slower (``bench/NOTES.md`` v13). A lone call's
+rows need no row map either (they are in group order): its GEMM stores in
+place, as the public entry does. Merged calls need the regrouped rows first
+and the map, so with a backend that launches by address every bucket has two
+graphs, *lone* and *merged* (:meth:`GraphPool.variants`), chosen by whether the
+launch regroups.
 
 A pool made with ``compile_only`` runs in a process that compiles a new
 shape's kernels ahead for a server (``_ahead.py``): :meth:`GraphPool.prepare`
@@ -270,9 +273,10 @@ class GraphPool:
 
     def variants(self, family: Family, bucket: int) -> tuple[bool, ...]:
         """The ``merged`` values that get a graph of their own for ``bucket``: (False, True)
-        where a lone call's check runs beside its GEMM, else (False,) (one graph serves
-        both)."""
-        return (False, True) if self._beside(family, bucket) else (False,)
+        when the pool launches by address (a lone call's graph stores rows in place, with
+        no row map, and its fp8 check may run beside the GEMM), else (False,) (one graph
+        serves both)."""
+        return (False, True) if self.run_table is not None else (False,)
 
     def _body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor,
               merged: bool = True) -> None:
@@ -320,10 +324,12 @@ class GraphPool:
             else:
                 xq, xsq = xg, xsg
         if direct:
-            # Merged row r came from the callers' row gather[r]: it is stored there.
+            # Merged row r came from the callers' row gather[r]: it is stored there. A lone
+            # call's rows are in group order already: stored in place, the public entry's
+            # store (the row map's loads cost a 65536-row prefill 3-8 %, bench/NOTES.md).
             self.run_gemm(xq, xsq, bufs.m_sizes, bufs.out(rows), addresses=bufs.addresses, wq=wq,
                           w_scale=w_scale, inputs=None if family.quantize else bufs.inputs,
-                          out_rows=gather)
+                          out_rows=gather if merged else None)
             if side is not None:  # the check's branch joins before the graph ends
                 torch.cuda.current_stream(self.device).wait_stream(side)
         else:
@@ -429,7 +435,7 @@ class GraphPool:
         merged: bool = False,
     ) -> tuple:
         if self.run_table is not None:
-            return (family, bucket, merged and self._beside(family, bucket))
+            return (family, bucket, merged)
         return (family, bucket, wq.data_ptr(), w_scale.data_ptr())
 
     def launch_rows(self, rows: int) -> int:
