@@ -34,12 +34,11 @@ the check on a parallel branch beside the GEMM (the answer is read after both:
 a flagged call is refused as before). The check node before the GEMM cost a
 decode replay 1-5 us (seed m1: 7.5 -> 6.2 us). A persistent tile (prefill) keeps
 the check before it: beside it, the check's programs held SMs the GEMM's
-programs waited for, 3-19 % slower (``bench/NOTES.md`` v13). A lone call's
-rows need no row map either (they are in group order): its GEMM stores in
-place, as the public entry does. Merged calls need the regrouped rows first
-and the map, so with a backend that launches by address every bucket has two
-graphs, *lone* and *merged* (:meth:`GraphPool.variants`), chosen by whether the
-launch regroups.
+programs waited for, 3-19 % slower (``bench/NOTES.md`` v13). There a lone
+call's rows need no row map either (they are in group order): its GEMM stores
+in place, as the public entry does. Merged calls need the regrouped rows first
+and the map, so such buckets have two graphs, *lone* and *merged*
+(:meth:`GraphPool.variants`), chosen by whether the launch regroups.
 
 A pool made with ``compile_only`` runs in a process that compiles a new
 shape's kernels ahead for a server (``_ahead.py``): :meth:`GraphPool.prepare`
@@ -220,6 +219,7 @@ class GraphPool:
         self.run_table: Callable | None = backend.run_addressed if is_gpu and weight_table else None
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._variants: dict[tuple[Family, int], tuple[bool, ...]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # A lone call's check branch, used while capturing (on the loader's thread).
         self._check_streams = threading.local()
@@ -271,12 +271,24 @@ class GraphPool:
                 and self.check_and_gather is not None and persistent is not None
                 and not persistent(rows, family.N, family.K, family.G))
 
+    def _in_place(self, family: Family, rows: int) -> bool:
+        """Whether a lone call's GEMM over ``rows`` rows stores them in place, without the
+        row map: launched by address, on a persistent tile (prefill), where the map's loads
+        cost 2-8 % (``bench/NOTES.md``, gap_gluon). Decode tiles keep the map (the identity
+        for a lone call): one kernel fewer to compile per tile."""
+        persistent = self.backend.persistent
+        return (self.run_table is not None and persistent is not None
+                and persistent(rows, family.N, family.K, family.G))
+
     def variants(self, family: Family, bucket: int) -> tuple[bool, ...]:
         """The ``merged`` values that get a graph of their own for ``bucket``: (False, True)
-        when the pool launches by address (a lone call's graph stores rows in place, with
-        no row map, and its fp8 check may run beside the GEMM), else (False,) (one graph
-        serves both)."""
-        return (False, True) if self.run_table is not None else (False,)
+        where a lone call's graph differs from merged calls' (its fp8 check beside the GEMM,
+        or its rows stored in place), else (False,) (one graph serves both)."""
+        found = self._variants.get((family, bucket))
+        if found is None:  # (asked on every launch: the tile lookup is not free)
+            split = self._beside(family, bucket) or self._in_place(family, bucket)
+            found = self._variants[(family, bucket)] = (False, True) if split else (False,)
+        return found
 
     def _body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor,
               merged: bool = True) -> None:
@@ -325,11 +337,11 @@ class GraphPool:
                 xq, xsq = xg, xsg
         if direct:
             # Merged row r came from the callers' row gather[r]: it is stored there. A lone
-            # call's rows are in group order already: stored in place, the public entry's
-            # store (the row map's loads cost a 65536-row prefill 3-8 %, bench/NOTES.md).
+            # call's rows are in group order already: on a prefill tile stored in place,
+            # the public entry's store (``_in_place``).
             self.run_gemm(xq, xsq, bufs.m_sizes, bufs.out(rows), addresses=bufs.addresses, wq=wq,
                           w_scale=w_scale, inputs=None if family.quantize else bufs.inputs,
-                          out_rows=gather if merged else None)
+                          out_rows=None if not merged and self._in_place(family, rows) else gather)
             if side is not None:  # the check's branch joins before the graph ends
                 torch.cuda.current_stream(self.device).wait_stream(side)
         else:
@@ -435,7 +447,7 @@ class GraphPool:
         merged: bool = False,
     ) -> tuple:
         if self.run_table is not None:
-            return (family, bucket, merged)
+            return (family, bucket, merged and len(self.variants(family, bucket)) == 2)
         return (family, bucket, wq.data_ptr(), w_scale.data_ptr())
 
     def launch_rows(self, rows: int) -> int:

@@ -93,10 +93,11 @@ def test_captured_equals_eager(backend, kind, gen):
     g = 8
     ws = _weights(g, gen)
     captured, eager = _executor(backend, graphs=True), _executor(backend, graphs=False)
-    # One graph per bucket, two for fp8 buckets whose lone calls check beside the GEMM.
+    # One graph per bucket, two for fp8 buckets whose lone calls check beside the GEMM and
+    # for prefill buckets (a lone call's rows stored in place).
     pool = captured.pool
     graphs = sum(len(pool.variants(Family(g, N, K, q), b)) for q in (False, True) for b in pool.buckets)
-    assert len(captured.pool.buckets) * 2 < graphs < len(captured.pool.buckets) * 3
+    assert len(captured.pool.buckets) * 3 < graphs < len(captured.pool.buckets) * 4
     assert captured.prepare(g, N, K, ws.wq, ws.w_scale) == graphs
     for m in (1, 7, 83, 128, 1000):
         part = _part(g, m, kind, gen)
