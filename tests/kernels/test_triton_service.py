@@ -188,9 +188,10 @@ def test_weights_past_2_31_elements_through_the_service(backend, gen):
 
 @pytest.mark.slow
 def test_many_expert_weights_past_2_31_elements_through_the_service(backend, gen):
-    """The Gluon tiles (G >= 64, 40 rows per group) over a weight set of 2^31+ elements: the
-    last groups' rows sit past 2^31 in the descriptor's [G * N, K] view."""
-    g, n, k, m = 128, 4096, 4224, 128 * 40
+    """The Gluon tiles (G >= 64, 64 rows per group) over a weight set of 2^31+ elements: the
+    last groups' rows sit past 2^31 in the descriptor's [G * N, K] view. M is a bucket (a
+    power of two), so the graph's launch covers exactly the public call's rows."""
+    g, n, k, m = 128, 4096, 4224, 128 * 64
     assert g * n * k >= 2**31
     assert tk.default_config(m, n, k, g).schedule == "gluon_ws"
     sizes = random_m_sizes(g, m - 100)
