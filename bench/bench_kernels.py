@@ -376,7 +376,7 @@ def run_case(case, problem, x, sweep: bool, peers: bool) -> dict:
     bucket = bucket_of(m)
     row = {"name": case["name"], "m": m, "n": n, "k": k, "g": g, "bucket": bucket,
            "active_groups": int((sizes > 0).sum()), "floor_us": floor_us(m, n, k, sizes),
-           "config": tk.config_for(bucket, n, k, g, DEV).key(), "peers_us": {}, "errors": {}}
+           "config": tk.default_config(bucket, n, k, g).key(), "peers_us": {}, "errors": {}}
     public = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
     tk.run(*problem, public)
     row["public_us"] = time_us(lambda: tk.run(*problem, public))

@@ -70,7 +70,7 @@ def main() -> None:
         gemm_first = bk.time_replays_us(first)
         public_out = torch.empty((case["m"], case["n"]), dtype=torch.bfloat16, device=bk.DEV)
         public = bk.time_us(lambda problem=problem, out=public_out: tk.run(*problem, out))
-        row = {"name": case["name"], "config": tk.config_for(bucket, case["n"], case["k"], case["g"], bk.DEV).key(),
+        row = {"name": case["name"], "config": tk.default_config(bucket, case["n"], case["k"], case["g"]).key(),
                "shipped_serial_us": round(shipped, 1), "gemm_first_beside_us": round(gemm_first, 1),
                "public_us": round(public, 1), "same_bits": same}
         rows.append(row)

@@ -234,8 +234,8 @@ def run_case(case, problem, old_check) -> dict:
     xq, wq, x_scale, w_scale, sizes = problem
     bucket = bk.bucket_of(m)
     row = {"name": case["name"], "m": m, "n": n, "k": k, "g": g, "bucket": bucket, "v16": case["v16"],
-           "config_public": tk.config_for(m, n, k, g, dev).key(),
-           "config_service": tk.config_for(bucket, n, k, g, dev).key(), "us": {}, "bits": {}}
+           "config_public": tk.default_config(m, n, k, g).key(),
+           "config_service": tk.default_config(bucket, n, k, g).key(), "us": {}, "bits": {}}
     us, bits = row["us"], row["bits"]
 
     public = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)

@@ -23,8 +23,11 @@ both crashes). :func:`create` is what the backend selector calls.
 Tiles: :data:`DEFAULT_TILES` per arch; with ``MOEGEMM_AUTOTUNE=1`` the first
 call of each (nextPow2(M), N, K, G, device) times :data:`AUTOTUNE_TILES` and
 keeps the fastest in ``$MOEGEMM_CACHE_DIR/flydsl_<layout>_tiles.json`` (default
-``~/.cache/moegemm``), keyed like the CUDA backend's cache. Every tile passes :func:`check_tile` (the per-arch LDS
-budget) before it is traced.
+``~/.cache/moegemm``). The setting exists on AMD only: these tiles are compiled
+here, never measured on AMD hardware, so a deployment measures its own (the
+triton backend's table is measured on the H200 and nothing tunes it at run
+time). Every tile passes :func:`check_tile` (the per-arch LDS budget) before it
+is traced.
 
 Operands keep their natural shapes (:func:`_jit_tensor`): FlyDSL packs each
 extent as an int32 and each stride as an int64, so launches of any size the
@@ -362,7 +365,7 @@ def run_plain(xq, wq, x_scale, w_scale, m_sizes, out, *, tile: FlyTile | None = 
 
 
 def autotune_key(m: int, n: int, k: int, g: int, device_name: str) -> str:
-    """The autotune cache key, the CUDA backend's: ``nextPow2(M):N:K:G:device name``.
+    """The autotune cache key: ``nextPow2(M):N:K:G:device name``.
 
     The weight layout is not in the key: each layout has its own file.
     """

@@ -6,9 +6,10 @@
 
 The kernels are in ``_triton_gemm.py`` (one per schedule) and, for many-expert
 prefill, ``_gluon_gemm.py`` (the same arguments). This module checks
-the device, picks a schedule and tile per shape class from a small table (or,
-with ``MOEGEMM_AUTOTUNE=1``, from an on-disk cache filled by benchmarking on a
-miss, see ``_triton_tune.py``) and launches. Everything the launch needs comes
+the device, picks a schedule and tile per shape class from a small table (the
+tiles measured on the H200, ``bench/NOTES.md``; nothing tunes at run time, so a
+figure measured for a shape is the path every call of that shape takes) and
+launches. Everything the launch needs comes
 from static shapes (M, N, K, G), so neither entry reads tensor contents on
 the host and both can be captured into a CUDA graph.
 
@@ -35,7 +36,6 @@ try:
 except ImportError as exc:  # the selector turns this into BackendUnavailable
     raise ImportError(f"the triton backend needs the triton package: {exc}") from exc
 
-from . import _triton_tune
 from ._gluon_gemm import MAXNREG as _GLUON_MAXNREG
 from ._gluon_gemm import gluon_ws_kernel
 from ._triton_gemm import SCHEDULES as _TRITON_SCHEDULES
@@ -423,15 +423,6 @@ def weight_addresses(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     return torch.tensor([wq.data_ptr(), w_scale.data_ptr()], dtype=torch.int64).to(wq.device)
 
 
-def config_for(m: int, n: int, k: int, g: int, device: torch.device) -> TileConfig:
-    """The tile both entries use for a shape: the autotune cache's winner when tuning is on, else the table."""
-    if _triton_tune.enabled():
-        found = _triton_tune.cached_config(m, n, k, g, device, TileConfig)
-        if found is not None and found.fits(n, g):
-            return found
-    return default_config(m, n, k, g)
-
-
 def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
                   inputs: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """SPEC 1 like :func:`run`, the weight set found through :func:`weight_addresses` words.
@@ -465,7 +456,7 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
     if xq.dtype != torch.float8_e4m3fn or n % _SCALE_BLOCK or k % _SCALE_BLOCK or groups < 1:
         raise ValueError(f"need e4m3fn xq [M, K], N and K multiples of 128, G >= 1; got {tuple(xq.shape)}, "
                          f"N={n}, G={groups}")
-    config = config_for(m, n, k, groups, xq.device)
+    config = default_config(m, n, k, groups)
     return _launch(xq, addresses, x_scale, addresses, m_sizes, out, n, groups, config, addrs=True,
                    x_words=inputs, out_rows=out_rows)
 
@@ -473,13 +464,13 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
 def tile_key(m: int, n: int, k: int, g: int, out_dtype: torch.dtype, *,
              device: torch.device) -> str:
     """The key of the tile both entries launch for this shape into an ``out_dtype`` output
-    (``Backend.tile_key``): :func:`config_for`, then :func:`tile_for_out`."""
-    return tile_for_out(config_for(m, n, k, g, device), torch.empty(0, dtype=out_dtype)).key()
+    (``Backend.tile_key``): :func:`default_config`, then :func:`tile_for_out`."""
+    return tile_for_out(default_config(m, n, k, g), torch.empty(0, dtype=out_dtype)).key()
 
 
 def persistent(m: int, n: int, k: int, g: int, *, device: torch.device) -> bool:
     """Whether the tile for this shape is persistent (``Backend.persistent``)."""
-    return config_for(m, n, k, g, device).schedule in ("persistent_tma", "persistent_ws", "gluon_ws")
+    return default_config(m, n, k, g).schedule in ("persistent_tma", "persistent_ws", "gluon_ws")
 
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -505,24 +496,13 @@ def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
         raise ValueError(f"N and K must be multiples of 128, got N={n}, K={k}")
 
 
-def choose_config(xq, wq, x_scale, w_scale, m_sizes, out) -> TileConfig:
-    """The tile :func:`run` uses: :func:`config_for`, benchmarking the candidates on a tuning miss."""
-    m, k = xq.shape
-    g, n, _ = wq.shape
-    if _triton_tune.enabled():
-        return _triton_tune.tuned_config(
-            (xq, wq, x_scale, w_scale, m_sizes, out), candidate_configs(m, n, k, g),
-            default_config(m, n, k, g), launch, TileConfig,
-        )
-    return default_config(m, n, k, g)
-
-
 def run(xq, wq, x_scale, w_scale, m_sizes, out) -> torch.Tensor:
     """SPEC 1 into ``out`` (bf16, or float32: the sum unrounded) on the GPU; returns ``out``.
     Capture-safe (no host reads)."""
     _check(xq, wq, x_scale, w_scale, m_sizes, out)
-    return launch(xq, wq, x_scale, w_scale, m_sizes, out,
-                  choose_config(xq, wq, x_scale, w_scale, m_sizes, out))
+    m, k = xq.shape
+    g, n, _ = wq.shape
+    return launch(xq, wq, x_scale, w_scale, m_sizes, out, default_config(m, n, k, g))
 
 
 def _prepare_weights(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -245,11 +245,8 @@ def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S,
 
 def _child(job: Job, answer) -> None:
     """The child process: run ``job``, then send ("ok", kernels compiled) or ("failed", why).
-    It dies with its parent (a SIGKILLed server leaves no child holding device memory), and
-    never autotunes: its launches run nothing, so timings would be noise (written to the
-    shared autotune cache)."""
+    It dies with its parent (a SIGKILLed server leaves no child holding device memory)."""
     _die_with_parent()
-    os.environ["MOEGEMM_AUTOTUNE"] = "0"
     try:
         compiled = run_job(job)
     except BaseException as exc:  # noqa: BLE001 -- the parent logs it and compiles itself

@@ -44,7 +44,7 @@ loads, the dot, the promotion.
 **Bit for bit the grouped path.** A merged launch (several calls in a bucket of
 2+ tokens) runs the grouped path; a lone call must get the same bits
 (SPEC 5.1). Every element here is computed as the grouped GEMM's tile for the
-bucket's ``k`` rows computes it (``triton_kernel.config_for``: the executor
+bucket's ``k`` rows computes it (``triton_kernel.default_config``: the executor
 merges calls only across buckets whose tiles are equal): the same 128-wide K
 blocks in order, the same dot shapes (the token repeated over the tile's
 ``BLOCK_M`` rows; the weight tile is the MMA's M side, whose height does not
@@ -72,7 +72,7 @@ from moegemm.kernels._triton_act import (
 )
 from moegemm.kernels._triton_gemm import _weights
 from moegemm.kernels.quant import BLOCK, fp8_max
-from moegemm.kernels.triton_kernel import config_for
+from moegemm.kernels.triton_kernel import default_config
 
 from ._moe_route import _FLT_MAX, _check_tokens, _expert_of
 
@@ -281,7 +281,7 @@ def _down_kernel(h_ptr, ids_ptr, wide_ptr, wts_ptr, table_ptr, q_ptr, qs_ptr, pa
 def _gemm_tile(rows: int, n: int, k: int, g: int, device: torch.device) -> tuple[int, int, bool]:
     """(token tile, split-K ways, pairs) of the grouped GEMM's tile for ``rows`` rows: the
     arithmetic the one-token kernels reproduce."""
-    config = config_for(rows, n, k, g, device)
+    config = default_config(rows, n, k, g)
     if not config.swap_ab:
         raise ValueError(f"a {rows}-row launch runs {config.key()}, not a decode tile")
     split = max(1, min(config.split_k, k // BLOCK))

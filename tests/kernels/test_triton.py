@@ -7,7 +7,6 @@ first, so a row the kernel skips fails the finiteness check.
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -176,19 +175,6 @@ def test_graph_replay_matches_eager_on_new_data(m, g, gen):
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     check(problem, out)
-
-
-def test_autotune_persists_the_winner(tmp_path, monkeypatch, gen):
-    monkeypatch.setenv("MOEGEMM_AUTOTUNE", "1")
-    monkeypatch.setenv("MOEGEMM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tk._triton_tune, "_memory", None)
-    sizes = torch.tensor([40, 0, 24, 64])
-    problem = make_problem(128, 256, 512, 4, sizes, gen)
-    check(problem, run(problem))
-    entries = json.loads((tmp_path / "triton_tiles.json").read_text())
-    (key, cfg), = entries.items()
-    assert key.startswith("128:256:512:4:")
-    assert tk.TileConfig(**cfg) in tk.candidate_configs(128, 256, 512, 4)
 
 
 def test_addressed_graph_follows_a_swapped_weight_set(gen):

@@ -1,19 +1,15 @@
-"""The triton backend's host-side logic, on the CPU: tile table, grid bound, autotune cache.
+"""The triton backend's host-side logic, on the CPU: tile table, grid bound.
 
 Needs the triton package (the ``cuda`` extra) but no GPU; no kernel is launched.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from moegemm.kernels import _triton_tune
 from moegemm.kernels import triton_kernel as tk
 from moegemm.kernels.testing import random_m_sizes
 
@@ -74,45 +70,6 @@ def test_decode_table_rules():
     assert tk.default_config(256, 4096, 7168, 256) == pair8  # many tiles, K >= 4096
     assert tk.default_config(128, 2048, 768, 128) == T("decode", 16, 128, 4, 3, evict_w=ef)
     assert tk.default_config(2048, 4096, 7168, 256).block_m == 16
-
-
-def test_autotune_winner_is_persisted_and_reused(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEGEMM_AUTOTUNE", "1")
-    monkeypatch.setenv("MOEGEMM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_triton_tune, "_memory", None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    candidates = tk.candidate_configs(83, 1280, 8192, 8)
-    fastest = candidates[-1]
-    timings = {cfg: 1.0 + i for i, cfg in enumerate(candidates)}
-    timings[fastest] = 0.5
-    launched = []
-
-    def fake_launch(*args, config):
-        launched.append(config)
-
-    def fake_bench(fn):
-        fn()
-        return timings[launched[-1]]
-
-    monkeypatch.setattr(_triton_tune, "_bench", fake_bench)
-    xq = torch.empty((83, 8192), dtype=torch.float8_e4m3fn)
-    wq = torch.empty((8, 1280, 8192), dtype=torch.float8_e4m3fn)
-    args = (xq, wq, None, None, None, None)
-    got = _triton_tune.tuned_config(args, candidates, candidates[0], fake_launch, tk.TileConfig)
-    assert got == fastest and len(launched) == len(candidates)
-    stored = json.loads((tmp_path / "triton_tiles.json").read_text())
-    assert stored == {"128:1280:8192:8:FakeGPU": dataclasses.asdict(fastest)}
-    # A new process (fresh memory) reads the winner without benchmarking.
-    monkeypatch.setattr(_triton_tune, "_memory", None)
-    launched.clear()
-    assert _triton_tune.tuned_config(args, candidates, candidates[0], fake_launch, tk.TileConfig) == fastest
-    assert launched == []
-
-
-def test_autotune_off_by_default(monkeypatch):
-    monkeypatch.delenv("MOEGEMM_AUTOTUNE", raising=False)
-    assert not _triton_tune.enabled()
 
 
 def test_prefill_table_rules():
