@@ -163,20 +163,6 @@ def compile_ahead(cases, workers: int) -> list[str]:
 
 # ---- timing helpers ---------------------------------------------------------------------------
 
-def capture_one(fn):
-    """A graph of one call of ``fn`` (run once first, off the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def graph_kernels(graph, reps: int = 5) -> dict:
     """Every device activity of one replay of ``graph`` (kernels, memsets, copies): name ->
     median device us over ``reps`` replays, from the torch profiler."""
@@ -227,6 +213,7 @@ def service_graph(problem, bucket, check=None):
 
 def run_case(case, problem, old_check) -> dict:
     import bench_kernels as bk
+    from bench_moe import capture
     from moegemm.kernels import triton_kernel as tk
 
     dev = bk.DEV
@@ -241,7 +228,7 @@ def run_case(case, problem, old_check) -> dict:
     public = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
     tk.run(*problem, public)
     us["public"] = bk.time_us(lambda: tk.run(*problem, public))
-    us["public_1"] = bk.time_replays_us(capture_one(lambda: tk.run(*problem, public)))
+    us["public_1"] = bk.time_replays_us(capture(lambda: tk.run(*problem, public)))
     torch.cuda.synchronize()
 
     pool, bufs, family, graph = service_graph(problem, bucket)
