@@ -1,5 +1,6 @@
 #!/bin/bash
-# The ninth session's device calls. Stages, each run when its time limit is set (carry .whl):
+# The eighth and ninth sessions' device calls (the eighth's ran as device_session8.sh, these stages less
+# TILE_S and TRACE_S). Stages, each run when its time limit is set (carry .whl):
 #   TESTS_S  GPU tests ($TESTS, pytest-xdist workers, one file each)      -> gpu_tests.log
 #   SERV_S   bench_service.py quick points, default server                -> service.json
 #   OVH_S    overhead_gpu.py: a lone call's batch, host-side variants       -> overhead_gpu.json
