@@ -1,7 +1,7 @@
 #!/bin/bash
 # The eighth and ninth sessions' device calls (the eighth's ran as device_session8.sh, these stages less
 # TILE_S and TRACE_S). Stages, each run when its time limit is set (carry .whl):
-#   TESTS_S  GPU tests ($TESTS, pytest-xdist workers, one file each)      -> gpu_tests.log
+#   TESTS_S  GPU tests ($TESTS, pytest-xdist workers, one file each; MARK, default "not slow") -> gpu_tests.log
 #   SERV_S   bench_service.py quick points, default server                -> service.json
 #   OVH_S    overhead_gpu.py: a lone call's batch, host-side variants       -> overhead_gpu.json
 #   PROF_S   profile_moe.py ($PROF_MODELS, $PROF_TOKENS)                     -> moe_steps.json
@@ -10,7 +10,7 @@
 #   KERN_S   bench_kernels.py, seed + real through the service graph, peers  -> kernels.json
 source bench/device_env.sh
 if [ -n "$TESTS_S" ]; then
-  timeout -k 5 $TESTS_S python3 -P -m pytest -q -p no:cacheprovider -m "not slow" --timeout 200 -rfE \
+  timeout -k 5 $TESTS_S python3 -P -m pytest -q -p no:cacheprovider -m "${MARK:-not slow}" --timeout ${TEST_TIMEOUT:-200} -rfE \
     --durations=5 -n ${WORKERS:-6} --dist loadfile $TESTS > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$? $(el)"; tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
 fi
