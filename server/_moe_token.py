@@ -11,7 +11,7 @@
 | `h`           | `[k, 2I]`  | float32   | out of the up kernel: slot j's `x @ w13[e_j]^T`, the grouped path's `h` row |
 | `parts`       | `[k, H]`   | float32   | workspace: slot j's `y` (rounded to bf16) |
 | `counts`      | `[H/64]`   | int32     | zero, and left zero: the down kernel's arrival counters |
-| `q`, `qs`     | `[P, K]`, `[P, K/128]` | fp8, float32 | scratch: each of a kernel's ``P`` programs' quantized row (K = H up, I down) |
+| `q`, `qs`     | `[P, K]`, `[P, K/128]` | fp8, float32 | scratch: each of a kernel's ``P`` tile programs' quantized row (K = H up, I down) |
 | `out`         | `[1, H]`   | bf16      | `sum_j weights[j] * y_j` |
 | `x_flags`, `route_flags` | `[1]` | int8 | the token's NaN/Inf (and bad scale) flags, its routing flag (SPEC 2.2) |
 
