@@ -2,6 +2,7 @@
 
     python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
     python bench/sm90_compile.py --gluon          # the Gluon schedule in every form (_gluon_gemm)
+    python bench/sm90_compile.py --moe-token      # the one-token moe kernels (server/_moe_token)
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
 serialisation warnings (C7514/C7515, which mean the tensor cores wait for
@@ -124,6 +125,46 @@ def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False, out: str
     return info
 
 
+def moe_token_report(G: int, H: int, I: int, k: int, fp8_in: bool) -> list[dict]:
+    """The one-token moe kernels (``server/_moe_token.py``) compiled as ``moe_token`` launches
+    them for a top-``k`` token of a (G, H, I) set: the up kernel, and with a bf16 token the
+    down kernel; registers, spills, shared memory and the stages the rule gave."""
+    import triton
+    from moegemm.kernels._triton_act import _FORMAT
+    from moegemm.server import _moe_token as mt
+
+    bias, min_normal, sub_scale = _FORMAT[False]
+    common = {"FNUZ": False, "BIAS": bias, "MIN_NORMAL": min_normal, "SUB_SCALE": sub_scale,
+              "EVICT_W": "evict_first", "INTERPRETED": False}
+    token = "*fp8e4nv" if fp8_in else "*bf16"
+    up = ({"x_ptr": token, "xs_ptr": "*fp32" if fp8_in else token, "ids_ptr": "*i32", "wide_ptr": "*i64",
+           "wts_ptr": "*fp32", "tokens_ptr": "*i64", "table_ptr": "*i64", "h_ptr": "*fp32",
+           "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "x_flags_ptr": "*i8", "route_flags_ptr": "*i8",
+           "FP8_MAX": "fp32"}, 2 * I, H)
+    down = ({"h_ptr": "*fp32", "ids_ptr": "*i32", "wide_ptr": "*i64", "wts_ptr": "*fp32",
+             "table_ptr": "*i64", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "parts_ptr": "*fp32",
+             "counts_ptr": "*i32", "out_ptr": "*bf16", "FP8_MAX": "fp32"}, H, I)
+    found = []
+    for fn, (sig, n, kk) in ((mt._up_kernel, up), (mt._down_kernel, down))[:1 if fp8_in else 2]:
+        bm, split, pair = mt._gemm_tile(k, n, kk, G, None)
+        bn, warps = mt.weight_tile(k, n)
+        programs = k * (n // bn) + (1 if fn is mt._up_kernel else 0)
+        stages = mt.pipeline_stages(programs, bn, bm, kk // 128)
+        consts = {"G": G, "TOP_K": k, "BLOCK_N": bn, "BLOCK_M": bm, "SPLIT_K": split, "PAIR": pair,
+                  **common}
+        if fn is mt._up_kernel:
+            consts.update(H=H, N=2 * I, KP=triton.next_power_of_2(k), FP8_IN=fp8_in)
+        else:
+            consts.update(H=H, I=I)
+        sig = {a: sig[a] for a in fn.arg_names if a in sig}
+        kernel = compile_sm90(fn, sig, consts, {"num_warps": warps, "num_stages": stages,
+                                                "enable_fp_fusion": False},
+                              [a for a, t in sig.items() if t.startswith("*")])
+        found.append({"kernel": fn.__name__, "rows": bn, "warps": warps, "stages": stages,
+                      "split_k": split, "smem": kernel.metadata.shared, **ptxas_report(kernel)})
+    return found
+
+
 GLUON_FORMS = [(addrs, service, out) for addrs, service in ((False, False), (True, False), (True, True))
                for out in ("bf16", "fp32")]
 """Every form a launch of ``gluon_ws`` takes: plain pointers, the weights by address (ADDRS), the
@@ -135,8 +176,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--addresses", action="store_true", help="the weights by address (the server's graphs)")
     parser.add_argument("--gluon", action="store_true", help="the Gluon prefill kernel's variants instead")
+    parser.add_argument("--moe-token", action="store_true", help="the one-token moe kernels instead")
     args = parser.parse_args()
     from moegemm.kernels import triton_kernel as tk
+
+    if args.moe_token:  # Qwen3-30B-A3B, DeepSeek-V3, and the GPU test's split-K set, at top-8 and 1
+        for G, H, I in ((128, 2048, 768), (256, 7168, 2048), (8, 1152, 4224)):
+            for k, fp8_in in ((8, False), (8, True), (1, False)):
+                for row in moe_token_report(G, H, I, k, fp8_in):
+                    print(f"G{G} H{H} I{I} top-{k} {'fp8' if fp8_in else 'bf16'}", row, flush=True)
+        return
 
     if args.gluon:
         for m, n, k, g in ((65536, 4096, 7168, 256), (16384, 7168, 2048, 384), (8192, 16384, 5120, 128)):

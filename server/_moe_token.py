@@ -11,7 +11,7 @@
 | `h`           | `[k, 2I]`  | float32   | out of the up kernel: slot j's `x @ w13[e_j]^T`, the grouped path's `h` row |
 | `parts`       | `[k, H]`   | float32   | workspace: slot j's `y` (rounded to bf16) |
 | `counts`      | `[H/64]`   | int32     | zero, and left zero: the down kernel's arrival counters |
-| `q`, `qs`     | `[P, K]`, `[P, K/128]` | fp8, float32 | scratch: each of a kernel's ``P`` programs' quantized row (K = H up, I down) |
+| `q`, `qs`     | `[P, K]`, `[P, K/128]` | fp8, float32 | scratch: each of a kernel's ``P`` tile programs' quantized row (K = H up, I down) |
 | `out`         | `[1, H]`   | bf16      | `sum_j weights[j] * y_j` |
 | `x_flags`, `route_flags` | `[1]` | int8 | the token's NaN/Inf (and bad scale) flags, its routing flag (SPEC 2.2) |
 
@@ -21,12 +21,13 @@ grouped GEMMs, and that row is the token itself. There is nothing to sort,
 gather or scatter; expert ``e_j``'s weights are read once, by the programs of
 slot ``j``. (From two tokens an expert may get several rows: the grouped path.)
 
-- **up** (grid: slot ``j`` x tiles of ``2I``): each program reads its slot's id
-  (a bad id reads expert 0: nothing out of bounds, and the flags refuse the
-  call), quantizes the token's bf16 blocks as ``quantize_row`` does into its own
-  scratch row (fp8 tokens: read as given) and computes its tile of ``h[j]``.
-  Program (0, 0) writes the token's flags and the routing flags
-  (``_check_tokens``, the routing kernel's check).
+- **up** (grid: 1 + slot ``j`` x tiles of ``2I``): program 0 writes the token's
+  flags and the routing flags (``_check_tokens``, the routing kernel's check), a
+  program of its own so that no tile carries it on its tail. Each other program
+  reads its slot's id (a bad id reads expert 0: nothing out of bounds, and the
+  flags refuse the call), quantizes the token's bf16 blocks as ``quantize_row``
+  does into its own scratch row (fp8 tokens: read as given) and computes its
+  tile of ``h[j]``.
 - **down + combine** (grid: tiles of ``H`` x slot ``j``): each program computes
   SiLU(gate) * up and its fp8 blocks from ``h[j]`` as ``_silu_mul_quant_kernel``
   does (into its scratch row), multiplies by ``w2[e_j]``, rounds ``y_j`` to bf16
@@ -39,7 +40,12 @@ slot ``j``. (From two tokens an expert may get several rows: the grouped path.)
 The quantization runs once per program before its K loop (a reduction and IEEE
 divisions on every block's way to the tensor cores would lengthen each
 iteration), so the loop is the decode GEMM's: the operand's and the weights'
-loads, the dot, the promotion.
+loads, the dot, the promotion. The loop waits on memory only for its copies:
+the scales of every block are loaded before it (the weights' at the program's
+head, beside the id), and up to 6 blocks are in flight (``pipeline_stages``).
+At one token every program streams its whole tile after its prologue, so the
+head of a program is kept to one round trip before its weights' address is
+known (``_slot_expert``).
 
 **Bit for bit the grouped path.** A merged launch (several calls in a bucket of
 2+ tokens) runs the grouped path; a lone call must get the same bits
@@ -74,11 +80,14 @@ from moegemm.kernels._triton_gemm import _weights
 from moegemm.kernels.quant import BLOCK, fp8_max
 from moegemm.kernels.triton_kernel import default_config
 
-from ._moe_route import _FLT_MAX, _check_tokens, _expert_of
+from ._moe_route import _FLT_MAX, _check_tokens
 
 # The H200's multiprocessors: a kernel's weight tile is 128 rows where that still gives
 # every SM a program, else 64 (a 128-row tile keeps more loads in flight per program).
 _SMS = 132
+# Shared memory an SM gives the pipeline stages of the programs it holds (of its 227 KiB):
+# more stages only while every program of the grid still fits at once.
+_STAGES_SMEM = 200 * 1024
 
 
 # A split's K blocks, as ``_k_range`` gives them: [lo, hi). Constexpr functions, not
@@ -97,6 +106,11 @@ def _split_hi(s, per, kb):
 def _pair_tail(s, per, kb, pair):
     """1 where ``decode_pair`` ends split ``s`` on an odd block paired with itself."""
     return (_split_hi(s, per, kb) - _split_lo(s, per, kb)) % 2 if pair else 0
+
+
+@triton.constexpr_function
+def _pow2(n):
+    return triton.next_power_of_2(n)
 
 
 @triton.constexpr_function
@@ -148,7 +162,16 @@ def _x_flags(x_ptr, xs_ptr, KB: tl.constexpr, FP8_IN: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, WS_STEP: tl.constexpr, KB: tl.constexpr,
+def _w_scales(ws_ptr, WS_STEP: tl.constexpr, KB: tl.constexpr):
+    """The weight tile's scales of every K block (``ws_ptr``: K block 0's, ``WS_STEP`` apart),
+    ``[next_power_of_2(KB)]`` float32 (0 past ``KB``). Loaded at the head of a program, so
+    their round trip overlaps its prologue (:func:`_row_tile` says why)."""
+    blk = tl.arange(0, _pow2(KB))
+    return tl.load(ws_ptr + blk * WS_STEP, mask=blk < KB, other=0.0)
+
+
+@triton.jit
+def _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, ws_all, WS_STEP: tl.constexpr, KB: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
               PAIR: tl.constexpr, EVICT_W: tl.constexpr):
     """One weight tile times the fp8 row at ``a_ptr`` (scales at ``as_ptr``), as the decode
@@ -157,23 +180,33 @@ def _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, WS_STEP: tl.constexpr, KB: tl.const
     float32 unrounded.
 
     ``w_ptrs``: the tile's first K block ``[BLOCK_N, 128]``; ``ws_ptr``: its weight-scale
-    column at K block 0 (``WS_STEP`` apart per block). ``_k_range``'s splits, each summed
-    from zero, added in split order (``_split_k_finish``); within a split ``acc =
-    fma(dot, x_scale * w_scale, acc)`` block by block (``decode_kernel``; ``decode_pair``
-    the same, its odd last block paired with itself scaled by ``x_scale * (w_scale * 0)``)."""
+    column at K block 0 (``WS_STEP`` apart per block), ``ws_all`` those scales
+    (:func:`_w_scales`). ``_k_range``'s splits, each summed from zero, added in split order
+    (``_split_k_finish``); within a split ``acc = fma(dot, x_scale * w_scale, acc)`` block
+    by block (``decode_kernel``; ``decode_pair`` the same, its odd last block paired with
+    itself scaled by ``x_scale * (w_scale * 0)``).
+
+    The products ``x_scale * w_scale`` of every block are taken before the loop (the same
+    float32 products) and block ``kb``'s picked out in the loop as its sum with zeros: the
+    product's bits, or ``+0.0`` for ``-0.0``, which changes no ``fma`` here (``acc`` starts
+    at ``+0.0`` and an fma gives ``-0.0`` only from ``-0.0``, so it is never ``-0.0``, and
+    ``d * (+-0) + acc`` is then the same for either sign; ``d`` infinite or NaN gives NaN
+    either way). No load is left on the loop's path (a scale load per block, each a round
+    trip that the next blocks' copies queued behind, was the loop's pace)."""
     PER: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
     rows = tl.arange(0, BLOCK_M)
     a_ptrs = a_ptr + rows[:, None] * 0 + tl.arange(0, 128)[None, :]
     as_ptrs = as_ptr + rows * 0
+    blk = tl.arange(0, _pow2(KB))
+    scales = tl.load(as_ptr + blk, mask=blk < KB, other=0.0) * ws_all
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(_split_lo(s, PER, KB), _split_hi(s, PER, KB) - _pair_tail(s, PER, KB, PAIR)):
             a = tl.load(a_ptrs + kb * 128)
             w = tl.load(w_ptrs + kb * 128, eviction_policy=EVICT_W)
-            xs = tl.load(as_ptrs + kb)
-            ws = tl.load(ws_ptr + kb * WS_STEP)
-            acc = tl.fma(tl.dot(w, tl.trans(a)), (xs * ws)[None, :], acc)
+            scale = tl.sum(tl.where(blk == kb, scales, 0.0), axis=0)
+            acc = tl.fma(tl.dot(w, tl.trans(a)), scale, acc)
         if _pair_tail(s, PER, KB, PAIR) == 1:
             last = _split_hi(s, PER, KB) - 1
             a = tl.load(a_ptrs + last * 128)
@@ -191,9 +224,16 @@ def _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, WS_STEP: tl.constexpr, KB: tl.const
 
 
 @triton.jit
-def _slot_expert(ids_ptr, j, wide, G: tl.constexpr):
-    """Slot ``j``'s expert as int64; a bad id (refused by the routing flag) reads expert 0."""
-    e = _expert_of(ids_ptr, j, j >= 0, wide)
+def _slot_expert(ids_ptr, wide_ptr, j, G: tl.constexpr):
+    """Slot ``j``'s expert as int64, as ``_moe_route._expert_of`` reads it; a bad id (refused by the
+    routing flag) reads expert 0. Both readings of the words are loaded beside ``wide``
+    (``ids`` holds 2k words either way), so the weights' address waits on one round trip
+    to memory, not on ``wide`` and then the id (two, at the head of every program)."""
+    wide = tl.load(wide_ptr)
+    narrow = tl.load(ids_ptr + j)
+    lo = tl.load(ids_ptr + 2 * j)
+    hi = tl.load(ids_ptr + 2 * j + 1)
+    e = tl.where(wide != 0, tl.where(hi == 0, lo, -1), narrow)
     return tl.where((e >= 0) & (e < G), e, 0).to(tl.int64)
 
 
@@ -224,25 +264,30 @@ def _up_kernel(x_ptr, xs_ptr, ids_ptr, wide_ptr, wts_ptr, tokens_ptr, table_ptr,
                SPLIT_K: tl.constexpr, PAIR: tl.constexpr, FP8_IN: tl.constexpr,
                EVICT_W: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
                MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
-    j = tl.program_id(0)
-    tile = tl.program_id(1)
-    wide = tl.load(wide_ptr).to(tl.int32)
-    e = _slot_expert(ids_ptr, j, wide, G)
+    pid = tl.program_id(0)
+    if pid == 0:
+        # The token's flags and the routing check in a program of their own (the first to
+        # start), beside the tiles rather than on one tile's tail.
+        tl.store(x_flags_ptr, _x_flags(x_ptr, xs_ptr, H // 128, FP8_IN).to(tl.int8))
+        _check_tokens(ids_ptr, wts_ptr, route_flags_ptr, tl.load(tokens_ptr),
+                      tl.load(wide_ptr).to(tl.int32), 1, G, TOP_K, KP, 1)
+        return
+    TILES: tl.constexpr = N // BLOCK_N
+    j = (pid - 1) // TILES
+    tile = (pid - 1) % TILES
+    e = _slot_expert(ids_ptr, wide_ptr, j, G)
     offs_n, w_ptrs, ws_ptr = _weight_tile(table_ptr, e, tile, N, H, BLOCK_N)
+    ws_all = _w_scales(ws_ptr, N // 128, H // 128)
     if FP8_IN:
         a_ptr, as_ptr = x_ptr, xs_ptr
     else:  # each program quantizes the token into its own rows of q and qs
-        pid = (j * tl.num_programs(1) + tile).to(tl.int64)
-        a_ptr, as_ptr = q_ptr + pid * H, qs_ptr + pid * (H // 128)
+        row = (pid - 1).to(tl.int64)
+        a_ptr, as_ptr = q_ptr + row * H, qs_ptr + row * (H // 128)
         _quantize_into(x_ptr, x_ptr, a_ptr, as_ptr, FP8_MAX, H // 128, False, FNUZ, BIAS,
                        MIN_NORMAL, SUB_SCALE, INTERPRETED)
-    acc = _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, N // 128, H // 128, BLOCK_N, BLOCK_M, SPLIT_K,
-                    PAIR, EVICT_W)
+    acc = _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, ws_all, N // 128, H // 128, BLOCK_N, BLOCK_M,
+                    SPLIT_K, PAIR, EVICT_W)
     _store_column(h_ptr + j * N, offs_n, acc, BLOCK_M)
-    if (j == 0) & (tile == 0):
-        tl.store(x_flags_ptr, _x_flags(x_ptr, xs_ptr, H // 128, FP8_IN).to(tl.int8))
-        _check_tokens(ids_ptr, wts_ptr, route_flags_ptr, tl.load(tokens_ptr), wide, 1, G, TOP_K,
-                      KP, 1)
 
 
 @triton.jit
@@ -254,16 +299,16 @@ def _down_kernel(h_ptr, ids_ptr, wide_ptr, wts_ptr, table_ptr, q_ptr, qs_ptr, pa
                  MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
     tile = tl.program_id(0)
     j = tl.program_id(1)
-    wide = tl.load(wide_ptr).to(tl.int32)
-    e = _slot_expert(ids_ptr, j, wide, G)
+    e = _slot_expert(ids_ptr, wide_ptr, j, G)
     offs_n, w_ptrs, ws_ptr = _weight_tile(table_ptr, e, tile, H, I, BLOCK_N)
+    ws_all = _w_scales(ws_ptr, H // 128, I // 128)
     # Each program activates and quantizes slot j's h row into its own rows of q and qs.
     pid = (tile * TOP_K + j).to(tl.int64)
     a_ptr, as_ptr = q_ptr + pid * I, qs_ptr + pid * (I // 128)
     _quantize_into(h_ptr + j * (2 * I), h_ptr + j * (2 * I) + I, a_ptr, as_ptr, FP8_MAX, I // 128,
                    True, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE, INTERPRETED)
-    acc = _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, H // 128, I // 128, BLOCK_N, BLOCK_M, SPLIT_K,
-                    PAIR, EVICT_W)
+    acc = _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, ws_all, H // 128, I // 128, BLOCK_N, BLOCK_M,
+                    SPLIT_K, PAIR, EVICT_W)
     # y_j as the w2 GEMM stores it (bf16), parked until the tile's last slot arrives.
     _store_column(parts_ptr + j * H, offs_n, _round_to_bf16(acc), BLOCK_M)
     tl.debug_barrier()  # every thread's part is written before one thread announces it
@@ -293,6 +338,20 @@ def weight_tile(top_k: int, n: int) -> tuple[int, int]:
     rows (8 warps, as the decode GEMMs' 128-row tiles) where ``top_k * n / 128`` programs
     still fill the SMs, else 64 (4 warps: one warpgroup)."""
     return (128, 8) if top_k * n // 128 >= _SMS else (64, 4)
+
+
+def pipeline_stages(programs: int, rows: int, token_tile: int, kb: int) -> int:
+    """``num_stages`` of a kernel whose ``programs`` each stream ``kb`` K blocks of ``rows``
+    weight rows (and the ``token_tile`` rows of the operand): the K loop keeps up to 6
+    blocks in flight (``stages - 1``; the grouped decode tile keeps 4, two pairs), as many
+    as the SMs' shared memory holds for every program at once, and at least 2.
+
+    Why: each program's loop waits on memory once per ``stages - 1`` blocks, and at one
+    token a program streams its whole tile (Qwen3-30B: 16 and 6 blocks) after its prologue;
+    more bytes in flight per program is what the grouped GEMM has and this loop had not."""
+    per_sm = -(-programs // _SMS)
+    fit = _STAGES_SMEM // (per_sm * (rows + token_tile) * BLOCK)
+    return max(3, min(kb + 1, 7, fit))
 
 
 def counts_words(H: int) -> int:
@@ -329,14 +388,15 @@ def moe_token(x: torch.Tensor, x_scale: torch.Tensor | None, ids: torch.Tensor,
     dev = x.device
     bm, split, pair = _gemm_tile(k, 2 * I, H, G, dev)
     bn, warps = weight_tile(k, 2 * I)
-    grid = (k, 2 * I // bn)
-    programs = 1 if fp8_in else grid[0] * grid[1]  # (fp8 tokens are read as given)
-    q = torch.empty((programs, H), dtype=fp8, device=dev)
-    qs = torch.empty((programs, H // BLOCK), dtype=torch.float32, device=dev)
-    _up_kernel[grid](
+    tiles = k * (2 * I // bn)  # program 0 checks the token and its routing, 1.. the tiles
+    scratch = 1 if fp8_in else tiles  # (fp8 tokens are read as given)
+    q = torch.empty((scratch, H), dtype=fp8, device=dev)
+    qs = torch.empty((scratch, H // BLOCK), dtype=torch.float32, device=dev)
+    _up_kernel[(tiles + 1,)](
         x, xs, ids, wide, weights, tokens, table13, h, q, qs, x_flags, route_flags, fp8_max(fp8),
         G=G, H=H, N=2 * I, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_M=bm,
-        SPLIT_K=split, PAIR=pair, FP8_IN=fp8_in, num_warps=warps, num_stages=3, **common)
+        SPLIT_K=split, PAIR=pair, FP8_IN=fp8_in, num_warps=warps,
+        num_stages=pipeline_stages(tiles + 1, bn, bm, H // BLOCK), **common)
     bm, split, pair = _gemm_tile(k, H, I, G, dev)
     bn, warps = weight_tile(k, H)
     grid = (H // bn, k)
@@ -345,4 +405,5 @@ def moe_token(x: torch.Tensor, x_scale: torch.Tensor | None, ids: torch.Tensor,
     _down_kernel[grid](
         h, ids, wide, weights, table2, q, qs, parts, counts, out, fp8_max(fp8),
         G=G, H=H, I=I, TOP_K=k, BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=split, PAIR=pair,
-        num_warps=warps, num_stages=3, **common)
+        num_warps=warps, num_stages=pipeline_stages(grid[0] * grid[1], bn, bm, I // BLOCK),
+        **common)

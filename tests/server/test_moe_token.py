@@ -165,3 +165,23 @@ def test_moe_token_kernels_in_the_triton_interpreter():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=False, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_pipeline_stages_keep_every_program_in_shared_memory():
+    """The K loop's stages: up to 6 blocks in flight, never more than the K blocks, and more
+    than the shipped 3 only while every program of the grid fits in the SMs' shared memory at
+    once (a stage is the weight block and the token tile's block)."""
+    pytest.importorskip("triton")
+    from moegemm.server._moe_token import _SMS, _STAGES_SMEM, pipeline_stages
+
+    # Qwen3-30B-A3B t1 (64-row tiles, 193 and 256 programs): the whole w2 K (6 blocks) in
+    # flight; DeepSeek-V3 (128-row tiles): 4 blocks up (257 programs), down stays at 3 (448).
+    assert pipeline_stages(193, 64, 16, 16) == 7 and pipeline_stages(256, 64, 16, 6) == 7
+    assert pipeline_stages(257, 128, 16, 56) == 5 and pipeline_stages(448, 128, 16, 16) == 3
+    for programs in (2, 33, 132, 133, 264, 265, 448, 1000):
+        for rows in (64, 128):
+            for kb in (1, 2, 6, 16, 56):
+                stages = pipeline_stages(programs, rows, 16, kb)
+                assert 3 <= stages <= max(3, min(kb + 1, 7))
+                per_sm = -(-programs // _SMS)
+                assert stages == 3 or per_sm * stages * (rows + 16) * 128 <= _STAGES_SMEM
