@@ -91,7 +91,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
         consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k)
     elif cfg.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=cfg.group_tiles_m, LEAD_TILE=cfg.lead_tile)
-    elif cfg.schedule in ("persistent_tma", "gluon_ws"):
+    elif cfg.schedule == "persistent_tma" or cfg.schedule in tk.GLUON_SCHEDULES:
         sig["work_ptr"] = "*i32"
         divisible.append("work_ptr")
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
@@ -100,7 +100,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     # Keep the kernel's argument order (the signature dict is ordered by the caller).
     order = list(fn.arg_names)
     sig = {a: sig[a] for a in order if a in sig}
-    if cfg.schedule == "gluon_ws":  # launch_plan's options for it
+    if cfg.schedule in tk.GLUON_SCHEDULES:  # launch_plan's options for them
         consts["STAGES"] = cfg.num_stages
         return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "maxnreg": tk._GLUON_MAXNREG},
                             divisible, gluon=True)
