@@ -303,18 +303,26 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
 #
 # - ``gluon_ws_handoff``: the producer, which walks the tiles ahead anyway, hands each tile's
 #   (group, first row, column tile, group end) to the consumers through a small shared-memory
-#   ring guarded by two mbarriers; each consumer issues a K block's first wgmma before it
-#   multiplies that block's scales (the loads' latency under the MMA). The epilogue is gluon_ws's.
+#   ring guarded by two mbarriers, so a consumer starts a tile after one shared-memory read
+#   instead of the search. The K loop and the epilogue are gluon_ws's. (Issuing a block's first
+#   wgmma before its scale product, to put the first scale loads under the MMA, cost 52-136
+#   bytes of spills at 232 registers: not done.)
 # - ``gluon_ws_store``: the handoff, and the epilogue in a partition of its own: each consumer
-#   writes its two 64 x 128 blocks to shared memory (converted to out's type, no layout change)
-#   and goes on to its next tile; two store warps move them to global memory with the masked
-#   stores (and row map) of gluon_ws.
+#   writes its 64 x 256 to shared memory (bf16, straight from the MMA layout: stmatrix, no
+#   layout conversion) and goes on to its next tile; two store warps move it to global memory
+#   with gluon_ws's masked stores (and row map), finding each tile by their own table search.
+#   Rows past the group's end are never written (masked stores, not TMA: a TMA store cannot
+#   stop at a group's end nor follow the row map).
 
 TILE_SLOTS = gl.constexpr(2)  # tiles the producer may publish ahead of the consumers
-HANDOFF_CONSUMER_REGS = gl.constexpr(232)
-HANDOFF_PRODUCER_REGS = gl.constexpr(40)
+# Triton packs the producer warp and the two store warps into one warpgroup (with a padding
+# warp), whose setmaxnreg is the largest request: 8 x 32 x 232 + 4 x 32 x 40 fits MAXNREG's
+# 12 x 32 x 168 as gluon_ws does. 48 would take the default consumer down to 224 registers.
 STORE_REGS = gl.constexpr(40)
-STAGE_PAD_BYTES = gl.constexpr(16)  # after each staged row: rows 16 bytes apart in the banks
+# The staged blocks: 16-byte pieces of a row swizzled by the row (mod 8), so the consumers'
+# stmatrix and the store warps' 16-byte reads meet each bank once per wavefront.
+STAGE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+STAGE_CHUNK = gl.constexpr(8)  # rows the store warps move at a time: one swizzle period
 
 
 @gluon.jit
@@ -392,10 +400,9 @@ def _handoff_load_partition(descs, bufs, tiles_ring, table_ptr, tiles, N, K, G_P
 
 @gluon.jit
 def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr, mma_layout: gl.constexpr):
-    """One consumer's two 64 x 128 sums of a tile (``_mma_partition``'s K loop and its order of
-    operations, so its bits), with each K block's first wgmma issued before the block's scales
-    are multiplied: at a tile's first block the scale loads' latency runs under that wgmma.
-    Returns (columns 0-127, columns 128-255, the ring position after the tile)."""
+    """One consumer's two 64 x 128 sums of a tile: ``_mma_partition``'s K loop, its order of
+    operations, so its bits. Returns (columns 0-127, columns 128-255, the ring position after
+    the tile)."""
     a_bufs, b_bufs, ready, empty = bufs
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROWS: gl.constexpr = a_bufs.type.shape[1] // 2
@@ -549,10 +556,10 @@ def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW
     M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map = scalars
     ROWS: gl.constexpr = stage.type.shape[1]
     COLS: gl.constexpr = stage.type.shape[2]
-    CHUNK: gl.constexpr = 4
-    # The same bytes seen as CHUNK-row pieces (the padding falls after every row either way), so a
-    # run-time loop can walk a block.
-    chunks = stage._reinterpret(stage.dtype, [4 * (ROWS // CHUNK), CHUNK, COLS], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    CHUNK: gl.constexpr = STAGE_CHUNK
+    # The same bytes seen as pieces of CHUNK rows, so a run-time loop can walk a block: a piece
+    # is one whole swizzle period, so the swizzle of its rows is theirs in the block.
+    chunks = stage._reinterpret(stage.dtype, [4 * (ROWS // CHUNK), CHUNK, COLS], STAGE_LAYOUT)
     VEC: gl.constexpr = 16 // (stage.dtype.primitive_bitwidth // 8)  # 16-byte accesses
     LANES_N: gl.constexpr = COLS // VEC
     layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0])
@@ -624,7 +631,7 @@ def gluon_ws_handoff_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, 
         (_handoff_mma_partition, (bufs, tiles_ring, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, BOTTOM,
                                   ROW_MAP)),
         (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
-    ], [4, 1], [HANDOFF_CONSUMER_REGS, HANDOFF_PRODUCER_REGS])
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
@@ -635,18 +642,16 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
                           G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr,
                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
     """``gluon_ws_handoff`` with the epilogue in two store warps (section comment above): each
-    consumer stages its 64 x 256 in shared memory (two 64 x 128 buffers each for bf16; one for
-    float32, whose 128 KB would not fit beside three ring slots) and starts its next tile."""
+    consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB with the three ring slots)
+    and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
+    ``gluon_ws`` instead)."""
     tiles, table, xs_base, ws_base, descs, bufs, tiles_ring = _prologue(
         x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
         BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
     OUT_BYTES: gl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
-    gl.static_assert(OUT_BYTES == 2)  # float32 would need 128 KB of staging (tile_for_out runs gluon_ws)
-    # Row r of a block at r * (256 + 16) bytes: a warp's 8 rows x 16 bytes of one store meet
-    # 8 x 4 different banks, and the store warps read whole rows.
-    stage_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    gl.static_assert(OUT_BYTES == 2)
     # Blocks 2h and 2h + 1: consumer h's columns 0-127 and 128-255.
-    stage = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [4, BLOCK_M // 2, 128], stage_layout)
+    stage = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [4, BLOCK_M // 2, 128], STAGE_LAYOUT)
     staged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     drained = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for h in gl.static_range(2):
@@ -662,4 +667,4 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
         (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, xs_base, ws_base, BOTTOM)),
         (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
         (_store_partition, (staging, table, tiles, scalars, out_ptr, map_ptr, G_POW2, GROUP_TILES_M, ROW_MAP)),
-    ], [4, 1, 2], [HANDOFF_CONSUMER_REGS, HANDOFF_PRODUCER_REGS, STORE_REGS])
+    ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, STORE_REGS])

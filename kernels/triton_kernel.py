@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -315,11 +315,15 @@ def tile_for_out(config: TileConfig, out: torch.Tensor) -> TileConfig:
     128x256 s2 164 KB (115), 128x256 s3 213 KB (164). Warp-specialised tiles over
     ~150 KB wrote NaN into column 0 (bench/NOTES.md v8, v9), the lead tile fixing
     it only where measured (164 KB). The persistent TMA tile is not
-    warp-specialised (checked into float32 on the H200, v12). Both entries apply
+    warp-specialised (checked into float32 on the H200, v12). A ``gluon_ws_store``
+    tile into float32 runs as ``gluon_ws`` (same tile, same sums): its staging would
+    need 128 KB of shared memory beside the 144 KB ring. Both entries apply
     this, so they still launch one tile.
     """
     if out.dtype == torch.float32 and config.schedule == "persistent_ws":
         return FLOAT32_OUT_PREFILL
+    if out.dtype == torch.float32 and config.schedule == "gluon_ws_store":
+        return replace(config, schedule="gluon_ws")
     return config
 
 
