@@ -1,7 +1,7 @@
 """Compile the triton kernel for sm_90 on a machine without a GPU and report what matters.
 
     python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
-    python bench/sm90_compile.py --gluon          # the Gluon schedule in every form (_gluon_gemm)
+    python bench/sm90_compile.py --gluon          # the Gluon schedules (gluon_ws and its variants) in every form
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
 serialisation warnings (C7514/C7515, which mean the tensor cores wait for
@@ -139,11 +139,17 @@ def main() -> None:
     from moegemm.kernels import triton_kernel as tk
 
     if args.gluon:
-        for m, n, k, g in ((65536, 4096, 7168, 256), (16384, 7168, 2048, 384), (8192, 16384, 5120, 128)):
-            cfg = tk.default_config(m, n, k, g)
-            for addrs, service, out in GLUON_FORMS:
-                print(f"m{m} n{n} k{k} g{g} addrs={addrs} service={service} {out}",
-                      report(cfg, m, n, k, g, addrs, service, out), flush=True)
+        for m, n, k, g in ((65536, 4096, 7168, 256), (16384, 7168, 2048, 384), (8192, 16384, 5120, 128),
+                           (65536, 2048, 768, 128)):
+            table = tk.default_config(m, n, k, g)
+            for schedule in tk.GLUON_SCHEDULES:  # gluon_ws and its issue-15 variants, on its tile
+                cfg = tk.TileConfig(schedule, table.block_m, table.block_n, table.num_warps, table.num_stages,
+                                    group_tiles_m=table.group_tiles_m)
+                for addrs, service, out in GLUON_FORMS:
+                    if schedule == "gluon_ws_store" and out == "fp32":
+                        continue  # tile_for_out runs it as gluon_ws
+                    print(f"{schedule} m{m} n{n} k{k} g{g} addrs={addrs} service={service} {out}",
+                          report(cfg, m, n, k, g, addrs, service, out), flush=True)
         return
     import bench_kernels as bk
 
