@@ -382,11 +382,9 @@ def _handoff_load_partition(descs, bufs, tiles_ring, table_ptr, tiles, N, K, G_P
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     it = 0
-    i = 0
     for t in range(pid, tiles, programs):
         group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
-        _publish_tile(tiles_ring, i, group, first_row, tile_n, row_stop)
-        i += 1
+        _publish_tile(tiles_ring, (t - pid) // programs, group, first_row, tile_n, row_stop)
         w_row = group * N + tile_n * BN
         for kb in range(num_kb):
             slot = it % STAGES
@@ -448,8 +446,8 @@ def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stri
 def _handoff_mma_partition(bufs, tiles_ring, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr,
                            HALF: gl.constexpr, ROW_MAP: gl.constexpr):
     """A consumer warpgroup of ``gluon_ws_handoff``: ``_mma_partition`` with the tile from the ring."""
-    a_bufs, b_bufs, ready, empty = bufs
-    M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map = scalars
+    a_bufs, b_bufs, _ready, _empty = bufs
+    M, _N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map = scalars
     BM: gl.constexpr = a_bufs.type.shape[1]
     BN: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -463,10 +461,8 @@ def _handoff_mma_partition(bufs, tiles_ring, tiles, scalars, xs_base, ws_base, o
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     it = 0
-    i = 0
     for t in range(pid, tiles, programs):
-        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
-        i += 1
+        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, (t - pid) // programs)
         rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
                                             HALF, ROWS, BN, row_layout)
         if ROW_MAP:
@@ -501,8 +497,8 @@ def _stage(acc, acc_b, staging, i, HALF: gl.constexpr):
 def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, xs_base, ws_base, HALF: gl.constexpr):
     """A consumer warpgroup of ``gluon_ws_store``: the tile from the ring, its sums staged in shared
     memory for the store warps."""
-    a_bufs, b_bufs, ready, empty = bufs
-    M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map = scalars
+    a_bufs, b_bufs, _ready, _empty = bufs
+    M, _N, K, stride_xsm, stride_wsg, stride_wsk, _stride_om, _stride_map = scalars
     BM: gl.constexpr = a_bufs.type.shape[1]
     BN: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -515,14 +511,13 @@ def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, xs_base, w
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     it = 0
-    i = 0
     for t in range(pid, tiles, programs):
-        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
-        rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
+        i = (t - pid) // programs  # this program's tile count so far
+        group, first_row, tile_n, _row_stop = _take_tile(tiles_ring, i)
+        _rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
                                             HALF, ROWS, BN, row_layout)
         acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
         _stage(acc, acc_b, staging, i, HALF)
-        i += 1
 
 
 @gluon.jit
@@ -553,7 +548,7 @@ def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW
     """The store warps: every staged block of this program's tiles to global memory, in the order
     the consumers stage them; each tile found by its own table search (off the tensor cores' path)."""
     stage, staged, drained = staging
-    M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map = scalars
+    M, N, _K, _stride_xsm, _stride_wsg, _stride_wsk, stride_om, stride_map = scalars
     ROWS: gl.constexpr = stage.type.shape[1]
     COLS: gl.constexpr = stage.type.shape[2]
     CHUNK: gl.constexpr = STAGE_CHUNK
@@ -566,16 +561,15 @@ def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW
     num_n = N // (2 * COLS)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    i = 0
     for t in range(pid, tiles, programs):
-        group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, 2 * ROWS, G_POW2, GROUP_TILES_M)
+        i = (t - pid) // programs
+        _group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, 2 * ROWS, G_POW2, GROUP_TILES_M)
         for h in range(2):  # loops, not unrolled: the store warps have few registers
             mbarrier.wait(staged.index(h), i & 1)
             for c in range(2):
                 _drain(chunks, (2 * h + c) * (ROWS // CHUNK), out_ptr, map_ptr, first_row + h * ROWS,
                        tile_n * (2 * COLS) + c * COLS, row_stop, M, stride_om, stride_map, ROW_MAP, layout, ROWS)
             mbarrier.arrive(drained.index(h), count=1)
-        i += 1
 
 
 @gluon.jit
