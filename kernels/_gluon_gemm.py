@@ -32,6 +32,10 @@ before its scale promotion. Here the roles are explicit:
 The TMA descriptors are made on the device, in the parent region, from the
 base pointers the kernel was given or loaded from the device words (the
 launch needs Triton's global scratch allocator, as ``persistent_tma``'s).
+
+Below ``gluon_ws_kernel``: ``gluon_ws_handoff_kernel`` and ``gluon_ws_store_kernel``,
+issue 15's variants (same arguments, semantics and bits; section comment there),
+launched by ``triton_kernel`` when a ``TileConfig`` names them; the table does not.
 """
 
 from __future__ import annotations
