@@ -1,7 +1,7 @@
 """Compile the triton kernel for sm_90 on a machine without a GPU and report what matters.
 
     python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
-    python bench/sm90_compile.py --gluon          # the Gluon schedule in every form (_gluon_gemm)
+    python bench/sm90_compile.py --gluon          # the Gluon schedules (gluon_ws and its variants) in every form
     python bench/sm90_compile.py --moe-token      # the one-token moe kernels (server/_moe_token)
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
@@ -92,7 +92,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
         consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k)
     elif cfg.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=cfg.group_tiles_m, LEAD_TILE=cfg.lead_tile)
-    elif cfg.schedule in ("persistent_tma", "gluon_ws"):
+    elif cfg.schedule == "persistent_tma" or cfg.schedule in tk.GLUON_SCHEDULES:
         sig["work_ptr"] = "*i32"
         divisible.append("work_ptr")
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
@@ -101,7 +101,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     # Keep the kernel's argument order (the signature dict is ordered by the caller).
     order = list(fn.arg_names)
     sig = {a: sig[a] for a in order if a in sig}
-    if cfg.schedule == "gluon_ws":  # launch_plan's options for it
+    if cfg.schedule in tk.GLUON_SCHEDULES:  # launch_plan's options for them
         consts["STAGES"] = cfg.num_stages
         return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "maxnreg": tk._GLUON_MAXNREG},
                             divisible, gluon=True)
@@ -188,11 +188,17 @@ def main() -> None:
         return
 
     if args.gluon:
-        for m, n, k, g in ((65536, 4096, 7168, 256), (16384, 7168, 2048, 384), (8192, 16384, 5120, 128)):
-            cfg = tk.default_config(m, n, k, g)
-            for addrs, service, out in GLUON_FORMS:
-                print(f"m{m} n{n} k{k} g{g} addrs={addrs} service={service} {out}",
-                      report(cfg, m, n, k, g, addrs, service, out), flush=True)
+        for m, n, k, g in ((65536, 4096, 7168, 256), (16384, 7168, 2048, 384), (8192, 16384, 5120, 128),
+                           (65536, 2048, 768, 128)):
+            table = tk.default_config(m, n, k, g)
+            for schedule in tk.GLUON_SCHEDULES:  # gluon_ws and its issue-15 variants, on its tile
+                cfg = tk.TileConfig(schedule, table.block_m, table.block_n, table.num_warps, table.num_stages,
+                                    group_tiles_m=table.group_tiles_m)
+                for addrs, service, out in GLUON_FORMS:
+                    if schedule == "gluon_ws_store" and out == "fp32":
+                        continue  # tile_for_out runs it as gluon_ws
+                    print(f"{schedule} m{m} n{n} k{k} g{g} addrs={addrs} service={service} {out}",
+                          report(cfg, m, n, k, g, addrs, service, out), flush=True)
         return
     import bench_kernels as bk
 

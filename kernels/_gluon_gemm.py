@@ -32,6 +32,10 @@ before its scale promotion. Here the roles are explicit:
 The TMA descriptors are made on the device, in the parent region, from the
 base pointers the kernel was given or loaded from the device words (the
 launch needs Triton's global scratch allocator, as ``persistent_tma``'s).
+
+Below ``gluon_ws_kernel``: ``gluon_ws_handoff_kernel`` and ``gluon_ws_store_kernel``,
+issue 15's variants (same arguments, semantics and bits; section comment there),
+launched by ``triton_kernel`` when a ``TileConfig`` names them; the table does not.
 """
 
 from __future__ import annotations
@@ -291,3 +295,375 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
                           GROUP_TILES_M, ROW_MAP)),
         (_load_partition, ((x_desc, w_desc), bufs, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---- issue 15: the tile's fixed cost off the tensor cores' path ---------------------------------
+#
+# ``gluon_ws`` pays per tile, with the tensor cores idle: the consumers' own table search
+# (O(log G) dependent global loads), the first K block's scale loads before its first wgmma,
+# and the epilogue (both warpgroups convert and store 64 x 256 while no wgmma is issued). A fit
+# over v17's Gluon cases: ~7.86 ns x K + 1.75 us a tile. Two variants with gluon_ws's arguments,
+# semantics and accumulation order (so its bits):
+#
+# - ``gluon_ws_handoff``: the producer, which walks the tiles ahead anyway, hands each tile's
+#   (group, first row, column tile, group end) to the consumers through a small shared-memory
+#   ring guarded by two mbarriers, so a consumer starts a tile after one shared-memory read
+#   instead of the search. The K loop and the epilogue are gluon_ws's. (Issuing a block's first
+#   wgmma before its scale product, to put the first scale loads under the MMA, cost 52-136
+#   bytes of spills at 232 registers: not done.)
+# - ``gluon_ws_store``: the handoff, and the epilogue in a partition of its own: each consumer
+#   writes its 64 x 256 to shared memory (bf16, straight from the MMA layout: stmatrix, no
+#   layout conversion) and goes on to its next tile; two store warps move it to global memory
+#   with gluon_ws's masked stores (and row map), finding each tile by their own table search.
+#   Rows past the group's end are never written (masked stores, not TMA: a TMA store cannot
+#   stop at a group's end nor follow the row map).
+
+TILE_SLOTS = gl.constexpr(2)  # tiles the producer may publish ahead of the consumers
+# Triton packs the producer warp and the two store warps into one warpgroup (with a padding
+# warp), whose setmaxnreg is the largest request: 8 x 32 x 232 + 4 x 32 x 40 fits MAXNREG's
+# 12 x 32 x 168 as gluon_ws does. 48 would take the default consumer down to 224 registers.
+STORE_REGS = gl.constexpr(40)
+# The staged blocks: 16-byte pieces of a row swizzled by the row (mod 8), so the consumers'
+# stmatrix and the store warps' 16-byte reads meet each bank once per wavefront.
+STAGE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+STAGE_CHUNK = gl.constexpr(8)  # rows the store warps move at a time: one swizzle period
+
+
+@gluon.jit
+def _publish_tile(tiles_ring, i, group, first_row, tile_n, row_stop):
+    """The producer: post this program's ``i``-th tile in the ring, once both consumers took the
+    tile that used the slot before."""
+    info, posted, taken = tiles_ring
+    SLOTS: gl.constexpr = info.type.shape[0]
+    slot = i % SLOTS
+    mbarrier.wait(taken.index(slot), ((i // SLOTS) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])  # every lane holds the four fields
+    field = gl.arange(0, 4, layout=layout)
+    info.index(slot).store(gl.where(field == 0, group,
+                                    gl.where(field == 1, first_row, gl.where(field == 2, tile_n, row_stop))))
+    # The arrive releases the stores above (the lowering syncs the warp first).
+    mbarrier.arrive(posted.index(slot), count=1)
+
+
+@gluon.jit
+def _field(values, field, which: gl.constexpr):
+    """One field of the four a thread holds (a reduction within the thread: no shuffles)."""
+    return gl.sum(gl.where(field == which, values, 0), axis=0)
+
+
+@gluon.jit
+def _take_tile(tiles_ring, i):
+    """A consumer: this program's ``i``-th tile from the ring (group, first row, column tile,
+    group end row); the slot is given back as soon as the fields are in registers."""
+    info, posted, taken = tiles_ring
+    SLOTS: gl.constexpr = info.type.shape[0]
+    slot = i % SLOTS
+    mbarrier.wait(posted.index(slot), (i // SLOTS) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    values = info.index(slot).load(layout)
+    field = gl.arange(0, 4, layout=layout)
+    group = _field(values, field, 0)
+    first_row = _field(values, field, 1)
+    tile_n = _field(values, field, 2)
+    row_stop = _field(values, field, 3)
+    mbarrier.arrive(taken.index(slot), count=1)
+    return group, first_row, tile_n, row_stop
+
+
+@gluon.jit
+def _handoff_load_partition(descs, bufs, tiles_ring, table_ptr, tiles, N, K, G_POW2: gl.constexpr,
+                            GROUP_TILES_M: gl.constexpr):
+    """The producer warp: ``_load_partition``, and each tile's coordinates posted to the consumers
+    before its first K block is asked for."""
+    x_desc, w_desc = descs
+    a_bufs, b_bufs, ready, empty = bufs
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    num_n = N // BN
+    num_kb = K // BK
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    it = 0
+    for t in range(pid, tiles, programs):
+        group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
+        _publish_tile(tiles_ring, (t - pid) // programs, group, first_row, tile_n, row_stop)
+        w_row = group * N + tile_n * BN
+        for kb in range(num_kb):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [first_row, kb * BK], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, b_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr, mma_layout: gl.constexpr):
+    """One consumer's two 64 x 128 sums of a tile: ``_mma_partition``'s K loop, its order of
+    operations, so its bits. Returns (columns 0-127, columns 128-255, the ring position after
+    the tile)."""
+    a_bufs, b_bufs, ready, empty = bufs
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    ROWS: gl.constexpr = a_bufs.type.shape[1] // 2
+    # A wgmma reads its accumulator operand even when told to ignore it: a part made per tile
+    # keeps its registers dead between tiles (the epilogue needs the room).
+    p0 = gl.zeros([ROWS, 128], gl.float32, mma_layout)
+    acc = gl.zeros([ROWS, 128], gl.float32, mma_layout)
+    acc_b = gl.zeros([ROWS, 128], gl.float32, mma_layout)
+    sx = gl.load(xs_row)
+    sw = gl.load(ws_col)
+    sw_b = gl.load(ws_col + 1)
+    for kb in range(num_kb):
+        s = sx * sw
+        s_b = sx * sw_b
+        kn = gl.minimum(kb + 1, num_kb - 1)
+        sx = gl.load(xs_row + kn)
+        sw = gl.load(ws_col + kn * stride_wsk)
+        sw_b = gl.load(ws_col + 1 + kn * stride_wsk)
+        slot = _ready(ready, it, STAGES)
+        p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 0)
+        p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
+        acc = acc + p0 * s[:, None]
+        p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 1)
+        p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
+        mbarrier.arrive(empty.index(slot), count=1)
+        acc_b = acc_b + p0 * s_b[:, None]
+        it += 1
+    return acc, acc_b, it
+
+
+@gluon.jit
+def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg, HALF: gl.constexpr,
+                 ROWS: gl.constexpr, BN: gl.constexpr, row_layout: gl.constexpr):
+    """This consumer's rows of the tile, their activation-scale rows and the weight-scale column
+    pointer (per thread: see ``_mma_partition`` on the uniform-register stall)."""
+    rows = first_row + HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)
+    xs_row = xs_base + gl.minimum(rows, M - 1).to(gl.int64) * stride_xsm
+    ws_col = (ws_base + group.to(gl.int64) * stride_wsg + tile_n * (BN // 128) + gl.where(rows < 0, rows, 0))
+    return rows, xs_row, ws_col
+
+
+@gluon.jit
+def _handoff_mma_partition(bufs, tiles_ring, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr,
+                           HALF: gl.constexpr, ROW_MAP: gl.constexpr):
+    """A consumer warpgroup of ``gluon_ws_handoff``: ``_mma_partition`` with the tile from the ring."""
+    a_bufs, b_bufs, _ready, _empty = bufs
+    M, _N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map = scalars
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    ROWS: gl.constexpr = BM // 2
+    gl.static_assert(BN == 256)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 128, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    num_kb = K // BK
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    it = 0
+    for t in range(pid, tiles, programs):
+        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, (t - pid) // programs)
+        rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
+                                            HALF, ROWS, BN, row_layout)
+        if ROW_MAP:
+            dest = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map)
+        else:
+            dest = rows
+        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
+        top = first_row + HALF * ROWS
+        _store(_pinned(acc_b), out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
+        _store(_pinned(acc), out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
+
+
+@gluon.jit
+def _pinned(x):
+    """``x`` through an opaque move (the same bits), so LLVM cannot order the K loop's promotions
+    after how the epilogue reads the sums: read by the staging stores, it reordered them and
+    ptxas spilled the accumulators (gluon_ws_store: 850-900 bytes, 12 with this)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _stage(acc, acc_b, staging, i, HALF: gl.constexpr):
+    """A consumer's two 64 x 128 sums of its ``i``-th tile into its staging buffers, once the store
+    warps have drained the tile before."""
+    stage, staged, drained = staging
+    mbarrier.wait(drained.index(HALF), (i & 1) ^ 1)
+    stage.index(2 * HALF + 1).store(_pinned(acc_b).to(stage.dtype))
+    stage.index(2 * HALF).store(_pinned(acc).to(stage.dtype))
+    mbarrier.arrive(staged.index(HALF), count=1)  # after a warpgroup sync: every thread's stores are in
+
+
+@gluon.jit
+def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, xs_base, ws_base, HALF: gl.constexpr):
+    """A consumer warpgroup of ``gluon_ws_store``: the tile from the ring, its sums staged in shared
+    memory for the store warps."""
+    a_bufs, b_bufs, _ready, _empty = bufs
+    M, _N, K, stride_xsm, stride_wsg, stride_wsk, _stride_om, _stride_map = scalars
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    ROWS: gl.constexpr = BM // 2
+    gl.static_assert(BN == 256)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 128, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    num_kb = K // BK
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    it = 0
+    for t in range(pid, tiles, programs):
+        i = (t - pid) // programs  # this program's tile count so far
+        group, first_row, tile_n, _row_stop = _take_tile(tiles_ring, i)
+        _rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
+                                            HALF, ROWS, BN, row_layout)
+        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
+        _stage(acc, acc_b, staging, i, HALF)
+
+
+@gluon.jit
+def _drain(chunks, first, out_ptr, map_ptr, top, col, row_stop, M, stride_om, stride_map, ROW_MAP: gl.constexpr,
+           layout: gl.constexpr, ROWS: gl.constexpr):
+    """Store a staged 64 x 128 block (``chunks[first:]``, CHUNK rows each) at (top, col), only the
+    rows before ``row_stop``; ``ROW_MAP``: row r at ``out[map[r]]``."""
+    CHUNK: gl.constexpr = chunks.type.shape[1]
+    COLS: gl.constexpr = chunks.type.shape[2]
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    # Only the chunks holding rows of the group; a run-time trip count also keeps the loop rolled
+    # (unrolled, ptxas would keep every chunk's addresses in the store warps' few registers).
+    live = gl.minimum(gl.maximum(row_stop - top, 0), ROWS)
+    for c in range((live + CHUNK - 1) // CHUNK):
+        rows = top + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+        inside = rows < row_stop
+        if ROW_MAP:
+            dest = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map, mask=inside, other=0)
+        else:
+            dest = rows.to(gl.int64)
+        vals = chunks.index(first + c).load(layout)
+        gl.store((out_ptr + col) + dest[:, None] * stride_om + cols[None, :], vals, mask=inside[:, None])
+
+
+@gluon.jit
+def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW2: gl.constexpr,
+                     GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr):
+    """The store warps: every staged block of this program's tiles to global memory, in the order
+    the consumers stage them; each tile found by its own table search (off the tensor cores' path)."""
+    stage, staged, drained = staging
+    M, N, _K, _stride_xsm, _stride_wsg, _stride_wsk, stride_om, stride_map = scalars
+    ROWS: gl.constexpr = stage.type.shape[1]
+    COLS: gl.constexpr = stage.type.shape[2]
+    CHUNK: gl.constexpr = STAGE_CHUNK
+    # The same bytes seen as pieces of CHUNK rows, so a run-time loop can walk a block: a piece
+    # is one whole swizzle period, so the swizzle of its rows is theirs in the block.
+    chunks = stage._reinterpret(stage.dtype, [4 * (ROWS // CHUNK), CHUNK, COLS], STAGE_LAYOUT)
+    VEC: gl.constexpr = 16 // (stage.dtype.primitive_bitwidth // 8)  # 16-byte accesses
+    LANES_N: gl.constexpr = COLS // VEC
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0])
+    num_n = N // (2 * COLS)
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    for t in range(pid, tiles, programs):
+        i = (t - pid) // programs
+        _group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, 2 * ROWS, G_POW2, GROUP_TILES_M)
+        for h in range(2):  # loops, not unrolled: the store warps have few registers
+            mbarrier.wait(staged.index(h), i & 1)
+            for c in range(2):
+                _drain(chunks, (2 * h + c) * (ROWS // CHUNK), out_ptr, map_ptr, first_row + h * ROWS,
+                       tile_n * (2 * COLS) + c * COLS, row_stop, M, stride_om, stride_map, ROW_MAP, layout, ROWS)
+            mbarrier.arrive(drained.index(h), count=1)
+
+
+@gluon.jit
+def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G_POW2: gl.constexpr,
+              STAGES: gl.constexpr, ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
+    """What every gluon_ws variant sets up before it forks: the tile table, the bases, the two
+    descriptors, the ring (its slots and ready/empty barriers) and the tile ring."""
+    gl.static_assert(BLOCK_M == 128 and BLOCK_K == 128)
+    pid = gl.program_id(0)
+    table = work_ptr + pid * (3 * G_POW2)
+    tiles = _tile_table(m_sizes_ptr, M, G, N // BLOCK_N, table, BLOCK_M, G_POW2, gl.num_warps())
+    w_base, ws_base = _bases(w_ptr, ws_ptr, ADDRS)
+    x_base, xs_base = _bases(x_ptr, xs_ptr, X_WORDS)
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    x_desc = tma.make_tensor_descriptor(x_base, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K], smem_layout)
+    w_desc = tma.make_tensor_descriptor(w_base, [G * N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K], smem_layout)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], smem_layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], smem_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    info = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    posted = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    taken = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(TILE_SLOTS):
+        mbarrier.init(posted.index(s), count=1)
+        mbarrier.init(taken.index(s), count=2)
+    return tiles, table, xs_base, ws_base, (x_desc, w_desc), (a_bufs, b_bufs, ready, empty), (info, posted, taken)
+
+
+@gluon.jit
+def gluon_ws_handoff_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
+                            M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk,
+                            stride_om, stride_map,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                            G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr,
+                            ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
+    """``gluon_ws`` with the tile coordinates handed from the producer to the consumers (section
+    comment above); same arguments, semantics and bits."""
+    tiles, table, xs_base, ws_base, descs, bufs, tiles_ring = _prologue(
+        x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
+        BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
+    fence_async_shared()
+    scalars = (M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map)
+    TOP: gl.constexpr = 0
+    BOTTOM: gl.constexpr = 1
+    gl.warp_specialize([
+        (_handoff_mma_partition, (bufs, tiles_ring, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, TOP,
+                                  ROW_MAP)),
+        (_handoff_mma_partition, (bufs, tiles_ring, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, BOTTOM,
+                                  ROW_MAP)),
+        (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
+                          M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk,
+                          stride_om, stride_map,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr,
+                          ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
+    """``gluon_ws_handoff`` with the epilogue in two store warps (section comment above): each
+    consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB with the three ring slots)
+    and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
+    ``gluon_ws`` instead)."""
+    tiles, table, xs_base, ws_base, descs, bufs, tiles_ring = _prologue(
+        x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
+        BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
+    OUT_BYTES: gl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
+    gl.static_assert(OUT_BYTES == 2)
+    # Blocks 2h and 2h + 1: consumer h's columns 0-127 and 128-255.
+    stage = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [4, BLOCK_M // 2, 128], STAGE_LAYOUT)
+    staged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    drained = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for h in gl.static_range(2):
+        mbarrier.init(staged.index(h), count=1)
+        mbarrier.init(drained.index(h), count=1)
+    fence_async_shared()
+    staging = (stage, staged, drained)
+    scalars = (M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map)
+    TOP: gl.constexpr = 0
+    BOTTOM: gl.constexpr = 1
+    gl.warp_specialize([
+        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, xs_base, ws_base, TOP)),
+        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, xs_base, ws_base, BOTTOM)),
+        (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
+        (_store_partition, (staging, table, tiles, scalars, out_ptr, map_ptr, G_POW2, GROUP_TILES_M, ROW_MAP)),
+    ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, STORE_REGS])

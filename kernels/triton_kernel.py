@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,11 +37,16 @@ except ImportError as exc:  # the selector turns this into BackendUnavailable
     raise ImportError(f"the triton backend needs the triton package: {exc}") from exc
 
 from ._gluon_gemm import MAXNREG as _GLUON_MAXNREG
-from ._gluon_gemm import gluon_ws_kernel
+from ._gluon_gemm import gluon_ws_handoff_kernel, gluon_ws_kernel, gluon_ws_store_kernel
 from ._triton_gemm import SCHEDULES as _TRITON_SCHEDULES
 
-SCHEDULES = {**_TRITON_SCHEDULES, "gluon_ws": gluon_ws_kernel}
-"""Every schedule's kernel by name: the Triton ones (``_triton_gemm.py``) and ``gluon_ws`` (``_gluon_gemm.py``)."""
+GLUON_SCHEDULES = {"gluon_ws": gluon_ws_kernel, "gluon_ws_handoff": gluon_ws_handoff_kernel,
+                   "gluon_ws_store": gluon_ws_store_kernel}
+"""The Gluon many-expert prefill kernel and its issue-15 variants (``_gluon_gemm.py``): one
+argument list, one launch; ``default_config`` picks ``gluon_ws``, the variants are measured
+against it (``bench/gluon11.py``)."""
+SCHEDULES = {**_TRITON_SCHEDULES, **GLUON_SCHEDULES}
+"""Every schedule's kernel by name: the Triton ones (``_triton_gemm.py``) and the Gluon ones."""
 
 _SCALE_BLOCK = 128
 # The warp-specialised schedule finds a tile's group by an unrolled walk over
@@ -102,9 +107,11 @@ class TileConfig:
         if self.schedule == "persistent_ws":
             return (self.block_m == 128 and self.block_n in (128, 256) and self.num_warps == 4
                     and g <= PERSISTENT_G_MAX)
-        if self.schedule == "gluon_ws":
+        if self.schedule in GLUON_SCHEDULES:
+            # gluon_ws_store stages the output beside the ring: 64 KB more, so 3 slots at most.
+            stages = (3, 4) if self.schedule != "gluon_ws_store" else (3,)
             return (self.block_m == 128 and self.block_n == 256 and self.num_warps == 4
-                    and self.num_stages in (3, 4) and g <= TABLE_G_MAX)
+                    and self.num_stages in stages and g <= TABLE_G_MAX)
         return (self.block_m in (64, 128) and self.block_n == 128
                 and self.num_warps == self.block_m // 16 and self.per_sm in (1, 2) and g <= TABLE_G_MAX)
 
@@ -288,7 +295,7 @@ def _sm_count(device: torch.device) -> int:
 def grid_for(config: TileConfig, m: int, n: int, k: int, g: int, sms: int) -> tuple[int]:
     """The launch grid: row-tile bound x column tiles (x splits), or one program per SM."""
     tiles = row_tile_bound(m, g, config.block_m) * (n // config.block_n)
-    if config.schedule in ("persistent_ws", "gluon_ws"):
+    if config.schedule == "persistent_ws" or config.schedule in GLUON_SCHEDULES:
         return (min(tiles, sms),)
     if config.schedule == "persistent_tma":
         return (min(tiles, sms * config.per_sm),)
@@ -308,11 +315,15 @@ def tile_for_out(config: TileConfig, out: torch.Tensor) -> TileConfig:
     128x256 s2 164 KB (115), 128x256 s3 213 KB (164). Warp-specialised tiles over
     ~150 KB wrote NaN into column 0 (bench/NOTES.md v8, v9), the lead tile fixing
     it only where measured (164 KB). The persistent TMA tile is not
-    warp-specialised (checked into float32 on the H200, v12). Both entries apply
+    warp-specialised (checked into float32 on the H200, v12). A ``gluon_ws_store``
+    tile into float32 runs as ``gluon_ws`` (same tile, same sums): its staging would
+    need 128 KB of shared memory beside the 144 KB ring. Both entries apply
     this, so they still launch one tile.
     """
     if out.dtype == torch.float32 and config.schedule == "persistent_ws":
         return FLOAT32_OUT_PREFILL
+    if out.dtype == torch.float32 and config.schedule == "gluon_ws_store":
+        return replace(config, schedule="gluon_ws")
     return config
 
 
@@ -366,7 +377,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
     elif config.schedule == "persistent_tma":
         extra = (_tile_tables(xq.device, grid[0], g_pow2),)
         consts.update(GROUP_TILES_M=config.group_tiles_m)
-    elif config.schedule == "gluon_ws":
+    elif config.schedule in GLUON_SCHEDULES:
         # The ring depth is the kernel's STAGES; the launch option caps the registers each of the
         # 12 warps starts with (setmaxnreg then moves them from the producer to the consumers).
         extra = (_tile_tables(xq.device, grid[0], g_pow2),)
@@ -470,7 +481,8 @@ def tile_key(m: int, n: int, k: int, g: int, out_dtype: torch.dtype, *,
 
 def persistent(m: int, n: int, k: int, g: int, *, device: torch.device) -> bool:
     """Whether the tile for this shape is persistent (``Backend.persistent``)."""
-    return default_config(m, n, k, g).schedule in ("persistent_tma", "persistent_ws", "gluon_ws")
+    schedule = default_config(m, n, k, g).schedule
+    return schedule in ("persistent_tma", "persistent_ws") or schedule in GLUON_SCHEDULES
 
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)

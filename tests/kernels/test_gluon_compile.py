@@ -1,9 +1,9 @@
-"""The Gluon prefill schedule (``gluon_ws``, ``kernels/_gluon_gemm.py``) compiles clean for sm_90 on the CPU.
+"""The Gluon prefill schedule (``gluon_ws``, ``kernels/_gluon_gemm.py``) and its issue-15 variants compile for sm_90 on the CPU.
 
 No GPU: ``triton.compile`` with a Hopper target and the ptxas Triton ships, the
 arguments and options ``triton_kernel.launch_plan`` gives it. Clean means no
-register spills, shared memory within one block's limit, no wgmma serialisation
-warnings, the FP8 wgmma in the PTX, the producer and consumer register budgets
+register spills (the variants: the few words ``SPILL_BUDGET`` names, no accumulator),
+shared memory within one block's limit, no wgmma serialisation warnings, the FP8 wgmma in the PTX, the producer and consumer register budgets
 handed out with setmaxnreg, and a scratch for the two descriptors made on the
 device -- in every form a launch takes (plain, weights by address, the server
 graph's activations by address and row map; bf16 and float32 out).
@@ -27,20 +27,61 @@ if not PTXAS.exists():
     pytest.skip("Triton's ptxas is not installed", allow_module_level=True)
 
 
-@pytest.mark.parametrize("addrs,service,out", GLUON_FORMS, ids=lambda v: str(v))
-@pytest.mark.parametrize("m,n,k,g", [(65536, 4096, 7168, 256), (16384, 7168, 2048, 384)])
-def test_every_form_compiles_clean_for_sm90(m, n, k, g, addrs, service, out):
+# Spill bytes ptxas reports per schedule (bf16 forms; every float32 form and gluon_ws: none). Not
+# zero, measured with Triton 3.6's ptxas (bench/sm90_compile.py --gluon; SASS read with cuobjdump):
+# gluon_ws_handoff: 4 words a consumer stores at its start and reloads at each epilogue, and one
+# scale pointer stored per tile and reloaded per K block (an L1 hit, off the MMA's path);
+# gluon_ws_store: M - 1 stored once at entry and reloaded per tile, plus a word in the address
+# forms. Neither spills an accumulator; more than this means ptxas moved the K loop's values out.
+SPILL_BUDGET = {"gluon_ws": 0, "gluon_ws_handoff": 24, "gluon_ws_store": 16}
+PARTITIONS = {"gluon_ws": 2, "gluon_ws_handoff": 2, "gluon_ws_store": 3}
+SHAPES = [(65536, 4096, 7168, 256), (16384, 7168, 2048, 384)]
+
+
+def _cases():
+    for schedule in tk.GLUON_SCHEDULES:
+        for form in GLUON_FORMS:
+            if schedule == "gluon_ws_store" and form[2] == "fp32":
+                continue  # runs as gluon_ws (test_float32_store_tile_runs_as_gluon_ws)
+            for shape in SHAPES:
+                yield pytest.param(schedule, *form, *shape, id=f"{schedule}-{form}-{shape}")
+
+
+@pytest.mark.parametrize("schedule,addrs,service,out,m,n,k,g", list(_cases()))
+def test_every_form_compiles_clean_for_sm90(schedule, m, n, k, g, addrs, service, out):
     cfg = tk.default_config(m, n, k, g)
     assert cfg.schedule == "gluon_ws"
+    cfg = tk.TileConfig(schedule, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                        group_tiles_m=cfg.group_tiles_m)
     found = report(cfg, m, n, k, g, addrs, service, out)
     assert "error" not in found, found
-    assert found["spill_bytes"] == 0
+    assert found["spill_bytes"] <= (SPILL_BUDGET[schedule] if out == "bf16" else 0), found
     assert found["fits_smem"], found["smem"]
     assert found["serialised"] == []
     # Two consumer warpgroups, each issuing 4 wgmma of K = 32 per 128-wide half of a K block.
     assert found["wgmma"] == 16
     assert {"232", "40"} <= set(found["setmaxnreg"])
+    assert found["partitions"] == PARTITIONS[schedule]
     assert found["scratch"] >= 2 * 128  # two TMA descriptors of 128 bytes, per program
+
+
+def test_float32_store_tile_runs_as_gluon_ws():
+    import torch
+
+    tile = tk.TileConfig("gluon_ws_store", 128, 256, 4, 3, group_tiles_m=8)
+    assert tk.tile_for_out(tile, torch.empty(0, dtype=torch.float32)).schedule == "gluon_ws"
+    assert tk.tile_for_out(tile, torch.empty(0, dtype=torch.bfloat16)) == tile
+
+
+def test_store_tile_stages_64_kib_beside_the_ring():
+    # gluon_ws_store: three 48 KiB ring slots and two consumers x 64 x 256 bf16 of staging, no
+    # layout-conversion scratch (stmatrix from the MMA layout), and a few mbarriers and words; the
+    # handoff adds a 2-slot tile ring (32 bytes and four mbarriers) to gluon_ws.
+    m, n, k, g = 65536, 4096, 7168, 256
+    smem = {s: report(tk.TileConfig(s, 128, 256, 4, 3, group_tiles_m=8), m, n, k, g)["smem"]
+            for s in tk.GLUON_SCHEDULES}
+    assert 0 < smem["gluon_ws_handoff"] - smem["gluon_ws"] <= 128
+    assert 0 < smem["gluon_ws_store"] - (3 * 48 + 64) * 1024 <= 512
 
 
 def test_ring_depth_sets_shared_memory():

@@ -133,3 +133,136 @@ def test_server_form_in_a_graph_equals_the_public_entry(dtype):
         assert torch.isfinite(out).all()
         assert torch.equal(out[rows], want)
     assert tk.tile_key(m, n, k, g, dtype, device=DEV) == GLUON.key()
+
+
+# ---- the issue-15 variants (kernels/_gluon_gemm.py): gluon_ws's bits in every form ---------------
+
+VARIANTS = ["gluon_ws_handoff", "gluon_ws_store"]
+
+
+def _tile(schedule):
+    return tk.TileConfig(schedule, 128, 256, 4, 3, group_tiles_m=8)
+
+
+def _bits(t):
+    """The output's bit patterns: equal NaN poison compares equal (a row no kernel wrote)."""
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _launch_form(p, out, config, words: bool, out_rows=None):
+    """``config`` on ``p`` as a launch takes it: plain pointers, or (``words``) the weights and
+    activations by address, as a server graph; ``out_rows``: the row map."""
+    g, n, _ = p.wq.shape
+    if words:
+        w = torch.tensor([p.wq.data_ptr(), p.w_scale.data_ptr(), p.xq.data_ptr(), p.x_scale.data_ptr()],
+                         dtype=torch.int64, device=DEV)
+        return tk._launch(p.xq, w[:2], p.x_scale, w[:2], p.m_sizes, out, n, g, config, addrs=True,
+                          x_words=w[2:], out_rows=out_rows)
+    return tk._launch(p.xq, p.wq, p.x_scale, p.w_scale, p.m_sizes, out, n, g, config, addrs=False,
+                      out_rows=out_rows)
+
+
+# The forms a launch takes: the public entry's; a server graph's lone prefill call (weights and
+# rows by address, stored in place); its merged call (and the row map).
+FORMS = [(False, False), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("words,row_map", FORMS, ids=["pointers", "words", "words_row_map"])
+@pytest.mark.parametrize("m,n,k,g", [(1000, 256, 1152, 8), (16384, 512, 2048, 128), (8191, 256, 7168, 256),
+                                     (5000, 512, 1536, 384), (20000, 1024, 128, 64)])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_is_gluon_ws_bit_for_bit(variant, m, n, k, g, words, row_map):
+    """Ragged groups with empty ones, G up to 384, M not a multiple of 128, K of one block (a
+    tile per ring slot: the tile ring and the staging turn over fastest), more tiles than SMs;
+    the row map a permutation with the server's stride 2 (plain pointers with the row map:
+    test_variant_leaves_rows_outside_every_group)."""
+    gen = torch.Generator(device=DEV).manual_seed(m + g + k)
+    torch.manual_seed(m * g + k)
+    p = random_problem(m, n, k, g, device=DEV, generator=gen)
+    assert int((p.m_sizes == 0).sum()) >= 1
+    out_rows = None
+    if row_map:
+        pairs = torch.zeros((m, 2), dtype=torch.int64, device=DEV)
+        pairs[:, 0] = torch.randperm(m, device=DEV)
+        out_rows = pairs[:, 0]
+    want = _launch_form(p, _poisoned(m, n), _tile("gluon_ws"), words, out_rows)
+    got = _launch_form(p, _poisoned(m, n), _tile(variant), words, out_rows)
+    torch.cuda.synchronize()
+    assert not want.isnan().any()  # every row is some group's
+    assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_leaves_rows_outside_every_group(variant):
+    # Sizes summing to less than M, and a group ending mid-tile: the rows past the groups stay as
+    # they were (the store warps' chunk count and masks), in place and through the row map.
+    m, n, k, g = 700, 512, 1024, 8
+    sizes = torch.tensor([100, 0, 250, 0, 0, 50, 0, 0], dtype=torch.int64)
+    gen = torch.Generator(device=DEV).manual_seed(19)
+    p = random_problem(m, n, k, g, device=DEV, m_sizes=sizes, generator=gen)
+    rows = torch.randperm(m, device=DEV)
+    for out_rows in (None, rows):
+        want = _launch_form(p, _poisoned(m, n), _tile("gluon_ws"), False, out_rows)
+        got = _launch_form(p, _poisoned(m, n), _tile(variant), False, out_rows)
+        torch.cuda.synchronize()
+        written = torch.arange(m, device=DEV) < 400
+        if out_rows is not None:
+            written = torch.zeros(m, dtype=torch.bool, device=DEV).index_fill_(0, rows[:400], True)
+        assert got[~written].isnan().all() and not got[written].isnan().any()
+        assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_into_float32(variant):
+    """float32 out (the FFN's h): the handoff kernel stores it itself; gluon_ws_store's tile runs
+    as gluon_ws (tile_for_out). Either way gluon_ws's bits."""
+    sizes = torch.tensor([0, 301, 1, 0, 77, 500, 17, 128] * 8)
+    m, n, k, g = int(sizes.sum()), 512, 1152, 64
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    p = random_problem(m, n, k, g, device=DEV, m_sizes=sizes, generator=gen)
+    want = _launch(p, _poisoned(m, n, torch.float32))
+    got = _launch(p, _poisoned(m, n, torch.float32), _tile(variant))
+    torch.cuda.synchronize()
+    assert torch.isfinite(want).all()
+    assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_in_a_graph_follows_the_words(variant):
+    """Captured once in the server's form (device words rewritten between replays, a row map):
+    each replay is gluon_ws's eager output on the data the words point at."""
+    m, n, k, g = 13000, 512, 1536, 384
+    gen = torch.Generator(device=DEV).manual_seed(23)
+    torch.manual_seed(23)
+    first = random_problem(m, n, k, g, device=DEV, generator=gen)
+    second = random_problem(m, n, k, g, device=DEV, generator=gen, m_sizes=random_m_sizes(g, m))
+    sizes = first.m_sizes.clone()
+    words = torch.zeros(4, dtype=torch.int64, device=DEV)
+    rows = torch.randperm(m, device=DEV)
+    pairs = torch.stack([rows, rows], 1)
+    out = _poisoned(m, n)
+
+    def point_at(p):
+        words.copy_(torch.tensor([p.wq.data_ptr(), p.w_scale.data_ptr(), p.xq.data_ptr(), p.x_scale.data_ptr()]))
+        sizes.copy_(p.m_sizes)
+
+    def launch():
+        tk._launch(first.xq, words[:2], first.x_scale, words[:2], sizes, out, n, g, _tile(variant), addrs=True,
+                   x_words=words[2:], out_rows=pairs[:, 1])
+
+    point_at(first)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch()
+    torch.cuda.synchronize()
+    for p in (first, second, first):
+        point_at(p)
+        out.fill_(float("nan"))
+        graph.replay()
+        want = _launch(p, _poisoned(m, n))
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[rows], want)

@@ -133,6 +133,14 @@ def test_schedule_limits_and_keys():
     assert not T("gluon_ws", 128, 256, 8, 3).fits(2048)
     assert not T("gluon_ws", 128, 256, 4, 5).fits(2048)  # 5 slots: 240 KiB of shared memory
     assert not T("gluon_ws", 128, 256, 4, 3, per_sm=2).fits(2048)
+    # Its issue-15 variants take the same tile; gluon_ws_store stages 64 KB beside the ring: 3 slots.
+    for variant in ("gluon_ws_handoff", "gluon_ws_store"):
+        assert T(variant, 128, 256, 4, 3, group_tiles_m=8).fits(2048, tk.TABLE_G_MAX)
+        assert not T(variant, 128, 256, 4, 3).fits(2048, tk.TABLE_G_MAX + 1)
+        assert not T(variant, 128, 256, 4, 3).fits(1408)
+        assert not T(variant, 128, 128, 4, 3).fits(2048)
+    assert T("gluon_ws_handoff", 128, 256, 4, 4).fits(2048)
+    assert not T("gluon_ws_store", 128, 256, 4, 4).fits(2048)  # 256 KiB
     # The persistent tile's group walk is unrolled: bounded G.
     assert T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX)
     assert not T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX + 1)
@@ -292,3 +300,47 @@ def test_gluon_launch_options(monkeypatch):
     assert tk.persistent(m, n, k, g, device=xq.device)
     assert tk.tile_key(m, n, k, g, torch.float32, device=xq.device) == \
         tk.tile_key(m, n, k, g, torch.bfloat16, device=xq.device) == "gluon_ws_m128_n256_w4_s3_g8"
+
+
+def _same_argument(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                and a.stride() == b.stride() and a.dtype == b.dtype)
+    return a == b
+
+
+@pytest.mark.parametrize("variant", ["gluon_ws_handoff", "gluon_ws_store"])
+def test_gluon_variants_launch_like_gluon_ws(variant, monkeypatch):
+    """The issue-15 variants (measured against gluon_ws, never in the table) take gluon_ws's
+    arguments, grid and options in every form; a float32 out runs gluon_ws_store as gluon_ws
+    (its staging would not fit), the handoff as itself."""
+    m, n, k, g = 32768, 4096, 7168, 256
+    assert tk.default_config(m, n, k, g).schedule == "gluon_ws"
+    kernels = {name: _RecordingKernel() for name in tk.GLUON_SCHEDULES}
+    for name, kernel in kernels.items():
+        monkeypatch.setitem(tk.SCHEDULES, name, kernel)
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
+    xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    w_scale, x_scale = torch.ones((g, k // 128, n // 128)), torch.ones((m, k // 128))
+    sizes = torch.full((g,), m // g)
+    words = torch.tensor([wq.data_ptr(), w_scale.data_ptr(), xq.data_ptr(), x_scale.data_ptr()])
+    pairs = torch.zeros((m, 2), dtype=torch.int64)
+    base = tk.TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
+    tile = tk.TileConfig(variant, 128, 256, 4, 3, group_tiles_m=8)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = torch.empty((m, n), dtype=dtype)
+        for config in (base, tile):
+            tk.launch(xq, wq, x_scale, w_scale, sizes, out, config)
+            tk._launch(xq, words[:2], x_scale, words[:2], sizes, out, n, g, config, addrs=True,
+                       x_words=words[2:], out_rows=pairs[:, 1])
+        runs = variant if dtype == torch.bfloat16 or variant != "gluon_ws_store" else "gluon_ws"
+        want = kernels["gluon_ws"].launches[:2]
+        got = kernels[runs].launches[-2:]
+        assert len(kernels["gluon_ws"].launches) == (4 if runs == "gluon_ws" else 2)
+        for (grid_a, args_a, kw_a), (grid_b, args_b, kw_b) in zip(want, got):
+            assert grid_a == grid_b == (132,) and kw_a == kw_b
+            assert len(args_a) == len(args_b) and all(map(_same_argument, args_a, args_b))
+        for kernel in kernels.values():
+            kernel.launches.clear()
