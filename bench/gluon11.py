@@ -4,9 +4,10 @@
 
 ``gluon_ws`` runs the many-expert prefill shapes at 0.56-0.72 of their floor where K is
 small (a tile costs ~7.86 ns x K + 1.75 us, v17). ``kernels/_gluon_gemm.py`` has two
-variants that take work off the tensor cores' path between tiles: ``gluon_ws_handoff``
-(the producer hands the consumers each tile's coordinates) and ``gluon_ws_store`` (that,
-and the epilogue in two store warps fed through shared memory). For the 24 prefill cases
+variants that took work off the tensor cores' path between tiles: ``gluon_ws_handoff``
+(the producer hands the consumers each tile's coordinates; measured in session 10, call 3,
+and deleted) and ``gluon_ws_store`` (that, and the epilogue in two store warps fed through
+shared memory; the table's schedule at K <= 5120 since). For the 24 prefill cases
 of ``real_models.json`` at G >= 64 (``bench_kernels.real_cases``: w13 and w2, 2048 and
 8192 tokens, the repo's routing model), each on fresh random weights and rows:
 
@@ -40,7 +41,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-SCHEDULES = ("gluon_ws", "gluon_ws_handoff", "gluon_ws_store")
+SCHEDULES = ("gluon_ws", "gluon_ws_store")  # gluon_ws_handoff was measured (session 10, call 3) and deleted
 
 
 def tile(schedule: str):

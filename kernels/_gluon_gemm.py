@@ -33,9 +33,8 @@ The TMA descriptors are made on the device, in the parent region, from the
 base pointers the kernel was given or loaded from the device words (the
 launch needs Triton's global scratch allocator, as ``persistent_tma``'s).
 
-Below ``gluon_ws_kernel``: ``gluon_ws_handoff_kernel`` and ``gluon_ws_store_kernel``,
-issue 15's variants (same arguments, semantics and bits; section comment there),
-launched by ``triton_kernel`` when a ``TileConfig`` names them; the table does not.
+Below ``gluon_ws_kernel``: ``gluon_ws_store_kernel`` (same arguments, semantics and bits;
+section comment there), the table's schedule where a tile's K loop is short (K <= 5120).
 """
 
 from __future__ import annotations
@@ -305,13 +304,15 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
 # over v17's Gluon cases: ~7.86 ns x K + 1.75 us a tile. Two variants with gluon_ws's arguments,
 # semantics and accumulation order (so its bits):
 #
-# - ``gluon_ws_handoff``: the producer, which walks the tiles ahead anyway, hands each tile's
+# - the tile handed over: the producer, which walks the tiles ahead anyway, hands each tile's
 #   (group, first row, column tile, group end) to the consumers through a small shared-memory
 #   ring guarded by two mbarriers, so a consumer starts a tile after one shared-memory read
-#   instead of the search. The K loop and the epilogue are gluon_ws's. (Issuing a block's first
-#   wgmma before its scale product, to put the first scale loads under the MMA, cost 52-136
-#   bytes of spills at 232 registers: not done.)
-# - ``gluon_ws_store``: the handoff, and the epilogue in a partition of its own: each consumer
+#   instead of the search. (Issuing a block's first wgmma before its scale product, to put the
+#   first scale loads under the MMA, cost 52-136 bytes of spills at 232 registers: not done.)
+#   Alone, with gluon_ws's K loop and epilogue (``gluon_ws_handoff``, measured on the H200 in
+#   session 10, `bench/results/session10/call3_gluon11.json`): 1.04x on the 12 w2 cases, 0.975x
+#   on the 12 w13 ones; deleted, its hand-over kept in ``gluon_ws_store``.
+# - ``gluon_ws_store``: the hand-over, and the epilogue in a partition of its own: each consumer
 #   writes its 64 x 256 to shared memory (bf16, straight from the MMA layout: stmatrix, no
 #   layout conversion) and goes on to its next tile; two store warps move it to global memory
 #   with gluon_ws's masked stores (and row map), finding each tile by their own table search.
@@ -447,39 +448,6 @@ def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stri
 
 
 @gluon.jit
-def _handoff_mma_partition(bufs, tiles_ring, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr,
-                           HALF: gl.constexpr, ROW_MAP: gl.constexpr):
-    """A consumer warpgroup of ``gluon_ws_handoff``: ``_mma_partition`` with the tile from the ring."""
-    a_bufs, b_bufs, _ready, _empty = bufs
-    M, _N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map = scalars
-    BM: gl.constexpr = a_bufs.type.shape[1]
-    BN: gl.constexpr = b_bufs.type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    ROWS: gl.constexpr = BM // 2
-    gl.static_assert(BN == 256)
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, 128, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    num_kb = K // BK
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    it = 0
-    for t in range(pid, tiles, programs):
-        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, (t - pid) // programs)
-        rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
-                                            HALF, ROWS, BN, row_layout)
-        if ROW_MAP:
-            dest = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map)
-        else:
-            dest = rows
-        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
-        top = first_row + HALF * ROWS
-        _store(_pinned(acc_b), out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
-        _store(_pinned(acc), out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
-
-
-@gluon.jit
 def _pinned(x):
     """``x`` through an opaque move (the same bits), so LLVM cannot order the K loop's promotions
     after how the epilogue reads the sums: read by the staging stores, it reordered them and
@@ -609,38 +577,13 @@ def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, s
 
 
 @gluon.jit
-def gluon_ws_handoff_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
-                            M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk,
-                            stride_om, stride_map,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                            G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr,
-                            ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
-    """``gluon_ws`` with the tile coordinates handed from the producer to the consumers (section
-    comment above); same arguments, semantics and bits."""
-    tiles, table, xs_base, ws_base, descs, bufs, tiles_ring = _prologue(
-        x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
-        BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
-    fence_async_shared()
-    scalars = (M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map)
-    TOP: gl.constexpr = 0
-    BOTTOM: gl.constexpr = 1
-    gl.warp_specialize([
-        (_handoff_mma_partition, (bufs, tiles_ring, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, TOP,
-                                  ROW_MAP)),
-        (_handoff_mma_partition, (bufs, tiles_ring, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, BOTTOM,
-                                  ROW_MAP)),
-        (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-@gluon.jit
 def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
                           M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk,
                           stride_om, stride_map,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr,
                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
-    """``gluon_ws_handoff`` with the epilogue in two store warps (section comment above): each
+    """``gluon_ws`` with the tile handed over by the producer and the epilogue in two store warps (section comment above): each
     consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB with the three ring slots)
     and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
     ``gluon_ws`` instead)."""

@@ -37,14 +37,12 @@ except ImportError as exc:  # the selector turns this into BackendUnavailable
     raise ImportError(f"the triton backend needs the triton package: {exc}") from exc
 
 from ._gluon_gemm import MAXNREG as _GLUON_MAXNREG
-from ._gluon_gemm import gluon_ws_handoff_kernel, gluon_ws_kernel, gluon_ws_store_kernel
+from ._gluon_gemm import gluon_ws_kernel, gluon_ws_store_kernel
 from ._triton_gemm import SCHEDULES as _TRITON_SCHEDULES
 
-GLUON_SCHEDULES = {"gluon_ws": gluon_ws_kernel, "gluon_ws_handoff": gluon_ws_handoff_kernel,
-                   "gluon_ws_store": gluon_ws_store_kernel}
-"""The Gluon many-expert prefill kernel and its issue-15 variants (``_gluon_gemm.py``): one
-argument list, one launch; ``default_config`` picks ``gluon_ws``, the variants are measured
-against it (``bench/gluon11.py``)."""
+GLUON_SCHEDULES = {"gluon_ws": gluon_ws_kernel, "gluon_ws_store": gluon_ws_store_kernel}
+"""The Gluon many-expert prefill kernels (``_gluon_gemm.py``): one argument list, one launch;
+``default_config`` picks ``gluon_ws_store`` where the K loop is short, ``gluon_ws`` above."""
 SCHEDULES = {**_TRITON_SCHEDULES, **GLUON_SCHEDULES}
 """Every schedule's kernel by name: the Triton ones (``_triton_gemm.py``) and the Gluon ones."""
 
@@ -168,6 +166,12 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         bands of 8 row tiles per group, one program per SM (v16: faster than
         the persistent TMA tile on all 22 real cases of the class, r = 42-512:
         t8192 1.14-1.53x, t2048 1.04-1.21x, Kimi-K2 at r = 42 1.04-1.10x).
+        With K <= 5120 its store-warp form ``gluon_ws_store`` (the epilogue off
+        the tensor cores' path: 1.02-1.16x on the 18 such real cases, 1.06x
+        geomean); at K >= 7168 the plain ``gluon_ws`` (the store form measured
+        0.89-0.90x on Kimi-K2 w13, 1.01-1.04x on DeepSeek-V3 w13 and Llama-4
+        w2, so the long K loops keep the schedule that loses nowhere; session
+        10, call 3, ``bench/results/session10/call3_gluon11.json``).
       - otherwise (G < 64 below 128 rows per group, or N not a multiple of
         256; the Gluon tile is not measured there): the persistent TMA schedule
         with its tile table, 64 x 128 tiles, two programs per SM, bands of 8
@@ -199,7 +203,7 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
             return TileConfig("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)
         return TileConfig("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
     if g >= 64 and n % 256 == 0:
-        return TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
+        return TileConfig("gluon_ws_store" if k <= 5120 else "gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
     return TileConfig("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
 
 
@@ -228,6 +232,7 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                   T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
                   T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8),
                   T("gluon_ws", 128, 256, 4, 4, group_tiles_m=8),
+                  T("gluon_ws_store", 128, 256, 4, 3, group_tiles_m=8),
                   T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
                   T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
                   T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)]

@@ -185,13 +185,15 @@ def test_weights_past_2_31_elements_through_the_service(backend, gen):
 
 
 @pytest.mark.slow
-def test_many_expert_weights_past_2_31_elements_through_the_service(backend, gen):
-    """The Gluon tiles (G >= 64, 64 rows per group) over a weight set of 2^31+ elements: the
-    last groups' rows sit past 2^31 in the descriptor's [G * N, K] view. M is a bucket (a
-    power of two), so the graph's launch covers exactly the public call's rows."""
-    g, n, k, m = 128, 4096, 4224, 128 * 64
+@pytest.mark.parametrize("k, schedule", [(4224, "gluon_ws_store"), (5248, "gluon_ws")])
+def test_many_expert_weights_past_2_31_elements_through_the_service(backend, gen, k, schedule):
+    """Both Gluon tiles (G >= 64, 64 rows per group; the store-warp form to K = 5120) over a
+    weight set of 2^31+ elements: the last groups' rows sit past 2^31 in the descriptor's
+    [G * N, K] view. M is a bucket (a power of two), so the graph's launch covers exactly
+    the public call's rows."""
+    g, n, m = 128, 4096, 128 * 64
     assert g * n * k >= 2**31
-    assert tk.default_config(m, n, k, g).schedule == "gluon_ws"
+    assert tk.default_config(m, n, k, g).schedule == schedule
     sizes = random_m_sizes(g, m - 100)
     sizes[g - 1] += 100  # rows in the last group, whose weights start past 2^31
     problem = _problem(m, n, k, g, sizes, gen)

@@ -86,12 +86,14 @@ def test_prefill_table_rules():
     assert tk.default_config(1024, 2048, 7168, 8) == pair
     assert tk.default_config(16384, 1152, 7168, 8) == pair
     # Many experts (skewed routing), from 32 rows per group: the Gluon warp-specialised tile
-    # (any G up to TABLE_G_MAX) where N is a multiple of 256 ...
+    # (any G up to TABLE_G_MAX) where N is a multiple of 256, its store-warp form to K = 5120 ...
     gluon = T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
-    for m, n, k, g in ((32768, 4096, 7168, 256), (200000, 4096, 1536, 128), (16384, 7168, 2048, 256),
-                       (16384, 4096, 7168, 384), (9000, 512, 1536, 128), (65536, 3072, 5120, 160),
-                       (8192, 16384, 5120, 128), (32 * 1024, 2048, 7168, 1024)):
+    store = T("gluon_ws_store", 128, 256, 4, 3, group_tiles_m=8)
+    for m, n, k, g in ((32768, 4096, 7168, 256), (16384, 4096, 7168, 384), (32 * 1024, 2048, 7168, 1024)):
         assert tk.default_config(m, n, k, g) == gluon
+    for m, n, k, g in ((200000, 4096, 1536, 128), (16384, 7168, 2048, 256), (9000, 512, 1536, 128),
+                       (65536, 3072, 5120, 160), (8192, 16384, 5120, 128)):
+        assert tk.default_config(m, n, k, g) == store
     # ... else, and below 128 rows per group at G < 64: the persistent TMA tiles with the tile table.
     many = T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
     for m, n, k, g in ((512, 2048, 7168, 8), (16384, 1408, 2048, 128), (4000, 1408, 2048, 64),
@@ -133,13 +135,12 @@ def test_schedule_limits_and_keys():
     assert not T("gluon_ws", 128, 256, 8, 3).fits(2048)
     assert not T("gluon_ws", 128, 256, 4, 5).fits(2048)  # 5 slots: 240 KiB of shared memory
     assert not T("gluon_ws", 128, 256, 4, 3, per_sm=2).fits(2048)
-    # Its issue-15 variants take the same tile; gluon_ws_store stages 64 KB beside the ring: 3 slots.
-    for variant in ("gluon_ws_handoff", "gluon_ws_store"):
+    # Its store-warp form takes the same tile; it stages 64 KB beside the ring: 3 slots.
+    for variant in ("gluon_ws_store",):
         assert T(variant, 128, 256, 4, 3, group_tiles_m=8).fits(2048, tk.TABLE_G_MAX)
         assert not T(variant, 128, 256, 4, 3).fits(2048, tk.TABLE_G_MAX + 1)
         assert not T(variant, 128, 256, 4, 3).fits(1408)
         assert not T(variant, 128, 128, 4, 3).fits(2048)
-    assert T("gluon_ws_handoff", 128, 256, 4, 4).fits(2048)
     assert not T("gluon_ws_store", 128, 256, 4, 4).fits(2048)  # 256 KiB
     # The persistent tile's group walk is unrolled: bounded G.
     assert T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX)
@@ -309,11 +310,20 @@ def _same_argument(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("variant", ["gluon_ws_handoff", "gluon_ws_store"])
+def test_many_expert_prefill_takes_the_store_warp_tile_where_k_is_short():
+    """G >= 64 prefill: gluon_ws_store to K = 5120 (its epilogue off the tensor cores' path
+    pays on short K loops), gluon_ws from K = 5248 (measured: Kimi-K2 w13, K = 7168, 0.89x
+    with the store form)."""
+    for m, n, k, g in ((65536, 2048, 768, 128), (16384, 7168, 2048, 384), (16384, 3072, 5120, 160)):
+        assert tk.default_config(m, n, k, g).schedule == "gluon_ws_store"
+    for m, n, k, g in ((65536, 4096, 7168, 384), (65536, 4096, 5248, 256), (8192, 5120, 8192, 128)):
+        assert tk.default_config(m, n, k, g).schedule == "gluon_ws"
+
+
+@pytest.mark.parametrize("variant", ["gluon_ws_store"])
 def test_gluon_variants_launch_like_gluon_ws(variant, monkeypatch):
-    """The issue-15 variants (measured against gluon_ws, never in the table) take gluon_ws's
-    arguments, grid and options in every form; a float32 out runs gluon_ws_store as gluon_ws
-    (its staging would not fit), the handoff as itself."""
+    """The store-warp form takes gluon_ws's arguments, grid and options in every form; a float32
+    out runs it as gluon_ws (its staging would not fit)."""
     m, n, k, g = 32768, 4096, 7168, 256
     assert tk.default_config(m, n, k, g).schedule == "gluon_ws"
     kernels = {name: _RecordingKernel() for name in tk.GLUON_SCHEDULES}
