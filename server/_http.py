@@ -602,6 +602,9 @@ def _carry_on(coro, waited):
     while True:
         try:
             yield waited
+        except GeneratorExit:  # closed unfinished (as ``yield from`` does: close coro too)
+            coro.close()
+            raise
         except BaseException as exc:  # noqa: BLE001 -- a cancellation: coro handles it
             resume, value = coro.throw, exc
         else:

@@ -257,7 +257,9 @@ def address(data) -> int:
         # Any writable buffer (the transport's bodies, numpy arrays): ~0.2 us, where
         # numpy's ``frombuffer(...).ctypes.data`` costs ~2.5 us, three times a call.
         return _addressof(_c_char.from_buffer(data))
-    except (TypeError, ValueError, BufferError):  # read-only (a view on bytes) or empty
+    except (TypeError, ValueError, BufferError):  # read-only, empty or strided
+        if type(data) is np.ndarray:
+            return data.ctypes.data
         return np.frombuffer(data, dtype=np.uint8).ctypes.data
 
 

@@ -171,3 +171,24 @@ async def test_run_now_carries_results_waits_and_cancellation():
 
     with pytest.raises(KeyError):
         await _run_now(fails())
+
+    closed = []
+
+    async def holds():
+        try:
+            await loop.create_future()
+        finally:
+            closed.append(True)
+
+    rest = _carry_on_of(holds())
+    rest.close()  # a task dropped unfinished (e.g. at loop shutdown): coro is closed too
+    assert closed == [True]
+
+
+def _carry_on_of(coro):
+    """``coro`` stepped to its first wait, its rest as the generator a task would run."""
+    from moegemm.server._http import _carry_on
+
+    rest = _carry_on(coro, coro.send(None))
+    next(rest)  # at its first yield, as a task holds it
+    return rest

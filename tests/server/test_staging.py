@@ -177,6 +177,7 @@ def test_address_is_where_the_bytes_are_for_every_kind_of_source():
         (memoryview(frozen)[7:70], np.frombuffer(frozen, np.uint8)[7:70]),  # read-only
         (arena[256:512], arena[256:512]),  # an arena slice
         (arena.view(np.int64)[3:9], arena.view(np.int64)[3:9]),  # the launch words
+        (arena[::2], arena[::2]),  # strided (never a copy source, still an address)
     ]
     for src, same in sources:
         assert address(src) == same.ctypes.data
