@@ -114,8 +114,9 @@ class Buffers:
     # their bf16 ``[rows, N]`` output, in the callers' order, at ``out_offset``.
     result: torch.Tensor  # uint8
     # What ``meta_host`` holds from earlier launches: the (wq, w_scale) addresses
-    # it carries, and how many leading rows of its order are the identity.
-    host_known: tuple = (None, 0)
+    # it carries, whether its input words are the regrouped ones (None: not
+    # written yet), and how many leading rows of its order are the identity.
+    host_known: tuple = (None, None, 0)
 
     @staticmethod
     def out_offset(rows: int) -> int:
@@ -225,6 +226,10 @@ class GraphPool:
         self._check_streams = threading.local()
         self._table_checked: set[tuple[int, int, int]] = set()
         self.compile_only = compile_only
+        # Bumped whenever what graph() answers may change (a capture, a forget, the
+        # weight table dropped): lookups memoised per weight set (``Executor``) are
+        # redone after it.
+        self.generation = 0
         self.replays = 0
         self.eager_runs = 0
 
@@ -416,6 +421,7 @@ class GraphPool:
             log.warning("the address launcher disagrees with the backend: graphs are "
                         "captured per weight set instead")
             self.run_table = None
+            self.generation += 1
 
     def _table_answers(self, family: Family, wq: torch.Tensor,
                        w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,7 +458,11 @@ class GraphPool:
 
     def launch_rows(self, rows: int) -> int:
         """How many buffer rows a launch over ``rows`` real rows covers."""
-        return bucket_for(rows, self.buckets) if self.pad_to_bucket else rows
+        if not self.pad_to_bucket:
+            return rows
+        if 0 < rows <= self.max_bucket:  # the buckets are the powers of two up to it
+            return 1 << (rows - 1).bit_length()
+        return bucket_for(rows, self.buckets)  # (raises: past the largest bucket)
 
     def launch(
         self,
@@ -485,7 +495,8 @@ class GraphPool:
         host = bufs.meta_host[:words]
         if fresh_host:
             host = torch.empty_like(host, pin_memory=bufs.meta_host.is_pinned())
-        self.fill_words(bufs, host.numpy(), sizes, gather, rows, launched, wq, w_scale,
+        table = table_words(wq, w_scale) if self.run_table is not None else None
+        self.fill_words(bufs, host.numpy(), sizes, gather, rows, launched, table,
                         own=not fresh_host)
         bufs.meta[:words].copy_(host, non_blocking=self.device.type == "cuda")
         if rows == 0:
@@ -501,37 +512,43 @@ class GraphPool:
         return "eager"
 
     def fill_words(self, bufs: Buffers, meta: np.ndarray, sizes, gather: np.ndarray | None,
-                   rows: int, launched: int, wq: torch.Tensor, w_scale: torch.Tensor,
+                   rows: int, launched: int, table: tuple[int, int] | None,
                    *, own: bool = True) -> None:
-        """Write a launch's words (sizes, table, input words, order) into host ``meta``.
+        """Write a launch's words (sizes, table, input words, order) into host ``meta``;
+        ``table``: the weight set's addresses (:func:`table_words`; None without a
+        weight table).
 
         ``own``: ``meta`` is the family's ``meta_host`` (then what it already holds
         from earlier launches is not written again: a lone call usually changes
         only the sizes); else a fresh buffer, written whole.
         """
-        known = bufs.host_known if own else (None, 0)
+        known_table, known_regrouped, known_identity = bufs.host_known if own else \
+            (None, None, 0)
         G = bufs.G
         meta[:G] = sizes
-        table_of = (wq.data_ptr(), w_scale.data_ptr())
-        if self.run_table is not None and known[0] != table_of:
-            fill_addresses(torch.from_numpy(meta[G : G + ADDRESS_WORDS]), wq, w_scale)
+        if self.run_table is not None and known_table != table:
+            meta[G : G + ADDRESS_WORDS] = table
+        regrouped = gather is not None
         at = G + ADDRESS_WORDS
-        meta[at : at + INPUT_WORDS] = bufs.input_words(regrouped=gather is not None)
+        if regrouped is not known_regrouped:
+            meta[at : at + INPUT_WORDS] = bufs.input_words(regrouped=regrouped)
         at += INPUT_WORDS
-        pairs = meta[at : at + 2 * launched].reshape(launched, 2)
         if gather is None:
-            if known[1] < launched:
+            if known_identity < launched:
+                pairs = meta[at : at + 2 * launched].reshape(launched, 2)
                 pairs[:] = _IDENTITY[:launched, None] if launched <= len(_IDENTITY) \
                     else np.arange(launched, dtype=np.int64)[:, None]
-            identity = max(known[1], launched)
+            identity = max(known_identity, launched)
         else:
+            pairs = meta[at : at + 2 * launched].reshape(launched, 2)
             pairs[:rows, 0] = gather
             pairs[gather, 1] = np.arange(rows, dtype=np.int64)
             # Padding rows (past the call, up to the bucket) map to themselves.
             pairs[rows:] = np.arange(rows, launched, dtype=np.int64)[:, None]
             identity = 0
         if own:
-            bufs.host_known = (table_of if self.run_table is not None else None, identity)
+            bufs.host_known = (table if self.run_table is not None else None, regrouped,
+                               identity)
 
     def graph(self, family: Family, launched: int, wq: torch.Tensor, w_scale: torch.Tensor,
               merged: bool = False) -> torch.cuda.CUDAGraph | None:
@@ -588,6 +605,7 @@ class GraphPool:
                                                 capture_error_mode="thread_local"):
                     self._body(family, bucket, wq, w_scale, merged)
                 self._graphs[key] = graph
+                self.generation += 1
                 new += 1
             if new > before:
                 log.info("captured graph %s bucket %d (%d/%d)", _describe(family), bucket,
@@ -608,6 +626,7 @@ class GraphPool:
         ptr = wq.data_ptr()
         for key in [k for k in self._graphs if len(k) == 4 and k[2] == ptr]:
             del self._graphs[key]
+            self.generation += 1
 
     def graph_count(self) -> int:
         """Graphs currently held."""
@@ -619,6 +638,14 @@ def unpack_result(host: torch.Tensor, launched: int, rows: int, N: int):
     at = Buffers.out_offset(launched)
     out = host[at : at + 2 * rows * N].view(torch.bfloat16).view(rows, N)
     return out, host[:rows].view(torch.int8)
+
+
+def table_words(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]:
+    """``wq``'s and ``w_scale``'s base addresses, the words :meth:`GraphPool.fill_words`
+    writes (both contiguous, as :func:`fill_addresses` requires)."""
+    if not (wq.is_contiguous() and w_scale.is_contiguous()):
+        raise ValueError("launches by address need contiguous wq and w_scale")
+    return wq.data_ptr(), w_scale.data_ptr()
 
 
 def fill_addresses(words: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ import signal
 import socket
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
@@ -458,16 +459,16 @@ class _Connection(asyncio.BufferedProtocol):
         self._unreserve()  # the app's budget holds it from here (BodyBudget, DirectGemm)
         scope, direct = self.scope, self.server.direct
         name = None if direct is None else direct.match(scope["method"], scope["path"])
-        if name is None:
-            run = self._run(scope, self.body)
-        else:
-            run = self._run_direct(name, scope, self.body)
-        # Cleared first: an eager task may finish this request, and start on a
-        # pipelined one, before it returns here.
+        body = self.body
+        # Cleared first: the request may be answered before the call below returns, and
+        # a pipelined one begun.
         self.scope, self.body, self.body_used = None, None, 0
-        task = _start(run)
-        if not task.done():
-            self.task = task
+        if name is None:
+            task = _start(self._run(scope, body))
+            if not task.done():
+                self.task = task
+        else:
+            self.task = _run_now(self._run_direct(name, scope, body))
 
     def _connection_line(self) -> bytes:
         if not self.keep_alive:
@@ -571,6 +572,47 @@ def _start(coro) -> asyncio.Task:
 
 
 _EAGER = sys.version_info >= (3, 12)
+
+
+def _run_now(coro) -> asyncio.Task | None:
+    """Run a direct route's ``coro`` here and now, up to its first wait; a task carries
+    it on from there, and is returned (None: it finished without waiting).
+
+    A lone call that the engine runs inline never waits: it is answered from this
+    protocol callback with no task at all (the ASGI app runs in one, as anyio needs a
+    current task). On the H200 the eager task of a lone call cost ~12 us of its
+    ~170 in the server (``bench/results/session9/trace_h200_default.log``, "task").
+    """
+    try:
+        waited = coro.send(None)
+    except StopIteration:
+        return None
+    return asyncio.get_running_loop().create_task(_rest(coro, waited))
+
+
+async def _rest(coro, waited):
+    return await _carry_on(coro, waited)
+
+
+@types.coroutine
+def _carry_on(coro, waited):
+    """The rest of ``coro``, which has yielded ``waited`` (what it awaits, e.g. a future)
+    at its first step: each later wait is passed to the running task as it is, each
+    resumption (or a cancellation thrown in) passed back to ``coro``."""
+    while True:
+        try:
+            yield waited
+        except GeneratorExit:  # closed unfinished (as ``yield from`` does: close coro too)
+            coro.close()
+            raise
+        except BaseException as exc:  # noqa: BLE001 -- a cancellation: coro handles it
+            resume, value = coro.throw, exc
+        else:
+            resume, value = coro.send, None
+        try:
+            waited = resume(value)
+        except StopIteration as done:
+            return done.value
 
 
 def whole_body_receive(body: memoryview, disconnected: asyncio.Event):

@@ -131,7 +131,7 @@ class _DriverCopies:
         self._check(self._htod(dst_addr, src_addr, nbytes, self._stream), "host-to-device copy")
 
     def dtoh(self, dst: np.ndarray, src_addr: int, src: torch.Tensor, nbytes: int) -> None:
-        self._check(self._dtoh(dst.ctypes.data, src_addr, nbytes, self._stream),
+        self._check(self._dtoh(address(dst), src_addr, nbytes, self._stream),
                     "device-to-host copy")
 
     def wait(self) -> None:
@@ -251,17 +251,22 @@ class PacedUpload:
 def address(data) -> int:
     """The host address of a bin's bytes (a bytes object, a byte view on a body, or a
     numpy array)."""
-    kind = type(data)
-    if kind is bytes:
+    if type(data) is bytes:
         return _bytes_address(data)  # ~5x cheaper than through numpy
-    if kind is np.ndarray:
-        return data.ctypes.data
-    return np.frombuffer(data, dtype=np.uint8).ctypes.data
+    try:
+        # Any writable buffer (the transport's bodies, numpy arrays): ~0.2 us, where
+        # numpy's ``frombuffer(...).ctypes.data`` costs ~2.5 us, three times a call.
+        return _addressof(_c_char.from_buffer(data))
+    except (TypeError, ValueError, BufferError):  # read-only, empty or strided
+        if type(data) is np.ndarray:
+            return data.ctypes.data
+        return np.frombuffer(data, dtype=np.uint8).ctypes.data
 
 
 _bytes_address = ctypes.pythonapi.PyBytes_AsString
 _bytes_address.restype = ctypes.c_void_p
 _bytes_address.argtypes = [ctypes.py_object]
+_addressof, _c_char = ctypes.addressof, ctypes.c_char
 
 
 class Staging:

@@ -162,6 +162,41 @@ def test_weight_sets_of_one_shape_share_graphs(backend, gen):
         _check_spec(ws, part, got)
 
 
+@pytest.mark.parametrize("table", [True, False])
+def test_routes_follow_replaced_and_captured_sets(backend, gen, table):
+    """The graph path's lookups, memoised per set and dtype (``Executor._route``), follow
+    new captures, a set's replacement (its graphs forgotten as ``Engine.forget`` does)
+    and new tensors under the same object: every answer is the one ``backend.run`` gives
+    for the weights the call names, by graph exactly when a graph for them exists."""
+    g = 8
+    captured = _executor(backend, graphs=True, table=table)
+    plain = _executor(backend, graphs=False, table=False)
+    a = _weights(g, gen, "a")
+    part = _part(g, 5, "fp8", gen)
+    [want], _ = _run(plain, a, [part])
+    [got], launches = _run(captured, a, [part])  # nothing captured: eager
+    assert (launches.graph, launches.eager) == (0, 1) and torch.equal(got, want)
+    captured.prepare(g, N, K, a.wq, a.w_scale)
+    assert (captured.pool.run_table is not None) == table  # (the table passed its check)
+    [got], launches = _run(captured, a, [part])  # the capture is seen
+    assert launches.graph == 1 and torch.equal(got, want)
+    b = _weights(g, gen, "b")  # a's replacement: the same shape, other weights
+    captured.pool.forget(a.wq)
+    captured.prepare(g, N, K, b.wq, b.w_scale)
+    [want_b], _ = _run(plain, b, [part])
+    assert not torch.equal(want_b, want)
+    for _ in range(2):
+        [got], launches = _run(captured, b, [part])
+        assert launches.graph == 1 and torch.equal(got, want_b)
+        # A call still holding a: a's answer; by the shared graph with a weight table,
+        # eagerly without one (a's own graphs were dropped).
+        [got], launches = _run(captured, a, [part])
+        assert launches.graph == (1 if table else 0) and torch.equal(got, want)
+    a.wq, a.w_scale = b.wq, b.w_scale  # the same object, other tensors: b's answer
+    [got], launches = _run(captured, a, [part])
+    assert launches.graph == 1 and torch.equal(got, want_b)
+
+
 def test_the_engine_equals_the_general_path_on_every_lane(backend, gen):
     """Concurrent calls through ``Engine.submit`` -- fp8 and bf16, ragged, small ones
     merged on the loop, a lone one at once, large ones on the worker, fp16 and fnuz

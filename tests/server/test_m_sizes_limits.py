@@ -90,6 +90,43 @@ def test_int32_sizes_near_the_limits(sizes, rows):
     assert (general == sizes) if ok else isinstance(general, BadMSizes)
 
 
+def _sized_body(rows: int, sizes, dtype) -> bytes:
+    x = np.zeros((rows, K), dtype=ml_dtypes.float8_e4m3fn)
+    scale = np.ones((rows, K // 128), dtype=np.float32)
+    return packb({"x": encode_tensor(x), "x_scale": encode_tensor(scale),
+                  "m_sizes": encode_tensor(np.asarray(sizes, dtype=dtype))})
+
+
+# Both ways of judging the sizes: Python ints up to 96 groups, numpy's reductions beyond.
+@pytest.mark.parametrize("groups", [1, 8, 96, 97, 256])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), rows=st.sampled_from([0, 1, 16, 200]))
+def test_sizes_are_judged_exactly_at_any_group_count(groups, dtype, data, rows):
+    bounds = I64 if dtype is np.int64 else I32
+    near = NEAR.filter(lambda v: bounds[0] <= v <= bounds[1])
+    small = st.integers(-2, rows + 2)
+    sizes = data.draw(st.lists(st.one_of(small, small, near), min_size=groups,
+                               max_size=groups))
+    if data.draw(st.booleans()):  # an exact split of the rows, now and then wrapped
+        sizes = [0] * groups
+        sizes[data.draw(st.integers(0, groups - 1))] = rows
+        if groups > 1 and data.draw(st.booleans()):
+            span = 2**64 if dtype is np.int64 else 2**32
+            sizes[0] += bounds[1]
+            sizes[-1] -= bounds[1]
+            sizes = [(v + span // 2) % span - span // 2 for v in sizes]
+    ws = type("WS", (), {"G": groups, "K": K, "N": N, "name": "w"})()
+    try:
+        got = gemm_call(decode_gemm(_sized_body(rows, sizes, dtype)), lambda: ws,
+                        max_m=4096).m_sizes
+    except BadMSizes:
+        assert not _exact_ok(sizes, rows)
+    else:
+        assert _exact_ok(sizes, rows)
+        assert got.dtype == np.int64 and got.tolist() == sizes
+
+
 def test_plan_merge_refuses_sums_past_int32():
     with pytest.raises(ValueError):
         plan_merge([[2**31, 0], [0, 5]])

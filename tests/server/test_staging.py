@@ -157,3 +157,30 @@ def test_a_paced_upload_moves_every_piece(device):
         upload.close()
     for d, w in zip(dst, want):
         assert np.array_equal(d.cpu().numpy(), w)
+
+
+def test_address_is_where_the_bytes_are_for_every_kind_of_source():
+    """The driver copies read and write the host by ``address``: for every source the
+    graph path hands it (a body slice, writable or read-only, a numpy array or a slice of
+    the batch arena, a bytes object) it is the first byte's, as numpy reads it."""
+    import ctypes
+
+    import numpy as np
+    from moegemm.server._staging import address
+
+    arena = np.arange(4096, dtype=np.uint8)
+    body = memoryview(arena)
+    frozen = bytes(arena)
+    sources = [
+        (body[100:300], arena[100:300]),  # a writable body's bin
+        (body[100:300].cast("B"), arena[100:300]),
+        (memoryview(frozen)[7:70], np.frombuffer(frozen, np.uint8)[7:70]),  # read-only
+        (arena[256:512], arena[256:512]),  # an arena slice
+        (arena.view(np.int64)[3:9], arena.view(np.int64)[3:9]),  # the launch words
+        (arena[::2], arena[::2]),  # strided (never a copy source, still an address)
+    ]
+    for src, same in sources:
+        assert address(src) == same.ctypes.data
+    address(body[5:5])  # empty: an address (never copied from), not an error
+    assert ctypes.string_at(address(frozen), 5) == frozen[:5]
+    assert ctypes.string_at(address(body[100:300]), 200) == bytes(arena[100:300])
