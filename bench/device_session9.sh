@@ -2,6 +2,7 @@
 # The eighth and ninth sessions' device calls (the eighth's ran as device_session8.sh, these stages less
 # TILE_S and TRACE_S). Stages, each run when its time limit is set (carry .whl):
 #   TESTS_S  GPU tests ($TESTS, pytest-xdist workers, one file each; MARK, default "not slow") -> gpu_tests.log
+#   SPREAD_S GPU tests ($SPREAD, spread test by test over the workers: files of many kernels) -> gpu_spread.log
 #   SERV_S   bench_service.py quick points, default server                -> service.json
 #   OVH_S    overhead_gpu.py: a lone call's batch, host-side variants       -> overhead_gpu.json
 #   PROF_S   profile_moe.py ($PROF_MODELS, $PROF_TOKENS)                     -> moe_steps.json
@@ -13,6 +14,11 @@ if [ -n "$TESTS_S" ]; then
   timeout -k 5 $TESTS_S python3 -P -m pytest -q -p no:cacheprovider -m "${MARK:-not slow}" --timeout ${TEST_TIMEOUT:-200} -rfE \
     --durations=5 -n ${WORKERS:-6} --dist loadfile $TESTS > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$? $(el)"; tail -1 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+fi
+if [ -n "$SPREAD_S" ]; then
+  timeout -k 5 $SPREAD_S python3 -P -m pytest -q -p no:cacheprovider -m "${MARK:-not slow}" --timeout ${TEST_TIMEOUT:-200} -rfE \
+    --durations=5 -n ${WORKERS:-6} --dist load $SPREAD > "$OUT/gpu_spread.log" 2>&1
+  echo "spread tests rc=$? $(el)"; tail -1 "$OUT/gpu_spread.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_spread.log" | head -20
 fi
 if [ -n "$OVH_S" ]; then
   timeout -k 5 $OVH_S python3 -P bench/overhead_gpu.py --json "$OUT/overhead_gpu.json" > "$OUT/overhead_gpu.log" 2>&1
