@@ -331,9 +331,12 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
                   + (k_lo * BLOCK_K + offs_k)[None, :])
         xs_row = xs_base + rows_in * stride_xsm
         ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
-        step = tl.minimum(1, k_hi - 1 - k_lo)
-        s0 = tl.load(xs_row + k_lo) * tl.load(ws_col + k_lo * stride_wsk)
-        s1 = tl.load(xs_row + k_lo + step) * (tl.load(ws_col + (k_lo + step) * stride_wsk) * step.to(tl.float32))
+        # The first pair's scales; a split with no block (the last of SPLIT_K can be empty)
+        # reads block k_hi - 1's, unused, rather than past the scales' end.
+        k0 = tl.minimum(k_lo, k_hi - 1)
+        step = tl.minimum(1, k_hi - 1 - k0)
+        s0 = tl.load(xs_row + k0) * tl.load(ws_col + k0 * stride_wsk)
+        s1 = tl.load(xs_row + k0 + step) * (tl.load(ws_col + (k0 + step) * stride_wsk) * step.to(tl.float32))
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(k_lo, k_hi, 2):
             step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
