@@ -3,7 +3,7 @@
 # TILE_S and TRACE_S). Stages, each run when its time limit is set (carry .whl):
 #   TESTS_S  GPU tests ($TESTS, pytest-xdist workers, one file each; MARK, default "not slow") -> gpu_tests.log
 #   SPREAD_S GPU tests ($SPREAD, spread test by test over the workers: files of many kernels) -> gpu_spread.log
-#   SERV_S   bench_service.py quick points, default server                -> service.json
+#   SERV_S   bench_service.py quick points, default server ($SERV_ARGS: more options) -> service.json
 #   OVH_S    overhead_gpu.py: a lone call's batch, host-side variants       -> overhead_gpu.json
 #   PROF_S   profile_moe.py ($PROF_MODELS, $PROF_TOKENS)                     -> moe_steps.json
 #   TILE_S   tinymoe_tiles.py: the one-token moe kernels' weight tiles    -> tinymoe_tiles.json
@@ -51,7 +51,7 @@ if [ -n "$KERN_S" ]; then
 fi
 if [ -n "$SERV_S" ]; then
   timeout -k 5 $SERV_S python3 -P bench/bench_service.py --quick --no-deepseek --servers default \
-    --budget-s $(( SERV_S - 40 )) --duration 1.0 --out "$OUT/service.json" > "$OUT/service.log" 2>&1
+    --budget-s $(( SERV_S - 40 )) --duration 1.0 $SERV_ARGS --out "$OUT/service.json" > "$OUT/service.log" 2>&1
   echo "service bench rc=$? $(el)"; grep -v "^ " "$OUT/service.log" | grep -v "^median" | tail -14 | cut -c1-400
 fi
 true
