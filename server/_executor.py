@@ -93,7 +93,7 @@ class _Route:
     ``w_scale`` are: a replaced set's are new) and the pool's ``generation`` is
     unchanged (captures, forgets and a dropped weight table bump it)."""
 
-    __slots__ = ("wq", "w_scale", "generation", "lane", "table", "graphs")
+    __slots__ = ("generation", "graphs", "lane", "table", "w_scale", "wq")
 
     def __init__(self, ws, generation: int, lane: _Lane, table: tuple[int, int] | None) -> None:
         # Weak: a route never keeps a deleted set's device memory alive.
@@ -154,10 +154,6 @@ class Executor:
         return all(pool.graph(f, bucket, wq, w_scale, merged) is not None
                    for f in (Family(G, N, K, q) for q in (False, True))
                    for bucket in pool.buckets for merged in pool.variants(f, bucket))
-
-    def has_family(self, G: int, N: int, K: int) -> bool:
-        """Whether calls of this shape may be using the family's static buffers."""
-        return any(Family(G, N, K, q) in self.pool._buffers for q in (False, True))
 
     def batch_key(self, call) -> tuple:
         """Calls merge per weight set and input dtype (one graph family, one conversion)."""
