@@ -30,6 +30,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+
 class _Cell:
     """One lock-free value in place of prometheus-client's ``MutexValue`` (what the
     library's ``collect`` reads: ``get`` and ``get_exemplar``)."""
@@ -77,7 +78,7 @@ class FastHistogram(Histogram):
 
     def observe(self, amount: float) -> None:
         self._sum.value += amount
-        if amount == amount:  # a NaN lands in no bucket, as in the library
+        if amount == amount:  # noqa: PLR0124 -- a NaN lands in no bucket, as in the library
             self._buckets[bisect_left(self._upper_bounds, amount)].value += 1
 
 
