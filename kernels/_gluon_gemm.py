@@ -117,11 +117,29 @@ def _find_tile(table_ptr, t, num_n, BLOCK_M: gl.constexpr, G_POW2: gl.constexpr,
 
 
 @gluon.jit
-def _load_partition(descs, bufs, table_ptr, tiles, N, K, G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr):
-    """The producer warp: TMA loads of every K block of this program's tiles into the ring."""
+def _load_tile(descs, bufs, it, first_row, w_row, num_kb):
+    """The producer: TMA loads of a tile's ``num_kb`` K blocks into the ring from position ``it``;
+    returns the position after them."""
     x_desc, w_desc = descs
     a_bufs, b_bufs, ready, empty = bufs
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    for kb in range(num_kb):
+        slot = it % STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0.
+        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [first_row, kb * BK], bar, a_bufs.index(slot))
+        tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, b_bufs.index(slot))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _load_partition(descs, bufs, table_ptr, tiles, N, K, G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr):
+    """The producer warp: TMA loads of every K block of this program's tiles into the ring."""
+    a_bufs, b_bufs, _ready, _empty = bufs
     BM: gl.constexpr = a_bufs.type.shape[1]
     BN: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -132,16 +150,7 @@ def _load_partition(descs, bufs, table_ptr, tiles, N, K, G_POW2: gl.constexpr, G
     it = 0
     for t in range(pid, tiles, programs):
         group, first_row, tile_n, _ = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
-        w_row = group * N + tile_n * BN
-        for kb in range(num_kb):
-            slot = it % STAGES
-            # A fresh mbarrier counts as having completed the phase before phase 0.
-            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [first_row, kb * BK], bar, a_bufs.index(slot))
-            tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, b_bufs.index(slot))
-            it += 1
+        it = _load_tile(descs, bufs, it, first_row, group * N + tile_n * BN, num_kb)
 
 
 @gluon.jit
@@ -265,25 +274,10 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
     ``stride_wg`` is unused (the weight descriptor spans all groups' rows); it keeps the
     argument list the Triton schedules' (``triton_kernel.launch_plan``).
     """
-    gl.static_assert(BLOCK_M == 128 and BLOCK_K == 128)  # two 64-row consumers; one scale block per K step
-    pid = gl.program_id(0)
-    table = work_ptr + pid * (3 * G_POW2)
-    tiles = _tile_table(m_sizes_ptr, M, G, N // BLOCK_N, table, BLOCK_M, G_POW2, gl.num_warps())
-    w_base, ws_base = _bases(w_ptr, ws_ptr, ADDRS)
-    x_base, xs_base = _bases(x_ptr, xs_ptr, X_WORDS)
-    # 128-byte swizzle: what wgmma reads (both operands fp8, K-major rows of 128 bytes).
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    x_desc = tma.make_tensor_descriptor(x_base, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K], smem_layout)
-    w_desc = tma.make_tensor_descriptor(w_base, [G * N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K], smem_layout)
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], smem_layout)
-    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], smem_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    tiles, table, xs_base, ws_base, descs, bufs = _prologue(
+        x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
+        BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
     fence_async_shared()
-    bufs = (a_bufs, b_bufs, ready, empty)
     scalars = (M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map)
     TOP: gl.constexpr = 0
     BOTTOM: gl.constexpr = 1
@@ -292,7 +286,7 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
                           GROUP_TILES_M, ROW_MAP)),
         (_mma_partition, (bufs, table, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, BOTTOM, G_POW2,
                           GROUP_TILES_M, ROW_MAP)),
-        (_load_partition, ((x_desc, w_desc), bufs, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
+        (_load_partition, (descs, bufs, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -376,9 +370,7 @@ def _handoff_load_partition(descs, bufs, tiles_ring, table_ptr, tiles, N, K, G_P
                             GROUP_TILES_M: gl.constexpr):
     """The producer warp: ``_load_partition``, and each tile's coordinates posted to the consumers
     before its first K block is asked for."""
-    x_desc, w_desc = descs
-    a_bufs, b_bufs, ready, empty = bufs
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    a_bufs, b_bufs, _ready, _empty = bufs
     BM: gl.constexpr = a_bufs.type.shape[1]
     BN: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -390,15 +382,7 @@ def _handoff_load_partition(descs, bufs, tiles_ring, table_ptr, tiles, N, K, G_P
     for t in range(pid, tiles, programs):
         group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
         _publish_tile(tiles_ring, (t - pid) // programs, group, first_row, tile_n, row_stop)
-        w_row = group * N + tile_n * BN
-        for kb in range(num_kb):
-            slot = it % STAGES
-            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [first_row, kb * BK], bar, a_bufs.index(slot))
-            tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, b_bufs.index(slot))
-            it += 1
+        it = _load_tile(descs, bufs, it, first_row, group * N + tile_n * BN, num_kb)
 
 
 @gluon.jit
@@ -549,14 +533,15 @@ def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW
 def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G_POW2: gl.constexpr,
               STAGES: gl.constexpr, ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
-    """What every gluon_ws variant sets up before it forks: the tile table, the bases, the two
-    descriptors, the ring (its slots and ready/empty barriers) and the tile ring."""
-    gl.static_assert(BLOCK_M == 128 and BLOCK_K == 128)
+    """What both Gluon kernels set up before they fork: the tile table, the bases, the two
+    descriptors, the ring (its slots and ready/empty barriers)."""
+    gl.static_assert(BLOCK_M == 128 and BLOCK_K == 128)  # two 64-row consumers; one scale block per K step
     pid = gl.program_id(0)
     table = work_ptr + pid * (3 * G_POW2)
     tiles = _tile_table(m_sizes_ptr, M, G, N // BLOCK_N, table, BLOCK_M, G_POW2, gl.num_warps())
     w_base, ws_base = _bases(w_ptr, ws_ptr, ADDRS)
     x_base, xs_base = _bases(x_ptr, xs_ptr, X_WORDS)
+    # 128-byte swizzle: what wgmma reads (both operands fp8, K-major rows of 128 bytes).
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     x_desc = tma.make_tensor_descriptor(x_base, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K], smem_layout)
     w_desc = tma.make_tensor_descriptor(w_base, [G * N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K], smem_layout)
@@ -567,13 +552,20 @@ def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, s
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    return tiles, table, xs_base, ws_base, (x_desc, w_desc), (a_bufs, b_bufs, ready, empty)
+
+
+@gluon.jit
+def _tile_ring():
+    """``gluon_ws_store``'s tile ring: the slots the producer posts tiles in, and their
+    posted/taken barriers."""
     info = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     posted = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
     taken = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(TILE_SLOTS):
         mbarrier.init(posted.index(s), count=1)
         mbarrier.init(taken.index(s), count=2)
-    return tiles, table, xs_base, ws_base, (x_desc, w_desc), (a_bufs, b_bufs, ready, empty), (info, posted, taken)
+    return info, posted, taken
 
 
 @gluon.jit
@@ -587,9 +579,10 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB with the three ring slots)
     and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
     ``gluon_ws`` instead)."""
-    tiles, table, xs_base, ws_base, descs, bufs, tiles_ring = _prologue(
+    tiles, table, xs_base, ws_base, descs, bufs = _prologue(
         x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
         BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
+    tiles_ring = _tile_ring()
     OUT_BYTES: gl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
     gl.static_assert(OUT_BYTES == 2)
     # Blocks 2h and 2h + 1: consumer h's columns 0-127 and 128-255.
