@@ -190,6 +190,57 @@ def _store(acc, out_ptr, dest, first_row, col, row_stop, stride_om, ROW_MAP: gl.
 
 
 @gluon.jit
+def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg, HALF: gl.constexpr,
+                 ROWS: gl.constexpr, BN: gl.constexpr, row_layout: gl.constexpr):
+    """This consumer's rows of the tile, their activation-scale rows and the weight-scale column
+    pointer.
+
+    The weight scale is loaded per thread: a load from one address for all threads goes into a
+    uniform register, and ptxas puts that conversion right before the next wgmma, which then
+    waits for the load's L2 latency (seen in the SASS). An offset that is 0 but depends on the
+    thread's rows keeps it in an ordinary register, used an iteration later."""
+    rows = first_row + HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)
+    xs_row = xs_base + gl.minimum(rows, M - 1).to(gl.int64) * stride_xsm
+    ws_col = (ws_base + group.to(gl.int64) * stride_wsg + tile_n * (BN // 128) + gl.where(rows < 0, rows, 0))
+    return rows, xs_row, ws_col
+
+
+@gluon.jit
+def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr, mma_layout: gl.constexpr):
+    """One consumer's two 64 x 128 sums of a tile, both Gluon kernels' K loop (one order of
+    operations, so one set of bits). Returns (columns 0-127, columns 128-255, the ring position after
+    the tile)."""
+    a_bufs, b_bufs, ready, empty = bufs
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    ROWS: gl.constexpr = a_bufs.type.shape[1] // 2
+    # A wgmma reads its accumulator operand even when told to ignore it: a part made per tile
+    # keeps its registers dead between tiles (the epilogue needs the room).
+    p0 = gl.zeros([ROWS, 128], gl.float32, mma_layout)
+    acc = gl.zeros([ROWS, 128], gl.float32, mma_layout)
+    acc_b = gl.zeros([ROWS, 128], gl.float32, mma_layout)
+    sx = gl.load(xs_row)
+    sw = gl.load(ws_col)
+    sw_b = gl.load(ws_col + 1)
+    for kb in range(num_kb):
+        s = sx * sw
+        s_b = sx * sw_b
+        kn = gl.minimum(kb + 1, num_kb - 1)
+        sx = gl.load(xs_row + kn)
+        sw = gl.load(ws_col + kn * stride_wsk)
+        sw_b = gl.load(ws_col + 1 + kn * stride_wsk)
+        slot = _ready(ready, it, STAGES)
+        p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 0)
+        p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
+        acc = acc + p0 * s[:, None]
+        p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 1)
+        p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
+        mbarrier.arrive(empty.index(slot), count=1)
+        acc_b = acc_b + p0 * s_b[:, None]
+        it += 1
+    return acc, acc_b, it
+
+
+@gluon.jit
 def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, HALF: gl.constexpr,
                    G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr):
     """One consumer warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every tile.
@@ -198,9 +249,8 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, m
     of a K block one after the other into one part (a second part would not
     fit in 232 registers); each K block's scales loaded a block ahead.
     """
-    a_bufs, b_bufs, ready, empty = bufs
+    a_bufs, b_bufs, _ready, _empty = bufs
     M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map = scalars
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BN: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -217,12 +267,9 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, m
     programs = gl.num_programs(0)
     it = 0
     for t in range(pid, tiles, programs):
-        # The part's registers: a wgmma reads its accumulator operand even when told to ignore it,
-        # so a part made per tile keeps them dead between tiles (the epilogue needs the room).
-        p0 = gl.zeros([ROWS, 128], gl.float32, mma_layout)
         group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
-        rows = first_row + HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)
-        xs_row = xs_base + gl.minimum(rows, M - 1).to(gl.int64) * stride_xsm
+        rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
+                                            HALF, ROWS, BN, row_layout)
         # Where each row is stored; ROW_MAP: row r at out[map[r]] (``_triton_gemm._out_rows``),
         # loaded here, before the K loop, so its latency is not the epilogue's (v16 loaded it
         # at each of the two stores, with the tensor cores idle).
@@ -230,33 +277,7 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, m
             dest = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map)
         else:
             dest = rows  # unused: the store numbers the rows itself
-        # The weight scale loaded per thread: a load from one address for all threads goes into a
-        # uniform register, and ptxas puts that conversion right before the next wgmma, which
-        # then waits for the load's L2 latency (seen in the SASS). An offset that is 0 but
-        # depends on the thread's rows keeps it in an ordinary register, used an iteration later.
-        ws_col = (ws_base + group.to(gl.int64) * stride_wsg + tile_n * (BN // 128)
-                  + gl.where(rows < 0, rows, 0))
-        acc = gl.zeros([ROWS, 128], gl.float32, mma_layout)
-        acc_b = gl.zeros([ROWS, 128], gl.float32, mma_layout)
-        sx = gl.load(xs_row)
-        sw = gl.load(ws_col)
-        sw_b = gl.load(ws_col + 1)
-        for kb in range(num_kb):
-            s = sx * sw
-            s_b = sx * sw_b
-            kn = gl.minimum(kb + 1, num_kb - 1)
-            sx = gl.load(xs_row + kn)
-            sw = gl.load(ws_col + kn * stride_wsk)
-            sw_b = gl.load(ws_col + 1 + kn * stride_wsk)
-            slot = _ready(ready, it, STAGES)
-            p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 0)
-            p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
-            acc = acc + p0 * s[:, None]
-            p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 1)
-            p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
-            mbarrier.arrive(empty.index(slot), count=1)
-            acc_b = acc_b + p0 * s_b[:, None]
-            it += 1
+        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
         top = first_row + HALF * ROWS
         _store(acc_b, out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
         _store(acc, out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
@@ -383,52 +404,6 @@ def _handoff_load_partition(descs, bufs, tiles_ring, table_ptr, tiles, N, K, G_P
         group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
         _publish_tile(tiles_ring, (t - pid) // programs, group, first_row, tile_n, row_stop)
         it = _load_tile(descs, bufs, it, first_row, group * N + tile_n * BN, num_kb)
-
-
-@gluon.jit
-def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr, mma_layout: gl.constexpr):
-    """One consumer's two 64 x 128 sums of a tile: ``_mma_partition``'s K loop, its order of
-    operations, so its bits. Returns (columns 0-127, columns 128-255, the ring position after
-    the tile)."""
-    a_bufs, b_bufs, ready, empty = bufs
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    ROWS: gl.constexpr = a_bufs.type.shape[1] // 2
-    # A wgmma reads its accumulator operand even when told to ignore it: a part made per tile
-    # keeps its registers dead between tiles (the epilogue needs the room).
-    p0 = gl.zeros([ROWS, 128], gl.float32, mma_layout)
-    acc = gl.zeros([ROWS, 128], gl.float32, mma_layout)
-    acc_b = gl.zeros([ROWS, 128], gl.float32, mma_layout)
-    sx = gl.load(xs_row)
-    sw = gl.load(ws_col)
-    sw_b = gl.load(ws_col + 1)
-    for kb in range(num_kb):
-        s = sx * sw
-        s_b = sx * sw_b
-        kn = gl.minimum(kb + 1, num_kb - 1)
-        sx = gl.load(xs_row + kn)
-        sw = gl.load(ws_col + kn * stride_wsk)
-        sw_b = gl.load(ws_col + 1 + kn * stride_wsk)
-        slot = _ready(ready, it, STAGES)
-        p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 0)
-        p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
-        acc = acc + p0 * s[:, None]
-        p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 1)
-        p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
-        mbarrier.arrive(empty.index(slot), count=1)
-        acc_b = acc_b + p0 * s_b[:, None]
-        it += 1
-    return acc, acc_b, it
-
-
-@gluon.jit
-def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg, HALF: gl.constexpr,
-                 ROWS: gl.constexpr, BN: gl.constexpr, row_layout: gl.constexpr):
-    """This consumer's rows of the tile, their activation-scale rows and the weight-scale column
-    pointer (per thread: see ``_mma_partition`` on the uniform-register stall)."""
-    rows = first_row + HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)
-    xs_row = xs_base + gl.minimum(rows, M - 1).to(gl.int64) * stride_xsm
-    ws_col = (ws_base + group.to(gl.int64) * stride_wsg + tile_n * (BN // 128) + gl.where(rows < 0, rows, 0))
-    return rows, xs_row, ws_col
 
 
 @gluon.jit
