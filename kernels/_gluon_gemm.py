@@ -284,6 +284,32 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, m
 
 
 @gluon.jit
+def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G_POW2: gl.constexpr,
+              STAGES: gl.constexpr, ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
+    """What both Gluon kernels set up before they fork: the tile table, the bases, the two
+    descriptors, the ring (its slots and ready/empty barriers)."""
+    gl.static_assert(BLOCK_M == 128 and BLOCK_K == 128)  # two 64-row consumers; one scale block per K step
+    pid = gl.program_id(0)
+    table = work_ptr + pid * (3 * G_POW2)
+    tiles = _tile_table(m_sizes_ptr, M, G, N // BLOCK_N, table, BLOCK_M, G_POW2, gl.num_warps())
+    w_base, ws_base = _bases(w_ptr, ws_ptr, ADDRS)
+    x_base, xs_base = _bases(x_ptr, xs_ptr, X_WORDS)
+    # 128-byte swizzle: what wgmma reads (both operands fp8, K-major rows of 128 bytes).
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    x_desc = tma.make_tensor_descriptor(x_base, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K], smem_layout)
+    w_desc = tma.make_tensor_descriptor(w_base, [G * N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K], smem_layout)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], smem_layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], smem_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    return tiles, table, xs_base, ws_base, (x_desc, w_desc), (a_bufs, b_bufs, ready, empty)
+
+
+@gluon.jit
 def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
                     M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
                     stride_map,
@@ -502,32 +528,6 @@ def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW
                 _drain(chunks, (2 * h + c) * (ROWS // CHUNK), out_ptr, map_ptr, first_row + h * ROWS,
                        tile_n * (2 * COLS) + c * COLS, row_stop, M, stride_om, stride_map, ROW_MAP, layout, ROWS)
             mbarrier.arrive(drained.index(h), count=1)
-
-
-@gluon.jit
-def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G_POW2: gl.constexpr,
-              STAGES: gl.constexpr, ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
-    """What both Gluon kernels set up before they fork: the tile table, the bases, the two
-    descriptors, the ring (its slots and ready/empty barriers)."""
-    gl.static_assert(BLOCK_M == 128 and BLOCK_K == 128)  # two 64-row consumers; one scale block per K step
-    pid = gl.program_id(0)
-    table = work_ptr + pid * (3 * G_POW2)
-    tiles = _tile_table(m_sizes_ptr, M, G, N // BLOCK_N, table, BLOCK_M, G_POW2, gl.num_warps())
-    w_base, ws_base = _bases(w_ptr, ws_ptr, ADDRS)
-    x_base, xs_base = _bases(x_ptr, xs_ptr, X_WORDS)
-    # 128-byte swizzle: what wgmma reads (both operands fp8, K-major rows of 128 bytes).
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    x_desc = tma.make_tensor_descriptor(x_base, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K], smem_layout)
-    w_desc = tma.make_tensor_descriptor(w_base, [G * N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K], smem_layout)
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], smem_layout)
-    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], smem_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    return tiles, table, xs_base, ws_base, (x_desc, w_desc), (a_bufs, b_bufs, ready, empty)
 
 
 @gluon.jit
