@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import MODELS, TOP_K, capture, expert_set, routing
 from profile_moe import kernel_sum_us
+from tinymoe_tiles import token_buffers
 
 
 def load_base(path: str):
@@ -71,7 +72,6 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     from moegemm.kernels import get_backend, quantize_activations
-    from moegemm.kernels.triton_kernel import weight_addresses
     from moegemm.server import _moe_token as mine
 
     base = load_base(args.base)
@@ -87,13 +87,7 @@ def main() -> None:
         ids, w = routing(1, G, TOP_K, gen)
         x = torch.randn((1, H), generator=gen).to(torch.bfloat16).to(dev)
         xq, xs = quantize_activations(x.float(), backend.fp8_dtype)
-        bufs = {"ids": ids.reshape(-1).to(torch.int64).view(torch.int32).to(dev),
-                "wide": torch.tensor(1, device=dev), "w": w.reshape(-1).to(dev),
-                "tokens": torch.tensor(1, device=dev),
-                "t13": weight_addresses(es.w13.wq, es.w13.w_scale),
-                "t2": weight_addresses(es.w2.wq, es.w2.w_scale),
-                "parts": torch.zeros((TOP_K, H), device=dev),
-                "counts": torch.zeros(mine.counts_words(H), dtype=torch.int32, device=dev)}
+        bufs = token_buffers(es, ids, w, H, dev)
         case = {"G": G, "H": H, "I": I, "bufs": bufs, "dev": dev}
 
         want = None

@@ -28,6 +28,21 @@ from profile_moe import kernel_sum_us
 VARIANTS = ((64, 4), (128, 8), (128, 4))
 
 
+def token_buffers(es, ids, w, H: int, dev) -> dict:
+    """The one-token kernels' device inputs for expert set ``es``: the routing as int64 words,
+    the weights, the token count, the two address tables, the combine's parts and counters."""
+    from moegemm.kernels.triton_kernel import weight_addresses
+    from moegemm.server._moe_token import counts_words
+
+    return {"ids": ids.reshape(-1).to(torch.int64).view(torch.int32).to(dev),
+            "wide": torch.tensor(1, device=dev), "w": w.reshape(-1).to(dev),
+            "tokens": torch.tensor(1, device=dev),
+            "t13": weight_addresses(es.w13.wq, es.w13.w_scale),
+            "t2": weight_addresses(es.w2.wq, es.w2.w_scale),
+            "parts": torch.zeros((TOP_K, H), device=dev),
+            "counts": torch.zeros(counts_words(H), dtype=torch.int32, device=dev)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -35,7 +50,6 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     from moegemm.kernels import get_backend
-    from moegemm.kernels.triton_kernel import weight_addresses
     from moegemm.server import _moe_token as mt
 
     dev = torch.device("cuda")
@@ -49,13 +63,7 @@ def main() -> None:
         es = expert_set(G, H, I, backend.fp8_dtype, dev)
         ids, w = routing(1, G, TOP_K, gen)
         x = torch.randn((1, H), generator=gen).to(torch.bfloat16).to(dev)
-        bufs = {"ids": ids.reshape(-1).to(torch.int64).view(torch.int32).to(dev),
-                "wide": torch.tensor(1, device=dev), "w": w.reshape(-1).to(dev),
-                "tokens": torch.tensor(1, device=dev),
-                "t13": weight_addresses(es.w13.wq, es.w13.w_scale),
-                "t2": weight_addresses(es.w2.wq, es.w2.w_scale),
-                "parts": torch.zeros((TOP_K, H), device=dev),
-                "counts": torch.zeros(mt.counts_words(H), dtype=torch.int32, device=dev)}
+        bufs = token_buffers(es, ids, w, H, dev)
         want = None
         for up, down in zip(VARIANTS, VARIANTS):
             mt.weight_tile = lambda k, n, up=up, down=down, I=I: up if n == 2 * I else down
