@@ -188,11 +188,11 @@ def buckets_up_to(max_bucket: int) -> list[int]:
 
 
 def bucket_for(rows: int, buckets: list[int]) -> int:
-    """The smallest bucket holding ``rows`` (``rows`` <= the largest bucket)."""
-    for bucket in buckets:
-        if bucket >= rows:
-            return bucket
-    raise ValueError(f"{rows} rows exceed the largest bucket {buckets[-1]}")
+    """The smallest bucket holding ``rows`` (``rows`` <= the largest bucket; ``buckets`` are
+    :func:`buckets_up_to`'s powers of two, so it is the next power of two)."""
+    if rows > buckets[-1]:
+        raise ValueError(f"{rows} rows exceed the largest bucket {buckets[-1]}")
+    return 1 << max(rows - 1, 0).bit_length()
 
 
 class GraphPool:
@@ -458,11 +458,7 @@ class GraphPool:
 
     def launch_rows(self, rows: int) -> int:
         """How many buffer rows a launch over ``rows`` real rows covers."""
-        if not self.pad_to_bucket:
-            return rows
-        if 0 < rows <= self.max_bucket:  # the buckets are the powers of two up to it
-            return 1 << (rows - 1).bit_length()
-        return bucket_for(rows, self.buckets)  # (raises: past the largest bucket)
+        return bucket_for(rows, self.buckets) if self.pad_to_bucket else rows
 
     def launch(
         self,
