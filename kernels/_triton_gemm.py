@@ -257,7 +257,7 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
                   stride_map,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                   EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                  ROW_MAP: tl.constexpr):
+                  ROW_MAP: tl.constexpr, STAGED: tl.constexpr = False, STAGES: tl.constexpr = 3):
     """Decode, one K block per iteration: ``acc[BLOCK_N, BLOCK_M] += dot(w, x^T) * (ws * xs)``.
 
     BLOCK_M is the token tile, BLOCK_N (<= 128) the weight tile: one
@@ -280,16 +280,31 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
         xs_ptrs = xs_base + rows_in * stride_xsm + k_lo
         ws_ptrs = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128 + k_lo * stride_wsk
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kb in range(k_lo, k_hi):
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs, eviction_policy=EVICT_W)
-            xs = tl.load(xs_ptrs)
-            ws = tl.load(ws_ptrs)
-            acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            xs_ptrs += 1
-            ws_ptrs += stride_wsk
+        if STAGED:
+            # The loop's num_stages given to the loop itself: the software pipeliner then
+            # stages every load of it, the scales too (copied to shared memory with the
+            # block's operands), so no iteration waits on a scale's round trip.
+            for kb in tl.range(k_lo, k_hi, num_stages=STAGES):
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                xs = tl.load(xs_ptrs)
+                ws = tl.load(ws_ptrs)
+                acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+                xs_ptrs += 1
+                ws_ptrs += stride_wsk
+        else:
+            for kb in range(k_lo, k_hi):
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                xs = tl.load(xs_ptrs)
+                ws = tl.load(ws_ptrs)
+                acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+                xs_ptrs += 1
+                ws_ptrs += stride_wsk
         if SPLIT_K > 1:
             acc, last = _split_k_finish(acc, part_ptr, count_ptr, tile_id.to(tl.int64), split, SPLIT_K,
                                         BLOCK_N, BLOCK_M)
@@ -307,7 +322,7 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
                        stride_map,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                        EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                       ROW_MAP: tl.constexpr):
+                       ROW_MAP: tl.constexpr, STAGED: tl.constexpr = False, STAGES: tl.constexpr = 3):
     """Decode, two K blocks per iteration, each pair's scales loaded one iteration ahead.
 
     The scale loads are not staged by the software pipeliner; waiting on
@@ -331,31 +346,50 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
                   + (k_lo * BLOCK_K + offs_k)[None, :])
         xs_row = xs_base + rows_in * stride_xsm
         ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
-        step = tl.minimum(1, k_hi - 1 - k_lo)
-        s0 = tl.load(xs_row + k_lo) * tl.load(ws_col + k_lo * stride_wsk)
-        s1 = tl.load(xs_row + k_lo + step) * (tl.load(ws_col + (k_lo + step) * stride_wsk) * step.to(tl.float32))
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kb in range(k_lo, k_hi, 2):
-            step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
-            x0 = tl.load(x_ptrs)
-            w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
-            x1 = tl.load(x_ptrs + step * BLOCK_K)
-            w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
-            # The next pair's scales (clamped in range; unused after the last pair).
-            kn = tl.minimum(kb + 2, k_hi - 1)
-            step_n = tl.minimum(1, k_hi - 1 - kn)
-            xs0_n = tl.load(xs_row + kn)
-            ws0_n = tl.load(ws_col + kn * stride_wsk)
-            xs1_n = tl.load(xs_row + kn + step_n)
-            ws1_n = tl.load(ws_col + (kn + step_n) * stride_wsk) * step_n.to(tl.float32)
-            part0 = tl.dot(w0, tl.trans(x0))
-            part1 = tl.dot(w1, tl.trans(x1))
-            acc += part0 * s0[None, :]
-            acc += part1 * s1[None, :]
-            s0 = xs0_n * ws0_n
-            s1 = xs1_n * ws1_n
-            x_ptrs += 2 * BLOCK_K
-            w_ptrs += 2 * BLOCK_K
+        if STAGED:
+            # Every load of the pair staged by the pipeliner (see decode_kernel), the scales too.
+            for kb in tl.range(k_lo, k_hi, 2, num_stages=STAGES):
+                step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
+                x0 = tl.load(x_ptrs)
+                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                x1 = tl.load(x_ptrs + step * BLOCK_K)
+                w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
+                xs0 = tl.load(xs_row + kb)
+                ws0 = tl.load(ws_col + kb * stride_wsk)
+                xs1 = tl.load(xs_row + kb + step)
+                ws1 = tl.load(ws_col + (kb + step) * stride_wsk)
+                part0 = tl.dot(w0, tl.trans(x0))
+                part1 = tl.dot(w1, tl.trans(x1))
+                acc += part0 * (xs0 * ws0)[None, :]
+                acc += part1 * (xs1 * (ws1 * step.to(tl.float32)))[None, :]
+                x_ptrs += 2 * BLOCK_K
+                w_ptrs += 2 * BLOCK_K
+        else:
+            step = tl.minimum(1, k_hi - 1 - k_lo)
+            s0 = tl.load(xs_row + k_lo) * tl.load(ws_col + k_lo * stride_wsk)
+            s1 = tl.load(xs_row + k_lo + step) * (tl.load(ws_col + (k_lo + step) * stride_wsk) * step.to(tl.float32))
+            for kb in range(k_lo, k_hi, 2):
+                step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
+                x0 = tl.load(x_ptrs)
+                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                x1 = tl.load(x_ptrs + step * BLOCK_K)
+                w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
+                # The next pair's scales (clamped in range; unused after the last pair).
+                kn = tl.minimum(kb + 2, k_hi - 1)
+                step_n = tl.minimum(1, k_hi - 1 - kn)
+                xs0_n = tl.load(xs_row + kn)
+                ws0_n = tl.load(ws_col + kn * stride_wsk)
+                xs1_n = tl.load(xs_row + kn + step_n)
+                ws1_n = tl.load(ws_col + (kn + step_n) * stride_wsk) * step_n.to(tl.float32)
+                part0 = tl.dot(w0, tl.trans(x0))
+                part1 = tl.dot(w1, tl.trans(x1))
+                acc += part0 * s0[None, :]
+                acc += part1 * s1[None, :]
+                s0 = xs0_n * ws0_n
+                s1 = xs1_n * ws1_n
+                x_ptrs += 2 * BLOCK_K
+                w_ptrs += 2 * BLOCK_K
         if SPLIT_K > 1:
             acc, last = _split_k_finish(acc, part_ptr, count_ptr, tile_id.to(tl.int64), split, SPLIT_K,
                                         BLOCK_N, BLOCK_M)

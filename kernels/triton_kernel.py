@@ -81,6 +81,7 @@ class TileConfig:
     evict_w: str = ""
     lead_tile: bool = False
     per_sm: int = 1
+    staged: bool = False
 
     @property
     def swap_ab(self) -> bool:
@@ -97,6 +98,8 @@ class TileConfig:
             return False
         if self.per_sm != 1 and self.schedule != "persistent_tma":
             return False
+        if self.staged and not self.swap_ab:
+            return False
         if self.swap_ab:
             return self.block_n in (64, 128) and self.block_m in (16, 32, 64)
         if self.schedule == "persistent_ws":
@@ -111,7 +114,8 @@ class TileConfig:
     def key(self) -> str:
         """A short stable name, used in the autotune cache and benchmarks."""
         extra = (f"_sk{self.split_k}" if self.split_k > 1 else "") + ("_ef" if self.evict_w else "") + (
-            "_lead" if self.lead_tile else "") + (f"_p{self.per_sm}" if self.per_sm != 1 else "")
+            "_lead" if self.lead_tile else "") + (f"_p{self.per_sm}" if self.per_sm != 1 else "") + (
+            "_st" if self.staged else "")
         return (f"{self.schedule}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"_g{self.group_tiles_m}{extra}")
 
@@ -360,7 +364,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
                                              config.block_m * config.block_n)
         extra = (parts, counts)
-        consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k)
+        consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, STAGED=config.staged, STAGES=config.num_stages)
     elif config.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=config.group_tiles_m, LEAD_TILE=config.lead_tile)
     elif config.schedule == "persistent_tma":
