@@ -90,7 +90,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
             divisible += ["part_ptr", "count_ptr"]
         else:
             consts.update({"part_ptr": None, "count_ptr": None})
-        consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, STAGED=cfg.staged, STAGES=cfg.num_stages)
+        consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, PRELOAD=cfg.preload, CHUNK=tk.scale_chunk(cfg, k))
     elif cfg.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=cfg.group_tiles_m, LEAD_TILE=cfg.lead_tile)
     elif cfg.schedule in ("persistent_tma", "gluon_ws"):

@@ -248,6 +248,25 @@ def _k_range(K, split, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     return k_lo, k_hi
 
 
+@triton.jit
+def _scale_products(xs_row, ws_col, stride_wsk, c, k_end, CHUNK: tl.constexpr):
+    """(blocks ``c + [0, CHUNK)``, their scale products ``xs * ws`` ``[BLOCK_M, CHUNK]``, 0 from
+    ``k_end`` on): the float32 products the shipped loop takes block by block, taken at once."""
+    blk = c + tl.arange(0, CHUNK)
+    inside = blk < k_end
+    ws = tl.load(ws_col + blk * stride_wsk, mask=inside, other=0.0)
+    xs = tl.load(xs_row[:, None] + blk[None, :], mask=inside[None, :], other=0.0)
+    return blk, xs * ws[None, :]
+
+
+@triton.jit
+def _pick(blk, scales, kb):
+    """Block ``kb``'s column of ``scales`` as its sum with zeros: the product's bits (``+0.0``
+    for ``-0.0``, which changes no product-and-add here: ``acc`` is never ``-0.0``; see
+    ``server/_moe_token._row_tile``), other blocks' NaN or infinities left out."""
+    return tl.sum(tl.where(blk[None, :] == kb, scales, 0.0), axis=1)
+
+
 # ---- decode: A and B swapped -------------------------------------------------------------------
 
 
@@ -257,7 +276,7 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
                   stride_map,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                   EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                  ROW_MAP: tl.constexpr, STAGED: tl.constexpr = False, STAGES: tl.constexpr = 3):
+                  ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16):
     """Decode, one K block per iteration: ``acc[BLOCK_N, BLOCK_M] += dot(w, x^T) * (ws * xs)``.
 
     BLOCK_M is the token tile, BLOCK_N (<= 128) the weight tile: one
@@ -280,20 +299,20 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
         xs_ptrs = xs_base + rows_in * stride_xsm + k_lo
         ws_ptrs = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128 + k_lo * stride_wsk
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if STAGED:
-            # The loop's num_stages given to the loop itself: the software pipeliner then
-            # stages every load of it, the scales too (copied to shared memory with the
-            # block's operands), so no iteration waits on a scale's round trip.
-            for kb in tl.range(k_lo, k_hi, num_stages=STAGES):
-                x = tl.load(x_ptrs)
-                w = tl.load(w_ptrs, eviction_policy=EVICT_W)
-                xs = tl.load(xs_ptrs)
-                ws = tl.load(ws_ptrs)
-                acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
-                x_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-                xs_ptrs += 1
-                ws_ptrs += stride_wsk
+        if PRELOAD:
+            # Every block's scale products taken before the loop (a chunk of CHUNK blocks at a
+            # time), block kb's picked out in registers: no load of the loop's path waits on a
+            # scale's round trip (see _scale_products).
+            xs_row = xs_base + rows_in * stride_xsm
+            ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
+            for c in range(k_lo, k_hi, CHUNK):
+                blk, scales = _scale_products(xs_row, ws_col, stride_wsk, c, k_hi, CHUNK)
+                for kb in range(c, tl.minimum(c + CHUNK, k_hi)):
+                    x = tl.load(x_ptrs)
+                    w = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                    acc += tl.dot(w, tl.trans(x)) * _pick(blk, scales, kb)[None, :]
+                    x_ptrs += BLOCK_K
+                    w_ptrs += BLOCK_K
         else:
             for kb in range(k_lo, k_hi):
                 x = tl.load(x_ptrs)
@@ -322,7 +341,7 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
                        stride_map,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                        EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                       ROW_MAP: tl.constexpr, STAGED: tl.constexpr = False, STAGES: tl.constexpr = 3):
+                       ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16):
     """Decode, two K blocks per iteration, each pair's scales loaded one iteration ahead.
 
     The scale loads are not staged by the software pipeliner; waiting on
@@ -347,28 +366,42 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
         xs_row = xs_base + rows_in * stride_xsm
         ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if STAGED:
-            # Every load of the pair staged by the pipeliner (see decode_kernel), the scales too.
-            for kb in tl.range(k_lo, k_hi, 2, num_stages=STAGES):
-                step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
+        if PRELOAD:
+            # The pairs' scale products taken before the loop, as in decode_kernel; an odd
+            # last block after it, with its own loads and the shipped tail's products.
+            xs_row = xs_base + rows_in * stride_xsm
+            ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
+            k_even = k_lo + ((k_hi - k_lo) // 2) * 2
+            for c in range(k_lo, k_even, CHUNK):
+                blk, scales = _scale_products(xs_row, ws_col, stride_wsk, c, k_even, CHUNK)
+                for kb in range(c, tl.minimum(c + CHUNK, k_even), 2):
+                    x0 = tl.load(x_ptrs)
+                    w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                    x1 = tl.load(x_ptrs + BLOCK_K)
+                    w1 = tl.load(w_ptrs + BLOCK_K, eviction_policy=EVICT_W)
+                    part0 = tl.dot(w0, tl.trans(x0))
+                    part1 = tl.dot(w1, tl.trans(x1))
+                    acc += part0 * _pick(blk, scales, kb)[None, :]
+                    acc += part1 * _pick(blk, scales, kb + 1)[None, :]
+                    x_ptrs += 2 * BLOCK_K
+                    w_ptrs += 2 * BLOCK_K
+            if k_even < k_hi:
+                # The shipped loop pairs an odd last block with itself, the copy scaled by
+                # xs * (ws * 0) (NaN where ws is infinite, as there).
                 x0 = tl.load(x_ptrs)
                 w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
-                x1 = tl.load(x_ptrs + step * BLOCK_K)
-                w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
-                xs0 = tl.load(xs_row + kb)
-                ws0 = tl.load(ws_col + kb * stride_wsk)
-                xs1 = tl.load(xs_row + kb + step)
-                ws1 = tl.load(ws_col + (kb + step) * stride_wsk)
+                xs0 = tl.load(xs_row + k_even)
+                ws0 = tl.load(ws_col + k_even * stride_wsk)
                 part0 = tl.dot(w0, tl.trans(x0))
-                part1 = tl.dot(w1, tl.trans(x1))
                 acc += part0 * (xs0 * ws0)[None, :]
-                acc += part1 * (xs1 * (ws1 * step.to(tl.float32)))[None, :]
-                x_ptrs += 2 * BLOCK_K
-                w_ptrs += 2 * BLOCK_K
+                acc += part0 * (xs0 * (ws0 * 0.0))[None, :]
         else:
-            step = tl.minimum(1, k_hi - 1 - k_lo)
-            s0 = tl.load(xs_row + k_lo) * tl.load(ws_col + k_lo * stride_wsk)
-            s1 = tl.load(xs_row + k_lo + step) * (tl.load(ws_col + (k_lo + step) * stride_wsk) * step.to(tl.float32))
+            # The first pair's scales; a split with no block (the last of SPLIT_K can be empty)
+            # reads block k_hi - 1's, unused, rather than past the scales' end.
+            k0 = tl.minimum(k_lo, k_hi - 1)
+            step = tl.minimum(1, k_hi - 1 - k0)
+            s0 = tl.load(xs_row + k0) * tl.load(ws_col + k0 * stride_wsk)
+            s1 = tl.load(xs_row + k0 + step) * (tl.load(ws_col + (k0 + step) * stride_wsk) * step.to(tl.float32))
             for kb in range(k_lo, k_hi, 2):
                 step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
                 x0 = tl.load(x_ptrs)

@@ -81,7 +81,7 @@ class TileConfig:
     evict_w: str = ""
     lead_tile: bool = False
     per_sm: int = 1
-    staged: bool = False
+    preload: bool = False
 
     @property
     def swap_ab(self) -> bool:
@@ -98,7 +98,7 @@ class TileConfig:
             return False
         if self.per_sm != 1 and self.schedule != "persistent_tma":
             return False
-        if self.staged and not self.swap_ab:
+        if self.preload and not self.swap_ab:
             return False
         if self.swap_ab:
             return self.block_n in (64, 128) and self.block_m in (16, 32, 64)
@@ -115,7 +115,7 @@ class TileConfig:
         """A short stable name, used in the autotune cache and benchmarks."""
         extra = (f"_sk{self.split_k}" if self.split_k > 1 else "") + ("_ef" if self.evict_w else "") + (
             "_lead" if self.lead_tile else "") + (f"_p{self.per_sm}" if self.per_sm != 1 else "") + (
-            "_st" if self.staged else "")
+            "_pre" if self.preload else "")
         return (f"{self.schedule}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"_g{self.group_tiles_m}{extra}")
 
@@ -337,6 +337,14 @@ def _tile_tables(device: torch.device, programs: int, g_pow2: int) -> torch.Tens
     return found[0]
 
 
+def scale_chunk(config: TileConfig, k: int) -> int:
+    """K blocks whose scale products a decode program preloads at once (``preload``): every
+    block of its split, a power of two, at most 2048 products per tile (16 registers a
+    thread at 4 warps) so long K does not take the accumulator's registers."""
+    per_split = -(-(k // _SCALE_BLOCK) // max(1, min(config.split_k, k // _SCALE_BLOCK)))
+    return max(16, min(_next_pow2(per_split), 2048 // config.block_m))
+
+
 def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
                 addrs: bool, x_words: torch.Tensor | None = None, out_rows: torch.Tensor | None = None):
     """(kernel, grid, args, constexprs and launch options) of one launch of ``config``.
@@ -364,7 +372,8 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
                                              config.block_m * config.block_n)
         extra = (parts, counts)
-        consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, STAGED=config.staged, STAGES=config.num_stages)
+        consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
+                      CHUNK=scale_chunk(config, k))
     elif config.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=config.group_tiles_m, LEAD_TILE=config.lead_tile)
     elif config.schedule == "persistent_tma":

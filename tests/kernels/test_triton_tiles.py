@@ -123,10 +123,10 @@ def test_schedule_limits_and_keys():
     assert not T("persistent_ws", 128, 256).fits(1152)
     assert not T("persistent_ws", 128, 128, 8).fits(2048)  # 4 warps: a producer and two consumers
     assert not T("persistent_tma", 64, 128, lead_tile=True).fits(2048)
-    # Staged scales: a decode-loop variant only, with a key of its own.
-    assert T("decode_pair", 16, 128, 8, 5, staged=True).fits(2048)
-    assert not T("persistent_tma", 64, 128, staged=True).fits(2048)
-    assert T("decode", 16, 128, staged=True).key() != T("decode", 16, 128).key()
+    # Preloaded scales: a decode-loop variant only, with a key of its own.
+    assert T("decode_pair", 16, 128, 8, 5, preload=True).fits(2048)
+    assert not T("persistent_tma", 64, 128, preload=True).fits(2048)
+    assert T("decode", 16, 128, preload=True).key() != T("decode", 16, 128).key()
     assert not T("nonesuch", 64, 128).fits(2048)
     # The Gluon tile: 128 x 256, a producer warp and two consumer warpgroups, 3-4 ring slots.
     assert T("gluon_ws", 128, 256, 4, 3).fits(2048, tk.TABLE_G_MAX)
