@@ -1,18 +1,23 @@
-"""The decode tiles' loop on the H200: the shipped tile against its scales staged, stages 3-6.
+"""The decode tiles' loop on the H200: the shipped tile, more stages, and its scales preloaded.
 
-    python bench/decode_sweep.py [--out sweep.json] [--budget-s 230] [--rounds 5] [--match a,b]
+    python bench/decode_sweep.py [--out sweep.json] [--budget-s 230] [--rounds 5] [--match a,b] [--list]
 
 For every real decode case (t1/t16/t64/t256 of ``real_models.json``, the routing
 ``bench_kernels.real_cases`` draws) and every seed shape whose table tile is a decode
 schedule: the table's tile for the call's rows (``default_config``, the public entry's
-launch) as it ships, and the same tile with ``staged`` (every load of the K loop, the
-two scales too, staged by the software pipeliner: ``_triton_gemm.decode_kernel``) at
-``num_stages`` 3, 4, 5 and 6. Each variant's output must equal the shipped tile's bit for
-bit (outputs NaN-poisoned first). Times: medians of CUDA-graph replays (graphs of about
-1 ms of calls, as ``bench_kernels.time_us``), fresh random data per case, the variants
-interleaved over ``--rounds`` rounds. Prints floor/time per variant and the geomeans over
-the cases every variant ran. Cases run worst-first (v17's service ratio), so a budget
-cut drops the ones nearest the floor. Never collected by pytest.
+launch) as it ships, the same tile at 4 and 5 stages, and with ``preload`` (every K
+block's scale products taken before the loop, ``_triton_gemm._scale_products``) at 3, 4
+and 5 stages. Each variant's output must equal the shipped tile's bit for bit (outputs
+NaN-poisoned first). Times: medians of CUDA-graph replays (graphs of about 1 ms of calls,
+as ``bench_kernels.time_us``), fresh random data per case, the variants interleaved over
+``--rounds`` rounds. Prints floor/time per variant and the geomeans over the cases every
+variant ran. Cases run worst-first (v17's service ratio) by weight set, so a budget cut
+drops the ones nearest the floor.
+
+The weight sets run in a child process that appends each case's row as it finishes; a
+child that dies (an illegal address makes the CUDA context unusable) loses only the set
+it was on: the next child starts at the following set and the death is recorded. Never
+collected by pytest.
 """
 
 from __future__ import annotations
@@ -29,13 +34,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = [(False, None)] + [(True, s) for s in (3, 4, 5, 6)]
-"""(staged, num_stages) beside the shipped tile (False, None: the table's own stages)."""
+VARIANTS = [("shipped", False, None), ("s4", False, 4), ("s5", False, 5),
+            ("pre_s3", True, 3), ("pre_s4", True, 4), ("pre_s5", True, 5)]
+"""(name, preload, num_stages): the shipped tile (None: the table's own stages) and its variants."""
 V17 = Path(__file__).resolve().parent / "results" / "kernels_v17_session9.json"
 
 
-def variant_config(cfg, staged: bool, stages):
-    return cfg if stages is None else dataclasses.replace(cfg, staged=staged, num_stages=stages)
+def variant_config(cfg, preload: bool, stages):
+    return cfg if stages is None else dataclasses.replace(cfg, preload=preload, num_stages=stages)
 
 
 def decode_cases() -> list[dict]:
@@ -72,8 +78,8 @@ def compile_jobs(cases) -> list[tuple]:
     for c in cases:
         m, n, k, g = c["m"], c["n"], c["k"], c["g"]
         cfg = tk.default_config(m, n, k, g)
-        for staged, stages in VARIANTS:
-            jobs.add((variant_config(cfg, staged, stages), bk._stand_in_rows(m), n, k, g, False))
+        for _, preload, stages in VARIANTS:
+            jobs.add((variant_config(cfg, preload, stages), bk._stand_in_rows(m), n, k, g, False))
     # One job per compiled kernel, as bench_kernels.compile_jobs keys them.
     by_class = {}
     for job in sorted(jobs, key=repr):
@@ -112,9 +118,8 @@ def run_case(case, problem, rounds: int) -> dict:
            "config": shipped.key(), "variants": {}}
     want = None
     timed = []
-    for staged, stages in VARIANTS:
-        cfg = variant_config(shipped, staged, stages)
-        name = "shipped" if stages is None else f"st_s{stages}"
+    for name, preload, stages in VARIANTS:
+        cfg = variant_config(shipped, preload, stages)
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
         entry = {"config": cfg.key()}
         row["variants"][name] = entry
@@ -128,13 +133,15 @@ def run_case(case, problem, rounds: int) -> dict:
             want = out.clone()
         entry["same_bits"] = bool(torch.equal(out.view(torch.int16), want.view(torch.int16)))
         graph, calls = graph_of(lambda cfg=cfg, out=out: tk.launch(*problem, out, config=cfg))
-        timed.append((name, graph, calls, []))
+        # out stays referenced beside its graph: freed, its memory would go to the next
+        # variant's buffers while this graph's replays still wrote it.
+        timed.append((name, graph, calls, [], out))
     # Interleaved: every round replays each variant's graph a few times, in turn.
     for r in range(rounds):
         order = timed if r % 2 == 0 else timed[::-1]
-        for name, graph, calls, samples in order:
+        for name, graph, calls, samples, _ in order:
             samples += [1e3 * t / calls for t in bk._event_ms(graph.replay, 3)]
-    for name, graph, calls, samples in timed:
+    for name, graph, calls, samples, _ in timed:
         us = sorted(samples)[len(samples) // 2]
         row["variants"][name].update(us=round(us, 2), floor_over=round(row["floor_us"] / us, 4))
     return row
@@ -145,7 +152,7 @@ def geomean(vals):
 
 
 def summarize(rows) -> dict:
-    names = ["shipped"] + [f"st_s{s}" for s, in [(v[1],) for v in VARIANTS[1:]]]
+    names = [v[0] for v in VARIANTS]
     full = [r for r in rows if all("us" in r["variants"].get(n, {}) for n in names)]
     out = {"cases_all_variants": len(full),
            "all_bits_equal": all(v.get("same_bits", True) for r in rows for v in r["variants"].values())}
@@ -167,7 +174,46 @@ def summarize(rows) -> dict:
     return out
 
 
+def weight_sets(cases) -> list[list[dict]]:
+    """The cases grouped by weight set, the sets in the order their worst case comes."""
+    sets = {}
+    for c in cases:
+        sets.setdefault(c["weights"] + (c["n"], c["k"], c["g"]), []).append(c)
+    return list(sets.values())
+
+
+def run_sets(sets, first: int, rounds: int, lines: Path, deadline: float) -> None:
+    """The child: sets ``first...`` in turn, a JSON line per case (``{"set": i}`` before each
+    set, so the parent knows where a death happened); stops at ``deadline`` (epoch s)."""
+    import bench_kernels as bk
+
+    gen = torch.Generator(device=bk.DEV)
+    gen.manual_seed(int(time.time()))
+    with lines.open("a") as log:
+        for i in range(first, len(sets)):
+            if time.time() > deadline:
+                return
+            log.write(json.dumps({"set": i}) + "\n")
+            log.flush()
+            c0 = sets[i][0]
+            weights = bk.random_weights(c0["g"], c0["n"], c0["k"], gen)
+            for case in sets[i]:
+                _, xq, x_scale = bk.random_activations(case["m"], case["k"], gen)
+                problem = (xq, *weights[:1], x_scale, *weights[1:], case["sizes"].to(bk.DEV))
+                row = run_case(case, problem, rounds)
+                log.write(json.dumps({"row": row}) + "\n")
+                log.flush()
+                cells = " ".join(f"{n}={v.get('us', '-')}us/{v.get('floor_over', '-')}"
+                                 f"{'' if v.get('same_bits', True) else ' BITS-DIFFER'}"
+                                 for n, v in row["variants"].items())
+                print(f"{row['name']:<46} floor {row['floor_us']:7.1f} {row['config']}: {cells}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
+    import subprocess
+
     import bench_kernels as bk
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -176,42 +222,51 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--match", default="", help="only cases whose name contains one of these")
     parser.add_argument("--workers", type=int, default=14)
+    parser.add_argument("--list", action="store_true", help="print the sets and cases in run order and stop")
+    parser.add_argument("--child", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--lines", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     started = time.monotonic()
     cases = [c for c in decode_cases() if any(p in c["name"] for p in args.match.split(","))]
+    sets = weight_sets(cases)
+    if args.child >= 0:
+        run_sets(sets, args.child, args.rounds, args.lines, args.deadline)
+        return
+    if args.list:
+        from moegemm.kernels import triton_kernel as tk
+
+        for i, same in enumerate(sets):
+            for c in same:
+                cfg = tk.default_config(c["m"], c["n"], c["k"], c["g"])
+                print(f"set {i:2d} {c['name']:<46} m{c['m']} n{c['n']} k{c['k']} g{c['g']} {cfg.key()}")
+        return
     jobs = compile_jobs(cases)
     failed = bk.compile_ahead(jobs, args.workers)
-    print(f"{len(cases)} cases; {len(jobs)} compile jobs in {time.monotonic() - started:.0f} s; "
-          f"failures: {failed}", flush=True)
-    gen = torch.Generator(device=bk.DEV)
-    gen.manual_seed(int(time.time()))
-    rows, weights = [], {}
-    meta = {"device": torch.cuda.get_device_name(), "compile_failures": failed, "variants": VARIANTS}
-    # Group the cases by weight set (worst-first within the order the sets first appear).
-    sets = {}
-    for c in cases:
-        sets.setdefault(c["weights"] + (c["n"], c["k"], c["g"]), []).append(c)
-    order = [c for same in sets.values() for c in same]
-    for case in order:
-        if time.monotonic() - started > args.budget_s:
-            meta["stopped_early"] = f"budget reached before {case['name']}"
+    print(f"{len(cases)} cases in {len(sets)} weight sets; {len(jobs)} compile jobs in "
+          f"{time.monotonic() - started:.0f} s; failures: {failed}", flush=True)
+    meta = {"device": torch.cuda.get_device_name(), "compile_failures": failed, "variants": VARIANTS,
+            "child_deaths": []}
+    lines = (args.out or Path("decode_sweep.json")).with_suffix(".lines")
+    lines.write_text("")
+    deadline = time.time() + args.budget_s - (time.monotonic() - started)
+    rows, first = [], 0
+    while first < len(sets) and time.time() < deadline:
+        child = subprocess.run([sys.executable, "-P", __file__, "--child", str(first), "--lines", str(lines),
+                                "--deadline", str(deadline), "--rounds", str(args.rounds), "--match", args.match],
+                               stderr=subprocess.PIPE, text=True, check=False)
+        records = [json.loads(x) for x in lines.read_text().splitlines() if x.strip()]
+        rows = [r["row"] for r in records if "row" in r]
+        last_set = max([r["set"] for r in records if "set" in r], default=first)
+        if child.returncode == 0:
             break
-        key = case["weights"] + (case["n"], case["k"], case["g"])
-        if key not in weights:
-            weights.clear()
-            torch.cuda.empty_cache()
-            weights[key] = bk.random_weights(case["g"], case["n"], case["k"], gen)
-        wq, w_scale = weights[key]
-        _, xq, x_scale = bk.random_activations(case["m"], case["k"], gen)
-        problem = (xq, wq, x_scale, w_scale, case["sizes"].to(bk.DEV))
-        row = run_case(case, problem, args.rounds)
-        rows.append(row)
-        cells = " ".join(f"{n}={v.get('us', '-')}us/{v.get('floor_over', '-')}"
-                         f"{'' if v.get('same_bits', True) else ' BITS-DIFFER'}"
-                         for n, v in row["variants"].items())
-        print(f"{row['name']:<46} floor {row['floor_us']:7.1f} {row['config']}: {cells}", flush=True)
-        if args.out:
-            args.out.write_text(json.dumps({"summary": dict(meta, partial=True), "rows": rows}, indent=1))
+        # The child died on set last_set: record it (its name and the child's last words) and go on.
+        meta["child_deaths"].append({"set": last_set, "first_case": sets[last_set][0]["name"],
+                                     "rc": child.returncode, "stderr_tail": child.stderr[-1500:]})
+        print(f"child died on set {last_set} ({sets[last_set][0]['name']}), rc {child.returncode}:\n"
+              f"{child.stderr[-1500:]}", flush=True)
+        first = last_set + 1
+    meta["cases_run"] = f"{len(rows)} of {len(cases)}"
     summary = dict(meta, **summarize(rows), wall_s=round(time.monotonic() - started, 1))
     print(json.dumps(summary, indent=1))
     if args.out:

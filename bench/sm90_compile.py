@@ -3,7 +3,7 @@
     python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
     python bench/sm90_compile.py --gluon          # the Gluon schedule in every form (_gluon_gemm)
     python bench/sm90_compile.py --moe-token      # the one-token moe kernels (server/_moe_token)
-    python bench/sm90_compile.py --decode         # the decode tiles, staged scales x stages 3-6
+    python bench/sm90_compile.py --decode         # the decode tiles as decode_sweep times them
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
 serialisation warnings (C7514/C7515, which mean the tensor cores wait for
@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--gluon", action="store_true", help="the Gluon prefill kernel's variants instead")
     parser.add_argument("--moe-token", action="store_true", help="the one-token moe kernels instead")
     parser.add_argument("--decode", action="store_true",
-                        help="the decode tiles the table gives (service form), scales staged or not, stages 3-6")
+                        help="the decode tiles the table gives (service form), as decode_sweep times them")
     args = parser.parse_args()
     from moegemm.kernels import triton_kernel as tk
 
@@ -187,8 +187,8 @@ def main() -> None:
         import decode_sweep
 
         for cfg, (m, n, k, g) in decode_sweep.tile_classes():
-            for staged, stages in decode_sweep.VARIANTS:
-                c = decode_sweep.variant_config(cfg, staged, stages)
+            for _, preload, stages in decode_sweep.VARIANTS:
+                c = decode_sweep.variant_config(cfg, preload, stages)
                 print(f"m{m} n{n} k{k} g{g}", report(c, m, n, k, g, service=True), flush=True)
         return
 
