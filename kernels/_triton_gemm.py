@@ -250,21 +250,23 @@ def _k_range(K, split, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _scale_products(xs_row, ws_col, stride_wsk, c, k_end, CHUNK: tl.constexpr):
-    """(blocks ``c + [0, CHUNK)``, their scale products ``xs * ws`` ``[BLOCK_M, CHUNK]``, 0 from
-    ``k_end`` on): the float32 products the shipped loop takes block by block, taken at once."""
+    """(blocks ``c + [0, CHUNK)``, their scale products ``xs * ws`` ``[CHUNK, BLOCK_M]``, 0 from
+    ``k_end`` on): the float32 products the shipped loop takes block by block, taken at once.
+    Blocks along dim 0, so a block's pick (:func:`_pick`) reduces to the tile's column
+    layout without a transpose."""
     blk = c + tl.arange(0, CHUNK)
     inside = blk < k_end
     ws = tl.load(ws_col + blk * stride_wsk, mask=inside, other=0.0)
-    xs = tl.load(xs_row[:, None] + blk[None, :], mask=inside[None, :], other=0.0)
-    return blk, xs * ws[None, :]
+    xs = tl.load(xs_row[None, :] + blk[:, None], mask=inside[:, None], other=0.0)
+    return blk, xs * ws[:, None]
 
 
 @triton.jit
 def _pick(blk, scales, kb):
-    """Block ``kb``'s column of ``scales`` as its sum with zeros: the product's bits (``+0.0``
+    """Block ``kb``'s row of ``scales`` as its sum with zeros: the product's bits (``+0.0``
     for ``-0.0``, which changes no product-and-add here: ``acc`` is never ``-0.0``; see
     ``server/_moe_token._row_tile``), other blocks' NaN or infinities left out."""
-    return tl.sum(tl.where(blk[None, :] == kb, scales, 0.0), axis=1)
+    return tl.sum(tl.where(blk[:, None] == kb, scales, 0.0), axis=0)
 
 
 # ---- decode: A and B swapped -------------------------------------------------------------------
@@ -300,19 +302,22 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
         ws_ptrs = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128 + k_lo * stride_wsk
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if PRELOAD:
-            # Every block's scale products taken before the loop (a chunk of CHUNK blocks at a
-            # time), block kb's picked out in registers: no load of the loop's path waits on a
-            # scale's round trip (see _scale_products).
+            # Every block's scale products taken before the loop, block kb's picked out in
+            # registers: no load of the loop's path waits on a scale's round trip. A split of
+            # more than CHUNK blocks takes the next chunk's products every CHUNK blocks (one
+            # round trip per chunk). One flat loop: a loop per chunk kept several copies of
+            # the operands' pointer tensors live (255 registers and spills on sm_90).
             xs_row = xs_base + rows_in * stride_xsm
             ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
-            for c in range(k_lo, k_hi, CHUNK):
-                blk, scales = _scale_products(xs_row, ws_col, stride_wsk, c, k_hi, CHUNK)
-                for kb in range(c, tl.minimum(c + CHUNK, k_hi)):
-                    x = tl.load(x_ptrs)
-                    w = tl.load(w_ptrs, eviction_policy=EVICT_W)
-                    acc += tl.dot(w, tl.trans(x)) * _pick(blk, scales, kb)[None, :]
-                    x_ptrs += BLOCK_K
-                    w_ptrs += BLOCK_K
+            blk, scales = _scale_products(xs_row, ws_col, stride_wsk, k_lo, k_hi, CHUNK)
+            for kb in range(k_lo, k_hi):
+                if kb - k_lo >= CHUNK and (kb - k_lo) % CHUNK == 0:
+                    blk, scales = _scale_products(xs_row, ws_col, stride_wsk, kb, k_hi, CHUNK)
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                acc += tl.dot(w, tl.trans(x)) * _pick(blk, scales, kb)[None, :]
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
         else:
             for kb in range(k_lo, k_hi):
                 x = tl.load(x_ptrs)
@@ -372,19 +377,20 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
             xs_row = xs_base + rows_in * stride_xsm
             ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
             k_even = k_lo + ((k_hi - k_lo) // 2) * 2
-            for c in range(k_lo, k_even, CHUNK):
-                blk, scales = _scale_products(xs_row, ws_col, stride_wsk, c, k_even, CHUNK)
-                for kb in range(c, tl.minimum(c + CHUNK, k_even), 2):
-                    x0 = tl.load(x_ptrs)
-                    w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
-                    x1 = tl.load(x_ptrs + BLOCK_K)
-                    w1 = tl.load(w_ptrs + BLOCK_K, eviction_policy=EVICT_W)
-                    part0 = tl.dot(w0, tl.trans(x0))
-                    part1 = tl.dot(w1, tl.trans(x1))
-                    acc += part0 * _pick(blk, scales, kb)[None, :]
-                    acc += part1 * _pick(blk, scales, kb + 1)[None, :]
-                    x_ptrs += 2 * BLOCK_K
-                    w_ptrs += 2 * BLOCK_K
+            blk, scales = _scale_products(xs_row, ws_col, stride_wsk, k_lo, k_even, CHUNK)
+            for kb in range(k_lo, k_even, 2):
+                if kb - k_lo >= CHUNK and (kb - k_lo) % CHUNK == 0:
+                    blk, scales = _scale_products(xs_row, ws_col, stride_wsk, kb, k_even, CHUNK)
+                x0 = tl.load(x_ptrs)
+                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                x1 = tl.load(x_ptrs + BLOCK_K)
+                w1 = tl.load(w_ptrs + BLOCK_K, eviction_policy=EVICT_W)
+                part0 = tl.dot(w0, tl.trans(x0))
+                part1 = tl.dot(w1, tl.trans(x1))
+                acc += part0 * _pick(blk, scales, kb)[None, :]
+                acc += part1 * _pick(blk, scales, kb + 1)[None, :]
+                x_ptrs += 2 * BLOCK_K
+                w_ptrs += 2 * BLOCK_K
             if k_even < k_hi:
                 # The shipped loop pairs an odd last block with itself, the copy scaled by
                 # xs * (ws * 0) (NaN where ws is infinite, as there).

@@ -27,7 +27,8 @@ SHAPES = [("decode", 16, 64, 4, 3, 128, 9 * 128, 2),       # 4 splits of 9: the 
           ("decode_pair", 16, 64, 2, 5, 128, 7 * 128, 3),  # 7 blocks: 4 + 3, odd tails
           ("decode_pair", 16, 128, 1, 17, 128, 5 * 128, 2),
           ("decode", 32, 128, 1, 40, 128, 3 * 128, 4),
-          ("decode", 16, 64, 1, 4, 64 * 2, 40 * 128, 1)]   # 40 blocks: chunks of 16 (forced)
+          ("decode", 16, 64, 1, 4, 64 * 2, 40 * 128, 1),   # 40 blocks: chunks of 16 (forced)
+          ("decode_pair", 16, 64, 1, 4, 64 * 2, 41 * 128, 1)]  # 20 pairs in chunks of 16, a tail
 
 
 def check_in_interpreter() -> list[str]:
@@ -97,7 +98,7 @@ def check_in_interpreter() -> list[str]:
                            for t in tk._split_workspace(xq.device, programs, split, bm * bn)]
             where["now"] = f"{cfg.key()} m{m} n{n} k{k} g{g}"
             chunk = tk.scale_chunk
-            if k == 40 * 128:
+            if k in (40 * 128, 41 * 128):
                 tk.scale_chunk = lambda config, kk: 16  # chunks ending inside the split
             try:
                 tk.launch(xq, wq, xs, ws, sizes, out, cfg)
