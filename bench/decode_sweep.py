@@ -257,9 +257,14 @@ def main() -> None:
                                stderr=subprocess.PIPE, text=True, check=False)
         records = [json.loads(x) for x in lines.read_text().splitlines() if x.strip()]
         rows = [r["row"] for r in records if "row" in r]
-        last_set = max([r["set"] for r in records if "set" in r], default=first)
+        started_sets = [r["set"] for r in records if "set" in r]
         if child.returncode == 0:
             break
+        if not started_sets or max(started_sets) < first:  # died before any set: it would again
+            meta["child_deaths"].append({"set": None, "rc": child.returncode, "stderr_tail": child.stderr[-1500:]})
+            print(f"child died before a set, rc {child.returncode}:\n{child.stderr[-1500:]}", flush=True)
+            break
+        last_set = max(started_sets)
         # The child died on set last_set: record it (its name and the child's last words) and go on.
         meta["child_deaths"].append({"set": last_set, "first_case": sets[last_set][0]["name"],
                                      "rc": child.returncode, "stderr_tail": child.stderr[-1500:]})
