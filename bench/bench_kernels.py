@@ -104,13 +104,17 @@ def floor_us(m, n, k, sizes, ceilings=FLOOR_CEILINGS) -> float:
     return max(bytes_moved / ceilings["copy_TBps"] / 1e6, 2 * m * n * k / ceilings["fp8_TFLOPs"] / 1e6)
 
 
+SWEEP_KEYS: list[str] = []  # --sweep-keys: only neighbours whose key contains one of these
+
+
 def sweep_configs(m, n, k, g):
     """The table's neighbours for ``--sweep`` (public entry): ``candidate_configs`` but the
-    table's own choice."""
+    table's own choice (and, with ``--sweep-keys``, only those whose key matches)."""
     from moegemm.kernels import triton_kernel as tk
 
     default = tk.default_config(m, n, k, g)
-    return [c for c in tk.candidate_configs(m, n, k, g) if c != default]
+    return [c for c in tk.candidate_configs(m, n, k, g)
+            if c != default and (not SWEEP_KEYS or any(part in c.key() for part in SWEEP_KEYS))]
 
 
 # ---- compiling ahead --------------------------------------------------------------------------
@@ -458,10 +462,13 @@ def main() -> None:
     parser.add_argument("--only", choices=("seed", "real"))
     parser.add_argument("--match", default="", help="only cases whose name contains one of these (comma-separated)")
     parser.add_argument("--sweep", action="store_true", help="also time the table's neighbours (public entry)")
+    parser.add_argument("--sweep-keys", default="", help="with --sweep: only the neighbours whose tile key contains "
+                        "one of these (comma-separated)")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting cases after this many seconds")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     args = parser.parse_args()
+    SWEEP_KEYS[:] = [part for part in args.sweep_keys.split(",") if part]
     import triton
 
     started = time.monotonic()

@@ -9,6 +9,8 @@
 #   TILE_S   tinymoe_tiles.py: the one-token moe kernels' weight tiles    -> tinymoe_tiles.json
 #   TRACE_S  trace_service.py: a lone call's timeline, client and server   -> trace.json
 #   KERN_S   bench_kernels.py, seed + real through the service graph, peers  -> kernels.json
+#   SWEEP_S  bench_kernels.py --sweep --no-peers on the cases matching $SWEEP_MATCH (tiles: $SWEEP_KEYS) -> sweep.json
+#   GAP_S    gap_gluon.py --match $GAP_MATCH: the service graph's parts apart  -> gap.json
 source bench/device_env.sh
 if [ -n "$TESTS_S" ]; then
   timeout -k 5 $TESTS_S python3 -P -m pytest -q -p no:cacheprovider -m "${MARK:-not slow}" --timeout ${TEST_TIMEOUT:-200} -rfE \
@@ -48,6 +50,16 @@ if [ -n "$KERN_S" ]; then
   timeout -k 5 $KERN_S python3 -P bench/bench_kernels.py --budget-s $(( KERN_S - 25 )) \
     --json "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
   echo "kernel bench rc=$? $(el)"; tail -1 "$OUT/kernels.log" | cut -c1-1500
+fi
+if [ -n "$SWEEP_S" ]; then
+  timeout -k 5 $SWEEP_S python3 -P bench/bench_kernels.py --sweep --no-peers --budget-s $(( SWEEP_S - 30 )) \
+    --match "$SWEEP_MATCH" --sweep-keys "$SWEEP_KEYS" --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
+  echo "sweep rc=$? $(el)"; tail -1 "$OUT/sweep.log" | cut -c1-300
+fi
+if [ -n "$GAP_S" ]; then
+  timeout -k 5 $GAP_S python3 -P bench/gap_gluon.py --match "$GAP_MATCH" --budget-s $(( GAP_S - 30 )) \
+    --out "$OUT/gap.json" > "$OUT/gap.log" 2>&1
+  echo "gap rc=$? $(el)"; grep -v "^{" "$OUT/gap.log" | tail -12 | cut -c1-300
 fi
 if [ -n "$SERV_S" ]; then
   timeout -k 5 $SERV_S python3 -P bench/bench_service.py --quick --no-deepseek --servers default \

@@ -47,16 +47,27 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 V16_JSON = HERE / "results" / "kernels_v16_session8.json"
+V18_JSON = HERE / "results" / "kernels_v18_session11.json"  # --match picks from it
 ALWAYS = ("real Qwen3-30B-A3B w2 prefill t8192 g128",)
 
 
 # ---- the cases ------------------------------------------------------------------------------
 
-def pick_cases(count: int) -> list[dict]:
+def pick_cases(count: int, match: str = "") -> list[dict]:
     """The ``count`` gluon_ws cases of the v16 JSON with the largest service/public ratio,
-    ALWAYS and at least one w13 case among them, as ``bench_kernels.real_cases`` builds them."""
+    ALWAYS and at least one w13 case among them, as ``bench_kernels.real_cases`` builds them;
+    ``match`` (comma-separated): the real cases whose name contains one of these instead, with
+    their v18 figures (session 11: the store form's service graph 8-10 % slower than its public
+    launch at K = 5120 only)."""
     import bench_kernels as bk
 
+    if match:
+        ref = {r["name"]: r for r in json.loads(V18_JSON.read_text())["rows"]}
+        cases = [dict(c) for c in bk.real_cases() if any(p in c["name"] for p in match.split(","))]
+        for case in cases:
+            r = ref[case["name"]]
+            case["v16"] = {"service_us": r["service_us"], "public_us": r["public_us"]}  # the reference run's
+        return cases
     rows = [r for r in json.loads(V16_JSON.read_text())["rows"] if r["config"].startswith("gluon_ws")]
     rows.sort(key=lambda r: -r["service_us"] / r["public_us"])
     chosen = [r["name"] for r in rows if r["name"] in ALWAYS]
@@ -309,10 +320,12 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=6, help="how many Gluon cases (largest v16 gaps first)")
     parser.add_argument("--budget-s", type=float, default=85.0, help="start no case after this many seconds")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--match", default="", help="these real cases instead (names containing one of these, "
+                        "comma-separated), against their v18 figures")
     parser.add_argument("--list", action="store_true", help="print the cases and their tiles, run nothing (no GPU)")
     args = parser.parse_args()
     started = time.monotonic()
-    cases = pick_cases(args.cases)
+    cases = pick_cases(args.cases, args.match)
     if args.list:
         import bench_kernels as bk
         from moegemm.kernels import triton_kernel as tk

@@ -3,6 +3,7 @@
     python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
     python bench/sm90_compile.py --gluon          # the Gluon schedules (gluon_ws and its variants) in every form
     python bench/sm90_compile.py --moe-token      # the one-token moe kernels (server/_moe_token)
+    python bench/sm90_compile.py --decode         # the decode tiles as decode_sweep times them
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
 serialisation warnings (C7514/C7515, which mean the tensor cores wait for
@@ -89,7 +90,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
             divisible += ["part_ptr", "count_ptr"]
         else:
             consts.update({"part_ptr": None, "count_ptr": None})
-        consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k)
+        consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, PRELOAD=cfg.preload, CHUNK=tk.scale_chunk(cfg, k))
     elif cfg.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=cfg.group_tiles_m, LEAD_TILE=cfg.lead_tile)
     elif cfg.schedule == "persistent_tma" or cfg.schedule in tk.GLUON_SCHEDULES:
@@ -177,8 +178,19 @@ def main() -> None:
     parser.add_argument("--addresses", action="store_true", help="the weights by address (the server's graphs)")
     parser.add_argument("--gluon", action="store_true", help="the Gluon prefill kernel's variants instead")
     parser.add_argument("--moe-token", action="store_true", help="the one-token moe kernels instead")
+    parser.add_argument("--decode", action="store_true",
+                        help="the decode tiles the table gives (service form), as decode_sweep times them")
     args = parser.parse_args()
     from moegemm.kernels import triton_kernel as tk
+
+    if args.decode:
+        import decode_sweep
+
+        for cfg, (m, n, k, g) in decode_sweep.tile_classes():
+            for _, preload, stages in decode_sweep.VARIANTS:
+                c = decode_sweep.variant_config(cfg, preload, stages)
+                print(f"m{m} n{n} k{k} g{g}", report(c, m, n, k, g, service=True), flush=True)
+        return
 
     if args.moe_token:  # Qwen3-30B-A3B, DeepSeek-V3, and the GPU test's split-K set, at top-8 and 1
         for G, H, I in ((128, 2048, 768), (256, 7168, 2048), (8, 1152, 4224)):

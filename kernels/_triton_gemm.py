@@ -248,6 +248,27 @@ def _k_range(K, split, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     return k_lo, k_hi
 
 
+@triton.jit
+def _scale_products(xs_row, ws_col, stride_wsk, c, k_end, CHUNK: tl.constexpr):
+    """(blocks ``c + [0, CHUNK)``, their scale products ``xs * ws`` ``[CHUNK, BLOCK_M]``, 0 from
+    ``k_end`` on): the float32 products the shipped loop takes block by block, taken at once.
+    Blocks along dim 0, so a block's pick (:func:`_pick`) reduces to the tile's column
+    layout without a transpose."""
+    blk = c + tl.arange(0, CHUNK)
+    inside = blk < k_end
+    ws = tl.load(ws_col + blk * stride_wsk, mask=inside, other=0.0)
+    xs = tl.load(xs_row[None, :] + blk[:, None], mask=inside[:, None], other=0.0)
+    return blk, xs * ws[:, None]
+
+
+@triton.jit
+def _pick(blk, scales, kb):
+    """Block ``kb``'s row of ``scales`` as its sum with zeros: the product's bits (``+0.0``
+    for ``-0.0``, which changes no product-and-add here: ``acc`` is never ``-0.0``; see
+    ``server/_moe_token._row_tile``), other blocks' NaN or infinities left out."""
+    return tl.sum(tl.where(blk[:, None] == kb, scales, 0.0), axis=0)
+
+
 # ---- decode: A and B swapped -------------------------------------------------------------------
 
 
@@ -257,7 +278,7 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
                   stride_map,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                   EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                  ROW_MAP: tl.constexpr):
+                  ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16):
     """Decode, one K block per iteration: ``acc[BLOCK_N, BLOCK_M] += dot(w, x^T) * (ws * xs)``.
 
     BLOCK_M is the token tile, BLOCK_N (<= 128) the weight tile: one
@@ -280,16 +301,34 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
         xs_ptrs = xs_base + rows_in * stride_xsm + k_lo
         ws_ptrs = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128 + k_lo * stride_wsk
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kb in range(k_lo, k_hi):
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs, eviction_policy=EVICT_W)
-            xs = tl.load(xs_ptrs)
-            ws = tl.load(ws_ptrs)
-            acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            xs_ptrs += 1
-            ws_ptrs += stride_wsk
+        if PRELOAD:
+            # Every block's scale products taken before the loop, block kb's picked out in
+            # registers: no load of the loop's path waits on a scale's round trip. A split of
+            # more than CHUNK blocks takes the next chunk's products every CHUNK blocks (one
+            # round trip per chunk). One flat loop: a loop per chunk kept several copies of
+            # the operands' pointer tensors live (255 registers and spills on sm_90).
+            xs_row = xs_base + rows_in * stride_xsm
+            ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
+            blk, scales = _scale_products(xs_row, ws_col, stride_wsk, k_lo, k_hi, CHUNK)
+            for kb in range(k_lo, k_hi):
+                if kb - k_lo >= CHUNK and (kb - k_lo) % CHUNK == 0:
+                    blk, scales = _scale_products(xs_row, ws_col, stride_wsk, kb, k_hi, CHUNK)
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                acc += tl.dot(w, tl.trans(x)) * _pick(blk, scales, kb)[None, :]
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+        else:
+            for kb in range(k_lo, k_hi):
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                xs = tl.load(xs_ptrs)
+                ws = tl.load(ws_ptrs)
+                acc += tl.dot(w, tl.trans(x)) * (xs[None, :] * ws)
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+                xs_ptrs += 1
+                ws_ptrs += stride_wsk
         if SPLIT_K > 1:
             acc, last = _split_k_finish(acc, part_ptr, count_ptr, tile_id.to(tl.int64), split, SPLIT_K,
                                         BLOCK_N, BLOCK_M)
@@ -307,7 +346,7 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
                        stride_map,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                        EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                       ROW_MAP: tl.constexpr):
+                       ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16):
     """Decode, two K blocks per iteration, each pair's scales loaded one iteration ahead.
 
     The scale loads are not staged by the software pipeliner; waiting on
@@ -331,34 +370,65 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
                   + (k_lo * BLOCK_K + offs_k)[None, :])
         xs_row = xs_base + rows_in * stride_xsm
         ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
-        # The first pair's scales; a split with no block (the last of SPLIT_K can be empty)
-        # reads block k_hi - 1's, unused, rather than past the scales' end.
-        k0 = tl.minimum(k_lo, k_hi - 1)
-        step = tl.minimum(1, k_hi - 1 - k0)
-        s0 = tl.load(xs_row + k0) * tl.load(ws_col + k0 * stride_wsk)
-        s1 = tl.load(xs_row + k0 + step) * (tl.load(ws_col + (k0 + step) * stride_wsk) * step.to(tl.float32))
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kb in range(k_lo, k_hi, 2):
-            step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
-            x0 = tl.load(x_ptrs)
-            w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
-            x1 = tl.load(x_ptrs + step * BLOCK_K)
-            w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
-            # The next pair's scales (clamped in range; unused after the last pair).
-            kn = tl.minimum(kb + 2, k_hi - 1)
-            step_n = tl.minimum(1, k_hi - 1 - kn)
-            xs0_n = tl.load(xs_row + kn)
-            ws0_n = tl.load(ws_col + kn * stride_wsk)
-            xs1_n = tl.load(xs_row + kn + step_n)
-            ws1_n = tl.load(ws_col + (kn + step_n) * stride_wsk) * step_n.to(tl.float32)
-            part0 = tl.dot(w0, tl.trans(x0))
-            part1 = tl.dot(w1, tl.trans(x1))
-            acc += part0 * s0[None, :]
-            acc += part1 * s1[None, :]
-            s0 = xs0_n * ws0_n
-            s1 = xs1_n * ws1_n
-            x_ptrs += 2 * BLOCK_K
-            w_ptrs += 2 * BLOCK_K
+        if PRELOAD:
+            # The pairs' scale products taken before the loop, as in decode_kernel; an odd
+            # last block after it, with its own loads and the shipped tail's products.
+            xs_row = xs_base + rows_in * stride_xsm
+            ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
+            k_even = k_lo + ((k_hi - k_lo) // 2) * 2
+            blk, scales = _scale_products(xs_row, ws_col, stride_wsk, k_lo, k_even, CHUNK)
+            for kb in range(k_lo, k_even, 2):
+                if kb - k_lo >= CHUNK and (kb - k_lo) % CHUNK == 0:
+                    blk, scales = _scale_products(xs_row, ws_col, stride_wsk, kb, k_even, CHUNK)
+                x0 = tl.load(x_ptrs)
+                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                x1 = tl.load(x_ptrs + BLOCK_K)
+                w1 = tl.load(w_ptrs + BLOCK_K, eviction_policy=EVICT_W)
+                part0 = tl.dot(w0, tl.trans(x0))
+                part1 = tl.dot(w1, tl.trans(x1))
+                acc += part0 * _pick(blk, scales, kb)[None, :]
+                acc += part1 * _pick(blk, scales, kb + 1)[None, :]
+                x_ptrs += 2 * BLOCK_K
+                w_ptrs += 2 * BLOCK_K
+            if k_even < k_hi:
+                # The shipped loop pairs an odd last block with itself, the copy scaled by
+                # xs * (ws * 0) (NaN where ws is infinite, as there).
+                x0 = tl.load(x_ptrs)
+                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                xs0 = tl.load(xs_row + k_even)
+                ws0 = tl.load(ws_col + k_even * stride_wsk)
+                part0 = tl.dot(w0, tl.trans(x0))
+                acc += part0 * (xs0 * ws0)[None, :]
+                acc += part0 * (xs0 * (ws0 * 0.0))[None, :]
+        else:
+            # The first pair's scales; a split with no block (the last of SPLIT_K can be empty)
+            # reads block k_hi - 1's, unused, rather than past the scales' end.
+            k0 = tl.minimum(k_lo, k_hi - 1)
+            step = tl.minimum(1, k_hi - 1 - k0)
+            s0 = tl.load(xs_row + k0) * tl.load(ws_col + k0 * stride_wsk)
+            s1 = tl.load(xs_row + k0 + step) * (tl.load(ws_col + (k0 + step) * stride_wsk) * step.to(tl.float32))
+            for kb in range(k_lo, k_hi, 2):
+                step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
+                x0 = tl.load(x_ptrs)
+                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+                x1 = tl.load(x_ptrs + step * BLOCK_K)
+                w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
+                # The next pair's scales (clamped in range; unused after the last pair).
+                kn = tl.minimum(kb + 2, k_hi - 1)
+                step_n = tl.minimum(1, k_hi - 1 - kn)
+                xs0_n = tl.load(xs_row + kn)
+                ws0_n = tl.load(ws_col + kn * stride_wsk)
+                xs1_n = tl.load(xs_row + kn + step_n)
+                ws1_n = tl.load(ws_col + (kn + step_n) * stride_wsk) * step_n.to(tl.float32)
+                part0 = tl.dot(w0, tl.trans(x0))
+                part1 = tl.dot(w1, tl.trans(x1))
+                acc += part0 * s0[None, :]
+                acc += part1 * s1[None, :]
+                s0 = xs0_n * ws0_n
+                s1 = xs1_n * ws1_n
+                x_ptrs += 2 * BLOCK_K
+                w_ptrs += 2 * BLOCK_K
         if SPLIT_K > 1:
             acc, last = _split_k_finish(acc, part_ptr, count_ptr, tile_id.to(tl.int64), split, SPLIT_K,
                                         BLOCK_N, BLOCK_M)

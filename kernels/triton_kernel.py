@@ -84,6 +84,7 @@ class TileConfig:
     evict_w: str = ""
     lead_tile: bool = False
     per_sm: int = 1
+    preload: bool = False
 
     @property
     def swap_ab(self) -> bool:
@@ -99,6 +100,8 @@ class TileConfig:
         if self.lead_tile and self.schedule != "persistent_ws":
             return False
         if self.per_sm != 1 and self.schedule != "persistent_tma":
+            return False
+        if self.preload and not self.swap_ab:
             return False
         if self.swap_ab:
             return self.block_n in (64, 128) and self.block_m in (16, 32, 64)
@@ -116,7 +119,8 @@ class TileConfig:
     def key(self) -> str:
         """A short stable name, used in the autotune cache and benchmarks."""
         extra = (f"_sk{self.split_k}" if self.split_k > 1 else "") + ("_ef" if self.evict_w else "") + (
-            "_lead" if self.lead_tile else "") + (f"_p{self.per_sm}" if self.per_sm != 1 else "")
+            "_lead" if self.lead_tile else "") + (f"_p{self.per_sm}" if self.per_sm != 1 else "") + (
+            "_pre" if self.preload else "")
         return (f"{self.schedule}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"_g{self.group_tiles_m}{extra}")
 
@@ -156,11 +160,24 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         are few (at most 8 per SM: a decode step's handful of experts) or K >=
         4096 (v13 sweep: t1 1.19-1.62x faster on six models, t16 1.05-1.14x at
         K >= 4096; at t16 with K <= 2048 the plain tile, 0.93-1.01x).
+      - The scale products preloaded (``preload``: every K block's products in
+        registers before the loop, not two loads on each block's path) on the 16-
+        and 32-token tiles whose chunk of products is at most 1024 (``scale_chunk``),
+        except the unsplit pairs, which load their scales a pair ahead already; the
+        4-way split tile then with 5 stages. (Session 11, call 2, 74 decode cases,
+        ``bench/results/session11/call2_decode12_sweep.json``: single-block tiles
+        1.03-1.14x; the split pairs 1.01-1.14x; the 4-way split 1.08-1.14x at 5
+        stages; the 32-token tile at K = 5120, 2048 products, 0.81x; the unsplit
+        pairs 0.96x geomean over 47 cases.)
     - ``r > 48`` (prefill):
-      - G < 64 and ``r >= 128`` (even routing, full tiles): the persistent
-        warp-specialised schedule; 128 x 256 halves where their tiles still
-        fill the SMs (3 stages behind a lead tile above 1024 rows per group,
-        else 2), else 128 x 128 pairs.
+      - G < 64 and ``r >= 128`` (even routing, full tiles), where 128 x 256 tiles
+        still fill the SMs: above 1024 rows per group the persistent
+        warp-specialised schedule, 3 stages behind a lead tile; to 1024 the Gluon
+        schedule below, ``gluon_ws`` (session 11, call 1,
+        ``bench/results/session11/call1_sweep_g8.json``: Mixtral t2048 1.05-1.17x
+        over the persistent 128 x 256 tile, seed m1024 n7168 k2304 1.19x; its
+        store-warp form 0.98-1.03x of it there). Fewer such tiles than SMs: the
+        persistent warp-specialised 128 x 128 pairs.
       - G >= 64 (many experts, skewed routing; from r = 32) with N a multiple
         of 256: the warp-specialised Gluon schedule, 128 x 256 tiles, 3 stages,
         bands of 8 row tiles per group, one program per SM (v16: faster than
@@ -186,29 +203,40 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         ef = "evict_first"
         if weight_tiles < _SMS and k >= 4096:
             if pair:
-                return TileConfig("decode_pair", token_tile, 64, 4, 3, split_k=2, evict_w=ef)
+                return _preloaded(TileConfig("decode_pair", token_tile, 64, 4, 3, split_k=2, evict_w=ef), k)
             if token_tile <= 32:
-                return TileConfig("decode", token_tile, 64, 4, 3, split_k=4, evict_w=ef)
-            return TileConfig("decode", token_tile, 128, 4, 3, evict_w=ef)
+                return _preloaded(TileConfig("decode", token_tile, 64, 4, 5, split_k=4, evict_w=ef), k)
+            return _preloaded(TileConfig("decode", token_tile, 128, 4, 3, evict_w=ef), k)
         if pair and (weight_tiles < _SMS or k >= 2048):
             warps = 8 if weight_tiles < _SMS and k < 2048 else 4
             return TileConfig("decode_pair", token_tile, 128, warps, 3, evict_w=ef)
         if token_tile == 16 and g >= 64 and (weight_tiles <= 8 * _SMS or k >= 4096):
             return TileConfig("decode_pair", 16, 128, 8, 3, evict_w=ef)
-        return TileConfig("decode", token_tile, 128, 4, 3, evict_w=ef)
+        return _preloaded(TileConfig("decode", token_tile, 128, 4, 3, evict_w=ef), k)
     if g < 64 and rows_per_group >= 128:
         if n % 256 == 0 and (m // 128) * (n // 256) >= _SMS:
             if rows_per_group > 1024:
                 return TileConfig("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)
-            return TileConfig("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)
+            return TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
         return TileConfig("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
     if g >= 64 and n % 256 == 0:
         return TileConfig("gluon_ws_store" if k <= 5120 else "gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
     return TileConfig("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
 
 
+def _preloaded(config: TileConfig, k: int) -> TileConfig:
+    """``config`` with its scale products preloaded where the table's rule says so: 16- and
+    32-token tiles whose chunk holds at most 1024 products; the unsplit pairs never."""
+    if config.block_m > 32 or config.block_m * scale_chunk(config, k) > 1024:
+        return config
+    if config.schedule == "decode_pair" and config.split_k == 1:
+        return config
+    return replace(config, preload=True)
+
+
 def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
-    """What opt-in autotuning tries for a shape: the table's choice and its neighbours."""
+    """The table's choice for a shape and its neighbours: what ``bench/bench_kernels.py --sweep``
+    times beside it (the table's rules come from such sweeps)."""
     T = TileConfig
     found = [default_config(m, n, k, g)]
     rows_per_group = max(1, m // max(g, 1))
@@ -226,6 +254,9 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                     for split in (1, 2):
                         found.append(T("decode_pair", token, block_n, 4, 3, split_k=split, evict_w=ef))
                 found.append(T("decode_pair", token, 128, 8, 3, evict_w=ef))
+        found += [_preloaded(c, k) for c in found if c.swap_ab]
+        if n % 256 == 0:  # 128-row tiles read a hot expert's weights once for more of its rows
+            found += [T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8), T("gluon_ws_store", 128, 256, 4, 3, group_tiles_m=8)]
     else:
         found += [T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2),
                   T("persistent_tma", 64, 128, 4, 4, per_sm=2),
@@ -349,6 +380,14 @@ def _tile_tables(device: torch.device, programs: int, g_pow2: int) -> torch.Tens
     return found[0]
 
 
+def scale_chunk(config: TileConfig, k: int) -> int:
+    """K blocks whose scale products a decode program preloads at once (``preload``): every
+    block of its split, a power of two, at most 2048 products per tile (16 registers a
+    thread at 4 warps) so long K does not take the accumulator's registers."""
+    per_split = -(-(k // _SCALE_BLOCK) // max(1, min(config.split_k, k // _SCALE_BLOCK)))
+    return max(16, min(_next_pow2(per_split), 2048 // config.block_m))
+
+
 def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
                 addrs: bool, x_words: torch.Tensor | None = None, out_rows: torch.Tensor | None = None):
     """(kernel, grid, args, constexprs and launch options) of one launch of ``config``.
@@ -376,7 +415,8 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
                                              config.block_m * config.block_n)
         extra = (parts, counts)
-        consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k)
+        consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
+                      CHUNK=scale_chunk(config, k))
     elif config.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=config.group_tiles_m, LEAD_TILE=config.lead_tile)
     elif config.schedule == "persistent_tma":

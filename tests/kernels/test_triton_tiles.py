@@ -48,9 +48,12 @@ def test_decode_table_rules():
     assert not tk.default_config(16384, 7168, 2304, 8).swap_ab
     # Fewer weight tiles than SMs and long K: 64-row weight tiles split along K
     # (pairs 2 ways for 16-token tiles, single blocks 4 ways for 32-token tiles).
-    assert tk.default_config(32, 1280, 8192, 8) == T("decode_pair", 16, 64, 4, 3, split_k=2, evict_w=ef)
-    assert tk.default_config(24 * 8, 1280, 8192, 8) == T("decode", 32, 64, 4, 3, split_k=4, evict_w=ef)
-    # 64-token tiles spill with split-K: the plain decode tile.
+    # Both with their scale products preloaded; the 4-way split with 5 stages.
+    assert tk.default_config(32, 1280, 8192, 8) == T("decode_pair", 16, 64, 4, 3, split_k=2, evict_w=ef,
+                                                     preload=True)
+    assert tk.default_config(24 * 8, 1280, 8192, 8) == T("decode", 32, 64, 4, 5, split_k=4, evict_w=ef,
+                                                         preload=True)
+    # 64-token tiles spill with split-K: the plain decode tile (never preloaded: not measured).
     assert tk.default_config(40 * 8, 1280, 8192, 8) == T("decode", 64, 128, 4, 3, evict_w=ef)
     # Pairs with the scales ahead for one active expert and for K >= 2048 ...
     for m, n, k in ((1, 8192, 1024), (32, 7168, 8192), (128, 8192, 3584)):
@@ -60,24 +63,32 @@ def test_decode_table_rules():
     assert tk.default_config(1, 8192, 1024, 8).num_warps == 8
     assert tk.default_config(1, 8192, 3584, 8).num_warps == 4
     assert tk.default_config(32, 7168, 8192, 8).num_warps == 4
-    # Not for K = 1024 with enough tiles.
-    assert tk.default_config(128, 8192, 1024, 8) == T("decode", 16, 128, 4, 3, evict_w=ef)
+    # Not for K = 1024 with enough tiles: the single-block tile, its scales preloaded.
+    assert tk.default_config(128, 8192, 1024, 8) == T("decode", 16, 128, 4, 3, evict_w=ef, preload=True)
     # At G >= 64, 16-token tiles: the 8-warp pair for a few experts' tiles (a decode
     # step) or K >= 4096; many tiles at short K keep the plain tile.
     pair8 = T("decode_pair", 16, 128, 8, 3, evict_w=ef)
     assert tk.default_config(8, 2048, 768, 128) == pair8  # Qwen3-30B w2, 1 token
     assert tk.default_config(8, 4096, 7168, 256) == pair8  # DeepSeek-V3 w13, 1 token
     assert tk.default_config(256, 4096, 7168, 256) == pair8  # many tiles, K >= 4096
-    assert tk.default_config(128, 2048, 768, 128) == T("decode", 16, 128, 4, 3, evict_w=ef)
+    assert tk.default_config(128, 2048, 768, 128) == T("decode", 16, 128, 4, 3, evict_w=ef, preload=True)
     assert tk.default_config(2048, 4096, 7168, 256).block_m == 16
+    # Preloaded only where a chunk holds at most 1024 scale products: the 32-token tile to
+    # K = 4096 (32 blocks), not at K = 5120 (40 blocks, a chunk of 64); never the unsplit pairs.
+    assert tk.default_config(2048, 3072, 4096, 128) == T("decode", 32, 128, 4, 3, evict_w=ef, preload=True)
+    assert tk.default_config(2048, 3072, 5120, 160) == T("decode", 32, 128, 4, 3, evict_w=ef)
+    assert not any(tk.default_config(m, n, k, g).preload
+                   for m, n, k, g in ((8, 2048, 768, 128), (1, 8192, 1024, 8), (128, 8192, 3584, 8)))
 
 
 def test_prefill_table_rules():
     T = tk.TileConfig
-    wide = T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8)
+    gluon = T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
     pair = T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
-    # Even routing, >= 128 rows per group: 256 wide where its tiles fill the SMs ...
-    assert tk.default_config(1024, 7168, 2304, 8) == wide
+    # Even routing, >= 128 rows per group: 128 x 256 tiles where they fill the SMs, the Gluon
+    # schedule to 1024 rows per group ...
+    assert tk.default_config(1024, 7168, 2304, 8) == gluon
+    assert tk.default_config(4096, 6144, 16384, 8) == gluon  # Mixtral-8x22B w2, 2048 tokens
     # ... 3 stages behind a throwaway lead tile above 1024 rows per group ...
     for m, n, k in ((16384, 2048, 7168), (16384, 7168, 2304)):
         assert tk.default_config(m, n, k, 8) == T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8,
@@ -87,7 +98,6 @@ def test_prefill_table_rules():
     assert tk.default_config(16384, 1152, 7168, 8) == pair
     # Many experts (skewed routing), from 32 rows per group: the Gluon warp-specialised tile
     # (any G up to TABLE_G_MAX) where N is a multiple of 256, its store-warp form to K = 5120 ...
-    gluon = T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
     store = T("gluon_ws_store", 128, 256, 4, 3, group_tiles_m=8)
     for m, n, k, g in ((32768, 4096, 7168, 256), (16384, 4096, 7168, 384), (32 * 1024, 2048, 7168, 1024)):
         assert tk.default_config(m, n, k, g) == gluon
@@ -125,6 +135,10 @@ def test_schedule_limits_and_keys():
     assert not T("persistent_ws", 128, 256).fits(1152)
     assert not T("persistent_ws", 128, 128, 8).fits(2048)  # 4 warps: a producer and two consumers
     assert not T("persistent_tma", 64, 128, lead_tile=True).fits(2048)
+    # Preloaded scales: a decode-loop variant only, with a key of its own.
+    assert T("decode_pair", 16, 128, 8, 5, preload=True).fits(2048)
+    assert not T("persistent_tma", 64, 128, preload=True).fits(2048)
+    assert T("decode", 16, 128, preload=True).key() != T("decode", 16, 128).key()
     assert not T("nonesuch", 64, 128).fits(2048)
     # The Gluon tile: 128 x 256, a producer warp and two consumer warpgroups, 3-4 ring slots.
     assert T("gluon_ws", 128, 256, 4, 3).fits(2048, tk.TABLE_G_MAX)

@@ -1,0 +1,62 @@
+"""The decode tiles with their scale products preloaded (``TileConfig.preload``) give the
+shipped tiles' bits, on an NVIDIA Hopper GPU (bench/decode_sweep.py times them).
+
+The variant changes only what the loop waits on and how many blocks are in flight, so
+every output must be the same bits as the tile the table ships, at every depth, for
+every decode tile the table uses (single blocks, pairs with an odd last block, split-K)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.version.hip:
+    pytest.skip("needs an NVIDIA CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs compute capability 9.0 (Hopper)", allow_module_level=True)
+
+from moegemm.kernels import quantize_activations  # noqa: E402
+from moegemm.kernels import triton_kernel as tk  # noqa: E402
+from moegemm.kernels.testing import random_m_sizes  # noqa: E402
+
+DEV = torch.device("cuda")
+# (m, n, k, g): each decode tile the table gives (key in the comment), K blocks odd and even.
+SHAPES = [(8, 2048, 768, 128),     # decode_pair m16 n128 w8 (6 blocks)
+          (8, 2048, 1152, 128),    # the same, 9 blocks: an odd last pair
+          (1, 5120, 8192, 64),     # decode m16 n64 sk4
+          (2, 4096, 14336, 8),     # decode_pair m16 n64 sk2 (56 blocks)
+          (2, 1024, 4224, 8),      # decode_pair n64 sk2, 33 blocks: an odd split
+          (128, 8192, 1024, 8),    # decode m16 n128
+          (2048, 2048, 768, 128),  # decode m32 n128
+          (128, 4096, 4096, 8),    # decode_pair m16 n128 w4
+          (256, 5120, 8192, 128),  # decode_pair m16 n128 w8, 64 blocks
+          (32, 4096, 14336, 8)]    # decode_pair n128 w4, 112 blocks: chunks of 64-128
+
+
+@pytest.mark.parametrize("stages", [3, 4, 5])
+@pytest.mark.parametrize("m,n,k,g", SHAPES)
+def test_preloaded_scales_give_the_shipped_bits(m, n, k, g, stages):
+    gen = torch.Generator(device=DEV).manual_seed(m * 7 + n + k + g + stages)
+    x = torch.randn((m, k), generator=gen, device=DEV)
+    xq, xs = quantize_activations(x, torch.float8_e4m3fn)
+    # fp8 weights and block scales made directly (quantizing float32 weights of these sizes
+    # would take tens of GB); the scales' spread is what the promotion has to get right.
+    wq = (torch.randn((g, n, k), generator=gen, device=DEV, dtype=torch.float16) * 64).to(torch.float8_e4m3fn)
+    ws = torch.exp(torch.randn((g, k // 128, n // 128), generator=gen, device=DEV)) / 256
+    sizes = random_m_sizes(g, m, generator=torch.Generator().manual_seed(m + g)).to(DEV)
+    shipped = tk.default_config(m, n, k, g)
+    assert shipped.swap_ab
+    variant = dataclasses.replace(shipped, preload=True, num_stages=stages)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        want = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEV)
+        got = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEV)
+        tk.launch(xq, wq, xs, ws, sizes, want, shipped)
+        tk.launch(xq, wq, xs, ws, sizes, got, variant)
+        torch.cuda.synchronize()
+        bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(bits), want.view(bits)), (shipped.key(), variant.key(), out_dtype)
+        assert torch.isfinite(got[: int(sizes.sum())]).all()
