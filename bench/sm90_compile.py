@@ -92,7 +92,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
             consts.update({"part_ptr": None, "count_ptr": None})
         consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, PRELOAD=cfg.preload, CHUNK=tk.scale_chunk(cfg, k))
     elif cfg.schedule == "persistent_ws":
-        consts.update(GROUP_TILES_M=cfg.group_tiles_m, LEAD_TILE=cfg.lead_tile)
+        consts.update(GROUP_TILES_M=cfg.group_tiles_m)
     elif cfg.schedule == "persistent_tma" or cfg.schedule in tk.GLUON_SCHEDULES:
         sig["work_ptr"] = "*i32"
         divisible.append("work_ptr")

@@ -451,7 +451,7 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map
                          M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
                          stride_map,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
-                         GROUP_TILES_M: tl.constexpr, LEAD_TILE: tl.constexpr, ADDRS: tl.constexpr,
+                         GROUP_TILES_M: tl.constexpr, ADDRS: tl.constexpr,
                          X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr):
     """Persistent warp-specialised prefill: one program per SM walks the tiles ``pid, pid + programs, ...``.
 
@@ -465,16 +465,10 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map
     would race with the producer), so the group lookup is an unrolled scalar
     walk over G_POW2 groups: the table keeps this kernel to G <= 64.
 
-    BLOCK_N = 128: pairs of K blocks (each consumer scales its first product
-    while the second runs). BLOCK_N = 256: two 128-wide halves, two dots per
-    K block sharing the activation tile, each half with its own weight-scale
-    column.
-
-    LEAD_TILE: each program first runs a throwaway tile of one K block that
-    stores nothing. Deep buffers (over ~150 KB of shared memory) wrote NaN
-    into column 0 of each program's first tile (v8, v9 in bench/NOTES.md: a
-    Triton 3.6 warp-specialisation race on the first weight load), so the
-    first load goes to a result that is dropped.
+    128 x 128 tiles, pairs of K blocks (each consumer scales its first product
+    while the second runs), 2 stages. (The 128 x 256 form and its throwaway lead
+    tile, which worked around a Triton 3.6 warp-specialisation race of deep
+    buffers, went when the Gluon tile replaced them in the table: session 11.)
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -486,58 +480,39 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map
     x_desc = tl.make_tensor_descriptor(x_base, shape=[M, K], strides=[stride_xm, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
     num_kb = K // BLOCK_K
-    HALF_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N > 128 else BLOCK_N
     w_desc = tl.make_tensor_descriptor(w_base, shape=[G * N, K], strides=[stride_wn, 1],
-                                       block_shape=[HALF_N, BLOCK_K])
-    for t in tl.range(pid - programs if LEAD_TILE else pid, num_m * num_n, programs, warp_specialize=True):
-        tile_m, tile_n = _tile_coords(tl.maximum(t, 0), num_m, num_n, GROUP_TILES_M)
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    for t in tl.range(pid, num_m * num_n, programs, warp_specialize=True):
+        tile_m, tile_n = _tile_coords(t, num_m, num_n, GROUP_TILES_M)
         group, first_row, row_stop, valid = _locate_tile_unrolled(m_sizes_ptr, M, G, tile_m, BLOCK_M, G_POW2)
         group = tl.minimum(group, G - 1)
         rows = first_row + tl.arange(0, BLOCK_M)
         rows_in = tl.minimum(rows, M - 1).to(tl.int64)
         tma_row = _opaque_i32(first_row)  # see _opaque_i32
-        num_k = tl.where(t < 0, 1, tl.where(valid, num_kb, 0))
-        valid = valid & (t >= 0)
+        num_k = tl.where(valid, num_kb, 0)
         w_row = group * N + tile_n * BLOCK_N
         xs_ptrs = xs_base + rows_in * stride_xsm
         ws_ptrs = ws_base + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
         keep = (rows < row_stop) & valid
         dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
-        if BLOCK_N > 128:
-            acc_a = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-            acc_b = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-            for kb in range(num_k):
-                x = x_desc.load([tma_row, kb * BLOCK_K])
-                w_a = w_desc.load([w_row, kb * BLOCK_K])
-                w_b = w_desc.load([w_row + HALF_N, kb * BLOCK_K])
-                xs = tl.load(xs_ptrs + kb)
-                s_a = xs * tl.load(ws_ptrs + kb * stride_wsk)
-                s_b = xs * tl.load(ws_ptrs + 1 + kb * stride_wsk)
-                acc_a += tl.dot(x, tl.trans(w_a)) * s_a[:, None]
-                acc_b += tl.dot(x, tl.trans(w_b)) * s_b[:, None]
-            offs_n = tile_n * BLOCK_N + tl.arange(0, HALF_N)
-            out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc_a.to(out_ptr.dtype.element_ty), mask=keep[:, None])
-            tl.store(out_ptrs + HALF_N, acc_b.to(out_ptr.dtype.element_ty), mask=keep[:, None])
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kp in range((num_k + 1) // 2):
-                kb = 2 * kp
-                step = tl.minimum(1, num_k - 1 - kb)  # 0 on an odd last block
-                x0 = x_desc.load([tma_row, kb * BLOCK_K])
-                w0 = w_desc.load([w_row, kb * BLOCK_K])
-                x1 = x_desc.load([tma_row, (kb + step) * BLOCK_K])
-                w1 = w_desc.load([w_row, (kb + step) * BLOCK_K])
-                s0 = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
-                s1 = tl.load(xs_ptrs + kb + step) * (tl.load(ws_ptrs + (kb + step) * stride_wsk)
-                                                     * step.to(tl.float32))
-                part0 = tl.dot(x0, tl.trans(w0))
-                part1 = tl.dot(x1, tl.trans(w1))
-                acc += part0 * s0[:, None]
-                acc += part1 * s1[:, None]
-            offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kp in range((num_k + 1) // 2):
+            kb = 2 * kp
+            step = tl.minimum(1, num_k - 1 - kb)  # 0 on an odd last block
+            x0 = x_desc.load([tma_row, kb * BLOCK_K])
+            w0 = w_desc.load([w_row, kb * BLOCK_K])
+            x1 = x_desc.load([tma_row, (kb + step) * BLOCK_K])
+            w1 = w_desc.load([w_row, (kb + step) * BLOCK_K])
+            s0 = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
+            s1 = tl.load(xs_ptrs + kb + step) * (tl.load(ws_ptrs + (kb + step) * stride_wsk)
+                                                 * step.to(tl.float32))
+            part0 = tl.dot(x0, tl.trans(w0))
+            part1 = tl.dot(x1, tl.trans(w1))
+            acc += part0 * s0[:, None]
+            acc += part1 * s1[:, None]
+        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 
 @triton.jit

@@ -47,6 +47,7 @@ SCHEDULES = {**_TRITON_SCHEDULES, **GLUON_SCHEDULES}
 """Every schedule's kernel by name: the Triton ones (``_triton_gemm.py``) and the Gluon ones."""
 
 _SCALE_BLOCK = 128
+_L2_EXPERT_BYTES = 32 << 20  # one expert's fp8 weights above this: the Gluon tile from r = 16
 # The warp-specialised schedule finds a tile's group by an unrolled walk over
 # max(16, next_pow2(G)) groups (its pass takes no table and no reduction); past this
 # the walk costs more than the schedule gains (v11: at G = 128 it ran 1.4-2.5x slower
@@ -64,9 +65,8 @@ class TileConfig:
     ``decode`` / ``decode_pair``: ``block_m`` is the token tile (16-64),
     ``block_n`` the weight tile (64 or 128) on the MMA's M side; ``split_k``
     programs share an output tile; ``evict_w`` the weights' cache policy.
-    ``persistent_ws``: 128 x 128 (pairs) or 128 x 256 (two halves), 4 warps
-    (warp-specialised: a producer and two 64-row consumers), ``group_tiles_m``
-    row tiles per band; ``lead_tile`` runs a throwaway first tile (see the kernel).
+    ``persistent_ws``: 128 x 128 (pairs of K blocks), 4 warps (warp-specialised:
+    a producer and two 64-row consumers), ``group_tiles_m`` row tiles per band.
     ``persistent_tma``: 64 (4 warps) or 128 (8 warps) rows x 128, ``group_tiles_m``
     row tiles of one group per band; ``per_sm`` programs per SM.
     ``gluon_ws``: 128 x 256, 4 warps (a producer warp and two 64-row consumer
@@ -82,7 +82,6 @@ class TileConfig:
     group_tiles_m: int = 1
     split_k: int = 1
     evict_w: str = ""
-    lead_tile: bool = False
     per_sm: int = 1
     preload: bool = False
 
@@ -97,8 +96,6 @@ class TileConfig:
             return False
         if self.split_k > 1 and not self.swap_ab:
             return False
-        if self.lead_tile and self.schedule != "persistent_ws":
-            return False
         if self.per_sm != 1 and self.schedule != "persistent_tma":
             return False
         if self.preload and not self.swap_ab:
@@ -106,7 +103,7 @@ class TileConfig:
         if self.swap_ab:
             return self.block_n in (64, 128) and self.block_m in (16, 32, 64)
         if self.schedule == "persistent_ws":
-            return (self.block_m == 128 and self.block_n in (128, 256) and self.num_warps == 4
+            return (self.block_m == 128 and self.block_n == 128 and self.num_warps == 4
                     and g <= PERSISTENT_G_MAX)
         if self.schedule in GLUON_SCHEDULES:
             # gluon_ws_store stages the output beside the ring: 64 KB more, so 3 slots at most.
@@ -119,8 +116,7 @@ class TileConfig:
     def key(self) -> str:
         """A short stable name, used in the autotune cache and benchmarks."""
         extra = (f"_sk{self.split_k}" if self.split_k > 1 else "") + ("_ef" if self.evict_w else "") + (
-            "_lead" if self.lead_tile else "") + (f"_p{self.per_sm}" if self.per_sm != 1 else "") + (
-            "_pre" if self.preload else "")
+            f"_p{self.per_sm}" if self.per_sm != 1 else "") + ("_pre" if self.preload else "")
         return (f"{self.schedule}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"_g{self.group_tiles_m}{extra}")
 
@@ -145,7 +141,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
     The class is the mean rows per group ``r = m / g`` (the host never sees
     the real split). Rules (measurements in bench/NOTES.md):
 
-    - ``r <= 48``, at G >= 64 ``r < 32`` (decode, bytes-bound): A and B swapped. Token tile =
+    - ``r <= 48``, at G >= 64 ``r < 32`` (decode, bytes-bound; but see the Gluon rule for
+      experts larger than L2): A and B swapped. Token tile =
       ``next_pow2(r)`` in [16, 64], doubled at G >= 64 (skewed routing puts
       several times the mean on hot experts). Weights evicted first.
       - 16-token tiles at G < 64 run pairs of K blocks with the scales a
@@ -171,14 +168,18 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         pairs 0.96x geomean over 47 cases.)
     - ``r > 48`` (prefill):
       - G < 64 and ``r >= 128`` (even routing, full tiles), where 128 x 256 tiles
-        still fill the SMs: above 1024 rows per group the persistent
-        warp-specialised schedule, 3 stages behind a lead tile; to 1024 the Gluon
-        schedule below, ``gluon_ws`` (session 11, call 1,
-        ``bench/results/session11/call1_sweep_g8.json``: Mixtral t2048 1.05-1.17x
-        over the persistent 128 x 256 tile, seed m1024 n7168 k2304 1.19x; its
-        store-warp form 0.98-1.03x of it there). Fewer such tiles than SMs: the
-        persistent warp-specialised 128 x 128 pairs.
-      - G >= 64 (many experts, skewed routing; from r = 32) with N a multiple
+        still fill the SMs: the Gluon schedule below, ``gluon_ws`` (session 11,
+        ``bench/results/session11/call1_sweep_g8.json`` and ``call4_sweep.json``,
+        against the persistent warp-specialised 128 x 256 tiles it replaces:
+        Mixtral t2048 1.05-1.17x, t8192 1.01-1.04x, seed m1024 n7168 k2304 1.19x,
+        m16384 1.00-1.03x; its store-warp form 0.96-1.03x of it there). Fewer such
+        tiles than SMs: the persistent warp-specialised 128 x 128 pairs.
+      - G >= 64 (many experts, skewed routing; from r = 32, and from r = 16 where
+        one expert's weights, N x K bytes, exceed 32 MiB: there a 32-token tile
+        reads a hot expert's weights from HBM again for every 32 of its rows, as
+        they do not stay in the 50 MB L2; Llama-4 at 2048 tokens 1.08-1.13x, and
+        Qwen3 at 256 tokens, experts of 3-12 MiB, 0.90-0.94x, so not below that;
+        session 11, ``call4_sweep.json``) with N a multiple
         of 256: the warp-specialised Gluon schedule, 128 x 256 tiles, 3 stages,
         bands of 8 row tiles per group, one program per SM (v16: faster than
         the persistent TMA tile on all 22 real cases of the class, r = 42-512:
@@ -196,7 +197,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         against 4353 us for 64-token swapped tiles.)
     """
     rows_per_group = max(1, m // max(g, 1))
-    if rows_per_group <= 48 and not (g >= 64 and rows_per_group >= 32):
+    many = g >= 64 and (rows_per_group >= 32 or (rows_per_group >= 16 and n % 256 == 0 and n * k > _L2_EXPERT_BYTES))
+    if rows_per_group <= 48 and not many:
         token_tile = min(64, max(16, _next_pow2(rows_per_group * (2 if g >= 64 else 1))))
         weight_tiles = min(g, m) * n // 128  # at most min(g, m) groups have rows
         pair = token_tile == 16 and g < 64
@@ -215,8 +217,6 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         return _preloaded(TileConfig("decode", token_tile, 128, 4, 3, evict_w=ef), k)
     if g < 64 and rows_per_group >= 128:
         if n % 256 == 0 and (m // 128) * (n // 256) >= _SMS:
-            if rows_per_group > 1024:
-                return TileConfig("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)
             return TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
         return TileConfig("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
     if g >= 64 and n % 256 == 0:
@@ -264,9 +264,7 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                   T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8),
                   T("gluon_ws", 128, 256, 4, 4, group_tiles_m=8),
                   T("gluon_ws_store", 128, 256, 4, 3, group_tiles_m=8),
-                  T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
-                  T("persistent_ws", 128, 256, 4, 2, group_tiles_m=8),
-                  T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8, lead_tile=True)]
+                  T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)]
     return [c for c in dict.fromkeys(found) if c.fits(n, g)]
 
 
@@ -347,10 +345,9 @@ def tile_for_out(config: TileConfig, out: torch.Tensor) -> TileConfig:
     float32 ``out``, which runs as :data:`FLOAT32_OUT_PREFILL`.
 
     Compiled for sm_90 (Triton 3.6), the float32 store stages through 48 KB more
-    shared memory in the warp-specialised kernel: 128x128 s2 197 KB (bf16 148),
-    128x256 s2 164 KB (115), 128x256 s3 213 KB (164). Warp-specialised tiles over
-    ~150 KB wrote NaN into column 0 (bench/NOTES.md v8, v9), the lead tile fixing
-    it only where measured (164 KB). The persistent TMA tile is not
+    shared memory in the warp-specialised kernel: 128x128 s2 197 KB (bf16 148);
+    warp-specialised tiles over ~150 KB wrote NaN into column 0 (bench/NOTES.md v8,
+    v9). The persistent TMA tile is not
     warp-specialised (checked into float32 on the H200, v12). A ``gluon_ws_store``
     tile into float32 runs as ``gluon_ws`` (same tile, same sums): its staging would
     need 128 KB of shared memory beside the 144 KB ring. Both entries apply
@@ -418,7 +415,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
                       CHUNK=scale_chunk(config, k))
     elif config.schedule == "persistent_ws":
-        consts.update(GROUP_TILES_M=config.group_tiles_m, LEAD_TILE=config.lead_tile)
+        consts.update(GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule == "persistent_tma":
         extra = (_tile_tables(xq.device, grid[0], g_pow2),)
         consts.update(GROUP_TILES_M=config.group_tiles_m)

@@ -85,14 +85,12 @@ def test_prefill_table_rules():
     T = tk.TileConfig
     gluon = T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
     pair = T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
-    # Even routing, >= 128 rows per group: 128 x 256 tiles where they fill the SMs, the Gluon
-    # schedule to 1024 rows per group ...
+    # Even routing, >= 128 rows per group: 128 x 256 Gluon tiles where they fill the SMs ...
     assert tk.default_config(1024, 7168, 2304, 8) == gluon
     assert tk.default_config(4096, 6144, 16384, 8) == gluon  # Mixtral-8x22B w2, 2048 tokens
-    # ... 3 stages behind a throwaway lead tile above 1024 rows per group ...
+    # ... at any rows per group ...
     for m, n, k in ((16384, 2048, 7168), (16384, 7168, 2304)):
-        assert tk.default_config(m, n, k, 8) == T("persistent_ws", 128, 256, 4, 3, group_tiles_m=8,
-                                                  lead_tile=True)
+        assert tk.default_config(m, n, k, 8) == gluon
     # ... else the 128-wide pair (also where N is no multiple of 256).
     assert tk.default_config(1024, 2048, 7168, 8) == pair
     assert tk.default_config(16384, 1152, 7168, 8) == pair
@@ -109,14 +107,22 @@ def test_prefill_table_rules():
     for m, n, k, g in ((512, 2048, 7168, 8), (16384, 1408, 2048, 128), (4000, 1408, 2048, 64),
                        (100 * 32, 4096, 7168, 32)):
         assert tk.default_config(m, n, k, g) == many
-    # Below 32 rows per group at G >= 64 (and 48 below G = 64): the swapped decode tiles.
-    assert tk.default_config(2048, 16384, 5120, 128).swap_ab
+    # Below 32 rows per group at G >= 64 (and 48 below G = 64): the swapped decode tiles
+    # (but see the large-expert rule below).
+    assert tk.default_config(2048, 16384 + 128, 5120, 128).swap_ab
     assert tk.default_config(2048, 4096, 7168, 256).swap_ab
     assert tk.default_config(40 * 8, 1280, 8192, 8).swap_ab
-    # Deep warp-specialised buffers only behind a lead tile (NaN column otherwise, v8/v9).
+    # At G >= 64 from 16 rows per group where one expert's weights pass 32 MiB (Llama-4 at
+    # 2048 tokens), not for smaller experts (Qwen3 at 256 tokens), nor without N % 256 == 0.
+    assert tk.default_config(2048, 16384, 5120, 128) == store
+    assert tk.default_config(2048, 5120, 8192, 128) == gluon
+    assert tk.default_config(2048, 3072, 4096, 128).swap_ab
+    assert tk.default_config(2048, 16384 + 128, 5120, 128).swap_ab
+    assert tk.default_config(1024, 16384, 5120, 128).swap_ab  # r = 8
+    # The warp-specialised Triton tile: 128 x 128, 2 stages (deeper buffers: NaN column, v8/v9).
     for m, n, k, g in SHAPES:
         for cfg in [tk.default_config(m, n, k, g), *tk.candidate_configs(m, n, k, g)]:
-            assert not (cfg.schedule == "persistent_ws" and cfg.num_stages > 2 and not cfg.lead_tile)
+            assert cfg.schedule != "persistent_ws" or (cfg.block_n, cfg.num_stages) == (128, 2)
 
 
 def test_schedule_limits_and_keys():
@@ -131,10 +137,9 @@ def test_schedule_limits_and_keys():
     assert not T("persistent_tma", 64, 256, 4).fits(2048)  # 256-wide: spills (v12)
     assert T("persistent_tma", 64, 128, 4, per_sm=2).fits(2048, tk.TABLE_G_MAX)
     assert not T("persistent_tma", 64, 128, 4).fits(2048, tk.TABLE_G_MAX + 1)
-    assert T("persistent_ws", 128, 256, 4, 3, lead_tile=True).fits(2048)
-    assert not T("persistent_ws", 128, 256).fits(1152)
+    assert T("persistent_ws", 128, 128, 4, 2).fits(2048)
+    assert not T("persistent_ws", 128, 256, 4, 2).fits(2048)
     assert not T("persistent_ws", 128, 128, 8).fits(2048)  # 4 warps: a producer and two consumers
-    assert not T("persistent_tma", 64, 128, lead_tile=True).fits(2048)
     # Preloaded scales: a decode-loop variant only, with a key of its own.
     assert T("decode_pair", 16, 128, 8, 5, preload=True).fits(2048)
     assert not T("persistent_tma", 64, 128, preload=True).fits(2048)
