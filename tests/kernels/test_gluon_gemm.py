@@ -52,6 +52,30 @@ def test_matches_float64_on_ragged_groups(stages, m, n, k, g):
     assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
 
 
+@pytest.mark.parametrize("config", [GLUON, STORE], ids=lambda c: c.schedule)
+def test_tiles_whose_second_half_has_no_row_of_the_group(config):
+    """A group's last row tile with 64 rows or fewer: the second consumer only turns the ring
+    (``_tile_sums``' ``live``), the first computes alone. Sizes around the 64-row edge, groups
+    of one tile and of several, against float64; then one group's first r rows alone, whose
+    tile's second half has no row for r <= 64, give the bits of the same rows in a full
+    128-row tile (each consumer's sums are its own)."""
+    sizes = torch.tensor([64, 65, 1, 0, 63, 128 + 64, 128 + 65, 129, 256, 2 * 128 + 1, 0, 40] * 8)
+    m, n, k, g = int(sizes.sum()), 512, 1536, int(sizes.numel())
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    p = random_problem(m, n, k, g, device=DEV, m_sizes=sizes, generator=gen)
+    out = _launch(p, _poisoned(m, n), config)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
+    full = None
+    for rows in (128, 1, 40, 63, 64, 65, 100):
+        sizes_r = torch.zeros(g, dtype=torch.int64, device=DEV)
+        sizes_r[0] = rows
+        got = tk.launch(p.xq[:rows], p.wq, p.x_scale[:rows], p.w_scale, sizes_r, _poisoned(rows, n), config)
+        full = got if full is None else full
+        assert torch.equal(got, full[:rows])
+
+
 def test_one_live_group_of_one_row():
     m, n, k, g = 1, 256, 512, 128
     sizes = torch.zeros(g, dtype=torch.int64)
