@@ -206,17 +206,10 @@ def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stri
 
 
 @gluon.jit
-def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.constexpr, mma_layout: gl.constexpr):
+def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr, mma_layout: gl.constexpr):
     """One consumer's two 64 x 128 sums of a tile, both Gluon kernels' K loop (one order of
     operations, so one set of bits). Returns (columns 0-127, columns 128-255, the ring position after
-    the tile).
-
-    ``live``: whether any of this consumer's 64 rows is a row of the tile's group. A group's last
-    row tile often has 64 rows or fewer (a quarter to four fifths of the tiles of the real
-    many-expert prefill cases, ``bench/NOTES.md`` session 11); there the other consumer's half
-    is computed and dropped. A consumer with no live row only turns the ring (waits for each
-    slot, frees it), so the live one has the tensor cores to itself for that tile; its sums,
-    never stored, stay zero."""
+    the tile)."""
     a_bufs, b_bufs, ready, empty = bufs
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROWS: gl.constexpr = a_bufs.type.shape[1] // 2
@@ -228,8 +221,7 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.cons
     sx = gl.load(xs_row)
     sw = gl.load(ws_col)
     sw_b = gl.load(ws_col + 1)
-    mma_kb = num_kb * live.to(gl.int32)
-    for kb in range(mma_kb):
+    for kb in range(num_kb):
         s = sx * sw
         s_b = sx * sw_b
         kn = gl.minimum(kb + 1, num_kb - 1)
@@ -244,10 +236,6 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.cons
         p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
         mbarrier.arrive(empty.index(slot), count=1)
         acc_b = acc_b + p0 * s_b[:, None]
-        it += 1
-    for kb in range(num_kb - mma_kb):
-        slot = _ready(ready, it, STAGES)
-        mbarrier.arrive(empty.index(slot), count=1)
         it += 1
     return acc, acc_b, it
 
@@ -289,8 +277,8 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, m
             dest = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map)
         else:
             dest = rows  # unused: the store numbers the rows itself
+        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
         top = first_row + HALF * ROWS
-        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, top < row_stop, HALF, mma_layout)
         _store(acc_b, out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
         _store(acc, out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
 
@@ -483,11 +471,10 @@ def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, xs_base, w
     it = 0
     for t in range(pid, tiles, programs):
         i = (t - pid) // programs  # this program's tile count so far
-        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
+        group, first_row, tile_n, _row_stop = _take_tile(tiles_ring, i)
         _rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
                                             HALF, ROWS, BN, row_layout)
-        live = first_row + HALF * ROWS < row_stop
-        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF, mma_layout)
+        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
         _stage(acc, acc_b, staging, i, HALF)
 
 

@@ -54,11 +54,11 @@ def test_matches_float64_on_ragged_groups(stages, m, n, k, g):
 
 @pytest.mark.parametrize("config", [GLUON, STORE], ids=lambda c: c.schedule)
 def test_tiles_whose_second_half_has_no_row_of_the_group(config):
-    """A group's last row tile with 64 rows or fewer: the second consumer only turns the ring
-    (``_tile_sums``' ``live``), the first computes alone. Sizes around the 64-row edge, groups
-    of one tile and of several, against float64; then one group's first r rows alone, whose
-    tile's second half has no row for r <= 64, give the bits of the same rows in a full
-    128-row tile (each consumer's sums are its own)."""
+    """A group's last row tile with 64 rows or fewer (the second consumer's half holds no row of
+    the group: computed and dropped). Sizes around the 64-row edge, groups of one tile and of
+    several, against float64; then one group's first r rows alone give the bits of the same
+    rows in a full 128-row tile (each consumer's sums are its own; the guard for a variant
+    that skips the dead half, ``bench/prepared/gluon_live_skip.patch``)."""
     sizes = torch.tensor([64, 65, 1, 0, 63, 128 + 64, 128 + 65, 129, 256, 2 * 128 + 1, 0, 40] * 8)
     m, n, k, g = int(sizes.sum()), 512, 1536, int(sizes.numel())
     gen = torch.Generator(device=DEV).manual_seed(11)
