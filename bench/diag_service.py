@@ -57,7 +57,7 @@ def in_process(m: int) -> None:
     for fused in (False, True):
         other = Executor(GraphPool(backend, 256, fused_prologue=fused), Staging(dev))
         other.prepare(g, n, k, wq, ws_scale)
-        graph = other.pool._graphs[(other.family(g, n, k, xq.dtype), other.pool.launch_rows(m))]
+        graph = other.pool.graph(other.family(g, n, k, xq.dtype), other.pool.launch_rows(m), wq, ws_scale)
 
         def replay_sync(graph=graph):
             graph.replay()
