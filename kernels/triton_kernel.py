@@ -41,8 +41,9 @@ from ._gluon_gemm import gluon_ws_kernel, gluon_ws_store_kernel
 from ._triton_gemm import SCHEDULES as _TRITON_SCHEDULES
 
 GLUON_SCHEDULES = {"gluon_ws": gluon_ws_kernel, "gluon_ws_store": gluon_ws_store_kernel}
-"""The Gluon many-expert prefill kernels (``_gluon_gemm.py``): one argument list, one launch;
-``default_config`` picks ``gluon_ws_store`` where the K loop is short, ``gluon_ws`` above."""
+"""The Gluon 128 x 256 prefill kernels (``_gluon_gemm.py``): one argument list, one launch;
+``default_config`` picks ``gluon_ws_store`` for many experts where the K loop is short,
+``gluon_ws`` otherwise."""
 SCHEDULES = {**_TRITON_SCHEDULES, **GLUON_SCHEDULES}
 """Every schedule's kernel by name: the Triton ones (``_triton_gemm.py``) and the Gluon ones."""
 
