@@ -264,6 +264,23 @@ def run_case(case, problem, old_check) -> dict:
         torch.cuda.synchronize()
         bits[name] = bool(torch.equal(out[:m], public))
         us[name] = bk.time_us(fn)
+    # Session 11 (v21): on the store-warp tile at K = 4096-5120 (w13) ``addressed`` was 5-10 %
+    # slower than ``public`` and ``rowmap_identity`` faster than ``addressed``. Apart: the public
+    # kernel on the service's buffers; the weights by address only; the rows by address only.
+    cfg = tk.default_config(bucket, n, k, g)
+    w_words = bufs.addresses
+    x_words = bufs.inputs
+    for name, fn in (
+            ("public_on_buffers", lambda: tk._launch(xb, wq, xsb, w_scale, bufs.m_sizes, out, n, g, cfg, addrs=False)),
+            ("weights_by_address", lambda: tk._launch(xb, w_words, xsb, w_words, bufs.m_sizes, out, n, g, cfg,
+                                                      addrs=True)),
+            ("rows_by_address", lambda: tk._launch(xb, wq, xsb, w_scale, bufs.m_sizes, out, n, g, cfg, addrs=False,
+                                                   x_words=x_words))):
+        out.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        bits[name] = bool(torch.equal(out[:m], public))
+        us[name] = bk.time_us(fn)
     # A permutation with the meta's stride 2, as a merged call's gather: row r stored at perm[r].
     pairs = torch.zeros((bucket, 2), dtype=torch.int64, device=dev)
     perm = torch.randperm(bucket, device=dev)
@@ -298,10 +315,12 @@ def run_case(case, problem, old_check) -> dict:
     return row
 
 
-COLUMNS = ("public", "public_1", "service", "service_old_check", "body_multi", "addressed", "rowmap_identity",
-           "rowmap_perm", "check", "check_old", "check_copy", "check_old_copy")
+COLUMNS = ("public", "public_1", "service", "service_old_check", "body_multi", "addressed", "public_on_buffers",
+           "weights_by_address", "rows_by_address", "rowmap_identity", "rowmap_perm", "check", "check_old",
+           "check_copy", "check_old_copy")
 SHORT = {"public": "public", "public_1": "pub_1", "service": "service", "service_old_check": "svc_oldchk",
-         "body_multi": "body_x", "addressed": "addr", "rowmap_identity": "map_id", "rowmap_perm": "map_perm",
+         "body_multi": "body_x", "addressed": "addr", "public_on_buffers": "pub_bufs",
+         "weights_by_address": "w_addr", "rows_by_address": "x_addr", "rowmap_identity": "map_id", "rowmap_perm": "map_perm",
          "check": "check", "check_old": "chk_old", "check_copy": "chk_cp", "check_old_copy": "chkold_cp"}
 
 
