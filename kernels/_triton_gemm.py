@@ -38,12 +38,14 @@ The schedules:
   (64/128 rows) is the MMA's M side, the group's few tokens (16-64) its N
   side. The pair kernel runs two K blocks per iteration with each pair's
   scales loaded a pair ahead (the pipeliner does not stage scale loads).
-  Both take ``SPLIT_K``: that many programs share an output tile, each over
+  ``PRELOAD`` (the table's choice per tile): every K block's scale products
+  taken into registers before the loop (``CHUNK`` blocks at a time), none on
+  the loop's path; the same bits. Both take ``SPLIT_K``: that many programs share an output tile, each over
   its own K range, reduced by the last to arrive (float32 slots, counters
   that reset themselves).
 - :func:`persistent_ws_kernel` (prefill, G <= 64): one program per SM walking
   the tiles, TMA loads, Triton's Hopper warp specialisation (a producer and
-  two 64-row consumers), 128 x 128 pairs or 128 x 256 as two halves; its group
+  two 64-row consumers), 128 x 128 tiles, pairs of K blocks; its group
   lookup is an unrolled scalar walk (the pass rejects reductions and tables).
 - :func:`persistent_tma_kernel` (prefill, many experts): the programs (two per
   SM) walk exactly the real tiles group by group through a tile table each

@@ -104,8 +104,9 @@ class TileConfig:
         if self.swap_ab:
             return self.block_n in (64, 128) and self.block_m in (16, 32, 64)
         if self.schedule == "persistent_ws":
+            # 2 stages: deeper warp-specialised buffers wrote NaN into column 0 (v8, v9).
             return (self.block_m == 128 and self.block_n == 128 and self.num_warps == 4
-                    and g <= PERSISTENT_G_MAX)
+                    and self.num_stages == 2 and g <= PERSISTENT_G_MAX)
         if self.schedule in GLUON_SCHEDULES:
             # gluon_ws_store stages the output beside the ring: 64 KB more, so 3 slots at most.
             stages = (3, 4) if self.schedule != "gluon_ws_store" else (3,)
@@ -161,8 +162,10 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
       - The scale products preloaded (``preload``: every K block's products in
         registers before the loop, not two loads on each block's path) on the 16-
         and 32-token tiles whose chunk of products is at most 1024 (``scale_chunk``),
-        except the unsplit pairs, which load their scales a pair ahead already; the
-        4-way split tile then with 5 stages. (Session 11, call 2, 74 decode cases,
+        except the unsplit pairs, which load their scales a pair ahead already. The
+        4-way split tile runs 5 stages (measured preloaded, on 16-token tiles; its
+        32-token form and the unpreloaded forms past K = 16384 are not timed).
+        (Session 11, call 2, 74 decode cases,
         ``bench/results/session11/call2_decode12_sweep.json``: single-block tiles
         1.03-1.14x; the split pairs 1.01-1.14x; the 4-way split 1.08-1.14x at 5
         stages; the 32-token tile at K = 5120, 2048 products, 0.81x; the unsplit
@@ -178,7 +181,7 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
       - G >= 64 (many experts, skewed routing; from r = 32, and from r = 16 where
         one expert's weights, N x K bytes, exceed 32 MiB: there a 32-token tile
         reads a hot expert's weights from HBM again for every 32 of its rows, as
-        they do not stay in the 50 MB L2; Llama-4 at 2048 tokens 1.08-1.13x, and
+        they do not stay in the 50 MB L2; Llama-4 at 2048 tokens 1.08-1.24x, and
         Qwen3 at 256 tokens, experts of 3-12 MiB, 0.90-0.94x, so not below that;
         session 11, ``call4_sweep.json``) with N a multiple
         of 256: the warp-specialised Gluon schedule, 128 x 256 tiles, 3 stages,
@@ -413,8 +416,9 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
                                              config.block_m * config.block_n)
         extra = (parts, counts)
+        # CHUNK only shapes the preloaded loop: the plain one gets one value, so one kernel.
         consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
-                      CHUNK=scale_chunk(config, k))
+                      CHUNK=scale_chunk(config, k) if config.preload else 16)
     elif config.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule == "persistent_tma":

@@ -34,6 +34,12 @@ if not PTXAS.exists():
 SPILL_BUDGET = {"gluon_ws": 0, "gluon_ws_store": 16}
 PARTITIONS = {"gluon_ws": 2, "gluon_ws_store": 3}
 SHAPES = [(65536, 4096, 7168, 256), (16384, 7168, 2048, 384)]
+# G < 64 (the table's gluon_ws for Mixtral-like prefill, G_POW2 = 16): with the weights by
+# address the bf16 forms spill 24 bytes (16 with the rows by address too): a pair of words
+# stored before each tile's K loop and reloaded at its epilogue, none inside the loop (SASS
+# read in session 11). More than this means the K loop's values moved out.
+SMALL_G = [(4096, 28672, 4096, 8)]
+SMALL_G_SPILL_BUDGET = 24
 
 
 def _cases():
@@ -43,6 +49,9 @@ def _cases():
                 continue  # runs as gluon_ws (test_float32_store_tile_runs_as_gluon_ws)
             for shape in SHAPES:
                 yield pytest.param(schedule, *form, *shape, id=f"{schedule}-{form}-{shape}")
+            if schedule == "gluon_ws":  # the only Gluon schedule the table runs below G = 64
+                for shape in SMALL_G:
+                    yield pytest.param(schedule, *form, *shape, id=f"{schedule}-{form}-{shape}")
 
 
 @pytest.mark.parametrize("schedule,addrs,service,out,m,n,k,g", list(_cases()))
@@ -53,7 +62,8 @@ def test_every_form_compiles_clean_for_sm90(schedule, m, n, k, g, addrs, service
                         group_tiles_m=cfg.group_tiles_m)
     found = report(cfg, m, n, k, g, addrs, service, out)
     assert "error" not in found, found
-    assert found["spill_bytes"] <= (SPILL_BUDGET[schedule] if out == "bf16" else 0), found
+    budget = (SMALL_G_SPILL_BUDGET if g < 64 else SPILL_BUDGET[schedule]) if out == "bf16" else 0
+    assert found["spill_bytes"] <= budget, found
     assert found["fits_smem"], found["smem"]
     assert found["serialised"] == []
     # Two consumer warpgroups, each issuing 4 wgmma of K = 32 per 128-wide half of a K block.

@@ -139,6 +139,7 @@ def test_schedule_limits_and_keys():
     assert not T("persistent_tma", 64, 128, 4).fits(2048, tk.TABLE_G_MAX + 1)
     assert T("persistent_ws", 128, 128, 4, 2).fits(2048)
     assert not T("persistent_ws", 128, 256, 4, 2).fits(2048)
+    assert not T("persistent_ws", 128, 128, 4, 3).fits(2048)  # deeper buffers: NaN column (v8, v9)
     assert not T("persistent_ws", 128, 128, 8).fits(2048)  # 4 warps: a producer and two consumers
     # Preloaded scales: a decode-loop variant only, with a key of its own.
     assert T("decode_pair", 16, 128, 8, 5, preload=True).fits(2048)
@@ -162,8 +163,8 @@ def test_schedule_limits_and_keys():
         assert not T(variant, 128, 128, 4, 3).fits(2048)
     assert not T("gluon_ws_store", 128, 256, 4, 4).fits(2048)  # 256 KiB
     # The persistent tile's group walk is unrolled: bounded G.
-    assert T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX)
-    assert not T("persistent_ws", 128, 128).fits(2048, tk.PERSISTENT_G_MAX + 1)
+    assert T("persistent_ws", 128, 128, 4, 2).fits(2048, tk.PERSISTENT_G_MAX)
+    assert not T("persistent_ws", 128, 128, 4, 2).fits(2048, tk.PERSISTENT_G_MAX + 1)
 
 
 def test_split_workspace_is_cached_and_starts_clean():
