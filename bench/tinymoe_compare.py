@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe import MODELS, TOP_K, capture, expert_set, routing
+from bench_moe import MODELS, TOP_K, capture
 from profile_moe import kernel_sum_us
-from tinymoe_tiles import token_buffers
+from tinymoe_tiles import token_case
 
 
 def load_base(path: str):
@@ -82,12 +82,8 @@ def main() -> None:
     rule = mine.pipeline_stages
     rows = []
     for model in args.models.split(","):
-        G, H, I = MODELS[model]
-        es = expert_set(G, H, I, backend.fp8_dtype, dev)
-        ids, w = routing(1, G, TOP_K, gen)
-        x = torch.randn((1, H), generator=gen).to(torch.bfloat16).to(dev)
+        G, H, I, es, x, bufs = token_case(model, backend, dev, gen)
         xq, xs = quantize_activations(x.float(), backend.fp8_dtype)
-        bufs = token_buffers(es, ids, w, H, dev)
         case = {"G": G, "H": H, "I": I, "bufs": bufs, "dev": dev}
 
         want = None

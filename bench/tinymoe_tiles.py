@@ -43,6 +43,16 @@ def token_buffers(es, ids, w, H: int, dev) -> dict:
             "counts": torch.zeros(counts_words(H), dtype=torch.int32, device=dev)}
 
 
+def token_case(model: str, backend, dev, gen: torch.Generator):
+    """(G, H, I, expert set, the bf16 token [1, H], its ``token_buffers``) for ``model``: the
+    one-token benches' common set-up (fresh weights, top-k routing and token from ``gen``)."""
+    G, H, I = MODELS[model]
+    es = expert_set(G, H, I, backend.fp8_dtype, dev)
+    ids, w = routing(1, G, TOP_K, gen)
+    x = torch.randn((1, H), generator=gen).to(torch.bfloat16).to(dev)
+    return G, H, I, es, x, token_buffers(es, ids, w, H, dev)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -59,11 +69,7 @@ def main() -> None:
     shipped = mt.weight_tile
     rows = []
     for model in args.models.split(","):
-        G, H, I = MODELS[model]
-        es = expert_set(G, H, I, backend.fp8_dtype, dev)
-        ids, w = routing(1, G, TOP_K, gen)
-        x = torch.randn((1, H), generator=gen).to(torch.bfloat16).to(dev)
-        bufs = token_buffers(es, ids, w, H, dev)
+        G, H, I, es, x, bufs = token_case(model, backend, dev, gen)
         want = None
         for up, down in zip(VARIANTS, VARIANTS):
             mt.weight_tile = lambda k, n, up=up, down=down, I=I: up if n == 2 * I else down

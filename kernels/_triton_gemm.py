@@ -40,9 +40,9 @@ The schedules:
   scales loaded a pair ahead (the pipeliner does not stage scale loads).
   ``PRELOAD`` (the table's choice per tile): every K block's scale products
   taken into registers before the loop (``CHUNK`` blocks at a time), none on
-  the loop's path; the same bits. Both take ``SPLIT_K``: that many programs share an output tile, each over
-  its own K range, reduced by the last to arrive (float32 slots, counters
-  that reset themselves).
+  the loop's path; the same bits. Both take ``SPLIT_K``: that many programs
+  share an output tile, each over its own K range, reduced by the last to
+  arrive (float32 slots, counters that reset themselves).
 - :func:`persistent_ws_kernel` (prefill, G <= 64): one program per SM walking
   the tiles, TMA loads, Triton's Hopper warp specialisation (a producer and
   two 64-row consumers), 128 x 128 tiles, pairs of K blocks; its group
@@ -376,8 +376,6 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
         if PRELOAD:
             # The pairs' scale products taken before the loop, as in decode_kernel; an odd
             # last block after it, with its own loads and the shipped tail's products.
-            xs_row = xs_base + rows_in * stride_xsm
-            ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
             k_even = k_lo + ((k_hi - k_lo) // 2) * 2
             blk, scales = _scale_products(xs_row, ws_col, stride_wsk, k_lo, k_even, CHUNK)
             for kb in range(k_lo, k_even, 2):

@@ -231,9 +231,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
 def _preloaded(config: TileConfig, k: int) -> TileConfig:
     """``config`` with its scale products preloaded where the table's rule says so: 16- and
     32-token tiles whose chunk holds at most 1024 products; the unsplit pairs never."""
-    if config.block_m > 32 or config.block_m * scale_chunk(config, k) > 1024:
-        return config
-    if config.schedule == "decode_pair" and config.split_k == 1:
+    unsplit_pair = config.schedule == "decode_pair" and config.split_k == 1
+    if unsplit_pair or config.block_m > 32 or config.block_m * scale_chunk(config, k) > 1024:
         return config
     return replace(config, preload=True)
 

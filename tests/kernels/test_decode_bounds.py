@@ -37,9 +37,8 @@ def check_in_interpreter() -> list[str]:
 
     import numpy as np
     import torch
-    from triton.runtime import interpreter
-
     from moegemm.kernels import triton_kernel as tk
+    from triton.runtime import interpreter
 
     tk._sm_count = lambda device: 4  # no GPU here; only the persistent schedules use it
     ranges: list[tuple[int, int]] = []

@@ -20,9 +20,9 @@ if not torch.cuda.is_available() or torch.version.hip:
 if torch.cuda.get_device_capability() < (9, 0):
     pytest.skip("needs compute capability 9.0 (Hopper)", allow_module_level=True)
 
-from moegemm.kernels import quantize_activations  # noqa: E402
-from moegemm.kernels import triton_kernel as tk  # noqa: E402
-from moegemm.kernels.testing import random_m_sizes  # noqa: E402
+from moegemm.kernels import quantize_activations
+from moegemm.kernels import triton_kernel as tk
+from moegemm.kernels.testing import random_m_sizes
 
 DEV = torch.device("cuda")
 # (m, n, k, g): each decode tile the table gives (key in the comment), K blocks odd and even.
