@@ -71,6 +71,28 @@ def _bases(ptr, scale_ptr, FROM_WORDS: gl.constexpr):
 
 
 @gluon.jit
+def _scale_bases(srcs, ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
+    """A consumer's two scale bases for its next tile. ``srcs`` is (x_ptr, w_ptr, xs_base,
+    ws_base): the kernel's first two arguments and the bases :func:`_prologue` resolved.
+
+    In the server's gemm forms (X_WORDS: the rows by address; the weights too, ADDRS) both are
+    loaded again from their device words at each tile (an L1 hit) instead of held: two 64-bit
+    bases live across the K loop took ``gluon_ws_store``'s consumers past their 232 registers,
+    and ptxas spilled the tile's scale pointers, reloaded from local memory in every K block
+    (sm_90 SASS); the lone prefill call's graph ran 5-10 % slower than the public launch at
+    K = 4096-5120 (GLM-4.5 w13 t2048 908 vs 834 us, session 12 call 4, gap_gluon). Where only
+    the weights come by address (the expert FFN's launches) holding them measured faster
+    (reloading the weight base alone: 0.95x on w2), and the public form's bases are arguments
+    (the constant bank), so both keep what the prologue resolved."""
+    x_ptr, w_ptr, xs_base, ws_base = srcs
+    if X_WORDS:
+        xs_base = gl.multiple_of(gl.load(x_ptr + 1).to(gl.pointer_type(gl.float32)), 16)
+        if ADDRS:
+            ws_base = gl.multiple_of(gl.load(w_ptr + 1).to(gl.pointer_type(gl.float32)), 16)
+    return xs_base, ws_base
+
+
+@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -244,8 +266,9 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr,
 
 
 @gluon.jit
-def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, HALF: gl.constexpr,
-                   G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr):
+def _mma_partition(bufs, table_ptr, tiles, scalars, srcs, out_ptr, map_ptr, HALF: gl.constexpr,
+                   G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr,
+                   ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
     """One consumer warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every tile.
 
     Two accumulators (one per weight-scale column); the two 128-wide halves
@@ -271,6 +294,7 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, xs_base, ws_base, out_ptr, m
     it = 0
     for t in range(pid, tiles, programs):
         group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
+        xs_base, ws_base = _scale_bases(srcs, ADDRS, X_WORDS)
         rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
                                             HALF, ROWS, BN, row_layout)
         # Where each row is stored; ROW_MAP: row r at out[map[r]] (``_triton_gemm._out_rows``),
@@ -309,7 +333,7 @@ def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, s
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    return tiles, table, xs_base, ws_base, (x_desc, w_desc), (a_bufs, b_bufs, ready, empty)
+    return tiles, table, (x_ptr, w_ptr, xs_base, ws_base), (x_desc, w_desc), (a_bufs, b_bufs, ready, empty)
 
 
 @gluon.jit
@@ -324,7 +348,7 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
     ``stride_wg`` is unused (the weight descriptor spans all groups' rows); it keeps the
     argument list the Triton schedules' (``triton_kernel.launch_plan``).
     """
-    tiles, table, xs_base, ws_base, descs, bufs = _prologue(
+    tiles, table, srcs, descs, bufs = _prologue(
         x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
         BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
     fence_async_shared()
@@ -332,10 +356,10 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
     TOP: gl.constexpr = 0
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
-        (_mma_partition, (bufs, table, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, TOP, G_POW2,
-                          GROUP_TILES_M, ROW_MAP)),
-        (_mma_partition, (bufs, table, tiles, scalars, xs_base, ws_base, out_ptr, map_ptr, BOTTOM, G_POW2,
-                          GROUP_TILES_M, ROW_MAP)),
+        (_mma_partition, (bufs, table, tiles, scalars, srcs, out_ptr, map_ptr, TOP, G_POW2,
+                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS)),
+        (_mma_partition, (bufs, table, tiles, scalars, srcs, out_ptr, map_ptr, BOTTOM, G_POW2,
+                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS)),
         (_load_partition, (descs, bufs, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -455,7 +479,8 @@ def _stage(acc, acc_b, staging, i, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, xs_base, ws_base, HALF: gl.constexpr):
+def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, srcs, HALF: gl.constexpr,
+                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
     """A consumer warpgroup of ``gluon_ws_store``: the tile from the ring, its sums staged in shared
     memory for the store warps."""
     a_bufs, b_bufs, _ready, _empty = bufs
@@ -475,6 +500,7 @@ def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, xs_base, w
     for t in range(pid, tiles, programs):
         i = (t - pid) // programs  # this program's tile count so far
         group, first_row, tile_n, _row_stop = _take_tile(tiles_ring, i)
+        xs_base, ws_base = _scale_bases(srcs, ADDRS, X_WORDS)
         _rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
                                             HALF, ROWS, BN, row_layout)
         acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
@@ -557,7 +583,7 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB with the three ring slots)
     and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
     ``gluon_ws`` instead)."""
-    tiles, table, xs_base, ws_base, descs, bufs = _prologue(
+    tiles, table, srcs, descs, bufs = _prologue(
         x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
         BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
     tiles_ring = _tile_ring()
@@ -576,8 +602,8 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     TOP: gl.constexpr = 0
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
-        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, xs_base, ws_base, TOP)),
-        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, xs_base, ws_base, BOTTOM)),
+        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, TOP, ADDRS, X_WORDS)),
+        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, BOTTOM, ADDRS, X_WORDS)),
         (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
         (_store_partition, (staging, table, tiles, scalars, out_ptr, map_ptr, G_POW2, GROUP_TILES_M, ROW_MAP)),
     ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, STORE_REGS])
