@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory one block may have on sm_90
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+CUOBJDUMP = PTXAS.parent / "cuobjdump"
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, options: dict, divisible=(), gluon: bool = False):
@@ -61,10 +62,11 @@ def ptxas_report(kernel) -> dict:
 
 
 def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, service: bool = False,
-                   out: str = "bf16"):
+                   out: str = "bf16", row_map: bool = True):
     """``cfg``'s kernel compiled as ``triton_kernel._launch`` would launch it on (m, n, k, g);
     ``addrs``: the weights by address; ``service``: also the activations by address and
-    the output through a row map, as a server graph launches it; ``out``: bf16 or fp32."""
+    (``row_map``, else stored in place: a lone prefill call's graph) the output through a row
+    map, as a server graph launches it; ``out``: bf16 or fp32."""
     from moegemm.kernels import triton_kernel as tk
 
     fn = tk.SCHEDULES[cfg.schedule]
@@ -82,7 +84,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     divisible = [a for a, t in sig.items() if t.startswith("*")] + [a for a, v in values.items() if v % 16 == 0]
     g_pow2 = max(16, tk._next_pow2(g))
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "ADDRS": addrs,
-              "X_WORDS": service, "ROW_MAP": service, "G_POW2": g_pow2}
+              "X_WORDS": service, "ROW_MAP": service and row_map, "G_POW2": g_pow2}
     if cfg.swap_ab:
         split_k = max(1, min(cfg.split_k, k // 128))
         if split_k > 1:
@@ -110,11 +112,37 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, divisible)
 
 
-def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False, out: str = "bf16") -> dict:
+def k_loop_local_loads(kernel) -> int:
+    """Local-memory loads (``LDL``: spilled values brought back) inside a Gluon kernel's K loops,
+    read from its SASS (Triton's cuobjdump): the innermost loops (a conditional backward branch
+    and what lies between its target and it; ptxas's out-of-line blocks jump back
+    unconditionally) holding a K block's scale promotion (128 or more FFMA)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], check=True, capture_output=True,
+                              text=True).stdout
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,6})\*/\s+([^;]*);", sass)]
+    loops = []
+    for at, op in code:
+        back = re.search(r"^@!?U?P\w+\s+BRA\b.*?0x([0-9a-f]+)\s*$", op)
+        if back and int(back.group(1), 16) < at:
+            body = [o for a, o in code if int(back.group(1), 16) <= a <= at]
+            if sum(o.split()[0].startswith("FFMA") or " FFMA" in o for o in body) >= 128:
+                loops.append((int(back.group(1), 16), at, body))
+    inner = [lp for lp in loops if not any(o is not lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    return sum(sum("LDL" in o.split()[0] or " LDL" in o for o in body) for _, _, body in inner)
+
+
+def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False, out: str = "bf16",
+           row_map: bool = True) -> dict:
     """Registers (for Gluon: the entry cap; setmaxnreg hands the consumers their share), spills,
-    serialisation warnings, shared memory, partitions and the wgmma count of one compiled form."""
+    serialisation warnings, shared memory, partitions and the wgmma count of one compiled form
+    (Gluon: also the K loops' local-memory loads)."""
+    from moegemm.kernels import triton_kernel as tk
+
     try:
-        kernel = compile_config(cfg, m, n, k, g, addrs, service, out)
+        kernel = compile_config(cfg, m, n, k, g, addrs, service, out, row_map)
     except Exception as exc:  # noqa: BLE001  report and go on
         return {"config": cfg.key(), "error": str(exc).splitlines()[-1][:160]}
     ptx = kernel.asm["ptx"]
@@ -124,6 +152,8 @@ def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False, out: str
             "wgmma": ptx.count("wgmma.mma_async"), "scratch": kernel.metadata.global_scratch_size}
     info.update(ptxas_report(kernel))
     info["fits_smem"] = info["smem"] <= SMEM_LIMIT
+    if cfg.schedule in tk.GLUON_SCHEDULES:
+        info["k_loop_ldl"] = k_loop_local_loads(kernel)
     return info
 
 
@@ -167,10 +197,13 @@ def moe_token_report(G: int, H: int, I: int, k: int, fp8_in: bool) -> list[dict]
     return found
 
 
-GLUON_FORMS = [(addrs, service, out) for addrs, service in ((False, False), (True, False), (True, True))
+GLUON_FORMS = [(addrs, service, row_map, out)
+               for addrs, service, row_map in ((False, False, False), (True, False, False), (True, True, False),
+                                               (True, True, True))
                for out in ("bf16", "fp32")]
-"""Every form a launch of ``gluon_ws`` takes: plain pointers, the weights by address (ADDRS), the
-server graph's (ADDRS + X_WORDS + ROW_MAP); bf16 and float32 out."""
+"""Every form a launch of ``gluon_ws`` takes: plain pointers (the public function), the weights by
+address (ADDRS: the expert FFN's), the server gemm graph's lone call (ADDRS + X_WORDS, stored in
+place) and merged calls (with ROW_MAP); bf16 and float32 out."""
 
 
 def main() -> None:
@@ -207,11 +240,11 @@ def main() -> None:
             for schedule in tk.GLUON_SCHEDULES:  # gluon_ws and its issue-15 variants, on its tile
                 cfg = tk.TileConfig(schedule, table.block_m, table.block_n, table.num_warps, table.num_stages,
                                     group_tiles_m=table.group_tiles_m)
-                for addrs, service, out in GLUON_FORMS:
+                for addrs, service, row_map, out in GLUON_FORMS:
                     if schedule == "gluon_ws_store" and out == "fp32":
                         continue  # tile_for_out runs it as gluon_ws
-                    print(f"{schedule} m{m} n{n} k{k} g{g} addrs={addrs} service={service} {out}",
-                          report(cfg, m, n, k, g, addrs, service, out), flush=True)
+                    print(f"{schedule} m{m} n{n} k{k} g{g} addrs={addrs} service={service} row_map={row_map} "
+                          f"{out}", report(cfg, m, n, k, g, addrs, service, out, row_map), flush=True)
         return
     import bench_kernels as bk
 

@@ -4,9 +4,10 @@ No GPU: ``triton.compile`` with a Hopper target and the ptxas Triton ships, the
 arguments and options ``triton_kernel.launch_plan`` gives it. Clean means no
 register spills (the variants: the few words ``SPILL_BUDGET`` names, no accumulator),
 shared memory within one block's limit, no wgmma serialisation warnings, the FP8 wgmma in the PTX, the producer and consumer register budgets
-handed out with setmaxnreg, and a scratch for the two descriptors made on the
-device -- in every form a launch takes (plain, weights by address, the server
-graph's activations by address and row map; bf16 and float32 out).
+handed out with setmaxnreg, a scratch for the two descriptors made on the
+device, and in the server gemm graph's forms no spilled value reloaded inside the K loop
+(SASS) -- in every form a launch takes (plain, weights by address, the server gemm graph's
+activations by address stored in place or through its row map; bf16 and float32 out).
 """
 
 from __future__ import annotations
@@ -40,12 +41,20 @@ SHAPES = [(65536, 4096, 7168, 256), (16384, 7168, 2048, 384)]
 # read in session 11). More than this means the K loop's values moved out.
 SMALL_G = [(4096, 28672, 4096, 8)]
 SMALL_G_SPILL_BUDGET = 24
+# The server gemm graph's forms (rows by address, stored in place or through the row map) reload
+# no spilled value inside the consumers' K loops (``sm90_compile.k_loop_local_loads``). Holding
+# the scale bases across the loop put two reloads there, and the lone prefill call ran 5-10 %
+# slower than the public launch (session 12) until the bases were reloaded per tile; this pins
+# that they stay out. Not asserted for the public and weights-only forms: ptxas leaves one or
+# two reloads in some of their K loops depending on the shape (gluon_ws_store public at
+# (16384, 7168, 2048, 384): 2; gluon_ws with the weights by address at G = 8: 1), and reloading
+# the weight base per tile in the weights-only form measured slower (bench/NOTES.md).
 
 
 def _cases():
     for schedule in tk.GLUON_SCHEDULES:
         for form in GLUON_FORMS:
-            if schedule == "gluon_ws_store" and form[2] == "fp32":
+            if schedule == "gluon_ws_store" and form[3] == "fp32":
                 continue  # runs as gluon_ws (test_float32_store_tile_runs_as_gluon_ws)
             for shape in SHAPES:
                 yield pytest.param(schedule, *form, *shape, id=f"{schedule}-{form}-{shape}")
@@ -54,13 +63,13 @@ def _cases():
                     yield pytest.param(schedule, *form, *shape, id=f"{schedule}-{form}-{shape}")
 
 
-@pytest.mark.parametrize("schedule,addrs,service,out,m,n,k,g", list(_cases()))
-def test_every_form_compiles_clean_for_sm90(schedule, m, n, k, g, addrs, service, out):
+@pytest.mark.parametrize("schedule,addrs,service,row_map,out,m,n,k,g", list(_cases()))
+def test_every_form_compiles_clean_for_sm90(schedule, m, n, k, g, addrs, service, row_map, out):
     cfg = tk.default_config(m, n, k, g)
     assert cfg.schedule in tk.GLUON_SCHEDULES  # the tile both Gluon schedules share
     cfg = tk.TileConfig(schedule, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
                         group_tiles_m=cfg.group_tiles_m)
-    found = report(cfg, m, n, k, g, addrs, service, out)
+    found = report(cfg, m, n, k, g, addrs, service, out, row_map)
     assert "error" not in found, found
     budget = (SMALL_G_SPILL_BUDGET if g < 64 else SPILL_BUDGET[schedule]) if out == "bf16" else 0
     assert found["spill_bytes"] <= budget, found
@@ -71,6 +80,8 @@ def test_every_form_compiles_clean_for_sm90(schedule, m, n, k, g, addrs, service
     assert {"232", "40"} <= set(found["setmaxnreg"])
     assert found["partitions"] == PARTITIONS[schedule]
     assert found["scratch"] >= 2 * 128  # two TMA descriptors of 128 bytes, per program
+    if service:
+        assert found["k_loop_ldl"] == 0, found
 
 
 def test_float32_store_tile_runs_as_gluon_ws():
