@@ -71,6 +71,10 @@ from ._http_gate import (
 log = logging.getLogger("moegemm.server.http")
 
 _HEAD_LIMIT = 64 * 1024
+# Bytes of a chunked body decoded per loop turn: llhttp calls on_body once per chunk, so a
+# 64 KiB read of one-byte chunks is ~11,000 Python callbacks (~15 ms with the other
+# connections waiting); 16 KiB bounds a turn near 4 ms whatever the chunks.
+_CHUNKED_TURN = 16 * 1024
 _SOCKET_BUFFER = 4 << 20
 _REASONS = REASONS
 # A refused connection: the answer is sent, our side half-closed, and what the
@@ -215,13 +219,7 @@ class _Connection(asyncio.BufferedProtocol):
         elif state == _HEAD:
             self._parse_head()
         elif state == _CHUNKED:
-            self._feed_chunked()
-            if self.state == _CHUNKED and self.transport is not None:
-                # Back to the loop after each buffer: decoding a buffer of tiny chunks
-                # takes milliseconds, and uvloop (libuv) reads a readable socket up to
-                # 32 times in a row, which starved the other connections for ~200 ms.
-                self.transport.pause_reading()
-                asyncio.get_running_loop().call_soon(self._resume_chunked)
+            self._turn_chunked()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -373,7 +371,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.start = start
             if expect_continue:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            self._feed_chunked()
+            self._turn_chunked()
             return
         self.parser = None  # a Content-Length body never goes through the parser
         try:
@@ -394,13 +392,27 @@ class _Connection(asyncio.BufferedProtocol):
         if expect_continue:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
+    def _turn_chunked(self) -> None:
+        """Decode up to ``_CHUNKED_TURN`` bytes of the chunked body in the receive buffer, then
+        give the loop back: reading stays paused until the buffer is decoded. (uvloop reads a
+        readable socket up to 32 times in a row, and decoding a buffer of tiny chunks takes
+        milliseconds: whole buffers starved the other connections for ~200 ms, then ~15 ms.)"""
+        self._feed_chunked()
+        if self.state == _CHUNKED and self.transport is not None:
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self._resume_chunked)
+
     def _feed_chunked(self) -> None:
-        """Decode the chunked body that has landed in the receive buffer (all of it:
-        the buffer is then free again from its start)."""
+        """Decode the next ``_CHUNKED_TURN`` bytes of the chunked body in the receive buffer
+        (once all of it is decoded the buffer is free again from its start)."""
         start, used = self.start, self.head_used
-        self.start = self.head_used = 0
+        stop = min(used, start + _CHUNKED_TURN)
+        if stop == used:
+            self.start = self.head_used = 0
+        else:
+            self.start = stop
         try:
-            self.parser.feed_data(self.head_view[start:used])
+            self.parser.feed_data(self.head_view[start:stop])
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
             if isinstance(cause, Refusal):
@@ -413,6 +425,9 @@ class _Connection(asyncio.BufferedProtocol):
             self._refuse(bad_field(f"malformed chunked body: {exc}"))
             return
         if self.message_done:
+            if stop < used:  # bytes behind the upload, not decoded: as a request behind it
+                self.keep_alive = False
+            self.start = self.head_used = 0
             self.parser = None
             self.body, self.chunked = memoryview(self.chunked), None
             self._dispatch()
@@ -420,7 +435,10 @@ class _Connection(asyncio.BufferedProtocol):
     def _resume_chunked(self) -> None:
         if (self.state == _CHUNKED and self.transport is not None
                 and not self.transport.is_closing()):
-            self.transport.resume_reading()
+            if self.start < self.head_used:
+                self._turn_chunked()
+            else:
+                self.transport.resume_reading()
 
     def _compact(self) -> None:
         """Move the unparsed bytes to the buffer's start (once per pipelined request)."""

@@ -161,6 +161,29 @@ def test_chunked_upload_with_odd_framing(server):
     assert _raw(server, bad).startswith(b"HTTP/1.1 400")
 
 
+def test_a_chunked_upload_decoded_over_several_turns(server):
+    # 300 rows (~300 KiB) in 1000-byte chunks: several reads, each decoded in turns of
+    # _CHUNKED_TURN bytes. The answer is the Content-Length call's, bit for bit; a request sent
+    # behind the upload in the same write is not served and the connection closes after the
+    # upload's answer (the module's rule).
+    from moegemm.server._http import _CHUNKED_TURN
+
+    gen = torch.Generator().manual_seed(torch.seed())
+    body = _demo_body(300, gen)[0]
+    assert len(body) > 4 * _CHUNKED_TURN
+    step = 1000
+    chunks = b"".join(b"%x\r\n" % len(body[i:i + step]) + body[i:i + step] + b"\r\n"
+                      for i in range(0, len(body), step))
+    head = (b"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\ncontent-type: "
+            b"application/vnd.msgpack\r\ntransfer-encoding: chunked\r\n\r\n")
+    behind = b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n\r\n"
+    got = _raw(server, head + chunks + b"0\r\n\r\n" + behind, reads=2)
+    plain = server.http.post("/v1/weights/demo/gemm", content=body, headers=MSGPACK)
+    assert got.startswith(b"HTTP/1.1 200 OK"), got[:200]
+    assert got.count(b"HTTP/1.1 ") == 1 and b"connection: close" in got.lower()
+    assert plain.status_code == 200 and got.split(b"\r\n\r\n", 1)[1] == plain.content
+
+
 def test_a_body_framed_two_ways_is_refused(server):
     # Request-smuggling shapes (RFC 9112 6.3): never pick one framing silently.
     base = (b"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\ncontent-type: "
