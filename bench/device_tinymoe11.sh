@@ -6,7 +6,7 @@
 #   TESTS_S  the one-token GPU tests (bits against the grouped path, flags)  -> gpu_tests.log
 #   PROF_S   profile_moe.py at t1: the ratio against the grouped GEMMs        -> moe_steps.json
 source bench/device_env.sh
-timeout -k 5 ${CMP_S:-100} python3 -P bench/tinymoe_compare.py --base ../../server/_moe_token.py \
+timeout -k 5 ${CMP_S:-100} python3 -P bench/tinymoe_compare.py --base ../../kernels/_triton_moe_token.py \
   --out "$OUT/tinymoe_compare.json" > "$OUT/tinymoe_compare.log" 2>&1
 echo "compare rc=$? $(el)"; cut -c1-260 "$OUT/tinymoe_compare.log" | grep -v "^ *$" | tail -24
 if [ -n "$TESTS_S" ]; then

@@ -12,7 +12,7 @@ denominator is the two grouped GEMMs run alone, the two-call way's kernels: the
 tokens, the tiles the grouped body runs for that bucket), each captured in its own
 graph and profiled the same way. (The denominator is no longer "the graph's GEMM
 kernels": the one-token graph has none of its own, its two kernels fuse the GEMMs with
-the routing, quantization, activation and combine, ``server/_moe_token.py``.)
+the routing, quantization, activation and combine, ``kernels/_triton_moe_token.py``.)
 
 From two tokens the grouped body's other steps (route with gather+quantize, SiLU*up+fp8,
 combine) are timed alone too, and their sum against the whole graph shows the cost of

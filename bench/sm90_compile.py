@@ -2,7 +2,7 @@
 
     python bench/sm90_compile.py [--addresses]    # the table and its sweep neighbours on four shapes
     python bench/sm90_compile.py --gluon          # the Gluon schedules (gluon_ws and its variants) in every form
-    python bench/sm90_compile.py --moe-token      # the one-token moe kernels (server/_moe_token)
+    python bench/sm90_compile.py --moe-token      # the one-token moe kernels (kernels/_triton_moe_token)
     python bench/sm90_compile.py --decode         # the decode tiles as decode_sweep times them
 
 For each tile configuration: registers, spill bytes and ptxas's wgmma
@@ -158,12 +158,12 @@ def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False, out: str
 
 
 def moe_token_report(G: int, H: int, I: int, k: int, fp8_in: bool) -> list[dict]:
-    """The one-token moe kernels (``server/_moe_token.py``) compiled as ``moe_token`` launches
+    """The one-token moe kernels (``kernels/_triton_moe_token.py``) compiled as ``moe_token`` launches
     them for a top-``k`` token of a (G, H, I) set: the up kernel, and with a bf16 token the
     down kernel; registers, spills, shared memory and the stages the rule gave."""
     import triton
+    from moegemm.kernels import _triton_moe_token as mt
     from moegemm.kernels._triton_act import _FORMAT
-    from moegemm.server import _moe_token as mt
 
     bias, min_normal, sub_scale = _FORMAT[False]
     common = {"FNUZ": False, "BIAS": bias, "MIN_NORMAL": min_normal, "SUB_SCALE": sub_scale,

@@ -1,7 +1,7 @@
 """The one-token moe kernels against another version of them on the H200: time and bits.
 
 For Qwen3-30B-A3B and DeepSeek-V3 (top-8, one token, bf16): this checkout's
-``server/_moe_token.py`` and the one at ``--base`` (the shipped file, e.g. the device
+``kernels/_triton_moe_token.py`` and the one at ``--base`` (the shipped file, e.g. the device
 run's root checkout when this one is a carried copy), each ``moe_token`` captured in a
 graph and profiled as ``profile_moe.py`` profiles (L2 flushed before each replay, kernel
 times from the profiler, medians). Beside this checkout's own stages rule, its kernels
@@ -10,7 +10,7 @@ copies in flight change). Every variant must answer the base's bits (``h``, the 
 both flags) on the timed bf16 token, and this checkout's kernels the base's on an fp8
 token too (SPEC 5.1 rests on them both being the grouped path's bits).
 
-    python bench/tinymoe_compare.py --base ../../server/_moe_token.py --out compare.json
+    python bench/tinymoe_compare.py --base ../../kernels/_triton_moe_token.py --out compare.json
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from tinymoe_tiles import token_case
 
 
 def load_base(path: str):
-    """The module at ``path`` as a sibling of this checkout's ``moegemm.server._moe_token``
+    """The module at ``path`` as a sibling of this checkout's ``moegemm.kernels._triton_moe_token``
     (its relative imports resolve to this checkout's package)."""
-    spec = importlib.util.spec_from_file_location("moegemm.server._moe_token_base", path)
+    spec = importlib.util.spec_from_file_location("moegemm.kernels._triton_moe_token_base", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -71,8 +71,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out")
     args = parser.parse_args()
+    from moegemm.kernels import _triton_moe_token as mine
     from moegemm.kernels import get_backend, quantize_activations
-    from moegemm.server import _moe_token as mine
 
     base = load_base(args.base)
     dev = torch.device("cuda")

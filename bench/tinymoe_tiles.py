@@ -31,8 +31,8 @@ VARIANTS = ((64, 4), (128, 8), (128, 4))
 def token_buffers(es, ids, w, H: int, dev) -> dict:
     """The one-token kernels' device inputs for expert set ``es``: the routing as int64 words,
     the weights, the token count, the two address tables, the combine's parts and counters."""
+    from moegemm.kernels._triton_moe_token import counts_words
     from moegemm.kernels.triton_kernel import weight_addresses
-    from moegemm.server._moe_token import counts_words
 
     return {"ids": ids.reshape(-1).to(torch.int64).view(torch.int32).to(dev),
             "wide": torch.tensor(1, device=dev), "w": w.reshape(-1).to(dev),
@@ -59,8 +59,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out")
     args = parser.parse_args()
+    from moegemm.kernels import _triton_moe_token as mt
     from moegemm.kernels import get_backend
-    from moegemm.server import _moe_token as mt
 
     dev = torch.device("cuda")
     backend = get_backend(dev)

@@ -33,6 +33,29 @@ class CompileAhead:
 
 
 @dataclass(frozen=True)
+class FfnKernels:
+    """The expert FFN's kernels around its two GEMMs (``server/_ffn_graphs.py``), where a backend
+    has them; the server runs its torch versions (same answers) where it has none.
+
+    - ``silu_mul_quant(h, fp8_dtype, *, rows)``: SPEC 5.1's activation of the first ``rows``
+      rows of ``h`` ``[rows, 2I]`` and its quantization: ``(hq, h_scale)``;
+    - ``route(...)`` / ``combine(...)`` / ``quantize_scatter(...)``: moe's routing of tokens to
+      per-expert rows, the weighted sum back per token, and bf16 tokens quantized once and
+      stored at their k rows;
+    - ``moe_token(...)``: a lone token's whole moe body in two kernels.
+
+    Their arguments are the triton backend's (``_triton_route``, ``_triton_moe_token``); all
+    are capture-safe.
+    """
+
+    silu_mul_quant: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    route: Callable[..., None]
+    combine: Callable[..., None]
+    quantize_scatter: Callable[..., None]
+    moe_token: Callable[..., None]
+
+
+@dataclass(frozen=True)
 class Backend:
     """One way of computing the grouped GEMM on one device.
 
@@ -68,6 +91,7 @@ class Backend:
       equal compute each output row alike, bit for bit, whatever the other
       rows hold (the server merges expert calls only then, SPEC 5.1). A
       backend whose rows never depend on M returns one constant.
+    - ``ffn``: the expert FFN's kernels around its GEMMs (:class:`FfnKernels`).
     - ``ahead``: the backend's kernels can be compiled in a separate process,
       into a cache this one then loads them from (:class:`CompileAhead`; the
       server compiles a new shape's kernels so, ``server/_ahead.py``). None:
@@ -89,4 +113,5 @@ class Backend:
     gather_quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     tile_key: Callable[[int, int, int, int, torch.dtype], Hashable] | None = None
     persistent: Callable[[int, int, int, int], bool] | None = None
+    ffn: FfnKernels | None = None
     ahead: CompileAhead | None = None

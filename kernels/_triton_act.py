@@ -31,7 +31,7 @@ rows past the call's real ones without a host read.
 
 The per-block arithmetic is three ``@triton.jit`` helpers (``silu_mul``,
 ``quantize_blocks``, ``nan_inf_flag``) that the one-token moe kernels
-(``server/_moe_token.py``) call too: one definition, the same bits.
+(``kernels/_triton_moe_token.py``) call too: one definition, the same bits.
 
 ``gather_quantize_triton`` is the same quantization for the rows a graph
 gathers (bf16 inputs): rows ``gather`` of ``x`` quantized, with their NaN/Inf

@@ -267,7 +267,7 @@ def _scale_products(xs_row, ws_col, stride_wsk, c, k_end, CHUNK: tl.constexpr):
 def _pick(blk, scales, kb):
     """Block ``kb``'s row of ``scales`` as its sum with zeros: the product's bits (``+0.0``
     for ``-0.0``, which changes no product-and-add here: ``acc`` is never ``-0.0``; see
-    ``server/_moe_token._row_tile``), other blocks' NaN or infinities left out."""
+    ``_triton_moe_token._row_tile``), other blocks' NaN or infinities left out."""
     return tl.sum(tl.where(blk[:, None] == kb, scales, 0.0), axis=0)
 
 

@@ -138,67 +138,37 @@ _SMS = 132  # the H200's multiprocessors: where "fills the SMs" rules below are 
 
 
 def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
-    """The table: a schedule and tile per shape class, from static shapes only.
+    """The tile table: one schedule and tile per shape class, from static shapes only.
 
-    The class is the mean rows per group ``r = m / g`` (the host never sees
-    the real split). Rules (measurements in bench/NOTES.md):
+    The host never sees how the rows split over the groups, so the class is the mean rows per
+    group ``r = m / g``. Why each rule holds, with its measurements: ``bench/NOTES.md``.
 
-    - ``r <= 48``, at G >= 64 ``r < 32`` (decode, bytes-bound; but see the Gluon rule for
-      experts larger than L2): A and B swapped. Token tile =
-      ``next_pow2(r)`` in [16, 64], doubled at G >= 64 (skewed routing puts
-      several times the mean on hot experts). Weights evicted first.
-      - 16-token tiles at G < 64 run pairs of K blocks with the scales a
-        pair ahead (``decode_pair``), except at K < 2048 with 132 or more
-        weight tiles (two programs per SM instead of four lose there).
-      - Fewer weight tiles of 128 rows than SMs and K >= 4096: 64-row
-        weight tiles split along K (pairs: 2 ways; single blocks and token
-        tiles <= 32: 4 ways), to fill the SMs.
-      - Fewer weight tiles than SMs and K < 2048 (one active expert): the
-        pair with 8 warps (each thread issues half the loads of a stage).
-      - At G >= 64, 16-token tiles run the 8-warp pair where the weight tiles
-        are few (at most 8 per SM: a decode step's handful of experts) or K >=
-        4096 (v13 sweep: t1 1.19-1.62x faster on six models, t16 1.05-1.14x at
-        K >= 4096; at t16 with K <= 2048 the plain tile, 0.93-1.01x).
-      - The scale products preloaded (``preload``: every K block's products in
-        registers before the loop, not two loads on each block's path) on the 16-
-        and 32-token tiles whose chunk of products is at most 1024 (``scale_chunk``),
-        except the unsplit pairs, which load their scales a pair ahead already. The
-        4-way split tile runs 5 stages (measured preloaded, on 16-token tiles; its
-        32-token form and the unpreloaded forms past K = 16384 are not timed).
-        (Session 11, call 2, 74 decode cases,
-        ``bench/results/session11/call2_decode12_sweep.json``: single-block tiles
-        1.03-1.14x; the split pairs 1.01-1.14x; the 4-way split 1.08-1.14x at 5
-        stages; the 32-token tile at K = 5120, 2048 products, 0.81x; the unsplit
-        pairs 0.96x geomean over 47 cases.)
-    - ``r > 48`` (prefill):
-      - G < 64 and ``r >= 128`` (even routing, full tiles), where 128 x 256 tiles
-        still fill the SMs: the Gluon schedule below, ``gluon_ws`` (session 11,
-        ``bench/results/session11/call1_sweep_g8.json`` and ``call4_sweep.json``,
-        against the persistent warp-specialised 128 x 256 tiles it replaces:
-        Mixtral t2048 1.05-1.17x, t8192 1.01-1.04x, seed m1024 n7168 k2304 1.19x,
-        m16384 1.00-1.03x; its store-warp form 0.96-1.03x of it there). Fewer such
-        tiles than SMs: the persistent warp-specialised 128 x 128 pairs.
-      - G >= 64 (many experts, skewed routing; from r = 32, and from r = 16 where
-        one expert's weights, N x K bytes, exceed 32 MiB: there a 32-token tile
-        reads a hot expert's weights from HBM again for every 32 of its rows, as
-        they do not stay in the 50 MB L2; Llama-4 at 2048 tokens 1.08-1.24x, and
-        Qwen3 at 256 tokens, experts of 3-12 MiB, 0.90-0.94x, so not below that;
-        session 11, ``call4_sweep.json``) with N a multiple
-        of 256: the warp-specialised Gluon schedule, 128 x 256 tiles, 3 stages,
-        bands of 8 row tiles per group, one program per SM (v16: faster than
-        the persistent TMA tile on all 22 real cases of the class, r = 42-512:
-        t8192 1.14-1.53x, t2048 1.04-1.21x, Kimi-K2 at r = 42 1.04-1.10x).
-        With K <= 5120 its store-warp form ``gluon_ws_store`` (the epilogue off
-        the tensor cores' path: 1.02-1.16x on the 18 such real cases, 1.06x
-        geomean); at K >= 7168 the plain ``gluon_ws`` (the store form measured
-        0.89-0.90x on Kimi-K2 w13, 1.01-1.04x on DeepSeek-V3 w13 and Llama-4
-        w2, so the long K loops keep the schedule that loses nowhere; session
-        10, call 3, ``bench/results/session10/call3_gluon11.json``).
-      - otherwise (G < 64 below 128 rows per group, or N not a multiple of
-        256; the Gluon tile is not measured there): the persistent TMA schedule
-        with its tile table, 64 x 128 tiles, two programs per SM, bands of 8
-        row tiles per group. (v12: Kimi-K2 at 2048 tokens, r = 42, 3220 us
-        against 4353 us for 64-token swapped tiles.)
+    1. **Decode** (the weights' bytes bound the time): ``r <= 48``; at G >= 64 only below
+       r = 32, and only below r = 16 for experts over 32 MiB (``n * k``) with N % 256 == 0,
+       which do not stay in the 50 MB L2 between token tiles. The swapped schedules: the
+       weights on the MMA's M side, the tokens on its N side; token tile ``next_pow2(r)`` in
+       [16, 64], doubled at G >= 64 (skewed routing puts several times the mean on the hot
+       experts); weights evicted first.
+
+       a. Fewer 128-row weight tiles than SMs and K >= 4096: 64-row weight tiles split along K
+          until the SMs are full: 16-token pairs 2 ways, other tiles of up to 32 tokens 4 ways
+          (5 stages); a 64-token tile keeps 128 rows, unsplit.
+       b. 16-token tiles at G < 64: the pair schedule (two K blocks an iteration, the scales a
+          pair ahead) where the weight tiles are fewer than SMs or K >= 2048, with 8 warps when
+          they are fewer than SMs and K < 2048 (a single active expert).
+       c. 16-token tiles at G >= 64: the 8-warp pair where the weight tiles are at most 8 per SM
+          (a decode step's handful of experts) or K >= 4096.
+       d. Otherwise the single-block schedule over 128-row weight tiles.
+
+       The 16- and 32-token tiles, except the unsplit pairs, take their scale products into
+       registers before the K loop where a chunk holds at most 1024 (:func:`_preloaded`).
+    2. **G < 64, r >= 128** (even routing, full tiles): ``gluon_ws`` 128 x 256 where N % 256 == 0
+       and its tiles fill the SMs; else ``persistent_ws`` 128 x 128.
+    3. **G >= 64, N % 256 == 0** (many experts, skewed routing): the Gluon 128 x 256 tile, one
+       program per SM, bands of 8 row tiles per group; ``gluon_ws_store`` (the epilogue in warps
+       of its own) to K = 5120, ``gluon_ws`` above it.
+    4. **Otherwise** (G < 64 with 48 < r < 128, or N not a multiple of 256): ``persistent_tma``
+       64 x 128, two programs per SM, bands of 8 row tiles per group.
     """
     rows_per_group = max(1, m // max(g, 1))
     many = g >= 64 and (rows_per_group >= 32 or (rows_per_group >= 16 and n % 256 == 0 and n * k > _L2_EXPERT_BYTES))
@@ -580,8 +550,11 @@ def create(device: torch.device) -> Backend:
             f"the triton backend needs compute capability 9.0 or newer, {device} has {major}.{minor}"
         )
     from . import _triton_ahead
-    from ._triton_act import gather_quantize_triton
+    from ._backend import FfnKernels
+    from ._triton_act import gather_quantize_triton, silu_mul_quant_triton
+    from ._triton_moe_token import moe_token
     from ._triton_prologue import check_and_gather
+    from ._triton_route import combine, quantize_scatter, route
 
     return Backend(
         name="triton",
@@ -597,5 +570,7 @@ def create(device: torch.device) -> Backend:
         gather_quantize=gather_quantize_triton,
         tile_key=functools.partial(tile_key, device=device),
         persistent=functools.partial(persistent, device=device),
+        ffn=FfnKernels(silu_mul_quant=silu_mul_quant_triton, route=route, combine=combine,
+                       quantize_scatter=quantize_scatter, moe_token=moe_token),
         ahead=_triton_ahead.create(),
     )

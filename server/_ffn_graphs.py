@@ -21,15 +21,15 @@ bucket's graph (or runs the same body eagerly).
    flags, downloaded in one copy.
 
 ``moe`` graph, over a bucket of two or more tokens: route the (token, slot) pairs to
-experts on the device (``_moe_route.route``: counts, positions, the routing
+experts on the device (``_triton_route.route``: counts, positions, the routing
 checks), gather the x rows per expert (bf16 tokens: quantized by the routing
 kernel itself in a launch of up to ``ROUTE_QUANTIZES_UP_TO`` rows, else each
-token once and stored at its k rows, ``_moe_route.quantize_scatter``), the FFN
+token once and stored at its k rows, ``_triton_route.quantize_scatter``), the FFN
 above, and the weighted combine
 ``out[t] = bf16(sum_j w[t, j] * y[pos(t, j)])`` (float32 sum). The host never
-reads the ids (int32 or int64 as sent, see ``_moe_route``); the routing flags
+reads the ids (int32 or int64 as sent, see ``kernels/_triton_route.py``); the routing flags
 come back with the output, in the one download. The bucket of one token runs two
-kernels instead (``_moe_token``, triton backend): a lone token's valid ids are
+kernels instead (``Backend.ffn.moe_token``, triton backend): a lone token's valid ids are
 distinct, so every expert it names gets one row and the routing, quantization,
 activation and combine fold into the two GEMMs; the same bits.
 
@@ -101,7 +101,7 @@ def expert_ids_torch(ids: torch.Tensor, wide: torch.Tensor, rows: int) -> torch.
 
 
 def route_torch(ids, wide, weights, tokens, G, k, m_sizes, pos, src, live, flags) -> None:
-    """``_moe_route.route`` in torch (any device; ``tokens`` and ``wide`` int64 scalar tensors)."""
+    """``_triton_route.route`` in torch (any device; ``tokens`` and ``wide`` int64 scalar tensors)."""
     bucket = flags.shape[0]
     rows = bucket * k
     e = expert_ids_torch(ids, wide, rows)
@@ -124,7 +124,7 @@ def route_torch(ids, wide, weights, tokens, G, k, m_sizes, pos, src, live, flags
 
 
 def combine_torch(y, pos, weights, tokens, k, out) -> None:
-    """``_moe_route.combine`` in torch: the float32 sum in slot order, one rounding at the end."""
+    """``kernels/_triton_route.combine`` in torch: the float32 sum in slot order, one rounding at the end."""
     bucket = out.shape[0]
     p, w = pos[: bucket * k].view(bucket, k), weights[: bucket * k].view(bucket, k)
     acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
@@ -189,7 +189,7 @@ class FfnBuffers:
             self.live_dev = torch.zeros((), dtype=torch.int64, device=device)
             self.pos = torch.zeros(rows, dtype=torch.int64, device=device)
             self.src = torch.zeros(rows, dtype=torch.int64, device=device)
-            # The one-token body's workspace (``_moe_token``): slot parts, and counters that
+            # The one-token body's workspace (``kernels/_triton_moe_token.py``): slot parts, and counters that
             # start at zero and are left at zero by every launch.
             self.parts = torch.zeros((f.top_k, f.H), dtype=torch.float32, device=device)
             self.counts = torch.zeros(f.H // 64, dtype=torch.int32, device=device)
@@ -299,18 +299,14 @@ class FfnGraphs:
         self.check_and_gather = backend.check_and_gather if is_gpu else None
         self.run_table: Callable | None = backend.run_addressed if is_gpu else None
         self._gather_quant = backend.gather_quantize if is_gpu else None
-        if backend.name == "triton":
-            from moegemm.kernels._triton_act import silu_mul_quant_triton
-
-            from ._moe_route import combine, quantize_scatter, route
-            from ._moe_token import moe_token
-
-            self._act = lambda h, rows: silu_mul_quant_triton(h, self.fp8, rows=rows)
-            self._route, self._combine = route, combine
+        kernels = backend.ffn if is_gpu else None  # the backend's FFN kernels, else torch's
+        if kernels is not None:
+            self._act = lambda h, rows: kernels.silu_mul_quant(h, self.fp8, rows=rows)
+            self._route, self._combine = kernels.route, kernels.combine
             # bf16 tokens: quantized by the routing kernel for a few rows, past that once per
             # token and stored at its k rows.
-            self._quantize_scatter = quantize_scatter
-            self._moe_token = moe_token
+            self._quantize_scatter = kernels.quantize_scatter
+            self._moe_token = kernels.moe_token
         else:
             self._moe_token = None
             self._quantize_scatter = None
@@ -463,12 +459,12 @@ class FfnGraphs:
         self._combine(y, bufs.pos, bufs.weights, bufs.tokens_word(), k, bufs.out(tokens))
 
     def _token_body(self, bufs: FfnBuffers, es) -> None:
-        """moe's body for a launch of one token, in two kernels (``_moe_token``): the token's
+        """moe's body for a launch of one token, in two kernels (``kernels/_triton_moe_token.py``): the token's
         valid ids are distinct, so each expert it names gets one row, the token itself --
         nothing to route, gather or put back, and the GEMMs can quantize, activate and
         combine as they go (a kernel costs 2-5 us of dependent latency at this size). From
         two tokens an expert may get several rows: the grouped body. The bits are the
-        grouped body's for the same rows (``_moe_token`` says how)."""
+        grouped body's for the same rows (``kernels/_triton_moe_token.py`` says how)."""
         f = bufs.family
         h = torch.empty((f.top_k, 2 * f.I), dtype=torch.float32, device=self.device)
         xs = None if bufs.x_scale is None else bufs.x_scale[:1]

@@ -38,9 +38,9 @@ from ffn_support import (
     repeats,
 )
 from moegemm.kernels import get_backend
+from moegemm.kernels._triton_route import combine, route
 from moegemm.kernels.testing import random_m_sizes, rel_error
 from moegemm.server._ffn_graphs import combine_torch, route_torch
-from moegemm.server._moe_route import combine, route
 from test_ffn_graphs import _route_quantizes_as_torch, ids_words
 
 DEV = torch.device("cuda")

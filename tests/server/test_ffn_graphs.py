@@ -146,8 +146,8 @@ def _route_quantizes_as_torch(words, wide, w, n, g, k, bucket, src, gen, H=384) 
     (the torch definitions: ``quantize_activations(x[src])``, ``bad_rows(x)``), bit for bit,
     tokens holding NaN and Inf among them."""
     from moegemm.kernels import quantize_activations
+    from moegemm.kernels._triton_route import route
     from moegemm.server._checks import bad_rows
-    from moegemm.server._moe_route import route
 
     dev = words.device
     x = (torch.randn((bucket, H), generator=gen) * 8).to(torch.bfloat16).to(dev)
@@ -168,7 +168,7 @@ def _route_quantizes_as_torch(words, wide, w, n, g, k, bucket, src, gen, H=384) 
     assert torch.equal(xs.view(torch.int32), want_s.view(torch.int32))  # NaN scales too
     assert torch.equal(x_flags.cpu(), bad_rows(x.cpu(), None))
     # Past the routing's few rows: each token quantized once, stored at its k rows (pos).
-    from moegemm.server._moe_route import quantize_scatter
+    from moegemm.kernels._triton_route import quantize_scatter
 
     xq.view(torch.uint8).fill_(0x55)
     xs.fill_(-7.0)
@@ -180,8 +180,8 @@ def _route_quantizes_as_torch(words, wide, w, n, g, k, bucket, src, gen, H=384) 
 
 
 def compare_kernels_on_cpu() -> None:
+    from moegemm.kernels._triton_route import combine, route
     from moegemm.server._ffn_graphs import combine_torch, route_torch
-    from moegemm.server._moe_route import combine, route
 
     gen = torch.Generator().manual_seed(0)
     for g, k, bucket, tokens, wide in ((5, 2, 4, 3, 1), (7, 3, 8, 8, 0), (16, 8, 16, 11, 1),
@@ -250,8 +250,8 @@ def _padded_runner(graph_path: bool) -> Runner:
     calls take the executor's graph path (driver-copy staging, the launch's words)."""
     from moegemm.kernels._triton_act import gather_quantize_triton, silu_mul_quant_triton
     from moegemm.kernels._triton_prologue import check_and_gather
+    from moegemm.kernels._triton_route import combine, quantize_scatter, route
     from moegemm.kernels.reference import grouped_gemm
-    from moegemm.server._moe_route import combine, quantize_scatter, route
 
     runner = _runner()
     steps = runner.graphs

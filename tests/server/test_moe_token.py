@@ -1,4 +1,4 @@
-"""The one-token moe kernels (``server/_moe_token.py``) in Triton's interpreter (a fresh
+"""The one-token moe kernels (``kernels/_triton_moe_token.py``) in Triton's interpreter (a fresh
 process with ``TRITON_INTERPRET=1``), against the torch definitions.
 
 - the up kernel's ``h`` equals the float64 GEMM of the token quantized as
@@ -46,7 +46,7 @@ def ids_words(ids: torch.Tensor, wide: int) -> torch.Tensor:
 
 def run_token(es, x, xs, ids, weights, wide: int) -> dict:
     """Both kernels on one token (CPU tensors): h, out, the flags, the counters after."""
-    from moegemm.server._moe_token import counts_words, moe_token
+    from moegemm.kernels._triton_moe_token import counts_words, moe_token
 
     k, H, I = ids.numel(), es.H, es.I
     got = {"h": torch.full((k, 2 * I), float("nan")),
@@ -172,7 +172,7 @@ def test_pipeline_stages_keep_every_program_in_shared_memory():
     than the shipped 3 only while every program of the grid fits in the SMs' shared memory at
     once (a stage is the weight block and the token tile's block)."""
     pytest.importorskip("triton")
-    from moegemm.server._moe_token import _SMS, _STAGES_SMEM, pipeline_stages
+    from moegemm.kernels._triton_moe_token import _SMS, _STAGES_SMEM, pipeline_stages
 
     # Qwen3-30B-A3B t1 (64-row tiles, 193 and 256 programs): the whole w2 K (6 blocks) in
     # flight; DeepSeek-V3 (128-row tiles): 4 blocks up (257 programs), down stays at 3 (448).

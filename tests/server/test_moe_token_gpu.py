@@ -1,4 +1,4 @@
-"""The one-token moe body (two kernels, ``server/_moe_token.py``) on the GPU: bit for bit
+"""The one-token moe body (two kernels, ``kernels/_triton_moe_token.py``) on the GPU: bit for bit
 the grouped path.
 
 A lone token's moe runs the two kernels; the same token merged with others runs the

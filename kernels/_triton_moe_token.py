@@ -3,7 +3,7 @@
 | tensor        | shape      | dtype     | meaning |
 |---------------|------------|-----------|---------|
 | `x`           | `[1, H]`   | bf16, or fp8 e4m3fn with `x_scale` `[1, H/128]` float32 | the token |
-| `ids`         | `[2k]`     | int32     | its `topk_ids` as words: int32 ids, or int64 ids as (low, high) pairs (``_moe_route``) |
+| `ids`         | `[2k]`     | int32     | its `topk_ids` as words: int32 ids, or int64 ids as (low, high) pairs (``_triton_route``) |
 | `wide`        | `[]`       | int64     | 1 when `ids` holds int64 ids |
 | `weights`     | `[k]`      | float32   | its `topk_weights` |
 | `tokens`      | `[]`       | int64     | real tokens (1; a device word as for the routing kernel) |
@@ -80,7 +80,7 @@ from moegemm.kernels._triton_gemm import _weights
 from moegemm.kernels.quant import BLOCK, fp8_max
 from moegemm.kernels.triton_kernel import default_config
 
-from ._moe_route import _FLT_MAX, _check_tokens
+from ._triton_route import _FLT_MAX, _check_tokens
 
 # The H200's multiprocessors: a kernel's weight tile is 128 rows where that still gives
 # every SM a program, else 64 (a 128-row tile keeps more loads in flight per program).
@@ -225,7 +225,7 @@ def _row_tile(a_ptr, as_ptr, w_ptrs, ws_ptr, ws_all, WS_STEP: tl.constexpr, KB: 
 
 @triton.jit
 def _slot_expert(ids_ptr, wide_ptr, j, G: tl.constexpr):
-    """Slot ``j``'s expert as int64, as ``_moe_route._expert_of`` reads it; a bad id (refused by the
+    """Slot ``j``'s expert as int64, as ``_triton_route._expert_of`` reads it; a bad id (refused by the
     routing flag) reads expert 0. Both readings of the words are loaded beside ``wide``
     (``ids`` holds 2k words either way), so the weights' address waits on one round trip
     to memory, not on ``wide`` and then the id (two, at the head of every program)."""
