@@ -5,12 +5,13 @@ neighbours from fastest, with their time over the table's.
 """
 import argparse
 import json
+from pathlib import Path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("path")
 parser.add_argument("--top", type=int, default=6)
 args = parser.parse_args()
-for row in json.load(open(args.path))["rows"]:
+for row in json.loads(Path(args.path).read_text())["rows"]:
     base = row["public_us"]
     cells = []
     timed = [(v[0], k, v[1]) for k, v in row.get("sweep_us", {}).items() if isinstance(v, list)]
