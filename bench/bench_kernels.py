@@ -105,15 +105,40 @@ def floor_us(m, n, k, sizes, ceilings=FLOOR_CEILINGS) -> float:
 
 
 SWEEP_KEYS: list[str] = []  # --sweep-keys: only neighbours whose key contains one of these
+SWEEP_VARY: dict[str, list] = {}  # --sweep-vary: the table's tile with these fields changed instead
+
+
+def parse_vary(text: str) -> dict[str, list]:
+    """``"group_tiles_m=4,16;evict_w=,evict_first"`` -> ``{"group_tiles_m": [4, 16], "evict_w": ["", "evict_first"]}``."""
+    def value(v: str):
+        return int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+
+    found = {}
+    for part in filter(None, text.split(";")):
+        field, _, values = part.partition("=")
+        found[field.strip()] = [value(v.strip()) for v in values.split(",")]
+    return found
 
 
 def sweep_configs(m, n, k, g):
     """The table's neighbours for ``--sweep`` (public entry): ``candidate_configs`` but the
-    table's own choice (and, with ``--sweep-keys``, only those whose key matches)."""
+    table's own choice (and, with ``--sweep-keys``, only those whose key matches). With
+    ``--sweep-vary``, the table's tile with each combination of the given fields changed
+    (those that fit), instead of ``candidate_configs``."""
+    import dataclasses
+    import itertools
+
     from moegemm.kernels import triton_kernel as tk
 
     default = tk.default_config(m, n, k, g)
-    return [c for c in tk.candidate_configs(m, n, k, g)
+    if SWEEP_VARY:
+        fields = list(SWEEP_VARY)
+        found = [dataclasses.replace(default, **dict(zip(fields, combo)))
+                 for combo in itertools.product(*(SWEEP_VARY[f] for f in fields))]
+        found = [c for c in dict.fromkeys(found) if c.fits(n, g)]
+    else:
+        found = tk.candidate_configs(m, n, k, g)
+    return [c for c in found
             if c != default and (not SWEEP_KEYS or any(part in c.key() for part in SWEEP_KEYS))]
 
 
@@ -464,11 +489,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the table's neighbours (public entry)")
     parser.add_argument("--sweep-keys", default="", help="with --sweep: only the neighbours whose tile key contains "
                         "one of these (comma-separated)")
+    parser.add_argument("--sweep-vary", default="", help="with --sweep: the table's tile with fields changed, e.g. "
+                        "'group_tiles_m=4,16;evict_w=,evict_first' (every combination that fits)")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting cases after this many seconds")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     args = parser.parse_args()
     SWEEP_KEYS[:] = [part for part in args.sweep_keys.split(",") if part]
+    SWEEP_VARY.update(parse_vary(args.sweep_vary))
     import triton
 
     started = time.monotonic()

@@ -93,7 +93,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
         else:
             consts.update({"part_ptr": None, "count_ptr": None})
         consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, PRELOAD=cfg.preload,
-                      CHUNK=tk.scale_chunk(cfg, k) if cfg.preload else 16)
+                      CHUNK=tk.scale_chunk(cfg, k) if cfg.preload else 16, GROUP_TILES_M=cfg.group_tiles_m)
     elif cfg.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
     elif cfg.schedule == "persistent_tma" or cfg.schedule in tk.GLUON_SCHEDULES:

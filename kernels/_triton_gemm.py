@@ -280,14 +280,15 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
                   stride_map,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                   EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                  ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16):
+                  ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16,
+                  GROUP_TILES_M: tl.constexpr = 1):
     """Decode, one K block per iteration: ``acc[BLOCK_N, BLOCK_M] += dot(w, x^T) * (ws * xs)``.
 
     BLOCK_M is the token tile, BLOCK_N (<= 128) the weight tile: one
     weight-scale column per tile.
     """
     split, tile_id, tile_n, group, first_row, row_stop, valid = _grid_tile(
-        m_sizes_ptr, M, N, G, SPLIT_K, BLOCK_M, BLOCK_N, 1, G_POW2)
+        m_sizes_ptr, M, N, G, SPLIT_K, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
     if valid:
         w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
         x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
@@ -348,7 +349,8 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
                        stride_map,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                        EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                       ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16):
+                       ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16,
+                       GROUP_TILES_M: tl.constexpr = 1):
     """Decode, two K blocks per iteration, each pair's scales loaded one iteration ahead.
 
     The scale loads are not staged by the software pipeliner; waiting on
@@ -357,7 +359,7 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
     An odd last block pairs with itself, its copy scaled by 0.
     """
     split, tile_id, tile_n, group, first_row, row_stop, valid = _grid_tile(
-        m_sizes_ptr, M, N, G, SPLIT_K, BLOCK_M, BLOCK_N, 1, G_POW2)
+        m_sizes_ptr, M, N, G, SPLIT_K, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
     if valid:
         w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
         x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)

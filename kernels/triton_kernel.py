@@ -65,7 +65,8 @@ class TileConfig:
 
     ``decode`` / ``decode_pair``: ``block_m`` is the token tile (16-64),
     ``block_n`` the weight tile (64 or 128) on the MMA's M side; ``split_k``
-    programs share an output tile; ``evict_w`` the weights' cache policy.
+    programs share an output tile; ``evict_w`` the weights' cache policy;
+    ``group_tiles_m`` row tiles walked side by side per weight tile (a band).
     ``persistent_ws``: 128 x 128 (pairs of K blocks), 4 warps (warp-specialised:
     a producer and two 64-row consumers), ``group_tiles_m`` row tiles per band.
     ``persistent_tma``: 64 (4 warps) or 128 (8 warps) rows x 128, ``group_tiles_m``
@@ -148,20 +149,25 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
        which do not stay in the 50 MB L2 between token tiles. The swapped schedules: the
        weights on the MMA's M side, the tokens on its N side; token tile ``next_pow2(r)`` in
        [16, 64], doubled at G >= 64 (skewed routing puts several times the mean on the hot
-       experts); weights evicted first.
+       experts); weights evicted first. At G < 64 from r = 16 the programs walk the row tiles
+       in bands of 8 per weight tile (a hot expert's token tiles run side by side and read its
+       weights once from HBM); else row tile by row tile.
 
-       a. Fewer 128-row weight tiles than SMs and K >= 4096: 64-row weight tiles split along K
-          until the SMs are full: 16-token pairs 2 ways, other tiles of up to 32 tokens 4 ways
-          (5 stages); a 64-token tile keeps 128 rows, unsplit.
-       b. 16-token tiles at G < 64: the pair schedule (two K blocks an iteration, the scales a
-          pair ahead) where the weight tiles are fewer than SMs or K >= 2048, with 8 warps when
-          they are fewer than SMs and K < 2048 (a single active expert).
-       c. 16-token tiles at G >= 64: the 8-warp pair where the weight tiles are at most 8 per SM
-          (a decode step's handful of experts) or K >= 4096.
+       a. Fewer 128-row weight tiles than SMs and K >= 4096 (a few experts): tiles of up to 32
+          tokens split along K, the split doubled from 2 up to 8 while the programs stay within
+          three per SM; a 64-token tile unsplit.
+       b. 16-token tiles at G < 64, where the weight tiles are fewer than SMs or K >= 2048: the
+          pair schedule (two K blocks an iteration, the scales a pair ahead); 64-row weight
+          tiles and 8 warps where the weight tiles are fewer than SMs and K < 2048 (a single
+          active expert: twice the programs).
+       c. 16-token tiles at G >= 64: the 8-warp pair where the weight tiles fill at most two
+          programs per SM (a decode step's handful of experts) or K >= 4096; the 8-warp single
+          block tile where they are at most 8 per SM (the pair's programs would run in more
+          than one wave).
        d. Otherwise the single-block schedule over 128-row weight tiles.
 
-       The 16- and 32-token tiles, except the unsplit pairs, take their scale products into
-       registers before the K loop where a chunk holds at most 1024 (:func:`_preloaded`).
+       The 16- and 32-token tiles of a and d take their scale products into registers before
+       the K loop where a chunk holds at most 1024 (:func:`_preloaded`).
     2. **G < 64, r >= 128** (even routing, full tiles): ``gluon_ws`` 128 x 256 where N % 256 == 0
        and its tiles fill the SMs; else ``persistent_ws`` 128 x 128.
     3. **G >= 64, N % 256 == 0** (many experts, skewed routing): the Gluon 128 x 256 tile, one
@@ -177,18 +183,24 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         weight_tiles = min(g, m) * n // 128  # at most min(g, m) groups have rows
         pair = token_tile == 16 and g < 64
         ef = "evict_first"
+        band = 8 if g < 64 and rows_per_group >= 16 else 1
+        T = functools.partial(TileConfig, evict_w=ef, group_tiles_m=band)
         if weight_tiles < _SMS and k >= 4096:
-            if pair:
-                return _preloaded(TileConfig("decode_pair", token_tile, 64, 4, 3, split_k=2, evict_w=ef), k)
             if token_tile <= 32:
-                return _preloaded(TileConfig("decode", token_tile, 64, 4, 5, split_k=4, evict_w=ef), k)
-            return _preloaded(TileConfig("decode", token_tile, 128, 4, 3, evict_w=ef), k)
+                split = 2
+                while split < 8 and weight_tiles * split * 2 <= 3 * _SMS:
+                    split *= 2
+                return _preloaded(T("decode", token_tile, 128, 4, 3, split_k=split), k)
+            return _preloaded(T("decode", token_tile, 128, 4, 3), k)
         if pair and (weight_tiles < _SMS or k >= 2048):
-            warps = 8 if weight_tiles < _SMS and k < 2048 else 4
-            return TileConfig("decode_pair", token_tile, 128, warps, 3, evict_w=ef)
-        if token_tile == 16 and g >= 64 and (weight_tiles <= 8 * _SMS or k >= 4096):
-            return TileConfig("decode_pair", 16, 128, 8, 3, evict_w=ef)
-        return _preloaded(TileConfig("decode", token_tile, 128, 4, 3, evict_w=ef), k)
+            if weight_tiles < _SMS and k < 2048:
+                return T("decode_pair", token_tile, 64, 8, 3)
+            return T("decode_pair", token_tile, 128, 4, 3)
+        if token_tile == 16 and g >= 64 and (weight_tiles <= 2 * _SMS or k >= 4096):
+            return T("decode_pair", 16, 128, 8, 3)
+        if token_tile == 16 and g >= 64 and weight_tiles <= 8 * _SMS:
+            return T("decode", 16, 128, 8, 3)
+        return _preloaded(T("decode", token_tile, 128, 4, 3), k)
     if g < 64 and rows_per_group >= 128:
         if n % 256 == 0 and (m // 128) * (n // 256) >= _SMS:
             return TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
@@ -387,7 +399,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         extra = (parts, counts)
         # CHUNK only shapes the preloaded loop: the plain one gets one value, so one kernel.
         consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
-                      CHUNK=scale_chunk(config, k) if config.preload else 16)
+                      CHUNK=scale_chunk(config, k) if config.preload else 16, GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule == "persistent_tma":

@@ -28,15 +28,16 @@ DEV = torch.device("cuda")
 # (m, n, k, g): each decode tile the table gives (key in the comment), K blocks odd and even.
 SHAPES = [(8, 2048, 768, 128),     # decode_pair m16 n128 w8 (6 blocks)
           (8, 2048, 1152, 128),    # the same, 9 blocks: an odd last pair
-          (1, 5120, 8192, 64),     # decode m16 n64 sk4
-          (2, 4096, 14336, 8),     # decode_pair m16 n64 sk2 (56 blocks)
-          (2, 1024, 4224, 8),      # decode_pair n64 sk2, 33 blocks: an odd split
-          (128, 8192, 1024, 8),    # decode m16 n128
+          (8, 7168, 2048, 256),    # decode m16 n128 w8 (16 blocks)
+          (1, 5120, 8192, 64),     # decode m16 n128 sk8
+          (2, 4096, 14336, 8),     # decode m16 n128 sk4 (112 blocks)
+          (2, 1024, 4224, 8),      # decode n128 sk8, 33 blocks: uneven splits, the last empty
+          (128, 8192, 1024, 8),    # decode m16 n128, bands of 8
           (2048, 2048, 768, 128),  # decode m32 n128
-          (128, 4096, 4096, 8),    # decode_pair m16 n128 w4
+          (128, 4096, 4096, 8),    # decode_pair m16 n128 w4, bands of 8
           (256, 5120, 8192, 128),  # decode_pair m16 n128 w8, 64 blocks
           (32, 4096, 14336, 8),    # decode_pair n128 w4, 112 blocks: chunks of 64-128
-          (192, 1280, 8192, 8)]    # decode m32 n64 sk4 (the 32-token 4-way split)
+          (192, 1280, 8192, 8)]    # decode m32 n128 sk4, bands of 8
 
 
 @pytest.mark.parametrize("stages", [3, 4, 5])

@@ -303,7 +303,10 @@ def test_a_lone_calls_check_runs_beside_its_gemm_and_still_flags_bad_rows(m, n, 
     assert torch.equal(got[good.to(DEV)], public[good.to(DEV)])
 
 
-@pytest.mark.parametrize("m,n,k,g", [(16384, 2048, 1024, 8), (9000, 512, 1536, 128), (37, 4096, 1024, 256)])
+# Prefill; a banded pair (G = 8, 16 rows a group); one token of 8 experts on the 8-warp
+# single-block tile; a few experts split along K.
+@pytest.mark.parametrize("m,n,k,g", [(16384, 2048, 1024, 8), (9000, 512, 1536, 128), (37, 4096, 1024, 256),
+                                     (128, 4096, 2048, 8), (8, 5120, 1536, 160), (2, 4096, 4096, 8)])
 def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, gen, monkeypatch):
     """SPEC 3 pinned: the pool's launcher and ``grouped_gemm`` launch the same kernel with the
     same tile for a shape (recorded at the launch), and the same bits come out."""

@@ -5,6 +5,8 @@ Needs the triton package (the ``cuda`` extra) but no GPU; no kernel is launched.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -46,39 +48,61 @@ def test_decode_table_rules():
     ef = "evict_first"
     assert tk.default_config(32, 7168, 8192, 8).swap_ab
     assert not tk.default_config(16384, 7168, 2304, 8).swap_ab
-    # Fewer weight tiles than SMs and long K: 64-row weight tiles split along K
-    # (pairs 2 ways for 16-token tiles, single blocks 4 ways for 32-token tiles).
-    # Both with their scale products preloaded; the 4-way split with 5 stages.
-    assert tk.default_config(32, 1280, 8192, 8) == T("decode_pair", 16, 64, 4, 3, split_k=2, evict_w=ef,
-                                                     preload=True)
-    assert tk.default_config(24 * 8, 1280, 8192, 8) == T("decode", 32, 64, 4, 5, split_k=4, evict_w=ef,
-                                                         preload=True)
-    # 64-token tiles spill with split-K: the plain decode tile (never preloaded: not measured).
-    assert tk.default_config(40 * 8, 1280, 8192, 8) == T("decode", 64, 128, 4, 3, evict_w=ef)
+    # Fewer weight tiles than SMs and long K: 128-row weight tiles split along K, the split
+    # doubled from 2 to 8 while the programs stay within 3 per SM (396 on 132 SMs); scale
+    # products preloaded.
+    split4 = T("decode", 16, 128, 4, 3, split_k=4, evict_w=ef, preload=True)
+    assert tk.default_config(32, 1280, 8192, 8) == split4  # 80 tiles: 320 programs
+    assert tk.default_config(2, 4096, 14336, 8) == split4  # Mixtral-8x7B w2, 1 token: 64 tiles
+    assert tk.default_config(1, 5120, 8192, 128) == replace(split4, split_k=8)  # Llama-4 w2: 40 tiles
+    assert tk.default_config(1, 16384, 5120, 128) == replace(split4, split_k=2)  # Llama-4 w13: 128
+    assert tk.default_config(24 * 8, 1280, 8192, 8) == T("decode", 32, 128, 4, 3, split_k=4, evict_w=ef,
+                                                         group_tiles_m=8, preload=True)
+    # 64-token tiles unsplit (never preloaded: not measured).
+    assert tk.default_config(40 * 8, 1280, 8192, 8) == T("decode", 64, 128, 4, 3, evict_w=ef, group_tiles_m=8)
     # Pairs with the scales ahead for one active expert and for K >= 2048 ...
-    for m, n, k in ((1, 8192, 1024), (32, 7168, 8192), (128, 8192, 3584)):
+    for m, n, k in ((32, 7168, 8192), (128, 8192, 3584)):
         cfg = tk.default_config(m, n, k, 8)
-        assert (cfg.schedule, cfg.block_m, cfg.block_n) == ("decode_pair", 16, 128)
-    # ... with 8 warps where the weight tiles are fewer than the SMs and K is short.
-    assert tk.default_config(1, 8192, 1024, 8).num_warps == 8
-    assert tk.default_config(1, 8192, 3584, 8).num_warps == 4
-    assert tk.default_config(32, 7168, 8192, 8).num_warps == 4
+        assert (cfg.schedule, cfg.block_m, cfg.block_n, cfg.num_warps) == ("decode_pair", 16, 128, 4)
+    # ... with 64-row weight tiles and 8 warps where the weight tiles are fewer than the SMs
+    # and K is short (a single expert's 64 tiles become 128 programs).
+    assert tk.default_config(1, 8192, 1024, 8) == T("decode_pair", 16, 64, 8, 3, evict_w=ef)
+    assert tk.default_config(1, 8192, 3584, 8) == T("decode_pair", 16, 128, 4, 3, evict_w=ef)
     # Not for K = 1024 with enough tiles: the single-block tile, its scales preloaded.
-    assert tk.default_config(128, 8192, 1024, 8) == T("decode", 16, 128, 4, 3, evict_w=ef, preload=True)
-    # At G >= 64, 16-token tiles: the 8-warp pair for a few experts' tiles (a decode
-    # step) or K >= 4096; many tiles at short K keep the plain tile.
+    assert tk.default_config(128, 8192, 1024, 8) == T("decode", 16, 128, 4, 3, evict_w=ef, group_tiles_m=8,
+                                                      preload=True)
+    # At G >= 64, 16-token tiles: the 8-warp pair where the weight tiles fill at most two
+    # programs per SM (264) or K >= 4096; the 8-warp single-block tile to 8 per SM; beyond,
+    # the plain preloaded tile.
     pair8 = T("decode_pair", 16, 128, 8, 3, evict_w=ef)
-    assert tk.default_config(8, 2048, 768, 128) == pair8  # Qwen3-30B w2, 1 token
+    assert tk.default_config(8, 2048, 768, 128) == pair8  # Qwen3-30B w2, 1 token: 128 tiles
+    assert tk.default_config(8, 4096, 1536, 128) == pair8  # Qwen3-235B w2, 1 token: 256 tiles
     assert tk.default_config(8, 4096, 7168, 256) == pair8  # DeepSeek-V3 w13, 1 token
     assert tk.default_config(256, 4096, 7168, 256) == pair8  # many tiles, K >= 4096
+    single8 = T("decode", 16, 128, 8, 3, evict_w=ef)
+    assert tk.default_config(8, 7168, 2048, 256) == single8  # DeepSeek-V3 w2, 1 token: 448 tiles
+    assert tk.default_config(8, 5120, 1536, 160) == single8  # GLM-4.5 w2, 1 token: 320 tiles
     assert tk.default_config(128, 2048, 768, 128) == T("decode", 16, 128, 4, 3, evict_w=ef, preload=True)
     assert tk.default_config(2048, 4096, 7168, 256).block_m == 16
     # Preloaded only where a chunk holds at most 1024 scale products: the 32-token tile to
-    # K = 4096 (32 blocks), not at K = 5120 (40 blocks, a chunk of 64); never the unsplit pairs.
+    # K = 4096 (32 blocks), not at K = 5120 (40 blocks, a chunk of 64); never the unsplit pairs
+    # nor the 8-warp tiles.
     assert tk.default_config(2048, 3072, 4096, 128) == T("decode", 32, 128, 4, 3, evict_w=ef, preload=True)
     assert tk.default_config(2048, 3072, 5120, 160) == T("decode", 32, 128, 4, 3, evict_w=ef)
     assert not any(tk.default_config(m, n, k, g).preload
-                   for m, n, k, g in ((8, 2048, 768, 128), (1, 8192, 1024, 8), (128, 8192, 3584, 8)))
+                   for m, n, k, g in ((8, 2048, 768, 128), (1, 8192, 1024, 8), (128, 8192, 3584, 8),
+                                      (8, 7168, 2048, 256)))
+
+
+def test_decode_bands_where_hot_experts_hold_several_token_tiles():
+    # G < 64 from 16 rows per group: bands of 8 row tiles per weight tile (a hot expert's
+    # token tiles side by side); below it, and at G >= 64, row tile by row tile.
+    for m, n, k in ((128, 28672, 4096), (128, 4096, 14336), (128, 32768, 6144), (384, 6144, 16384)):
+        assert tk.default_config(m, n, k, 8).group_tiles_m == 8
+    for m, n, k, g in ((16, 28672, 4096, 8), (64, 4096, 14336, 8), (2, 4096, 14336, 8),
+                       (2048, 7168, 2048, 256), (2048, 3072, 4096, 128), (16, 5120, 8192, 128)):
+        cfg = tk.default_config(m, n, k, g)
+        assert cfg.swap_ab and cfg.group_tiles_m == 1
 
 
 def test_prefill_table_rules():
