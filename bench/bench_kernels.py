@@ -188,13 +188,17 @@ def _compile_one(job) -> str:
         words = torch.zeros(4, dtype=torch.int64, device=DEV)
         if service:
             rows = torch.zeros((m, 2), dtype=torch.int64, device=DEV)[:, 1]
-            plan = tk.launch_plan(xq, words[:2], xs, words[:2], sizes, out, n, g, cfg, True, words[2:], rows)
+            plans = [tk.launch_plan(xq, words[:2], xs, words[:2], sizes, out, n, g, cfg, True, words[2:], rows)]
+            if cfg.swap_ab:  # a lone call's graph: the rows' check inside the kernel
+                flags = torch.empty(m, dtype=torch.int8, device=DEV)
+                plans.append(tk.launch_plan(xq, words[:2], xs, words[:2], sizes, out, n, g, cfg, True, words[2:],
+                                            rows, flags))
         else:
             w = torch.empty(16, dtype=FP8, device=DEV)
             ws = torch.empty(16, dtype=torch.float32, device=DEV)
-            plan = tk.launch_plan(xq, w, xs, ws, sizes, out, n, g, cfg, False)
-        kernel, grid, args, consts = plan
-        kernel.warmup(*args, grid=grid, **consts)
+            plans = [tk.launch_plan(xq, w, xs, ws, sizes, out, n, g, cfg, False)]
+        for kernel, grid, args, consts in plans:
+            kernel.warmup(*args, grid=grid, **consts)
         return ""
     except Exception as exc:  # noqa: BLE001  reported; the run compiles it again (and fails there)
         return f"{cfg.key()} m{m} n{n} k{k} g{g}: {exc!r}"[:300]

@@ -62,7 +62,7 @@ def ptxas_report(kernel) -> dict:
 
 
 def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, service: bool = False,
-                   out: str = "bf16", row_map: bool = True):
+                   out: str = "bf16", row_map: bool = True, flags: bool = False):
     """``cfg``'s kernel compiled as ``triton_kernel._launch`` would launch it on (m, n, k, g);
     ``addrs``: the weights by address; ``service``: also the activations by address and
     (``row_map``, else stored in place: a lone prefill call's graph) the output through a row
@@ -92,8 +92,11 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
             divisible += ["part_ptr", "count_ptr"]
         else:
             consts.update({"part_ptr": None, "count_ptr": None})
+        sig["flags_ptr"] = "*i8" if flags else "*i64"  # a lone call's graph: the check inside
+        divisible.append("flags_ptr")
         consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, PRELOAD=cfg.preload,
-                      CHUNK=tk.scale_chunk(cfg, k) if cfg.preload else 16, GROUP_TILES_M=cfg.group_tiles_m)
+                      CHUNK=tk.scale_chunk(cfg, k) if cfg.preload else 16, GROUP_TILES_M=cfg.group_tiles_m,
+                      FLAGS=flags, KB_POW2=tk._next_pow2(k // 128) if flags else 1)
     elif cfg.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
     elif cfg.schedule == "persistent_tma" or cfg.schedule in tk.GLUON_SCHEDULES:

@@ -67,13 +67,16 @@ class Backend:
     Optional, for a server's graphs (None where the backend has none):
 
     - ``run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups, inputs=None,
-      out_rows=None)``: ``run`` with the weight set given as two int64 device
+      out_rows=None, flags=None)``: ``run`` with the weight set given as two int64 device
       words, the base addresses of its contiguous ``wq`` and ``w_scale`` (in
       that order): one graph captured per (G, N, K) then serves every weight
       set of that shape by rewriting the words. ``inputs``: two more words
       holding the activations' and scales' base addresses (``xq``/``x_scale``
       then give only shape and strides); ``out_rows``: int64 ``[M]``, row r
       stored at ``out[out_rows[r]]``. Same kernel, same tile, same bits as ``run``.
+      ``flags`` (int8, only where ``persistent`` is False for the launch): the
+      launch also writes each grouped row's scale check (``bad_rows`` of fp8 rows)
+      at its stored place, so a lone call's graph needs no check kernel.
     - ``check_and_gather(x, x_scale, gather, x_out, scale_out, flags, *,
       regroup=None)``: one kernel that checks the rows' contents (the server's
       ``bad_rows``) and regroups them (``x_out = x[gather]``; not at all when

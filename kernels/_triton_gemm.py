@@ -271,17 +271,37 @@ def _pick(blk, scales, kb):
     return tl.sum(tl.where(blk[:, None] == kb, scales, 0.0), axis=0)
 
 
+@triton.jit
+def _row_flags(xs_base, rows, rows_in, row_stop, map_ptr, stride_map, flags_ptr, stride_xsm, tile_n, split, K,
+               BLOCK_K: tl.constexpr, KB_POW2: tl.constexpr, ROW_MAP: tl.constexpr):
+    """The server's check of the tile's rows (``FLAGS``: a lone call's graph, one kernel):
+    ``flags[dest] = 2`` where a row's scales are not all finite and > 0, else 0 (SPEC 2.2;
+    ``_checks.bad_rows`` for fp8 rows, whose codes are not checked), at the row's stored
+    place, written by the programs of the first column tile and split only: each row once,
+    in its group's tile. Rows past the groups' end belong to no tile and get no flag. Run
+    before the K loop, so nothing of it stays live across the loop."""
+    if (tile_n == 0) & (split == 0):
+        dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
+        kbs = tl.arange(0, KB_POW2)
+        scale = tl.load(xs_base + rows_in[:, None] * stride_xsm + kbs[None, :],
+                        mask=(kbs < K // BLOCK_K)[None, :], other=1.0)
+        # NaN fails both comparisons; +Inf fails the second (the largest float32).
+        good = (scale > 0.0) & (scale <= 3.4028234663852886e38)
+        bad = tl.max((~good).to(tl.int32), axis=1) << 1
+        tl.store(flags_ptr + dest, bad.to(tl.int8), mask=rows < row_stop)
+
+
 # ---- decode: A and B swapped -------------------------------------------------------------------
 
 
 @triton.jit
-def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, part_ptr, count_ptr,
+def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, part_ptr, count_ptr, flags_ptr,
                   M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
                   stride_map,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                   EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
                   ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16,
-                  GROUP_TILES_M: tl.constexpr = 1):
+                  GROUP_TILES_M: tl.constexpr = 1, FLAGS: tl.constexpr = False, KB_POW2: tl.constexpr = 1):
     """Decode, one K block per iteration: ``acc[BLOCK_N, BLOCK_M] += dot(w, x^T) * (ws * xs)``.
 
     BLOCK_M is the token tile, BLOCK_N (<= 128) the weight tile: one
@@ -298,6 +318,9 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
         offs_k = tl.arange(0, BLOCK_K)
         group64 = group.to(tl.int64)
         k_lo, k_hi = _k_range(K, split, SPLIT_K, BLOCK_K)
+        if FLAGS:
+            _row_flags(xs_base, rows, rows_in, row_stop, map_ptr, stride_map, flags_ptr, stride_xsm, tile_n, split,
+                       K, BLOCK_K, KB_POW2, ROW_MAP)
         x_ptrs = x_base + rows_in[:, None] * stride_xm + (k_lo * BLOCK_K + offs_k)[None, :]
         w_ptrs = (w_base + group64 * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wn
                   + (k_lo * BLOCK_K + offs_k)[None, :])
@@ -345,12 +368,14 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
 
 @triton.jit
 def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, part_ptr, count_ptr,
+                       flags_ptr,
                        M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
                        stride_map,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                        EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
                        ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16,
-                       GROUP_TILES_M: tl.constexpr = 1):
+                       GROUP_TILES_M: tl.constexpr = 1, FLAGS: tl.constexpr = False,
+                       KB_POW2: tl.constexpr = 1):
     """Decode, two K blocks per iteration, each pair's scales loaded one iteration ahead.
 
     The scale loads are not staged by the software pipeliner; waiting on
@@ -369,6 +394,9 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
         offs_k = tl.arange(0, BLOCK_K)
         group64 = group.to(tl.int64)
         k_lo, k_hi = _k_range(K, split, SPLIT_K, BLOCK_K)
+        if FLAGS:
+            _row_flags(xs_base, rows, rows_in, row_stop, map_ptr, stride_map, flags_ptr, stride_xsm, tile_n, split,
+                       K, BLOCK_K, KB_POW2, ROW_MAP)
         x_ptrs = x_base + rows_in[:, None] * stride_xm + (k_lo * BLOCK_K + offs_k)[None, :]
         w_ptrs = (w_base + group64 * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wn
                   + (k_lo * BLOCK_K + offs_k)[None, :])

@@ -371,15 +371,17 @@ def scale_chunk(config: TileConfig, k: int) -> int:
 
 
 def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
-                addrs: bool, x_words: torch.Tensor | None = None, out_rows: torch.Tensor | None = None):
+                addrs: bool, x_words: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
+                flags: torch.Tensor | None = None):
     """(kernel, grid, args, constexprs and launch options) of one launch of ``config``.
 
     ``addrs``: ``w_arg`` is the int64 address pair, ``ws_arg`` unused;
     ``x_words``: the activations' and scales' base addresses (int64 device
     words) instead of ``xq``'s and ``x_scale``'s (which still give M, K and the
     strides); ``out_rows``: int64 ``[M]`` (any stride), row r stored at
-    ``out[out_rows[r]]``. Nothing is launched: ``bench/bench_kernels.py``
-    compiles the plans of a run ahead with ``kernel.warmup``.
+    ``out[out_rows[r]]``; ``flags``: int8, the rows' scale check written where each row
+    is stored (the decode tiles only: :func:`run_addressed`). Nothing is launched:
+    ``bench/bench_kernels.py`` compiles the plans of a run ahead with ``kernel.warmup``.
     """
     m, k = xq.shape
     config = tile_for_out(config, out)
@@ -390,16 +392,19 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
               "ADDRS": addrs, "X_WORDS": x_words is not None, "ROW_MAP": out_rows is not None,
               "G_POW2": g_pow2, "num_warps": config.num_warps, "num_stages": config.num_stages}
     extra = ()
+    if flags is not None and not config.swap_ab:
+        raise ValueError(f"the rows' check runs inside the decode tiles only, not {config.schedule}")
     if config.swap_ab:
         split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
         parts = counts = None
         if split_k > 1:
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
                                              config.block_m * config.block_n)
-        extra = (parts, counts)
+        extra = (parts, counts, m_sizes if flags is None else flags)
         # CHUNK only shapes the preloaded loop: the plain one gets one value, so one kernel.
         consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
-                      CHUNK=scale_chunk(config, k) if config.preload else 16, GROUP_TILES_M=config.group_tiles_m)
+                      CHUNK=scale_chunk(config, k) if config.preload else 16, GROUP_TILES_M=config.group_tiles_m,
+                      FLAGS=flags is not None, KB_POW2=_next_pow2(k // _SCALE_BLOCK) if flags is not None else 1)
     elif config.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule == "persistent_tma":
@@ -425,12 +430,12 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
 
 def _launch(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
             addrs: bool, x_words: torch.Tensor | None = None,
-            out_rows: torch.Tensor | None = None) -> torch.Tensor:
+            out_rows: torch.Tensor | None = None, flags: torch.Tensor | None = None) -> torch.Tensor:
     """Launch ``config``'s kernel (see :func:`launch_plan` for the arguments)."""
     if xq.shape[0] == 0:
         return out
     kernel, grid, args, consts = launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n, g, config,
-                                             addrs, x_words, out_rows)
+                                             addrs, x_words, out_rows, flags)
     if kernel is not SCHEDULES["decode"] and kernel is not SCHEDULES["decode_pair"]:
         # Descriptors made on the device need a little global scratch per launch.
         triton.set_allocator(_tma_scratch)
@@ -463,7 +468,8 @@ def weight_addresses(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
 
 
 def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
-                  inputs: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                  inputs: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
+                  flags: torch.Tensor | None = None) -> torch.Tensor:
     """SPEC 1 like :func:`run`, the weight set found through :func:`weight_addresses` words.
 
     ``addresses`` int64 on the device, words 0 and 1 the base of a contiguous
@@ -481,6 +487,12 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
       ``out[out_rows[r]]`` (the callers' order) instead of ``out[r]``.
 
     Neither changes what is computed: the output values are the same bits.
+
+    - ``flags``: int8 ``[M]`` on the device, only where the tile is not persistent
+      (:func:`persistent`: the decode tiles): the launch also writes each row's check of
+      its scales (2 where one is not finite and > 0, else 0: the server's ``bad_rows`` of
+      fp8 rows) at the row's stored place, so a lone call's graph is one kernel. Rows in
+      no group get no flag.
     """
     if addresses.dtype != torch.int64 or addresses.numel() < 2 or not addresses.is_contiguous():
         raise ValueError(f"addresses must be contiguous int64 words (>= 2), got {addresses.dtype} "
@@ -489,6 +501,8 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
         raise ValueError("inputs must be contiguous int64 words (>= 2)")
     if out_rows is not None and (out_rows.dtype != torch.int64 or out_rows.shape[0] < xq.shape[0]):
         raise ValueError("out_rows must be int64 with a row per row of xq")
+    if flags is not None and (flags.dtype != torch.int8 or not flags.is_contiguous()):
+        raise ValueError("flags must be contiguous int8")
     _check_out_dtype(out)
     m, k = xq.shape
     n = out.shape[1]
@@ -497,14 +511,17 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
                          f"N={n}, G={groups}")
     config = default_config(m, n, k, groups)
     return _launch(xq, addresses, x_scale, addresses, m_sizes, out, n, groups, config, addrs=True,
-                   x_words=inputs, out_rows=out_rows)
+                   x_words=inputs, out_rows=out_rows, flags=flags)
 
 
 def tile_key(m: int, n: int, k: int, g: int, out_dtype: torch.dtype, *,
              device: torch.device) -> str:
     """The key of the tile both entries launch for this shape into an ``out_dtype`` output
-    (``Backend.tile_key``): :func:`default_config`, then :func:`tile_for_out`."""
-    return tile_for_out(default_config(m, n, k, g), torch.empty(0, dtype=out_dtype)).key()
+    (``Backend.tile_key``): :func:`default_config`, then :func:`tile_for_out`; a decode tile's
+    band (``group_tiles_m``) left out: it only orders the programs, each row's sums are the
+    same bits (so buckets on either side of r = 16 still merge)."""
+    tile = tile_for_out(default_config(m, n, k, g), torch.empty(0, dtype=out_dtype))
+    return (replace(tile, group_tiles_m=1) if tile.swap_ab else tile).key()
 
 
 def persistent(m: int, n: int, k: int, g: int, *, device: torch.device) -> bool:

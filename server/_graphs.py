@@ -29,16 +29,19 @@ check and the GEMM and nothing else. Other backends regroup with torch and
 scatter the output back after the GEMM.
 
 A lone fp8 call's GEMM does not wait for the check: nothing it reads comes
-from it, so where the bucket's tile is not persistent (decode), its graph runs
-the check on a parallel branch beside the GEMM (the answer is read after both:
-a flagged call is refused as before). The check node before the GEMM cost a
-decode replay 1-5 us (seed m1: 7.5 -> 6.2 us). A persistent tile (prefill) keeps
-the check before it: beside it, the check's programs held SMs the GEMM's
-programs waited for, 3-19 % slower (``bench/NOTES.md`` v13). There a lone
-call's rows need no row map either (they are in group order): its GEMM stores
-in place, as the public entry does. Merged calls need the regrouped rows first
-and the map, so such buckets have two graphs, *lone* and *merged*
-(:meth:`GraphPool.variants`), chosen by whether the launch regroups.
+from it, so where the bucket's tile is not persistent (decode), the GEMM checks
+the rows itself (``Backend.run_addressed``'s ``flags``: the programs of each
+row tile's first column tile read its rows' scales and write their flags), and
+the lone call's graph is that one kernel (the answer is read after it: a
+flagged call is refused as before). The check as a node before the GEMM cost a
+decode replay 1-5 us (seed m1: 7.5 -> 6.2 us), and on a parallel branch beside
+it about 1 us more than the GEMM alone (``bench/NOTES.md``, session 14). A
+persistent tile (prefill) keeps the check kernel before it: beside it, the
+check's programs held SMs the GEMM's programs waited for, 3-19 % slower (v13).
+There a lone call's rows need no row map either (they are in group order): its
+GEMM stores in place, as the public entry does. Merged calls need the
+regrouped rows first and the map, so such buckets have two graphs, *lone* and
+*merged* (:meth:`GraphPool.variants`), chosen by whether the launch regroups.
 
 A pool made with ``compile_only`` runs in a process that compiles a new
 shape's kernels ahead for a server (``_ahead.py``): :meth:`GraphPool.prepare`
@@ -57,7 +60,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -222,8 +224,6 @@ class GraphPool:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._variants: dict[tuple[Family, int], tuple[bool, ...]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        # A lone call's check branch, used while capturing (on the loader's thread).
-        self._check_streams = threading.local()
         self._table_checked: set[tuple[int, int, int]] = set()
         self.compile_only = compile_only
         # Bumped whenever what graph() answers may change (a capture, a forget, the
@@ -268,9 +268,10 @@ class GraphPool:
 
     # -- the computation ----------------------------------------------------------
 
-    def _beside(self, family: Family, rows: int) -> bool:
-        """Whether a lone call's check runs beside its GEMM over ``rows`` rows: fp8 inputs
-        read by address, the fused check, and a tile that is not persistent."""
+    def _checked_inside(self, family: Family, rows: int) -> bool:
+        """Whether a lone call's GEMM over ``rows`` rows checks the rows itself
+        (``run_addressed``'s ``flags``): fp8 inputs read by address, the fused prologue,
+        and a tile that is not persistent."""
         persistent = self.backend.persistent
         return (self.run_table is not None and not family.quantize
                 and self.check_and_gather is not None and persistent is not None
@@ -287,11 +288,11 @@ class GraphPool:
 
     def variants(self, family: Family, bucket: int) -> tuple[bool, ...]:
         """The ``merged`` values that get a graph of their own for ``bucket``: (False, True)
-        where a lone call's graph differs from merged calls' (its fp8 check beside the GEMM,
+        where a lone call's graph differs from merged calls' (its fp8 check inside the GEMM,
         or its rows stored in place), else (False,) (one graph serves both)."""
         found = self._variants.get((family, bucket))
         if found is None:  # (asked on every launch: the tile lookup is not free)
-            split = self._beside(family, bucket) or self._in_place(family, bucket)
+            split = self._checked_inside(family, bucket) or self._in_place(family, bucket)
             found = self._variants[(family, bucket)] = (False, True) if split else (False,)
         return found
 
@@ -300,14 +301,10 @@ class GraphPool:
         """Check the inputs' contents, regroup and quantize them where needed and run the GEMM
         over the first ``rows`` buffer rows, its output in the callers' order in ``bufs.out``.
 
-        ``merged`` False (a lone call, whose input words point at ``x``): in a graph being
-        captured, an fp8 family's check runs on a parallel branch beside the GEMM. Eager
-        runs (the general path, warm-ups) keep one stream: the same kernels and bits, and no
-        second stream on the engine's threads that a capture on the loader's could share
-        (torch hands out pooled streams)."""
-        side = None
-        if not merged and self._beside(family, rows) and torch.cuda.is_current_stream_capturing():
-            side = self._check_branch()
+        ``merged`` False (a lone call, whose input words point at ``x``): on a tile that is
+        not persistent an fp8 family's GEMM checks the rows itself (:meth:`_checked_inside`),
+        captured or eager alike."""
+        inside = not merged and self._checked_inside(family, rows)
         bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
@@ -327,10 +324,11 @@ class GraphPool:
         else:
             if xg is None:
                 xg = torch.empty_like(x)
-            if self.check_and_gather is not None:
+            if inside:
+                pass  # the GEMM below writes the flags
+            elif self.check_and_gather is not None:
                 # One kernel: checks every row; copies into xg unless regroup holds 0 (lone call).
-                with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
-                    self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
+                self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
             else:
                 flags.copy_(bad_rows(x, xs))
                 torch.index_select(x, 0, gather, out=xg)
@@ -346,28 +344,17 @@ class GraphPool:
             # the public entry's store (``_in_place``).
             self.run_gemm(xq, xsq, bufs.m_sizes, bufs.out(rows), addresses=bufs.addresses, wq=wq,
                           w_scale=w_scale, inputs=None if family.quantize else bufs.inputs,
-                          out_rows=None if not merged and self._in_place(family, rows) else gather)
-            if side is not None:  # the check's branch joins before the graph ends
-                torch.cuda.current_stream(self.device).wait_stream(side)
+                          out_rows=None if not merged and self._in_place(family, rows) else gather,
+                          flags=flags if inside else None)
         else:
             out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
             self.run_gemm(xq, xsq, bufs.m_sizes, out, addresses=bufs.addresses, wq=wq, w_scale=w_scale)
             torch.index_select(out, 0, scatter, out=bufs.out(rows))
 
-    def _check_branch(self) -> torch.cuda.Stream:
-        """A second stream forked from the current one (a parallel branch of the graph being
-        captured): a lone call's check runs there, beside the GEMM, which reads the rows
-        where they arrived (its input words); ``regroup`` holds 0, so the check writes flags
-        only."""
-        side = getattr(self._check_streams, "stream", None)
-        if side is None:
-            side = self._check_streams.stream = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        return side
-
     def run_gemm(self, xq: torch.Tensor, x_scale: torch.Tensor, m_sizes: torch.Tensor, out: torch.Tensor,
                  *, addresses: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                 inputs: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 inputs: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
+                 flags: torch.Tensor | None = None) -> torch.Tensor:
         """The service GEMM of one weight set into ``out``, capture-safe: the launcher every
         graph of the pool uses (callable inside another capture, e.g. an FFN graph).
 
@@ -375,7 +362,8 @@ class GraphPool:
         addresses (a family's ``Buffers.addresses``, written before each replay);
         read when the pool launches by address, else ``wq`` and ``w_scale`` are
         captured directly. ``inputs`` (device words: where the activations are)
-        and ``out_rows`` (the row map of the store) only in address mode.
+        and ``out_rows`` (the row map of the store) only in address mode; so is ``flags``
+        (the rows' check written by the GEMM: a tile that is not persistent).
         Either way the backend's kernel and tile for the shape. ``out`` is bf16
         (the gemm endpoint) or float32 (the sum unrounded: the expert FFN's h);
         both launchers store ``out``'s dtype.
@@ -384,9 +372,9 @@ class GraphPool:
             raise TypeError(f"out must be bfloat16 or float32, got {out.dtype}")
         if self.run_table is not None:
             return self.run_table(xq, addresses, x_scale, m_sizes, out, groups=wq.shape[0], inputs=inputs,
-                                  out_rows=out_rows)
-        if inputs is not None or out_rows is not None:
-            raise ValueError("inputs and out_rows need a backend that launches by address")
+                                  out_rows=out_rows, flags=flags)
+        if inputs is not None or out_rows is not None or flags is not None:
+            raise ValueError("inputs, out_rows and flags need a backend that launches by address")
         return self.backend.run(xq, wq, x_scale, w_scale, m_sizes, out)
 
     def _set_table(self, bufs: Buffers, wq: torch.Tensor, w_scale: torch.Tensor) -> None:

@@ -314,9 +314,9 @@ def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, 
     real = tk._launch
 
     def recording(xq, w_arg, x_scale, ws_arg, m_sizes, out, n_, g_, config, addrs, x_words=None,
-                  out_rows=None):
+                  out_rows=None, flags=None):
         launched.append((config, addrs, x_words is not None, out_rows is not None))
-        return real(xq, w_arg, x_scale, ws_arg, m_sizes, out, n_, g_, config, addrs, x_words, out_rows)
+        return real(xq, w_arg, x_scale, ws_arg, m_sizes, out, n_, g_, config, addrs, x_words, out_rows, flags)
 
     monkeypatch.setattr(tk, "_launch", recording)
     sizes = random_m_sizes(g, m)
@@ -382,3 +382,45 @@ def test_split_k_graphs_never_share_counters_the_pool_left_dirty(monkeypatch):
     torch.cuda.synchronize()
     for out in outs:
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+# One token over 8 experts (the 8-warp pair), a few experts split along K, a banded pair,
+# the single-block tile, 32-token tiles at G = 128.
+@pytest.mark.parametrize("m,n,k,g", [(8, 2048, 768, 128), (6, 1024, 4096, 8), (128, 4096, 2048, 8),
+                                     (128, 8192, 1024, 8), (1000, 3072, 4096, 128)])
+def test_decode_tiles_check_the_rows_inside_the_gemm(m, n, k, g, gen):
+    """``run_addressed(flags=)`` (a lone call's graph, one kernel): each grouped row's flag is
+    the server's check of its scales (``bad_rows``: 2 where one is not finite and > 0), stored
+    at the row's place through the row map; rows in no group keep what the buffer held; the
+    output is the same bits as without the check."""
+    from moegemm.server._checks import bad_rows
+
+    config = tk.default_config(m, n, k, g)
+    assert config.swap_ab
+    sizes = random_m_sizes(g, m - 2)  # two rows past the groups' end
+    xq, wq, x_scale, w_scale, sizes = _problem(m, n, k, g, sizes, gen)
+    bad = ((0, 0, float("nan")), (m // 2, k // 128 - 1, float("inf")), (m - 3, 1, 0.0), (m - 4, 0, -1.0),
+           (m - 1, 0, float("nan")))  # m - 1 lies in no group: never flagged
+    for row, kb, value in bad:
+        x_scale[row, kb] = value
+    words = torch.tensor([wq.data_ptr(), w_scale.data_ptr(), xq.data_ptr(), x_scale.data_ptr()],
+                         dtype=torch.int64, device=DEV)
+    order = torch.randperm(m, device=DEV)  # a row map: row r stored at order[r]
+    want = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    tk.run_addressed(xq, words[:2], x_scale, sizes, want, groups=g, inputs=words[2:], out_rows=order)
+    out = torch.full_like(want, float("nan"))
+    flags = torch.full((m,), 7, dtype=torch.int8, device=DEV)
+    tk.run_addressed(xq, words[:2], x_scale, sizes, out, groups=g, inputs=words[2:], out_rows=order, flags=flags)
+    torch.cuda.synchronize()
+    grouped = int(sizes.sum())
+    placed = order[:grouped]
+    assert torch.equal(out[placed].view(torch.int16), want[placed].view(torch.int16))
+    expected = bad_rows(xq[:grouped], x_scale[:grouped]).to(DEV)
+    assert torch.equal(flags[placed], expected.to(torch.int8))
+    assert int(expected.sum()) == 2 * len({row for row, _, _ in bad if row < grouped})  # 2 each
+    assert (flags[order[grouped:]] == 7).all()
+    with pytest.raises(ValueError, match="decode tiles"):
+        big = torch.empty((20000, n), dtype=torch.bfloat16, device=DEV)
+        tk.run_addressed(torch.empty((20000, k), dtype=FP8, device=DEV), words[:2],
+                         torch.empty((20000, k // 128), device=DEV), sizes, big, groups=g,
+                         flags=torch.empty(20000, dtype=torch.int8, device=DEV))

@@ -398,3 +398,16 @@ def test_gluon_variants_launch_like_gluon_ws(variant, monkeypatch):
             assert len(args_a) == len(args_b) and all(map(_same_argument, args_a, args_b))
         for kernel in kernels.values():
             kernel.launches.clear()
+
+
+def test_tile_keys_leave_out_the_decode_band():
+    """Buckets either side of r = 16 at G < 64 run the same decode tile, banded or not: the
+    band only orders the programs, so their keys (what the executor merges by) are equal."""
+    n, k, g = 4096, 4096, 8
+    assert tk.default_config(64, n, k, g).group_tiles_m == 1
+    assert tk.default_config(128, n, k, g).group_tiles_m == 8
+    cpu = torch.device("cpu")
+    assert (tk.tile_key(64, n, k, g, torch.bfloat16, device=cpu)
+            == tk.tile_key(128, n, k, g, torch.bfloat16, device=cpu)
+            == replace(tk.default_config(128, n, k, g), group_tiles_m=1).key())
+    assert tk.tile_key(512, n, k, g, torch.bfloat16, device=cpu) == tk.default_config(512, n, k, g).key()

@@ -282,17 +282,17 @@ def test_prepare_captures_every_bucket_ahead(backend, fp8):
 
 
 def test_merged_equals_alone_where_the_tile_changes_with_m(backend, fp8):
-    """G=8, H=4096: the w13 GEMM splits K two ways for buckets up to 128 rows and four
-    ways at 256, so a 100-row call must never share a 256-row bucket; where buckets share
-    tiles, merged calls equal alone ones bit for bit. The control: forced into one
-    batch, two 100-row calls do not."""
+    """G=8, H=4096: the w13 GEMM runs split-K decode tiles for buckets up to 256 rows and the
+    persistent tile at 512 (no split: other sums), so a 200-row call must never share a
+    512-row bucket; where buckets share tiles, merged calls equal alone ones bit for bit. The
+    control: forced into one batch, two 200-row calls do not."""
     gen = torch.Generator().manual_seed(torch.seed())
     g, h, i = 8, 4096, 256
-    runner = Runner(backend, 256)
+    runner = Runner(backend, 512)
     es = expert_set(g, h, i, fp8, DEV, gen)
     assert runner.prepare(es) > 0
     tile = backend.tile_key
-    assert tile(128, 2 * i, h, g, torch.float32) != tile(256, 2 * i, h, g, torch.float32)
+    assert tile(256, 2 * i, h, g, torch.float32) != tile(512, 2 * i, h, g, torch.float32)
     ex = runner.executor
 
     def calls_of(rows):
@@ -302,9 +302,9 @@ def test_merged_equals_alone_where_the_tile_changes_with_m(backend, fp8):
             out.append((x, xs, random_m_sizes(g, m, generator=gen).tolist()))
         return out
 
-    big = calls_of([100, 100])
+    big = calls_of([200, 200])
     made = [ffn_call(es, *c) for c in big]
-    assert ex.batch_rows(made[0]) == 128  # the run of 100 rows' tiles ends at 128
+    assert ex.batch_rows(made[0]) == 256  # the run of 200 rows' tiles ends at 256
     alone = [runner.ffn(es, *c) for c in big]
     forced = runner.run(es, made)
     assert not all(torch.equal(_bits(a), _bits(f)) for a, f in zip(alone, forced))

@@ -112,8 +112,10 @@ def test_one_token_equals_the_grouped_path(backend, shape, k, kind, ids_dtype):
     lone = runner.moe(es, x, xs, ids, w)
     assert len(calls) == 1
     assert torch.equal(_bits(lone), _bits(FfnExecutor(backend).moe(es, x, xs, ids, w)))
-    if shape != "split-k":
-        assert _same_tiles(backend, es, k)  # the real shapes' t1 and t2 tiles agree
+    if shape != "split-k" and (shape, k) != ("deepseek-v3-like", 1):
+        # The real shapes' t1 and t2 tiles agree; one expert's w13 at G = 64 splits K by its
+        # weight tiles (8 ways for 32 tiles, 4 for 64): the calls then run apart (SPEC 5.1).
+        assert _same_tiles(backend, es, k)
     if not _same_tiles(backend, es, k):
         return
     # The same token twice in one call: a 2-token bucket, the grouped body.
