@@ -11,6 +11,7 @@
 #   KERN_S   bench_kernels.py, seed + real through the service graph, peers  -> kernels.json
 #   SWEEP_S  bench_kernels.py --sweep --no-peers on the cases matching $SWEEP_MATCH (tiles: $SWEEP_KEYS) -> sweep.json
 #   GAP_S    gap_gluon.py --match $GAP_MATCH: the service graph's parts apart  -> gap.json
+#   READ_S   read_ceiling.py: one kernel reading 10-940 MB, by size             -> read_ceiling.json
 source bench/device_env.sh
 if [ -n "$TESTS_S" ]; then
   timeout -k 5 $TESTS_S python3 -P -m pytest -q -p no:cacheprovider -m "${MARK:-not slow}" --timeout ${TEST_TIMEOUT:-200} -rfE \
@@ -60,6 +61,10 @@ if [ -n "$GAP_S" ]; then
   timeout -k 5 $GAP_S python3 -P bench/gap_gluon.py --match "$GAP_MATCH" --budget-s $(( GAP_S - 30 )) \
     --out "$OUT/gap.json" > "$OUT/gap.log" 2>&1
   echo "gap rc=$? $(el)"; grep -v "^{" "$OUT/gap.log" | tail -12 | cut -c1-300
+fi
+if [ -n "$READ_S" ]; then
+  timeout -k 5 $READ_S python3 -P bench/read_ceiling.py --json "$OUT/read_ceiling.json" > "$OUT/read_ceiling.log" 2>&1
+  echo "read ceiling rc=$? $(el)"; tail -9 "$OUT/read_ceiling.log" | cut -c1-300
 fi
 if [ -n "$SERV_S" ]; then
   timeout -k 5 $SERV_S python3 -P bench/bench_service.py --quick --no-deepseek --servers default \
