@@ -66,7 +66,8 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     """``cfg``'s kernel compiled as ``triton_kernel._launch`` would launch it on (m, n, k, g);
     ``addrs``: the weights by address; ``service``: also the activations by address and
     (``row_map``, else stored in place: a lone prefill call's graph) the output through a row
-    map, as a server graph launches it; ``out``: bf16 or fp32."""
+    map, as a server graph launches it; ``out``: bf16 or fp32; ``flags``: a decode tile with the
+    rows' check inside (a lone call's graph)."""
     from moegemm.kernels import triton_kernel as tk
 
     fn = tk.SCHEDULES[cfg.schedule]

@@ -86,9 +86,9 @@ class Backend:
       ``x_scale``, and ``flags[gather[r]]`` set as ``bad_rows`` sets it, in one
       kernel; capture-safe.
     - ``persistent(m, n, k, g)``: whether a launch of ``m`` rows runs a persistent tile
-      (one program per SM slot for the whole launch): a kernel beside it on another
-      stream would hold SMs its programs wait for (the server's lone-call check
-      then runs before it, not beside it).
+      (one program per SM slot for the whole launch): the server's lone-call check then
+      runs as a kernel before it (beside it, it would hold SMs the GEMM's programs wait
+      for); on other tiles ``run_addressed`` checks the rows itself (``flags``).
     - ``tile_key(m, n, k, g, out_dtype)``: a key of the tile (schedule, tile
       sizes, split-K) a launch of ``m`` rows runs: launches whose keys are
       equal compute each output row alike, bit for bit, whatever the other

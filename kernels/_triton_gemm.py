@@ -27,9 +27,10 @@ per shape class. Every schedule:
 - promotes every 128-wide K block: ``acc += dot * (x_scale * w_scale)``,
   which SPEC 1 asks for and keeps the FP8 MMA's reduced-precision
   accumulation short;
-- never masks a load: rows past M are clamped to row M-1 (or zero-filled by
-  TMA), rows of the next group are computed and dropped; only the store is
-  masked to the group's rows.
+- never masks an operand's load: rows past M are clamped to row M-1 (or
+  zero-filled by TMA), rows of the next group are computed and dropped; only
+  the store is masked to the group's rows (and the rows' check below masks
+  its scale blocks past K).
 
 The schedules:
 
@@ -54,7 +55,11 @@ The schedules:
 For a server graph every schedule also takes ``X_WORDS`` (the activations'
 and their scales' base addresses from two more device words: the rows where a
 lone call's arrived, or regrouped) and ``ROW_MAP`` (row r stored at
-``out[map[r]]``: the callers' order). Neither changes a value computed.
+``out[map[r]]``: the callers' order). Neither changes a value computed. The
+decode kernels also take ``FLAGS`` (a lone call's graph: the server's check of
+the rows' scales written to ``flags_ptr`` at each row's stored place, by the
+first column tile's programs, before their K loop) and ``GROUP_TILES_M`` (row
+tiles walked side by side per weight tile: only the programs' order).
 """
 
 from __future__ import annotations

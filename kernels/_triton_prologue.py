@@ -1,8 +1,10 @@
-"""One kernel at the head of each captured graph: check the rows, regroup them.
+"""One kernel at the head of a captured graph: check the rows, regroup them.
 
-Every launch first checks what the callers' rows hold (``_checks.bad_rows``:
+A launch first checks what the callers' rows hold (``_checks.bad_rows``:
 NaN/Inf in 16-bit rows, scales that are not finite and > 0) and puts the rows
-in per-expert order (``gather``). A lone call's rows are already in that
+in per-expert order (``gather``); a lone fp8 call on a decode tile skips it (the
+decode GEMM checks the rows' scales itself: ``triton_kernel.run_addressed``'s
+``flags``). A lone call's rows are already in that
 order: with a ``regroup`` word that holds 0 the kernel only checks (the GEMM
 then reads the rows where they arrived), so the graph moves no row twice. In torch that is about fifteen small kernels
 per graph (comparisons, reductions, casts, two ``index_select``), each a few

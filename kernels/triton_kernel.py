@@ -400,7 +400,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         if split_k > 1:
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
                                              config.block_m * config.block_n)
-        extra = (parts, counts, m_sizes if flags is None else flags)
+        extra = (parts, counts, m_sizes if flags is None else flags)  # m_sizes: a pointer FLAGS=False never reads
         # CHUNK only shapes the preloaded loop: the plain one gets one value, so one kernel.
         consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
                       CHUNK=scale_chunk(config, k) if config.preload else 16, GROUP_TILES_M=config.group_tiles_m,
@@ -501,8 +501,9 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
         raise ValueError("inputs must be contiguous int64 words (>= 2)")
     if out_rows is not None and (out_rows.dtype != torch.int64 or out_rows.shape[0] < xq.shape[0]):
         raise ValueError("out_rows must be int64 with a row per row of xq")
-    if flags is not None and (flags.dtype != torch.int8 or not flags.is_contiguous()):
-        raise ValueError("flags must be contiguous int8")
+    if flags is not None and (flags.dtype != torch.int8 or not flags.is_contiguous()
+                              or flags.numel() < out.shape[0] or flags.device != out.device):
+        raise ValueError("flags must be contiguous int8 with a byte per row of out, on out's device")
     _check_out_dtype(out)
     m, k = xq.shape
     n = out.shape[1]

@@ -130,7 +130,8 @@ class Buffers:
         return cls.out_offset(rows) + 2 * rows * N
 
     def flags(self, rows: int) -> torch.Tensor:
-        """``[rows]`` int8: ``_checks.bad_rows`` of a launch over ``rows`` rows."""
+        """``[rows]`` int8: ``_checks.bad_rows`` of a launch over ``rows`` rows (its first
+        ``sum(sizes)``, the callers' rows: a lone decode call's GEMM writes no padding row's)."""
         return self.result[:rows].view(torch.int8)
 
     def out(self, rows: int) -> torch.Tensor:
@@ -325,7 +326,7 @@ class GraphPool:
             if xg is None:
                 xg = torch.empty_like(x)
             if inside:
-                pass  # the GEMM below writes the flags
+                pass  # the GEMM below writes the flags; the rows stay where they arrived
             elif self.check_and_gather is not None:
                 # One kernel: checks every row; copies into xg unless regroup holds 0 (lone call).
                 self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
@@ -399,9 +400,9 @@ class GraphPool:
             return
         self._table_checked.add(shape)
         try:
-            got, want = self._table_answers(family, wq, w_scale)
+            answers = self._table_answers(family, wq, w_scale)
             # A compiling process launches nothing: there is no answer to judge.
-            same = self.compile_only or bool(torch.equal(got, want))
+            same = self.compile_only or all(bool(torch.equal(got, want)) for got, want in answers)
         except Exception:
             log.exception("the address launcher failed")
             same = False
@@ -412,9 +413,11 @@ class GraphPool:
             self.generation += 1
 
     def _table_answers(self, family: Family, wq: torch.Tensor,
-                       w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The address launcher's answer (its rows put back in order) and ``backend.run``'s,
-        to one input of 64 rows."""
+                       w_scale: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(got, want) pairs for one input of 64 rows: the address launcher's answer (its rows
+        put back in order) and ``backend.run``'s; where the 64-row tile is not persistent, its
+        answer again with the rows' check inside (a lone call's graph) and that check's flags
+        against ``bad_rows``."""
         rows, fp8 = 64, self.backend.fp8_dtype
         gen = torch.Generator(device=self.device).manual_seed(0)
         x = torch.randn((rows, family.K), generator=gen, device=self.device)
@@ -434,7 +437,15 @@ class GraphPool:
         got = torch.full_like(want, float("nan"))
         self.run_table(torch.empty_like(xq), words[:ADDRESS_WORDS], torch.empty_like(xs), sizes, got,
                        groups=family.G, inputs=words[ADDRESS_WORDS:], out_rows=flipped)
-        return got.flip(0), want
+        answers = [(got.flip(0), want)]
+        persistent = self.backend.persistent
+        if persistent is not None and not persistent(rows, family.N, family.K, family.G):
+            checked = torch.full_like(want, float("nan"))
+            flags = torch.full((rows,), 7, dtype=torch.int8, device=self.device)  # none is a flag
+            self.run_table(torch.empty_like(xq), words[:ADDRESS_WORDS], torch.empty_like(xs), sizes, checked,
+                           groups=family.G, inputs=words[ADDRESS_WORDS:], out_rows=flipped, flags=flags)
+            answers += [(checked.flip(0), want), (flags.flip(0), bad_rows(xq, xs))]
+        return answers
 
     def _graph_key(
         self, family: Family, bucket: int, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -469,7 +480,7 @@ class GraphPool:
         unless ``fresh_host`` (several launches in one batch: the previous copy
         may not have run yet); the engine waits for each batch before the next
         reuses it. The result is in ``bufs.out(launched)[:rows]``, in the callers'
-        order (flags in ``bufs.flags(launched)``), ``launched = launch_rows(rows)``.
+        order (flags in ``bufs.flags(launched)[:rows]``), ``launched = launch_rows(rows)``.
         """
         bufs = self.buffers(family)
         self._check_table(family, wq, w_scale)

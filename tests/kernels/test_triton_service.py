@@ -269,18 +269,18 @@ def test_merged_calls_come_back_in_the_callers_order_and_a_lone_call_moves_no_ro
 
 
 @pytest.mark.parametrize("m,n,k,g", [(5, 1280, 8192, 8), (1500, 512, 1536, 128)])
-def test_a_lone_calls_check_runs_beside_its_gemm_and_still_flags_bad_rows(m, n, k, g, backend, gen):
-    """A lone call's graph is its own (the check on a parallel branch): both graphs exist
-    per bucket, the lone one flags a bad scale as the serial check does (an fp8 NaN code
-    is no flag: SPEC 2.2 checks fp8 rows' scales), and the other rows are the public
-    function's bits."""
+def test_a_lone_calls_gemm_checks_its_rows_and_flags_bad_ones(m, n, k, g, backend, gen):
+    """A lone call's graph is its own (the decode GEMM checks the rows itself; prefill: the
+    check kernel, then the GEMM storing in place): both graphs exist per bucket, the lone one
+    flags a bad scale as the check kernel does (an fp8 NaN code is no flag: SPEC 2.2 checks
+    fp8 rows' scales), and the other rows are the public function's bits."""
     sizes = random_m_sizes(g, m)
     problem = _problem(m, n, k, g, sizes, gen)
     xq, wq, x_scale, w_scale, m_sizes = problem
     bucket = 1 << (m - 1).bit_length()
     pool = GraphPool(backend, bucket)
     family = Family(g, n, k, quantize=False)
-    assert pool.variants(family, bucket) == (False, True)  # decode tiles: the check beside
+    assert pool.variants(family, bucket) == (False, True)  # decode: the check inside the GEMM
     pool.capture(family, wq, w_scale, only=[bucket])
     lone_graph, merged_graph = (pool.graph(family, bucket, wq, w_scale, merged) for merged in (False, True))
     assert lone_graph is not None and merged_graph is not None and lone_graph is not merged_graph
@@ -309,13 +309,15 @@ def test_a_lone_calls_check_runs_beside_its_gemm_and_still_flags_bad_rows(m, n, 
                                      (128, 4096, 2048, 8), (8, 5120, 1536, 160), (2, 4096, 4096, 8)])
 def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, gen, monkeypatch):
     """SPEC 3 pinned: the pool's launcher and ``grouped_gemm`` launch the same kernel with the
-    same tile for a shape (recorded at the launch), and the same bits come out."""
+    same tile for a shape (recorded at the launch), merged calls' graph and a lone call's
+    alike (the lone one: the rows' check inside a decode GEMM, the store in place on a
+    persistent tile), and the same bits come out."""
     launched = []
     real = tk._launch
 
     def recording(xq, w_arg, x_scale, ws_arg, m_sizes, out, n_, g_, config, addrs, x_words=None,
                   out_rows=None, flags=None):
-        launched.append((config, addrs, x_words is not None, out_rows is not None))
+        launched.append((config, addrs, x_words is not None, out_rows is not None, flags is not None))
         return real(xq, w_arg, x_scale, ws_arg, m_sizes, out, n_, g_, config, addrs, x_words, out_rows, flags)
 
     monkeypatch.setattr(tk, "_launch", recording)
@@ -326,7 +328,8 @@ def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, 
     family = Family(g, n, k, quantize=False)
     pool.capture(family, problem[1], problem[3], only=[bucket])
     launched.clear()
-    pool._body(family, bucket, problem[1], problem[3])  # what the graph runs, eagerly
+    pool._body(family, bucket, problem[1], problem[3])  # what the merged calls' graph runs, eagerly
+    pool._body(family, bucket, problem[1], problem[3], merged=False)  # and a lone call's
     bufs = pool.buffers(family)
     bufs.x[:m].copy_(problem[0])
     bufs.x_scale[:m].copy_(problem[2])
@@ -335,9 +338,11 @@ def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, 
     pad = bucket - m
     public = grouped_gemm(torch.cat([xq, xq.new_zeros((pad, k))]), wq,
                           torch.cat([x_scale, x_scale.new_ones((pad, k // 128))]), w_scale, m_sizes)
-    (service_tile, *service_how), *_, (public_tile, *public_how) = launched
-    assert service_tile == public_tile == tk.default_config(bucket, n, k, g)
-    assert service_how == [True, True, True] and public_how == [False, False, False]
+    (merged_tile, *merged_how), (lone_tile, *lone_how), *_, (public_tile, *public_how) = launched
+    assert merged_tile == lone_tile == public_tile == tk.default_config(bucket, n, k, g)
+    decode = not tk.persistent(bucket, n, k, g, device=DEV)
+    assert merged_how == [True, True, True, False] and public_how == [False, False, False, False]
+    assert lone_how == [True, True, decode, decode]  # decode: row map and check; prefill: in place
     assert torch.equal(got, public[:m])
 
 
@@ -384,10 +389,12 @@ def test_split_k_graphs_never_share_counters_the_pool_left_dirty(monkeypatch):
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
-# One token over 8 experts (the 8-warp pair), a few experts split along K, a banded pair,
-# the single-block tile, 32-token tiles at G = 128.
-@pytest.mark.parametrize("m,n,k,g", [(8, 2048, 768, 128), (6, 1024, 4096, 8), (128, 4096, 2048, 8),
-                                     (128, 8192, 1024, 8), (1000, 3072, 4096, 128)])
+# One token over 8 experts (the 8-warp pair); a few experts split 8 ways along K (33 blocks:
+# the last split empty); a banded pair; the banded single-block tile; one expert's 64-row
+# pairs; the 8-warp single-block tile; 32-token tiles at G = 128.
+@pytest.mark.parametrize("m,n,k,g", [(8, 2048, 768, 128), (6, 1024, 4096, 8), (6, 1024, 4224, 8),
+                                     (128, 4096, 2048, 8), (128, 8192, 1024, 8), (4, 4096, 1024, 8),
+                                     (8, 7168, 2048, 256), (2048, 3072, 4096, 128)])
 def test_decode_tiles_check_the_rows_inside_the_gemm(m, n, k, g, gen):
     """``run_addressed(flags=)`` (a lone call's graph, one kernel): each grouped row's flag is
     the server's check of its scales (``bad_rows``: 2 where one is not finite and > 0), stored

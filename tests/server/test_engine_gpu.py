@@ -93,8 +93,8 @@ def test_captured_equals_eager(backend, kind, gen):
     g = 8
     ws = _weights(g, gen)
     captured, eager = _executor(backend, graphs=True), _executor(backend, graphs=False)
-    # One graph per bucket, two for fp8 buckets whose lone calls check beside the GEMM and
-    # for prefill buckets (a lone call's rows stored in place).
+    # One graph per bucket, two for fp8 decode buckets (a lone call's GEMM checks its rows)
+    # and for prefill buckets (a lone call's rows stored in place).
     pool = captured.pool
     graphs = sum(len(pool.variants(Family(g, N, K, q), b)) for q in (False, True) for b in pool.buckets)
     assert len(captured.pool.buckets) * 3 < graphs < len(captured.pool.buckets) * 4

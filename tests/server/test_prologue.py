@@ -92,7 +92,7 @@ def test_check_and_gather_equals_the_torch_ops(dtype, rows, k):
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("merged", [True, False])
 def test_executors_with_and_without_it_answer_alike(kind, merged):
-    """fp8 calls (the check and regroup kernel; a lone call's check beside its GEMM) and
+    """fp8 calls (the check and regroup kernel; a lone decode call's check inside its GEMM) and
     bf16 calls (checked, regrouped and quantized in one kernel) answer as the torch ops do,
     merged and alone, replayed and eager, a bad row in one call."""
     backend = get_backend(DEV, "triton")
