@@ -197,10 +197,9 @@ def graph_kernels(graph, reps: int = 5) -> dict:
 def service_graph(problem, bucket, check=None):
     """``bench_kernels.service_graph``, with ``check`` in place of the pool's check kernel
     when given: (pool, bufs, family, graph)."""
+    import bench_kernels as bk
     from moegemm.kernels import get_backend
     from moegemm.server._graphs import Family, GraphPool
-
-    import bench_kernels as bk
 
     xq, wq, x_scale, w_scale, sizes = problem
     g, n, k = wq.shape

@@ -7,9 +7,8 @@ import random
 
 import prometheus_client
 import pytest
-from prometheus_client import Counter, Histogram
-
 from moegemm.server import metrics as metrics_mod
+from prometheus_client import Counter, Histogram
 
 
 def _updates(m: metrics_mod.Metrics, seed: int) -> None:

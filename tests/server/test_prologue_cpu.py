@@ -35,8 +35,8 @@ def compare_on_cpu() -> None:
 
 
 def compare_blocks() -> None:
-    from moegemm.server._checks import _bad_rows_torch
     from moegemm.kernels._triton_prologue import check_and_gather
+    from moegemm.server._checks import _bad_rows_torch
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.bfloat16, torch.float16):
