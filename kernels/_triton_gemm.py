@@ -277,6 +277,16 @@ def _pick(blk, scales, kb):
 
 
 @triton.jit
+def scale_flags(scale):
+    """Per row of a ``[rows, blocks]`` tile of scales (blocks past K loaded as 1.0): 2 (the
+    server's ``BAD_SCALE``) where one is not finite and > 0, else 0 (int32). The server's
+    check of fp8 rows, here and in ``_triton_prologue``."""
+    # NaN fails both comparisons; +Inf fails the second (the largest float32).
+    good = (scale > 0.0) & (scale <= 3.4028234663852886e38)
+    return tl.max((~good).to(tl.int32), axis=1) << 1
+
+
+@triton.jit
 def _row_flags(xs_base, rows, rows_in, row_stop, map_ptr, stride_map, flags_ptr, stride_xsm, tile_n, split, K,
                BLOCK_K: tl.constexpr, KB_POW2: tl.constexpr, ROW_MAP: tl.constexpr):
     """The server's check of the tile's rows (``FLAGS``: a lone call's graph, one kernel):
@@ -290,10 +300,7 @@ def _row_flags(xs_base, rows, rows_in, row_stop, map_ptr, stride_map, flags_ptr,
         kbs = tl.arange(0, KB_POW2)
         scale = tl.load(xs_base + rows_in[:, None] * stride_xsm + kbs[None, :],
                         mask=(kbs < K // BLOCK_K)[None, :], other=1.0)
-        # NaN fails both comparisons; +Inf fails the second (the largest float32).
-        good = (scale > 0.0) & (scale <= 3.4028234663852886e38)
-        bad = tl.max((~good).to(tl.int32), axis=1) << 1
-        tl.store(flags_ptr + dest, bad.to(tl.int8), mask=rows < row_stop)
+        tl.store(flags_ptr + dest, scale_flags(scale).to(tl.int8), mask=rows < row_stop)
 
 
 # ---- decode: A and B swapped -------------------------------------------------------------------

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_gemm import scale_flags
+
 # Exponent bits of the 16-bit floats: all ones is Inf or NaN.
 _EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
@@ -70,9 +72,7 @@ def _check_gather(x_ptr, xs_ptr, gather_ptr, xg_ptr, xsg_ptr, flags_ptr, regroup
         inside = live[:, None] & (offs < KB)[None, :]
         scale = tl.load(xs_ptr + src[:, None] * KB + offs[None, :], mask=inside, other=1.0)
         tl.store(xsg_ptr + row[:, None] * KB + offs[None, :], scale, mask=inside & copy)
-        # NaN fails both comparisons; +Inf fails the second (the largest float32).
-        good = (scale > 0.0) & (scale <= 3.4028234663852886e38)
-        flag = flag | (tl.max((~good).to(tl.int32), axis=1) << 1)
+        flag = flag | scale_flags(scale)
     tl.store(flags_ptr + src, flag.to(tl.int8), mask=live)
 
 
