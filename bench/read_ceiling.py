@@ -50,6 +50,52 @@ def triton_read(buf: torch.Tensor, programs: int, block: int = 4096):
     return lambda: _read[grid](words, out, n, per, BLOCK=block, num_warps=4)
 
 
+@triton.jit
+def _read_tiles(src, dst, K, per_split, SPLIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """A decode program's read: rows ``[t * ROWS, t * ROWS + ROWS)`` of a row-major ``[N, K]``
+    byte matrix over its split of K, one ``ROWS x COLS`` piece (ROWS rows of COLS bytes, K
+    bytes apart) an iteration."""
+    pid = tl.program_id(0)
+    tile = pid // SPLIT
+    k0 = (pid % SPLIT) * per_split
+    rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
+    for off in range(0, per_split, COLS):
+        cols = k0 + off + tl.arange(0, COLS)
+        acc += tl.load(src + rows[:, None] * K + cols[None, :], eviction_policy="evict_first").to(tl.int32)
+    tl.store(dst + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+def triton_read_tiles(buf: torch.Tensor, k: int, split: int, rows: int = 128):
+    """``buf`` as ``[N, k]`` bytes, N / rows row tiles x ``split`` programs each."""
+    n = buf.numel() // k
+    out = torch.empty((n // rows) * split, dtype=torch.int32, device=buf.device)
+    grid = ((n // rows) * split,)
+    return lambda: _read_tiles[grid](buf, out, k, k // split, SPLIT=split, ROWS=rows, COLS=128, num_warps=4)
+
+
+def pattern_rows(sms: int) -> list[dict]:
+    """84 MB (seed n1280 k8192's weights: 80 row tiles of 128 x 8192 bytes) read two ways at equal
+    program counts: contiguous stretches (``_read``) and a decode tile's pieces (``_read_tiles``,
+    the split giving the count). Whether the pieces' pattern, or the programs' spread over the SMs
+    (320 = 2.4 a SM), is what the decode GEMM's bytes-bound launches lose to."""
+    k, tiles = 8192, 80
+    buf = torch.randint(0, 1 << 30, (tiles * 128 * k // 4,), dtype=torch.int32, device=DEV).view(torch.uint8)
+    found = []
+    for split in (2, 3, 4, 5, 6, 8):
+        programs = tiles * split
+        contiguous = triton_read(buf, programs)
+        pieces = triton_read_tiles(buf, k, split)
+        contiguous()
+        pieces()
+        row = {"programs": programs, "per_sm": programs / sms, "contiguous_us": time_us(contiguous),
+               "pieces_us": time_us(pieces)}
+        print(f"84 MB  {programs:4d} programs ({row['per_sm']:.2f} a SM)  contiguous {row['contiguous_us']:6.1f} us  "
+              f"decode pieces {row['pieces_us']:6.1f} us", flush=True)
+        found.append(row)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
@@ -70,8 +116,10 @@ def main() -> None:
         print(f"{mb:5d} MB  floor {row['floor_4_27_us']:7.1f} us  best {best:7.1f} us ({row['best_TBps']:.2f} TB/s)  "
               + "  ".join(f"{k} {v:.1f}" for k, v in row["us"].items()), flush=True)
         rows.append(row)
+    pattern = pattern_rows(sms)
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(DEV), "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(DEV), "rows": rows,
+                                         "pattern": pattern}, indent=1))
 
 
 if __name__ == "__main__":
