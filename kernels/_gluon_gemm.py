@@ -232,13 +232,12 @@ def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stri
 
 @gluon.jit
 def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr, mma_layout: gl.constexpr):
-    """One consumer's 64 x 128 sums of a tile (two for a 256-wide tile), both Gluon kernels' K loop
-    (one order of operations, so one set of bits). Returns (columns 0-127, columns 128-255 or
-    zeros for a 128-wide tile, the ring position after the tile)."""
+    """One consumer's two 64 x 128 sums of a tile, both Gluon kernels' K loop (one order of
+    operations, so one set of bits). Returns (columns 0-127, columns 128-255, the ring position after
+    the tile)."""
     a_bufs, b_bufs, ready, empty = bufs
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROWS: gl.constexpr = a_bufs.type.shape[1] // 2
-    HALVES: gl.constexpr = b_bufs.type.shape[1] // 128
     # A wgmma reads its accumulator operand even when told to ignore it: a part made per tile
     # keeps its registers dead between tiles (the epilogue needs the room).
     p0 = gl.zeros([ROWS, 128], gl.float32, mma_layout)
@@ -246,29 +245,22 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr,
     acc_b = gl.zeros([ROWS, 128], gl.float32, mma_layout)
     sx = gl.load(xs_row)
     sw = gl.load(ws_col)
-    if HALVES == 2:
-        sw_b = gl.load(ws_col + 1)
+    sw_b = gl.load(ws_col + 1)
     for kb in range(num_kb):
         s = sx * sw
-        if HALVES == 2:
-            s_b = sx * sw_b
+        s_b = sx * sw_b
         kn = gl.minimum(kb + 1, num_kb - 1)
         sx = gl.load(xs_row + kn)
         sw = gl.load(ws_col + kn * stride_wsk)
-        if HALVES == 2:
-            sw_b = gl.load(ws_col + 1 + kn * stride_wsk)
+        sw_b = gl.load(ws_col + 1 + kn * stride_wsk)
         slot = _ready(ready, it, STAGES)
         p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 0)
         p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
-        if HALVES == 2:
-            acc = acc + p0 * s[:, None]
-            p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 1)
-            p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
-            mbarrier.arrive(empty.index(slot), count=1)
-            acc_b = acc_b + p0 * s_b[:, None]
-        else:
-            mbarrier.arrive(empty.index(slot), count=1)
-            acc = acc + p0 * s[:, None]
+        acc = acc + p0 * s[:, None]
+        p0 = _mma(a_bufs, b_bufs, slot, p0, HALF, 1)
+        p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, ))
+        mbarrier.arrive(empty.index(slot), count=1)
+        acc_b = acc_b + p0 * s_b[:, None]
         it += 1
     return acc, acc_b, it
 
@@ -289,7 +281,7 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, srcs, out_ptr, map_ptr, HALF
     BN: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     ROWS: gl.constexpr = BM // 2
-    gl.static_assert(BN == 256 or BN == 128)
+    gl.static_assert(BN == 256)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, 128, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -314,8 +306,7 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, srcs, out_ptr, map_ptr, HALF
             dest = rows  # unused: the store numbers the rows itself
         acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
         top = first_row + HALF * ROWS
-        if BN == 256:
-            _store(acc_b, out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
+        _store(acc_b, out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
         _store(acc, out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
 
 
@@ -478,14 +469,12 @@ def _pinned(x):
 
 @gluon.jit
 def _stage(acc, acc_b, staging, i, HALF: gl.constexpr):
-    """A consumer's 64 x 128 sums of its ``i``-th tile (two of a 256-wide tile, one of a 128-wide)
-    into its staging buffers, once the store warps have drained the tile before."""
+    """A consumer's two 64 x 128 sums of its ``i``-th tile into its staging buffers, once the store
+    warps have drained the tile before."""
     stage, staged, drained = staging
-    HALVES: gl.constexpr = stage.type.shape[0] // 2
     mbarrier.wait(drained.index(HALF), (i & 1) ^ 1)
-    if HALVES == 2:
-        stage.index(2 * HALF + 1).store(_pinned(acc_b).to(stage.dtype))
-    stage.index(HALVES * HALF).store(_pinned(acc).to(stage.dtype))
+    stage.index(2 * HALF + 1).store(_pinned(acc_b).to(stage.dtype))
+    stage.index(2 * HALF).store(_pinned(acc).to(stage.dtype))
     mbarrier.arrive(staged.index(HALF), count=1)  # after a warpgroup sync: every thread's stores are in
 
 
@@ -500,7 +489,7 @@ def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, srcs, HALF
     BN: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     ROWS: gl.constexpr = BM // 2
-    gl.static_assert(BN == 256 or BN == 128)
+    gl.static_assert(BN == 256)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, 128, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -547,18 +536,16 @@ def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW
     the consumers stage them; each tile found by its own table search (off the tensor cores' path)."""
     stage, staged, drained = staging
     M, N, _K, _stride_xsm, _stride_wsg, _stride_wsk, stride_om, stride_map = scalars
-    BLOCKS: gl.constexpr = stage.type.shape[0]  # 64 x 128 blocks: two per consumer (256-wide tiles) or one
-    HALVES: gl.constexpr = BLOCKS // 2
     ROWS: gl.constexpr = stage.type.shape[1]
     COLS: gl.constexpr = stage.type.shape[2]
     CHUNK: gl.constexpr = STAGE_CHUNK
     # The same bytes seen as pieces of CHUNK rows, so a run-time loop can walk a block: a piece
     # is one whole swizzle period, so the swizzle of its rows is theirs in the block.
-    chunks = stage._reinterpret(stage.dtype, [BLOCKS * (ROWS // CHUNK), CHUNK, COLS], STAGE_LAYOUT)
+    chunks = stage._reinterpret(stage.dtype, [4 * (ROWS // CHUNK), CHUNK, COLS], STAGE_LAYOUT)
     VEC: gl.constexpr = 16 // (stage.dtype.primitive_bitwidth // 8)  # 16-byte accesses
     LANES_N: gl.constexpr = COLS // VEC
     layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0])
-    num_n = N // (HALVES * COLS)
+    num_n = N // (2 * COLS)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     for t in range(pid, tiles, programs):
@@ -566,10 +553,9 @@ def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW
         _group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, 2 * ROWS, G_POW2, GROUP_TILES_M)
         for h in range(2):  # loops, not unrolled: the store warps have few registers
             mbarrier.wait(staged.index(h), i & 1)
-            for c in range(HALVES):
-                _drain(chunks, (HALVES * h + c) * (ROWS // CHUNK), out_ptr, map_ptr, first_row + h * ROWS,
-                       tile_n * (HALVES * COLS) + c * COLS, row_stop, M, stride_om, stride_map, ROW_MAP, layout,
-                       ROWS)
+            for c in range(2):
+                _drain(chunks, (2 * h + c) * (ROWS // CHUNK), out_ptr, map_ptr, first_row + h * ROWS,
+                       tile_n * (2 * COLS) + c * COLS, row_stop, M, stride_om, stride_map, ROW_MAP, layout, ROWS)
             mbarrier.arrive(drained.index(h), count=1)
 
 
@@ -603,9 +589,8 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     tiles_ring = _tile_ring()
     OUT_BYTES: gl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
     gl.static_assert(OUT_BYTES == 2)
-    # Blocks h * HALVES + c: consumer h's columns c * 128 .. c * 128 + 127 (HALVES = BLOCK_N // 128).
-    stage = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [2 * (BLOCK_N // 128), BLOCK_M // 2, 128],
-                                      STAGE_LAYOUT)
+    # Blocks 2h and 2h + 1: consumer h's columns 0-127 and 128-255.
+    stage = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [4, BLOCK_M // 2, 128], STAGE_LAYOUT)
     staged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     drained = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for h in gl.static_range(2):

@@ -71,9 +71,9 @@ class TileConfig:
     a producer and two 64-row consumers), ``group_tiles_m`` row tiles per band.
     ``persistent_tma``: 64 (4 warps) or 128 (8 warps) rows x 128, ``group_tiles_m``
     row tiles of one group per band; ``per_sm`` programs per SM.
-    ``gluon_ws`` / ``gluon_ws_store``: 128 x 256 or 128 x 128, 4 warps (a producer warp and
-    two 64-row consumer warpgroups: 12 warps launched), ``num_stages`` ring slots,
-    ``group_tiles_m`` row tiles of one group per band; one program per SM.
+    ``gluon_ws``: 128 x 256, 4 warps (a producer warp and two 64-row consumer
+    warpgroups: 12 warps launched), ``num_stages`` ring slots, ``group_tiles_m``
+    row tiles of one group per band; one program per SM.
     """
 
     schedule: str
@@ -109,12 +109,10 @@ class TileConfig:
             return (self.block_m == 128 and self.block_n == 128 and self.num_warps == 4
                     and self.num_stages == 2 and g <= PERSISTENT_G_MAX)
         if self.schedule in GLUON_SCHEDULES:
-            # Ring slots within the shared memory: 48 KB each at 128 x 256 (gluon_ws_store stages
-            # 64 KB of output beside them), 32 KB at 128 x 128 (32 KB staged).
-            wide = self.block_n == 256
-            most = (4 if self.schedule != "gluon_ws_store" else 3) if wide else 6
-            return (self.block_m == 128 and self.block_n in (128, 256) and self.num_warps == 4
-                    and 3 <= self.num_stages <= most and g <= TABLE_G_MAX)
+            # gluon_ws_store stages the output beside the ring: 64 KB more, so 3 slots at most.
+            stages = (3, 4) if self.schedule != "gluon_ws_store" else (3,)
+            return (self.block_m == 128 and self.block_n == 256 and self.num_warps == 4
+                    and self.num_stages in stages and g <= TABLE_G_MAX)
         return (self.block_m in (64, 128) and self.block_n == 128
                 and self.num_warps == self.block_m // 16 and self.per_sm in (1, 2) and g <= TABLE_G_MAX)
 

@@ -37,46 +37,22 @@ def _launch(p, out, config=GLUON):
     return tk.launch(*p.args(), out, config)
 
 
-@pytest.mark.parametrize("block_n,stages", [(256, 3), (256, 4), (128, 3), (128, 6)])
+@pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("m,n,k,g", [(1000, 256, 1152, 8), (3000, 768, 1024, 8), (16384, 512, 2048, 128),
                                      (8191, 256, 7168, 256), (5000, 512, 1536, 384)])
-def test_matches_float64_on_ragged_groups(block_n, stages, m, n, k, g):
+def test_matches_float64_on_ragged_groups(stages, m, n, k, g):
     gen = torch.Generator(device=DEV).manual_seed(m + g)
     torch.manual_seed(m * g)
     p = random_problem(m, n, k, g, device=DEV, generator=gen)
     assert int((p.m_sizes == 0).sum()) >= 1  # empty groups in the split
-    config = tk.TileConfig("gluon_ws", 128, block_n, 4, stages, group_tiles_m=8)
+    config = tk.TileConfig("gluon_ws", 128, 256, 4, stages, group_tiles_m=8)
     out = _launch(p, _poisoned(m, n), config)
     torch.cuda.synchronize()
     assert not out.isnan().any()
     assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
 
 
-NARROW = [tk.TileConfig(s, 128, 128, 4, stages, group_tiles_m=8)
-          for s in ("gluon_ws", "gluon_ws_store") for stages in (3, 5, 6)]
-
-
-@pytest.mark.parametrize("config", NARROW, ids=lambda c: c.key())
-@pytest.mark.parametrize("m,n,k,g", [(3000, 768, 1024, 8), (8191, 256, 7168, 256), (20000, 1024, 128, 64),
-                                     (1000, 2048, 1152, 8)])
-def test_128_wide_tiles_give_the_256_wide_bits(config, m, n, k, g):
-    """A 128 x 128 tile sums each output column as a 128 x 256 tile's half does (the same K
-    order, the column's own weight scale), so both widths give the same bits: ragged groups with
-    empty ones, G up to 256, K of one block (a tile per ring slot), more tiles than SMs; the
-    deepest rings (6 slots) turn over most often."""
-    gen = torch.Generator(device=DEV).manual_seed(m + g + k)
-    torch.manual_seed(m * g + k)
-    p = random_problem(m, n, k, g, device=DEV, generator=gen)
-    assert int((p.m_sizes == 0).sum()) >= 1
-    assert config.fits(n, g)
-    want = _launch(p, _poisoned(m, n), GLUON)
-    got = _launch(p, _poisoned(m, n), config)
-    torch.cuda.synchronize()
-    assert not want.isnan().any()
-    assert torch.equal(_bits(got), _bits(want))
-
-
-@pytest.mark.parametrize("config", [GLUON, STORE, NARROW[2], NARROW[5]], ids=lambda c: c.key())
+@pytest.mark.parametrize("config", [GLUON, STORE], ids=lambda c: c.schedule)
 def test_tiles_whose_second_half_has_no_row_of_the_group(config):
     """A group's last row tile with 64 rows or fewer (the second consumer's half holds no row of
     the group: computed and dropped). Sizes around the 64-row edge, groups of one tile and of

@@ -223,8 +223,6 @@ SCHEDULE_CONFIGS = [
     T("persistent_tma", 64, 128, 4, 3, per_sm=2),
     T("persistent_tma", 128, 128, 8, 4, group_tiles_m=8),
     T("gluon_ws", 128, 256, 4, 3, group_tiles_m=8),
-    T("gluon_ws", 128, 128, 4, 6, group_tiles_m=8),
-    T("gluon_ws_store", 128, 128, 4, 5, group_tiles_m=8),
     T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8),
 ]
 
