@@ -57,11 +57,12 @@ def _read_tiles(src, dst, K, per_split, SPLIT: tl.constexpr, ROWS: tl.constexpr,
     bytes apart) an iteration."""
     pid = tl.program_id(0)
     tile = pid // SPLIT
-    k0 = (pid % SPLIT) * per_split
+    k_lo = tl.minimum((pid % SPLIT) * per_split, K)
+    k_hi = tl.minimum(k_lo + per_split, K)
     rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
-    for off in range(0, per_split, COLS):
-        cols = k0 + off + tl.arange(0, COLS)
+    for k0 in range(k_lo, k_hi, COLS):
+        cols = k0 + tl.arange(0, COLS)
         acc += tl.load(src + rows[:, None] * K + cols[None, :], eviction_policy="evict_first").to(tl.int32)
     tl.store(dst + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
 
@@ -71,7 +72,8 @@ def triton_read_tiles(buf: torch.Tensor, k: int, split: int, rows: int = 128):
     n = buf.numel() // k
     out = torch.empty((n // rows) * split, dtype=torch.int32, device=buf.device)
     grid = ((n // rows) * split,)
-    return lambda: _read_tiles[grid](buf, out, k, k // split, SPLIT=split, ROWS=rows, COLS=128, num_warps=4)
+    per_split = -(-(k // 128) // split) * 128  # whole 128-byte blocks, as the GEMM's split-K ranges
+    return lambda: _read_tiles[grid](buf, out, k, per_split, SPLIT=split, ROWS=rows, COLS=128, num_warps=4)
 
 
 def pattern_rows(sms: int) -> list[dict]:
