@@ -52,28 +52,31 @@ def triton_read(buf: torch.Tensor, programs: int, block: int = 4096):
 
 @triton.jit
 def _read_tiles(src, dst, K, per_split, SPLIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """A decode program's read: rows ``[t * ROWS, t * ROWS + ROWS)`` of a row-major ``[N, K]``
-    byte matrix over its split of K, one ``ROWS x COLS`` piece (ROWS rows of COLS bytes, K
-    bytes apart) an iteration."""
+    """A decode program's read: rows ``[t * 128, t * 128 + 128)`` of a row-major ``[N, K]`` byte
+    matrix over its split of K, one ``ROWS x COLS`` piece (ROWS rows of COLS bytes, K bytes apart;
+    16 KB) an iteration: 128 x 128 is a decode tile's block; 64 x 256 and 32 x 512 the same bytes
+    a piece from fewer, wider rows."""
     pid = tl.program_id(0)
     tile = pid // SPLIT
     k_lo = tl.minimum((pid % SPLIT) * per_split, K)
     k_hi = tl.minimum(k_lo + per_split, K)
-    rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
-    for k0 in range(k_lo, k_hi, COLS):
-        cols = k0 + tl.arange(0, COLS)
-        acc += tl.load(src + rows[:, None] * K + cols[None, :], eviction_policy="evict_first").to(tl.int32)
+    for r0 in range(0, 128, ROWS):
+        rows = (tile * 128 + r0 + tl.arange(0, ROWS)).to(tl.int64)
+        for k0 in range(k_lo, k_hi, COLS):
+            cols = k0 + tl.arange(0, COLS)
+            acc += tl.load(src + rows[:, None] * K + cols[None, :], eviction_policy="evict_first").to(tl.int32)
     tl.store(dst + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
-def triton_read_tiles(buf: torch.Tensor, k: int, split: int, rows: int = 128):
-    """``buf`` as ``[N, k]`` bytes, N / rows row tiles x ``split`` programs each."""
+def triton_read_tiles(buf: torch.Tensor, k: int, split: int, rows: int = 128, cols: int = 128):
+    """``buf`` as ``[N, k]`` bytes: N / 128 row tiles x ``split`` programs each, pieces of
+    ``rows`` rows x ``cols`` bytes."""
     n = buf.numel() // k
-    out = torch.empty((n // rows) * split, dtype=torch.int32, device=buf.device)
-    grid = ((n // rows) * split,)
-    per_split = -(-(k // 128) // split) * 128  # whole 128-byte blocks, as the GEMM's split-K ranges
-    return lambda: _read_tiles[grid](buf, out, k, per_split, SPLIT=split, ROWS=rows, COLS=128, num_warps=4)
+    out = torch.empty((n // 128) * split, dtype=torch.int32, device=buf.device)
+    grid = ((n // 128) * split,)
+    per_split = -(-(k // cols) // split) * cols  # whole pieces, as the GEMM's split-K ranges
+    return lambda: _read_tiles[grid](buf, out, k, per_split, SPLIT=split, ROWS=rows, COLS=cols, num_warps=4)
 
 
 def pattern_rows(sms: int) -> list[dict]:
@@ -90,10 +93,17 @@ def pattern_rows(sms: int) -> list[dict]:
         pieces = triton_read_tiles(buf, k, split)
         contiguous()
         pieces()
+        # The same programs and 16 KB pieces from fewer, wider rows: 64 rows of 256 bytes, 32 of 512
+        # (is it the 128-byte width, how many DRAM rows a piece opens, or the stride?).
+        wide = triton_read_tiles(buf, k, split, rows=64, cols=256)
+        wider = triton_read_tiles(buf, k, split, rows=32, cols=512)
+        wide()
+        wider()
         row = {"programs": programs, "per_sm": programs / sms, "contiguous_us": time_us(contiguous),
-               "pieces_us": time_us(pieces)}
+               "pieces_us": time_us(pieces), "pieces_256B_us": time_us(wide), "pieces_512B_us": time_us(wider)}
         print(f"84 MB  {programs:4d} programs ({row['per_sm']:.2f} a SM)  contiguous {row['contiguous_us']:6.1f} us  "
-              f"decode pieces {row['pieces_us']:6.1f} us", flush=True)
+              f"decode pieces {row['pieces_us']:6.1f} us  256 B rows {row['pieces_256B_us']:6.1f}  "
+              f"512 B rows {row['pieces_512B_us']:6.1f}", flush=True)
         found.append(row)
     return found
 
