@@ -415,9 +415,9 @@ class GraphPool:
     def _table_answers(self, family: Family, wq: torch.Tensor,
                        w_scale: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(got, want) pairs for one input of 64 rows: the address launcher's answer (its rows
-        put back in order) and ``backend.run``'s; where the 64-row tile is not persistent, its
-        answer again with the rows' check inside (a lone call's graph) and that check's flags
-        against ``bad_rows``."""
+        put back in order) and ``backend.run``'s; where a lone 64-row call's GEMM checks the
+        rows itself (:meth:`_checked_inside`), its answer again with the check inside and that
+        check's flags against ``bad_rows``."""
         rows, fp8 = 64, self.backend.fp8_dtype
         gen = torch.Generator(device=self.device).manual_seed(0)
         x = torch.randn((rows, family.K), generator=gen, device=self.device)
@@ -438,8 +438,7 @@ class GraphPool:
         self.run_table(torch.empty_like(xq), words[:ADDRESS_WORDS], torch.empty_like(xs), sizes, got,
                        groups=family.G, inputs=words[ADDRESS_WORDS:], out_rows=flipped)
         answers = [(got.flip(0), want)]
-        persistent = self.backend.persistent
-        if persistent is not None and not persistent(rows, family.N, family.K, family.G):
+        if self._checked_inside(family, rows):
             checked = torch.full_like(want, float("nan"))
             flags = torch.full((rows,), 7, dtype=torch.int8, device=self.device)  # none is a flag
             self.run_table(torch.empty_like(xq), words[:ADDRESS_WORDS], torch.empty_like(xs), sizes, checked,
