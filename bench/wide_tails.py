@@ -2,7 +2,9 @@
 data, the same bits asserted; and, run from a checkout without them (``--plain``), the same
 launches there, to compare across checkouts.
 
-    python bench/wide_tails.py [--json OUT.json] [--match a,b] [--plain]
+    patch -p1 < bench/prepared/gluon_wide_tails.patch   # the kernels' WIDE constexpr
+    python bench/wide_tails.py [--json OUT.json] [--match a,b]
+    python bench/wide_tails.py --plain ...              # from a checkout without the patch
 
 A group's last row tile of at most 64 rows runs as 64 x 512 tiles (``_gluon_gemm._group_tiles``)
 instead of 128 x 256 tiles whose bottom half is dropped. Public launches timed as
