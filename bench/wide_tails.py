@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--match", default=CASES)
     parser.add_argument("--plain", action="store_true", help="a checkout without wide tiles: time its launch")
+    parser.add_argument("--stages", type=int, default=0,
+                        help="also time wide and full tiles at this ring depth (gluon_ws: 3 or 4)")
     args = parser.parse_args()
     wanted = [p for p in args.match.split(",") if p]
     cases = [c for c in bk.seed_cases() + bk.real_cases() if any(w in c["name"] + " " for w in wanted)]
@@ -53,13 +56,17 @@ def main() -> None:
         _, xq, x_scale = bk.random_activations(m, k, gen)
         sizes = case["sizes"].to(bk.DEV)
         forms = ("plain",) if args.plain else ("wide", "full")
+        deeper = args.stages and args.stages != config.num_stages and config.schedule == "gluon_ws"
+        if deeper:
+            forms += (f"wide_s{args.stages}", f"full_s{args.stages}")
         outs, fns = {}, {}
         for form in forms:
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
-            kernel, grid, largs, consts = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config,
+            tile = replace(config, num_stages=args.stages) if "_s" in form else config
+            kernel, grid, largs, consts = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, tile,
                                                          addrs=False)
             if form != "plain":
-                consts = dict(consts, WIDE=form == "wide")
+                consts = dict(consts, WIDE=form.startswith("wide"))
             triton.set_allocator(tk._tma_scratch)
 
             def fn(kernel=kernel, grid=grid, largs=largs, consts=consts):
@@ -71,7 +78,7 @@ def main() -> None:
             fns[form], outs[form] = fn, out
         same = None
         if not args.plain:
-            same = bool(torch.equal(outs["wide"].view(torch.int16), outs["full"].view(torch.int16)))
+            same = all(torch.equal(outs[f].view(torch.int16), outs["full"].view(torch.int16)) for f in forms)
         times = {f: [] for f in forms}
         for _ in range(2):
             for form in forms:
