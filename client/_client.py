@@ -51,6 +51,10 @@ __all__ = ["AsyncClient", "Client"]
 MSGPACK = "application/vnd.msgpack"
 _MSGPACK_TYPES = (MSGPACK, "application/msgpack", "application/x-msgpack")
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+# A load answers once the server has the set ready to serve: quantized, placed, its kernels
+# compiled and its graphs captured. On a fresh GPU shared with other work an expert set took
+# over a minute (bench/NOTES.md, session 16), so loads wait longer than calls by default.
+DEFAULT_LOAD_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 # httpcore already sets TCP_NODELAY on sync sockets and asyncio does on async
 # ones; asking explicitly keeps small requests from waiting on Nagle whatever
 # the backend does.
@@ -79,6 +83,7 @@ class _Call:
     like_torch: Any = None  # the torch tensor whose kind (and device) the output takes
     retry: bool = True  # health probes report 503 instead of waiting it out
     deadline: float | None = None  # time.monotonic() instant by which to give up
+    load: bool = False  # a weight or expert-set load: bounded by the client's load_timeout
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,7 @@ def _load_call(name: str, w: Any, w_scale: Any) -> _Call:
     body: dict[str, Any] = {"w": encode_tensor(w)}
     if w_scale is not None:
         body["w_scale"] = encode_tensor(w_scale)
-    return _Call("PUT", _weights_path(name), packb(body))
+    return _Call("PUT", _weights_path(name), packb(body), load=True)
 
 
 def _load_file_call(
@@ -182,7 +187,7 @@ def _load_file_call(
     body: dict[str, Any] = {"file": os.fspath(file), "w": w_key}
     if w_scale_key is not None:
         body["w_scale"] = w_scale_key
-    return _Call("PUT", _weights_path(name), packb(body))
+    return _Call("PUT", _weights_path(name), packb(body), load=True)
 
 
 def _experts_path(name: str) -> str:
@@ -209,14 +214,14 @@ def _load_experts_call(name: str, w13: Any, w2: Any, w13_scale: Any, w2_scale: A
         body["w13_scale"] = encode_tensor(w13_scale)
     if w2_scale is not None:
         body["w2_scale"] = encode_tensor(w2_scale)
-    return _Call("PUT", _experts_path(name), _packed(body))
+    return _Call("PUT", _experts_path(name), _packed(body), load=True)
 
 
 def _load_checkpoint_call(name: str, checkpoint: str | os.PathLike, layer: int) -> _Call:
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise TypeError(f"layer is an int, got {type(layer).__name__}")
     return _Call("PUT", _experts_path(name),
-                 packb({"checkpoint": os.fspath(checkpoint), "layer": layer}))
+                 packb({"checkpoint": os.fspath(checkpoint), "layer": layer}), load=True)
 
 
 def _ffn_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None) -> _Call:
@@ -368,6 +373,7 @@ class _Base:
         backoff: float,
         max_backoff: float,
         deadline: float | None,
+        load_timeout: float | httpx.Timeout | None,
     ) -> None:
         if retries < 0 or not backoff >= 0 or not max_backoff >= 0:
             raise ValueError("retries, backoff and max_backoff are >= 0")
@@ -378,6 +384,7 @@ class _Base:
             self._headers["Authorization"] = f"Bearer {token}"
         self._headers.update(headers or {})
         self._timeout = httpx.Timeout(timeout)
+        self._load_timeout = httpx.Timeout(load_timeout)
         self._retry = _Retry(retries, backoff, max_backoff)
         self._deadline = deadline
 
@@ -402,7 +409,9 @@ class _Base:
             # The server refuses to start the call after this; the client never
             # waits past it either.
             headers[DEADLINE_HEADER] = str(max(1, math.floor(left * 1000)))
-            args["timeout"] = _capped(self._timeout, left)
+            args["timeout"] = _capped(self._load_timeout if call.load else self._timeout, left)
+        elif call.load:
+            args["timeout"] = self._load_timeout
         return request_id, args
 
     def _failed(self, call: _Call, exc: httpx.TransportError, request_id: str) -> MoegemmError:
@@ -435,7 +444,9 @@ class Client(_Base):
     """A blocking moegemm client; one pooled connection set, reuse it.
 
     ``Client(url, token=..., timeout=..., headers=...)``; use it as a context
-    manager or call ``close()``. Errors raise the `moegemm.client` tree:
+    manager or call ``close()``. ``timeout`` bounds each call's connect, reads and writes
+    (60 s by default); a weight or expert-set load, which answers once the server has
+    compiled and captured what serves the set, waits ``load_timeout`` instead (600 s). Errors raise the `moegemm.client` tree:
     `APIError` subclasses for error answers, `TransportError` for no answer;
     a weight-set name outside ``[A-Za-z0-9._-]{1,128}`` raises `BadName` before
     anything is sent.
@@ -467,8 +478,10 @@ class Client(_Base):
         backoff: float = 0.05,
         max_backoff: float = 2.0,
         deadline: float | None = None,
+        load_timeout: float | httpx.Timeout | None = DEFAULT_LOAD_TIMEOUT,
     ) -> None:
-        super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline)
+        super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline,
+                         load_timeout)
         self._http = httpx.Client(
             base_url=self.url,
             headers=self._headers,
@@ -648,8 +661,10 @@ class AsyncClient(_Base):
         backoff: float = 0.05,
         max_backoff: float = 2.0,
         deadline: float | None = None,
+        load_timeout: float | httpx.Timeout | None = DEFAULT_LOAD_TIMEOUT,
     ) -> None:
-        super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline)
+        super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline,
+                         load_timeout)
         self._http = httpx.AsyncClient(
             base_url=self.url,
             headers=self._headers,

@@ -156,6 +156,55 @@ def test_deadline_is_sent_and_caps_the_timeout():
     assert without.extensions["timeout"]["read"] == 60
 
 
+def _loaded(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(201, json={"name": "w"})
+
+
+def _load_everything(c):
+    """Each load call once (weights, weights from a file, experts, experts from a checkpoint), then
+    a call that is not a load."""
+    w = np.ones((2, 128, 128), np.float32)
+    c.load_weights("w", w)
+    c.load_weights_file("w", "w.safetensors", "weight")
+    c.load_experts("e", np.ones((2, 256, 128), np.float32), np.ones((2, 128, 128), np.float32))
+    c.load_experts_checkpoint("e", "model", 3)
+    c.weights()
+
+
+def test_loads_wait_for_the_load_timeout_and_calls_for_the_timeout():
+    """A load answers once the server has compiled and captured what serves the set (over a
+    minute for an expert set on a busy fresh GPU): the four load calls read for ``load_timeout``
+    (600 s unless set), every other call for ``timeout``; a deadline caps both."""
+    script = Script(_loaded, _loaded, _loaded, _loaded, lambda r: httpx.Response(200, json=[]))
+    with Client(URL, transport=httpx.MockTransport(script), timeout=60) as c:
+        _load_everything(c)
+    *loads, listing = script.requests
+    assert [r.method for r in loads] == ["PUT"] * 4
+    assert all(r.extensions["timeout"]["read"] == 600 for r in loads)
+    assert all(r.extensions["timeout"]["connect"] == 5 for r in loads)
+    assert listing.extensions["timeout"]["read"] == 60
+    script = Script(_loaded, _loaded, _loaded, _loaded, lambda r: httpx.Response(200, json=[]))
+    with Client(URL, transport=httpx.MockTransport(script), timeout=2, load_timeout=90,
+                deadline=30) as c:
+        _load_everything(c)
+    *loads, listing = script.requests
+    assert all(r.extensions["timeout"]["read"] == 90 for r in loads)
+    assert 0 < listing.extensions["timeout"]["read"] <= 2
+
+    async def main():
+        script = Script(_loaded, _loaded, lambda r: httpx.Response(200, json=[]))
+        async with AsyncClient(URL, transport=httpx.MockTransport(script), load_timeout=120) as c:
+            w = np.ones((2, 128, 128), np.float32)
+            await c.load_weights("w", w)
+            await c.load_experts("e", np.ones((2, 256, 128), np.float32), w)
+            await c.weights()
+        load_w, load_e, listing = script.requests
+        assert load_w.extensions["timeout"]["read"] == load_e.extensions["timeout"]["read"] == 120
+        assert listing.extensions["timeout"]["read"] == 60
+
+    asyncio.run(main())
+
+
 def test_client_default_deadline_and_per_call_override():
     script = Script(_ok_gemm)
     with Client(URL, transport=httpx.MockTransport(script), deadline=0.8) as c:
