@@ -6,7 +6,7 @@ import httpx
 import torch
 from moegemm.client._wire import packb
 from moegemm.kernels import testing_ffn
-from server_support import MSGPACK, wire
+from server_support import LOAD_TIMEOUT, MSGPACK, wire
 
 
 def upload_body(p, fp8: bool = True) -> dict:
@@ -19,6 +19,7 @@ def upload_body(p, fp8: bool = True) -> dict:
 
 def put_experts(http: httpx.Client, name: str, body: dict, **kw) -> httpx.Response:
     headers = {**MSGPACK, **kw.pop("headers", {})}
+    kw.setdefault("timeout", LOAD_TIMEOUT)
     return http.put(f"/v1/experts/{name}", content=packb(body), headers=headers, **kw)
 
 

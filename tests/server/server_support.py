@@ -40,6 +40,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# A load answers once the set is compiled and captured: over a minute for an expert set on a
+# fresh GPU shared with other test processes (bench/NOTES.md, session 16). The client library's
+# loads wait as long (``moegemm.client._client.DEFAULT_LOAD_TIMEOUT``); other calls keep 60 s.
+LOAD_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+
+
 class Running:
     """A server the tests talk to: its URL, app, and an httpx client."""
 
@@ -63,6 +69,7 @@ class Running:
 
     def put(self, name: str, body: dict, **kw) -> httpx.Response:
         headers = {**MSGPACK, **kw.pop("headers", {})}
+        kw.setdefault("timeout", LOAD_TIMEOUT)
         return self.http.put(f"/v1/weights/{name}", content=packb(body), headers=headers, **kw)
 
     def gemm(self, name: str, body: dict, **kw) -> httpx.Response:
