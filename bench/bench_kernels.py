@@ -93,6 +93,13 @@ def seed_cases() -> list[dict]:
              "g": 8, "sizes": even_split(m, 8)} for m, n, k in SEED_SHAPES]
 
 
+def matching_cases(match: str) -> list[dict]:
+    """The seed and real cases whose name, followed by a space, contains one of the comma-separated
+    ``match`` patterns (a trailing space in a pattern ends it at a word: ``"seed m1 "``)."""
+    wanted = [p for p in match.split(",") if p]
+    return [c for c in seed_cases() + real_cases() if any(w in c["name"] + " " for w in wanted)]
+
+
 def bucket_of(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 

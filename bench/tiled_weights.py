@@ -45,8 +45,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--match", default=CASES)
     args = parser.parse_args()
-    wanted = [p for p in args.match.split(",") if p]
-    cases = [c for c in bk.seed_cases() + bk.real_cases() if any(w in c["name"] + " " for w in wanted)]
+    cases = bk.matching_cases(args.match)
     gen = torch.Generator(device=bk.DEV).manual_seed(15)
     rows = []
     for case in cases:

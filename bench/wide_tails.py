@@ -43,8 +43,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=0,
                         help="also time wide and full tiles at this ring depth (gluon_ws: 3 or 4)")
     args = parser.parse_args()
-    wanted = [p for p in args.match.split(",") if p]
-    cases = [c for c in bk.seed_cases() + bk.real_cases() if any(w in c["name"] + " " for w in wanted)]
+    cases = bk.matching_cases(args.match)
     gen = torch.Generator(device=bk.DEV).manual_seed(16)
     rows = []
     for case in cases:

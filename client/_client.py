@@ -399,6 +399,7 @@ class _Base:
             "content": call.body,
             "headers": headers,
         }
+        timeout = self._load_timeout if call.load else self._timeout
         if call.deadline is not None:
             left = call.deadline - time.monotonic()
             if left <= 0:
@@ -409,9 +410,8 @@ class _Base:
             # The server refuses to start the call after this; the client never
             # waits past it either.
             headers[DEADLINE_HEADER] = str(max(1, math.floor(left * 1000)))
-            args["timeout"] = _capped(self._load_timeout if call.load else self._timeout, left)
-        elif call.load:
-            args["timeout"] = self._load_timeout
+            timeout = _capped(timeout, left)
+        args["timeout"] = timeout
         return request_id, args
 
     def _failed(self, call: _Call, exc: httpx.TransportError, request_id: str) -> MoegemmError:
@@ -446,7 +446,8 @@ class Client(_Base):
     ``Client(url, token=..., timeout=..., headers=...)``; use it as a context
     manager or call ``close()``. ``timeout`` bounds each call's connect, reads and writes
     (60 s by default); a weight or expert-set load, which answers once the server has
-    compiled and captured what serves the set, waits ``load_timeout`` instead (600 s). Errors raise the `moegemm.client` tree:
+    compiled and captured what serves the set, waits ``load_timeout`` instead (600 s).
+    Errors raise the `moegemm.client` tree:
     `APIError` subclasses for error answers, `TransportError` for no answer;
     a weight-set name outside ``[A-Za-z0-9._-]{1,128}`` raises `BadName` before
     anything is sent.
@@ -500,7 +501,7 @@ class Client(_Base):
                 if self._lane is not None:
                     response = self._lane.request(
                         call.method, call.path, args["headers"], call.body,
-                        args.get("timeout", self._timeout), call.deadline)
+                        args["timeout"], call.deadline)
                 elif call.deadline is None:
                     response = self._http.request(**_joined(args))
                 else:
@@ -678,7 +679,7 @@ class AsyncClient(_Base):
         if self._lane is None:
             return self._http.request(**_joined(args))
         return self._lane.request(call.method, call.path, args["headers"], call.body,
-                                  args.get("timeout", self._timeout), call.deadline)
+                                  args["timeout"], call.deadline)
 
     async def _send(self, call: _Call) -> Any:
         attempt = 0

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import httpx
 import torch
 import uvicorn
+from moegemm.client._client import DEFAULT_LOAD_TIMEOUT
 from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
 from moegemm.server import Settings, create_app
 
@@ -40,10 +41,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# A load answers once the set is compiled and captured: over a minute for an expert set on a
-# fresh GPU shared with other test processes (bench/NOTES.md, session 16). The client library's
-# loads wait as long (``moegemm.client._client.DEFAULT_LOAD_TIMEOUT``); other calls keep 60 s.
-LOAD_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+# A load answers once the set is compiled and captured (over a minute for an expert set on a
+# fresh GPU shared with other test processes, bench/NOTES.md session 16): the tests' loads wait
+# as the client library's do; other calls keep 60 s.
+LOAD_TIMEOUT = DEFAULT_LOAD_TIMEOUT
 
 
 class Running:
