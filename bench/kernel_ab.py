@@ -1,0 +1,109 @@
+"""The table's Gluon tile from this checkout against the same kernel from another copy of
+``kernels/_gluon_gemm.py`` (``--base``, e.g. the shipped one), in one process, on the same data:
+the same bits asserted, then both timed.
+
+    python bench/kernel_ab.py --base .carry/base16/kernels/_gluon_gemm.py [--json OUT] [--match a,b]
+
+For each case whose table tile is a Gluon schedule, both kernels are launched as
+``triton_kernel.launch_plan`` plans them, in two forms: ``public`` (plain pointers, the public
+function) and ``svc`` (activations and weights by address, stored in place: a lone prefill
+call's graph in the server). Timed as ``bench_kernels.time_us`` (median over CUDA-graph
+replays of back-to-back launches), base and new alternating, two rounds. Never collected by
+pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk
+
+CASES = ("Qwen3-30B-A3B w2 prefill,Qwen3-30B-A3B w13 prefill,Qwen3-235B-A22B w2 prefill t2048,"
+         "Qwen3-235B-A22B w13 prefill t2048,DeepSeek-V3 w2 prefill,DeepSeek-V3 w13 prefill,Kimi-K2 w2 prefill t8192,"
+         "Kimi-K2 w13 prefill t8192,GLM-4.5 w2 prefill t8192,GLM-4.5 w13 prefill t2048,seed m16384 ,"
+         "Llama-4-Maverick w13 prefill t8192,Mixtral-8x7B w13 prefill t2048,Mixtral-8x22B w2 prefill t2048")
+
+
+def load_base(path: Path):
+    """``path`` imported as a module of the ``moegemm.kernels`` package (its relative imports)."""
+    spec = importlib.util.spec_from_file_location("moegemm.kernels._gluon_gemm_base", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    from moegemm.kernels import triton_kernel as tk
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", type=Path, required=True)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--match", default=CASES)
+    args = parser.parse_args()
+    base = load_base(args.base)
+    gen = torch.Generator(device=bk.DEV).manual_seed(171)
+    triton.set_allocator(tk._tma_scratch)
+    rows = []
+    for case in bk.matching_cases(args.match):
+        m, n, k, g = case["m"], case["n"], case["k"], case["g"]
+        config = tk.default_config(m, n, k, g)
+        if config.schedule not in tk.GLUON_SCHEDULES:
+            continue
+        wq, w_scale = bk.random_weights(g, n, k, gen)
+        _, xq, x_scale = bk.random_activations(m, k, gen)
+        sizes = case["sizes"].to(bk.DEV)
+        waddr = tk.weight_addresses(wq, w_scale)
+        xwords = torch.tensor([xq.data_ptr(), x_scale.data_ptr()], dtype=torch.int64, device=bk.DEV)
+        fns, outs = {}, {}
+        for form in ("public", "svc"):
+            for which in ("base", "new"):
+                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
+                if form == "svc":
+                    plan = tk.launch_plan(xq, waddr, x_scale, w_scale, sizes, out, n, g, config, addrs=True,
+                                          x_words=xwords)
+                else:
+                    plan = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config, addrs=False)
+                kernel, grid, largs, consts = plan
+                if which == "base":
+                    kernel = getattr(base, kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+
+                def fn(kernel=kernel, grid=grid, largs=largs, consts=consts):
+                    kernel[grid](*largs, **consts)
+
+                fn()
+                torch.cuda.synchronize()
+                fns[f"{form} {which}"], outs[f"{form} {which}"] = fn, out
+        ref = outs["public base"].view(torch.int16)
+        same = all(torch.equal(o.view(torch.int16), ref) for o in outs.values())
+        times = {f: [] for f in fns}
+        for _ in range(2):
+            for f, fn in fns.items():
+                times[f].append(bk.time_us(fn))
+        us = {f: statistics.median(t) for f, t in times.items()}
+        row = {"name": case["name"], "config": config.key(), "floor_us": bk.floor_us(m, n, k, case["sizes"]),
+               "us": us, "same_bits": same,
+               "base_over_new": {form: us[f"{form} base"] / us[f"{form} new"] for form in ("public", "svc")}}
+        rows.append(row)
+        print(f"{case['name']:44s} {config.key():34s} floor {row['floor_us']:8.1f}  "
+              + "  ".join(f"{f} {u:8.1f}" for f, u in us.items())
+              + "  base/new " + " ".join(f"{v:.3f}" for v in row["base_over_new"].values())
+              + f"  bits {'=' if same else 'DIFFER'}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+    for form in ("public", "svc"):
+        ratios = [r["base_over_new"][form] for r in rows]
+        if ratios:
+            print(f"geomean base/new {form} {statistics.geometric_mean(ratios):.4f} over {len(ratios)}")
+
+
+if __name__ == "__main__":
+    main()
