@@ -2,13 +2,15 @@
 ``kernels/_gluon_gemm.py`` (``--base``, e.g. the shipped one), in one process, on the same data:
 the same bits asserted, then both timed.
 
-    python bench/kernel_ab.py --base .carry/base16/kernels/_gluon_gemm.py [--json OUT] [--match a,b]
+    python bench/kernel_ab.py --base .carry/base16/kernels/_gluon_gemm.py [--variant NAME=PATH ...]
+                              [--forms public,svc] [--json OUT] [--match a,b]
 
 For each case whose table tile is a Gluon schedule, both kernels are launched as
 ``triton_kernel.launch_plan`` plans them, in two forms: ``public`` (plain pointers, the public
 function) and ``svc`` (activations and weights by address, stored in place: a lone prefill
 call's graph in the server). Timed as ``bench_kernels.time_us`` (median over CUDA-graph
-replays of back-to-back launches), base and new alternating, two rounds. Never collected by
+replays of back-to-back launches), base and new alternating, ``--rounds`` rounds (2). ``--variant``: more
+copies of the module, timed beside them (the ratios are base over each). Never collected by
 pytest.
 """
 
@@ -33,9 +35,9 @@ CASES = ("Qwen3-30B-A3B w2 prefill,Qwen3-30B-A3B w13 prefill,Qwen3-235B-A22B w2 
          "Llama-4-Maverick w13 prefill t8192,Mixtral-8x7B w13 prefill t2048,Mixtral-8x22B w2 prefill t2048")
 
 
-def load_base(path: Path):
+def load_base(path: Path, name: str):
     """``path`` imported as a module of the ``moegemm.kernels`` package (its relative imports)."""
-    spec = importlib.util.spec_from_file_location("moegemm.kernels._gluon_gemm_base", path)
+    spec = importlib.util.spec_from_file_location(f"moegemm.kernels._gluon_gemm_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -48,8 +50,15 @@ def main() -> None:
     parser.add_argument("--base", type=Path, required=True)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--match", default=CASES)
+    parser.add_argument("--variant", action="append", default=[], help="NAME=PATH: another copy, timed too")
+    parser.add_argument("--forms", default="public,svc")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    base = load_base(args.base)
+    modules = {"base": load_base(args.base, "base"), "new": None}
+    for spec in args.variant:
+        name, path = spec.split("=", 1)
+        modules[name] = load_base(Path(path), name)
+    form_names = args.forms.split(",")
     gen = torch.Generator(device=bk.DEV).manual_seed(171)
     triton.set_allocator(tk._tma_scratch)
     rows = []
@@ -64,8 +73,8 @@ def main() -> None:
         waddr = tk.weight_addresses(wq, w_scale)
         xwords = torch.tensor([xq.data_ptr(), x_scale.data_ptr()], dtype=torch.int64, device=bk.DEV)
         fns, outs = {}, {}
-        for form in ("public", "svc"):
-            for which in ("base", "new"):
+        for form in form_names:
+            for which, module in modules.items():
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
                 if form == "svc":
                     plan = tk.launch_plan(xq, waddr, x_scale, w_scale, sizes, out, n, g, config, addrs=True,
@@ -73,8 +82,8 @@ def main() -> None:
                 else:
                     plan = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config, addrs=False)
                 kernel, grid, largs, consts = plan
-                if which == "base":
-                    kernel = getattr(base, kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+                if module is not None:
+                    kernel = getattr(module, kernel.__name__)
 
                 def fn(kernel=kernel, grid=grid, largs=largs, consts=consts):
                     kernel[grid](*largs, **consts)
@@ -82,27 +91,27 @@ def main() -> None:
                 fn()
                 torch.cuda.synchronize()
                 fns[f"{form} {which}"], outs[f"{form} {which}"] = fn, out
-        ref = outs["public base"].view(torch.int16)
-        same = all(torch.equal(o.view(torch.int16), ref) for o in outs.values())
+        ref = outs[f"{form_names[0]} base"].view(torch.int16)
+        same = {f: torch.equal(o.view(torch.int16), ref) for f, o in outs.items()}
         times = {f: [] for f in fns}
-        for _ in range(2):
+        for _ in range(args.rounds):
             for f, fn in fns.items():
                 times[f].append(bk.time_us(fn))
         us = {f: statistics.median(t) for f, t in times.items()}
         row = {"name": case["name"], "config": config.key(), "floor_us": bk.floor_us(m, n, k, case["sizes"]),
                "us": us, "same_bits": same,
-               "base_over_new": {form: us[f"{form} base"] / us[f"{form} new"] for form in ("public", "svc")}}
+               "base_over": {f"{form} {w}": us[f"{form} base"] / us[f"{form} {w}"] for form in form_names
+                             for w in modules if w != "base"}}
         rows.append(row)
         print(f"{case['name']:44s} {config.key():34s} floor {row['floor_us']:8.1f}  "
               + "  ".join(f"{f} {u:8.1f}" for f, u in us.items())
-              + "  base/new " + " ".join(f"{v:.3f}" for v in row["base_over_new"].values())
-              + f"  bits {'=' if same else 'DIFFER'}", flush=True)
+              + "  base/ " + " ".join(f"{f} {v:.3f}" for f, v in row["base_over"].items())
+              + "  bits differ: " + (",".join(f for f, v in same.items() if not v) or "none"), flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
-    for form in ("public", "svc"):
-        ratios = [r["base_over_new"][form] for r in rows]
-        if ratios:
-            print(f"geomean base/new {form} {statistics.geometric_mean(ratios):.4f} over {len(ratios)}")
+    for key in (rows[0]["base_over"] if rows else ()):
+        ratios = [r["base_over"][key] for r in rows]
+        print(f"geomean base/({key}) {statistics.geometric_mean(ratios):.4f} over {len(ratios)}")
 
 
 if __name__ == "__main__":
