@@ -8,7 +8,8 @@ the same bits asserted, then both timed.
 For each case whose table tile is a Gluon schedule, both kernels are launched as
 ``triton_kernel.launch_plan`` plans them, in two forms: ``public`` (plain pointers, the public
 function) and ``svc`` (activations and weights by address, stored in place: a lone prefill
-call's graph in the server). Timed as ``bench_kernels.time_us`` (median over CUDA-graph
+call's graph in the server); ``--forms`` may add ``map`` (the same through an identity row map: the
+server's merged calls). Timed as ``bench_kernels.time_us`` (median over CUDA-graph
 replays of back-to-back launches), base and new alternating, ``--rounds`` rounds (2). ``--variant``: more
 copies of the module, timed beside them (the ratios are base over each). Never collected by
 pytest.
@@ -72,6 +73,7 @@ def main() -> None:
         sizes = case["sizes"].to(bk.DEV)
         waddr = tk.weight_addresses(wq, w_scale)
         xwords = torch.tensor([xq.data_ptr(), x_scale.data_ptr()], dtype=torch.int64, device=bk.DEV)
+        identity = torch.arange(m, dtype=torch.int64, device=bk.DEV)
         fns, outs = {}, {}
         for form in form_names:
             for which, module in modules.items():
@@ -79,6 +81,9 @@ def main() -> None:
                 if form == "svc":
                     plan = tk.launch_plan(xq, waddr, x_scale, w_scale, sizes, out, n, g, config, addrs=True,
                                           x_words=xwords)
+                elif form == "map":
+                    plan = tk.launch_plan(xq, waddr, x_scale, w_scale, sizes, out, n, g, config, addrs=True,
+                                          x_words=xwords, out_rows=identity)
                 else:
                     plan = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config, addrs=False)
                 kernel, grid, largs, consts = plan
