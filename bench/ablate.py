@@ -83,8 +83,9 @@ def main() -> None:
             else:
                 plan = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config, addrs=False)
             kernel, grid, largs, consts = plan
+            consts = dict(consts, **extra)
 
-            def fn(kernel=kernel, grid=grid, largs=largs, consts=dict(consts, **extra)):
+            def fn(kernel=kernel, grid=grid, largs=largs, consts=consts):
                 kernel[grid](*largs, **consts)
 
             fn()
