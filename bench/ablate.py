@@ -69,34 +69,15 @@ def main() -> None:
                 forms = {f: c for f, c in forms.items() if f in ("base", "nosum")}
         else:
             continue
-        wq, w_scale = bk.random_weights(g, n, k, gen)
-        _, xq, x_scale = bk.random_activations(m, k, gen)
-        sizes = case["sizes"].to(bk.DEV)
-        waddr = tk.weight_addresses(wq, w_scale)
-        xwords = torch.tensor([xq.data_ptr(), x_scale.data_ptr()], dtype=torch.int64, device=bk.DEV)
+        ops = bk.case_operands(case, gen)
         outs, fns = {}, {}
         for form, extra in forms.items():
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
-            if form.startswith("svc"):
-                plan = tk.launch_plan(xq, waddr, x_scale, w_scale, sizes, out, n, g, config, addrs=True,
-                                      x_words=xwords)
-            else:
-                plan = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config, addrs=False)
-            kernel, grid, largs, consts = plan
-            consts = dict(consts, **extra)
-
-            def fn(kernel=kernel, grid=grid, largs=largs, consts=consts):
-                kernel[grid](*largs, **consts)
-
-            fn()
-            torch.cuda.synchronize()
-            fns[form], outs[form] = fn, out
+            outs[form] = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
+            plan = bk.form_plan("svc" if form.startswith("svc") else "public", ops, outs[form], config)
+            fns[form] = bk.bound_launch(plan, **extra)
         same = {f: torch.equal(outs[f].view(torch.int16), outs["base"].view(torch.int16))
                 for f in forms if "prefetch" in f or f == "svc base"}
-        times = {f: [] for f in forms}
-        for _ in range(2):
-            for form in forms:
-                times[form].append(bk.time_us(fns[form]))
+        times = bk.alternating_runs(fns)
         row = {"name": case["name"], "config": config.key(), "floor_us": bk.floor_us(m, n, k, case["sizes"]),
                "us": {f: statistics.median(t) for f, t in times.items()}, "same_bits": same}
         rows.append(row)

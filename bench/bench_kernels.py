@@ -252,6 +252,56 @@ def time_us(fn, budget_ms: float = 10.0) -> float:
     return 1e3 * sorted(times)[len(times) // 2] / calls
 
 
+def alternating_runs(fns: dict, rounds: int = 2) -> dict[str, list[float]]:
+    """``time_us`` of each of ``fns`` in turn, ``rounds`` times (so a drift of the clocks falls on
+    all of them alike): ``{name: [us of each round]}``."""
+    runs = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            runs[name].append(time_us(fn))
+    return runs
+
+
+def bound_launch(plan, kernel=None, **consts):
+    """A ``triton_kernel.launch_plan`` plan as a call of no arguments (``kernel``: another build of
+    the same kernel; ``consts``: more constexprs), launched once under a device sync, so a fault
+    names its launch."""
+    planned, grid, args, plan_consts = plan
+    kernel = planned if kernel is None else kernel
+    plan_consts = dict(plan_consts, **consts)
+
+    def launch():
+        kernel[grid](*args, **plan_consts)
+
+    launch()
+    torch.cuda.synchronize()
+    return launch
+
+
+def case_operands(case: dict, gen: torch.Generator) -> dict:
+    """A case's fresh random operands on the device: ``wq``, ``w_scale``, ``xq``, ``x_scale``, ``sizes``."""
+    wq, w_scale = random_weights(case["g"], case["n"], case["k"], gen)
+    _, xq, x_scale = random_activations(case["m"], case["k"], gen)
+    return {"wq": wq, "w_scale": w_scale, "xq": xq, "x_scale": x_scale, "sizes": case["sizes"].to(DEV)}
+
+
+def form_plan(form: str, ops: dict, out: torch.Tensor, config):
+    """The launch plan of ``config`` on ``ops`` (:func:`case_operands`) into ``out`` in one of the
+    forms a launch takes: ``public`` (plain pointers), ``svc`` (activations and weights by address,
+    stored in place: a lone prefill call's graph in the server) or ``map`` (the same through an
+    identity row map: the server's merged calls)."""
+    from moegemm.kernels import triton_kernel as tk
+
+    xq, wq, x_scale, w_scale, sizes = ops["xq"], ops["wq"], ops["x_scale"], ops["w_scale"], ops["sizes"]
+    g, n, _ = wq.shape
+    if form == "public":
+        return tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config, addrs=False)
+    words = torch.tensor([xq.data_ptr(), x_scale.data_ptr()], dtype=torch.int64, device=DEV)
+    rows = torch.arange(xq.shape[0], dtype=torch.int64, device=DEV) if form == "map" else None
+    return tk.launch_plan(xq, tk.weight_addresses(wq, w_scale), x_scale, w_scale, sizes, out, n, g, config,
+                          addrs=True, x_words=words, out_rows=rows)
+
+
 def time_replays_us(graph, budget_ms: float = 10.0) -> float:
     """Microseconds per replay of a captured graph (the service call), timed as the peers are:
     back-to-back replays of about 1 ms between two events, median over such runs. One replay

@@ -68,40 +68,17 @@ def main() -> None:
         config = tk.default_config(m, n, k, g)
         if config.schedule not in tk.GLUON_SCHEDULES:
             continue
-        wq, w_scale = bk.random_weights(g, n, k, gen)
-        _, xq, x_scale = bk.random_activations(m, k, gen)
-        sizes = case["sizes"].to(bk.DEV)
-        waddr = tk.weight_addresses(wq, w_scale)
-        xwords = torch.tensor([xq.data_ptr(), x_scale.data_ptr()], dtype=torch.int64, device=bk.DEV)
-        identity = torch.arange(m, dtype=torch.int64, device=bk.DEV)
+        ops = bk.case_operands(case, gen)
         fns, outs = {}, {}
         for form in form_names:
             for which, module in modules.items():
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
-                if form == "svc":
-                    plan = tk.launch_plan(xq, waddr, x_scale, w_scale, sizes, out, n, g, config, addrs=True,
-                                          x_words=xwords)
-                elif form == "map":
-                    plan = tk.launch_plan(xq, waddr, x_scale, w_scale, sizes, out, n, g, config, addrs=True,
-                                          x_words=xwords, out_rows=identity)
-                else:
-                    plan = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config, addrs=False)
-                kernel, grid, largs, consts = plan
-                if module is not None:
-                    kernel = getattr(module, kernel.__name__)
-
-                def fn(kernel=kernel, grid=grid, largs=largs, consts=consts):
-                    kernel[grid](*largs, **consts)
-
-                fn()
-                torch.cuda.synchronize()
-                fns[f"{form} {which}"], outs[f"{form} {which}"] = fn, out
+                plan = bk.form_plan(form, ops, out, config)
+                kernel = None if module is None else getattr(module, plan[0].__name__)
+                fns[f"{form} {which}"], outs[f"{form} {which}"] = bk.bound_launch(plan, kernel), out
         ref = outs[f"{form_names[0]} base"].view(torch.int16)
         same = {f: torch.equal(o.view(torch.int16), ref) for f, o in outs.items()}
-        times = {f: [] for f in fns}
-        for _ in range(args.rounds):
-            for f, fn in fns.items():
-                times[f].append(bk.time_us(fn))
+        times = bk.alternating_runs(fns, args.rounds)
         us = {f: statistics.median(t) for f, t in times.items()}
         row = {"name": case["name"], "config": config.key(), "floor_us": bk.floor_us(m, n, k, case["sizes"]),
                "us": us, "same_bits": same,

@@ -53,29 +53,18 @@ def main() -> None:
         table = tk.default_config(m, n, k, g)
         if not table.swap_ab:
             continue
-        wq, w_scale = bk.random_weights(g, n, k, gen)
-        wt = tiled(wq)
-        _, xq, x_scale = bk.random_activations(m, k, gen)
-        sizes = case["sizes"].to(bk.DEV)
+        ops = bk.case_operands(case, gen)
+        wt = tiled(ops["wq"])
         configs = [table] + ([replace(table, split_k=3)] if table.split_k > 1 else [])
         for config in configs:
             outs, fns = {}, {}
-            for layout, w in (("plain", wq), ("tiled", wt)):
-                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
-                kernel, grid, largs, consts = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config,
-                                                             addrs=False)
-                largs = (largs[0], w) + tuple(largs[2:])
-                consts = dict(consts, W_TILED=layout == "tiled")
-                fns[layout] = lambda kernel=kernel, grid=grid, largs=largs, consts=consts: kernel[grid](*largs,
-                                                                                                         **consts)
-                fns[layout]()
-                outs[layout] = out
-            torch.cuda.synchronize()
+            for layout, w in (("plain", ops["wq"]), ("tiled", wt)):
+                outs[layout] = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
+                kernel, grid, largs, consts = bk.form_plan("public", ops, outs[layout], config)
+                plan = (kernel, grid, (largs[0], w) + tuple(largs[2:]), consts)
+                fns[layout] = bk.bound_launch(plan, W_TILED=layout == "tiled")
             same = bool(torch.equal(outs["plain"].view(torch.int16), outs["tiled"].view(torch.int16)))
-            times = {"plain": [], "tiled": []}
-            for _ in range(2):
-                for layout in ("plain", "tiled"):
-                    times[layout].append(bk.time_us(fns[layout]))
+            times = bk.alternating_runs(fns)
             row = {"name": case["name"], "config": config.key(), "floor_us": bk.floor_us(m, n, k, case["sizes"]),
                    "plain_us": statistics.median(times["plain"]), "tiled_us": statistics.median(times["tiled"]),
                    "runs": times, "same_bits": same}
@@ -84,7 +73,7 @@ def main() -> None:
             print(f"{case['name'][:44]:44s} {config.key():38s} floor {row['floor_us']:7.1f}  plain "
                   f"{row['plain_us']:7.1f}  tiled {row['tiled_us']:7.1f}  {row['plain_over_tiled']:.2f}x  "
                   f"bits {'=' if same else 'DIFFER'}", flush=True)
-        del wq, wt, w_scale
+        del ops, wt
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 

@@ -51,37 +51,24 @@ def main() -> None:
         config = tk.default_config(m, n, k, g)
         if config.schedule not in tk.GLUON_SCHEDULES:
             continue
-        wq, w_scale = bk.random_weights(g, n, k, gen)
-        _, xq, x_scale = bk.random_activations(m, k, gen)
-        sizes = case["sizes"].to(bk.DEV)
+        ops = bk.case_operands(case, gen)
         forms = ("plain",) if args.plain else ("wide", "full")
         deeper = args.stages and args.stages != config.num_stages and config.schedule == "gluon_ws"
         if deeper:
             forms += (f"wide_s{args.stages}", f"full_s{args.stages}")
         outs, fns = {}, {}
+        triton.set_allocator(tk._tma_scratch)
         for form in forms:
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
+            outs[form] = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
             tile = replace(config, num_stages=args.stages) if "_s" in form else config
-            kernel, grid, largs, consts = tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, tile,
-                                                         addrs=False)
-            if form != "plain":
-                consts = dict(consts, WIDE=form.startswith("wide"))
-            triton.set_allocator(tk._tma_scratch)
-
-            def fn(kernel=kernel, grid=grid, largs=largs, consts=consts):
-                kernel[grid](*largs, **consts)
-
-            fn()
-            torch.cuda.synchronize()
+            plan = bk.form_plan("public", ops, outs[form], tile)
+            extra = {} if form == "plain" else {"WIDE": form.startswith("wide")}
+            fns[form] = bk.bound_launch(plan, **extra)
             print(f"  {case['name']} {form}: ran", flush=True)
-            fns[form], outs[form] = fn, out
         same = None
         if not args.plain:
             same = all(torch.equal(outs[f].view(torch.int16), outs["full"].view(torch.int16)) for f in forms)
-        times = {f: [] for f in forms}
-        for _ in range(2):
-            for form in forms:
-                times[form].append(bk.time_us(fns[form]))
+        times = bk.alternating_runs(fns)
         row = {"name": case["name"], "config": config.key(), "floor_us": bk.floor_us(m, n, k, case["sizes"]),
                "us": {f: statistics.median(t) for f, t in times.items()}, "same_bits": same}
         rows.append(row)
