@@ -508,10 +508,11 @@ def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, srcs, HALF
 
 
 @gluon.jit
-def _drain(chunks, first, out_ptr, map_ptr, top, col, row_stop, M, stride_om, stride_map, ROW_MAP: gl.constexpr,
+def _drain(chunks, first, out_ptr, dests, first_dest, top, col, row_stop, ROW_MAP: gl.constexpr, stride_om,
            layout: gl.constexpr, ROWS: gl.constexpr):
     """Store a staged 64 x 128 block (``chunks[first:]``, CHUNK rows each) at (top, col), only the
-    rows before ``row_stop``; ``ROW_MAP``: row r at ``out[map[r]]``."""
+    rows before ``row_stop``; ``ROW_MAP``: row r at ``out[map[r]]``, the offsets of those rows for
+    the block's chunks at ``dests[first_dest:]`` (:func:`_tile_dests`)."""
     CHUNK: gl.constexpr = chunks.type.shape[1]
     COLS: gl.constexpr = chunks.type.shape[2]
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
@@ -522,15 +523,46 @@ def _drain(chunks, first, out_ptr, map_ptr, top, col, row_stop, M, stride_om, st
         rows = top + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
         inside = rows < row_stop
         if ROW_MAP:
-            dest = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map, mask=inside, other=0)
+            # The chunk read before its offsets: in the other order ptxas reloaded two of the
+            # consumers' row-scale pointers inside their K loop (one register allocation for
+            # the whole kernel; sm_90 SASS, session 18). The in-place branch keeps its order.
+            vals = chunks.index(first + c).load(layout)
+            # The same bytes seen as a stack of chunks (a view of rank 1 per chunk).
+            by_chunk = dests._reinterpret(gl.int64, dests.type.shape, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            # Whole 16-byte pieces (the kernel's contract, ``triton_kernel.tile_for_out``: a row
+            # stride that is a multiple of 8): read back from shared memory, the offsets' factor
+            # is lost, and the rows were stored 2 bytes at a time (session 17).
+            offset = gl.multiple_of(by_chunk.index(first_dest + c).load(gl.SliceLayout(1, layout)), 8)
         else:
-            dest = rows.to(gl.int64)
-        vals = chunks.index(first + c).load(layout)
-        gl.store((out_ptr + col) + dest[:, None] * stride_om + cols[None, :], vals, mask=inside[:, None])
+            offset = rows.to(gl.int64) * stride_om
+            vals = chunks.index(first + c).load(layout)
+        gl.store((out_ptr + col) + offset[:, None] + cols[None, :], vals, mask=inside[:, None])
 
 
 @gluon.jit
-def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW2: gl.constexpr,
+def _tile_dests(dests, map_ptr, first_row, row_stop, M, stride_map, stride_om):
+    """Where a tile's rows go (``map[r] * stride_om``, the offset of the output row) into ``dests``
+    (``[rows / CHUNK, CHUNK]``, shared by the store warps), loaded once a tile, before its sums
+    are staged. Loaded in each chunk, the map stood in the store warps' path: one dependent L2
+    round trip a chunk, each row's entry loaded twice; the merged calls' form ran 1.16-1.38x
+    the in-place one on the short-K cases (session 17, ``bench/kernel_ab.py --forms map``); once a
+    tile, that form ran 1.10-1.36x faster on Qwen3-30B w2, GLM-4.5 w2 t8192 and Qwen3-235B w2
+    t8192, the other real prefill cases within noise (session 18).
+    Offsets rather than rows: with the rows, ptxas spilled two of the consumers' scale
+    pointers into their K loop (the kernel's registers are allocated together)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [gl.num_warps(), 1], [1, 0])
+    CHUNKS: gl.constexpr = dests.type.shape[0]
+    CHUNK: gl.constexpr = dests.type.shape[1]
+    rows = (first_row + gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, layout))[:, None] * CHUNK
+            + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))[None, :])
+    found = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map, mask=rows < row_stop, other=0)
+    gl.thread_barrier()  # (the store warps') the previous tile's chunks are stored: its offsets are read
+    dests.store(found * stride_om)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _store_partition(staging, dests, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW2: gl.constexpr,
                      GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr):
     """The store warps: every staged block of this program's tiles to global memory, in the order
     the consumers stage them; each tile found by its own table search (off the tensor cores' path)."""
@@ -551,11 +583,13 @@ def _store_partition(staging, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW
     for t in range(pid, tiles, programs):
         i = (t - pid) // programs
         _group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, 2 * ROWS, G_POW2, GROUP_TILES_M)
+        if ROW_MAP:
+            _tile_dests(dests, map_ptr, first_row, row_stop, M, stride_map, stride_om)
         for h in range(2):  # loops, not unrolled: the store warps have few registers
             mbarrier.wait(staged.index(h), i & 1)
             for c in range(2):
-                _drain(chunks, (2 * h + c) * (ROWS // CHUNK), out_ptr, map_ptr, first_row + h * ROWS,
-                       tile_n * (2 * COLS) + c * COLS, row_stop, M, stride_om, stride_map, ROW_MAP, layout, ROWS)
+                _drain(chunks, (2 * h + c) * (ROWS // CHUNK), out_ptr, dests, h * (ROWS // CHUNK), first_row + h * ROWS,
+                       tile_n * (2 * COLS) + c * COLS, row_stop, ROW_MAP, stride_om, layout, ROWS)
             mbarrier.arrive(drained.index(h), count=1)
 
 
@@ -593,6 +627,9 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     stage = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [4, BLOCK_M // 2, 128], STAGE_LAYOUT)
     staged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     drained = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # Where the rows of the tile being stored go (ROW_MAP: ``_tile_dests``), by chunk.
+    dests = gl.allocate_shared_memory(gl.int64, [BLOCK_M // STAGE_CHUNK, STAGE_CHUNK],
+                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for h in gl.static_range(2):
         mbarrier.init(staged.index(h), count=1)
         mbarrier.init(drained.index(h), count=1)
@@ -605,5 +642,5 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
         (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, TOP, ADDRS, X_WORDS)),
         (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, BOTTOM, ADDRS, X_WORDS)),
         (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
-        (_store_partition, (staging, table, tiles, scalars, out_ptr, map_ptr, G_POW2, GROUP_TILES_M, ROW_MAP)),
+        (_store_partition, (staging, dests, table, tiles, scalars, out_ptr, map_ptr, G_POW2, GROUP_TILES_M, ROW_MAP)),
     ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, STORE_REGS])

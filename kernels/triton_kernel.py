@@ -335,12 +335,13 @@ def tile_for_out(config: TileConfig, out: torch.Tensor) -> TileConfig:
     v9). The persistent TMA tile is not
     warp-specialised (checked into float32 on the H200, v12). A ``gluon_ws_store``
     tile into float32 runs as ``gluon_ws`` (same tile, same sums): its staging would
-    need 128 KB of shared memory beside the 144 KB ring. Both entries apply
-    this, so they still launch one tile.
+    need 128 KB of shared memory beside the 144 KB ring. So does one into rows
+    whose stride is not a multiple of 8 elements: its store warps write whole
+    16-byte pieces. Both entries apply this, so they still launch one tile.
     """
     if out.dtype == torch.float32 and config.schedule == "persistent_ws":
         return FLOAT32_OUT_PREFILL
-    if out.dtype == torch.float32 and config.schedule == "gluon_ws_store":
+    if config.schedule == "gluon_ws_store" and (out.dtype == torch.float32 or out.stride(0) % 8):
         return replace(config, schedule="gluon_ws")
     return config
 
@@ -520,8 +521,9 @@ def tile_key(m: int, n: int, k: int, g: int, out_dtype: torch.dtype, *,
     """The key of the tile both entries launch for this shape into an ``out_dtype`` output
     (``Backend.tile_key``): :func:`default_config`, then :func:`tile_for_out`; a decode tile's
     band (``group_tiles_m``) left out: it only orders the programs, each row's sums are the
-    same bits (so buckets on either side of r = 16 still merge)."""
-    tile = tile_for_out(default_config(m, n, k, g), torch.empty(0, dtype=out_dtype))
+    same bits (so buckets on either side of r = 16 still merge). The output: rows of ``n``, whole
+    (the server's buffers)."""
+    tile = tile_for_out(default_config(m, n, k, g), torch.empty(0, n, dtype=out_dtype))
     return (replace(tile, group_tiles_m=1) if tile.swap_ab else tile).key()
 
 
