@@ -26,10 +26,13 @@ class CompileAhead:
       another one runs the other's warm-ups under it.
     - ``compiles()``: how many kernels this process has compiled so far; a
       kernel loaded from the on-disk cache does not count.
+    - ``compiled_since(n)``: those compiled after the ``n``-th, each in a line
+      (what a warning names; empty where the backend cannot say).
     """
 
     compile_only: Callable[[], AbstractContextManager[None]]
     compiles: Callable[[], int]
+    compiled_since: Callable[[int], list[str]] = lambda _count: []
 
 
 @dataclass(frozen=True)

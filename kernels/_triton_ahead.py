@@ -10,13 +10,17 @@ alignment stands in for memory the compiling process does not have.
 
 :func:`compiles` counts the compilations of this process through Triton's
 compilation listener (``triton.knobs.compilation.listener``), which Triton
-calls with ``cache_hit=False`` only when it ran the compiler.
+calls with ``cache_hit=False`` only when it ran the compiler;
+:func:`compiled_since` names the last of them (kernel, its 16-divisible
+arguments and constexprs), so that a warning about kernels compiled where
+none should be says which.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Iterator
 
 import triton
@@ -29,6 +33,7 @@ _lock = threading.Lock()
 _patched = False
 _listening = False
 _compiled = 0
+_named: deque[tuple[int, str]] = deque(maxlen=64)  # (ordinal, description) of the last compilations
 
 
 def _install_compile_only() -> None:
@@ -72,6 +77,7 @@ def _listen() -> None:
             if not cache_hit:
                 with _lock:
                     _compiled += 1
+                    _named.append((_compiled, _describe(src)))
             if earlier is not None:
                 earlier(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                         cache_hit=cache_hit)
@@ -80,12 +86,29 @@ def _listen() -> None:
         _listening = True
 
 
+def _describe(src) -> str:
+    """A compiled kernel in a line: its name, the arguments specialised as multiples of 16 and its
+    constexprs (what the compile-ahead child has to have guessed alike)."""
+    fn = getattr(src, "fn", None)
+    names = getattr(fn, "arg_names", None) or []
+    at = lambda key: names[key[0]] if isinstance(key, tuple) and key and key[0] < len(names) else str(key)
+    divisible = sorted(at(k) for k, v in getattr(src, "attrs", {}).items() if "tt.divisibility" in str(v))
+    consts = ",".join(f"{at(k)}={v}" for k, v in sorted(getattr(src, "constants", {}).items()))
+    return f"{getattr(src, 'name', '?')}(div16: {','.join(divisible)}; {consts})"
+
+
 def compiles() -> int:
     """How many kernels this process has compiled since the backend was created."""
     return _compiled
 
 
+def compiled_since(count: int) -> list[str]:
+    """The kernels this process compiled after its ``count``-th compilation (the last 64 kept)."""
+    with _lock:
+        return [text for ordinal, text in _named if ordinal > count]
+
+
 def create() -> CompileAhead:
     """The triton backend's CompileAhead (starts counting this process's compilations)."""
     _listen()
-    return CompileAhead(compile_only=compile_only, compiles=compiles)
+    return CompileAhead(compile_only=compile_only, compiles=compiles, compiled_since=compiled_since)

@@ -477,8 +477,8 @@ class Engine:
             self._expert_graphs(built)
         if ahead is not None and (late := self.backend.ahead.compiles() - compiled):
             log.warning("%d kernels compiled in the serving process while capturing %s, after "
-                        "compiling them ahead: the ahead specialisations differ", late,
-                        ahead.describe())
+                        "compiling them ahead: the ahead specialisations differ (%s)", late,
+                        ahead.describe(), "; ".join(self.backend.ahead.compiled_since(compiled)))
         return built
 
     def _compile_ahead(self, built) -> _ahead.Job | None:
