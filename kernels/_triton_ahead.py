@@ -33,7 +33,7 @@ _lock = threading.Lock()
 _patched = False
 _listening = False
 _compiled = 0
-_named: deque[tuple[int, str]] = deque(maxlen=64)  # (ordinal, description) of the last compilations
+_named: deque[tuple[int, str]] = deque(maxlen=256)  # (ordinal, description) of the last compilations
 
 
 def _install_compile_only() -> None:
@@ -103,7 +103,7 @@ def compiles() -> int:
 
 
 def compiled_since(count: int) -> list[str]:
-    """The kernels this process compiled after its ``count``-th compilation (the last 64 kept)."""
+    """The kernels this process compiled after its ``count``-th compilation (the last 256 kept)."""
     with _lock:
         return [text for ordinal, text in _named if ordinal > count]
 

@@ -231,7 +231,7 @@ def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S,
             if child.is_alive():
                 child.kill()
                 child.join()
-    status, detail = answer
+    status, detail, *named = answer
     if status != "ok":
         log.warning("compiling %s ahead failed (%s, exit code %s): compiling in-process",
                     job.describe(), detail, None if child is None else child.exitcode)
@@ -240,19 +240,22 @@ def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S,
         _done.update(job.key(item) for item in (*job.gemm, *job.experts))
     log.info("compiled %d kernels for %s ahead, in a child process, in %.1f s", detail,
              job.describe(), time.monotonic() - started)
+    if named:
+        log.debug("the child compiled: %s", "; ".join(named[0]))
     return detail
 
 
 def _child(job: Job, answer) -> None:
-    """The child process: run ``job``, then send ("ok", kernels compiled) or ("failed", why).
-    It dies with its parent (a SIGKILLed server leaves no child holding device memory)."""
+    """The child process: run ``job``, then send ("ok", kernels compiled, the last of them named:
+    ``CompileAhead.compiled_since``) or ("failed", why). It dies with its parent (a SIGKILLed
+    server leaves no child holding device memory)."""
     _die_with_parent()
     try:
-        compiled = run_job(job)
+        compiled, named = run_job(job)
     except BaseException as exc:  # noqa: BLE001 -- the parent logs it and compiles itself
         answer.send(("failed", f"{type(exc).__name__}: {exc}"[:2000]))
     else:
-        answer.send(("ok", compiled))
+        answer.send(("ok", compiled, named))
     finally:
         answer.close()
 
@@ -268,8 +271,9 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def run_job(job: Job) -> int:
-    """Compile ``job``'s kernels in this process (a child's work); how many it compiled."""
+def run_job(job: Job) -> tuple[int, list[str]]:
+    """Compile ``job``'s kernels in this process (a child's work); how many it compiled, and the
+    last of them named (``CompileAhead.compiled_since``)."""
     from moegemm.kernels import get_backend
 
     from ._ffn_graphs import FfnGraphs
@@ -292,4 +296,4 @@ def run_job(job: Job) -> int:
             ffn = FfnGraphs(backend, job.max_bucket_m, compile_only=True)
             for e in job.experts:
                 ffn.prepare(e.stand_in(), job.top_k)
-    return backend.ahead.compiles() - before
+    return backend.ahead.compiles() - before, backend.ahead.compiled_since(before)

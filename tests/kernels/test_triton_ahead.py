@@ -10,10 +10,9 @@ import pytest
 
 triton = pytest.importorskip("triton")
 import triton.language as tl
+from moegemm.kernels import _triton_ahead
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-from moegemm.kernels import _triton_ahead
 
 
 @triton.jit
