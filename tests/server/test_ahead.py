@@ -142,3 +142,19 @@ def test_a_set_compiled_ahead_for_this_process_needs_no_second_child(monkeypatch
     again = _ahead.make_job(backend, 1024, (8,), [a, b], [])
     assert [(w.G, w.N, w.K) for w in again.gemm] == [(4, 512, 256)]
     assert _ahead.make_job(backend, 2048, (8,), [a], []) is not None
+
+
+def test_a_child_answers_the_count_and_the_names_of_what_it_compiled(monkeypatch):
+    """The child's answer (``_child``, run here with its job's work replaced): ("ok", how many
+    kernels it compiled, their names), which the parent logs at debug level."""
+    sent = []
+    answer = SimpleNamespace(send=sent.append, close=lambda: None)
+    monkeypatch.setattr(_ahead, "_die_with_parent", lambda: None)
+    monkeypatch.setattr(_ahead, "run_job", lambda job: (2, ["_route_kernel(div16: ids_ptr; G=8)", "_up_kernel()"]))
+    job = Job("triton", "cpu", 256, (8,), (Weights.of(_set(8, 256, 512)),), ())
+    _ahead._child(job, answer)
+    assert sent == [("ok", 2, ["_route_kernel(div16: ids_ptr; G=8)", "_up_kernel()"])]
+    monkeypatch.setattr(_ahead, "run_job", lambda job: 1 / 0)
+    sent.clear()
+    _ahead._child(job, answer)
+    assert sent == [("failed", "ZeroDivisionError: division by zero")]

@@ -118,7 +118,7 @@ def test_a_new_expert_shape_compiles_nothing_in_the_serving_process(backend, chi
     # What the child compiled, in the report if this fails (the engine's warning names what the
     # serving process compiled): under an 8-worker spread of the server GPU tests it compiled
     # _route_kernel and _up_kernel again (bench/NOTES.md, session 18).
-    caplog.set_level(logging.DEBUG, logger="moegemm.server._ahead")
+    caplog.set_level(logging.DEBUG, logger="moegemm.server.ahead")
     gen = torch.Generator(device=DEV).manual_seed(17)
     g, h, i = 10, 384, 256
     es = ExpertSet("ex", g, h, i, _weights(g, 2 * i, h, gen, "ex.w13"),
