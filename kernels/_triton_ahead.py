@@ -89,11 +89,13 @@ def _listen() -> None:
 def _describe(src) -> str:
     """A compiled kernel in a line: its name, the arguments specialised as multiples of 16 and its
     constexprs (what the compile-ahead child has to have guessed alike)."""
-    fn = getattr(src, "fn", None)
-    names = getattr(fn, "arg_names", None) or []
-    at = lambda key: names[key[0]] if isinstance(key, tuple) and key and key[0] < len(names) else str(key)
-    divisible = sorted(at(k) for k, v in getattr(src, "attrs", {}).items() if "tt.divisibility" in str(v))
-    consts = ",".join(f"{at(k)}={v}" for k, v in sorted(getattr(src, "constants", {}).items()))
+    names = getattr(getattr(src, "fn", None), "arg_names", None) or []
+
+    def arg(key) -> str:  # keys are (argument index,) tuples
+        return names[key[0]] if isinstance(key, tuple) and key and key[0] < len(names) else str(key)
+
+    divisible = sorted(arg(k) for k, v in getattr(src, "attrs", {}).items() if "tt.divisibility" in str(v))
+    consts = ",".join(f"{arg(k)}={v}" for k, v in sorted(getattr(src, "constants", {}).items()))
     return f"{getattr(src, 'name', '?')}(div16: {','.join(divisible)}; {consts})"
 
 
