@@ -52,6 +52,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ._triton_keys import settle
+
 CONSUMER_REGS = gl.constexpr(232)  # per thread, each consumer warpgroup (two accumulators + a part = 192 floats)
 PRODUCER_REGS = gl.constexpr(40)
 MAXNREG = 168  # 12 warps x 32 x 168 <= 65536: the budget setmaxnreg redistributes
@@ -644,3 +646,6 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
         (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
         (_store_partition, (staging, dests, table, tiles, scalars, out_ptr, map_ptr, G_POW2, GROUP_TILES_M, ROW_MAP)),
     ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, STORE_REGS])
+
+# Every kernel's cache key as any process computes it, whatever it launches first (_triton_keys).
+settle(globals())

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ._triton_keys import settle
 from .quant import BLOCK, fp8_max
 
 # Float bits of 2^23: adding and subtracting it rounds a value in [0, 2^22) to an integer, ties to even.
@@ -293,3 +294,6 @@ def gather_quantize_triton(
         num_warps=4 if blocks <= 16 else 8, enable_fp_fusion=False,
     )
     return xq, x_scale
+
+# Every kernel's cache key as any process computes it, whatever it launches first (_triton_keys).
+settle(globals())

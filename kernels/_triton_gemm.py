@@ -67,6 +67,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_keys import settle
+
 # ---- helpers ---------------------------------------------------------------------------------
 
 
@@ -665,3 +667,6 @@ SCHEDULES = {
     "persistent_ws": persistent_ws_kernel,
     "persistent_tma": persistent_tma_kernel,
 }
+
+# Every kernel's cache key as any process computes it, whatever it launches first (_triton_keys).
+settle(globals())

@@ -80,6 +80,7 @@ from moegemm.kernels._triton_gemm import _weights
 from moegemm.kernels.quant import BLOCK, fp8_max
 from moegemm.kernels.triton_kernel import default_config
 
+from ._triton_keys import settle
 from ._triton_route import _FLT_MAX, _check_tokens
 
 # The H200's multiprocessors: a kernel's weight tile is 128 rows where that still gives
@@ -407,3 +408,6 @@ def moe_token(x: torch.Tensor, x_scale: torch.Tensor | None, ids: torch.Tensor,
         G=G, H=H, I=I, TOP_K=k, BLOCK_N=bn, BLOCK_M=bm, SPLIT_K=split, PAIR=pair,
         num_warps=warps, num_stages=pipeline_stages(grid[0] * grid[1], bn, bm, I // BLOCK),
         **common)
+
+# Every kernel's cache key as any process computes it, whatever it launches first (_triton_keys).
+settle(globals())

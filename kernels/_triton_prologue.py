@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._triton_gemm import scale_flags
+from ._triton_keys import settle
 
 # Exponent bits of the 16-bit floats: all ones is Inf or NaN.
 _EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
@@ -130,3 +131,6 @@ def check_and_gather(
         FLOAT16=float16, EXPONENT=_EXPONENT.get(x.dtype, 0), HAS_SCALE=has_scale,
         BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_S=block_s, HAS_REGROUP=regroup is not None, num_warps=4,
     )
+
+# Every kernel's cache key as any process computes it, whatever it launches first (_triton_keys).
+settle(globals())

@@ -58,6 +58,7 @@ from moegemm.kernels._triton_act import (
     quantized_row,
     store_quantized_row,
 )
+from moegemm.kernels._triton_keys import settle
 from moegemm.kernels.quant import BLOCK, fp8_max
 
 _CHUNK = 1024
@@ -249,3 +250,6 @@ def quantize_scatter(x: torch.Tensor, pos: torch.Tensor, k: int, flags: torch.Te
         num_warps=4 if blocks <= 16 else 8, enable_fp_fusion=False,
     )
     return xq, x_scale
+
+# Every kernel's cache key as any process computes it, whatever it launches first (_triton_keys).
+settle(globals())

@@ -116,8 +116,9 @@ def test_a_new_gemm_shape_compiles_nothing_in_the_serving_process(backend, child
 
 def test_a_new_expert_shape_compiles_nothing_in_the_serving_process(backend, children, caplog):
     # What the child compiled, in the report if this fails (the engine's warning names what the
-    # serving process compiled): under an 8-worker spread of the server GPU tests it compiled
-    # _route_kernel and _up_kernel again (bench/NOTES.md, session 18).
+    # serving process compiled). Under an 8-worker spread of the server GPU tests this process
+    # compiled _route_kernel and _up_kernel again, with the child's very specialisations: their
+    # cache keys depended on which kernel a process hashed first (kernels/_triton_keys.py).
     caplog.set_level(logging.DEBUG, logger="moegemm.server.ahead")
     gen = torch.Generator(device=DEV).manual_seed(17)
     g, h, i = 10, 384, 256
