@@ -75,6 +75,30 @@ def shipped(tmp_path_factory, weights_dir):
             proc.kill()
 
 
+def _exited(http) -> str | None:
+    """Why the shipped server is gone (its exit code and the tail of its log), or None."""
+    if http.proc.poll() is None:
+        return None
+    http.log.flush()
+    http.log.seek(0)
+    return f"the server exited with {http.proc.returncode}: {http.log.read()[-6000:]}"
+
+
+@pytest.fixture(autouse=True)
+def _server_stays_up(request):
+    """A test that finds or leaves the shipped server gone fails with the server's own log
+    (a refused connection alone says nothing of why)."""
+    if "shipped" not in request.fixturenames:
+        yield
+        return
+    http = request.getfixturevalue("shipped")
+    gone = _exited(http)
+    assert gone is None, f"before the test: {gone}"
+    yield
+    gone = _exited(http)
+    assert gone is None, f"after the test: {gone}"
+
+
 def _gemm(http, name, body):
     return http.post(f"/v1/weights/{name}/gemm", content=packb(body), headers=MSGPACK)
 
