@@ -155,7 +155,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
 
        a. Fewer 128-row weight tiles than SMs and K >= 4096 (a few experts): tiles of up to 32
           tokens split along K, the split doubled from 2 up to 8 while the programs stay within
-          three per SM; a 64-token tile unsplit.
+          three per SM, 8 warps where the row tiles are walked one by one; a 64-token tile
+          unsplit.
        b. 16-token tiles at G < 64, where the weight tiles are fewer than SMs or K >= 2048: the
           pair schedule (two K blocks an iteration, the scales a pair ahead); 64-row weight
           tiles and 8 warps where the weight tiles are fewer than SMs and K < 2048 (a single
@@ -190,7 +191,10 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
                 split = 2
                 while split < 8 and weight_tiles * split * 2 <= 3 * _SMS:
                     split *= 2
-                return _preloaded(T("decode", token_tile, 128, 4, 3, split_k=split), k)
+                # 8 warps where the programs walk row tile by row tile (more loads in flight
+                # per program; session 19's sweep: Llama-4 t1 1.12-1.13x, seed m32 n1280 1.07x).
+                warps = 8 if band == 1 else 4
+                return _preloaded(T("decode", token_tile, 128, warps, 3, split_k=split), k)
             return _preloaded(T("decode", token_tile, 128, 4, 3), k)
         if pair and (weight_tiles < _SMS or k >= 2048):
             if weight_tiles < _SMS and k < 2048:

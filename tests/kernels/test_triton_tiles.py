@@ -50,8 +50,8 @@ def test_decode_table_rules():
     assert not tk.default_config(16384, 7168, 2304, 8).swap_ab
     # Fewer weight tiles than SMs and long K: 128-row weight tiles split along K, the split
     # doubled from 2 to 8 while the programs stay within 3 per SM (396 on 132 SMs); scale
-    # products preloaded.
-    split4 = T("decode", 16, 128, 4, 3, split_k=4, evict_w=ef, preload=True)
+    # products preloaded; 8 warps where the row tiles are walked one by one (band 1).
+    split4 = T("decode", 16, 128, 8, 3, split_k=4, evict_w=ef, preload=True)
     assert tk.default_config(32, 1280, 8192, 8) == split4  # 80 tiles: 320 programs
     assert tk.default_config(2, 4096, 14336, 8) == split4  # Mixtral-8x7B w2, 1 token: 64 tiles
     assert tk.default_config(1, 5120, 8192, 128) == replace(split4, split_k=8)  # Llama-4 w2: 40 tiles
