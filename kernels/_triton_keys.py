@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from types import CodeType, ModuleType
 
+from triton import knobs
 from triton.runtime.jit import JITCallable
 
 
@@ -48,7 +49,11 @@ def _callees(fn: JITCallable) -> list[JITCallable]:
 
 def settle(namespace: dict) -> None:
     """Compute the cache key of every Triton function in ``namespace`` (a module's globals),
-    each after the keys of the functions it calls."""
+    each after the keys of the functions it calls. Nothing under ``TRITON_INTERPRET=1``: the
+    interpreter compiles nothing, and its ``@triton.jit`` functions are not Triton's JIT
+    functions (a Gluon function that reads one cannot be hashed there)."""
+    if knobs.runtime.interpret:
+        return
     done: set[int] = set()
 
     def visit(fn: JITCallable) -> None:
