@@ -29,9 +29,9 @@ DEV = torch.device("cuda")
 SHAPES = [(8, 2048, 768, 128),     # decode_pair m16 n128 w8 (6 blocks)
           (8, 2048, 1152, 128),    # the same, 9 blocks: an odd last pair
           (8, 7168, 2048, 256),    # decode m16 n128 w8 (16 blocks)
-          (1, 5120, 8192, 64),     # decode m16 n128 sk8
-          (2, 4096, 14336, 8),     # decode m16 n128 sk4 (112 blocks)
-          (2, 1024, 4224, 8),      # decode n128 sk8, 33 blocks: uneven splits, the last empty
+          (1, 5120, 8192, 64),     # decode m16 n128 w8 sk8
+          (2, 4096, 14336, 8),     # decode m16 n128 w8 sk4 (112 blocks)
+          (2, 1024, 4224, 8),      # decode n128 w8 sk8, 33 blocks: uneven splits, the last empty
           (128, 8192, 1024, 8),    # decode m16 n128, bands of 8
           (2048, 2048, 768, 128),  # decode m32 n128
           (128, 4096, 4096, 8),    # decode_pair m16 n128 w4, bands of 8

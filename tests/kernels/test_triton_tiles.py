@@ -86,7 +86,7 @@ def test_decode_table_rules():
     assert tk.default_config(2048, 4096, 7168, 256).block_m == 16
     # Preloaded only where a chunk holds at most 1024 scale products: the 32-token tile to
     # K = 4096 (32 blocks), not at K = 5120 (40 blocks, a chunk of 64); never the unsplit pairs
-    # nor the 8-warp tiles.
+    # nor rule c's 8-warp tiles (the 8-warp split tiles of rule a are preloaded).
     assert tk.default_config(2048, 3072, 4096, 128) == T("decode", 32, 128, 4, 3, evict_w=ef, preload=True)
     assert tk.default_config(2048, 3072, 5120, 160) == T("decode", 32, 128, 4, 3, evict_w=ef)
     assert not any(tk.default_config(m, n, k, g).preload
