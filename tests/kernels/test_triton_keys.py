@@ -61,9 +61,11 @@ def _keys(*args: str) -> dict[str, str]:
     return json.loads(done.stdout)
 
 
-def test_every_kernel_module_is_found():
+def test_every_kernel_module_is_found_and_settles_its_keys():
     assert {"_triton_act", "_triton_gemm", "_gluon_gemm", "_triton_route", "_triton_moe_token",
             "_triton_prologue"} <= set(MODULES)
+    root = Path(moegemm.kernels.__file__).parent
+    assert [m for m in MODULES if "\nsettle(globals())\n" not in (root / f"{m}.py").read_text()] == []
 
 
 def test_no_function_is_hashed_before_a_function_it_calls():
