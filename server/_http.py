@@ -713,26 +713,34 @@ class _Response:
                 self.finished = True
 
 
-def _refuse_if_taken(host: str, port: int) -> None:
-    """Raise EADDRINUSE if anything listens on ``host:port``.
+class ListenError(OSError):
+    """The server's address cannot be listened on: taken, or not this host's."""
 
-    With SO_REUSEPORT (acceptors) a second server on the same port would bind
-    without an error and share the clients of this one; a plain bind first
-    fails as a server without acceptors would.
+
+def _refuse_if_taken(host: str, port: int) -> None:
+    """Raise :class:`ListenError` if ``host:port`` cannot be bound (something listens there).
+
+    Checked before the app starts, so a taken port is refused before the weights load
+    (minutes for a checkpoint). With SO_REUSEPORT (acceptors) a second server on the same port
+    would bind without an error and share the clients of this one; a plain bind first fails as
+    a server without acceptors would.
     """
     if not port:
         return
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                               flags=socket.AI_PASSIVE)
-    for family, kind, proto, _, address in dict.fromkeys(infos):
-        probe = socket.socket(family, kind, proto)
-        try:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            probe.bind(address)
-        finally:
-            probe.close()
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            probe = socket.socket(family, kind, proto)
+            try:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
+            finally:
+                probe.close()
+    except OSError as exc:  # socket.gaierror too: a host that is not this machine's
+        raise ListenError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
 async def sweep(connections: set, limits: HttpLimits) -> None:
@@ -840,8 +848,7 @@ class FastHttpServer:
                 loop.add_signal_handler(sig, stop.set)
             except (NotImplementedError, RuntimeError, ValueError):
                 pass  # not the main thread (tests): the caller sets ``stop``
-        if self.reuse_port:
-            _refuse_if_taken(self.host, self.port)
+        _refuse_if_taken(self.host, self.port)
         task, to_app, from_app = await self._lifespan()
         self._server = await loop.create_server(
             lambda: _Connection(self), self.host, self.port, backlog=1024, reuse_address=True,

@@ -16,6 +16,9 @@ from pydantic import ValidationError
 
 from .config import Settings
 
+# The exit status when the address cannot be listened on (a port taken, a host not this one's).
+EXIT_CANNOT_LISTEN = 1
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moegemm", description="moegemm server")
@@ -89,7 +92,7 @@ def _serve_fast(settings: Settings) -> int:
     import asyncio
 
     from ._direct import DirectGemm
-    from ._http import FastHttpServer
+    from ._http import FastHttpServer, ListenError
     from .app import create_app, resolve_device
 
     allocate = pin = None
@@ -118,7 +121,10 @@ def _serve_fast(settings: Settings) -> int:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
+        uvloop = None
+    try:
+        (uvloop.run if uvloop is not None else asyncio.run)(main)
+    except ListenError as exc:  # before anything was loaded: a message, not a traceback
+        print(f"moegemm serve: {exc.strerror}", file=sys.stderr)
+        return EXIT_CANNOT_LISTEN
     return 0

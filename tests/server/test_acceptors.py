@@ -25,6 +25,7 @@ from moegemm.client import Client
 from moegemm.kernels import quantize_activations, quantize_weights, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, rel_error
 from moegemm.server._acceptor_shm import _SLOT_MAX, _Slots
+from moegemm.server.cli import EXIT_CANNOT_LISTEN
 from server_support import _free_port
 from test_direct import CASES, TOKEN, _request
 
@@ -386,9 +387,10 @@ def test_a_second_server_on_the_port_fails_instead_of_sharing_it():
         command = [sys.executable, "-m", "moegemm.cli", "serve", *ARGS, "--port",
                    str(first.port), "--acceptors", "1"]
         second = subprocess.run(command, env={**os.environ, "MOEGEMM_TOKEN": TOKEN},
-                                capture_output=True, text=True, timeout=120)
-        assert second.returncode != 0
-        assert "in use" in second.stderr.lower()
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert second.returncode == EXIT_CANNOT_LISTEN
+        assert f"cannot listen on 127.0.0.1:{first.port}" in second.stderr
+        assert "in use" in second.stderr.lower() and "Traceback" not in second.stderr
         first.wait_ready()  # still serving
     finally:
         assert first.stop() == 0

@@ -121,6 +121,25 @@ def test_moegemm_serve_runs_a_server():
     assert b"Traceback" not in proc.stdout.read()
 
 
+def test_moegemm_serve_refuses_a_taken_port_before_loading_anything():
+    """A port something listens on: one line and EXIT_CANNOT_LISTEN, before the app starts
+    (no weights loaded, no traceback)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "moegemm.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--device", "cpu", "--demo"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == server_cli.EXIT_CANNOT_LISTEN
+    assert f"moegemm serve: cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "Traceback" not in done.stderr and "weight sets on" not in done.stderr  # the app never started
+
+
 def test_public_surface():
     import moegemm.server
 

@@ -42,28 +42,26 @@ def weights_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory, weights_dir):
     """``moegemm serve --device cuda`` with nothing else set (but a weights directory);
-    its http client (``.url``: its address)."""
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("shipped") / "server.log", "w+")  # noqa: SIM115 -- the server writes it until teardown
+    its http client (``.url``: its address).
+
+    Ready means this process logged that it listens on its port and the port answers ready:
+    a port another worker's server took between ``_free_port`` and the bind answers ready
+    too, while this server exits (the port is refused when taken: ``_http._refuse_if_taken``),
+    so another port is tried then."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGEMM_")}
-    proc = subprocess.Popen([sys.executable, "-m", "moegemm.cli", "serve", "--device", "cuda",
-                             "--port", str(port), "--no-demo", "--weights-dir", str(weights_dir)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    for _attempt in range(3):
+        port = _free_port()
+        log = open(tmp_path_factory.mktemp("shipped") / "server.log", "w+")  # noqa: SIM115 -- the server writes it until teardown
+        proc = subprocess.Popen([sys.executable, "-m", "moegemm.cli", "serve", "--device", "cuda",
+                                 "--port", str(port), "--no-demo", "--weights-dir", str(weights_dir)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        if _ready(proc, log, port):
+            break
+        log.close()
+    else:
+        raise RuntimeError("three ports taken while the server started")
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"the server exited: {log.read()[-4000:]}")
-            try:
-                if http.get("/v1/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the server did not become ready")
-            time.sleep(0.2)
         http.proc, http.log, http.url = proc, log, f"http://127.0.0.1:{port}"
         yield http
     finally:
@@ -73,6 +71,31 @@ def shipped(tmp_path_factory, weights_dir):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _ready(proc, log, port: int, timeout_s: float = 300) -> bool:
+    """Wait until ``proc`` listens on ``port`` and answers ready: True; False when it exited
+    because the port was taken; raises on any other exit or after ``timeout_s``."""
+    listening = f"listening on http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        while True:
+            log.flush()
+            log.seek(0)
+            text = log.read()
+            if proc.poll() is not None:
+                if "Address already in use" in text:
+                    return False
+                raise RuntimeError(f"the server exited: {text[-4000:]}")
+            if listening in text:
+                try:
+                    if http.get("/v1/health/ready").status_code == 200:
+                        return True
+                except httpx.TransportError:
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not become ready")
+            time.sleep(0.2)
 
 
 def _exited(http) -> str | None:
