@@ -119,11 +119,11 @@ def _serve_fast(settings: Settings) -> int:
     else:
         main = server.serve()
     try:
-        import uvloop
+        from uvloop import run
     except ImportError:
-        uvloop = None
+        run = asyncio.run
     try:
-        (uvloop.run if uvloop is not None else asyncio.run)(main)
+        run(main)
     except ListenError as exc:  # before anything was loaded: a message, not a traceback
         print(f"moegemm serve: {exc.strerror}", file=sys.stderr)
         return EXIT_CANNOT_LISTEN

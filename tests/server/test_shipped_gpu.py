@@ -80,9 +80,7 @@ def _ready(proc, log, port: int, timeout_s: float = 300) -> bool:
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
         while True:
-            log.flush()
-            log.seek(0)
-            text = log.read()
+            text = _text(log)
             if proc.poll() is not None:
                 if "Address already in use" in text:
                     return False
@@ -98,13 +96,18 @@ def _ready(proc, log, port: int, timeout_s: float = 300) -> bool:
             time.sleep(0.2)
 
 
+def _text(log) -> str:
+    """What the server wrote to its log so far."""
+    log.flush()
+    log.seek(0)
+    return log.read()
+
+
 def _exited(http) -> str | None:
     """Why the shipped server is gone (its exit code and the tail of its log), or None."""
     if http.proc.poll() is None:
         return None
-    http.log.flush()
-    http.log.seek(0)
-    return f"the server exited with {http.proc.returncode}: {http.log.read()[-6000:]}"
+    return f"the server exited with {http.proc.returncode}: {_text(http.log)[-6000:]}"
 
 
 @pytest.fixture(autouse=True)
