@@ -264,11 +264,14 @@ def alternating_runs(fns: dict, rounds: int = 2) -> dict[str, list[float]]:
 
 def bound_launch(plan, kernel=None, **consts):
     """A ``triton_kernel.launch_plan`` plan as a call of no arguments (``kernel``: another build of
-    the same kernel; ``consts``: more constexprs), launched once under a device sync, so a fault
+    the same kernel, given only the constexprs it takes; ``consts``: more constexprs), launched once under a device sync, so a fault
     names its launch."""
     planned, grid, args, plan_consts = plan
     kernel = planned if kernel is None else kernel
-    plan_consts = dict(plan_consts, **consts)
+    # Another build (an older copy of the module) may not take a constexpr the plan names: it runs
+    # its own code for it. Launch options (num_warps, maxnreg) are no argument of either.
+    plan_consts = {name: value for name, value in dict(plan_consts, **consts).items()
+                   if name in kernel.arg_names or name not in planned.arg_names}
 
     def launch():
         kernel[grid](*args, **plan_consts)

@@ -111,6 +111,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     sig = {a: sig[a] for a in order if a in sig}
     if cfg.schedule in tk.GLUON_SCHEDULES:  # launch_plan's options for them
         consts["STAGES"] = cfg.num_stages
+        consts["SKIP_DEAD_HALF"] = cfg.skip_dead_half
         return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "maxnreg": tk._GLUON_MAXNREG},
                             divisible, gluon=True)
     return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, divisible)

@@ -233,10 +233,18 @@ def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stri
 
 
 @gluon.jit
-def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr, mma_layout: gl.constexpr):
+def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.constexpr, mma_layout: gl.constexpr,
+               SKIP_DEAD_HALF: gl.constexpr):
     """One consumer's two 64 x 128 sums of a tile, both Gluon kernels' K loop (one order of
     operations, so one set of bits). Returns (columns 0-127, columns 128-255, the ring position after
-    the tile)."""
+    the tile).
+
+    ``SKIP_DEAD_HALF``: a consumer none of whose 64 rows is a row of the tile's group (``live``
+    false: a group's last row tile of 64 rows or fewer, whose second half is only computed to be
+    dropped) runs no wgmma; it only turns the ring (waits for each slot, frees it), so the other
+    consumer has the tensor cores to itself, and its sums, never stored, stay zero. The table's
+    rule for it (``triton_kernel.default_config``, rule 3) and its measurements: bench/NOTES.md,
+    session 20."""
     a_bufs, b_bufs, ready, empty = bufs
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROWS: gl.constexpr = a_bufs.type.shape[1] // 2
@@ -248,7 +256,11 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr,
     sx = gl.load(xs_row)
     sw = gl.load(ws_col)
     sw_b = gl.load(ws_col + 1)
-    for kb in range(num_kb):
+    if SKIP_DEAD_HALF:
+        mma_kb = num_kb * live.to(gl.int32)
+    else:
+        mma_kb = num_kb
+    for kb in range(mma_kb):
         s = sx * sw
         s_b = sx * sw_b
         kn = gl.minimum(kb + 1, num_kb - 1)
@@ -264,13 +276,18 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF: gl.constexpr,
         mbarrier.arrive(empty.index(slot), count=1)
         acc_b = acc_b + p0 * s_b[:, None]
         it += 1
+    if SKIP_DEAD_HALF:
+        for kb in range(num_kb - mma_kb):
+            slot = _ready(ready, it, STAGES)
+            mbarrier.arrive(empty.index(slot), count=1)
+            it += 1
     return acc, acc_b, it
 
 
 @gluon.jit
 def _mma_partition(bufs, table_ptr, tiles, scalars, srcs, out_ptr, map_ptr, HALF: gl.constexpr,
                    G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr,
-                   ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
+                   ADDRS: gl.constexpr, X_WORDS: gl.constexpr, SKIP_DEAD_HALF: gl.constexpr):
     """One consumer warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every tile.
 
     Two accumulators (one per weight-scale column); the two 128-wide halves
@@ -306,8 +323,9 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, srcs, out_ptr, map_ptr, HALF
             dest = gl.load(map_ptr + gl.minimum(rows, M - 1).to(gl.int64) * stride_map)
         else:
             dest = rows  # unused: the store numbers the rows itself
-        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
         top = first_row + HALF * ROWS
+        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, top < row_stop, HALF, mma_layout,
+                                    SKIP_DEAD_HALF)
         _store(acc_b, out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
         _store(acc, out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
 
@@ -344,7 +362,7 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
                     stride_map,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G_POW2: gl.constexpr,
                     GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr, ADDRS: gl.constexpr,
-                    X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
+                    X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr, SKIP_DEAD_HALF: gl.constexpr):
     """Persistent warp-specialised grouped GEMM: one program per SM, 128 x 256 tiles (module doc).
 
     ``stride_wg`` is unused (the weight descriptor spans all groups' rows); it keeps the
@@ -359,9 +377,9 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
         (_mma_partition, (bufs, table, tiles, scalars, srcs, out_ptr, map_ptr, TOP, G_POW2,
-                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS)),
+                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS, SKIP_DEAD_HALF)),
         (_mma_partition, (bufs, table, tiles, scalars, srcs, out_ptr, map_ptr, BOTTOM, G_POW2,
-                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS)),
+                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS, SKIP_DEAD_HALF)),
         (_load_partition, (descs, bufs, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -482,7 +500,7 @@ def _stage(acc, acc_b, staging, i, HALF: gl.constexpr):
 
 @gluon.jit
 def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, srcs, HALF: gl.constexpr,
-                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
+                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr, SKIP_DEAD_HALF: gl.constexpr):
     """A consumer warpgroup of ``gluon_ws_store``: the tile from the ring, its sums staged in shared
     memory for the store warps."""
     a_bufs, b_bufs, _ready, _empty = bufs
@@ -501,11 +519,12 @@ def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, srcs, HALF
     it = 0
     for t in range(pid, tiles, programs):
         i = (t - pid) // programs  # this program's tile count so far
-        group, first_row, tile_n, _row_stop = _take_tile(tiles_ring, i)
+        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
         xs_base, ws_base = _scale_bases(srcs, ADDRS, X_WORDS)
         _rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
                                             HALF, ROWS, BN, row_layout)
-        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, HALF, mma_layout)
+        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, first_row + HALF * ROWS < row_stop,
+                                    HALF, mma_layout, SKIP_DEAD_HALF)
         _stage(acc, acc_b, staging, i, HALF)
 
 
@@ -614,7 +633,8 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
                           stride_om, stride_map,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr,
-                          ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
+                          ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr,
+                          SKIP_DEAD_HALF: gl.constexpr):
     """``gluon_ws`` with the tile handed over by the producer and the epilogue in two store warps (section comment above): each
     consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB with the three ring slots)
     and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
@@ -641,8 +661,10 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     TOP: gl.constexpr = 0
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
-        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, TOP, ADDRS, X_WORDS)),
-        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, BOTTOM, ADDRS, X_WORDS)),
+        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, TOP, ADDRS, X_WORDS,
+                                  SKIP_DEAD_HALF)),
+        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, BOTTOM, ADDRS, X_WORDS,
+                                  SKIP_DEAD_HALF)),
         (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
         (_store_partition, (staging, dests, table, tiles, scalars, out_ptr, map_ptr, G_POW2, GROUP_TILES_M, ROW_MAP)),
     ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, STORE_REGS])

@@ -10,6 +10,8 @@ first, so a row the kernel skips fails.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -52,13 +54,15 @@ def test_matches_float64_on_ragged_groups(stages, m, n, k, g):
     assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["computed", "skipped"])
 @pytest.mark.parametrize("config", [GLUON, STORE], ids=lambda c: c.schedule)
-def test_tiles_whose_second_half_has_no_row_of_the_group(config):
+def test_tiles_whose_second_half_has_no_row_of_the_group(config, skip):
     """A group's last row tile with 64 rows or fewer (the second consumer's half holds no row of
-    the group: computed and dropped). Sizes around the 64-row edge, groups of one tile and of
-    several, against float64; then one group's first r rows alone give the bits of the same
-    rows in a full 128-row tile (each consumer's sums are its own; the guard for a variant
-    that skips the dead half, ``bench/prepared/gluon_live_skip.patch``)."""
+    the group: computed and dropped, or with ``skip_dead_half`` not computed). Sizes around the
+    64-row edge, groups of one tile and of several, against float64; then one group's first r
+    rows alone give the bits of the same rows in a full 128-row tile (each consumer's sums are
+    its own)."""
+    config = replace(config, skip_dead_half=skip)
     sizes = torch.tensor([64, 65, 1, 0, 63, 128 + 64, 128 + 65, 129, 256, 2 * 128 + 1, 0, 40] * 8)
     m, n, k, g = int(sizes.sum()), 512, 1536, int(sizes.numel())
     gen = torch.Generator(device=DEV).manual_seed(11)
@@ -125,7 +129,7 @@ def test_server_form_in_a_graph_equals_the_public_entry(dtype):
     the same data, bit for bit, and both run the Gluon tile (gluon_ws_store; as gluon_ws into
     float32)."""
     m, n, k, g = 13000, 512, 1536, 384  # 33.9 rows per group: the Gluon tile's class (r >= 32)
-    assert tk.default_config(m, n, k, g) == STORE
+    assert tk.default_config(m, n, k, g) == replace(STORE, skip_dead_half=True)  # r <= 64
     gen = torch.Generator(device=DEV).manual_seed(13)
     torch.manual_seed(13)
     first = random_problem(m, n, k, g, device=DEV, generator=gen)
@@ -160,6 +164,33 @@ def test_server_form_in_a_graph_equals_the_public_entry(dtype):
         assert torch.isfinite(out).all()
         assert torch.equal(out[rows], want)
     assert tk.tile_key(m, n, k, g, dtype, device=DEV) == (STORE if dtype == torch.bfloat16 else GLUON).key()
+
+
+@pytest.mark.parametrize("words,row_map", [(False, False), (True, False), (True, True)],
+                         ids=["pointers", "words", "words_row_map"])
+@pytest.mark.parametrize("config", [GLUON, STORE], ids=lambda c: c.schedule)
+def test_skipping_the_dead_half_keeps_every_stored_bit(config, words, row_map):
+    """``skip_dead_half`` (the table's rule where r <= 64) drops only sums that are never stored:
+    every form gives the bits of the tile that computes them, rows outside every group untouched,
+    on skewed sizes with empty groups and tails on both sides of 64 rows (G = 256, r = 42, as
+    Kimi-K2 / DeepSeek-V3 at 2048 tokens); so ``tile_key`` leaves it out."""
+    g, n, k = 256, 512, 1536
+    sizes = random_m_sizes(g, 42 * g, generator=torch.Generator().manual_seed(5))
+    sizes[:6] = torch.tensor([0, 64, 65, 1, 128 + 64, 128 + 65])
+    m = int(sizes.sum())
+    gen = torch.Generator(device=DEV).manual_seed(17)
+    p = random_problem(m, n, k, g, device=DEV, m_sizes=sizes, generator=gen)
+    rem = p.m_sizes % 128
+    assert int((p.m_sizes == 0).sum()) >= 1
+    assert int(((rem > 0) & (rem <= 64)).sum()) >= 40 and int((rem > 64).sum()) >= 20
+    out_rows = torch.randperm(m, device=DEV) if row_map else None
+    outs = [_launch_form(p, _poisoned(m, n), replace(config, skip_dead_half=skip), words, out_rows)
+            for skip in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(outs[0]), _bits(outs[1]))
+    got = outs[1][out_rows] if row_map else outs[1]
+    assert not got.isnan().any()
+    assert rel_error(got, reference_float64(*p.args())) <= SPEC_TOLERANCE
 
 
 # ---- the issue-15 variants (kernels/_gluon_gemm.py): gluon_ws's bits in every form ---------------
