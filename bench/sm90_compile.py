@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import triton
@@ -243,8 +244,7 @@ def main() -> None:
                            (65536, 2048, 768, 128)):
             table = tk.default_config(m, n, k, g)
             for schedule in tk.GLUON_SCHEDULES:  # gluon_ws and its issue-15 variants, on its tile
-                cfg = tk.TileConfig(schedule, table.block_m, table.block_n, table.num_warps, table.num_stages,
-                                    group_tiles_m=table.group_tiles_m)
+                cfg = replace(table, schedule=schedule)  # the table's tile (and its dead-half rule)
                 for addrs, service, row_map, out in GLUON_FORMS:
                     if schedule == "gluon_ws_store" and out == "fp32":
                         continue  # tile_for_out runs it as gluon_ws

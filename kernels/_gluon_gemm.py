@@ -242,9 +242,8 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.cons
     ``SKIP_DEAD_HALF``: a consumer none of whose 64 rows is a row of the tile's group (``live``
     false: a group's last row tile of 64 rows or fewer, whose second half is only computed to be
     dropped) runs no wgmma; it only turns the ring (waits for each slot, frees it), so the other
-    consumer has the tensor cores to itself, and its sums, never stored, stay zero. The table's
-    rule for it (``triton_kernel.default_config``, rule 3) and its measurements: bench/NOTES.md,
-    session 20."""
+    consumer has the tensor cores to itself, and its sums, never stored, stay zero. Where the
+    table sets it: ``triton_kernel.default_config``, rule 3."""
     a_bufs, b_bufs, ready, empty = bufs
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROWS: gl.constexpr = a_bufs.type.shape[1] // 2

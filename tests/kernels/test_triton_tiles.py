@@ -359,6 +359,12 @@ def test_gluon_launch_options(monkeypatch):
     assert tk.persistent(m, n, k, g, device=xq.device)
     assert tk.tile_key(m, n, k, g, torch.float32, device=xq.device) == \
         tk.tile_key(m, n, k, g, torch.bfloat16, device=xq.device) == "gluon_ws_m128_n256_w4_s3_g8"
+    assert kw["SKIP_DEAD_HALF"] is False  # r = 128
+    # At r <= 64 the table's tile skips the dead half, and the launch says so to the kernel.
+    kernel.launches.clear()
+    tk.run(xq[: 64 * g], wq, x_scale[: 64 * g], w_scale, torch.full((g,), 64), out[: 64 * g])
+    ((_, _, kw),) = kernel.launches
+    assert kw["SKIP_DEAD_HALF"] is True
 
 
 def _same_argument(a, b) -> bool:
@@ -416,7 +422,8 @@ def test_gluon_variants_launch_like_gluon_ws(variant, monkeypatch):
 
 def test_tile_keys_leave_out_the_decode_band_and_the_dead_half_skip():
     """Buckets either side of r = 16 at G < 64 run the same decode tile, banded or not: the
-    band only orders the programs, so their keys (what the executor merges by) are equal."""
+    band only orders the programs, so their keys (what the executor merges by) are equal. So do
+    buckets either side of r = 64 of a Gluon tile, with and without its dead-half skip."""
     n, k, g = 4096, 4096, 8
     assert tk.default_config(64, n, k, g).group_tiles_m == 1
     assert tk.default_config(128, n, k, g).group_tiles_m == 8
