@@ -264,8 +264,8 @@ def alternating_runs(fns: dict, rounds: int = 2) -> dict[str, list[float]]:
 
 def bound_launch(plan, kernel=None, **consts):
     """A ``triton_kernel.launch_plan`` plan as a call of no arguments (``kernel``: another build
-    of the same kernel, given only the constexprs it takes; ``consts``: more constexprs), launched once under a device sync, so a fault
-    names its launch."""
+    of the same kernel, given only the constexprs it takes; ``consts``: more constexprs),
+    launched once under a device sync, so a fault names its launch."""
     planned, grid, args, plan_consts = plan
     kernel = planned if kernel is None else kernel
     # Another build (an older copy of the module) may not take a constexpr the plan names: it runs
