@@ -112,7 +112,6 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     sig = {a: sig[a] for a in order if a in sig}
     if cfg.schedule in tk.GLUON_SCHEDULES:  # launch_plan's options for them
         consts["STAGES"] = cfg.num_stages
-        consts["SKIP_DEAD_HALF"] = cfg.skip_dead_half
         return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "maxnreg": tk._GLUON_MAXNREG},
                             divisible, gluon=True)
     return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, divisible)
@@ -244,7 +243,7 @@ def main() -> None:
                            (65536, 2048, 768, 128)):
             table = tk.default_config(m, n, k, g)
             for schedule in tk.GLUON_SCHEDULES:  # gluon_ws and its issue-15 variants, on its tile
-                cfg = replace(table, schedule=schedule)  # the table's tile (and its dead-half rule)
+                cfg = replace(table, schedule=schedule)  # the table's tile
                 for addrs, service, row_map, out in GLUON_FORMS:
                     if schedule == "gluon_ws_store" and out == "fp32":
                         continue  # tile_for_out runs it as gluon_ws

@@ -15,7 +15,7 @@ Why Gluon: Triton 3.6's ``tl.range(warp_specialize=True)`` takes neither the
 tile table nor a reduction, and a plain Triton loop waits on each wgmma
 before its scale promotion. Here the roles are explicit:
 
-- one producer warp walks this program's tiles and keeps a ring of
+- one producer warp claims the program's tiles and keeps a ring of
   ``STAGES`` shared-memory slots (a 128 x 128 activation tile and a
   256 x 128 weight tile each) filled by TMA, each slot guarded by a
   ``ready`` mbarrier (TMA bytes landed) and an ``empty`` one (both consumers
@@ -27,10 +27,18 @@ before its scale promotion. Here the roles are explicit:
   w_scale)`` in registers (two accumulators, one per weight-scale column);
   the other warpgroup's MMA runs under this one's promotion. 128 x 256 tiles
   read 25 % fewer bytes from L2 per flop than 128 x 128 (at the MMA rate
-  128 x 128 tiles need ~10 TB/s from L2; 64 x 128, the Triton tile: ~15);
-- the tile walk is ``persistent_tma``'s: the programs (one per SM) take
-  tiles ``pid, pid + programs, ...`` of the real tiles numbered group by
-  group, found through a per-program table (O(log G) scalar loads).
+  128 x 128 tiles need ~10 TB/s from L2; 64 x 128, the Triton tile: ~15). A
+  consumer whose 64 rows hold no row of the tile's group (the second half of
+  a group's last row tile of 64 rows or fewer) runs no wgmma (``_tile_sums``);
+- the tiles are ``persistent_tma``'s, numbered group by group and found
+  through a per-program table (O(log G) scalar loads), but claimed: the
+  programs (one per SM) take the launch's next tile from a counter in the
+  work buffer (one atomic a tile, in flight under the tile's loads), so the
+  tiles in flight at once stay a window of consecutive ones (row tiles that
+  share a weight tile, in step through its K blocks in L2) however unequal
+  the tiles' times. The producer posts each tile in a small shared-memory
+  ring to the partitions that need it, then the end; the last program to
+  finish puts the counter back to zero for the next launch.
 
 The TMA descriptors are made on the device, in the parent region, from the
 base pointers the kernel was given or loaded from the device words (the
@@ -57,6 +65,9 @@ from ._triton_keys import settle
 CONSUMER_REGS = gl.constexpr(232)  # per thread, each consumer warpgroup (two accumulators + a part = 192 floats)
 PRODUCER_REGS = gl.constexpr(40)
 MAXNREG = 168  # 12 warps x 32 x 168 <= 65536: the budget setmaxnreg redistributes
+# Tiles the producer may post ahead of the partitions taking them (gluon_ws_store's store warps
+# take a tile when they start to drain it, up to two tiles after the producer posted it).
+TILE_SLOTS = gl.constexpr(3)
 
 
 @gluon.jit
@@ -144,40 +155,161 @@ def _find_tile(table_ptr, t, num_n, BLOCK_M: gl.constexpr, G_POW2: gl.constexpr,
 
 
 @gluon.jit
-def _load_tile(descs, bufs, it, first_row, w_row, num_kb):
-    """The producer: TMA loads of a tile's ``num_kb`` K blocks into the ring from position ``it``;
-    returns the position after them."""
+def _claim(counters):
+    """The launch's next tile: one atomic add on its claim counter (waited for at once). Relaxed:
+    a tile's number orders nothing else (its inputs are read-only in the launch)."""
+    return gl.atomic_add(counters, 1, sem="relaxed")
+
+
+@gluon.jit
+def _claim_ahead(counters):
+    """:func:`_claim` by lane 0 of the warp into a register of its own, not waited for until
+    :func:`_claimed` reads it (a scalar atomic is broadcast through shared memory at once)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=layout)
+    return gl.atomic_add(counters + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0,
+                         sem="relaxed"), lane
+
+
+@gluon.jit
+def _claimed(got, lane):
+    return gl.max(gl.where(lane == 0, got, -1), axis=0)
+
+
+@gluon.jit
+def _load_block(descs, bufs, it, first_row, w_row, kb):
+    """The producer: TMA loads of K block ``kb`` of a tile into ring position ``it``, once both
+    consumers freed its slot."""
     x_desc, w_desc = descs
     a_bufs, b_bufs, ready, empty = bufs
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
-    for kb in range(num_kb):
-        slot = it % STAGES
-        # A fresh mbarrier counts as having completed the phase before phase 0.
-        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [first_row, kb * BK], bar, a_bufs.index(slot))
-        tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, b_bufs.index(slot))
-        it += 1
-    return it
+    slot = it % STAGES
+    # A fresh mbarrier counts as having completed the phase before phase 0.
+    mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+    bar = ready.index(slot)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [first_row, kb * BK], bar, a_bufs.index(slot))
+    tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], bar, b_bufs.index(slot))
+    return it + 1
 
 
 @gluon.jit
-def _load_partition(descs, bufs, table_ptr, tiles, N, K, G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr):
-    """The producer warp: TMA loads of every K block of this program's tiles into the ring."""
+def _load_tile(descs, bufs, it, first_row, w_row, num_kb, counters):
+    """The producer: TMA loads of a tile's ``num_kb`` K blocks (at least one: K >= 128) into the
+    ring from position ``it``; returns the position after them and the launch's next tile,
+    claimed once the first block is asked for and read after the last: the atomic's round trip
+    under the tile's loads, off the ring's path."""
+    it = _load_block(descs, bufs, it, first_row, w_row, 0)
+    got, lane = _claim_ahead(counters)
+    for kb in range(1, num_kb):
+        it = _load_block(descs, bufs, it, first_row, w_row, kb)
+    return it, _claimed(got, lane)
+
+
+@gluon.jit
+def _finish(counters):
+    """A program's producer after its last claim: the last program of the launch to get here
+    puts both counters back to zero, so the next launch on the stream starts from tile 0
+    (every program has made its last claim by then: each one's count is a release after its
+    claims, the last one's an acquire before the reset)."""
+    done = gl.atomic_add(counters + 1, 1, sem="acq_rel")
+    if done == gl.num_programs(0) - 1:
+        gl.atomic_xchg(counters, 0, sem="relaxed")
+        gl.atomic_xchg(counters + 1, 0, sem="relaxed")
+
+
+@gluon.jit
+def _publish_tile(tiles_ring, i, t, group, first_row, tile_n, row_stop):
+    """The producer: post this program's ``i``-th tile (the launch's tile ``t``) in the ring, once
+    every partition that takes tiles took the tile that used the slot before."""
+    info, posted, taken = tiles_ring
+    SLOTS: gl.constexpr = info.type.shape[0]
+    slot = i % SLOTS
+    mbarrier.wait(taken.index(slot), ((i // SLOTS) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])  # every lane holds the fields
+    field = gl.arange(0, 8, layout=layout)
+    info.index(slot).store(gl.where(field == 0, group, gl.where(field == 1, first_row, gl.where(
+        field == 2, tile_n, gl.where(field == 3, row_stop, t)))))
+    # The arrive releases the stores above (the lowering syncs the warp first).
+    mbarrier.arrive(posted.index(slot), count=1)
+
+
+@gluon.jit
+def _field(values, field, which: gl.constexpr):
+    """One field of the four a thread holds (a reduction within the thread: no shuffles)."""
+    return gl.sum(gl.where(field == which, values, 0), axis=0)
+
+
+@gluon.jit
+def _take_tile(tiles_ring, i):
+    """A consumer or the store warps: this program's ``i``-th tile from the ring (group, first
+    row, column tile, group end row; group -1: no more); the slot is given back as soon as the
+    fields are in registers."""
+    info, posted, taken = tiles_ring
+    SLOTS: gl.constexpr = info.type.shape[0]
+    slot = i % SLOTS
+    mbarrier.wait(posted.index(slot), (i // SLOTS) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    values = info.index(slot).load(layout)
+    field = gl.arange(0, 8, layout=layout)
+    group = _field(values, field, 0)
+    first_row = _field(values, field, 1)
+    tile_n = _field(values, field, 2)
+    row_stop = _field(values, field, 3)
+    mbarrier.arrive(taken.index(slot), count=1)
+    return group, first_row, tile_n, row_stop
+
+
+@gluon.jit
+def _take_index(tiles_ring, i):
+    """A ``gluon_ws`` consumer: the launch's number of this program's ``i``-th tile (-1: no more),
+    which it finds in its table itself. The four fields of :func:`_take_tile` held across the K
+    loop took the consumers past their registers (spilled, reloaded in the K loop: sm_90 SASS)."""
+    info, posted, taken = tiles_ring
+    SLOTS: gl.constexpr = info.type.shape[0]
+    slot = i % SLOTS
+    mbarrier.wait(posted.index(slot), (i // SLOTS) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    t = _field(info.index(slot).load(layout), gl.arange(0, 8, layout=layout), 4)
+    mbarrier.arrive(taken.index(slot), count=1)
+    return t
+
+
+@gluon.jit
+def _tile_ring(TAKERS: gl.constexpr):
+    """The tile ring: the slots the producer posts tiles in, and their posted/taken barriers
+    (``TAKERS``: the partitions that take each tile)."""
+    info = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    posted = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    taken = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(TILE_SLOTS):
+        mbarrier.init(posted.index(s), count=1)
+        mbarrier.init(taken.index(s), count=TAKERS)
+    return info, posted, taken
+
+
+@gluon.jit
+def _load_partition(descs, bufs, tiles_ring, table_ptr, counters, tiles, N, K, G_POW2: gl.constexpr,
+                    GROUP_TILES_M: gl.constexpr):
+    """The producer warp: claims the launch's tiles one at a time, posts each one's coordinates to
+    the other partitions before its first K block is asked for, and keeps the ring filled by TMA;
+    then posts the end (group -1)."""
     a_bufs, b_bufs, _ready, _empty = bufs
     BM: gl.constexpr = a_bufs.type.shape[1]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
     num_n = N // BN
-    num_kb = K // BK
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
+    num_kb = K // a_bufs.type.shape[2]
     it = 0
-    for t in range(pid, tiles, programs):
-        group, first_row, tile_n, _ = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
-        it = _load_tile(descs, bufs, it, first_row, group * N + tile_n * BN, num_kb)
+    i = 0
+    t = _claim(counters)
+    while t < tiles:
+        group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
+        _publish_tile(tiles_ring, i, t, group, first_row, tile_n, row_stop)
+        it, t = _load_tile(descs, bufs, it, first_row, group * N + tile_n * BN, num_kb, counters)
+        i += 1
+    _publish_tile(tiles_ring, i, -1, -1, 0, 0, 0)
+    _finish(counters)
 
 
 @gluon.jit
@@ -233,17 +365,18 @@ def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stri
 
 
 @gluon.jit
-def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.constexpr, mma_layout: gl.constexpr,
-               SKIP_DEAD_HALF: gl.constexpr):
+def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.constexpr, mma_layout: gl.constexpr):
     """One consumer's two 64 x 128 sums of a tile, both Gluon kernels' K loop (one order of
     operations, so one set of bits). Returns (columns 0-127, columns 128-255, the ring position after
     the tile).
 
-    ``SKIP_DEAD_HALF``: a consumer none of whose 64 rows is a row of the tile's group (``live``
-    false: a group's last row tile of 64 rows or fewer, whose second half is only computed to be
-    dropped) runs no wgmma; it only turns the ring (waits for each slot, frees it), so the other
-    consumer has the tensor cores to itself, and its sums, never stored, stay zero. Where the
-    table sets it: ``triton_kernel.default_config``, rule 3."""
+    A consumer none of whose 64 rows is a row of the tile's group (``live`` false: the second
+    half of a group's last row tile of 64 rows or fewer) runs no wgmma; it only turns the ring
+    (waits for each slot, frees it), so the other consumer has the tensor cores to itself, and
+    its sums, never stored, stay zero. Such a tile takes less time than a full one, so programs
+    walking a fixed share of the tiles drifted apart and lost the weight tiles they share in L2
+    (up to 12 % slower where a few tiles are tails, session 20); the tiles claimed in launch
+    order (:func:`_load_partition`) keep them together (bench/NOTES.md, session 21)."""
     a_bufs, b_bufs, ready, empty = bufs
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROWS: gl.constexpr = a_bufs.type.shape[1] // 2
@@ -255,10 +388,7 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.cons
     sx = gl.load(xs_row)
     sw = gl.load(ws_col)
     sw_b = gl.load(ws_col + 1)
-    if SKIP_DEAD_HALF:
-        mma_kb = num_kb * live.to(gl.int32)
-    else:
-        mma_kb = num_kb
+    mma_kb = num_kb * live.to(gl.int32)
     for kb in range(mma_kb):
         s = sx * sw
         s_b = sx * sw_b
@@ -275,19 +405,19 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.cons
         mbarrier.arrive(empty.index(slot), count=1)
         acc_b = acc_b + p0 * s_b[:, None]
         it += 1
-    if SKIP_DEAD_HALF:
-        for kb in range(num_kb - mma_kb):
-            slot = _ready(ready, it, STAGES)
-            mbarrier.arrive(empty.index(slot), count=1)
-            it += 1
+    for kb in range(num_kb - mma_kb):
+        slot = _ready(ready, it, STAGES)
+        mbarrier.arrive(empty.index(slot), count=1)
+        it += 1
     return acc, acc_b, it
 
 
 @gluon.jit
-def _mma_partition(bufs, table_ptr, tiles, scalars, srcs, out_ptr, map_ptr, HALF: gl.constexpr,
+def _mma_partition(bufs, tiles_ring, table_ptr, scalars, srcs, out_ptr, map_ptr, HALF: gl.constexpr,
                    G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr,
-                   ADDRS: gl.constexpr, X_WORDS: gl.constexpr, SKIP_DEAD_HALF: gl.constexpr):
-    """One consumer warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every tile.
+                   ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
+    """One consumer warpgroup of ``gluon_ws``: rows ``[HALF * 64, HALF * 64 + 64)`` of every tile
+    the producer claims for this program (:func:`_take_index`), stored by this warpgroup.
 
     Two accumulators (one per weight-scale column); the two 128-wide halves
     of a K block one after the other into one part (a second part would not
@@ -307,10 +437,10 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, srcs, out_ptr, map_ptr, HALF
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     num_n = N // BN
     num_kb = K // BK
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
     it = 0
-    for t in range(pid, tiles, programs):
+    i = 0
+    t = _take_index(tiles_ring, i)
+    while t >= 0:
         group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
         xs_base, ws_base = _scale_bases(srcs, ADDRS, X_WORDS)
         rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
@@ -323,10 +453,11 @@ def _mma_partition(bufs, table_ptr, tiles, scalars, srcs, out_ptr, map_ptr, HALF
         else:
             dest = rows  # unused: the store numbers the rows itself
         top = first_row + HALF * ROWS
-        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, top < row_stop, HALF, mma_layout,
-                                    SKIP_DEAD_HALF)
+        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, top < row_stop, HALF, mma_layout)
         _store(acc_b, out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
         _store(acc, out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
+        i += 1
+        t = _take_index(tiles_ring, i)
 
 
 @gluon.jit
@@ -339,6 +470,8 @@ def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, s
     pid = gl.program_id(0)
     table = work_ptr + pid * (3 * G_POW2)
     tiles = _tile_table(m_sizes_ptr, M, G, N // BLOCK_N, table, BLOCK_M, G_POW2, gl.num_warps())
+    # After every program's table: the launch's two counters (tiles claimed, programs done).
+    counters = work_ptr + gl.num_programs(0) * (3 * G_POW2)
     w_base, ws_base = _bases(w_ptr, ws_ptr, ADDRS)
     x_base, xs_base = _bases(x_ptr, xs_ptr, X_WORDS)
     # 128-byte swizzle: what wgmma reads (both operands fp8, K-major rows of 128 bytes).
@@ -352,7 +485,8 @@ def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, s
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    return tiles, table, (x_ptr, w_ptr, xs_base, ws_base), (x_desc, w_desc), (a_bufs, b_bufs, ready, empty)
+    return (tiles, table, counters, (x_ptr, w_ptr, xs_base, ws_base), (x_desc, w_desc),
+            (a_bufs, b_bufs, ready, empty))
 
 
 @gluon.jit
@@ -361,25 +495,26 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
                     stride_map,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G_POW2: gl.constexpr,
                     GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr, ADDRS: gl.constexpr,
-                    X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr, SKIP_DEAD_HALF: gl.constexpr):
+                    X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
     """Persistent warp-specialised grouped GEMM: one program per SM, 128 x 256 tiles (module doc).
 
     ``stride_wg`` is unused (the weight descriptor spans all groups' rows); it keeps the
     argument list the Triton schedules' (``triton_kernel.launch_plan``).
     """
-    tiles, table, srcs, descs, bufs = _prologue(
+    tiles, table, counters, srcs, descs, bufs = _prologue(
         x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
         BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
+    tiles_ring = _tile_ring(2)
     fence_async_shared()
     scalars = (M, N, K, stride_xsm, stride_wsg, stride_wsk, stride_om, stride_map)
     TOP: gl.constexpr = 0
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
-        (_mma_partition, (bufs, table, tiles, scalars, srcs, out_ptr, map_ptr, TOP, G_POW2,
-                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS, SKIP_DEAD_HALF)),
-        (_mma_partition, (bufs, table, tiles, scalars, srcs, out_ptr, map_ptr, BOTTOM, G_POW2,
-                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS, SKIP_DEAD_HALF)),
-        (_load_partition, (descs, bufs, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
+        (_mma_partition, (bufs, tiles_ring, table, scalars, srcs, out_ptr, map_ptr, TOP, G_POW2, GROUP_TILES_M,
+                          ROW_MAP, ADDRS, X_WORDS)),
+        (_mma_partition, (bufs, tiles_ring, table, scalars, srcs, out_ptr, map_ptr, BOTTOM, G_POW2, GROUP_TILES_M,
+                          ROW_MAP, ADDRS, X_WORDS)),
+        (_load_partition, (descs, bufs, tiles_ring, table, counters, tiles, N, K, G_POW2, GROUP_TILES_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -391,10 +526,9 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
 # over v17's Gluon cases: ~7.86 ns x K + 1.75 us a tile. Two variants with gluon_ws's arguments,
 # semantics and accumulation order (so its bits):
 #
-# - the tile handed over: the producer, which walks the tiles ahead anyway, hands each tile's
-#   (group, first row, column tile, group end) to the consumers through a small shared-memory
-#   ring guarded by two mbarriers, so a consumer starts a tile after one shared-memory read
-#   instead of the search. (Issuing a block's first wgmma before its scale product, to put the
+# - the tile handed over: the producer, which claims the tiles ahead anyway, hands each tile's
+#   (group, first row, column tile, group end) to the consumers through the tile ring, so a
+#   consumer starts a tile after one shared-memory read instead of the search. (Issuing a block's first wgmma before its scale product, to put the
 #   first scale loads under the MMA, cost 52-136 bytes of spills at 232 registers: not done.)
 #   Alone, with gluon_ws's K loop and epilogue (``gluon_ws_handoff``, measured on the H200 in
 #   session 10, `bench/results/session10/call3_gluon11.json`): 1.04x on the 12 w2 cases, 0.975x
@@ -402,11 +536,10 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
 # - ``gluon_ws_store``: the hand-over, and the epilogue in a partition of its own: each consumer
 #   writes its 64 x 256 to shared memory (bf16, straight from the MMA layout: stmatrix, no
 #   layout conversion) and goes on to its next tile; two store warps move it to global memory
-#   with gluon_ws's masked stores (and row map), finding each tile by their own table search.
+#   with gluon_ws's masked stores (and row map), taking each tile from the ring too.
 #   Rows past the group's end are never written (masked stores, not TMA: a TMA store cannot
 #   stop at a group's end nor follow the row map).
 
-TILE_SLOTS = gl.constexpr(2)  # tiles the producer may publish ahead of the consumers
 # Triton packs the producer warp and the two store warps into one warpgroup (with a padding
 # warp), whose setmaxnreg is the largest request: 8 x 32 x 232 + 4 x 32 x 40 fits MAXNREG's
 # 12 x 32 x 168 as gluon_ws does. 48 would take the default consumer down to 224 registers.
@@ -415,67 +548,6 @@ STORE_REGS = gl.constexpr(40)
 # stmatrix and the store warps' 16-byte reads meet each bank once per wavefront.
 STAGE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
 STAGE_CHUNK = gl.constexpr(8)  # rows the store warps move at a time: one swizzle period
-
-
-@gluon.jit
-def _publish_tile(tiles_ring, i, group, first_row, tile_n, row_stop):
-    """The producer: post this program's ``i``-th tile in the ring, once both consumers took the
-    tile that used the slot before."""
-    info, posted, taken = tiles_ring
-    SLOTS: gl.constexpr = info.type.shape[0]
-    slot = i % SLOTS
-    mbarrier.wait(taken.index(slot), ((i // SLOTS) & 1) ^ 1)
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])  # every lane holds the four fields
-    field = gl.arange(0, 4, layout=layout)
-    info.index(slot).store(gl.where(field == 0, group,
-                                    gl.where(field == 1, first_row, gl.where(field == 2, tile_n, row_stop))))
-    # The arrive releases the stores above (the lowering syncs the warp first).
-    mbarrier.arrive(posted.index(slot), count=1)
-
-
-@gluon.jit
-def _field(values, field, which: gl.constexpr):
-    """One field of the four a thread holds (a reduction within the thread: no shuffles)."""
-    return gl.sum(gl.where(field == which, values, 0), axis=0)
-
-
-@gluon.jit
-def _take_tile(tiles_ring, i):
-    """A consumer: this program's ``i``-th tile from the ring (group, first row, column tile,
-    group end row); the slot is given back as soon as the fields are in registers."""
-    info, posted, taken = tiles_ring
-    SLOTS: gl.constexpr = info.type.shape[0]
-    slot = i % SLOTS
-    mbarrier.wait(posted.index(slot), (i // SLOTS) & 1)
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
-    values = info.index(slot).load(layout)
-    field = gl.arange(0, 4, layout=layout)
-    group = _field(values, field, 0)
-    first_row = _field(values, field, 1)
-    tile_n = _field(values, field, 2)
-    row_stop = _field(values, field, 3)
-    mbarrier.arrive(taken.index(slot), count=1)
-    return group, first_row, tile_n, row_stop
-
-
-@gluon.jit
-def _handoff_load_partition(descs, bufs, tiles_ring, table_ptr, tiles, N, K, G_POW2: gl.constexpr,
-                            GROUP_TILES_M: gl.constexpr):
-    """The producer warp: ``_load_partition``, and each tile's coordinates posted to the consumers
-    before its first K block is asked for."""
-    a_bufs, b_bufs, _ready, _empty = bufs
-    BM: gl.constexpr = a_bufs.type.shape[1]
-    BN: gl.constexpr = b_bufs.type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    num_n = N // BN
-    num_kb = K // BK
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    it = 0
-    for t in range(pid, tiles, programs):
-        group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
-        _publish_tile(tiles_ring, (t - pid) // programs, group, first_row, tile_n, row_stop)
-        it = _load_tile(descs, bufs, it, first_row, group * N + tile_n * BN, num_kb)
 
 
 @gluon.jit
@@ -498,8 +570,8 @@ def _stage(acc, acc_b, staging, i, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, srcs, HALF: gl.constexpr,
-                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr, SKIP_DEAD_HALF: gl.constexpr):
+def _staging_mma_partition(bufs, tiles_ring, staging, scalars, srcs, HALF: gl.constexpr,
+                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
     """A consumer warpgroup of ``gluon_ws_store``: the tile from the ring, its sums staged in shared
     memory for the store warps."""
     a_bufs, b_bufs, _ready, _empty = bufs
@@ -513,18 +585,18 @@ def _staging_mma_partition(bufs, tiles_ring, staging, tiles, scalars, srcs, HALF
                                                          instr_shape=[16, 128, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     num_kb = K // BK
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
     it = 0
-    for t in range(pid, tiles, programs):
-        i = (t - pid) // programs  # this program's tile count so far
-        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
+    i = 0  # this program's tile count so far
+    group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
+    while group >= 0:
         xs_base, ws_base = _scale_bases(srcs, ADDRS, X_WORDS)
         _rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
                                             HALF, ROWS, BN, row_layout)
         acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, first_row + HALF * ROWS < row_stop,
-                                    HALF, mma_layout, SKIP_DEAD_HALF)
+                                    HALF, mma_layout)
         _stage(acc, acc_b, staging, i, HALF)
+        i += 1
+        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
 
 
 @gluon.jit
@@ -582,12 +654,11 @@ def _tile_dests(dests, map_ptr, first_row, row_stop, M, stride_map, stride_om):
 
 
 @gluon.jit
-def _store_partition(staging, dests, table_ptr, tiles, scalars, out_ptr, map_ptr, G_POW2: gl.constexpr,
-                     GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr):
+def _store_partition(staging, dests, tiles_ring, scalars, out_ptr, map_ptr, ROW_MAP: gl.constexpr):
     """The store warps: every staged block of this program's tiles to global memory, in the order
-    the consumers stage them; each tile found by its own table search (off the tensor cores' path)."""
+    the consumers stage them, each tile taken from the ring as the consumers take it."""
     stage, staged, drained = staging
-    M, N, _K, _stride_xsm, _stride_wsg, _stride_wsk, stride_om, stride_map = scalars
+    M, _N, _K, _stride_xsm, _stride_wsg, _stride_wsk, stride_om, stride_map = scalars
     ROWS: gl.constexpr = stage.type.shape[1]
     COLS: gl.constexpr = stage.type.shape[2]
     CHUNK: gl.constexpr = STAGE_CHUNK
@@ -597,12 +668,9 @@ def _store_partition(staging, dests, table_ptr, tiles, scalars, out_ptr, map_ptr
     VEC: gl.constexpr = 16 // (stage.dtype.primitive_bitwidth // 8)  # 16-byte accesses
     LANES_N: gl.constexpr = COLS // VEC
     layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0])
-    num_n = N // (2 * COLS)
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    for t in range(pid, tiles, programs):
-        i = (t - pid) // programs
-        _group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, 2 * ROWS, G_POW2, GROUP_TILES_M)
+    i = 0
+    group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
+    while group >= 0:
         if ROW_MAP:
             _tile_dests(dests, map_ptr, first_row, row_stop, M, stride_map, stride_om)
         for h in range(2):  # loops, not unrolled: the store warps have few registers
@@ -611,19 +679,8 @@ def _store_partition(staging, dests, table_ptr, tiles, scalars, out_ptr, map_ptr
                 _drain(chunks, (2 * h + c) * (ROWS // CHUNK), out_ptr, dests, h * (ROWS // CHUNK), first_row + h * ROWS,
                        tile_n * (2 * COLS) + c * COLS, row_stop, ROW_MAP, stride_om, layout, ROWS)
             mbarrier.arrive(drained.index(h), count=1)
-
-
-@gluon.jit
-def _tile_ring():
-    """``gluon_ws_store``'s tile ring: the slots the producer posts tiles in, and their
-    posted/taken barriers."""
-    info = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    posted = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
-    taken = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(TILE_SLOTS):
-        mbarrier.init(posted.index(s), count=1)
-        mbarrier.init(taken.index(s), count=2)
-    return info, posted, taken
+        i += 1
+        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
 
 
 @gluon.jit
@@ -632,16 +689,15 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
                           stride_om, stride_map,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr,
-                          ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr,
-                          SKIP_DEAD_HALF: gl.constexpr):
+                          ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
     """``gluon_ws`` with the tile handed over by the producer and the epilogue in two store warps (section comment above): each
     consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB with the three ring slots)
     and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
     ``gluon_ws`` instead)."""
-    tiles, table, srcs, descs, bufs = _prologue(
+    tiles, table, counters, srcs, descs, bufs = _prologue(
         x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
         BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
-    tiles_ring = _tile_ring()
+    tiles_ring = _tile_ring(3)  # both consumers and the store warps
     OUT_BYTES: gl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
     gl.static_assert(OUT_BYTES == 2)
     # Blocks 2h and 2h + 1: consumer h's columns 0-127 and 128-255.
@@ -660,12 +716,10 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     TOP: gl.constexpr = 0
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
-        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, TOP, ADDRS, X_WORDS,
-                                  SKIP_DEAD_HALF)),
-        (_staging_mma_partition, (bufs, tiles_ring, staging, tiles, scalars, srcs, BOTTOM, ADDRS, X_WORDS,
-                                  SKIP_DEAD_HALF)),
-        (_handoff_load_partition, (descs, bufs, tiles_ring, table, tiles, N, K, G_POW2, GROUP_TILES_M)),
-        (_store_partition, (staging, dests, table, tiles, scalars, out_ptr, map_ptr, G_POW2, GROUP_TILES_M, ROW_MAP)),
+        (_staging_mma_partition, (bufs, tiles_ring, staging, scalars, srcs, TOP, ADDRS, X_WORDS)),
+        (_staging_mma_partition, (bufs, tiles_ring, staging, scalars, srcs, BOTTOM, ADDRS, X_WORDS)),
+        (_load_partition, (descs, bufs, tiles_ring, table, counters, tiles, N, K, G_POW2, GROUP_TILES_M)),
+        (_store_partition, (staging, dests, tiles_ring, scalars, out_ptr, map_ptr, ROW_MAP)),
     ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, STORE_REGS])
 
 # Every kernel's cache key as any process computes it, whatever it launches first (_triton_keys).

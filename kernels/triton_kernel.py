@@ -73,8 +73,8 @@ class TileConfig:
     row tiles of one group per band; ``per_sm`` programs per SM.
     ``gluon_ws``: 128 x 256, 4 warps (a producer warp and two 64-row consumer
     warpgroups: 12 warps launched), ``num_stages`` ring slots, ``group_tiles_m``
-    row tiles of one group per band; one program per SM; ``skip_dead_half``: in a group's last
-    row tile of 64 rows or fewer the second consumer runs no wgmma (``_gluon_gemm._tile_sums``).
+    row tiles of one group per band; one program per SM, each claiming its next tile from the
+    launch's counter (``_gluon_gemm``).
     """
 
     schedule: str
@@ -87,7 +87,6 @@ class TileConfig:
     evict_w: str = ""
     per_sm: int = 1
     preload: bool = False
-    skip_dead_half: bool = False
 
     @property
     def swap_ab(self) -> bool:
@@ -103,8 +102,6 @@ class TileConfig:
         if self.per_sm != 1 and self.schedule != "persistent_tma":
             return False
         if self.preload and not self.swap_ab:
-            return False
-        if self.skip_dead_half and self.schedule not in GLUON_SCHEDULES:
             return False
         if self.swap_ab:
             return self.block_n in (64, 128) and self.block_m in (16, 32, 64)
@@ -123,8 +120,7 @@ class TileConfig:
     def key(self) -> str:
         """A short stable name, used in the autotune cache and benchmarks."""
         extra = (f"_sk{self.split_k}" if self.split_k > 1 else "") + ("_ef" if self.evict_w else "") + (
-            f"_p{self.per_sm}" if self.per_sm != 1 else "") + ("_pre" if self.preload else "") + (
-            "_sdh" if self.skip_dead_half else "")
+            f"_p{self.per_sm}" if self.per_sm != 1 else "") + ("_pre" if self.preload else "")
         return (f"{self.schedule}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"_g{self.group_tiles_m}{extra}")
 
@@ -178,9 +174,7 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
        and its tiles fill the SMs; else ``persistent_ws`` 128 x 128.
     3. **G >= 64, N % 256 == 0** (many experts, skewed routing): the Gluon 128 x 256 tile, one
        program per SM, bands of 8 row tiles per group; ``gluon_ws_store`` (the epilogue in warps
-       of its own) to K = 5120, ``gluon_ws`` above it. Where r <= 64 (most row tiles are a
-       group's last, of 64 rows or fewer) the dead half skips its wgmmas (``skip_dead_half``);
-       at r >= 100 that lost up to 11 % on the t8192 cases with few such tiles.
+       of its own) to K = 5120, ``gluon_ws`` above it.
     4. **Otherwise** (G < 64 with 48 < r < 128, or N not a multiple of 256): ``persistent_tma``
        64 x 128, two programs per SM, bands of 8 row tiles per group.
     """
@@ -218,8 +212,7 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
             return TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
         return TileConfig("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
     if g >= 64 and n % 256 == 0:
-        return TileConfig("gluon_ws_store" if k <= 5120 else "gluon_ws", 128, 256, 4, 3, group_tiles_m=8,
-                          skip_dead_half=rows_per_group <= 64)
+        return TileConfig("gluon_ws_store" if k <= 5120 else "gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
     return TileConfig("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
 
 
@@ -263,8 +256,6 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                   T("gluon_ws", 128, 256, 4, 4, group_tiles_m=8),
                   T("gluon_ws_store", 128, 256, 4, 3, group_tiles_m=8),
                   T("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)]
-    if found[0].schedule in GLUON_SCHEDULES:  # the table's tile with its dead-half rule the other way
-        found.append(replace(found[0], skip_dead_half=not found[0].skip_dead_half))
     return [c for c in dict.fromkeys(found) if c.fits(n, g)]
 
 
@@ -362,19 +353,31 @@ def tile_for_out(config: TileConfig, out: torch.Tensor) -> TileConfig:
 
 
 def _tile_tables(device: torch.device, programs: int, g_pow2: int) -> torch.Tensor:
-    """The persistent schedule's per-program tile tables: int32 ``[programs * 3 * g_pow2]``.
+    """The persistent schedules' work buffer: int32 ``[programs * 3 * g_pow2 + 2]``, the
+    per-program tile tables and, after them, the Gluon tiles' two launch counters (tiles
+    claimed, programs done).
 
-    Each program writes its own table before reading it, so the buffer needs no
-    initialisation and is reused across launches; kept for the process's life
-    (a graph captured with it stays valid) and keyed like the split-K workspace
-    (two launches in flight at once on two streams do not share one).
+    Each program writes its own table before reading it. The counters start at zero and the
+    last program of a Gluon launch puts them back to zero, so eager launches reuse one buffer
+    per (device, current stream, size), kept for the process's life; two launches in flight at
+    once on two streams do not share one.
+
+    A launch being captured into a graph gets a buffer of its own, its counters zeroed by a
+    memset node at the start of every replay (as ``_split_workspace``'s, for the same reason:
+    a cached buffer made during a capture would never be zeroed, and graphs replayed on other
+    streams must not share counters).
     """
+    size = programs * 3 * g_pow2 + 2
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        work = torch.empty(size, dtype=torch.int32, device=device)
+        work[-2:].zero_()
+        return work
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = ("tiles", str(device), stream, programs * 3 * g_pow2)
+    key = ("tiles", str(device), stream, size)
     with _workspaces_lock:
         found = _workspaces.get(key)
         if found is None:
-            found = _workspaces[key] = (torch.empty(key[-1], dtype=torch.int32, device=device),)
+            found = _workspaces[key] = (torch.zeros(size, dtype=torch.int32, device=device),)
     return found[0]
 
 
@@ -431,8 +434,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         # 12 warps starts with (setmaxnreg then moves them from the producer to the consumers).
         extra = (_tile_tables(xq.device, grid[0], g_pow2),)
         del consts["num_stages"]
-        consts.update(GROUP_TILES_M=config.group_tiles_m, STAGES=config.num_stages, maxnreg=_GLUON_MAXNREG,
-                      SKIP_DEAD_HALF=config.skip_dead_half)
+        consts.update(GROUP_TILES_M=config.group_tiles_m, STAGES=config.num_stages, maxnreg=_GLUON_MAXNREG)
     else:
         consts.update(GROUP_TILES_M=config.group_tiles_m)
     x_arg = xq if x_words is None else x_words
@@ -537,11 +539,10 @@ def tile_key(m: int, n: int, k: int, g: int, out_dtype: torch.dtype, *,
     """The key of the tile both entries launch for this shape into an ``out_dtype`` output
     (``Backend.tile_key``): :func:`default_config`, then :func:`tile_for_out`; a decode tile's
     band (``group_tiles_m``) left out: it only orders the programs, each row's sums are the
-    same bits (so buckets on either side of r = 16 still merge). So is the Gluon tile's
-    ``skip_dead_half``: it drops only sums that are never stored (buckets either side of r = 64
-    merge). The output: rows of ``n``, whole (the server's buffers)."""
+    same bits (so buckets on either side of r = 16 still merge). The output: rows of ``n``,
+    whole (the server's buffers)."""
     tile = tile_for_out(default_config(m, n, k, g), torch.empty(0, n, dtype=out_dtype))
-    return replace(tile, group_tiles_m=1 if tile.swap_ab else tile.group_tiles_m, skip_dead_half=False).key()
+    return replace(tile, group_tiles_m=1 if tile.swap_ab else tile.group_tiles_m).key()
 
 
 def persistent(m: int, n: int, k: int, g: int, *, device: torch.device) -> bool:

@@ -10,8 +10,6 @@ first, so a row the kernel skips fails.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -54,15 +52,12 @@ def test_matches_float64_on_ragged_groups(stages, m, n, k, g):
     assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
 
 
-@pytest.mark.parametrize("skip", [False, True], ids=["computed", "skipped"])
 @pytest.mark.parametrize("config", [GLUON, STORE], ids=lambda c: c.schedule)
-def test_tiles_whose_second_half_has_no_row_of_the_group(config, skip):
+def test_tiles_whose_second_half_has_no_row_of_the_group(config):
     """A group's last row tile with 64 rows or fewer (the second consumer's half holds no row of
-    the group: computed and dropped, or with ``skip_dead_half`` not computed). Sizes around the
-    64-row edge, groups of one tile and of several, against float64; then one group's first r
-    rows alone give the bits of the same rows in a full 128-row tile (each consumer's sums are
-    its own)."""
-    config = replace(config, skip_dead_half=skip)
+    the group and runs no wgmma). Sizes around the 64-row edge, groups of one tile and of
+    several, against float64; then one group's first r rows alone give the bits of the same
+    rows in a full 128-row tile (each consumer's sums are its own)."""
     sizes = torch.tensor([64, 65, 1, 0, 63, 128 + 64, 128 + 65, 129, 256, 2 * 128 + 1, 0, 40] * 8)
     m, n, k, g = int(sizes.sum()), 512, 1536, int(sizes.numel())
     gen = torch.Generator(device=DEV).manual_seed(11)
@@ -78,6 +73,42 @@ def test_tiles_whose_second_half_has_no_row_of_the_group(config, skip):
         got = tk.launch(p.xq[:rows], p.wq, p.x_scale[:rows], p.w_scale, sizes_r, _poisoned(rows, n), config)
         full = got if full is None else full
         assert torch.equal(got, full[:rows])
+
+
+@pytest.mark.parametrize("config", [GLUON, STORE], ids=lambda c: c.schedule)
+def test_launches_claim_their_tiles_from_a_fresh_count(config):
+    """The programs claim tiles from a counter in the work buffer, and the last program of a
+    launch puts it back to zero. Back-to-back launches of different tile counts that share one
+    buffer (the same programs and G), eager and captured in two graphs replayed in turn (each
+    capture's own buffer), each store every row of every group: NaN-poisoned outputs, the
+    float64 oracle, and replays equal to eager launches bit for bit."""
+    g, n, k = 128, 512, 1024
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    problems = [random_problem(m, n, k, g, device=DEV, generator=gen) for m in (40000, 6000, 40000, 17000)]
+    assert tk.grid_for(config, 6000, n, k, g, tk._sm_count(DEV)) == tk.grid_for(config, 40000, n, k, g,
+                                                                                 tk._sm_count(DEV))
+    eager = []
+    for p in problems:
+        eager.append(_launch(p, _poisoned(p.xq.shape[0], n), config))
+        torch.cuda.synchronize()
+        assert not eager[-1].isnan().any()
+        assert rel_error(eager[-1], reference_float64(*p.args())) <= SPEC_TOLERANCE
+    outs = [_poisoned(p.xq.shape[0], n) for p in problems[:2]]
+    graphs = []
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for p, out in zip(problems[:2], outs):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _launch(p, out, config)
+            graphs.append(graph)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        for graph, out, want in zip(graphs, outs, eager[:2]):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
 
 
 def test_one_live_group_of_one_row():
@@ -129,7 +160,7 @@ def test_server_form_in_a_graph_equals_the_public_entry(dtype):
     the same data, bit for bit, and both run the Gluon tile (gluon_ws_store; as gluon_ws into
     float32)."""
     m, n, k, g = 13000, 512, 1536, 384  # 33.9 rows per group: the Gluon tile's class (r >= 32)
-    assert tk.default_config(m, n, k, g) == replace(STORE, skip_dead_half=True)  # r <= 64
+    assert tk.default_config(m, n, k, g) == STORE
     gen = torch.Generator(device=DEV).manual_seed(13)
     torch.manual_seed(13)
     first = random_problem(m, n, k, g, device=DEV, generator=gen)
@@ -166,14 +197,13 @@ def test_server_form_in_a_graph_equals_the_public_entry(dtype):
     assert tk.tile_key(m, n, k, g, dtype, device=DEV) == (STORE if dtype == torch.bfloat16 else GLUON).key()
 
 
-@pytest.mark.parametrize("words,row_map", [(False, False), (True, False), (True, True)],
-                         ids=["pointers", "words", "words_row_map"])
+@pytest.mark.parametrize("words,row_map", [(True, False), (True, True)], ids=["words", "words_row_map"])
 @pytest.mark.parametrize("config", [GLUON, STORE], ids=lambda c: c.schedule)
-def test_skipping_the_dead_half_keeps_every_stored_bit(config, words, row_map):
-    """``skip_dead_half`` (the table's rule where r <= 64) drops only sums that are never stored:
-    every form gives the bits of the tile that computes them, rows outside every group untouched,
-    on skewed sizes with empty groups and tails on both sides of 64 rows (G = 256, r = 42, as
-    Kimi-K2 / DeepSeek-V3 at 2048 tokens); so ``tile_key`` leaves it out."""
+def test_tail_tiles_give_the_public_bits_in_every_form(config, words, row_map):
+    """Skewed sizes with empty groups and tails on both sides of 64 rows (G = 256, r = 42, as
+    Kimi-K2 / DeepSeek-V3 at 2048 tokens: most tiles skip a dead half, in the order the programs
+    claim them): the server's forms give the public launch's bits, rows outside every group
+    untouched, within SPEC 1's tolerance of float64."""
     g, n, k = 256, 512, 1536
     sizes = random_m_sizes(g, 42 * g, generator=torch.Generator().manual_seed(5))
     sizes[:6] = torch.tensor([0, 64, 65, 1, 128 + 64, 128 + 65])
@@ -185,11 +215,11 @@ def test_skipping_the_dead_half_keeps_every_stored_bit(config, words, row_map):
     assert int((p.m_sizes == 0).sum()) >= 1
     assert int(((rem > 0) & (rem <= 64)).sum()) >= 40 and int((rem > 64).sum()) >= 20
     out_rows = torch.randperm(m, device=DEV) if row_map else None
-    outs = [_launch_form(p, _poisoned(m, n), replace(config, skip_dead_half=skip), words, out_rows)
-            for skip in (False, True)]
+    public = _launch_form(p, _poisoned(m, n), config, False)
+    out = _launch_form(p, _poisoned(m, n), config, words, out_rows)
     torch.cuda.synchronize()
-    assert torch.equal(_bits(outs[0]), _bits(outs[1]))
-    got = outs[1][out_rows] if row_map else outs[1]
+    got = out[out_rows] if row_map else out
+    assert torch.equal(_bits(got), _bits(public))
     assert not got[:live].isnan().any() and got[live:].isnan().all()
     want = reference_float64(p.xq[:live], p.wq, p.x_scale[:live], p.w_scale, p.m_sizes)
     assert rel_error(got[:live], want) <= SPEC_TOLERANCE

@@ -5,7 +5,6 @@ Needs the triton package (the ``cuda`` extra) but no GPU; no kernel is launched.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import pytest
@@ -122,18 +121,16 @@ def test_prefill_table_rules():
     # Many experts (skewed routing), from 32 rows per group: the Gluon warp-specialised tile
     # (any G up to TABLE_G_MAX) where N is a multiple of 256, its store-warp form to K = 5120 ...
     store = T("gluon_ws_store", 128, 256, 4, 3, group_tiles_m=8)
-    sdh = functools.partial(replace, skip_dead_half=True)
     for m, n, k, g in ((32768, 4096, 7168, 256), (65 * 384, 4096, 7168, 384), (65 * 1024, 2048, 7168, 1024)):
         assert tk.default_config(m, n, k, g) == gluon
     for m, n, k, g in ((200000, 4096, 1536, 128), (16384 + 256, 7168, 2048, 256), (9000, 512, 1536, 128),
                        (65536, 3072, 5120, 160), (8192 + 128, 16384, 5120, 128)):
         assert tk.default_config(m, n, k, g) == store
-    # ... whose dead half (a group's last row tile of 64 rows or fewer) skips its wgmmas where
-    # the mean rows per group is at most 64 (most tiles are such tails).
+    # ... at every mean rows per group from 32 (the tile skips a dead half itself).
     for m, n, k, g in ((16384, 4096, 7168, 384), (32 * 1024, 2048, 7168, 1024), (64 * 256, 4096, 7168, 256)):
-        assert tk.default_config(m, n, k, g) == sdh(gluon)
+        assert tk.default_config(m, n, k, g) == gluon
     for m, n, k, g in ((16384, 7168, 2048, 256), (8192, 16384, 5120, 128), (16384, 7168, 2048, 384)):
-        assert tk.default_config(m, n, k, g) == sdh(store)
+        assert tk.default_config(m, n, k, g) == store
     # ... else, and below 128 rows per group at G < 64: the persistent TMA tiles with the tile table.
     many = T("persistent_tma", 64, 128, 4, 4, group_tiles_m=8, per_sm=2)
     for m, n, k, g in ((512, 2048, 7168, 8), (16384, 1408, 2048, 128), (4000, 1408, 2048, 64),
@@ -146,8 +143,8 @@ def test_prefill_table_rules():
     assert tk.default_config(40 * 8, 1280, 8192, 8).swap_ab
     # At G >= 64 from 16 rows per group where one expert's weights pass 32 MiB (Llama-4 at
     # 2048 tokens), not for smaller experts (Qwen3 at 256 tokens), nor without N % 256 == 0.
-    assert tk.default_config(2048, 16384, 5120, 128) == sdh(store)
-    assert tk.default_config(2048, 5120, 8192, 128) == sdh(gluon)
+    assert tk.default_config(2048, 16384, 5120, 128) == store
+    assert tk.default_config(2048, 5120, 8192, 128) == gluon
     assert tk.default_config(2048, 3072, 4096, 128).swap_ab
     assert tk.default_config(2048, 16384 + 128, 5120, 128).swap_ab
     assert tk.default_config(1024, 16384, 5120, 128).swap_ab  # r = 8
@@ -194,12 +191,6 @@ def test_schedule_limits_and_keys():
         assert not T(variant, 128, 256, 4, 3).fits(1408)
         assert not T(variant, 128, 128, 4, 3).fits(2048)
     assert not T("gluon_ws_store", 128, 256, 4, 4).fits(2048)  # 256 KiB
-    # Skipping the dead half: the Gluon tiles' option only, with a key of its own.
-    for variant in ("gluon_ws", "gluon_ws_store"):
-        assert T(variant, 128, 256, 4, 3, skip_dead_half=True).fits(2048)
-        assert T(variant, 128, 256, 4, 3, skip_dead_half=True).key() != T(variant, 128, 256, 4, 3).key()
-    assert not T("persistent_tma", 64, 128, 4, skip_dead_half=True).fits(2048)
-    assert not T("decode", 16, 128, skip_dead_half=True).fits(2048)
     # The persistent tile's group walk is unrolled: bounded G.
     assert T("persistent_ws", 128, 128, 4, 2).fits(2048, tk.PERSISTENT_G_MAX)
     assert not T("persistent_ws", 128, 128, 4, 2).fits(2048, tk.PERSISTENT_G_MAX + 1)
@@ -326,7 +317,9 @@ def test_the_service_launch_differs_only_in_where_it_reads_and_stores(m, n, k, g
 def test_tile_tables_are_per_program_and_cached():
     cpu = torch.device("cpu")
     table = tk._tile_tables(cpu, 264, 256)
-    assert table.dtype == torch.int32 and table.numel() == 264 * 3 * 256
+    # Each program's table, then the Gluon tiles' two launch counters, which start at zero.
+    assert table.dtype == torch.int32 and table.numel() == 264 * 3 * 256 + 2
+    assert not table[-2:].any()
     assert tk._tile_tables(cpu, 264, 256) is table
     assert tk.grid_for(tk.TileConfig("persistent_tma", 64, 128, 4, 4, per_sm=2), 65536, 4096, 7168, 256, 132) \
         == (264,)
@@ -359,12 +352,7 @@ def test_gluon_launch_options(monkeypatch):
     assert tk.persistent(m, n, k, g, device=xq.device)
     assert tk.tile_key(m, n, k, g, torch.float32, device=xq.device) == \
         tk.tile_key(m, n, k, g, torch.bfloat16, device=xq.device) == "gluon_ws_m128_n256_w4_s3_g8"
-    assert kw["SKIP_DEAD_HALF"] is False  # r = 128
-    # At r <= 64 the table's tile skips the dead half, and the launch says so to the kernel.
-    kernel.launches.clear()
-    tk.run(xq[: 64 * g], wq, x_scale[: 64 * g], w_scale, torch.full((g,), 64), out[: 64 * g])
-    ((_, _, kw),) = kernel.launches
-    assert kw["SKIP_DEAD_HALF"] is True
+    assert "SKIP_DEAD_HALF" not in kw  # the tile skips a dead half at every r: no option
 
 
 def _same_argument(a, b) -> bool:
@@ -420,10 +408,9 @@ def test_gluon_variants_launch_like_gluon_ws(variant, monkeypatch):
             kernel.launches.clear()
 
 
-def test_tile_keys_leave_out_the_decode_band_and_the_dead_half_skip():
+def test_tile_keys_leave_out_the_decode_band():
     """Buckets either side of r = 16 at G < 64 run the same decode tile, banded or not: the
-    band only orders the programs, so their keys (what the executor merges by) are equal. So do
-    buckets either side of r = 64 of a Gluon tile, with and without its dead-half skip."""
+    band only orders the programs, so their keys (what the executor merges by) are equal."""
     n, k, g = 4096, 4096, 8
     assert tk.default_config(64, n, k, g).group_tiles_m == 1
     assert tk.default_config(128, n, k, g).group_tiles_m == 8
@@ -432,9 +419,7 @@ def test_tile_keys_leave_out_the_decode_band_and_the_dead_half_skip():
             == tk.tile_key(128, n, k, g, torch.bfloat16, device=cpu)
             == replace(tk.default_config(128, n, k, g), group_tiles_m=1).key())
     assert tk.tile_key(512, n, k, g, torch.bfloat16, device=cpu) == tk.default_config(512, n, k, g).key()
-    # The Gluon tile's dead-half skip drops only sums never stored: buckets either side of
-    # r = 64 keep one key (and merge).
+    # A Gluon tile's buckets either side of r = 64 (tiles with and without dead halves) too.
     n, k, g = 7168, 2048, 256
-    assert tk.default_config(64 * g, n, k, g).skip_dead_half and not tk.default_config(128 * g, n, k, g).skip_dead_half
     assert (tk.tile_key(64 * g, n, k, g, torch.bfloat16, device=cpu)
             == tk.tile_key(128 * g, n, k, g, torch.bfloat16, device=cpu) == tk.default_config(128 * g, n, k, g).key())
