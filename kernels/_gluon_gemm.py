@@ -237,7 +237,7 @@ def _publish_tile(tiles_ring, i, t, group, first_row, tile_n, row_stop):
 
 @gluon.jit
 def _field(values, field, which: gl.constexpr):
-    """One field of the four a thread holds (a reduction within the thread: no shuffles)."""
+    """One field of the eight words a thread holds (a reduction within the thread: no shuffles)."""
     return gl.sum(gl.where(field == which, values, 0), axis=0)
 
 
@@ -520,25 +520,24 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
 
 # ---- issue 15: the tile's fixed cost off the tensor cores' path ---------------------------------
 #
-# ``gluon_ws`` pays per tile, with the tensor cores idle: the consumers' own table search
-# (O(log G) dependent global loads), the first K block's scale loads before its first wgmma,
-# and the epilogue (both warpgroups convert and store 64 x 256 while no wgmma is issued). A fit
-# over v17's Gluon cases: ~7.86 ns x K + 1.75 us a tile. Two variants with gluon_ws's arguments,
-# semantics and accumulation order (so its bits):
+# ``gluon_ws`` pays per tile, with the tensor cores idle: the consumers' table search (O(log G)
+# dependent global loads), the first K block's scale loads before its first wgmma, and the
+# epilogue (both warpgroups convert and store 64 x 256 while no wgmma is issued). A fit over
+# v17's Gluon cases: ~7.86 ns x K + 1.75 us a tile. ``gluon_ws_store`` has its arguments,
+# semantics and accumulation order (so its bits), and takes two of those costs off the path:
 #
-# - the tile handed over: the producer, which claims the tiles ahead anyway, hands each tile's
-#   (group, first row, column tile, group end) to the consumers through the tile ring, so a
-#   consumer starts a tile after one shared-memory read instead of the search. (Issuing a block's first wgmma before its scale product, to put the
+# - the tile's fields from the ring: the consumers take (group, first row, column tile, group
+#   end) as the producer found them, one shared-memory read instead of the search (gluon_ws's
+#   consumers take only the tile's number: its four fields, held across gluon_ws's K loop, made
+#   ptxas spill into it). Session 10 measured this hand-over alone with gluon_ws's K loop and
+#   epilogue: 1.04x on the 12 w2 cases, 0.975x on the 12 w13 ones (`bench/results/session10/
+#   call3_gluon11.json`). (Issuing a block's first wgmma before its scale product, to put the
 #   first scale loads under the MMA, cost 52-136 bytes of spills at 232 registers: not done.)
-#   Alone, with gluon_ws's K loop and epilogue (``gluon_ws_handoff``, measured on the H200 in
-#   session 10, `bench/results/session10/call3_gluon11.json`): 1.04x on the 12 w2 cases, 0.975x
-#   on the 12 w13 ones; deleted, its hand-over kept in ``gluon_ws_store``.
-# - ``gluon_ws_store``: the hand-over, and the epilogue in a partition of its own: each consumer
-#   writes its 64 x 256 to shared memory (bf16, straight from the MMA layout: stmatrix, no
-#   layout conversion) and goes on to its next tile; two store warps move it to global memory
-#   with gluon_ws's masked stores (and row map), taking each tile from the ring too.
-#   Rows past the group's end are never written (masked stores, not TMA: a TMA store cannot
-#   stop at a group's end nor follow the row map).
+# - the epilogue in a partition of its own: each consumer writes its 64 x 256 to shared memory
+#   (bf16, straight from the MMA layout: stmatrix, no layout conversion) and goes on to its
+#   next tile; two store warps, taking each tile from the ring too, move it to global memory
+#   with gluon_ws's masked stores (and row map). Rows past the group's end are never written
+#   (masked stores, not TMA: a TMA store cannot stop at a group's end nor follow the row map).
 
 # Triton packs the producer warp and the two store warps into one warpgroup (with a padding
 # warp), whose setmaxnreg is the largest request: 8 x 32 x 232 + 4 x 32 x 40 fits MAXNREG's
@@ -690,9 +689,9 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr,
                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
-    """``gluon_ws`` with the tile handed over by the producer and the epilogue in two store warps (section comment above): each
-    consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB with the three ring slots)
-    and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
+    """``gluon_ws`` with the tile's fields taken from the ring and the epilogue in two store warps
+    (section comment above): each consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB
+    with the three ring slots) and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
     ``gluon_ws`` instead)."""
     tiles, table, counters, srcs, descs, bufs = _prologue(
         x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,

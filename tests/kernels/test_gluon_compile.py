@@ -31,11 +31,12 @@ if not PTXAS.exists():
 
 # Spill bytes ptxas reports per schedule (bf16 forms; every float32 form and gluon_ws: none). Not
 # zero, measured with Triton 3.6's ptxas (bench/sm90_compile.py --gluon; SASS read with cuobjdump):
-# gluon_ws_store: 20 (28 with the row map) since its tiles are claimed (session 21), words stored
-# at entry, before the partitions' setmaxnreg, and reloaded per tile by the store warps and the
-# consumers, never in a K loop. Neither spills an accumulator; more than this means ptxas moved
-# the K loop's values out.
-SPILL_BUDGET = {"gluon_ws": 0, "gluon_ws_store": 28}
+# gluon_ws_store: 20 since its tiles are claimed (session 21), words stored at entry, before the
+# partitions' setmaxnreg, and reloaded per tile by the store warps and the consumers, never in a
+# K loop; its merged-call form (the row map) 8 more. Neither spills an accumulator; more than
+# this means ptxas moved the K loop's values out.
+SPILL_BUDGET = {"gluon_ws": 0, "gluon_ws_store": 20}
+ROW_MAP_SPILL = {"gluon_ws": 0, "gluon_ws_store": 8}
 PARTITIONS = {"gluon_ws": 2, "gluon_ws_store": 3}
 # The last: 42 rows per group (most row tiles have a dead half).
 SHAPES = [(65536, 4096, 7168, 256), (65 * 384, 7168, 2048, 384), (16384, 7168, 2048, 384)]
@@ -77,7 +78,8 @@ def test_every_form_compiles_clean_for_sm90(schedule, m, n, k, g, addrs, service
     cfg = replace(cfg, schedule=schedule)
     found = report(cfg, m, n, k, g, addrs, service, out, row_map)
     assert "error" not in found, found
-    budget = (SMALL_G_SPILL_BUDGET if g < 64 else SPILL_BUDGET[schedule]) if out == "bf16" else 0
+    budget = (SMALL_G_SPILL_BUDGET if g < 64 else SPILL_BUDGET[schedule] + row_map * ROW_MAP_SPILL[schedule]
+              ) if out == "bf16" else 0
     assert found["spill_bytes"] <= budget, found
     assert found["fits_smem"], found["smem"]
     assert found["serialised"] == []

@@ -314,8 +314,11 @@ def test_the_service_launch_differs_only_in_where_it_reads_and_stores(m, n, k, g
         tk.run_addressed(xq, words[:2], x_scale, sizes, out, groups=g, out_rows=pairs[:3, 1])
 
 
-def test_tile_tables_are_per_program_and_cached():
+def test_tile_tables_are_per_program_and_cached(monkeypatch):
     cpu = torch.device("cpu")
+    # Memory that is not zero where it comes from (torch.empty's would often be): the counters
+    # must still start at zero.
+    monkeypatch.setattr(tk.torch, "empty", lambda *a, **kw: torch.full(*a, 7, **kw))
     table = tk._tile_tables(cpu, 264, 256)
     # Each program's table, then the Gluon tiles' two launch counters, which start at zero.
     assert table.dtype == torch.int32 and table.numel() == 264 * 3 * 256 + 2
@@ -328,6 +331,29 @@ def test_tile_tables_are_per_program_and_cached():
     gluon = tk.TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
     assert tk.grid_for(gluon, 65536, 4096, 7168, 256, 132) == (132,)
     assert tk.grid_for(gluon, 256, 512, 512, 1, 132) == (2 * 2,)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 0), (0, 1024)])
+def test_an_empty_k_or_n_is_refused_before_any_launch(n, k, monkeypatch):
+    """Every schedule reads at least one K block (a Gluon tile's producer would fill a ring slot
+    no consumer turns, and hang): every entry refuses K or N of 0 before it launches."""
+    m, g = 65536, 256
+    kernel = _RecordingKernel()
+    for schedule in tk.SCHEDULES:
+        monkeypatch.setitem(tk.SCHEDULES, schedule, kernel)
+    xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    w_scale, x_scale = torch.ones((g, k // 128, n // 128)), torch.ones((m, k // 128))
+    sizes = torch.full((g,), m // g)
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    words = torch.zeros(2, dtype=torch.int64)
+    config = tk.TileConfig("gluon_ws_store", 128, 256, 4, 3, group_tiles_m=8)
+    for call in (lambda: tk.run(xq, wq, x_scale, w_scale, sizes, out),
+                 lambda: tk.run_addressed(xq, words, x_scale, sizes, out, groups=g),
+                 lambda: tk.launch(xq, wq, x_scale, w_scale, sizes, out, config)):
+        with pytest.raises(ValueError, match="positive multiples of 128"):
+            call()
+    assert kernel.launches == []
 
 
 def test_gluon_launch_options(monkeypatch):
