@@ -243,9 +243,12 @@ def _field(values, field, which: gl.constexpr):
 
 @gluon.jit
 def _take_tile(tiles_ring, i):
-    """A consumer or the store warps: this program's ``i``-th tile from the ring (group, first
-    row, column tile, group end row; group -1: no more); the slot is given back as soon as the
-    fields are in registers."""
+    """A consumer or the store warps: this program's ``i``-th tile from the ring (the launch's tile
+    number, group, first row, column tile, group end row; number and group -1: no more); the slot
+    is given back as soon as the fields are in registers. A caller that uses only some fields
+    costs only those (the rest are dropped at compile time): ``gluon_ws``'s consumers take the
+    number alone and search their table, since the four fields held across their K loop took
+    them past their registers (spilled, reloaded in the K loop: sm_90 SASS)."""
     info, posted, taken = tiles_ring
     SLOTS: gl.constexpr = info.type.shape[0]
     slot = i % SLOTS
@@ -253,27 +256,13 @@ def _take_tile(tiles_ring, i):
     layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
     values = info.index(slot).load(layout)
     field = gl.arange(0, 8, layout=layout)
+    t = _field(values, field, 4)
     group = _field(values, field, 0)
     first_row = _field(values, field, 1)
     tile_n = _field(values, field, 2)
     row_stop = _field(values, field, 3)
     mbarrier.arrive(taken.index(slot), count=1)
-    return group, first_row, tile_n, row_stop
-
-
-@gluon.jit
-def _take_index(tiles_ring, i):
-    """A ``gluon_ws`` consumer: the launch's number of this program's ``i``-th tile (-1: no more),
-    which it finds in its table itself. The four fields of :func:`_take_tile` held across the K
-    loop took the consumers past their registers (spilled, reloaded in the K loop: sm_90 SASS)."""
-    info, posted, taken = tiles_ring
-    SLOTS: gl.constexpr = info.type.shape[0]
-    slot = i % SLOTS
-    mbarrier.wait(posted.index(slot), (i // SLOTS) & 1)
-    layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
-    t = _field(info.index(slot).load(layout), gl.arange(0, 8, layout=layout), 4)
-    mbarrier.arrive(taken.index(slot), count=1)
-    return t
+    return t, group, first_row, tile_n, row_stop
 
 
 @gluon.jit
@@ -417,7 +406,7 @@ def _mma_partition(bufs, tiles_ring, table_ptr, scalars, srcs, out_ptr, map_ptr,
                    G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr,
                    ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
     """One consumer warpgroup of ``gluon_ws``: rows ``[HALF * 64, HALF * 64 + 64)`` of every tile
-    the producer claims for this program (:func:`_take_index`), stored by this warpgroup.
+    the producer claims for this program (its number, :func:`_take_tile`), stored by this warpgroup.
 
     Two accumulators (one per weight-scale column); the two 128-wide halves
     of a K block one after the other into one part (a second part would not
@@ -439,7 +428,7 @@ def _mma_partition(bufs, tiles_ring, table_ptr, scalars, srcs, out_ptr, map_ptr,
     num_kb = K // BK
     it = 0
     i = 0
-    t = _take_index(tiles_ring, i)
+    t, _group, _first_row, _tile_n, _row_stop = _take_tile(tiles_ring, i)
     while t >= 0:
         group, first_row, tile_n, row_stop = _find_tile(table_ptr, t, num_n, BM, G_POW2, GROUP_TILES_M)
         xs_base, ws_base = _scale_bases(srcs, ADDRS, X_WORDS)
@@ -457,7 +446,7 @@ def _mma_partition(bufs, tiles_ring, table_ptr, scalars, srcs, out_ptr, map_ptr,
         _store(acc_b, out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
         _store(acc, out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
         i += 1
-        t = _take_index(tiles_ring, i)
+        t, _group, _first_row, _tile_n, _row_stop = _take_tile(tiles_ring, i)
 
 
 @gluon.jit
@@ -586,7 +575,7 @@ def _staging_mma_partition(bufs, tiles_ring, staging, scalars, srcs, HALF: gl.co
     num_kb = K // BK
     it = 0
     i = 0  # this program's tile count so far
-    group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
+    _t, group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
     while group >= 0:
         xs_base, ws_base = _scale_bases(srcs, ADDRS, X_WORDS)
         _rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
@@ -595,7 +584,7 @@ def _staging_mma_partition(bufs, tiles_ring, staging, scalars, srcs, HALF: gl.co
                                     HALF, mma_layout)
         _stage(acc, acc_b, staging, i, HALF)
         i += 1
-        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
+        _t, group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
 
 
 @gluon.jit
@@ -668,7 +657,7 @@ def _store_partition(staging, dests, tiles_ring, scalars, out_ptr, map_ptr, ROW_
     LANES_N: gl.constexpr = COLS // VEC
     layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0])
     i = 0
-    group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
+    _t, group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
     while group >= 0:
         if ROW_MAP:
             _tile_dests(dests, map_ptr, first_row, row_stop, M, stride_map, stride_om)
@@ -679,7 +668,7 @@ def _store_partition(staging, dests, tiles_ring, scalars, out_ptr, map_ptr, ROW_
                        tile_n * (2 * COLS) + c * COLS, row_stop, ROW_MAP, stride_om, layout, ROWS)
             mbarrier.arrive(drained.index(h), count=1)
         i += 1
-        group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
+        _t, group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
 
 
 @gluon.jit
