@@ -23,6 +23,7 @@ import numpy as np
 
 from ._errors import (
     APIError,
+    ArgumentDtype,
     BadName,
     DeadlineExceeded,
     InternalError,
@@ -150,11 +151,11 @@ def _m_sizes_int64(m_sizes: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(m_sizes, torch.Tensor):
         if m_sizes.dtype.is_floating_point or m_sizes.dtype.is_complex:
-            raise TypeError(f"m_sizes must hold integers, got {m_sizes.dtype}")
+            raise ArgumentDtype(f"m_sizes must hold integers, got {m_sizes.dtype}")
         return m_sizes.to(torch.int64)
     arr = np.asarray(m_sizes)
     if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"m_sizes must hold integers, got {arr.dtype}")
+        raise ArgumentDtype(f"m_sizes must hold integers, got {arr.dtype}")
     return arr.astype(np.int64)
 
 
@@ -238,24 +239,24 @@ def _routing(topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(topk_ids, torch.Tensor):
         if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex:
-            raise TypeError(f"topk_ids must hold integers, got {topk_ids.dtype}")
+            raise ArgumentDtype(f"topk_ids must hold integers, got {topk_ids.dtype}")
         if topk_ids.dtype not in (torch.int32, torch.int64):
             topk_ids = topk_ids.to(torch.int64)
     else:
         topk_ids = np.asarray(topk_ids)
         if topk_ids.size and topk_ids.dtype.kind not in "iu":
-            raise TypeError(f"topk_ids must hold integers, got {topk_ids.dtype}")
+            raise ArgumentDtype(f"topk_ids must hold integers, got {topk_ids.dtype}")
         if topk_ids.dtype not in (np.int32, np.int64):
             topk_ids = topk_ids.astype(np.int64)
     if torch is not None and isinstance(topk_weights, torch.Tensor):
         if not topk_weights.dtype.is_floating_point:
-            raise TypeError(f"topk_weights must be floats, got {topk_weights.dtype}")
+            raise ArgumentDtype(f"topk_weights must be floats, got {topk_weights.dtype}")
         topk_weights = topk_weights.to(torch.float32)
     else:
         topk_weights = np.asarray(topk_weights)
         if topk_weights.size and topk_weights.dtype.kind != "f" and \
                 topk_weights.dtype.name != "bfloat16":
-            raise TypeError(f"topk_weights must be floats, got {topk_weights.dtype}")
+            raise ArgumentDtype(f"topk_weights must be floats, got {topk_weights.dtype}")
         topk_weights = topk_weights.astype(np.float32)
     return topk_ids, topk_weights
 

@@ -7,7 +7,7 @@
           │    ├── BadMsgpack bad_msgpack
           │    ├── BadField bad_field
           │    ├── BadTensor bad_tensor
-          │    ├── BadDtype bad_dtype
+          │    ├── BadDtype bad_dtype                (ArgumentDtype: the client's, also a TypeError)
           │    ├── BadShape bad_shape
           │    ├── BadMSizes bad_m_sizes
           │    ├── NotFinite not_finite
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 __all__ = [
     "APIError",
+    "ArgumentDtype",
     "BadDtype",
     "BadField",
     "BadMSizes",
@@ -133,6 +134,11 @@ class BadDtype(InvalidRequest):
     """A dtype the endpoint does not take."""
 
     code = "bad_dtype"
+
+
+class ArgumentDtype(BadDtype, TypeError):
+    """``BadDtype`` found by the client before sending: an array whose dtype no endpoint takes
+    (float64 on the wire, float ids or sizes). Also a ``TypeError``, as any wrong argument."""
 
 
 class BadShape(InvalidRequest):

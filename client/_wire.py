@@ -20,7 +20,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from ._errors import BadDtype, BadMsgpack, BadTensor
+from ._errors import ArgumentDtype, BadDtype, BadMsgpack, BadTensor
 
 __all__ = [
     "DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "pack_parts", "pack_tensors",
@@ -91,7 +91,7 @@ def encode_tensor(a: Any) -> dict:
     if torch is not None:
         name = next((n for n in _TORCH_NAMES if getattr(torch, n, None) == a.dtype), None)
         if name is None:
-            raise TypeError(f"dtype {a.dtype} cannot go on the wire; it takes {sorted(DTYPES)}")
+            raise ArgumentDtype(f"dtype {a.dtype} cannot go on the wire; it takes {sorted(DTYPES)}")
         t = a.detach().to("cpu").contiguous()
         shape = list(t.shape)
         # Reinterpret as bytes: numpy has no fp8/bf16 dtype torch could hand over.
@@ -120,7 +120,7 @@ def _wire_name(dtype: np.dtype) -> str:
             if dtype.byteorder != ">":  # only dtypes whose bytes are already wire order
                 _NAMES[dtype] = name
             return name
-    raise TypeError(f"dtype {dtype} cannot go on the wire; it takes {sorted(DTYPES)}")
+    raise ArgumentDtype(f"dtype {dtype} cannot go on the wire; it takes {sorted(DTYPES)}")
 
 
 # numpy dtypes seen before -> their wire name (a dict hit instead of a scan).

@@ -92,7 +92,10 @@ def grouped_gemm(
             # answer is the same bits however many rows share the launch (a float32
             # bmm's kernel, and so its summation order, changes with the row count).
             partial = torch.bmm(x, w).float()  # [kb, rows, N]
-            partial.mul_(x_scale[lo:hi].float().t().unsqueeze(2)).mul_(ws)
+            # The two scales' product first, then the dot times it (as every kernel does): a
+            # dot times x_scale alone can pass float32's range where the product is modest
+            # (x_scale 1e35, w_scale 1e-35), an Inf or NaN where the answer is finite (SPEC 1).
+            partial.mul_(x_scale[lo:hi].float().t().unsqueeze(2) * ws)
             acc = partial[0]
             for block in range(1, kb):  # the K blocks summed in order, whatever the shape
                 acc += partial[block]

@@ -78,8 +78,10 @@ def not_finite_error(flags: np.ndarray):
     from moegemm.client._errors import NotFinite
 
     seen = int(np.bitwise_or.reduce(flags))
+    # x first: a float x the server quantized also gets a bad scale from its NaN or Inf, and the
+    # caller sent no x_scale to blame.
+    if seen & BAD_X:
+        return NotFinite("x holds NaN or Inf; bf16/fp16/fp32 inputs are finite")
     if seen & BAD_SCALE:
         return NotFinite("x_scale holds a NaN, Inf or a value <= 0; scales are finite and > 0")
-    if seen & BAD_X:
-        return NotFinite("x holds NaN or Inf")
     return None

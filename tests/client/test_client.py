@@ -13,7 +13,7 @@ import ml_dtypes
 import moegemm.client as mc
 import numpy as np
 import pytest
-from moegemm.client import APIError, AsyncClient, Client, TransportError
+from moegemm.client import APIError, AsyncClient, BadDtype, Client, TransportError
 from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
 
 try:
@@ -130,8 +130,11 @@ def test_request_ids_are_fresh_and_x_scale_is_optional(fake, client):
 
 def test_m_sizes_must_be_integers(client):
     x = np.random.randn(4, 128).astype(np.float32)
-    with pytest.raises(TypeError, match="m_sizes"):
+    with pytest.raises(BadDtype, match="m_sizes") as info:
         client.grouped_gemm("w", x, [1.5, 2.5])
+    assert isinstance(info.value, TypeError)  # a wrong argument, as Python's own
+    with pytest.raises(BadDtype, match="float64"):  # what the server would answer, before sending
+        client.grouped_gemm("w", x.astype(np.float64), [2, 2])
 
 
 @needs_torch

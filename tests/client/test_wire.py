@@ -98,10 +98,13 @@ def test_numpy_scalar_keeps_shape_empty():
 
 
 def test_encode_refuses_dtypes_outside_the_wire():
-    with pytest.raises(TypeError, match="float64"):
-        encode_tensor(np.random.rand(2, 2))
-    with pytest.raises(TypeError):
-        encode_tensor(np.array([True, False]))
+    """The server's code for such an array (SPEC 2.2 bad_dtype), raised before sending: one
+    exception tree (SPEC 4), and a TypeError as any wrong argument."""
+    for bad in (np.random.rand(2, 2), np.array([True, False])):
+        with pytest.raises(BadDtype, match="cannot go on the wire") as info:
+            encode_tensor(bad)
+        assert isinstance(info.value, TypeError) and info.value.code == "bad_dtype"
+        assert info.value.status == 400
 
 
 def test_decode_is_zero_copy():

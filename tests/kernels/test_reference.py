@@ -209,3 +209,28 @@ def test_empty_k_is_refused_by_the_public_entry_and_the_reference():
         reference.grouped_gemm(
             xq, wq, x_scale, w_scale, m_sizes, out=torch.empty(3, 128, dtype=torch.bfloat16)
         )
+
+
+# The reference backend on the CPU; on a CUDA device every kind of tile the table picks there
+# (one-token pairs, split-K decode, 16/32-token decode, 128 x 128 persistent, both Gluon tiles).
+FAR_APART = [("cpu", (83, 256, 512, 3))] + ([("cuda", shape) for shape in [
+    (16, 1280, 1024, 8), (32, 1280, 8192, 8), (83, 256, 512, 3), (2048, 512, 1024, 8),
+    (8192, 1024, 1024, 64), (4096, 512, 6144, 64)]] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device, shape", FAR_APART, ids=lambda v: str(v))
+@pytest.mark.parametrize("x_factor, w_factor", [(1e35, 1e-35), (1e-35, 1e35), (1e30, 1e-30)])
+def test_scales_far_apart_give_the_finite_answer(device, shape, x_factor, w_factor):
+    """SPEC 1: no NaN or Inf where the reference is finite, on every backend. Activation scales
+    near float32's top with weight scales near its bottom (a product of ordinary size): a K
+    block's dot times the activation scale alone would pass float32's range (Inf, and NaN where
+    blocks of both signs meet), so every backend multiplies the two scales first."""
+    m, n, k, g = shape
+    p = random_problem(m, n, k, g, device=device)
+    args = (p.xq, p.wq, p.x_scale * x_factor, p.w_scale * w_factor, p.m_sizes)
+    want = reference_float64(*args)
+    assert torch.isfinite(want).all() and want.abs().max() < 1e30
+    out = grouped_gemm(*args, out=poisoned_out(m, n, device=device))
+    assert torch.isfinite(out).all()
+    assert rel_error(out, want) <= SPEC_TOLERANCE
+

@@ -213,6 +213,19 @@ def _bad_moe(p):
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_float_x_holding_nan_is_named_as_x(srv, dtype):
+    """SPEC 2: the message says what was wrong. A float x the server quantizes for the caller
+    (fp16/fp32: before the graphs) also makes a NaN scale; the caller sent none, so the message
+    names x, on both endpoints."""
+    x = srv.p.tokens(6).to(dtype)
+    x[2, 5] = float("nan")
+    for kind, body in (("ffn", ffn_body(x, [2, 0, 4, 0])), ("moe", moe_body(x, *random_routing(6, 2, G)))):
+        r = post(srv.http, "e", kind, body)
+        assert_error(r, 400, "not_finite")
+        assert r.json()["error"]["message"].startswith("x holds NaN or Inf"), (kind, dtype, r.text)
+
+
 def test_bad_calls_get_their_codes_and_change_nothing(srv):
     p = srv.p
     before = snapshot(srv.http)
