@@ -122,7 +122,7 @@ async def _lifespan(app: FastAPI):
     loading = asyncio.create_task(_load_startup_sets(svc, app.state.experts))
     # A failed start-up load is fatal: a server that silently lacks its weights
     # would answer no_such_weights forever while claiming to be healthy.
-    loading.add_done_callback(_fail_loudly)
+    loading.add_done_callback(lambda task: _fail_loudly(task, svc))
     try:
         yield
     finally:
@@ -142,10 +142,12 @@ def exit_for_restart(grace_s: float) -> None:
     threading.Thread(target=stop, name="moegemm-device-lost", daemon=True).start()
 
 
-def _fail_loudly(task: asyncio.Task) -> None:
+def _fail_loudly(task: asyncio.Task, svc: routes.Services) -> None:
     if task.cancelled() or task.exception() is None:
         return
-    log.error("start-up loading failed; the server stays not ready", exc_info=task.exception())
+    error = task.exception()
+    svc.startup_error = str(error) or type(error).__name__
+    log.error("start-up loading failed; the server stays not ready", exc_info=error)
 
 
 class BodyBudget:

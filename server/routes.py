@@ -58,6 +58,8 @@ class Services:
     store: WeightStore
     metrics: Metrics
     ready: bool = False
+    # Why start-up loading failed (then the server never becomes ready), else None.
+    startup_error: str | None = None
 
 
 def services(request: Request) -> Services:
@@ -120,10 +122,18 @@ async def require_admin(request: Request) -> None:
         raise Unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
 
 
+def not_ready(svc: Services) -> NotReady:
+    """503 not_ready: still loading (retry soon), or loading failed (no retry will help)."""
+    if svc.startup_error is not None:
+        return NotReady(f"start-up loading failed, so this server will not become ready: "
+                        f"{svc.startup_error} (fix the configuration and restart it)")
+    return NotReady("the server is still loading its weights", retry_after=1)
+
+
 def check_ready(svc: Services) -> None:
     """The weight and gemm endpoints answer 503 until start-up loading is done."""
     if not svc.ready:
-        raise NotReady("the server is still loading its weights", retry_after=1)
+        raise not_ready(svc)
 
 
 async def require_ready(request: Request) -> None:
@@ -275,7 +285,7 @@ async def ready(svc: ServicesDep) -> dict:
     is lost)."""
     _require_device(svc)
     if not svc.ready:
-        raise NotReady("the server is still loading its weights", retry_after=1)
+        raise not_ready(svc)
     return {"status": "ready"}
 
 

@@ -117,19 +117,38 @@ class OpenedFile(os.PathLike):
         self._close()
 
 
+def _within(root: Path, file: str) -> str | None:
+    """``file`` as a path relative to ``root`` when its spelling names a place under it, else
+    None. A relative path that stays in is kept as it is; an absolute one, or a relative one
+    whose leading ``..`` climb out of ``root`` and back in (``../weights/x``), is folded
+    against the directory as configured and as resolved (SPEC 2.1 refuses only a path that
+    resolves outside). Only the spelling is judged here: the walk that opens the result
+    (:func:`_open_beneath`) still judges every symlink on the way."""
+    if not file.startswith("/") and os.path.normpath(file).split("/")[0] != "..":
+        return file
+    for base in dict.fromkeys((os.path.abspath(root), os.path.realpath(root))):
+        full = os.path.normpath(os.path.join(base, file))  # an absolute file replaces base
+        if full.startswith(base.rstrip("/") + "/"):
+            return os.path.relpath(full, base)
+    return None
+
+
 def _open_beneath(root: Path, file: str) -> int:
     """A descriptor of ``file`` opened strictly under ``root``, race-free.
 
-    Each step is an ``openat`` from the descriptor of the directory above it,
-    with O_NOFOLLOW: a symlink is read (``readlinkat``) and its target walked
-    the same way, relative to where it lies, so a directory swapped for a
-    symlink between two steps is seen as one and judged, never followed
-    blindly. An absolute target or a ``..`` above ``root`` is outside.
+    ``file`` is first spelled relative to ``root`` (:func:`_within`). Each step
+    is then an ``openat`` from the descriptor of the directory above it, with
+    O_NOFOLLOW: a symlink is read (``readlinkat``) and its target walked the
+    same way, relative to where it lies, so a directory swapped for a symlink
+    between two steps is seen as one and judged, never followed blindly. A
+    symlink's absolute target is spelled relative to ``root`` the same way and
+    walked again from it; a target or a ``..`` above ``root`` is outside.
     """
     outside = BadField(f"file {_shown(file)} resolves outside the weights directory")
-    if file.startswith("/"):
+    relative = _within(root, file)
+    if relative is None:
         raise outside
-    parts = deque(p for p in file.split("/") if p not in ("", "."))
+    parts = deque(p for p in relative.split("/") if p not in ("", "."))
     if not parts:
         raise outside  # the directory itself
     stack = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
@@ -172,8 +191,12 @@ def _open_beneath(root: Path, file: str) -> int:
                     if target is None:
                         parts.appendleft(part)
                         continue
-                    if target.startswith("/"):
-                        raise outside from None
+                    if target.startswith("/"):  # walked again from the root, if it is under it
+                        target = _within(root, target)
+                        if target is None:
+                            raise outside from None
+                        while len(stack) > 1:
+                            os.close(stack.pop())
                     parts.extendleft(reversed([p for p in target.split("/")
                                                if p not in ("", ".")]))
                     if not parts:
@@ -461,7 +484,7 @@ class WeightStore:
         if self.weights_dir is None:
             raise BadField("this server has no weights directory (MOEGEMM_WEIGHTS_DIR)")
         if not isinstance(file, str) or not file or "\x00" in file:
-            raise BadField("file is a non-empty path relative to the weights directory")
+            raise BadField("file is a non-empty path under the weights directory (relative to it, or absolute)")
         if len(file) > _PATH_MAX:
             raise BadField(f"file is a path of {len(file)} characters; at most {_PATH_MAX}")
         fd = _open_beneath(self.weights_dir, file)

@@ -131,6 +131,22 @@ def test_checkpoint_loads_and_answers(srv, caplog, naming, dtype, sharded):
         assert srv.http.delete(f"/v1/experts/L{layer}").status_code == 204
 
 
+def test_a_checkpoint_named_by_an_absolute_path_under_the_directory_loads(srv):
+    """SPEC 2.1 refuses only a path that resolves outside the weights directory: the same
+    checkpoint named absolutely, or climbing out and back in, loads and answers."""
+    problems = write_checkpoint(srv.weights_dir / "absolute", "deepseek", FP8, sharded=True)
+    layer, p = next(iter(problems.items()))
+    root = srv.weights_dir
+    for spelled in (str(root / "absolute"), f"../{root.name}/absolute/"):
+        r = put_experts(srv.http, "abs", {"checkpoint": spelled, "layer": layer})
+        assert r.status_code in (200, 201), (spelled, r.text)
+        _check_answers(srv, "abs", p)
+    assert srv.http.delete("/v1/experts/abs").status_code == 204
+    outside = root.parent / "elsewhere"
+    write_checkpoint(outside, "deepseek", FP8, sharded=True)
+    assert_error(put_experts(srv.http, "abs", {"checkpoint": str(outside), "layer": layer}), 400, "bad_field")
+
+
 def _rewrite(root: Path, drop: str | None = None, remap: tuple[str, str] | None = None) -> None:
     """Edit a sharded checkpoint: drop tensor ``drop`` from its shard and the index, or
     point the index's entry ``remap[0]`` at file ``remap[1]``."""

@@ -64,6 +64,25 @@ def test_paths_outside_the_directory_are_refused(server, files, path):
     assert {ws.name: ws for ws in server.services.store.list()} == before
 
 
+def test_paths_spelled_otherwise_that_resolve_inside_are_taken(server, files):
+    """SPEC 2.1 refuses a path that resolves outside the directory, so one that resolves inside
+    is taken however it is spelled: absolute, climbing out and back in, or through a symlink
+    whose target is absolute (each still walked, symlink by symlink, under the directory)."""
+    p, _, _ = files
+    root = server.weights_dir
+    os.symlink(root / "sub" / "fp8.safetensors", root / "absolute-link.safetensors")
+    want = reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes)
+    for path in (str(root / "sub" / "fp8.safetensors"), str(root.resolve() / "sub" / "fp8.safetensors"),
+                 f"../{root.name}/sub/fp8.safetensors", "absolute-link.safetensors",
+                 str(root / "absolute-link.safetensors")):
+        r = server.put("spelled", {"file": path, "w": "w", "w_scale": "s"})
+        assert r.status_code in (200, 201), (path, r.text)
+        out = out_of(server.gemm("spelled", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
+                                             "m_sizes": wire(p.m_sizes)}))
+        assert close_to(out, want), path
+    assert server.http.delete("/v1/weights/spelled").status_code == 204
+
+
 def test_missing_file_or_key(server, files):
     assert_error(server.put("x", {"file": "nope.safetensors", "w": "w"}), 404, "no_such_file")
     assert_error(server.put("x", {"file": "sub", "w": "w"}), 404, "no_such_file")  # a folder
@@ -116,4 +135,11 @@ def test_failed_preload_keeps_the_server_not_ready(tmp_path):
     with serve(settings, wait=False) as srv:
         with pytest.raises(TimeoutError):
             srv.wait_ready(timeout=1)
-        assert_error(srv.http.get("/v1/health/ready"), 503, "not_ready")
+        # Not "still loading" with a retry hint: it says the load failed, and why.
+        for path in ("/v1/health/ready", "/v1/weights"):
+            r = srv.http.get(path)
+            assert_error(r, 503, "not_ready")
+            message = r.json()["error"]["message"]
+            assert "start-up loading failed" in message and "missing.safetensors" in message, message
+            assert "retry-after" not in r.headers
+        assert srv.http.get("/v1/health/live").status_code == 200
