@@ -70,6 +70,7 @@ from ._executor import Executor
 from ._ffn_executor import ExpertExecutor
 from ._ffn_graphs import FfnGraphs
 from ._graphs import GraphPool
+from ._priority import yield_cpu
 from ._staging import Staging
 from .experts import ExpertSet
 from .store import WeightSet
@@ -105,6 +106,7 @@ class _Job:
 
     fn: Callable[[], Any]
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
 
 
 class Engine:
@@ -164,8 +166,10 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         # True while loop calls wait for a worker batch or job to release the device.
         self._loop_waiting = False
-        # Loads and captures: one at a time, on their own thread and stream.
-        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moegemm-load")
+        # Loads and captures: one at a time, on their own thread and stream, at a lower CPU
+        # priority than the calls (_priority.yield_cpu).
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moegemm-load",
+                                                             initializer=yield_cpu)
         self._load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Weight-set shapes whose graphs are captured (or being captured: then the
         # capture holds the family's buffers and calls of it wait).

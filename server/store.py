@@ -45,6 +45,7 @@ from moegemm.client._errors import (
 )
 from moegemm.kernels._backend import Backend
 
+from ._priority import yield_cpu
 from ._staging import PacedUpload
 from ._tensors import (
     BLOCK,
@@ -676,7 +677,7 @@ class _FileGroups(_Groups):
         at = self._start + g0 * group_bytes
         piece = -(-total // _READERS)
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(_READERS)
+            self._pool = concurrent.futures.ThreadPoolExecutor(_READERS, initializer=yield_cpu)
         view = memoryview(dst)
         spans = [self._pool.submit(self._pread, view[a:min(total, a + piece)], at + a)
                  for a in range(0, total, piece)]

@@ -10,6 +10,8 @@ the reference kernel.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -19,6 +21,7 @@ import torch
 from moegemm.client._errors import DeadlineExceeded, NotFinite, NotReady
 from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import random_m_sizes, random_problem
+from moegemm.server._priority import LOADER_NICE
 from moegemm.server.engine import SMALL_ROWS, Engine
 from server_support import bf16_rows, gemm_call
 
@@ -316,3 +319,20 @@ def test_small_calls_get_the_device_between_large_ones():
     kinds = [k for k, _ in order]
     assert kinds[0] == "large" and kinds[1] == "small", kinds  # right after the first
     assert all(on_loop == (k == "small") for k, on_loop in order)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_loads_run_below_the_calls_cpu_priority():
+    """SPEC 3: other sets' calls keep their latency while a set loads. The loader's thread (and
+    the OpenMP workers its torch ops start, which inherit it) yields the CPU to the calls: its
+    nice value is LOADER_NICE, the calls' threads keep the process's."""
+    def nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    engine = _engine(loop=False)
+    try:
+        process = os.getpriority(os.PRIO_PROCESS, 0)
+        assert engine._loader.submit(nice).result() == max(process, LOADER_NICE)
+        assert nice() == process  # the caller's thread is untouched
+    finally:
+        engine.close()
