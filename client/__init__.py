@@ -13,6 +13,7 @@ lives in the private `_wire` module, which the server shares.
 from ._client import AsyncClient, Client
 from ._errors import (
     APIError,
+    ArgumentDtype,
     BadDtype,
     BadField,
     BadMsgpack,
@@ -42,6 +43,7 @@ from ._multi import AsyncMultiClient, MultiClient
 
 __all__ = [
     "APIError",
+    "ArgumentDtype",
     "AsyncClient",
     "AsyncMultiClient",
     "BadDtype",

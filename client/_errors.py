@@ -138,7 +138,8 @@ class BadDtype(InvalidRequest):
 
 class ArgumentDtype(BadDtype, TypeError):
     """``BadDtype`` found by the client before sending: an array whose dtype no endpoint takes
-    (float64 on the wire, float ids or sizes). Also a ``TypeError``, as any wrong argument."""
+    (float64 on the wire, float ids or sizes). Also a ``TypeError``, as any wrong argument.
+    A server's ``bad_dtype`` answer is a plain ``BadDtype``: catch ``BadDtype`` for both."""
 
 
 class BadShape(InvalidRequest):

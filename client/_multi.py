@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ._client import AsyncClient, Client
 from ._errors import (
     APIError,
+    ArgumentDtype,
     DeadlineExceeded,
     MoegemmError,
     NoSuchWeights,
@@ -51,7 +52,10 @@ _FAIL_OVER = (TransportError, Unavailable, NoSuchWeights)
 
 
 def _naming(endpoint: str, exc: APIError, context: str = "") -> APIError:
-    """The same error class, with the endpoint that answered it in the message."""
+    """The same error class, with the endpoint that answered it in the message (an
+    ``ArgumentDtype`` as it is: no endpoint saw the call)."""
+    if isinstance(exc, ArgumentDtype):
+        return exc
     named = type(exc)(
         f"{endpoint}: {exc.message}{context}",
         request_id=exc.request_id,

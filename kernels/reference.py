@@ -1,8 +1,8 @@
 """The torch reference backend and the float64 oracle (SPEC 1).
 
-``grouped_gemm`` evaluates the SPEC formula the way the GPU kernels do: per
-128-wide K block a dot product (exact, rounded to float32), scaled by ``x_scale[r, kb] *
-w_scale[g, kb, n // 128]``, the blocks summed in float32, the sum cast to
+``grouped_gemm`` evaluates the SPEC formula in the order the GPU kernels do: per
+128-wide K block a dot product (exact), scaled by ``x_scale[r, kb] * w_scale[g, kb, n // 128]``
+(in float64, rounded once to float32), the blocks summed in float32, the sum cast to
 bfloat16 (or kept float32 when ``out`` is float32). It runs on any device, reads ``m_sizes`` on the host (so it is not
 capture-safe) and handles every valid input: M = 0, empty groups, any G.
 
@@ -83,19 +83,21 @@ def grouped_gemm(
             continue
         # [kb, 128, N]: each K block of this expert's weights, ready for bmm.
         w = wq[group].double().reshape(n, kb, BLOCK).permute(1, 2, 0)
-        ws = w_scale[group].float().repeat_interleave(BLOCK, dim=1).unsqueeze(1)  # [kb, 1, N]
+        ws = w_scale[group].double()  # [kb, N / 128]
         for lo in range(start, start + rows, chunk):
             hi = min(lo + chunk, start + rows)
             x = xq[lo:hi].double().reshape(hi - lo, kb, BLOCK).transpose(0, 1)  # [kb, rows, 128]
             # The dot per K block is exact in float64 (128 products of two fp8 values,
-            # multiples of 2^-18 below 2^43) and rounded once to float32: every row's
-            # answer is the same bits however many rows share the launch (a float32
-            # bmm's kernel, and so its summation order, changes with the row count).
-            partial = torch.bmm(x, w).float()  # [kb, rows, N]
-            # The two scales' product first, then the dot times it (as every kernel does): a
-            # dot times x_scale alone can pass float32's range where the product is modest
-            # (x_scale 1e35, w_scale 1e-35), an Inf or NaN where the answer is finite (SPEC 1).
-            partial.mul_(x_scale[lo:hi].float().t().unsqueeze(2) * ws)
+            # multiples of 2^-18 below 2^43), so every row's answer is the same bits however
+            # many rows share the launch (a float32 bmm's kernel, and so its summation order,
+            # changes with the row count).
+            partial = torch.bmm(x, w)  # [kb, rows, N]
+            # Scaled in float64 by the two scales' product (exact there), per 128 columns, then
+            # rounded once to float32: no step can leave float32's range where the answer is
+            # inside it (x_scale 1e35 with w_scale 1e-35: SPEC 1's finite answer).
+            scale = x_scale[lo:hi].double().t().unsqueeze(2) * ws.unsqueeze(1)  # [kb, rows, N / 128]
+            partial.view(kb, hi - lo, n // BLOCK, BLOCK).mul_(scale.unsqueeze(3))
+            partial = partial.float()
             acc = partial[0]
             for block in range(1, kb):  # the K blocks summed in order, whatever the shape
                 acc += partial[block]

@@ -48,9 +48,11 @@ _NAMINGS = (
 
 
 def _tensor_map(store, checkpoint: str) -> tuple[dict[str, str], str]:
-    """Tensor name -> file (relative to the weights directory), and what was read."""
+    """Tensor name -> file (under the weights directory, spelled as ``checkpoint`` is), and what was
+    read."""
     if not isinstance(checkpoint, str) or not checkpoint.strip("/"):
-        raise BadField("checkpoint is a directory under the weights directory (relative to it, or absolute)")
+        raise BadField("checkpoint is a directory under the weights directory "
+                       "(relative to it, or absolute)")
     base = checkpoint.rstrip("/")
     try:
         index_path = store.resolve(f"{base}/{INDEX}")

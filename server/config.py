@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     # Weight sets loaded at start-up; from the environment either a JSON list
     # or comma-separated entries.
     preload: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    # A Hugging Face checkpoint directory (relative to weights_dir) and the layers
+    # A Hugging Face checkpoint directory (under weights_dir: relative to it, or absolute) and the layers
     # ("A-B" or "A") whose experts are loaded at start-up as expert sets layerA..layerB.
     checkpoint: str | None = None
     layers: str | None = None

@@ -108,7 +108,6 @@ class _Job:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-
 class Engine:
     """Owns the device: batching on the loop and a worker, a loader, graphs."""
 

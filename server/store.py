@@ -119,18 +119,30 @@ class OpenedFile(os.PathLike):
 
 
 def _within(root: Path, file: str) -> str | None:
-    """``file`` as a path relative to ``root`` when its spelling names a place under it, else
-    None. A relative path that stays in is kept as it is; an absolute one, or a relative one
-    whose leading ``..`` climb out of ``root`` and back in (``../weights/x``), is folded
-    against the directory as configured and as resolved (SPEC 2.1 refuses only a path that
-    resolves outside). Only the spelling is judged here: the walk that opens the result
-    (:func:`_open_beneath`) still judges every symlink on the way."""
-    if not file.startswith("/") and os.path.normpath(file).split("/")[0] != "..":
+    """``file`` spelled relative to ``root`` when its spelling starts inside it, else None.
+
+    A relative path that does not begin by climbing is kept as it is. An absolute one that
+    begins with the directory's own path (as configured or as resolved), or a relative one whose
+    leading ``..`` climb out of it and whose next names lead straight back in (``../weights/x``),
+    loses that prefix, name by name. Nothing else is folded: the rest, ``..`` and symlinks
+    included, is left to the walk that opens it (:func:`_open_beneath`), which judges every
+    symlink (SPEC 2.1 refuses only a path that resolves outside)."""
+    names = [p for p in file.split("/") if p not in ("", ".")]
+    climbs = next((i for i, p in enumerate(names) if p != ".."), len(names))
+    if not file.startswith("/") and climbs == 0:
         return file
     for base in dict.fromkeys((os.path.abspath(root), os.path.realpath(root))):
-        full = os.path.normpath(os.path.join(base, file))  # an absolute file replaces base
-        if full.startswith(base.rstrip("/") + "/"):
-            return os.path.relpath(full, base)
+        parts = [p for p in base.split("/") if p]
+        if file.startswith("/"):
+            prefix = parts
+        else:  # climb ``climbs`` levels above the directory, then name the way back down
+            prefix = parts[len(parts) - climbs:] if 0 < climbs <= len(parts) else None
+            names_after = names[climbs:]
+            if prefix is not None and names_after[:len(prefix)] == prefix and len(names_after) > len(prefix):
+                return "/".join(names_after[len(prefix):])
+            continue
+        if names[:len(prefix)] == prefix and len(names) > len(prefix):
+            return "/".join(names[len(prefix):])
     return None
 
 
@@ -485,7 +497,8 @@ class WeightStore:
         if self.weights_dir is None:
             raise BadField("this server has no weights directory (MOEGEMM_WEIGHTS_DIR)")
         if not isinstance(file, str) or not file or "\x00" in file:
-            raise BadField("file is a non-empty path under the weights directory (relative to it, or absolute)")
+            raise BadField("file is a non-empty path under the weights directory "
+                           "(relative to it, or absolute)")
         if len(file) > _PATH_MAX:
             raise BadField(f"file is a path of {len(file)} characters; at most {_PATH_MAX}")
         fd = _open_beneath(self.weights_dir, file)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from moegemm.client import (
+    ArgumentDtype,
     AsyncClient,
     AsyncMultiClient,
     BadDtype,
@@ -164,6 +165,9 @@ def test_multi_clients_place_by_expert_set_name(servers):
         out = mc.moe(name, x, ids, weights)
         assert torch.equal(out, second.moe(name, x, ids, weights))
         assert torch.equal(mc.expert_ffn(name, x, [3, 3]), second.expert_ffn(name, x, [3, 3]))
+        with pytest.raises(ArgumentDtype) as refused:  # raised before sending: no endpoint named
+            mc.moe(name, x, ids.float(), weights)
+        assert not str(refused.value.message).startswith("http")
         mc.delete_experts(name)
         assert second.experts() == []
 

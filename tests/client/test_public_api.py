@@ -7,6 +7,7 @@ from moegemm import client
 
 EXPECTED = [
     "APIError",
+    "ArgumentDtype",
     "AsyncClient",
     "AsyncMultiClient",
     "BadDtype",

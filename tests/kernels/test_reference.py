@@ -233,4 +233,3 @@ def test_scales_far_apart_give_the_finite_answer(device, shape, x_factor, w_fact
     out = grouped_gemm(*args, out=poisoned_out(m, n, device=device))
     assert torch.isfinite(out).all()
     assert rel_error(out, want) <= SPEC_TOLERANCE
-

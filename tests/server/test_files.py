@@ -72,15 +72,43 @@ def test_paths_spelled_otherwise_that_resolve_inside_are_taken(server, files):
     root = server.weights_dir
     os.symlink(root / "sub" / "fp8.safetensors", root / "absolute-link.safetensors")
     want = reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes)
-    for path in (str(root / "sub" / "fp8.safetensors"), str(root.resolve() / "sub" / "fp8.safetensors"),
-                 f"../{root.name}/sub/fp8.safetensors", "absolute-link.safetensors",
-                 str(root / "absolute-link.safetensors")):
+    for path in (str(root / "sub" / "fp8.safetensors"), "/" + str(root / "sub" / "fp8.safetensors"),
+                 f"../{root.name}/sub/fp8.safetensors", f"../../{root.parent.name}/{root.name}/sub/fp8.safetensors",
+                 "absolute-link.safetensors", str(root / "absolute-link.safetensors")):
         r = server.put("spelled", {"file": path, "w": "w", "w_scale": "s"})
         assert r.status_code in (200, 201), (path, r.text)
         out = out_of(server.gemm("spelled", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
                                              "m_sizes": wire(p.m_sizes)}))
         assert close_to(out, want), path
     assert server.http.delete("/v1/weights/spelled").status_code == 204
+
+
+def test_a_symlink_then_dotdot_is_judged_not_folded(server, files):
+    """Only the directory's own prefix is taken off a path: ``link/..`` is walked as the
+    filesystem would (the link followed, judged, then its parent), never erased as text. A link
+    out of the directory refuses the path however the directory is named before it."""
+    root = server.weights_dir
+    os.symlink("..", root / "up")  # the directory's parent: outside
+    for path in ("up/../sub/fp8.safetensors", f"../{root.name}/up/../sub/fp8.safetensors",
+                 str(root / "up" / ".." / "sub" / "fp8.safetensors")):
+        assert_error(server.put("folded", {"file": path, "w": "w", "w_scale": "s"}), 400, "bad_field")
+    assert "folded" not in {w["name"] for w in server.http.get("/v1/weights").json()["weights"]}
+
+
+def test_a_weights_directory_named_through_a_symlink(tmp_path):
+    """The directory configured by a symlink's path: a file named under either its configured or
+    its resolved path is taken, and a climb back in through either name."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "alias").symlink_to(real)
+    p = fp8_problem(8, N, K, G)
+    save_file({"w": p.wq, "s": p.w_scale}, str(real / "w.safetensors"))
+    with serve(Settings(device="cpu", weights_dir=tmp_path / "alias", demo=False)) as srv:
+        for path in ("w.safetensors", str(tmp_path / "alias" / "w.safetensors"), str(real / "w.safetensors"),
+                     "../alias/w.safetensors", "../real/w.safetensors"):
+            r = srv.put("aliased", {"file": path, "w": "w", "w_scale": "s"})
+            assert r.status_code in (200, 201), (path, r.text)
+        assert_error(srv.put("aliased", {"file": "../outside.safetensors", "w": "w"}), 400, "bad_field")
 
 
 def test_missing_file_or_key(server, files):
@@ -135,7 +163,7 @@ def test_failed_preload_keeps_the_server_not_ready(tmp_path):
     with serve(settings, wait=False) as srv:
         with pytest.raises(TimeoutError):
             srv.wait_ready(timeout=1)
-        # Not "still loading" with a retry hint: it says the load failed, and why.
+        # It says the load failed, and why, with no retry hint: no retry will help.
         for path in ("/v1/health/ready", "/v1/weights"):
             r = srv.http.get(path)
             assert_error(r, 503, "not_ready")
