@@ -521,10 +521,12 @@ class AsyncLane:
         self._closed = False
 
     async def _connect(self, timeout: httpx.Timeout, deadline: float | None):
+        # The time left first: past the deadline it raises before a connection is begun
+        # (not with an open_connection coroutine made and never awaited).
+        limit = _left(timeout.connect, deadline)
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, limit=_RECV),
-                _left(timeout.connect, deadline))
+                asyncio.open_connection(self.host, self.port, limit=_RECV), limit)
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise httpx.ConnectTimeout(f"connect to {self.where}: timed out") from exc
         except OSError as exc:
@@ -578,7 +580,8 @@ class AsyncLane:
                 writer.write(b"".join((data, *parts)))
             else:
                 writer.writelines([data, *parts])
-            await asyncio.wait_for(writer.drain(), _left(timeout.write, deadline))
+            limit = _left(timeout.write, deadline)  # (before the coroutine: it may raise)
+            await asyncio.wait_for(writer.drain(), limit)
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise httpx.WriteTimeout(f"sending to {self.where}: timed out") from exc
         except OSError as exc:
@@ -597,7 +600,8 @@ class AsyncLane:
         while not done:
             recv_error = None
             try:
-                chunk = await asyncio.wait_for(reader.read(_RECV), _left(timeout.read, deadline))
+                limit = _left(timeout.read, deadline)
+                chunk = await asyncio.wait_for(reader.read(_RECV), limit)
             except (TimeoutError, asyncio.TimeoutError) as exc:
                 raise httpx.ReadTimeout(f"reading from {self.where}: timed out") from exc
             except OSError as exc:

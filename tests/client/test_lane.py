@@ -525,3 +525,44 @@ def test_async_bytes_after_a_whole_answer_close_the_socket(size, trailing):
 
     _run(scenario())
     assert len(peers) == 3
+
+
+def test_async_lane_past_its_deadline_begins_nothing():
+    """A deadline that passes between the client's check and a step of the lane
+    (a busy loop, many calls) raises at that step before the step's coroutine is
+    made: no connection begun, no write or read left never awaited (the soak run's
+    "coroutine 'open_connection' was never awaited")."""
+    import asyncio
+    import gc
+    import warnings
+
+    from moegemm.client._lane import AsyncLane
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def scenario():
+        lane = AsyncLane(url, {})
+        timeout = httpx.Timeout(5)
+        with pytest.raises(httpx.TimeoutException):
+            await lane._connect(timeout, time.monotonic() - 1)
+        reader, writer = await lane._connect(timeout, None)
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                await lane._send(writer, b"GET / HTTP/1.1\r\n\r\n", [], timeout,
+                                 time.monotonic() - 1)
+            with pytest.raises(httpx.TimeoutException):
+                await lane._receive(reader, timeout, time.monotonic() - 1, None)
+        finally:
+            writer.close()
+
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _run(scenario())
+            gc.collect()
+    finally:
+        listener.close()
+    assert [str(w.message) for w in seen if "never awaited" in str(w.message)] == []
