@@ -532,7 +532,6 @@ def test_async_lane_past_its_deadline_begins_nothing():
     (a busy loop, many calls) raises at that step before the step's coroutine is
     made: no connection begun, no write or read left never awaited (the soak run's
     "coroutine 'open_connection' was never awaited")."""
-    import asyncio
     import gc
     import warnings
 
