@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from moegemm.client._errors import BadDtype, BadField, BadShape, NoSuchFile
 
+from ._files import SAFETENSORS_DTYPES
 from .experts import ExpertSet, ExpertStore, expert_shapes
-from .store import _SAFETENSORS_DTYPES
 
 log = logging.getLogger("moegemm.server.checkpoint")
 
@@ -182,10 +182,10 @@ def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> 
 
 
 def _header(key: str, sl) -> tuple[torch.dtype, tuple[int, ...]]:
-    dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+    dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
     if dtype is None:
         raise BadDtype(f"tensor {key!r} is {sl.get_dtype()}; expected one of "
-                       f"{sorted(_SAFETENSORS_DTYPES)}")
+                       f"{sorted(SAFETENSORS_DTYPES)}")
     shape = tuple(sl.get_shape())
     if len(shape) != 2:
         raise BadShape(f"tensor {key!r} has shape {list(shape)}; expected 2-D [N, K]")

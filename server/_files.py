@@ -1,0 +1,241 @@
+"""Weights files under the weights directory (SPEC 2.1, 5.3): a client's path opened
+strictly beneath the directory, race-free, and a safetensors file's header and small
+tensors read from the descriptor opened there.
+
+Errors are the contract's: 400 ``bad_field`` for a path outside the directory, too
+long or not openable, or a file that is not safetensors; 404 ``no_such_file`` for one
+that is missing. Messages quote at most about 200 characters of what the client sent.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import stat
+import weakref
+from collections import deque
+from pathlib import Path
+
+import torch
+from moegemm.client._errors import BadDtype, BadField, NoSuchFile
+
+# safetensors' dtype names for the dtypes a weight file may hold.
+SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+}
+
+
+def shown(value: object, limit: int = 200) -> str:
+    """``repr(value)``, cut to about ``limit`` characters: client input in messages
+    and logs stays small whatever its size."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+_PATH_MAX = 4096  # Linux's PATH_MAX: a longer path never names a file
+_NAME_MAX = 255
+_SYMLINK_HOPS = 40  # as the kernel's own limit
+
+
+class OpenedFile(os.PathLike):
+    """A weights file opened under the weights directory: its descriptor (closed
+    when this object is dropped), named as ``/proc/self/fd/N`` so that what opens
+    that path (safetensors, ``Path.read_text``) reads the very file checked here,
+    whatever was renamed or swapped in the directory since."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd = fd
+        self.name = name
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def __fspath__(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    def __str__(self) -> str:
+        return self.__fspath__()
+
+    def __repr__(self) -> str:
+        return shown(self.name)
+
+    def close(self) -> None:
+        self._close()
+
+
+def _within(root: Path, file: str) -> str | None:
+    """``file`` spelled relative to ``root`` when its spelling starts inside it, else None.
+
+    A relative path that does not begin by climbing is kept as it is. An absolute one that
+    begins with the directory's own path (as configured or as resolved), or a relative one whose
+    leading ``..`` climb out of it and whose next names lead straight back in (``../weights/x``),
+    loses that prefix, name by name. Nothing else is folded: the rest, ``..`` and symlinks
+    included, is left to the walk that opens it (:func:`open_beneath`), which judges every
+    symlink (SPEC 2.1 refuses only a path that resolves outside)."""
+    names = [p for p in file.split("/") if p not in ("", ".")]
+    climbs = next((i for i, p in enumerate(names) if p != ".."), len(names))
+    if not file.startswith("/") and climbs == 0:
+        return file
+    for base in dict.fromkeys((os.path.abspath(root), os.path.realpath(root))):
+        parts = [p for p in base.split("/") if p]
+        if file.startswith("/"):
+            prefix = parts
+        else:  # climb ``climbs`` levels above the directory, then name the way back down
+            prefix = parts[len(parts) - climbs:] if 0 < climbs <= len(parts) else None
+            names_after = names[climbs:]
+            if prefix is not None and names_after[:len(prefix)] == prefix and len(names_after) > len(prefix):
+                return "/".join(names_after[len(prefix):])
+            continue
+        if names[:len(prefix)] == prefix and len(names) > len(prefix):
+            return "/".join(names[len(prefix):])
+    return None
+
+
+def open_beneath(root: Path, file: str) -> int:
+    """A descriptor of ``file`` opened strictly under ``root``, race-free.
+
+    ``file`` is first spelled relative to ``root`` (:func:`_within`). Each step
+    is then an ``openat`` from the descriptor of the directory above it, with
+    O_NOFOLLOW: a symlink is read (``readlinkat``) and its target walked the
+    same way, relative to where it lies, so a directory swapped for a symlink
+    between two steps is seen as one and judged, never followed blindly. A
+    symlink's absolute target is spelled relative to ``root`` the same way and
+    walked again from it; a target or a ``..`` above ``root`` is outside.
+    """
+    outside = BadField(f"file {shown(file)} resolves outside the weights directory")
+    relative = _within(root, file)
+    if relative is None:
+        raise outside
+    parts = deque(p for p in relative.split("/") if p not in ("", "."))
+    if not parts:
+        raise outside  # the directory itself
+    stack = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    hops = 0
+    try:
+        while True:
+            part = parts.popleft()
+            if part == "..":
+                if len(stack) == 1:
+                    raise outside
+                os.close(stack.pop())
+                if not parts:  # a directory: the weights directory itself, or one in it
+                    if len(stack) == 1:
+                        raise outside
+                    raise NoSuchFile(f"no file {shown(file)} in the weights directory")
+                continue
+            if len(part.encode(errors="surrogateescape")) > _NAME_MAX:
+                raise BadField(f"file {shown(file)} has a name over {_NAME_MAX} bytes")
+            last = not parts
+            # O_NONBLOCK: a FIFO must not hang the open (it is refused below).
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            if not last:
+                flags |= os.O_DIRECTORY
+            try:
+                fd = os.open(part, flags, dir_fd=stack[-1])
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    # A symlink (O_NOFOLLOW), or a file where a folder was asked.
+                    try:
+                        target = os.readlink(part, dir_fd=stack[-1])
+                    except OSError as again:
+                        if not (exc.errno == errno.ELOOP and again.errno == errno.EINVAL):
+                            raise NoSuchFile(f"no file {shown(file)} in the weights "
+                                             f"directory") from None
+                        target = None  # a link when opened, not now: look again
+                    hops += 1
+                    if hops > _SYMLINK_HOPS:
+                        raise BadField(f"file {shown(file)} has too many symlinks "
+                                       f"(or keeps changing)") from None
+                    if target is None:
+                        parts.appendleft(part)
+                        continue
+                    if target.startswith("/"):  # walked again from the root, if it is under it
+                        target = _within(root, target)
+                        if target is None:
+                            raise outside from None
+                        while len(stack) > 1:
+                            os.close(stack.pop())
+                    parts.extendleft(reversed([p for p in target.split("/")
+                                               if p not in ("", ".")]))
+                    if not parts:
+                        raise outside from None
+                    continue
+                if exc.errno == errno.ENOENT:
+                    raise NoSuchFile(f"no file {shown(file)} in the weights directory") from None
+                raise BadField(f"file {shown(file)} cannot be opened: "
+                               f"{os.strerror(exc.errno or 0)}") from None
+            if last:
+                return fd
+            stack.append(fd)
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
+def safetensors_header(handle, file: str) -> tuple[dict, int]:
+    """A safetensors file's tensor entries (dtype, shape, data_offsets checked against
+    the file's size) and where its data starts."""
+    size = os.fstat(handle.fileno()).st_size
+    try:
+        head = handle.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(size - 8, 100 << 20):
+            raise ValueError("bad header length")
+        entries = json.loads(handle.read(n))
+        if not isinstance(entries, dict):
+            raise TypeError("header is not a map")
+        entries.pop("__metadata__", None)
+        data_start, room = 8 + n, size - 8 - n
+        for key, e in entries.items():
+            begin, end = e["data_offsets"]
+            known = _ST_ITEMSIZE.get(e["dtype"])
+            if not (isinstance(e["shape"], list) and all(
+                    type(d) is int and d >= 0 for d in e["shape"])):
+                raise ValueError(f"tensor {key!r} has a bad shape")
+            if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= room):
+                raise ValueError(f"tensor {key!r} lies outside the file")
+            if known is not None and end - begin != math.prod(e["shape"]) * known:
+                raise ValueError(f"tensor {key!r} has {end - begin} bytes for its shape")
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise BadField(f"file {file!r} is not a readable safetensors file: {exc}") from exc
+    return entries, data_start
+
+
+def read_tensor(handle, entry: dict, data_start: int, key: str) -> torch.Tensor:
+    """A small tensor of the file (a weight set's scales), on the host."""
+    dtype = _ST_TORCH.get(entry["dtype"])
+    if dtype is None:
+        raise BadDtype(f"tensor {key!r} is {entry['dtype']}; expected F32")
+    begin, end = entry["data_offsets"]
+    raw = bytearray(end - begin)
+    n = os.preadv(handle.fileno(), [raw], data_start + begin) if raw else 0
+    if n != len(raw):
+        raise BadField(f"tensor {key!r} is cut short in its file")
+    return torch.frombuffer(raw, dtype=dtype).view(entry["shape"]) if raw else \
+        torch.empty(entry["shape"], dtype=dtype)
+
+
+_ST_TORCH = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+             "F32": torch.float32, "F64": torch.float64, "I32": torch.int32,
+             "I64": torch.int64}
+_ST_ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8,
+                "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
+
+
+def open_file(root: Path, file: str) -> OpenedFile:
+    """``file`` opened strictly under ``root`` (:func:`open_beneath`) and checked to be a
+    regular file."""
+    if not isinstance(file, str) or not file or "\x00" in file:
+        raise BadField("file is a non-empty path under the weights directory "
+                       "(relative to it, or absolute)")
+    if len(file) > _PATH_MAX:
+        raise BadField(f"file is a path of {len(file)} characters; at most {_PATH_MAX}")
+    fd = open_beneath(root, file)
+    opened = OpenedFile(fd, file)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        opened.close()
+        raise NoSuchFile(f"no file {shown(file)} in the weights directory (not a file)")
+    return opened
