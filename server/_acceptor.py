@@ -32,7 +32,8 @@ from ._acceptor_shm import (
     _Slots,
     _unlink,
 )
-from ._http import _RUN, _Connection, _error_bytes, _plain_body, status_line, sweep
+from ._asgi import status_line
+from ._http import _RUN, _Connection, _error_bytes, _plain_body, sweep
 from ._http_gate import HttpLimits
 
 log = logging.getLogger("moegemm.server.acceptors")
@@ -62,7 +63,7 @@ class _ForwardConnection(_Connection):
             if status is not None and self.transport is not None:
                 line = status_line(status)
                 if scope["http_version"] == "1.0" and b"transfer-encoding: chunked" in head:
-                    # _http._Response's rule for a 1.0 client: no chunks, the end of
+                    # _asgi.Response's rule for a 1.0 client: no chunks, the end of
                     # the body is the end of the connection (the owner chunked it).
                     self.keep_alive = False
                 end = self._connection_line() + b"\r\n"

@@ -93,7 +93,8 @@ from ._acceptor_shm import (
     _unlink,
     sweep_stale_arenas,
 )
-from ._http import FastHttpServer, _Connection, _error_bytes, whole_body_receive
+from ._asgi import whole_body_receive
+from ._http import FastHttpServer, _Connection, _error_bytes
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -493,7 +494,7 @@ class Owner:
         out: dict = {"status": None, "head": [], "parts": [], "chunked": False, "done": False}
         receive = whole_body_receive(body, self.never)
 
-        async def send(message: dict) -> None:  # _http._Response, collected
+        async def send(message: dict) -> None:  # _asgi.Response, collected
             if message["type"] == "http.response.start":
                 status = out["status"] = message["status"]
                 has_length = False

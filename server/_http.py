@@ -45,9 +45,7 @@ import logging
 import mmap
 import signal
 import socket
-import sys
 import time
-import types
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
@@ -55,8 +53,8 @@ from urllib.parse import unquote
 import httptools
 import numpy as np
 
+from ._asgi import Response, _run_now, _start, status_line, whole_body_receive
 from ._http_gate import (
-    REASONS,
     HttpLimits,
     Refusal,
     bad_field,
@@ -76,7 +74,6 @@ _HEAD_LIMIT = 64 * 1024
 # connections waiting); 16 KiB bounds a turn near 4 ms whatever the chunks.
 _CHUNKED_TURN = 16 * 1024
 _SOCKET_BUFFER = 4 << 20
-_REASONS = REASONS
 # A refused connection: the answer is sent, our side half-closed, and what the
 # client still sends is read and dropped for this long (or this much), so the
 # answer is not destroyed by the reset a close with unread data makes.
@@ -510,7 +507,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._finish()
 
     async def _run(self, scope: dict, body: memoryview) -> None:
-        response = _Response(self)
+        response = Response(self)
         receive = whole_body_receive(body, self.disconnected)
         try:
             await self.server.app(scope, receive, response.send)
@@ -562,155 +559,6 @@ class _Connection(asyncio.BufferedProtocol):
         if (self.state == _IDLE and self.task is None and self.head_used
                 and self.transport is not None and not self.transport.is_closing()):
             self._begin_head()
-
-
-def status_line(status: int) -> bytes:
-    """``HTTP/1.1 <status> <reason>`` and CRLF, made once per status."""
-    line = _STATUS_LINES.get(status)
-    if line is None:
-        line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "").encode())
-        if 100 <= status <= 999:  # a bounded table: statuses are three digits
-            _STATUS_LINES[status] = line
-    return line
-
-
-_STATUS_LINES: dict[int, bytes] = {}
-
-
-def _start(coro) -> asyncio.Task:
-    """A task for ``coro`` that runs at once, up to its first wait (Python 3.12+).
-
-    A lone call that the engine runs inline never waits, so its whole answer is
-    written from here, without a trip through the event loop's queue.
-    """
-    loop = asyncio.get_running_loop()
-    if _EAGER:
-        return asyncio.Task(coro, loop=loop, eager_start=True)
-    return loop.create_task(coro)
-
-
-_EAGER = sys.version_info >= (3, 12)
-
-
-def _run_now(coro) -> asyncio.Task | None:
-    """Run a direct route's ``coro`` here and now, up to its first wait; a task carries
-    it on from there, and is returned (None: it finished without waiting).
-
-    A lone call that the engine runs inline never waits: it is answered from this
-    protocol callback with no task at all (the ASGI app runs in one, as anyio needs a
-    current task). On the H200 the eager task of a lone call cost ~12 us of its
-    ~170 in the server (``bench/results/session9/trace_h200_default.log``, "task").
-    """
-    try:
-        waited = coro.send(None)
-    except StopIteration:
-        return None
-    return asyncio.get_running_loop().create_task(_rest(coro, waited))
-
-
-async def _rest(coro, waited):
-    return await _carry_on(coro, waited)
-
-
-@types.coroutine
-def _carry_on(coro, waited):
-    """The rest of ``coro``, which has yielded ``waited`` (what it awaits, e.g. a future)
-    at its first step: each later wait is passed to the running task as it is, each
-    resumption (or a cancellation thrown in) passed back to ``coro``."""
-    while True:
-        try:
-            yield waited
-        except GeneratorExit:  # closed unfinished (as ``yield from`` does: close coro too)
-            coro.close()
-            raise
-        except BaseException as exc:  # noqa: BLE001 -- a cancellation: coro handles it
-            resume, value = coro.throw, exc
-        else:
-            resume, value = coro.send, None
-        try:
-            waited = resume(value)
-        except StopIteration as done:
-            return done.value
-
-
-def whole_body_receive(body: memoryview, disconnected: asyncio.Event):
-    """An ASGI ``receive``: the whole body in one message, then a disconnect once
-    ``disconnected`` is set."""
-    delivered = False
-
-    async def receive() -> dict:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await disconnected.wait()
-        return {"type": "http.disconnect"}
-
-    return receive
-
-
-class _Response:
-    """The ASGI ``send`` of one request: status line and headers, then body parts.
-
-    Parts are collected and written with one ``writelines`` when the response
-    ends (or once a streamed body has collected 1 MiB): one syscall per answer,
-    the body parts never copied on our side. A HEAD request's answer has its
-    headers and no body; an HTTP/1.0 one is never chunked (it ends with the
-    connection instead).
-    """
-
-    _FLUSH_BYTES = 1 << 20
-
-    def __init__(self, conn: _Connection) -> None:
-        self.conn = conn
-        self.started = False
-        self.finished = False
-        self.chunked = False
-        self.bodiless = conn.method == "HEAD"
-        self.pending: list = []
-        self.pending_bytes = 0
-
-    async def send(self, message: dict) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            status = message["status"]
-            conn = self.conn
-            lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n".encode()]
-            has_length = False
-            for name, value in message.get("headers", ()):
-                if name.lower() == b"content-length":
-                    has_length = True
-                lines += [name, b": ", value, b"\r\n"]
-            if not has_length and status not in (204, 304) and not self.bodiless:
-                if conn.http10:
-                    conn.keep_alive = False  # the body ends with the connection
-                else:
-                    self.chunked = True
-                    lines.append(b"transfer-encoding: chunked\r\n")
-            lines += [conn._connection_line(), b"\r\n"]
-            self.pending = [b"".join(lines)]
-            self.started = True
-        elif kind == "http.response.body":
-            body = message.get("body", b"")
-            more = message.get("more_body", False)
-            size = len(body)
-            if self.bodiless:
-                pass
-            elif self.chunked:
-                if size:
-                    self.pending += [b"%x\r\n" % size, body, b"\r\n"]
-                if not more:
-                    self.pending.append(b"0\r\n\r\n")
-            elif size:
-                self.pending.append(body)
-            self.pending_bytes += size
-            if not more or self.pending_bytes >= self._FLUSH_BYTES:
-                transport = self.conn.transport
-                if transport is not None and self.pending:
-                    transport.writelines(self.pending)
-                self.pending, self.pending_bytes = [], 0
-            if not more:
-                self.finished = True
 
 
 class ListenError(OSError):

@@ -6,8 +6,9 @@ import asyncio
 import functools
 
 import pytest
+from moegemm.server._asgi import _run_now
 from moegemm.server._direct import DirectGemm
-from moegemm.server._http import FastHttpServer, _Connection, _run_now
+from moegemm.server._http import FastHttpServer, _Connection
 
 
 def _in_loop(test):
@@ -187,7 +188,7 @@ async def test_run_now_carries_results_waits_and_cancellation():
 
 def _carry_on_of(coro):
     """``coro`` stepped to its first wait, its rest as the generator a task would run."""
-    from moegemm.server._http import _carry_on
+    from moegemm.server._asgi import _carry_on
 
     rest = _carry_on(coro, coro.send(None))
     next(rest)  # at its first yield, as a task holds it
