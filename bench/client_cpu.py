@@ -219,7 +219,7 @@ def _stages(client, args, n: int) -> dict[str, float]:
         setattr(owner, attr, staticmethod(timed) if isinstance(orig, staticmethod) else timed)
         saved.append((owner, attr, orig))
 
-    for owner, attr in ((_client, "_gemm_call"), (_client, "_result"),
+    for owner, attr in ((_client, "gemm_call"), (_client, "read_answer"),
                         (_client._Base, "_request_args"), (_lane.Lane, "request"),
                         (_lane.Lane, "_take"), (_lane.Lane, "_send"), (_lane.Lane, "_receive")):
         wrap(owner, attr)

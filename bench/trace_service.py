@@ -291,7 +291,7 @@ def client_stages(call, n: int) -> dict:
         setattr(owner, attr, staticmethod(timed) if isinstance(orig, staticmethod) else timed)
         saved.append((owner, attr, orig))
 
-    for owner, attr in ((_client, "_gemm_call"), (_client, "_result"), (_client._Base, "_request_args"),
+    for owner, attr in ((_client, "gemm_call"), (_client, "read_answer"), (_client._Base, "_request_args"),
                         (_lane.Lane, "_take"), (_lane.Lane, "_send"), (_lane.Lane, "_receive"),
                         (_lane._Heads, "__call__")):
         wrap(owner, attr)

@@ -1,8 +1,8 @@
 """Client and AsyncClient: the thin SDK over SPEC 2.1, on one pooled httpx client each.
 
-Both classes share the request building and the response handling below; they
-differ only in whether they await the transport. Arrays go in and come back in
-the caller's kind: numpy (bf16/fp8 via ml_dtypes) or torch.
+Both classes send the calls ``_calls.py`` builds and read their answers there; they
+share the sending policy below (headers, deadlines, retries) and differ only in
+whether they await the transport.
 """
 
 from __future__ import annotations
@@ -11,46 +11,38 @@ import asyncio
 import math
 import os
 import random
-import re
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import numpy as np
 
-from ._errors import (
-    APIError,
-    ArgumentDtype,
-    BadName,
-    DeadlineExceeded,
-    InternalError,
-    MoegemmError,
-    TransportError,
-    Unavailable,
-    error_for,
+from ._calls import (
+    MSGPACK,
+    Call,
+    budget,
+    expert_list,
+    experts_path,
+    ffn_call,
+    gemm_call,
+    load_call,
+    load_checkpoint_call,
+    load_experts_call,
+    load_file_call,
+    moe_call,
+    read_answer,
+    weight_list,
+    weights_path,
 )
+from ._errors import DeadlineExceeded, MoegemmError, TransportError, Unavailable
 from ._lane import AsyncLane, Lane, usable
-from ._wire import (
-    WireTensor,
-    decode_tensor,
-    encode_tensor,
-    pack_tensors,
-    packb,
-    tensor_head,
-    unpack_in_place,
-    unpackb,
-)
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
     from typing_extensions import Self
 
 __all__ = ["AsyncClient", "Client"]
 
-MSGPACK = "application/vnd.msgpack"
-_MSGPACK_TYPES = (MSGPACK, "application/msgpack", "application/x-msgpack")
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 # A load answers once the server has the set ready to serve: quantized, placed, its kernels
 # compiled and its graphs captured. On a fresh GPU shared with other work an expert set took
@@ -60,31 +52,9 @@ DEFAULT_LOAD_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 # ones; asking explicitly keeps small requests from waiting on Nagle whatever
 # the backend does.
 _SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # The server's relative deadline header (milliseconds): a call still queued when
 # it passes is answered 504 instead of running.
 DEADLINE_HEADER = "X-Deadline-Ms"
-# Answers this large are decoded in place (msgpack's C decoder copies bins;
-# under this size that copy costs less than walking the body in Python).
-_IN_PLACE_FROM = 64 << 10
-# Tensors this large are sent as their own parts, never copied into the body.
-_PART_FROM = 64 << 10
-
-
-@dataclass
-class _Call:
-    """One HTTP request to make and how to read its answer."""
-
-    method: str
-    path: str
-    # The body: bytes, or parts to send back to back (``_wire.pack_parts``: large
-    # tensors as views on the caller's memory, never copied into one buffer).
-    body: bytes | list | None = None
-    expect: str = "json"  # "json" | "gemm" | "none"
-    like_torch: Any = None  # the torch tensor whose kind (and device) the output takes
-    retry: bool = True  # health probes report 503 instead of waiting it out
-    deadline: float | None = None  # time.monotonic() instant by which to give up
-    load: bool = False  # a weight or expert-set load: bounded by the client's load_timeout
 
 
 @dataclass(frozen=True)
@@ -116,15 +86,6 @@ class _Retry:
         return wait
 
 
-def _budget(deadline: float | None) -> float | None:
-    """A relative deadline in seconds as a ``time.monotonic()`` instant."""
-    if deadline is None:
-        return None
-    if not deadline > 0 or math.isinf(deadline):
-        raise ValueError(f"deadline is a positive, finite number of seconds, got {deadline!r}")
-    return time.monotonic() + deadline
-
-
 def _capped(timeout: httpx.Timeout, left: float) -> httpx.Timeout:
     """``timeout`` with no phase longer than ``left`` seconds."""
 
@@ -135,232 +96,6 @@ def _capped(timeout: httpx.Timeout, left: float) -> httpx.Timeout:
         connect=cap(timeout.connect), read=cap(timeout.read),
         write=cap(timeout.write), pool=cap(timeout.pool),
     )
-
-
-def _weights_path(name: str) -> str:
-    # Refused here because no server can answer it well: ASGI servers decode
-    # %2F before routing, so "a/b" would reach a route-level 404, not bad_name.
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise BadName(f"weight-set name {name!r:.200} does not match [A-Za-z0-9._-]{{1,128}}")
-    # "." and ".." are valid names but dot segments in a URL: spell the dots.
-    quoted = name.replace(".", "%2E") if name in (".", "..") else name
-    return f"/v1/weights/{quoted}"
-
-
-def _m_sizes_int64(m_sizes: Any) -> Any:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(m_sizes, torch.Tensor):
-        if m_sizes.dtype.is_floating_point or m_sizes.dtype.is_complex:
-            raise ArgumentDtype(f"m_sizes must hold integers, got {m_sizes.dtype}")
-        return m_sizes.to(torch.int64)
-    arr = np.asarray(m_sizes)
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ArgumentDtype(f"m_sizes must hold integers, got {arr.dtype}")
-    return arr.astype(np.int64)
-
-
-def _gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None) -> _Call:
-    body: dict[str, Any] = {
-        "x": encode_tensor(x),
-        "m_sizes": encode_tensor(_m_sizes_int64(m_sizes)),
-    }
-    if x_scale is not None:
-        body["x_scale"] = encode_tensor(x_scale)
-    torch = sys.modules.get("torch")
-    like = x if torch is not None and isinstance(x, torch.Tensor) else None
-    # Large tensors go out as views (``pack_tensors``); a small body is packed at once
-    # (one packb call costs less than assembling it from cached heads).
-    big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
-    return _Call("POST", _weights_path(name) + "/gemm", pack_tensors(body) if big else packb(body),
-                 expect="gemm", like_torch=like, deadline=_budget(deadline))
-
-
-def _load_call(name: str, w: Any, w_scale: Any) -> _Call:
-    body: dict[str, Any] = {"w": encode_tensor(w)}
-    if w_scale is not None:
-        body["w_scale"] = encode_tensor(w_scale)
-    return _Call("PUT", _weights_path(name), packb(body), load=True)
-
-
-def _load_file_call(
-    name: str, file: str | os.PathLike, w_key: str, w_scale_key: str | None
-) -> _Call:
-    body: dict[str, Any] = {"file": os.fspath(file), "w": w_key}
-    if w_scale_key is not None:
-        body["w_scale"] = w_scale_key
-    return _Call("PUT", _weights_path(name), packb(body), load=True)
-
-
-def _experts_path(name: str) -> str:
-    # As _weights_path; "{name}.w13" must be a weight-set name too.
-    if isinstance(name, str) and len(name) > 124:
-        raise BadName(f"expert-set name {name!r:.200} is over 124 characters")
-    return "/v1/experts" + _weights_path(name)[len("/v1/weights"):]
-
-
-def _like(x: Any) -> Any:
-    torch = sys.modules.get("torch")
-    return x if torch is not None and isinstance(x, torch.Tensor) else None
-
-
-def _packed(body: dict[str, Any]) -> bytes | list:
-    # Large tensors go out as views, as in _gemm_call.
-    big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
-    return pack_tensors(body) if big else packb(body)
-
-
-def _load_experts_call(name: str, w13: Any, w2: Any, w13_scale: Any, w2_scale: Any) -> _Call:
-    body: dict[str, Any] = {"w13": encode_tensor(w13), "w2": encode_tensor(w2)}
-    if w13_scale is not None:
-        body["w13_scale"] = encode_tensor(w13_scale)
-    if w2_scale is not None:
-        body["w2_scale"] = encode_tensor(w2_scale)
-    return _Call("PUT", _experts_path(name), _packed(body), load=True)
-
-
-def _load_checkpoint_call(name: str, checkpoint: str | os.PathLike, layer: int) -> _Call:
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise TypeError(f"layer is an int, got {type(layer).__name__}")
-    return _Call("PUT", _experts_path(name),
-                 packb({"checkpoint": os.fspath(checkpoint), "layer": layer}), load=True)
-
-
-def _ffn_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None) -> _Call:
-    body: dict[str, Any] = {"x": encode_tensor(x),
-                            "m_sizes": encode_tensor(_m_sizes_int64(m_sizes))}
-    if x_scale is not None:
-        body["x_scale"] = encode_tensor(x_scale)
-    return _Call("POST", _experts_path(name) + "/ffn", _packed(body), expect="gemm",
-                 like_torch=_like(x), deadline=_budget(deadline))
-
-
-def _routing(topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
-    """``topk_ids`` as int32/int64 (other integers as int64), ``topk_weights`` as float32."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(topk_ids, torch.Tensor):
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex:
-            raise ArgumentDtype(f"topk_ids must hold integers, got {topk_ids.dtype}")
-        if topk_ids.dtype not in (torch.int32, torch.int64):
-            topk_ids = topk_ids.to(torch.int64)
-    else:
-        topk_ids = np.asarray(topk_ids)
-        if topk_ids.size and topk_ids.dtype.kind not in "iu":
-            raise ArgumentDtype(f"topk_ids must hold integers, got {topk_ids.dtype}")
-        if topk_ids.dtype not in (np.int32, np.int64):
-            topk_ids = topk_ids.astype(np.int64)
-    if torch is not None and isinstance(topk_weights, torch.Tensor):
-        if not topk_weights.dtype.is_floating_point:
-            raise ArgumentDtype(f"topk_weights must be floats, got {topk_weights.dtype}")
-        topk_weights = topk_weights.to(torch.float32)
-    else:
-        topk_weights = np.asarray(topk_weights)
-        if topk_weights.size and topk_weights.dtype.kind != "f" and \
-                topk_weights.dtype.name != "bfloat16":
-            raise ArgumentDtype(f"topk_weights must be floats, got {topk_weights.dtype}")
-        topk_weights = topk_weights.astype(np.float32)
-    return topk_ids, topk_weights
-
-
-def _moe_call(name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any,
-              deadline: float | None) -> _Call:
-    ids, weights = _routing(topk_ids, topk_weights)
-    body: dict[str, Any] = {"x": encode_tensor(x), "topk_ids": encode_tensor(ids),
-                            "topk_weights": encode_tensor(weights)}
-    if x_scale is not None:
-        body["x_scale"] = encode_tensor(x_scale)
-    return _Call("POST", _experts_path(name) + "/moe", _packed(body), expect="gemm",
-                 like_torch=_like(x), deadline=_budget(deadline))
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:  # an HTTP-date: rare enough not to parse
-        return None
-
-
-def _raise_for_error(response: httpx.Response, request_id: str) -> None:
-    if response.status_code < 400:
-        return
-    request_id = response.headers.get("x-request-id", request_id)
-    code, message = None, response.text[:1000] or response.reason_phrase
-    try:
-        payload = response.json()
-        error = payload["error"]
-        code, message = error.get("code"), str(error.get("message", message))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        pass  # not the JSON error body: the class comes from the status alone
-    raise error_for(
-        response.status_code,
-        code if isinstance(code, str) else None,
-        message,
-        request_id=request_id,
-        retry_after=_retry_after(response),
-    )
-
-
-def _result(call: _Call, response: httpx.Response, request_id: str) -> Any:
-    _raise_for_error(response, request_id)
-    request_id = response.headers.get("x-request-id", request_id)
-    if call.expect == "none":
-        return None
-    try:
-        if call.expect == "json":
-            return response.json()
-        media = response.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media not in _MSGPACK_TYPES:
-            raise ValueError(f"content type {media!r} is not msgpack")
-        out = _decode_out(response.content)
-    except (ValueError, KeyError, APIError) as exc:
-        # A 2xx answer we cannot read is the server's fault, not the request's.
-        raise InternalError(
-            f"malformed {response.status_code} response to {call.method} {call.path}: {exc}",
-            request_id=request_id,
-        ) from exc
-    if call.like_torch is None:
-        return out.numpy()  # a read-only view on the response body; .copy() to write
-    return _to_torch(out, call.like_torch)
-
-
-def _decode_out(content: bytes | memoryview) -> WireTensor:
-    """The ``out`` tensor of a gemm answer, as a view on ``content``.
-
-    An answer whose bytes up to the data equal those of an answer of the same
-    length decoded before (the same dtype and shape: most calls) is not decoded
-    again; the first of each is decoded in full, and anything else -- another
-    layout, a malformed body -- takes that same way, with its errors.
-    """
-    size = len(content)
-    known = _OUT_HEADS.get(size)
-    if known is not None:
-        head, dtype, shape = known
-        if content[:len(head)] == head:
-            return WireTensor(dtype, shape, memoryview(content)[len(head):])
-    # A large answer's tensor stays where it was received (a view, no copy).
-    body = unpack_in_place(content) if size >= _IN_PLACE_FROM else unpackb(content)
-    out = decode_tensor(body["out"])
-    head = b"\x81" + tensor_head("out", out.dtype, list(out.shape), out.nbytes)
-    if len(head) + out.nbytes == size and content[:len(head)] == head and len(_OUT_HEADS) < 4096:
-        _OUT_HEADS[size] = (head, out.dtype, out.shape)
-    return out
-
-
-# Gemm answers seen, by length: the bytes before their data, its dtype and shape.
-_OUT_HEADS: dict[int, tuple[bytes, str, tuple[int, ...]]] = {}
-
-
-def _to_torch(out, like: Any) -> Any:
-    import torch  # already imported by the caller: `like` is a torch tensor
-
-    dtype = getattr(torch, out.dtype)
-    # One copy into a writable tensor (torch refuses read-only memory without a warning).
-    result = torch.empty(out.shape, dtype=dtype)
-    if out.nbytes:
-        result.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(out.data, np.uint8)
-    return result if like.device.type == "cpu" else result.to(like.device)
 
 
 class _Base:
@@ -378,7 +113,7 @@ class _Base:
     ) -> None:
         if retries < 0 or not backoff >= 0 or not max_backoff >= 0:
             raise ValueError("retries, backoff and max_backoff are >= 0")
-        _budget(deadline)  # refuse a bad default now, not at the first call
+        budget(deadline)  # refuse a bad default now, not at the first call
         self.url = url.rstrip("/")
         self._headers = {"Accept": f"{MSGPACK}, application/json"}
         if token is not None:
@@ -389,7 +124,7 @@ class _Base:
         self._retry = _Retry(retries, backoff, max_backoff)
         self._deadline = deadline
 
-    def _request_args(self, call: _Call) -> tuple[str, dict[str, Any]]:
+    def _request_args(self, call: Call) -> tuple[str, dict[str, Any]]:
         request_id = os.urandom(16).hex()  # 128 random bits, as uuid4's hex
         headers = {"X-Request-Id": request_id}
         if call.body is not None:
@@ -415,7 +150,7 @@ class _Base:
         args["timeout"] = timeout
         return request_id, args
 
-    def _failed(self, call: _Call, exc: httpx.TransportError, request_id: str) -> MoegemmError:
+    def _failed(self, call: Call, exc: httpx.TransportError, request_id: str) -> MoegemmError:
         """The error for a request that got no answer."""
         if isinstance(exc, httpx.TimeoutException) and call.deadline is not None \
                 and time.monotonic() >= call.deadline:
@@ -427,7 +162,7 @@ class _Base:
             f"{call.method} {self.url}{call.path} failed: {exc!r} (request {request_id})"
         )
 
-    def _wait(self, call: _Call, attempt: int, error: MoegemmError) -> float | None:
+    def _wait(self, call: Call, attempt: int, error: MoegemmError) -> float | None:
         if not call.retry:
             return None
         return self._retry.wait(attempt, error, call.deadline)
@@ -435,10 +170,10 @@ class _Base:
     def _deadline_of(self, deadline: float | None) -> float | None:
         return self._deadline if deadline is None else deadline
 
-    def _gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: Any) -> _Call:
+    def _gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: Any) -> Call:
         if deadline is None:
             deadline = self._deadline
-        return _gemm_call(name, x, m_sizes, x_scale, deadline)
+        return gemm_call(name, x, m_sizes, x_scale, deadline)
 
 
 class Client(_Base):
@@ -494,7 +229,7 @@ class Client(_Base):
         # custom transports stay on httpx.
         self._lane = Lane(self.url, self._headers) if usable(self.url, transport) else None
 
-    def _send(self, call: _Call) -> Any:
+    def _send(self, call: Call) -> Any:
         attempt = 0
         while True:
             request_id, args = self._request_args(call)
@@ -507,7 +242,7 @@ class Client(_Base):
                     response = self._http.request(**_joined(args))
                 else:
                     response = self._request_by(call, args, request_id)
-                return _result(call, response, request_id)
+                return read_answer(call, response, request_id)
             except httpx.TransportError as exc:
                 error, cause = self._failed(call, exc, request_id), exc
                 error.__cause__ = exc
@@ -519,7 +254,7 @@ class Client(_Base):
             time.sleep(wait)
             attempt += 1
 
-    def _request_by(self, call: _Call, args: dict[str, Any], request_id: str) -> httpx.Response:
+    def _request_by(self, call: Call, args: dict[str, Any], request_id: str) -> httpx.Response:
         """The request, its answer read in pieces so that the deadline bounds the whole wait.
 
         httpx's timeouts bound each read, not their sum: an answer trickling in
@@ -560,7 +295,7 @@ class Client(_Base):
     def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict:
         """Load or replace weight set ``name`` from ``w`` ``[G, N, K]`` (fp8 with
         ``w_scale`` ``[G, K/128, N/128]``, or bf16/fp16/fp32 to be quantized)."""
-        return self._send(_load_call(name, w, w_scale))
+        return self._send(load_call(name, w, w_scale))
 
     def load_weights_file(
         self,
@@ -572,15 +307,15 @@ class Client(_Base):
         """Load weight set ``name`` from a safetensors file under the server's
         weights directory (``file`` is relative to it), tensors ``w_key`` and
         ``w_scale_key``."""
-        return self._send(_load_file_call(name, file, w_key, w_scale_key))
+        return self._send(load_file_call(name, file, w_key, w_scale_key))
 
     def weights(self) -> list[dict]:
         """The loaded weight sets: name, G, N, K, layout, bytes, created."""
-        return _weight_list(self._send(_Call("GET", "/v1/weights")))
+        return weight_list(self._send(Call("GET", "/v1/weights")))
 
     def delete_weights(self, name: str) -> None:
         """Unload weight set ``name``."""
-        self._send(_Call("DELETE", _weights_path(name), expect="none"))
+        self._send(Call("DELETE", weights_path(name), expect="none"))
 
     def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
                      w2_scale: Any = None) -> dict:
@@ -588,27 +323,27 @@ class Client(_Base):
         then up rows) and ``w2`` ``[G, H, I]``, fp8 with ``w13_scale`` ``[G, H/128,
         2I/128]`` and ``w2_scale`` ``[G, I/128, H/128]``, or bf16/fp16/fp32 to be
         quantized. Its matrices also become weight sets ``{name}.w13``, ``{name}.w2``."""
-        return self._send(_load_experts_call(name, w13, w2, w13_scale, w2_scale))
+        return self._send(load_experts_call(name, w13, w2, w13_scale, w2_scale))
 
     def load_experts_checkpoint(self, name: str, checkpoint: str | os.PathLike,
                                 layer: int) -> dict:
         """Load expert set ``name`` from layer ``layer`` of a Hugging Face checkpoint
         directory under the server's weights directory (SPEC 5.3)."""
-        return self._send(_load_checkpoint_call(name, checkpoint, layer))
+        return self._send(load_checkpoint_call(name, checkpoint, layer))
 
     def experts(self) -> list[dict]:
         """The loaded expert sets: name, G, H, I, layout, bytes, created, source."""
-        return _expert_list(self._send(_Call("GET", "/v1/experts")))
+        return expert_list(self._send(Call("GET", "/v1/experts")))
 
     def delete_experts(self, name: str) -> None:
         """Unload expert set ``name`` (and its two weight sets)."""
-        self._send(_Call("DELETE", _experts_path(name), expect="none"))
+        self._send(Call("DELETE", experts_path(name), expect="none"))
 
     def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
                    deadline: float | None = None) -> Any:
         """SPEC 5.1 on expert set ``name``: rows of ``x`` ``[M, H]`` grouped per expert
         (``m_sizes``, as for `grouped_gemm`); returns bf16 ``[M, H]`` in ``x``'s kind."""
-        return self._send(_ffn_call(name, x, m_sizes, x_scale, self._deadline_of(deadline)))
+        return self._send(ffn_call(name, x, m_sizes, x_scale, self._deadline_of(deadline)))
 
     def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any = None,
             *, deadline: float | None = None) -> Any:
@@ -616,20 +351,20 @@ class Client(_Base):
         ``topk_ids`` ``[T, k]`` (distinct experts per token) and ``topk_weights``
         ``[T, k]`` (sent as float32); returns bf16 ``[T, H]`` in ``x``'s kind. Bad
         routing raises `BadRouting`."""
-        return self._send(_moe_call(name, x, topk_ids, topk_weights, x_scale,
+        return self._send(moe_call(name, x, topk_ids, topk_weights, x_scale,
                                     self._deadline_of(deadline)))
 
     def health(self) -> dict:
         """The readiness answer; raises `NotReady` while the server starts."""
-        return self._send(_Call("GET", "/v1/health/ready", retry=False))
+        return self._send(Call("GET", "/v1/health/ready", retry=False))
 
     def live(self) -> dict:
         """The liveness answer: the process responds."""
-        return self._send(_Call("GET", "/v1/health/live", retry=False))
+        return self._send(Call("GET", "/v1/health/live", retry=False))
 
     def info(self) -> dict:
         """Version, backend, device, ``fp8_format``, buckets and limits."""
-        return self._send(_Call("GET", "/v1/info"))
+        return self._send(Call("GET", "/v1/info"))
 
     def close(self) -> None:
         """Close the pooled connections."""
@@ -676,13 +411,13 @@ class AsyncClient(_Base):
         # Plain http:// calls take the lean lane (_lane.py), as in Client.
         self._lane = AsyncLane(self.url, self._headers) if usable(self.url, transport) else None
 
-    def _exchange(self, call: _Call, args: dict[str, Any]):
+    def _exchange(self, call: Call, args: dict[str, Any]):
         if self._lane is None:
             return self._http.request(**_joined(args))
         return self._lane.request(call.method, call.path, args["headers"], call.body,
                                   args["timeout"], call.deadline)
 
-    async def _send(self, call: _Call) -> Any:
+    async def _send(self, call: Call) -> Any:
         attempt = 0
         while True:
             request_id, args = self._request_args(call)
@@ -698,7 +433,7 @@ class AsyncClient(_Base):
                         raise DeadlineExceeded(
                             f"no full answer to {call.method} {call.path} within its deadline",
                             request_id=request_id) from None
-                return _result(call, response, request_id)
+                return read_answer(call, response, request_id)
             except httpx.TransportError as exc:
                 error, cause = self._failed(call, exc, request_id), exc
                 error.__cause__ = exc
@@ -719,7 +454,7 @@ class AsyncClient(_Base):
 
     async def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict:
         """See `Client.load_weights`."""
-        return await self._send(_load_call(name, w, w_scale))
+        return await self._send(load_call(name, w, w_scale))
 
     async def load_weights_file(
         self,
@@ -729,57 +464,57 @@ class AsyncClient(_Base):
         w_scale_key: str | None = None,
     ) -> dict:
         """See `Client.load_weights_file`."""
-        return await self._send(_load_file_call(name, file, w_key, w_scale_key))
+        return await self._send(load_file_call(name, file, w_key, w_scale_key))
 
     async def weights(self) -> list[dict]:
         """See `Client.weights`."""
-        return _weight_list(await self._send(_Call("GET", "/v1/weights")))
+        return weight_list(await self._send(Call("GET", "/v1/weights")))
 
     async def delete_weights(self, name: str) -> None:
         """See `Client.delete_weights`."""
-        await self._send(_Call("DELETE", _weights_path(name), expect="none"))
+        await self._send(Call("DELETE", weights_path(name), expect="none"))
 
     async def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
                            w2_scale: Any = None) -> dict:
         """See `Client.load_experts`."""
-        return await self._send(_load_experts_call(name, w13, w2, w13_scale, w2_scale))
+        return await self._send(load_experts_call(name, w13, w2, w13_scale, w2_scale))
 
     async def load_experts_checkpoint(self, name: str, checkpoint: str | os.PathLike,
                                       layer: int) -> dict:
         """See `Client.load_experts_checkpoint`."""
-        return await self._send(_load_checkpoint_call(name, checkpoint, layer))
+        return await self._send(load_checkpoint_call(name, checkpoint, layer))
 
     async def experts(self) -> list[dict]:
         """See `Client.experts`."""
-        return _expert_list(await self._send(_Call("GET", "/v1/experts")))
+        return expert_list(await self._send(Call("GET", "/v1/experts")))
 
     async def delete_experts(self, name: str) -> None:
         """See `Client.delete_experts`."""
-        await self._send(_Call("DELETE", _experts_path(name), expect="none"))
+        await self._send(Call("DELETE", experts_path(name), expect="none"))
 
     async def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
                          deadline: float | None = None) -> Any:
         """See `Client.expert_ffn`."""
-        return await self._send(_ffn_call(name, x, m_sizes, x_scale,
+        return await self._send(ffn_call(name, x, m_sizes, x_scale,
                                           self._deadline_of(deadline)))
 
     async def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any,
                   x_scale: Any = None, *, deadline: float | None = None) -> Any:
         """See `Client.moe`."""
-        return await self._send(_moe_call(name, x, topk_ids, topk_weights, x_scale,
+        return await self._send(moe_call(name, x, topk_ids, topk_weights, x_scale,
                                           self._deadline_of(deadline)))
 
     async def health(self) -> dict:
         """See `Client.health`."""
-        return await self._send(_Call("GET", "/v1/health/ready", retry=False))
+        return await self._send(Call("GET", "/v1/health/ready", retry=False))
 
     async def live(self) -> dict:
         """See `Client.live`."""
-        return await self._send(_Call("GET", "/v1/health/live", retry=False))
+        return await self._send(Call("GET", "/v1/health/live", retry=False))
 
     async def info(self) -> dict:
         """See `Client.info`."""
-        return await self._send(_Call("GET", "/v1/info"))
+        return await self._send(Call("GET", "/v1/info"))
 
     async def close(self) -> None:
         """Close the pooled connections (awaited)."""
@@ -800,19 +535,3 @@ def _joined(args: dict[str, Any]) -> dict[str, Any]:
     if isinstance(args["content"], list):
         return {**args, "content": b"".join(args["content"])}
     return args
-
-
-def _expert_list(payload: Any) -> list[dict]:
-    if isinstance(payload, dict) and isinstance(payload.get("experts"), list):
-        return payload["experts"]
-    raise InternalError(f"GET /v1/experts answered {type(payload).__name__}, expected "
-                        "{'experts': [...]}")
-
-
-def _weight_list(payload: Any) -> list[dict]:
-    # SPEC 2.1 names the fields, not the envelope: accept a bare list or {"weights": [...]}.
-    if isinstance(payload, dict) and isinstance(payload.get("weights"), list):
-        return payload["weights"]
-    if isinstance(payload, list):
-        return payload
-    raise InternalError(f"GET /v1/weights answered {type(payload).__name__}, expected a list")

@@ -393,12 +393,12 @@ def test_repeated_answers_decode_alike_and_lookalikes_are_decoded_in_full(fake, 
 
 def test_answers_received_into_a_buffer_decode_as_views_on_it():
     """The lane hands large answers over as a read-only view on its buffer."""
-    from moegemm.client._client import _decode_out
+    from moegemm.client._calls import decode_out
 
     out = np.random.randn(300, 256).astype(ml_dtypes.bfloat16)
     raw = np.frombuffer(packb({"out": encode_tensor(out)}), np.uint8).copy()
     for _ in range(2):
-        got = _decode_out(memoryview(raw).toreadonly())
+        got = decode_out(memoryview(raw).toreadonly())
         assert got.dtype == "bfloat16" and got.shape == (300, 256)
         arr = got.numpy()
         assert not arr.flags.writeable and np.shares_memory(arr, raw)

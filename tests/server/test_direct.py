@@ -302,9 +302,9 @@ def test_expert_calls_are_direct_and_answer_as_the_app_does(expert_pair, name, d
 @pytest.mark.parametrize("shape", [(1, 2048), (128, 256), (0, 7168), (70000, 4)])
 def test_answer_heads_are_the_bytes_the_client_recognises(shape):
     """An answer's head (``array_body_parts``) is what ``packb`` writes for it, so the
-    client decodes a head it has seen once by comparing bytes (``_decode_out``) instead
+    client decodes a head it has seen once by comparing bytes (``_calls.decode_out``) instead
     of walking the msgpack again on every call."""
-    from moegemm.client._client import _OUT_HEADS, _decode_out
+    from moegemm.client._calls import OUT_HEADS, decode_out
     from moegemm.client._wire import tensor_head
     from moegemm.server._body import array_body_parts
 
@@ -312,8 +312,8 @@ def test_answer_heads_are_the_bytes_the_client_recognises(shape):
     head, data = array_body_parts("out", out, "bfloat16", shape)
     assert head == b"\x81" + tensor_head("out", "bfloat16", list(shape), out.nbytes)
     body = head + bytes(data)
-    first = _decode_out(body)
-    assert len(body) in _OUT_HEADS
-    again = _decode_out(body)
+    first = decode_out(body)
+    assert len(body) in OUT_HEADS
+    again = decode_out(body)
     assert (again.dtype, again.shape) == (first.dtype, first.shape) == ("bfloat16", shape)
     assert bytes(again.data) == bytes(data)

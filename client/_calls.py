@@ -1,0 +1,303 @@
+"""One call as the client makes it: the request of each endpoint (SPEC 2.1), built and
+checked before anything is sent, and its answer read back in the caller's kind (numpy,
+bf16 and fp8 through ml_dtypes, or torch), or raised as the error tree (SPEC 2.2).
+``Client`` and ``AsyncClient`` (``_client.py``) send them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from ._errors import APIError, ArgumentDtype, BadName, InternalError, error_for
+from ._wire import (
+    WireTensor,
+    decode_tensor,
+    encode_tensor,
+    pack_tensors,
+    packb,
+    tensor_head,
+    unpack_in_place,
+    unpackb,
+)
+
+MSGPACK = "application/vnd.msgpack"
+_MSGPACK_TYPES = (MSGPACK, "application/msgpack", "application/x-msgpack")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# Answers this large are decoded in place (msgpack's C decoder copies bins;
+# under this size that copy costs less than walking the body in Python).
+_IN_PLACE_FROM = 64 << 10
+# Tensors this large are sent as their own parts, never copied into the body.
+_PART_FROM = 64 << 10
+
+
+@dataclass
+class Call:
+    """One HTTP request to make and how to read its answer."""
+
+    method: str
+    path: str
+    # The body: bytes, or parts to send back to back (``_wire.pack_parts``: large
+    # tensors as views on the caller's memory, never copied into one buffer).
+    body: bytes | list | None = None
+    expect: str = "json"  # "json" | "gemm" | "none"
+    like_torch: Any = None  # the torch tensor whose kind (and device) the output takes
+    retry: bool = True  # health probes report 503 instead of waiting it out
+    deadline: float | None = None  # time.monotonic() instant by which to give up
+    load: bool = False  # a weight or expert-set load: bounded by the client's load_timeout
+
+def budget(deadline: float | None) -> float | None:
+    """A relative deadline in seconds as a ``time.monotonic()`` instant."""
+    if deadline is None:
+        return None
+    if not deadline > 0 or math.isinf(deadline):
+        raise ValueError(f"deadline is a positive, finite number of seconds, got {deadline!r}")
+    return time.monotonic() + deadline
+
+def weights_path(name: str) -> str:
+    # Refused here because no server can answer it well: ASGI servers decode
+    # %2F before routing, so "a/b" would reach a route-level 404, not bad_name.
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise BadName(f"weight-set name {name!r:.200} does not match [A-Za-z0-9._-]{{1,128}}")
+    # "." and ".." are valid names but dot segments in a URL: spell the dots.
+    quoted = name.replace(".", "%2E") if name in (".", "..") else name
+    return f"/v1/weights/{quoted}"
+
+
+def _m_sizes_int64(m_sizes: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(m_sizes, torch.Tensor):
+        if m_sizes.dtype.is_floating_point or m_sizes.dtype.is_complex:
+            raise ArgumentDtype(f"m_sizes must hold integers, got {m_sizes.dtype}")
+        return m_sizes.to(torch.int64)
+    arr = np.asarray(m_sizes)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ArgumentDtype(f"m_sizes must hold integers, got {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None) -> Call:
+    body: dict[str, Any] = {
+        "x": encode_tensor(x),
+        "m_sizes": encode_tensor(_m_sizes_int64(m_sizes)),
+    }
+    if x_scale is not None:
+        body["x_scale"] = encode_tensor(x_scale)
+    torch = sys.modules.get("torch")
+    like = x if torch is not None and isinstance(x, torch.Tensor) else None
+    # Large tensors go out as views (``pack_tensors``); a small body is packed at once
+    # (one packb call costs less than assembling it from cached heads).
+    big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
+    return Call("POST", weights_path(name) + "/gemm", pack_tensors(body) if big else packb(body),
+                 expect="gemm", like_torch=like, deadline=budget(deadline))
+
+
+def load_call(name: str, w: Any, w_scale: Any) -> Call:
+    body: dict[str, Any] = {"w": encode_tensor(w)}
+    if w_scale is not None:
+        body["w_scale"] = encode_tensor(w_scale)
+    return Call("PUT", weights_path(name), packb(body), load=True)
+
+
+def load_file_call(
+    name: str, file: str | os.PathLike, w_key: str, w_scale_key: str | None
+) -> Call:
+    body: dict[str, Any] = {"file": os.fspath(file), "w": w_key}
+    if w_scale_key is not None:
+        body["w_scale"] = w_scale_key
+    return Call("PUT", weights_path(name), packb(body), load=True)
+
+
+def experts_path(name: str) -> str:
+    # As weights_path; "{name}.w13" must be a weight-set name too.
+    if isinstance(name, str) and len(name) > 124:
+        raise BadName(f"expert-set name {name!r:.200} is over 124 characters")
+    return "/v1/experts" + weights_path(name)[len("/v1/weights"):]
+
+
+def _like(x: Any) -> Any:
+    torch = sys.modules.get("torch")
+    return x if torch is not None and isinstance(x, torch.Tensor) else None
+
+
+def _packed(body: dict[str, Any]) -> bytes | list:
+    # Large tensors go out as views, as in gemm_call.
+    big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
+    return pack_tensors(body) if big else packb(body)
+
+
+def load_experts_call(name: str, w13: Any, w2: Any, w13_scale: Any, w2_scale: Any) -> Call:
+    body: dict[str, Any] = {"w13": encode_tensor(w13), "w2": encode_tensor(w2)}
+    if w13_scale is not None:
+        body["w13_scale"] = encode_tensor(w13_scale)
+    if w2_scale is not None:
+        body["w2_scale"] = encode_tensor(w2_scale)
+    return Call("PUT", experts_path(name), _packed(body), load=True)
+
+
+def load_checkpoint_call(name: str, checkpoint: str | os.PathLike, layer: int) -> Call:
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"layer is an int, got {type(layer).__name__}")
+    return Call("PUT", experts_path(name),
+                 packb({"checkpoint": os.fspath(checkpoint), "layer": layer}), load=True)
+
+
+def ffn_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None) -> Call:
+    body: dict[str, Any] = {"x": encode_tensor(x),
+                            "m_sizes": encode_tensor(_m_sizes_int64(m_sizes))}
+    if x_scale is not None:
+        body["x_scale"] = encode_tensor(x_scale)
+    return Call("POST", experts_path(name) + "/ffn", _packed(body), expect="gemm",
+                 like_torch=_like(x), deadline=budget(deadline))
+
+
+def _routing(topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
+    """``topk_ids`` as int32/int64 (other integers as int64), ``topk_weights`` as float32."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(topk_ids, torch.Tensor):
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex:
+            raise ArgumentDtype(f"topk_ids must hold integers, got {topk_ids.dtype}")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            topk_ids = topk_ids.to(torch.int64)
+    else:
+        topk_ids = np.asarray(topk_ids)
+        if topk_ids.size and topk_ids.dtype.kind not in "iu":
+            raise ArgumentDtype(f"topk_ids must hold integers, got {topk_ids.dtype}")
+        if topk_ids.dtype not in (np.int32, np.int64):
+            topk_ids = topk_ids.astype(np.int64)
+    if torch is not None and isinstance(topk_weights, torch.Tensor):
+        if not topk_weights.dtype.is_floating_point:
+            raise ArgumentDtype(f"topk_weights must be floats, got {topk_weights.dtype}")
+        topk_weights = topk_weights.to(torch.float32)
+    else:
+        topk_weights = np.asarray(topk_weights)
+        if topk_weights.size and topk_weights.dtype.kind != "f" and \
+                topk_weights.dtype.name != "bfloat16":
+            raise ArgumentDtype(f"topk_weights must be floats, got {topk_weights.dtype}")
+        topk_weights = topk_weights.astype(np.float32)
+    return topk_ids, topk_weights
+
+
+def moe_call(name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any,
+              deadline: float | None) -> Call:
+    ids, weights = _routing(topk_ids, topk_weights)
+    body: dict[str, Any] = {"x": encode_tensor(x), "topk_ids": encode_tensor(ids),
+                            "topk_weights": encode_tensor(weights)}
+    if x_scale is not None:
+        body["x_scale"] = encode_tensor(x_scale)
+    return Call("POST", experts_path(name) + "/moe", _packed(body), expect="gemm",
+                 like_torch=_like(x), deadline=budget(deadline))
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:  # an HTTP-date: rare enough not to parse
+        return None
+
+
+def _raise_for_error(response: httpx.Response, request_id: str) -> None:
+    if response.status_code < 400:
+        return
+    request_id = response.headers.get("x-request-id", request_id)
+    code, message = None, response.text[:1000] or response.reason_phrase
+    try:
+        payload = response.json()
+        error = payload["error"]
+        code, message = error.get("code"), str(error.get("message", message))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass  # not the JSON error body: the class comes from the status alone
+    raise error_for(
+        response.status_code,
+        code if isinstance(code, str) else None,
+        message,
+        request_id=request_id,
+        retry_after=_retry_after(response),
+    )
+
+
+def read_answer(call: Call, response: httpx.Response, request_id: str) -> Any:
+    _raise_for_error(response, request_id)
+    request_id = response.headers.get("x-request-id", request_id)
+    if call.expect == "none":
+        return None
+    try:
+        if call.expect == "json":
+            return response.json()
+        media = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media not in _MSGPACK_TYPES:
+            raise ValueError(f"content type {media!r} is not msgpack")
+        out = decode_out(response.content)
+    except (ValueError, KeyError, APIError) as exc:
+        # A 2xx answer we cannot read is the server's fault, not the request's.
+        raise InternalError(
+            f"malformed {response.status_code} response to {call.method} {call.path}: {exc}",
+            request_id=request_id,
+        ) from exc
+    if call.like_torch is None:
+        return out.numpy()  # a read-only view on the response body; .copy() to write
+    return _to_torch(out, call.like_torch)
+
+
+def decode_out(content: bytes | memoryview) -> WireTensor:
+    """The ``out`` tensor of a gemm answer, as a view on ``content``.
+
+    An answer whose bytes up to the data equal those of an answer of the same
+    length decoded before (the same dtype and shape: most calls) is not decoded
+    again; the first of each is decoded in full, and anything else -- another
+    layout, a malformed body -- takes that same way, with its errors.
+    """
+    size = len(content)
+    known = OUT_HEADS.get(size)
+    if known is not None:
+        head, dtype, shape = known
+        if content[:len(head)] == head:
+            return WireTensor(dtype, shape, memoryview(content)[len(head):])
+    # A large answer's tensor stays where it was received (a view, no copy).
+    body = unpack_in_place(content) if size >= _IN_PLACE_FROM else unpackb(content)
+    out = decode_tensor(body["out"])
+    head = b"\x81" + tensor_head("out", out.dtype, list(out.shape), out.nbytes)
+    if len(head) + out.nbytes == size and content[:len(head)] == head and len(OUT_HEADS) < 4096:
+        OUT_HEADS[size] = (head, out.dtype, out.shape)
+    return out
+
+
+# Gemm answers seen, by length: the bytes before their data, its dtype and shape.
+OUT_HEADS: dict[int, tuple[bytes, str, tuple[int, ...]]] = {}
+
+
+def _to_torch(out, like: Any) -> Any:
+    import torch  # already imported by the caller: `like` is a torch tensor
+
+    dtype = getattr(torch, out.dtype)
+    # One copy into a writable tensor (torch refuses read-only memory without a warning).
+    result = torch.empty(out.shape, dtype=dtype)
+    if out.nbytes:
+        result.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(out.data, np.uint8)
+    return result if like.device.type == "cpu" else result.to(like.device)
+
+def expert_list(payload: Any) -> list[dict]:
+    if isinstance(payload, dict) and isinstance(payload.get("experts"), list):
+        return payload["experts"]
+    raise InternalError(f"GET /v1/experts answered {type(payload).__name__}, expected "
+                        "{'experts': [...]}")
+
+
+def weight_list(payload: Any) -> list[dict]:
+    # SPEC 2.1 names the fields, not the envelope: accept a bare list or {"weights": [...]}.
+    if isinstance(payload, dict) and isinstance(payload.get("weights"), list):
+        return payload["weights"]
+    if isinstance(payload, list):
+        return payload
+    raise InternalError(f"GET /v1/weights answered {type(payload).__name__}, expected a list")
