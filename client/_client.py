@@ -123,8 +123,11 @@ class _Base:
         self._load_timeout = httpx.Timeout(load_timeout)
         self._retry = _Retry(retries, backoff, max_backoff)
         self._deadline = deadline
+        self._closed = False
 
     def _request_args(self, call: Call) -> tuple[str, dict[str, Any]]:
+        if self._closed:  # on every transport alike (httpx raises this; the lane would not)
+            raise RuntimeError(f"this client of {self.url} is closed")
         request_id = os.urandom(16).hex()  # 128 random bits, as uuid4's hex
         headers = {"X-Request-Id": request_id}
         if call.body is not None:
@@ -367,7 +370,8 @@ class Client(_Base):
         return self._send(Call("GET", "/v1/info"))
 
     def close(self) -> None:
-        """Close the pooled connections."""
+        """Close the pooled connections; calls made after it raise RuntimeError."""
+        self._closed = True
         if self._lane is not None:
             self._lane.close()
         self._http.close()
@@ -517,7 +521,8 @@ class AsyncClient(_Base):
         return await self._send(Call("GET", "/v1/info"))
 
     async def close(self) -> None:
-        """Close the pooled connections (awaited)."""
+        """Close the pooled connections (awaited); calls made after it raise RuntimeError."""
+        self._closed = True
         if self._lane is not None:
             await self._lane.aclose()
         await self._http.aclose()

@@ -359,6 +359,28 @@ def test_real_socket_is_reused_and_no_delay(real_server):
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
+def test_a_closed_client_refuses_calls_on_every_transport(real_server, fake):
+    """Use after close() is the caller's mistake, said the same way whichever transport
+    the client took: the lean lane (plain http, which could reconnect) and httpx (which
+    raises RuntimeError itself)."""
+    lane = Client(real_server)
+    assert lane._lane is not None and lane.info()["peer_port"]
+    mocked = Client(URL, transport=httpx.MockTransport(fake))
+    assert mocked._lane is None and mocked.info() == {"path": "/v1/info"}
+    for c in (lane, mocked):
+        c.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            c.info()
+
+    async def scenario():
+        async with AsyncClient(real_server) as a:
+            assert (await a.info())["peer_port"]
+        with pytest.raises(RuntimeError, match="closed"):
+            await a.info()
+
+    asyncio.run(scenario())
+
+
 def test_real_connection_refused_is_transport_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
