@@ -4,7 +4,12 @@
 #
 #   docker build -t moegemm:rocm .
 #   docker run --rm -p 8000:8000 --device /dev/kfd --device /dev/dri --group-add video \
-#       -v /srv/weights:/weights:ro -e MOEGEMM_TOKEN=... moegemm:rocm
+#       --shm-size=1g -v /srv/weights:/weights:ro -e MOEGEMM_TOKEN=... moegemm:rocm
+#
+# MOEGEMM_DEVICE defaults to "cuda" (torch's name for the ROCm GPU too): a container
+# started without its GPU exits at once with a message, instead of serving from the
+# CPU. Where the host's /dev/dri/renderD* belong to a "render" group, also pass
+# --group-add "$(getent group render | cut -d: -f3)".
 #
 # Why this base: rocm/pytorch:rocm7.14.1_ubuntu24.04_py3.12_pytorch_release_2.12.0
 #   - its torch 2.12 ROCm build satisfies the server extra (torch>=2.11) and is
@@ -51,7 +56,7 @@ WORKDIR /home/moegemm
 # an env file, or a Kubernetes ConfigMap/Secret. The tokens have no default.
 ENV MOEGEMM_HOST=0.0.0.0 \
     MOEGEMM_PORT=8000 \
-    MOEGEMM_DEVICE=auto \
+    MOEGEMM_DEVICE=cuda \
     MOEGEMM_WEIGHTS_DIR=/weights \
     MOEGEMM_LOG_LEVEL=info \
     PYTHONUNBUFFERED=1
@@ -64,6 +69,6 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('MOEGEMM_PORT', '8000') + '/v1/health/live', timeout=4)"]
 
-# Exec form: moegemm is PID 1 and gets SIGTERM itself, so uvicorn stops
-# accepting and lets the requests in flight finish (the drain).
+# Exec form: moegemm is PID 1 and gets SIGTERM itself, so its transport stops
+# accepting and lets the requests in flight finish (the drain, MOEGEMM_SHUTDOWN_GRACE_S).
 ENTRYPOINT ["moegemm", "serve"]

@@ -39,13 +39,29 @@ log = logging.getLogger("moegemm.server")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
+class NoSuchDevice(ValueError):
+    """The configured device is not one this process can use (no GPU visible, or fewer)."""
+
+
 def resolve_device(name: str) -> torch.device:
-    """``auto`` is the first CUDA/ROCm device when there is one, else the CPU."""
+    """``auto`` is the first CUDA/ROCm device when there is one, else the CPU; a GPU named
+    (``cuda``, ``cuda:N``) must exist: a GPU image whose container was not given its GPU
+    fails at start with :class:`NoSuchDevice` instead of serving from the CPU."""
     if name == "auto":
         return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
+    # FlyDSL's compile-only mode (COMPILE_ONLY=1) runs with no device by design: it goes
+    # as far as the first device call (tests/deploy/test_rocm_image.py).
+    if device.type == "cuda" and os.environ.get("COMPILE_ONLY") != "1":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index >= count:
+            seen = f"{count} GPU{'s' if count != 1 else ''}" if count else "no GPU"
+            raise NoSuchDevice(
+                f"device {device} was asked for and this process sees {seen} (torch "
+                f"{torch.__version__}): give the container its GPU (--device /dev/kfd "
+                f"--device /dev/dri on ROCm, --gpus on NVIDIA), or set MOEGEMM_DEVICE=cpu")
     return device
 
 

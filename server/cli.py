@@ -18,6 +18,7 @@ from .config import Settings
 
 # The exit status when the address cannot be listened on (a port taken, a host not this one's).
 EXIT_CANNOT_LISTEN = 1
+EXIT_NO_DEVICE = 2  # as invalid settings: the configured device does not exist here
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     # Every default is None: only flags actually given override the environment.
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    serve.add_argument("--device", help="auto (a GPU if one is visible, else the CPU), cpu, "
+                                          "cuda, cuda:N or N (cuda:N)")
     serve.add_argument("--weights-dir", dest="weights_dir")
     serve.add_argument("--preload", action="append",
                        help="name=file:w_key[:w_scale_key], repeatable")
@@ -93,10 +95,14 @@ def _serve_fast(settings: Settings) -> int:
 
     from ._direct import DirectGemm
     from ._http import FastHttpServer, ListenError
-    from .app import create_app, resolve_device
+    from .app import NoSuchDevice, create_app, resolve_device
 
     allocate = pin = None
-    on_gpu = resolve_device(settings.device).type == "cuda"
+    try:
+        on_gpu = resolve_device(settings.device).type == "cuda"
+    except NoSuchDevice as exc:  # before anything was loaded: a message, not a traceback
+        print(f"moegemm serve: {exc}", file=sys.stderr)
+        return EXIT_NO_DEVICE
     acceptors = settings.acceptor_count(on_gpu)
     if on_gpu:
         from ._staging import pin_host_array, pinned_body_allocator

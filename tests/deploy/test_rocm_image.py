@@ -2,11 +2,11 @@
 
 The closest honest check without AMD hardware: ``moegemm serve`` runs with the
 ROCm Dockerfile's own ``ENV`` defaults, in FlyDSL's compile-only mode for each
-arch, with two stand-ins for the ROCm host this box is not:
-``MOEGEMM_DEVICE=cuda:0`` (what the image's ``auto`` resolves to there; here it
-would be the CPU) and ``MOEGEMM_BACKEND=flydsl`` (what the image's unset backend,
-``auto``, tries first under a ROCm build of torch; this box's torch is a CPU
-build, under which ``auto`` would try Triton).
+arch, with the image's own ``MOEGEMM_DEVICE=cuda`` (which compile-only mode lets through
+with no GPU: elsewhere a GPU that is not there stops the server at once) and one
+stand-in for the ROCm host this box is not: ``MOEGEMM_BACKEND=flydsl`` (what the
+image's unset backend, ``auto``, tries first under a ROCm build of torch; this
+box's torch is a CPU build, under which ``auto`` would try Triton).
 The server must get through its settings, the backend selector and FlyDSL's
 import, log the FlyDSL backend with the arch's fp8 encoding and the preshuffled
 weight layout, and then fail only at its first device call (the graph pool),
@@ -68,7 +68,6 @@ def _serve(arch: str, tmp: Path) -> subprocess.CompletedProcess:
     env.update(
         MOEGEMM_HOST="127.0.0.1",  # the image listens on 0.0.0.0:8000; a test may not
         MOEGEMM_PORT=str(_free_port()),
-        MOEGEMM_DEVICE="cuda:0",  # what "auto" is on a ROCm host
         MOEGEMM_BACKEND="flydsl",  # what "auto" tries first under a ROCm torch
         MOEGEMM_WEIGHTS_DIR=str(tmp),
         MOEGEMM_CACHE_DIR=str(tmp / "cache"),
@@ -83,7 +82,7 @@ def _serve(arch: str, tmp: Path) -> subprocess.CompletedProcess:
 
 def test_the_image_env_names_the_defaults_this_test_relies_on():
     env = _image_env()
-    assert env["MOEGEMM_DEVICE"] == "auto" and "MOEGEMM_BACKEND" not in env  # auto: FlyDSL first
+    assert env["MOEGEMM_DEVICE"] == "cuda" and "MOEGEMM_BACKEND" not in env  # auto: FlyDSL first
 
 
 def test_rocm_image_defaults_start_on_the_flydsl_backend(tmp_path):

@@ -140,6 +140,28 @@ def test_moegemm_serve_refuses_a_taken_port_before_loading_anything():
     assert "Traceback" not in done.stderr and "weight sets on" not in done.stderr  # the app never started
 
 
+def test_moegemm_serve_refuses_a_gpu_it_cannot_see_before_loading_anything():
+    """A GPU named that this process does not see (a container started without its
+    GPU): one line and EXIT_NO_DEVICE, not a traceback and not the CPU in its place."""
+    import subprocess
+    import sys
+
+    import torch
+
+    missing = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    done = subprocess.run(
+        [sys.executable, "-m", "moegemm.cli", "serve", "--port", "0", "--device",
+         f"cuda:{missing}"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == server_cli.EXIT_NO_DEVICE
+    assert f"moegemm serve: device cuda:{missing} was asked for and this process sees" \
+        in done.stderr and "MOEGEMM_DEVICE=cpu" in done.stderr
+    assert "Traceback" not in done.stderr and "weight sets on" not in done.stderr
+    from moegemm.server.app import resolve_device
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto") == (torch.device("cuda", 0) if missing else torch.device("cpu"))
+
+
 def test_public_surface():
     import moegemm.server
 
