@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from ._errors import APIError, ArgumentDtype, BadName, InternalError, error_for
+from ._errors import APIError, ArgumentDtype, BadMSizes, BadName, InternalError, error_for
 from ._wire import (
     WireTensor,
     decode_tensor,
@@ -53,11 +53,15 @@ class Call:
     retry: bool = True  # health probes report 503 instead of waiting it out
     deadline: float | None = None  # time.monotonic() instant by which to give up
     load: bool = False  # a weight or expert-set load: bounded by the client's load_timeout
+    rows: int | None = None  # the rows a gemm, ffn or moe answer must have
+    request_id: str | None = None  # the caller's X-Request-Id (else the client's, or random)
 
 def budget(deadline: float | None) -> float | None:
     """A relative deadline in seconds as a ``time.monotonic()`` instant."""
     if deadline is None:
         return None
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+        raise TypeError(f"deadline is a number of seconds, got {type(deadline).__name__}")
     if not deadline > 0 or math.isinf(deadline):
         raise ValueError(f"deadline is a positive, finite number of seconds, got {deadline!r}")
     return time.monotonic() + deadline
@@ -77,14 +81,20 @@ def _m_sizes_int64(m_sizes: Any) -> Any:
     if torch is not None and isinstance(m_sizes, torch.Tensor):
         if m_sizes.dtype.is_floating_point or m_sizes.dtype.is_complex:
             raise ArgumentDtype(f"m_sizes must hold integers, got {m_sizes.dtype}")
+        if m_sizes.dtype == torch.uint64 and m_sizes.numel() and \
+                int(m_sizes.max()) > np.iinfo(np.int64).max:
+            raise BadMSizes(f"m_sizes holds {int(m_sizes.max())}, past int64")
         return m_sizes.to(torch.int64)
     arr = np.asarray(m_sizes)
     if arr.size and arr.dtype.kind not in "iu":
         raise ArgumentDtype(f"m_sizes must hold integers, got {arr.dtype}")
+    if arr.size and arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:
+        raise BadMSizes(f"m_sizes holds {int(arr.max())}, past int64")  # (never wrapped)
     return arr.astype(np.int64)
 
 
-def gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None) -> Call:
+def gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None,
+              request_id: str | None = None) -> Call:
     body: dict[str, Any] = {
         "x": encode_tensor(x),
         "m_sizes": encode_tensor(_m_sizes_int64(m_sizes)),
@@ -97,7 +107,8 @@ def gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | N
     # (one packb call costs less than assembling it from cached heads).
     big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
     return Call("POST", weights_path(name) + "/gemm", pack_tensors(body) if big else packb(body),
-                 expect="gemm", like_torch=like, deadline=budget(deadline))
+                expect="gemm", like_torch=like, deadline=budget(deadline),
+                rows=body["x"]["shape"][0], request_id=request_id_of(request_id))
 
 
 def load_call(name: str, w: Any, w_scale: Any) -> Call:
@@ -150,13 +161,15 @@ def load_checkpoint_call(name: str, checkpoint: str | os.PathLike, layer: int) -
                  packb({"checkpoint": os.fspath(checkpoint), "layer": layer}), load=True)
 
 
-def ffn_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None) -> Call:
+def ffn_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None,
+             request_id: str | None = None) -> Call:
     body: dict[str, Any] = {"x": encode_tensor(x),
                             "m_sizes": encode_tensor(_m_sizes_int64(m_sizes))}
     if x_scale is not None:
         body["x_scale"] = encode_tensor(x_scale)
     return Call("POST", experts_path(name) + "/ffn", _packed(body), expect="gemm",
-                 like_torch=_like(x), deadline=budget(deadline))
+                like_torch=_like(x), deadline=budget(deadline), rows=body["x"]["shape"][0],
+                request_id=request_id_of(request_id))
 
 
 def _routing(topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
@@ -187,14 +200,25 @@ def _routing(topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
 
 
 def moe_call(name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any,
-              deadline: float | None) -> Call:
+             deadline: float | None, request_id: str | None = None) -> Call:
     ids, weights = _routing(topk_ids, topk_weights)
     body: dict[str, Any] = {"x": encode_tensor(x), "topk_ids": encode_tensor(ids),
                             "topk_weights": encode_tensor(weights)}
     if x_scale is not None:
         body["x_scale"] = encode_tensor(x_scale)
     return Call("POST", experts_path(name) + "/moe", _packed(body), expect="gemm",
-                 like_torch=_like(x), deadline=budget(deadline))
+                like_torch=_like(x), deadline=budget(deadline), rows=body["x"]["shape"][0],
+                request_id=request_id_of(request_id))
+
+
+def request_id_of(value: str | None) -> str | None:
+    """A caller's request id, checked: it travels as an HTTP header value."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 200 or not value.isascii() or \
+            not value.isprintable():
+        raise ValueError(f"request_id is 1-200 printable ASCII characters, got {value!r:.80}")
+    return value
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -239,6 +263,10 @@ def read_answer(call: Call, response: httpx.Response, request_id: str) -> Any:
         if media not in _MSGPACK_TYPES:
             raise ValueError(f"content type {media!r} is not msgpack")
         out = decode_out(response.content)
+        if out.dtype != "bfloat16" or len(out.shape) != 2 or (
+                call.rows is not None and out.shape[0] != call.rows):
+            raise ValueError(f"out is {out.dtype} {list(out.shape)}; expected bfloat16 "
+                             f"[{call.rows}, N]")
     except (ValueError, KeyError, APIError) as exc:
         # A 2xx answer we cannot read is the server's fault, not the request's.
         raise InternalError(

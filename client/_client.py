@@ -8,6 +8,7 @@ whether they await the transport.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import random
@@ -32,6 +33,7 @@ from ._calls import (
     load_file_call,
     moe_call,
     read_answer,
+    request_id_of,
     weight_list,
     weights_path,
 )
@@ -118,7 +120,12 @@ class _Base:
         self._headers = {"Accept": f"{MSGPACK}, application/json"}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._headers.update(headers or {})
+        given = dict(headers or {})
+        # An X-Request-Id among the client's headers is the id of every call it makes (a
+        # call's request_id= wins); it is sent once, never beside a generated one.
+        self._request_id = request_id_of(next(
+            (given.pop(k) for k in list(given) if k.lower() == "x-request-id"), None))
+        self._headers.update(given)
         self._timeout = httpx.Timeout(timeout)
         self._load_timeout = httpx.Timeout(load_timeout)
         self._retry = _Retry(retries, backoff, max_backoff)
@@ -128,7 +135,8 @@ class _Base:
     def _request_args(self, call: Call) -> tuple[str, dict[str, Any]]:
         if self._closed:  # on every transport alike (httpx raises this; the lane would not)
             raise RuntimeError(f"this client of {self.url} is closed")
-        request_id = os.urandom(16).hex()  # 128 random bits, as uuid4's hex
+        # The caller's id, else 128 random bits (as uuid4's hex).
+        request_id = call.request_id or self._request_id or os.urandom(16).hex()
         headers = {"X-Request-Id": request_id}
         if call.body is not None:
             headers["Content-Type"] = MSGPACK
@@ -162,7 +170,8 @@ class _Base:
                 request_id=request_id,
             )
         return TransportError(
-            f"{call.method} {self.url}{call.path} failed: {exc!r} (request {request_id})"
+            f"{call.method} {self.url}{call.path} failed: {exc!r} (request {request_id})",
+            request_id=request_id,
         )
 
     def _wait(self, call: Call, attempt: int, error: MoegemmError) -> float | None:
@@ -170,13 +179,12 @@ class _Base:
             return None
         return self._retry.wait(attempt, error, call.deadline)
 
-    def _deadline_of(self, deadline: float | None) -> float | None:
-        return self._deadline if deadline is None else deadline
-
-    def _gemm(self, name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: Any) -> Call:
-        if deadline is None:
-            deadline = self._deadline
-        return gemm_call(name, x, m_sizes, x_scale, deadline)
+    def _bounded(self, call: Call) -> Call:
+        """``call`` with the client's default deadline when it has none of its own (every
+        call but loads, which ``load_timeout`` bounds)."""
+        if call.deadline is None and not call.load and self._deadline is not None:
+            return dataclasses.replace(call, deadline=budget(self._deadline))
+        return call
 
 
 class Client(_Base):
@@ -200,10 +208,15 @@ class Client(_Base):
     replica instead, which is faster than waiting.
 
     Deadlines: ``grouped_gemm(..., deadline=s)`` (or ``deadline=`` here, the
-    default of every call) is a budget in seconds for the whole call, retries
-    included. The server is told the time left (``X-Deadline-Ms``) and answers
-    504 rather than start the call late; the client never waits past the
-    budget either, and raises `DeadlineExceeded` when it passes.
+    default of every call but the loads, which ``load_timeout`` bounds) is a
+    budget in seconds for the whole call, retries included. The server is told
+    the time left (``X-Deadline-Ms``) and answers 504 rather than start the call
+    late; the client never waits past the budget either, and raises
+    `DeadlineExceeded` when it passes.
+
+    Request ids: every request carries an ``X-Request-Id``, which the server
+    echoes and logs, and errors carry as ``request_id``: a call's
+    ``request_id=``, else one given in ``headers``, else a random one.
     """
 
     def __init__(
@@ -233,6 +246,7 @@ class Client(_Base):
         self._lane = Lane(self.url, self._headers) if usable(self.url, transport) else None
 
     def _send(self, call: Call) -> Any:
+        call = self._bounded(call)
         attempt = 0
         while True:
             request_id, args = self._request_args(call)
@@ -282,7 +296,7 @@ class Client(_Base):
 
     def grouped_gemm(
         self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
-        deadline: float | None = None,
+        deadline: float | None = None, request_id: str | None = None,
     ) -> Any:
         """Run the grouped GEMM of SPEC 1 on weight set ``name``; returns bf16 ``[M, N]``.
 
@@ -291,9 +305,11 @@ class Client(_Base):
         numpy or torch ints) are the rows of each group, sent as int64. The
         result is numpy (``ml_dtypes.bfloat16``, read-only) for numpy input, or
         a torch bfloat16 tensor on ``x``'s device for torch input. ``deadline``
-        is this call's budget in seconds (see the class).
+        is this call's budget in seconds (see the class); ``request_id`` its
+        ``X-Request-Id`` (the server's logs and answer carry it; default: the
+        client's, else a random one).
         """
-        return self._send(self._gemm(name, x, m_sizes, x_scale, deadline))
+        return self._send(gemm_call(name, x, m_sizes, x_scale, deadline, request_id))
 
     def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict:
         """Load or replace weight set ``name`` from ``w`` ``[G, N, K]`` (fp8 with
@@ -343,19 +359,19 @@ class Client(_Base):
         self._send(Call("DELETE", experts_path(name), expect="none"))
 
     def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
-                   deadline: float | None = None) -> Any:
+                   deadline: float | None = None, request_id: str | None = None) -> Any:
         """SPEC 5.1 on expert set ``name``: rows of ``x`` ``[M, H]`` grouped per expert
         (``m_sizes``, as for `grouped_gemm`); returns bf16 ``[M, H]`` in ``x``'s kind."""
-        return self._send(ffn_call(name, x, m_sizes, x_scale, self._deadline_of(deadline)))
+        return self._send(ffn_call(name, x, m_sizes, x_scale, deadline, request_id))
 
     def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any = None,
-            *, deadline: float | None = None) -> Any:
+            *, deadline: float | None = None, request_id: str | None = None) -> Any:
         """SPEC 5.2 on expert set ``name``: tokens ``x`` ``[T, H]`` in their own order,
         ``topk_ids`` ``[T, k]`` (distinct experts per token) and ``topk_weights``
         ``[T, k]`` (sent as float32); returns bf16 ``[T, H]`` in ``x``'s kind. Bad
         routing raises `BadRouting`."""
-        return self._send(moe_call(name, x, topk_ids, topk_weights, x_scale,
-                                    self._deadline_of(deadline)))
+        return self._send(moe_call(name, x, topk_ids, topk_weights, x_scale, deadline,
+                                            request_id))
 
     def health(self) -> dict:
         """The readiness answer; raises `NotReady` while the server starts."""
@@ -422,6 +438,7 @@ class AsyncClient(_Base):
                                   args["timeout"], call.deadline)
 
     async def _send(self, call: Call) -> Any:
+        call = self._bounded(call)
         attempt = 0
         while True:
             request_id, args = self._request_args(call)
@@ -451,10 +468,10 @@ class AsyncClient(_Base):
 
     async def grouped_gemm(
         self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
-        deadline: float | None = None,
+        deadline: float | None = None, request_id: str | None = None,
     ) -> Any:
         """See `Client.grouped_gemm`."""
-        return await self._send(self._gemm(name, x, m_sizes, x_scale, deadline))
+        return await self._send(gemm_call(name, x, m_sizes, x_scale, deadline, request_id))
 
     async def load_weights(self, name: str, w: Any, w_scale: Any = None) -> dict:
         """See `Client.load_weights`."""
@@ -497,16 +514,16 @@ class AsyncClient(_Base):
         await self._send(Call("DELETE", experts_path(name), expect="none"))
 
     async def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
-                         deadline: float | None = None) -> Any:
+                         deadline: float | None = None, request_id: str | None = None) -> Any:
         """See `Client.expert_ffn`."""
-        return await self._send(ffn_call(name, x, m_sizes, x_scale,
-                                          self._deadline_of(deadline)))
+        return await self._send(ffn_call(name, x, m_sizes, x_scale, deadline, request_id))
 
     async def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any,
-                  x_scale: Any = None, *, deadline: float | None = None) -> Any:
+                  x_scale: Any = None, *, deadline: float | None = None,
+                  request_id: str | None = None) -> Any:
         """See `Client.moe`."""
-        return await self._send(moe_call(name, x, topk_ids, topk_weights, x_scale,
-                                          self._deadline_of(deadline)))
+        return await self._send(moe_call(name, x, topk_ids, topk_weights, x_scale, deadline,
+                                            request_id))
 
     async def health(self) -> dict:
         """See `Client.health`."""

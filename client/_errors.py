@@ -69,7 +69,14 @@ class MoegemmError(Exception):
 
 
 class TransportError(MoegemmError):
-    """The client could not reach the server or lost the connection (no HTTP answer)."""
+    """The client could not reach the server or lost the connection (no HTTP answer).
+
+    `request_id` is the `X-Request-Id` the failed request was sent with, when known.
+    """
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class APIError(MoegemmError):
@@ -299,14 +306,17 @@ def error_for(
 ) -> APIError:
     """The `APIError` for an error response: by code when known, else by status.
 
-    A known code wins (it is the contract's machine-readable part). Otherwise the
+    A known code wins (it is the contract's machine-readable part); the instance keeps
+    the status the response had. Otherwise the
     class comes from the status, or is `APIError` itself for a status outside the
     contract (a proxy's 502, ...); the instance then keeps the response's status
     and, when one was sent, its code.
     """
     cls = _BY_CODE.get(code) if code is not None else None
     if cls is not None:
-        return cls(message, request_id=request_id, retry_after=retry_after)
+        err = cls(message, request_id=request_id, retry_after=retry_after)
+        err.status = status  # as answered, should a proxy have changed it
+        return err
     err = _BY_STATUS.get(status, APIError)(message, request_id=request_id, retry_after=retry_after)
     err.status = status
     if code is not None:

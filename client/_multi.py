@@ -71,7 +71,7 @@ def _on_endpoint(name: str, url: str, rank: int, of: int, exc: MoegemmError) -> 
         return _naming(url, exc)
     return TransportError(
         f"weight set {name!r} is placed on {url} (replica {rank} of {of}), "
-        f"which did not answer: {exc}"
+        f"which did not answer: {exc}", request_id=getattr(exc, "request_id", None)
     )
 
 
@@ -88,7 +88,8 @@ def _exhausted(
     tried = "; ".join(f"{url}: {exc}" for url, exc in failures)
     return TransportError(
         f"no endpoint holding weight set {name!r} answered ({len(placed)} of "
-        f"{n_endpoints} endpoints hold it, replicas={len(placed)}): {tried}"
+        f"{n_endpoints} endpoints hold it, replicas={len(placed)}): {tried}",
+        request_id=getattr(last, "request_id", None),
     )
 
 
@@ -173,7 +174,8 @@ class MultiClient(_Fleet[Client]):
     matter.
 
     - ``load_weights`` / ``load_weights_file`` load on every endpoint of the
-      placement; an unreachable one raises `TransportError` naming it.
+      placement; an unreachable one raises `TransportError` naming it, once the
+      others have the set (calls fail over to them).
     - ``grouped_gemm`` takes turns over the placement's endpoints and moves
       on to the next one on `TransportError`, 503 (`Unavailable`) or
       `NoSuchWeights` (a restarted server that lost its sets). Other errors
@@ -262,13 +264,20 @@ class MultiClient(_Fleet[Client]):
             raise _naming(", ".join(placed), missing[-1]) from missing[-1]
 
     def _on_placement(self, name: str, action: Callable[[Client], T]) -> dict[str, T]:
+        """``action`` on every endpoint of the placement (as the async class does), then
+        the first failure, named: the endpoints that answered have the change, so calls
+        fail over to them while the others are down."""
         results: dict[str, T] = {}
         placed = self.placement(name)
+        failed: list[tuple[int, str, MoegemmError]] = []
         for rank, url in enumerate(placed, start=1):
             try:
                 results[url] = action(self._clients[url])
             except MoegemmError as exc:
-                raise _on_endpoint(name, url, rank, len(placed), exc) from exc
+                failed.append((rank, url, exc))
+        if failed:
+            rank, url, exc = failed[0]
+            raise _on_endpoint(name, url, rank, len(placed), exc) from exc
         return results
 
     def grouped_gemm(
@@ -279,6 +288,7 @@ class MultiClient(_Fleet[Client]):
         x_scale: Any = None,
         *,
         deadline: float | None = None,
+        request_id: str | None = None,
     ) -> Any:
         """Run the grouped GEMM on weight set ``name``; arguments and result as
         `Client.grouped_gemm`, failing over between the set's replicas.
@@ -289,31 +299,37 @@ class MultiClient(_Fleet[Client]):
         included: each replica is given only the time left.
         """
         return self._failing_over(
-            name, deadline, lambda c, budget: c.grouped_gemm(name, x, m_sizes, x_scale, **budget)
+            name, deadline, lambda c, budget: c.grouped_gemm(name, x, m_sizes, x_scale, **budget),
+            request_id,
         )
 
     def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
-                   deadline: float | None = None) -> Any:
+                   deadline: float | None = None, request_id: str | None = None) -> Any:
         """`Client.expert_ffn` on expert set ``name``, placed and failing over like
         `grouped_gemm` (placement by the expert-set name)."""
         return self._failing_over(
-            name, deadline, lambda c, budget: c.expert_ffn(name, x, m_sizes, x_scale, **budget)
+            name, deadline, lambda c, budget: c.expert_ffn(name, x, m_sizes, x_scale, **budget),
+            request_id,
         )
 
     def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any = None,
-            *, deadline: float | None = None) -> Any:
+            *, deadline: float | None = None, request_id: str | None = None) -> Any:
         """`Client.moe` on expert set ``name``, placed and failing over like `grouped_gemm`."""
         return self._failing_over(
             name, deadline,
             lambda c, budget: c.moe(name, x, topk_ids, topk_weights, x_scale, **budget),
+            request_id,
         )
 
     def _failing_over(self, name: str, deadline: float | None,
-                      call: Callable[[Client, dict[str, float]], T]) -> T:
+                      call: Callable[[Client, dict[str, Any]], T],
+                      request_id: str | None = None) -> T:
         until = self._until(deadline)
         failures: list[tuple[str, MoegemmError]] = []
         for url in self._turn(name):
-            budget = self._budget(name, deadline, until, failures)
+            budget: dict[str, Any] = self._budget(name, deadline, until, failures)
+            if request_id is not None:  # one id for every replica tried
+                budget["request_id"] = request_id
             try:
                 return call(self._clients[url], budget)
             except _FAIL_OVER as exc:
@@ -339,7 +355,8 @@ class MultiClient(_Fleet[Client]):
             try:
                 results[url] = action(client)
             except TransportError as exc:
-                raise TransportError(f"endpoint {url} did not answer: {exc}") from exc
+                raise TransportError(f"endpoint {url} did not answer: {exc}",
+                                     request_id=exc.request_id) from exc
             except APIError as exc:
                 raise _naming(url, exc) from exc
         return results
@@ -449,33 +466,41 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
         x_scale: Any = None,
         *,
         deadline: float | None = None,
+        request_id: str | None = None,
     ) -> Any:
         """See `MultiClient.grouped_gemm`."""
         return await self._failing_over(
-            name, deadline, lambda c, budget: c.grouped_gemm(name, x, m_sizes, x_scale, **budget)
+            name, deadline, lambda c, budget: c.grouped_gemm(name, x, m_sizes, x_scale, **budget),
+            request_id,
         )
 
     async def expert_ffn(self, name: str, x: Any, m_sizes: Any, x_scale: Any = None, *,
-                         deadline: float | None = None) -> Any:
+                         deadline: float | None = None, request_id: str | None = None) -> Any:
         """See `MultiClient.expert_ffn`."""
         return await self._failing_over(
-            name, deadline, lambda c, budget: c.expert_ffn(name, x, m_sizes, x_scale, **budget)
+            name, deadline, lambda c, budget: c.expert_ffn(name, x, m_sizes, x_scale, **budget),
+            request_id,
         )
 
     async def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any,
-                  x_scale: Any = None, *, deadline: float | None = None) -> Any:
+                  x_scale: Any = None, *, deadline: float | None = None,
+                  request_id: str | None = None) -> Any:
         """See `MultiClient.moe`."""
         return await self._failing_over(
             name, deadline,
             lambda c, budget: c.moe(name, x, topk_ids, topk_weights, x_scale, **budget),
+            request_id,
         )
 
     async def _failing_over(self, name: str, deadline: float | None,
-                            call: Callable[[AsyncClient, dict[str, float]], Awaitable[T]]) -> T:
+                            call: Callable[[AsyncClient, dict[str, Any]], Awaitable[T]],
+                            request_id: str | None = None) -> T:
         until = self._until(deadline)
         failures: list[tuple[str, MoegemmError]] = []
         for url in self._turn(name):
-            budget = self._budget(name, deadline, until, failures)
+            budget: dict[str, Any] = self._budget(name, deadline, until, failures)
+            if request_id is not None:  # one id for every replica tried
+                budget["request_id"] = request_id
             try:
                 return await call(self._clients[url], budget)
             except _FAIL_OVER as exc:
@@ -501,7 +526,8 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
         )
         for url, answer in zip(urls, answers):
             if isinstance(answer, TransportError):
-                raise TransportError(f"endpoint {url} did not answer: {answer}") from answer
+                raise TransportError(f"endpoint {url} did not answer: {answer}",
+                                     request_id=answer.request_id) from answer
             if isinstance(answer, APIError):
                 raise _naming(url, answer) from answer
             if isinstance(answer, BaseException):

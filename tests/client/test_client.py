@@ -406,9 +406,10 @@ def test_repeated_answers_decode_alike_and_lookalikes_are_decoded_in_full(fake, 
     answers.append(bytes(damaged))
     fake.reply = lambda r: httpx.Response(
         200, content=answers.pop(0), headers={"content-type": "application/vnd.msgpack"})
-    out = client.grouped_gemm("w", x, [m], x_scale=scale)
-    assert out.dtype == np.float16 and out.shape == (m, fake.n)
-    np.testing.assert_array_equal(out, half)
+    # Decoded in full (the cached bf16 head would have read it as bf16), then refused:
+    # an answer is bf16.
+    with pytest.raises(mc.InternalError, match=rf"out is float16 \[{m}, {fake.n}\]"):
+        client.grouped_gemm("w", x, [m], x_scale=scale)
     with pytest.raises(mc.InternalError, match="'out'"):
         client.grouped_gemm("w", x, [m], x_scale=scale)
 
@@ -425,3 +426,82 @@ def test_answers_received_into_a_buffer_decode_as_views_on_it():
         arr = got.numpy()
         assert not arr.flags.writeable and np.shares_memory(arr, raw)
         np.testing.assert_array_equal(arr.view(np.uint16), out.view(np.uint16))
+
+
+def test_request_ids_the_caller_gives_are_the_ones_sent(fake):
+    """SPEC 2.1: a request may carry its own X-Request-Id. A call's request_id= wins,
+    then one among the client's headers (sent once, never beside a generated one)."""
+    x, scale = _fp8_inputs([2, 1])
+    with Client(URL, headers={"x-request-id": "router-7"},
+                transport=httpx.MockTransport(fake)) as c:
+        c.grouped_gemm("w", x, [2, 1], scale)
+        c.weights()
+        c.grouped_gemm("w", x, [2, 1], scale, request_id="call-9")
+        fake.reply = _error_reply(400, "bad_shape", "no")
+        with pytest.raises(mc.BadShape) as info:
+            c.grouped_gemm("w", x, [2, 1], scale, request_id="call-10")
+        assert info.value.request_id == "call-10"
+        with pytest.raises(ValueError, match="request_id"):
+            c.grouped_gemm("w", x, [2, 1], scale, request_id="two\nlines")
+    sent = [r.headers.get_list("x-request-id") for r in fake.requests]
+    assert sent == [["router-7"], ["router-7"], ["call-9"], ["call-10"]]
+
+
+def test_a_client_deadline_bounds_every_call_but_loads():
+    """``Client(deadline=s)`` bounds weights(), info(), deletes and health as well as the
+    compute calls; a load, which answers once the server compiled and captured, waits
+    ``load_timeout`` instead."""
+    import time
+
+    def slow(request):
+        time.sleep(0.6)
+        if request.method == "PUT":
+            return httpx.Response(201, json={"name": "w"})
+        return httpx.Response(200, json=[])
+
+    with Client(URL, deadline=0.3, transport=httpx.MockTransport(slow)) as c:
+        for call in (c.weights, c.info, lambda: c.delete_weights("w")):
+            started = time.monotonic()
+            with pytest.raises(mc.DeadlineExceeded):
+                call()
+            assert time.monotonic() - started < 2
+        assert c.load_weights("w", np.zeros((1, 128, 128), ml_dtypes.bfloat16)) == {"name": "w"}
+
+
+@pytest.mark.parametrize("out", [np.zeros((2, 256), ml_dtypes.bfloat16),    # rows != M
+                                 np.zeros((3, 256), np.float32),             # not bf16
+                                 np.zeros((3,), ml_dtypes.bfloat16)])        # not 2-D
+def test_an_answer_not_shaped_as_asked_is_an_internal_error(fake, client, out):
+    fake.reply = lambda request: httpx.Response(
+        200, content=packb({"out": encode_tensor(out)}),
+        headers={"content-type": "application/vnd.msgpack"})
+    x, scale = _fp8_inputs([2, 1])
+    with pytest.raises(mc.InternalError, match="expected bfloat16"):
+        client.grouped_gemm("w", x, [2, 1], scale)
+
+
+def test_arguments_refused_before_anything_is_sent(fake, client):
+    x, scale = _fp8_inputs([2, 1])
+    with pytest.raises(mc.BadMSizes, match="past int64"):
+        client.grouped_gemm("w", x, np.array([2**63 + 1, 1], np.uint64), scale)
+    with pytest.raises(TypeError, match="deadline"):
+        client.grouped_gemm("w", x, [2, 1], scale, deadline="1")
+    assert fake.requests == []
+
+
+def test_an_error_keeps_the_status_it_was_answered_with(fake, client):
+    fake.reply = _error_reply(404, "bad_shape", "odd proxy")
+    with pytest.raises(mc.BadShape) as info:
+        client.weights()
+    assert info.value.status == 404 and info.value.code == "bad_shape"
+
+
+def test_a_transport_error_carries_its_request_id():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connecting is refused
+        with Client(f"http://127.0.0.1:{port}", timeout=5) as c, \
+                pytest.raises(TransportError) as info:
+            c.grouped_gemm("w", *_fp8_inputs([1])[:1], [1], _fp8_inputs([1])[1],
+                           request_id="mine-1")
+    assert info.value.request_id == "mine-1"

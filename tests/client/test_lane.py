@@ -27,9 +27,11 @@ from moegemm.client._lane import usable
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: typing.ClassVar[list] = []
+    ids: typing.ClassVar[list] = []  # each request's X-Request-Id headers, all of them
 
     def do_GET(self):
         self.seen.append((self.path, self.client_address[1], dict(self.headers)))
+        self.ids.append(self.headers.get_all("X-Request-Id"))
         body = json.dumps({"path": self.path, "peer": self.client_address[1]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -55,6 +57,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     _Handler.seen = []
+    _Handler.ids = []
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}", srv
@@ -334,8 +337,14 @@ def test_headers_are_checked_and_per_call_ones_win(server):
         c.info()
     with Client(url, headers={"x-request-id": "fixed"}) as c:
         c.info()
+        c.info()  # a second call: the same id, sent once
     (_, _, headers) = _Handler.seen[-1]
-    assert headers["X-Request-Id"] != "fixed" and len(headers["X-Request-Id"]) == 32
+    # The client's own X-Request-Id is every call's, sent once (never beside a generated one).
+    assert _Handler.ids[-2:] == [["fixed"], ["fixed"]]
+    with Client(url) as c:
+        c.info()
+    (generated,) = _Handler.ids[-1]
+    assert generated != "fixed" and len(generated) == 32
     assert "X-Injected" not in headers
 
 

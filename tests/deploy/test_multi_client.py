@@ -150,10 +150,16 @@ def test_a_replicated_set_fails_over_when_its_first_endpoint_dies(servers, start
                 after = multi.grouped_gemm(name, x, m_sizes)
                 # Both replicas quantized the same weights: the same answer.
                 np.testing.assert_array_equal(before, after)
-            # Loading needs every replica: the dead one is named.
+            # Loading needs every replica: the dead one is named, once the live one has
+            # the new weights, so calls fail over to them.
             with pytest.raises(TransportError, match=normalize_endpoint(victim.url)):
                 multi.load_weights(name, _weights(rng))
-            Client(servers[1].url, token=servers[0].token).delete_weights(name)
+            with Client(servers[1].url, token=servers[0].token) as live:
+                renewed = live.grouped_gemm(name, x, m_sizes)
+                assert not np.array_equal(renewed, before)
+                for _ in range(2):
+                    np.testing.assert_array_equal(multi.grouped_gemm(name, x, m_sizes), renewed)
+                live.delete_weights(name)
     finally:
         victim.stop()
 
@@ -245,6 +251,34 @@ def test_the_deadline_covers_the_failover():
         assert 0 < int(used_budget) <= int(tried_budget) <= 5000
         with pytest.raises(ValueError, match="deadline"):
             multi.grouped_gemm("w", x, m_sizes, deadline=0)
+
+
+def test_a_callers_request_id_goes_to_every_replica_tried():
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002)]
+    x, m_sizes = _call(np.random.default_rng())
+    ids: list = []
+    with MultiClient(urls, replicas=2, transport=_fake_servers([])) as probe:
+        first = int(probe.placement("w")[0].rsplit(":", 1)[1])
+    inner = _fake_servers([], down={first})
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        ids.append(request.headers.get_list("x-request-id"))
+        return inner.handle_request(request)
+
+    with MultiClient(urls, replicas=2, transport=httpx.MockTransport(handle)) as multi:
+        multi.grouped_gemm("w", x, m_sizes, request_id="router-1")
+        multi.grouped_gemm("w", x, m_sizes, request_id="router-2")
+    # The first call fails over from the dead replica: both tries carry its id.
+    assert ids[:2] == [["router-1"], ["router-1"]] and ids[-1] == ["router-2"]
+
+    async def scenario():
+        async with AsyncMultiClient(urls, replicas=2,
+                                    transport=httpx.MockTransport(handle)) as multi:
+            return await multi.grouped_gemm("w", x, m_sizes, request_id="router-3")
+
+    del ids[:]
+    asyncio.run(scenario())
+    assert ["router-3"] in ids and all(i == ["router-3"] for i in ids)
 
 
 def test_async_multi_client_places_calls_and_fails_over(servers):
