@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from typing import Any
 
 import torch
@@ -307,6 +308,11 @@ async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The moegemm FastAPI app for ``settings`` (default: the environment's)."""
     settings = settings if settings is not None else get_settings()
+    # Uploaded tensors are read where they arrived, never written (``_tensors.to_torch``);
+    # torch warns once about any read-only buffer, a line in every server's log that
+    # reads as a fault. Only that message, only from there.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                            category=UserWarning, module=r"moegemm\.server\._tensors")
     metrics = Metrics()
     app = FastAPI(
         title="moegemm",

@@ -214,3 +214,30 @@ def test_no_setting_only_picks_an_implementation():
         assert name not in Settings.model_fields
         with pytest.raises(ValidationError):
             Settings(**{name: "true"})
+
+
+def test_uploads_read_in_place_leave_no_warning_in_the_log():
+    """torch warns once per process about a read-only buffer, which every upload's
+    tensor is (read where it arrived, never written): the app silences that one message
+    from that one module, and nothing else. In a fresh process, warnings as errors."""
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np\n"
+        "from moegemm.client._wire import decode_tensor, encode_tensor\n"
+        "from moegemm.server._tensors import to_torch\n"
+        "wire = decode_tensor(encode_tensor(np.zeros((2, 128), np.float32)))\n"
+        "assert wire.data.readonly\n"
+        "if {app}:\n"
+        "    from moegemm.server import Settings, create_app\n"
+        "    create_app(Settings(device='cpu', demo=False))\n"
+        "to_torch(wire)\n"
+    )
+    for app, status in ((False, 1), (True, 0)):
+        done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c",
+                               script.format(app=app)], capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == status, done.stderr[-2000:]
+        if not app:
+            assert "The given buffer is not writable" in done.stderr
