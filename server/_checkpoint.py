@@ -30,9 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from moegemm.client._errors import BadDtype, BadField, BadShape, NoSuchFile
+from moegemm.client._errors import BadDtype, BadField, BadShape, NoSuchFile, NotFinite
 
 from ._files import SAFETENSORS_DTYPES
+from ._tensors import require_positive_finite_scales
 from .experts import ExpertSet, ExpertStore, expert_shapes
 
 log = logging.getLogger("moegemm.server.checkpoint")
@@ -173,12 +174,21 @@ def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> 
         def w2(g: int) -> torch.Tensor:
             return slices[g][2][:]
 
-        return experts.assemble(
-            name, G, H, I,
-            w13=(dtype13, _logged(name, "w13", G, w13), scales13),
-            w2=(dtype2, _logged(name, "w2", G, w2), scales2),
-            source=f"checkpoint {checkpoint} layer {layer}",
-        )
+        try:
+            return experts.assemble(
+                name, G, H, I,
+                w13=(dtype13, _logged(name, "w13", G, w13), scales13),
+                w2=(dtype2, _logged(name, "w2", G, w2), scales2),
+                source=f"checkpoint {checkpoint} layer {layer}",
+            )
+        except NotFinite as exc:
+            g = getattr(exc, "group", None)
+            if g is None:
+                raise
+            # The store names the group of its matrix; here it has a name in the checkpoint.
+            named = keys[g][:2] if exc.message.startswith("w13[") else keys[g][2:]
+            raise NotFinite(f"{' or '.join(map(repr, named))} (expert {g} of layer {layer}): "
+                            f"{exc.message.partition(' ')[2]}") from exc
 
 
 def _header(key: str, sl) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -202,7 +212,9 @@ def _scale_inv(weight_key: str, lookup, shape: tuple[int, int]) -> torch.Tensor:
     if tuple(sl.get_shape()) != want:
         raise BadShape(f"tensor {key!r} has shape {list(sl.get_shape())}; expected "
                        f"{list(want)} ([N/128, K/128] of its [{shape[0]}, {shape[1]}] weight)")
-    return sl[:]
+    scale = sl[:]
+    require_positive_finite_scales(scale, repr(key))  # named here: the store sees [G, ...]
+    return scale
 
 
 def _logged(name: str, what: str, G: int, read: Callable[[int], torch.Tensor]):

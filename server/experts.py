@@ -238,8 +238,9 @@ class ExpertStore:
         dtype2, group2, scale2 = w2
         # The weight store's assembly: validation, fn/fnuz conversion or quantization,
         # the backend's layout, progress logged (its check_room runs again: cheap).
-        ws13 = self.weights._assemble(w13_name, (G, 2 * I, H), dtype13, group13, scale13)
-        ws2 = self.weights._assemble(w2_name, (G, H, I), dtype2, group2, scale2)
+        ws13 = self.weights._assemble(w13_name, (G, 2 * I, H), dtype13, group13, scale13,
+                                      "w13")
+        ws2 = self.weights._assemble(w2_name, (G, H, I), dtype2, group2, scale2, "w2")
         log.info("expert set %r ready: G=%d H=%d I=%d from %s", name, G, H, I, source)
         return ExpertSet(
             name=name, G=G, H=H, I=I, w13=ws13, w2=ws2,

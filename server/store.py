@@ -352,7 +352,9 @@ class WeightStore:
         dtype: torch.dtype,
         source: _Groups | Callable[[int], torch.Tensor],
         w_scale: torch.Tensor | None,
+        label: str = "w",
     ) -> WeightSet:
+        """``label``: the matrix as the client named it, in messages (``w``, ``w13``, ...)."""
         if not isinstance(source, _Groups):
             source = _CallableGroups(source)
         G, N, K = shape
@@ -368,14 +370,14 @@ class WeightStore:
                 raise BadField("fp8 weights need w_scale (float32 [G, K/128, N/128])")
             require_dtype(w_scale, (torch.float32,), "w_scale")
             require_shape(w_scale, scale_shape, "w_scale", "[G, K/128, N/128]")
-            require_positive_finite_scales(w_scale, "w_scale")
+            require_positive_finite_scales(w_scale, f"{label}_scale")
         elif w_scale is not None:
             raise BadField(
                 "w_scale is only for fp8 weights; bf16/fp16/fp32 weights are quantized "
                 "by the server"
             )
         try:
-            wq, scales = self._upload(name, shape, dtype, source, w_scale)
+            wq, scales = self._upload(name, shape, dtype, source, w_scale, label)
             wq, scales = self.backend.prepare_weights(wq, scales)
         except torch.OutOfMemoryError as exc:
             # Everything built so far is local: dropping it leaves other sets intact.
@@ -396,7 +398,7 @@ class WeightStore:
             created=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         )
 
-    def _upload(self, name, shape, dtype, source: _Groups, w_scale):
+    def _upload(self, name, shape, dtype, source: _Groups, w_scale, label: str = "w"):
         """The groups to the device in chunks on the current stream (the engine's loader
         stream): chunk ``i + 1`` is read into one page-locked buffer while chunk ``i``
         goes to the device from the other, in paced pieces (``_staging.PacedUpload``:
@@ -454,7 +456,9 @@ class WeightStore:
         first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else None  # the one sync
         if first is not None:
             what = "fp8 NaN encodings" if dtype in FP8 else "NaN or Inf"
-            raise NotFinite(f"w[{first}] holds {what}")
+            error = NotFinite(f"{label}[{first}] holds {what}")
+            error.group = first  # (the checkpoint reader names the group's tensors)
+            raise error
         return wq, scales
 
 

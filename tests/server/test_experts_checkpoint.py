@@ -223,6 +223,44 @@ def test_missing_tensors_and_shards_are_named(srv):
     assert snapshot(srv.http) == before
 
 
+def _poison(root: Path, key: str, value: float, at=(0, 0)) -> None:
+    """Set one element of tensor ``key`` of a sharded checkpoint to ``value``."""
+    from safetensors.torch import load_file
+
+    shard = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(str(root / shard))
+    t = tensors[key].float()
+    t[at] = value
+    tensors[key] = t.to(tensors[key].dtype)
+    save_file(tensors, str(root / shard))
+
+
+def test_bad_values_are_named_by_their_tensor(srv):
+    """A NaN or Inf weight, or a scale that is not finite and > 0, is 400 not_finite
+    naming the checkpoint's tensor (and the expert and layer): in a 256-expert layer
+    "w[2]" would not tell an operator which file to fix."""
+    root = srv.weights_dir
+    before = snapshot(srv.http)
+    cases = (
+        ("nan_up", torch.bfloat16, "model.layers.1.mlp.experts.2.up_proj.weight", float("nan"),
+         [("'model.layers.1.mlp.experts.2.gate_proj.weight' or "
+          "'model.layers.1.mlp.experts.2.up_proj.weight' (expert 2 of layer 1)")]),
+        ("inf_down", torch.float16, "model.layers.1.mlp.experts.3.down_proj.weight",
+         float("inf"), ["'model.layers.1.mlp.experts.3.down_proj.weight' (expert 3 of layer 1)"]),
+        ("zero_scale", FP8, "model.layers.1.mlp.experts.1.down_proj.weight_scale_inv", 0.0,
+         [("'model.layers.1.mlp.experts.1.down_proj.weight_scale_inv' holds a NaN, Inf or a "
+          "value <= 0")]),
+    )
+    for directory, dtype, key, value, said in cases:
+        write_checkpoint(root / directory, "deepseek", dtype, layers=(1,))
+        _poison(root / directory, key, value)
+        r = put_experts(srv.http, directory, {"checkpoint": directory, "layer": 1})
+        assert_error(r, 400, "not_finite")
+        message = r.json()["error"]["message"]
+        assert all(part in message for part in said), message
+    assert snapshot(srv.http) == before
+
+
 def test_serve_loads_checkpoint_layers_at_start(tmp_path):
     problems = write_checkpoint(tmp_path / "ck", "mixtral", FP8, layers=(3, 4, 5))
     args = vars(_parser().parse_args(["serve", "--device", "cpu", "--weights-dir",
