@@ -108,9 +108,9 @@ def _naming(names, layer: int) -> tuple[str, tuple[str, str, str], int]:
     raise NoSuchFile(f"the checkpoint holds no experts of layer {layer}: no tensor {expected}")
 
 
-def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> ExpertSet:
-    """Build expert set ``name`` from layer ``layer`` of ``checkpoint`` (device work)."""
-    store = experts.weights
+def _layer_keys(store, checkpoint: str, layer: int):
+    """The tensor map of ``checkpoint`` and layer ``layer``'s expert keys, each present in
+    it (no tensor read): ``(where, read_from, G, keys)``."""
     where, read_from = _tensor_map(store, checkpoint)
     prefix, projections, G = _naming(where.keys(), layer)
     keys = [[f"{prefix}{e}.{p}.weight" for p in projections] for e in range(G)]
@@ -118,6 +118,21 @@ def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> 
         for key in expert_keys:
             if key not in where:
                 raise NoSuchFile(f"checkpoint {checkpoint!r} has no tensor {key!r}")
+    return where, read_from, G, keys
+
+
+def check_layer(store, checkpoint: str, layer: int) -> None:
+    """Raise what ``read_layer`` would for a missing checkpoint, layer or expert tensor,
+    from the index alone: ``moegemm serve --layers A-B`` checks every layer before loading
+    the first (a range past the model's last layer fails at once, not after minutes of
+    loading the layers before it)."""
+    _layer_keys(store, checkpoint, layer)
+
+
+def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> ExpertSet:
+    """Build expert set ``name`` from layer ``layer`` of ``checkpoint`` (device work)."""
+    store = experts.weights
+    where, read_from, G, keys = _layer_keys(store, checkpoint, layer)
     shards = sorted({where[key] for expert_keys in keys for key in expert_keys})
     log.info("expert set %r: layer %d of %s (%s, %d experts, %d shard files)", name, layer,
              checkpoint, read_from, G, len(shards))

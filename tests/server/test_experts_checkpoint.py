@@ -276,6 +276,22 @@ def test_serve_loads_checkpoint_layers_at_start(tmp_path):
         _check_answers(s, "layer5", problems[5])
 
 
+def test_serve_checks_every_layer_before_loading_one(tmp_path):
+    """``--layers 4-6`` of a model whose last layer is 5: refused from the index before
+    layer 4 is read (not after the minutes its load takes on a real model); the server
+    stays not ready, saying why."""
+    write_checkpoint(tmp_path / "ck", "deepseek", torch.bfloat16, layers=(4, 5))
+    settings = Settings(device="cpu", weights_dir=tmp_path, checkpoint="ck", layers="4-6")
+    with serve(settings, wait=False) as s:
+        with pytest.raises(TimeoutError):
+            s.wait_ready(timeout=1)
+        r = s.http.get("/v1/health/ready")
+        assert_error(r, 503, "not_ready")
+        message = r.json()["error"]["message"]
+        assert "start-up loading failed" in message and "layer 6" in message, message
+        assert s.app.state.experts.store.list() == []  # layer 4 was never loaded
+
+
 def test_checkpoint_settings_are_checked(tmp_path):
     with pytest.raises(ValueError):
         Settings(weights_dir=tmp_path, checkpoint="ck")  # no layers
