@@ -8,7 +8,6 @@ whether they await the transport.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import os
 import random
@@ -180,10 +179,10 @@ class _Base:
         return self._retry.wait(attempt, error, call.deadline)
 
     def _bounded(self, call: Call) -> Call:
-        """``call`` with the client's default deadline when it has none of its own (every
-        call but loads, which ``load_timeout`` bounds)."""
+        """``call`` (built for this one send) given the client's default deadline when it
+        has none of its own: every call but loads, which ``load_timeout`` bounds."""
         if call.deadline is None and not call.load and self._deadline is not None:
-            return dataclasses.replace(call, deadline=budget(self._deadline))
+            call.deadline = budget(self._deadline)
         return call
 
 
@@ -371,7 +370,7 @@ class Client(_Base):
         ``[T, k]`` (sent as float32); returns bf16 ``[T, H]`` in ``x``'s kind. Bad
         routing raises `BadRouting`."""
         return self._send(moe_call(name, x, topk_ids, topk_weights, x_scale, deadline,
-                                            request_id))
+                                   request_id))
 
     def health(self) -> dict:
         """The readiness answer; raises `NotReady` while the server starts."""

@@ -108,31 +108,34 @@ def _naming(names, layer: int) -> tuple[str, tuple[str, str, str], int]:
     raise NoSuchFile(f"the checkpoint holds no experts of layer {layer}: no tensor {expected}")
 
 
-def _layer_keys(store, checkpoint: str, layer: int):
-    """The tensor map of ``checkpoint`` and layer ``layer``'s expert keys, each present in
-    it (no tensor read): ``(where, read_from, G, keys)``."""
-    where, read_from = _tensor_map(store, checkpoint)
+def _expert_keys(where: dict, checkpoint: str, layer: int) -> list[list[str]]:
+    """Layer ``layer``'s expert keys (gate, up, down of each), each present in the tensor
+    map ``where`` (no tensor read)."""
     prefix, projections, G = _naming(where.keys(), layer)
     keys = [[f"{prefix}{e}.{p}.weight" for p in projections] for e in range(G)]
     for expert_keys in keys:
         for key in expert_keys:
             if key not in where:
                 raise NoSuchFile(f"checkpoint {checkpoint!r} has no tensor {key!r}")
-    return where, read_from, G, keys
+    return keys
 
 
-def check_layer(store, checkpoint: str, layer: int) -> None:
+def check_layers(store, checkpoint: str, layers: list[int]) -> None:
     """Raise what ``read_layer`` would for a missing checkpoint, layer or expert tensor,
-    from the index alone: ``moegemm serve --layers A-B`` checks every layer before loading
-    the first (a range past the model's last layer fails at once, not after minutes of
-    loading the layers before it)."""
-    _layer_keys(store, checkpoint, layer)
+    from the index alone (read once): ``moegemm serve --layers A-B`` checks every layer
+    before loading the first (a range past the model's last layer fails at once, not
+    after minutes of loading the layers before it)."""
+    where, _ = _tensor_map(store, checkpoint)
+    for layer in layers:
+        _expert_keys(where, checkpoint, layer)
 
 
 def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> ExpertSet:
     """Build expert set ``name`` from layer ``layer`` of ``checkpoint`` (device work)."""
     store = experts.weights
-    where, read_from, G, keys = _layer_keys(store, checkpoint, layer)
+    where, read_from = _tensor_map(store, checkpoint)
+    keys = _expert_keys(where, checkpoint, layer)
+    G = len(keys)
     shards = sorted({where[key] for expert_keys in keys for key in expert_keys})
     log.info("expert set %r: layer %d of %s (%s, %d experts, %d shard files)", name, layer,
              checkpoint, read_from, G, len(shards))
@@ -201,7 +204,7 @@ def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> 
             if g is None:
                 raise
             # The store names the group of its matrix; here it has a name in the checkpoint.
-            named = keys[g][:2] if exc.message.startswith("w13[") else keys[g][2:]
+            named = keys[g][:2] if exc.matrix == "w13" else keys[g][2:]
             raise NotFinite(f"{' or '.join(map(repr, named))} (expert {g} of layer {layer}): "
                             f"{exc.message.partition(' ')[2]}") from exc
 

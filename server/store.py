@@ -457,7 +457,7 @@ class WeightStore:
         if first is not None:
             what = "fp8 NaN encodings" if dtype in FP8 else "NaN or Inf"
             error = NotFinite(f"{label}[{first}] holds {what}")
-            error.group = first  # (the checkpoint reader names the group's tensors)
+            error.matrix, error.group = label, first  # (the checkpoint names its tensors)
             raise error
         return wq, scales
 
