@@ -1,7 +1,7 @@
 """The 128 x 256 prefill schedule ``gluon_ws``: a warp-specialised persistent grouped FP8 GEMM in Gluon.
 
-The table runs it for many experts (G >= 64) and, since session 11, at G < 64 from 128 rows
-per group where N is a multiple of 256 and its tiles fill the SMs (``triton_kernel.default_config``).
+The table runs it for many experts (G >= 64) and at G < 64 from 128 rows per group where N is a
+multiple of 256 and its tiles fill the SMs (``triton_kernel.default_config``).
 
 Same inputs, semantics and arguments as ``_triton_gemm.persistent_tma_kernel``
 (that module's layout table, ``ADDRS`` / ``X_WORDS`` / ``ROW_MAP`` and its

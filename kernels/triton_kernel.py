@@ -193,8 +193,8 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
                 while split < 8 and weight_tiles * split * 2 <= 3 * _SMS:
                     split *= 2
                 # 8 warps where the programs walk row tile by row tile: more loads in flight
-                # per program. Session 19: Llama-4 t1 1.04-1.13x in two sweeps and 5-11 % in
-                # the full bench; seed m32 n1280 and Mixtral t1 within noise (bench/NOTES.md).
+                # per program (Llama-4 t1 1.04-1.13x; seed m32 n1280 and Mixtral t1 within
+                # noise: bench/NOTES.md, session 19).
                 warps = 8 if band == 1 else 4
                 return _preloaded(T("decode", token_tile, 128, warps, 3, split_k=split), k)
             return _preloaded(T("decode", token_tile, 128, 4, 3), k)
