@@ -206,7 +206,7 @@ def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> 
             # The store names the group of its matrix; here it has a name in the checkpoint.
             named = keys[g][:2] if exc.matrix == "w13" else keys[g][2:]
             raise NotFinite(f"{' or '.join(map(repr, named))} (expert {g} of layer {layer}): "
-                            f"{exc.message.partition(' ')[2]}") from exc
+                            f"holds {exc.found}") from exc
 
 
 def _header(key: str, sl) -> tuple[torch.dtype, tuple[int, ...]]:

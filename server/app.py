@@ -86,12 +86,12 @@ async def _load_startup_sets(svc: routes.Services, experts: routes_experts.Exper
     """Preload files, checkpoint layers (or the demo set), then mark the server ready."""
     settings, store, engine = svc.settings, svc.store, svc.engine
     started = time.monotonic()
-    if settings.checkpoint_layers():  # every layer there before loading one
+    layers = settings.checkpoint_layers()
+    if layers:  # every layer there before loading one
         from ._checkpoint import check_layers
 
-        await asyncio.to_thread(check_layers, store, settings.checkpoint,
-                                settings.checkpoint_layers())
-    for layer in settings.checkpoint_layers():
+        await asyncio.to_thread(check_layers, store, settings.checkpoint, layers)
+    for layer in layers:
         log.info("loading layer %d of checkpoint %s as expert set 'layer%d'", layer,
                  settings.checkpoint, layer)
         await routes_experts.install_experts(

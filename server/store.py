@@ -457,7 +457,8 @@ class WeightStore:
         if first is not None:
             what = "fp8 NaN encodings" if dtype in FP8 else "NaN or Inf"
             error = NotFinite(f"{label}[{first}] holds {what}")
-            error.matrix, error.group = label, first  # (the checkpoint names its tensors)
+            # The checkpoint reader names the group's tensors from these.
+            error.matrix, error.group, error.found = label, first, what
             raise error
         return wq, scales
 
