@@ -93,6 +93,12 @@ def _m_sizes_int64(m_sizes: Any) -> Any:
     return arr.astype(np.int64)
 
 
+def _rows(tensor: dict) -> int | None:
+    """The rows an answer to ``x`` must have; none for an ``x`` without dimensions (0-d), which
+    the server refuses (400 ``bad_shape``, raised as :class:`BadShape` like any other)."""
+    return tensor["shape"][0] if tensor["shape"] else None
+
+
 def gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | None,
               request_id: str | None = None) -> Call:
     body: dict[str, Any] = {
@@ -108,7 +114,7 @@ def gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | N
     big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
     return Call("POST", weights_path(name) + "/gemm", pack_tensors(body) if big else packb(body),
                 expect="gemm", like_torch=like, deadline=budget(deadline),
-                rows=body["x"]["shape"][0], request_id=request_id_of(request_id))
+                rows=_rows(body["x"]), request_id=request_id_of(request_id))
 
 
 def load_call(name: str, w: Any, w_scale: Any) -> Call:
@@ -168,7 +174,7 @@ def ffn_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | No
     if x_scale is not None:
         body["x_scale"] = encode_tensor(x_scale)
     return Call("POST", experts_path(name) + "/ffn", _packed(body), expect="gemm",
-                like_torch=_like(x), deadline=budget(deadline), rows=body["x"]["shape"][0],
+                like_torch=_like(x), deadline=budget(deadline), rows=_rows(body["x"]),
                 request_id=request_id_of(request_id))
 
 
@@ -207,7 +213,7 @@ def moe_call(name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any,
     if x_scale is not None:
         body["x_scale"] = encode_tensor(x_scale)
     return Call("POST", experts_path(name) + "/moe", _packed(body), expect="gemm",
-                like_torch=_like(x), deadline=budget(deadline), rows=body["x"]["shape"][0],
+                like_torch=_like(x), deadline=budget(deadline), rows=_rows(body["x"]),
                 request_id=request_id_of(request_id))
 
 

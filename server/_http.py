@@ -95,6 +95,36 @@ def _error_bytes(status: int, code: str, message: str) -> bytes:
     return error_bytes(internal(message) if status == 500 else Refusal(status, code, message))
 
 
+def _endpoint_of(app, method: str, path: str | None) -> str:
+    """The metrics label of a request to ``path``: its route's path format, as the app's
+    own counting (``app.py``) labels it; "unmatched" for no route."""
+    from starlette.routing import Match
+
+    from ._direct import DirectGemm
+
+    if path is None:
+        return "unmatched"
+    route = DirectGemm.match(method, path)
+    if route is not None:
+        return route.endpoint
+    scope = {"type": "http", "method": method, "path": path, "root_path": ""}
+    for candidate in _leaf_routes(getattr(app, "routes", ())):
+        if candidate.matches(scope)[0] == Match.FULL:
+            return getattr(candidate, "path_format", "unmatched")
+    return "unmatched"
+
+
+def _leaf_routes(routes):
+    """The routes themselves, through the routers the app included (FastAPI keeps each
+    included router as one entry whose ``original_router`` holds its routes)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _leaf_routes(inner.routes)
+        else:
+            yield route
+
+
 class _Pipelined(Exception):
     """Raised from the parser's callbacks at a request behind a chunked upload."""
 
@@ -653,16 +683,13 @@ class FastHttpServer:
 
     def count_refusal(self, status: int, method: str, path: str | None) -> None:
         """A request the transport answered itself (``_Connection._refuse``), in the
-        request metrics: under the gemm route when it was one (as the app and
-        ``DirectGemm`` count their refusals), else as "unmatched"."""
+        request metrics under the endpoint the app would have counted it under (its
+        route's path format, e.g. a refused upload under ``/v1/weights/{name}``), else
+        as "unmatched"."""
         metrics = getattr(getattr(self.app, "state", None), "metrics", None)
         if metrics is None:
             return
-        from ._direct import DirectGemm
-
-        route = None if path is None else DirectGemm.match(method, path)
-        metrics.requests.labels(endpoint="unmatched" if route is None else route.endpoint,
-                                status=str(status)).inc()
+        metrics.requests.labels(endpoint=_endpoint_of(self.app, method, path), status=str(status)).inc()
 
     def held(self) -> int:
         """Request body bytes held: arriving here, plus those the app's budget holds."""

@@ -18,6 +18,7 @@ from moegemm.client import (
     BadDtype,
     BadName,
     BadRouting,
+    BadShape,
     Client,
     MultiClient,
     NoSuchWeights,
@@ -100,6 +101,13 @@ def test_client_numpy_and_torch(servers):
             c.expert_ffn("np", x * float("inf"), sizes)
         with pytest.raises(BadDtype):  # before sending: the code the server gives such ids
             c.moe("np", x, ids.float(), weights)
+        for zero_d in (x[0, 0], _np(x)[0, 0:1].reshape(())):  # no rows at all: the server's 400
+            with pytest.raises(BadShape):
+                c.expert_ffn("np", zero_d, sizes)
+            with pytest.raises(BadShape):
+                c.moe("np", zero_d, ids, weights)
+            with pytest.raises(BadShape):
+                c.grouped_gemm("np.w13", zero_d, sizes)
         with pytest.raises(BadName):
             c.load_experts("n" * 125, p.w13, p.w2)
         c.delete_experts("np")

@@ -39,6 +39,24 @@ def test_fp8_file(server, files):
     assert close_to(out, reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes))
 
 
+def test_fnuz_file_answers_as_the_same_tensors_sent_in_the_body(server, files):
+    """SPEC 1.2: a caller may send either fp8 encoding; the file form (2.1) is "the same" as the
+    tensor form, so an fnuz file loads and answers bit for bit what its tensors sent over the wire
+    do (both converted to the device's encoding by one rule)."""
+    from moegemm.kernels import fn_to_fnuz
+
+    p, _, _ = files
+    wq, w_scale = fn_to_fnuz(p.wq, p.w_scale)
+    save_file({"w": wq, "s": w_scale}, str(server.weights_dir / "fnuz.safetensors"))
+    r = server.put("fnuz-file", {"file": "fnuz.safetensors", "w": "w", "w_scale": "s"})
+    assert r.status_code in (200, 201), r.text
+    assert server.put("fnuz-body", {"w": wire(wq), "w_scale": wire(w_scale)}).status_code in (200, 201)
+    call = {"x": wire(p.xq), "x_scale": wire(p.x_scale), "m_sizes": wire(p.m_sizes)}
+    out = out_of(server.gemm("fnuz-file", call))
+    assert torch.equal(out.view(torch.int16), out_of(server.gemm("fnuz-body", call)).view(torch.int16))
+    assert close_to(out, reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes))
+
+
 def test_bf16_file_is_quantized(server, files):
     p, w16, _ = files
     assert server.put("bf16-file", {"file": "bf16.safetensors", "w": "experts"}).status_code in (

@@ -319,12 +319,12 @@ def _gemm(body: bytes, extra: str = AUTH) -> bytes:
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
-def _metric(target: Target, status: str) -> float:
-    """moegemm_requests_total for the gemm route and ``status``."""
+def _metric(target: Target, status: str, endpoint: str = "/v1/weights/{name}/gemm") -> float:
+    """moegemm_requests_total for ``endpoint`` (the gemm route) and ``status``."""
     _, _, text = _exchange(target.port, f"GET /metrics HTTP/1.1\r\nhost: x\r\n{AUTH}\r\n".encode())
     total = 0.0
     for line in text.decode().splitlines():
-        if line.startswith("moegemm_requests_total{") and 'endpoint="/v1/weights/{name}/gemm"' \
+        if line.startswith("moegemm_requests_total{") and f'endpoint="{endpoint}"' \
                 in line and f'status="{status}"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -539,14 +539,26 @@ def test_huge_declared_bodies_without_a_token_are_refused_from_the_head(target):
     assert _metric(target, "401") == counted + 12
 
 
-def test_media_type_and_size_are_judged_from_the_head(target):
-    for extra, status in ((f"content-type: text/plain\r\n{AUTH}", 415),
-                          (f"{MSGPACK}{AUTH}", 413)):
+@pytest.mark.parametrize("request_line, endpoint", [
+    ("POST /v1/weights/demo/gemm", "/v1/weights/{name}/gemm"),
+    ("PUT /v1/weights/demo", "/v1/weights/{name}"),
+    ("POST /v1/experts/layer/ffn", "/v1/experts/{name}/ffn")])
+def test_media_type_and_size_are_judged_from_the_head(target, request_line, endpoint):
+    """Refused from the head, and counted in the request metrics under the route's endpoint
+    (SPEC 2.3: counts by endpoint and status), as the app counts its own refusals."""
+    auth = f"authorization: Bearer {ADMIN}\r\n" if request_line.startswith("PUT") else AUTH
+    for extra, status in ((f"content-type: text/plain\r\n{auth}", 415),
+                          (f"{MSGPACK}{auth}", 413)):
+        counted = _metric(target, str(status), endpoint)
         length = 300 << 20 if status == 413 else 1000
         with target.connect() as sock:
-            sock.sendall(f"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\n{extra}"
+            sock.sendall(f"{request_line} HTTP/1.1\r\nhost: x\r\n{extra}"
                          f"content-length: {length}\r\n\r\n".encode())
             assert _answer(sock)[0] == status
+        deadline = time.monotonic() + 5
+        while _metric(target, str(status), endpoint) < counted + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(target, str(status), endpoint) == counted + 1
 
 
 def test_in_flight_bytes_are_judged_before_bodies_are_read(target):
