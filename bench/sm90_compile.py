@@ -63,12 +63,12 @@ def ptxas_report(kernel) -> dict:
 
 
 def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, service: bool = False,
-                   out: str = "bf16", row_map: bool = True, flags: bool = False):
+                   out: str = "bf16", row_map: bool = True, flags: bool = False, extra: dict | None = None):
     """``cfg``'s kernel compiled as ``triton_kernel._launch`` would launch it on (m, n, k, g);
     ``addrs``: the weights by address; ``service``: also the activations by address and
     (``row_map``, else stored in place: a lone prefill call's graph) the output through a row
     map, as a server graph launches it; ``out``: bf16 or fp32; ``flags``: a decode tile with the
-    rows' check inside (a lone call's graph)."""
+    rows' check inside (a lone call's graph); ``extra``: more constexprs (an experiment's)."""
     from moegemm.kernels import triton_kernel as tk
 
     fn = tk.SCHEDULES[cfg.schedule]
@@ -107,6 +107,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
     else:
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
+    consts.update(extra or {})
     # Keep the kernel's argument order (the signature dict is ordered by the caller).
     order = list(fn.arg_names)
     sig = {a: sig[a] for a in order if a in sig}
