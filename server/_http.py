@@ -653,9 +653,11 @@ class FastHttpServer:
         # -> (status, header lines, body parts).
         self.direct = direct
         # Requests begun (head read, or forwarded by an acceptor) and not yet
-        # answered. The engine runs a call on the loop's thread only when it is
-        # the only one (``Engine.submit``'s ``alone``): every request whose bytes
-        # were ready in the same loop iteration is counted before any handler runs.
+        # answered. The engine runs a call on the loop's thread at once only when it
+        # is the only one (``Engine.submit``'s ``alone``). A direct connection's
+        # request runs from the callback that read it, before the loop reads the
+        # other connections whose bytes arrived in the same turn; the engine runs at
+        # most one call at once per turn, so those merge in the next one.
         self.active = 0
         if direct is not None:
             direct.in_progress = lambda: self.active

@@ -8,9 +8,13 @@ pending:
 - a call of at most ``SMALL_ROWS`` rows (SPEC 3: a small call may launch and
   complete on the event loop) runs on the loop's thread: at once when it is
   the server's only request and the device is free (``alone``: nothing could
-  merge with it), else in the loop's next turn, merged with the calls that
-  arrived in this one (a "loop batch"); when a worker batch or job holds the
-  device, the waiting calls get it as soon as that one ends (fair turns);
+  merge with it) and no call ran at once in this turn of the loop, else in the
+  loop's next turn, merged with the calls that arrived in this one (a "loop
+  batch"); when a worker batch or job holds the device, the waiting calls get
+  it as soon as that one ends (fair turns). (The transport counts a request
+  when it has read its head, and the requests whose bytes arrive in one turn
+  are read one after another, each run before the next is read: only the
+  first of them can find itself alone, and the others merge behind it.)
 - a larger call queues for the worker thread, which loops "collect a batch,
   run it, wake the callers", merging the calls for the same weight set that
   arrive within ``merge_window_us`` while calls are arriving together.
@@ -159,6 +163,10 @@ class Engine:
         self._last_batch_calls = 1
         # True while a batch or job runs, on the worker or the loop (one at a time).
         self._busy = False
+        # True from a call run at once (``submit``'s ``alone``) to the loop's next turn: the
+        # requests read in one turn are parsed one after another, each at once when it can
+        # be, so the first cannot know of the others; they wait for the next turn and merge.
+        self._ran_at_once = False
         # Calls waiting for the event loop's next drain, and its handle.
         self._loop_calls: list = []
         self._drain_handle: asyncio.Handle | None = None
@@ -231,8 +239,8 @@ class Engine:
                 raise NotReady("the server is shutting down")
             self._check_room()
             on_loop = call.rows <= self._loop_rows
-            if on_loop and alone and not (self._busy or self._items or self._loop_calls):
-                self._busy = now = True
+            if on_loop and alone and not (self._busy or self._items or self._loop_calls or self._ran_at_once):
+                self._busy = now = self._ran_at_once = True
             else:
                 self._pending_calls += 1  # until a batch takes it
                 # Before the worker can see it: the worker wakes the caller through it.
@@ -241,6 +249,7 @@ class Engine:
                     self._items.append(call)
                     self._cv.notify()
         if now:
+            asyncio.get_running_loop().call_soon(self._next_turn)
             try:
                 self._run_batch([call])
             finally:
@@ -266,6 +275,11 @@ class Engine:
         if isinstance(out, BaseException):
             raise out
         return out
+
+    def _next_turn(self) -> None:
+        """The loop's next turn: a lone call may run at once again."""
+        with self._lock:
+            self._ran_at_once = False
 
     def _check_room(self) -> None:
         """Under the lock: a full queue answers Overloaded at once (a lost device,

@@ -139,6 +139,34 @@ def test_a_lone_call_runs_at_once_on_the_callers_thread():
     assert torch.equal(bf16_rows(out), bf16_rows(_one_by_one([call])[0]))
 
 
+def test_one_call_runs_at_once_per_turn_and_the_rest_of_the_turn_merge():
+    """The transport reads the requests whose bytes arrive in one turn of the loop one after
+    another, running each from the callback that read it: each finds itself alone. The first
+    runs at once; the others wait for the next turn and run as one batch; a lone call in a
+    later turn runs at once again."""
+    from moegemm.server._asgi import _run_now
+
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    calls = _calls(gen, [ws], 4)
+    engine = _engine(loop=True)
+    seen = _spy_batches(engine)
+
+    async def scenario():
+        # Three callbacks of one turn: no await between them.
+        started = [_run_now(engine.submit(c, alone=True)) for c in calls[:3]]
+        assert started[0] is None and seen == [(True, 1)]  # answered from its callback
+        assert all(task is not None and not task.done() for task in started[1:])
+        for task in started[1:]:
+            await task
+        assert seen == [(True, 1), (True, 2)]
+        await asyncio.sleep(0)
+        assert _run_now(engine.submit(calls[3], alone=True)) is None  # a later turn: at once
+
+    _run(engine, scenario)
+    assert seen == [(True, 1), (True, 2), (True, 1)]
+
+
 def test_a_batch_never_passes_the_bucket_limit():
     gen = torch.Generator().manual_seed(torch.seed())
     ws = _set(gen)
