@@ -451,7 +451,7 @@ def main() -> int:
         paced = [(srv, "main", key_m, "fp8", c, args.paced_rate)
                  for srv in ("default", "merge_off", "uvicorn")]
         variants = [(name, "main", m, "fp8", n) for name in servers if name not in plans_base
-                    for (m, n) in ((ms[0], 1), (key_m, 1), (key_m, c))
+                    for (m, n) in ((ms[0], 1), (ms[0], c), (key_m, 1), (key_m, c))
                     + (((ms[-1], c),) if args.large else ())]
         variants += [(name, "main", key_m, "fp8", c, args.paced_rate) for name in servers
                      if name not in plans_base]
