@@ -223,8 +223,9 @@ def read_tensor(handle, entry: dict, data_start: int, key: str) -> torch.Tensor:
 _ST_TORCH = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
              "F32": torch.float32, "F64": torch.float64, "I32": torch.int32,
              "I64": torch.int64}
-_ST_ITEMSIZE = {"F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8,
-                "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
+_ST_ITEMSIZE = {"F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "BF16": 2,
+                "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "I16": 2,
+                "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
 
 
 def open_file(root: Path, file: str) -> OpenedFile:

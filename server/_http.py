@@ -691,7 +691,8 @@ class FastHttpServer:
         metrics = getattr(getattr(self.app, "state", None), "metrics", None)
         if metrics is None:
             return
-        metrics.requests.labels(endpoint=_endpoint_of(self.app, method, path), status=str(status)).inc()
+        metrics.requests.labels(endpoint=_endpoint_of(self.app, method, path),
+                                status=str(status)).inc()
 
     def held(self) -> int:
         """Request body bytes held: arriving here, plus those the app's budget holds."""

@@ -239,7 +239,8 @@ class Engine:
                 raise NotReady("the server is shutting down")
             self._check_room()
             on_loop = call.rows <= self._loop_rows
-            if on_loop and alone and not (self._busy or self._items or self._loop_calls or self._ran_at_once):
+            if on_loop and alone and not (self._busy or self._items or self._loop_calls
+                                          or self._ran_at_once):
                 self._busy = now = self._ran_at_once = True
             else:
                 self._pending_calls += 1  # until a batch takes it
