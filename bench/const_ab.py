@@ -2,7 +2,7 @@
 ``bench/prepared/`` applied), on the same data: the same bits asserted, then timed alternating.
 
     python bench/const_ab.py --const PF=0,4,8 [--schedules gluon_ws,gluon_ws_store] [--extra gluon_ws]
-                             [--match a,b] [--rounds 3] [--json OUT.json]
+                             [--tile num_stages=2] [--match a,b] [--rounds 3] [--json OUT.json]
 
 For each case (all seed and real cases, or ``--match``) whose table tile is one of
 ``--schedules``, the tile is launched as its public entry with each value of the constexpr (the
@@ -20,6 +20,7 @@ import json
 import math
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,11 +38,14 @@ def main() -> None:
     parser.add_argument("--schedules", default="gluon_ws,gluon_ws_store")
     parser.add_argument("--extra", default="")
     parser.add_argument("--match", default="")
+    parser.add_argument("--tile", default="", help="the tile's fields for the non-base values, "
+                        "e.g. num_stages=2 (as --sweep-vary's syntax, one value each)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     triton.set_allocator(tk._tma_scratch)
     name, values = next(iter(bk.parse_vary(args.const).items()))
+    tile = {field: vals[0] for field, vals in bk.parse_vary(args.tile).items()}
     schedules = args.schedules.split(",")
     extra = [s for s in args.extra.split(",") if s]
     cases = bk.matching_cases(args.match) if args.match else bk.seed_cases() + bk.real_cases()
@@ -60,7 +64,8 @@ def main() -> None:
             outs, fns = {}, {}
             for value in values:
                 outs[value] = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
-                fns[value] = bk.bound_launch(bk.form_plan("public", ops, outs[value], config), **{name: value})
+                cfg = config if value == values[0] else replace(config, **tile)
+                fns[value] = bk.bound_launch(bk.form_plan("public", ops, outs[value], cfg), **{name: value})
             base = outs[values[0]].view(torch.int16)
             same = all(torch.equal(base, o.view(torch.int16)) for o in outs.values())
             times = bk.alternating_runs(fns, args.rounds)
