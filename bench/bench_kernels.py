@@ -253,12 +253,16 @@ def time_us(fn, budget_ms: float = 10.0) -> float:
 
 
 def alternating_runs(fns: dict, rounds: int = 2) -> dict[str, list[float]]:
-    """``time_us`` of each of ``fns`` in turn, ``rounds`` times (so a drift of the clocks falls on
-    all of them alike): ``{name: [us of each round]}``."""
+    """``time_us`` of each of ``fns`` in turn, ``rounds`` times, the order reversed every other
+    round: ``{name: [us of each round]}``. The clock drifts down as the board heats over
+    back-to-back runs (seed m16384 n2048: 399 -> 449 us over five rounds, session 25), so a fixed
+    order charges the drift to whatever runs last in every round; reversed, each position is
+    first as often as last (use an even number of rounds)."""
     runs = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            runs[name].append(time_us(fn))
+    order = list(fns)
+    for r in range(rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            runs[name].append(time_us(fns[name]))
     return runs
 
 

@@ -5,6 +5,7 @@ and, where N % 256 == 0, 256), on the same data, the same bits asserted.
 
     patch -p1 < bench/prepared/tiled_tma.patch   # the kernels' W_TILED (an experiment only)
     python bench/tiled_tma.py [--json OUT.json] [--match a,b] [--extra gluon_ws]
+    ncu --profile-from-start off --clock-control none --section ... python bench/tiled_tma.py --ncu --match a,b
 
 Why: a TMA box of the plain layout is 128 or 256 rows of 128 bytes, K bytes apart, so every
 128-byte piece the tile reads lies in a DRAM page of its own; ``read_ceiling.py`` read 84 MB in
@@ -49,6 +50,8 @@ def main() -> None:
     parser.add_argument("--match", default="")
     parser.add_argument("--extra", default="", help="schedules timed too, e.g. gluon_ws")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ncu", action="store_true", help="each layout's launch once, after a warm-up, "
+                        "between cudaProfilerStart/Stop (for Nsight Compute's counters), no timing")
     args = parser.parse_args()
     triton.set_allocator(tk._tma_scratch)
     cases = bk.matching_cases(args.match) if args.match else bk.seed_cases() + bk.real_cases()
@@ -74,6 +77,16 @@ def main() -> None:
                 plan = (kernel, grid, (largs[0], w) + tuple(largs[2:]), consts)
                 fns[layout] = bk.bound_launch(plan, W_TILED=box)
             same = all(torch.equal(outs["plain"].view(torch.int16), o.view(torch.int16)) for o in outs.values())
+            if args.ncu:
+                for layout, fn in fns.items():
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStart()
+                    fn()
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStop()
+                    print(f"profiled {case['name']} {config.key()} {layout} bits {'=' if same else 'DIFFER'}",
+                          flush=True)
+                continue
             times = bk.alternating_runs(fns, args.rounds)
             row = {"name": case["name"], "config": config.key(), "table": config == table,
                    "floor_us": bk.floor_us(m, n, k, case["sizes"]), "runs": times, "same_bits": same}
