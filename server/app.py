@@ -142,8 +142,9 @@ async def _lifespan(app: FastAPI):
     app.state.experts = routes_experts.Experts(ExpertStore(store))
     engine.start()
     loading = asyncio.create_task(_load_startup_sets(svc, app.state.experts))
-    # A failed start-up load is fatal: a server that silently lacks its weights
-    # would answer no_such_weights forever while claiming to be healthy.
+    # A failed start-up load is final: the server stays live but never ready, and every call
+    # answers 503 not_ready naming the error (routes.not_ready), rather than no_such_weights
+    # while claiming to be ready. Probes of readiness (Kubernetes, compose.yaml) see it.
     loading.add_done_callback(lambda task: _fail_loudly(task, svc))
     try:
         yield

@@ -73,9 +73,9 @@ def test_kubernetes_manifests_match_the_schemas(version):
 
 def test_kubernetes_validation_catches_a_misspelled_field(tmp_path):
     deployment = (DEPLOY / "k8s" / "rocm" / "deployment.yaml").read_text()
-    assert "failureThreshold: 120" in deployment
+    assert "failureThreshold: 180" in deployment
     bad = tmp_path / "deployment.yaml"
-    bad.write_text(deployment.replace("failureThreshold: 120", "failureTreshold: 120"))
+    bad.write_text(deployment.replace("failureThreshold: 180", "failureTreshold: 120"))
     result = _run(_tool("kubernetes-validate"), "--strict", "-k", K8S_VERSIONS[-1], str(bad))
     assert result.returncode != 0
     assert "failureTreshold" in result.stdout + result.stderr
