@@ -114,7 +114,11 @@ def open_beneath(root: Path, file: str) -> int:
     parts = deque(p for p in relative.split("/") if p not in ("", "."))
     if not parts:
         raise outside  # the directory itself
-    stack = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    try:
+        stack = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    except OSError as exc:  # the configured directory itself is missing or no directory
+        raise NoSuchFile(f"no file {shown(file)}: the weights directory {shown(str(root))} cannot be "
+                         f"opened ({exc.strerror}; MOEGEMM_WEIGHTS_DIR)") from exc
     hops = 0
     try:
         while True:

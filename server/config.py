@@ -179,7 +179,15 @@ class Settings(BaseSettings):
     @classmethod
     def _no_empty_token(cls, value: SecretStr | None) -> SecretStr | None:
         # An empty token would lock every client out (no bearer can be empty).
-        return None if value is not None and not value.get_secret_value() else value
+        if value is None or not value.get_secret_value():
+            return None
+        # Nor can a bearer carry whitespace at its ends (HTTP strips it from header values) or a
+        # control character: such a token would answer every call 401 while health says 200.
+        text = value.get_secret_value()
+        if text != text.strip() or not text.isprintable():
+            raise ValueError("a token must not begin or end with whitespace nor hold control characters "
+                             "(an HTTP header cannot carry them)")
+        return value
 
     @field_validator("device")
     @classmethod

@@ -56,6 +56,8 @@ def test_environment(monkeypatch, tmp_path):
     {"queue_size": 0}, {"merge_window_us": -1}, {"device": "gpu"}, {"log_level": "loud"},
     {"preload": ["nonsense"]}, {"preload": ["a=b:c"]},  # the second lacks weights_dir
     {"unknown_setting": 1},
+    # Tokens no request could present (HTTP strips a header value's ends; no control characters).
+    {"token": " "}, {"token": "abc "}, {"token": " abc"}, {"token": "abc\n"}, {"admin_token": "a\tb"},
 ])
 def test_invalid_values_are_refused(bad):
     with pytest.raises(ValidationError):

@@ -6,10 +6,20 @@ import os
 
 import pytest
 import torch
+from moegemm.client._wire import packb
 from moegemm.kernels import quantize_weights
 from moegemm.server import Settings
 from safetensors.torch import save_file
-from server_support import assert_error, close_to, fp8_problem, out_of, reference, serve, wire
+from server_support import (
+    MSGPACK,
+    assert_error,
+    close_to,
+    fp8_problem,
+    out_of,
+    reference,
+    serve,
+    wire,
+)
 
 N, K, G = 128, 256, 4
 
@@ -127,6 +137,22 @@ def test_a_weights_directory_named_through_a_symlink(tmp_path):
             r = srv.put("aliased", {"file": path, "w": "w", "w_scale": "s"})
             assert r.status_code in (200, 201), (path, r.text)
         assert_error(srv.put("aliased", {"file": "../outside.safetensors", "w": "w"}), 400, "bad_field")
+
+
+@pytest.mark.parametrize("kind", ["missing", "a file"])
+def test_a_weights_directory_that_is_not_one_answers_no_such_file(tmp_path, kind):
+    """MOEGEMM_WEIGHTS_DIR naming nothing, or a file: a file or checkpoint load answers 404
+    no_such_file naming the directory (it was a 500), and the server goes on."""
+    root = tmp_path / "weights"
+    if kind == "a file":
+        root.write_bytes(b"x")
+    with serve(Settings(device="cpu", weights_dir=root, demo=False)) as srv:
+        r = srv.put("w", {"file": "w.safetensors", "w": "w"})
+        assert_error(r, 404, "no_such_file")
+        assert "weights directory" in r.json()["error"]["message"]
+        r = srv.http.put("/v1/experts/e", content=packb({"checkpoint": "ck", "layer": 0}), headers=MSGPACK)
+        assert_error(r, 404, "no_such_file")
+        assert srv.http.get("/v1/health/live").status_code == 200
 
 
 def test_missing_file_or_key(server, files):
