@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     queue_size: int = Field(256, gt=0)
     # On SIGTERM/SIGINT: seconds the requests in flight get to finish (fits the
     # deployments' grace period after their preStop pause).
-    shutdown_grace_s: float = Field(60.0, gt=0)
+    shutdown_grace_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     # CPython's GIL switch interval while the engine runs (microseconds). The
     # engine's worker gives up the GIL in every torch call and must win it back
     # from the event loop: under load each call of a batch waited up to this
@@ -128,7 +128,7 @@ class Settings(BaseSettings):
     acceptors: int | None = Field(None, ge=0, le=64)
     # An acceptor that leaves the owner's heartbeat unanswered this long is
     # killed and replaced (a hung one would keep receiving connections).
-    acceptor_timeout_s: float = Field(10.0, gt=0)
+    acceptor_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
     # With acceptors: the server process takes over (the socket itself) each
     # connection an acceptor accepts while it serves fewer than this many, so
     # a lone client pays no forwarding hop; the rest are forwarded. 0: never.
@@ -138,9 +138,9 @@ class Settings(BaseSettings):
     # http_min_body_rate bytes/s after that much grace; a connection idle between
     # requests (or not draining its answers) is closed after http_keep_alive_s;
     # past http_max_connections per process, new connections get 503 overloaded.
-    http_head_timeout_s: float = Field(10.0, gt=0)
+    http_head_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
     http_min_body_rate: int = Field(64 << 10, gt=0)
-    http_keep_alive_s: float = Field(30.0, gt=0)
+    http_keep_alive_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     http_max_connections: int = Field(2048, ge=1)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

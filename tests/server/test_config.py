@@ -58,6 +58,9 @@ def test_environment(monkeypatch, tmp_path):
     {"unknown_setting": 1},
     # Tokens no request could present (HTTP strips a header value's ends; no control characters).
     {"token": " "}, {"token": "abc "}, {"token": " abc"}, {"token": "abc\n"}, {"admin_token": "a\tb"},
+    # A timeout of inf would turn a guard off (the head timeout: slow heads held forever).
+    {"http_head_timeout_s": float("inf")}, {"http_keep_alive_s": float("inf")},
+    {"shutdown_grace_s": float("nan")}, {"acceptor_timeout_s": float("inf")},
 ])
 def test_invalid_values_are_refused(bad):
     with pytest.raises(ValidationError):
