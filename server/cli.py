@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pydantic import ValidationError
 
-from .config import Settings
+from .config import Settings, unknown_environment
 
 # The exit status when the address cannot be listened on (a port taken, a host not this one's).
 EXIT_CANNOT_LISTEN = 1
@@ -82,7 +83,10 @@ def serve(settings: Settings) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    logging.getLogger("moegemm").info("starting moegemm on %s:%d", settings.host, settings.port)
+    log = logging.getLogger("moegemm")
+    log.info("starting moegemm on %s:%d", settings.host, settings.port)
+    for name in unknown_environment(os.environ):
+        log.warning("%s is no setting of moegemm and is ignored (moegemm serve --help lists them)", name)
     status = _serve_fast(settings)
     from . import engine
 

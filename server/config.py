@@ -51,6 +51,20 @@ def parse_layers(text: str) -> list[int]:
     return list(range(first, last + 1))
 
 
+# MOEGEMM_* variables that are no setting, read where they apply: the backend choice
+# (kernels/_select.py), FlyDSL's tile autotuning and cache (kernels/flydsl_kernel.py), and the
+# CI's demand for the ROCm toolchain (tests).
+OTHER_ENVIRONMENT = frozenset({"MOEGEMM_BACKEND", "MOEGEMM_AUTOTUNE", "MOEGEMM_CACHE_DIR",
+                               "MOEGEMM_REQUIRE_ROCM_TOOLCHAIN"})
+
+
+def unknown_environment(environ: dict[str, str]) -> list[str]:
+    """The ``MOEGEMM_*`` variables of ``environ`` that nothing reads (a misspelt setting is
+    otherwise ignored in silence: pydantic-settings reads only the names it knows)."""
+    known = {f"MOEGEMM_{name.upper()}" for name in Settings.model_fields} | OTHER_ENVIRONMENT
+    return sorted(k for k in environ if k.startswith("MOEGEMM_") and k not in known)
+
+
 # Acceptor processes when serving a GPU, unless set. On the H200 at M=128
 # (bench/SERVICE_NOTES.md, v3): 4 acceptors carried 1579 calls/s at 32 clients
 # with p99 8.7 ms when offered 1300/s, against 1496 calls/s and 26.9 ms for one

@@ -246,3 +246,14 @@ def test_uploads_read_in_place_leave_no_warning_in_the_log():
         assert done.returncode == status, done.stderr[-2000:]
         if not app:
             assert "The given buffer is not writable" in done.stderr
+
+
+def test_misspelt_variables_are_named_at_start(monkeypatch):
+    """pydantic-settings reads only the names it knows: a misspelt MOEGEMM_* variable would be
+    ignored in silence; the server names it (a warning at start)."""
+    from moegemm.server.config import unknown_environment
+
+    environ = {"MOEGEMM_PORT": "1", "MOEGEMM_TOKNE": "x", "MOEGEMM_BACKEND": "triton", "MOEGEMM_MAXM": "5",
+               "OTHER": "y", "MOEGEMM_HTTP_HEAD_TIMEOUT_S": "3"}
+    assert unknown_environment(environ) == ["MOEGEMM_MAXM", "MOEGEMM_TOKNE"]
+
