@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from moegemm.client._errors import BadDtype, BadField, NoSuchFile
 
+from .config import shown
+
 # safetensors' dtype names for the dtypes a weight file may hold: either fp8 encoding, as over
 # the wire (SPEC 1.2: the server converts to its device's).
 SAFETENSORS_DTYPES = {
@@ -30,13 +32,6 @@ SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "F32": torch.float32,
 }
-
-
-def shown(value: object, limit: int = 200) -> str:
-    """``repr(value)``, cut to about ``limit`` characters: client input in messages
-    and logs stays small whatever its size."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 _PATH_MAX = 4096  # Linux's PATH_MAX: a longer path never names a file

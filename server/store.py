@@ -17,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +44,6 @@ from ._files import (
     open_file,
     read_tensor,
     safetensors_header,
-    shown,
 )
 from ._priority import yield_cpu
 from ._staging import PacedUpload
@@ -59,19 +57,15 @@ from ._tensors import (
     require_shape,
     to_backend_fp8,
 )
+from .config import name_problem
 
 log = logging.getLogger("moegemm.server.store")
 
-_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
-
 def check_name(name: str) -> str:
     """Return ``name`` if it is a valid weight-set name, else raise BadName."""
-    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
-        raise BadName(f"weight-set name {shown(name)} must match [A-Za-z0-9._-]{{1,128}}")
-    if name in (".", ".."):
-        # They match the pattern, but name no resource in a URL path (clients and
-        # proxies resolve /v1/weights/.. to /v1/).
-        raise BadName(f"weight-set name {name!r} is a path step, not a name")
+    problem = name_problem(name)
+    if problem is not None:
+        raise BadName(problem)
     return name
 
 

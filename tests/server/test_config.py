@@ -55,6 +55,8 @@ def test_environment(monkeypatch, tmp_path):
     {"port": 70000}, {"max_body_bytes": 0}, {"max_m": -1}, {"max_bucket_m": 100},
     {"queue_size": 0}, {"merge_window_us": -1}, {"device": "gpu"}, {"log_level": "loud"},
     {"preload": ["nonsense"]}, {"preload": ["a=b:c"]},  # the second lacks weights_dir
+    {"preload": ["bad name!=w.safetensors:w"], "weights_dir": "/w"},  # refused at start, not at load
+    {"preload": ["..=w.safetensors:w"], "weights_dir": "/w"},
     {"unknown_setting": 1},
     # Tokens no request could present (HTTP strips a header value's ends; no control characters).
     {"token": " "}, {"token": "abc "}, {"token": " abc"}, {"token": "abc\n"}, {"admin_token": "a\tb"},
