@@ -3,7 +3,8 @@
 ``[G, N/R, K/128, R, 128]`` (each R x 128 block one contiguous stretch: ``W_TILED=R``, R = 128
 and, where N % 256 == 0, 256), on the same data, the same bits asserted.
 
-    patch -p1 < bench/prepared/tiled_tma.patch   # the kernels' W_TILED (an experiment only)
+    patch -p1 < bench/prepared/tiled_layout_kernels.patch   # every kernel's W_TILED (not applied on main;
+                                                            # session 25's runs used tiled_tma.patch, its TMA part)
     python bench/tiled_tma.py [--json OUT.json] [--match a,b] [--extra gluon_ws]
     ncu --profile-from-start off --clock-control none --section ... python bench/tiled_tma.py --ncu --match a,b
 
