@@ -266,6 +266,12 @@ def alternating_runs(fns: dict, rounds: int = 2) -> dict[str, list[float]]:
     return runs
 
 
+def ratio_summary(ratios: list[float]) -> str:
+    """``"<geomean> over <count> (min <a>, max <b>)"`` of an A/B's per-case ratios."""
+    mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    return f"{mean:.4f} over {len(ratios)} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+
+
 def bound_launch(plan, kernel=None, **consts):
     """A ``triton_kernel.launch_plan`` plan as a call of no arguments (``kernel``: another build
     of the same kernel, given only the constexprs it takes; ``consts``: more constexprs),

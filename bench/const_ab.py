@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from dataclasses import replace
@@ -85,8 +84,7 @@ def main() -> None:
         del ops
         torch.cuda.empty_cache()
     for v, rs in ratios.items():
-        print(f"geomean base/{name}={v} (table tiles) {math.exp(sum(map(math.log, rs)) / len(rs)):.4f} over "
-              f"{len(rs)} (min {min(rs):.3f}, max {max(rs):.3f})")
+        print(f"geomean base/{name}={v} (table tiles) {bk.ratio_summary(rs)}")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "const": name, "rows": rows},
                                         indent=1))

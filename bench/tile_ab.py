@@ -13,7 +13,6 @@ base over variant, then the geometric mean. Never collected by pytest.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 from dataclasses import replace
@@ -68,8 +67,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     for form, rs in ratios.items():
         if rs:
-            print(f"geomean base/variant {form} {math.exp(sum(map(math.log, rs)) / len(rs)):.4f} over {len(rs)} "
-                  f"(min {min(rs):.3f}, max {max(rs):.3f})")
+            print(f"geomean base/variant {form} {bk.ratio_summary(rs)}")
 
 
 if __name__ == "__main__":

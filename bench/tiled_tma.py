@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -105,8 +104,7 @@ def main() -> None:
         del ops, layouts
         torch.cuda.empty_cache()
     for layout, rs in ratios.items():
-        print(f"geomean plain/{layout} (table tiles) {math.exp(sum(map(math.log, rs)) / len(rs)):.4f} over "
-              f"{len(rs)} (min {min(rs):.3f}, max {max(rs):.3f})")
+        print(f"geomean plain/{layout} (table tiles) {bk.ratio_summary(rs)}")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
