@@ -20,17 +20,19 @@ class BackendUnavailable(RuntimeError):
 class CompileAhead:
     """How a backend's kernels compile in another process, before a capture here needs them.
 
-    - ``compile_only()``: a context in which this thread's launches of the
-      backend's kernels compile them into its on-disk cache and launch nothing
-      (their outputs keep whatever they held): a process that compiles for
-      another one runs the other's warm-ups under it.
+    - ``compile_only(share=(i, n))``: a context in which this thread's launches
+      of the backend's kernels compile them into its on-disk cache and launch
+      nothing (their outputs keep whatever they held): a process that compiles
+      for another one runs the other's warm-ups under it. With ``n`` processes
+      walking the same warm-ups, process ``i`` compiles its share of the
+      kernels and each kernel is compiled in exactly one of them.
     - ``compiles()``: how many kernels this process has compiled so far; a
       kernel loaded from the on-disk cache does not count.
     - ``compiled_since(n)``: those compiled after the ``n``-th, each in a line
       (what a warning names; empty where the backend cannot say).
     """
 
-    compile_only: Callable[[], AbstractContextManager[None]]
+    compile_only: Callable[..., AbstractContextManager[None]]
     compiles: Callable[[], int]
     compiled_since: Callable[[int], list[str]] = lambda _count: []
 

@@ -8,6 +8,13 @@ on-disk cache (``TRITON_CACHE_DIR``) and not launched. Tensors are read for
 their dtype and ``data_ptr()`` only, so a ``meta`` tensor of the right
 alignment stands in for memory the compiling process does not have.
 
+Several processes can share one job: under ``compile_only(share=(i, n))`` a
+launch is compiled only when :func:`share_of` its arguments, a digest of what
+specialises it, is ``i`` modulo ``n``, and skipped otherwise. The digest reads
+nothing that differs between processes (no address, no object identity), so
+the ``n`` processes that walk the same launches compile each kernel in exactly
+one of them.
+
 :func:`compiles` counts the compilations of this process through Triton's
 compilation listener (``triton.knobs.compilation.listener``), which Triton
 calls with ``cache_hit=False`` only when it ran the compiler;
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import zlib
 from collections import deque
 from collections.abc import Iterator
 
@@ -30,7 +38,7 @@ from ._backend import CompileAhead
 
 _local = threading.local()
 _lock = threading.Lock()
-_patched = False
+_original = None  # JITFunction.run before _install_compile_only wrapped it
 _listening = False
 _compiled = 0
 _named: deque[tuple[int, str]] = deque(maxlen=256)  # (ordinal, description) of the last compilations
@@ -38,26 +46,55 @@ _named: deque[tuple[int, str]] = deque(maxlen=256)  # (ordinal, description) of 
 
 def _install_compile_only() -> None:
     """Route every JIT launch through a check of this thread's compile-only flag (once)."""
-    global _patched
+    global _original
     with _lock:
-        if _patched:
+        if _original is not None:
             return
-        launch = JITFunction.run
+        _original = JITFunction.run
 
         def run(self, *args, grid, warmup, **kwargs):
-            return launch(self, *args, grid=grid, warmup=warmup or getattr(_local, "only", False),
-                          **kwargs)
+            share = getattr(_local, "only", None)
+            if share is None:
+                return _original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            mine, count = share
+            if count > 1 and share_of(self, args, kwargs) % count != mine:
+                return None  # another process of the job compiles this one
+            return _original(self, *args, grid=grid, warmup=True, **kwargs)
 
         JITFunction.run = run
-        _patched = True
+
+
+def _spec(value) -> str:
+    """What of one launch argument can make another kernel, in a form every process writes alike."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return repr(value)
+    if isinstance(value, int):  # Triton specialises 1, multiples of 16 and the integer width
+        return f"i{int(value == 1)}{int(value % 16 == 0)}{value.bit_length() > 31}"
+    if isinstance(value, float):
+        return "f"
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(map(_spec, value)) + ")"
+    if hasattr(value, "data_ptr") and hasattr(value, "dtype"):
+        return f"{value.dtype}@{value.data_ptr() % 16}"
+    return type(value).__name__
+
+
+def share_of(fn, args, kwargs) -> int:
+    """A digest of a launch's kernel and the arguments that specialise it (CRC-32: the same in
+    every process)."""
+    text = ";".join([getattr(fn, "__name__", type(fn).__name__), *map(_spec, args),
+                     *(f"{k}={_spec(v)}" for k, v in sorted(kwargs.items()))])
+    return zlib.crc32(text.encode())
 
 
 @contextlib.contextmanager
-def compile_only() -> Iterator[None]:
-    """Within: this thread's Triton launches compile (into the on-disk cache) and run nothing."""
+def compile_only(share: tuple[int, int] = (0, 1)) -> Iterator[None]:
+    """Within: this thread's Triton launches compile (into the on-disk cache) and run nothing;
+    ``share=(i, n)``: only the launches whose :func:`share_of` is ``i`` modulo ``n`` compile, the
+    others are skipped (process ``i`` of ``n`` sharing a job)."""
     _install_compile_only()
-    before = getattr(_local, "only", False)
-    _local.only = True
+    before = getattr(_local, "only", None)
+    _local.only = share
     try:
         yield
     finally:

@@ -27,8 +27,15 @@ kernel's specialisation reads of a pointer argument), and the graphs' GEMMs
 find the weights through address words anyway. Its device memory is one
 family's static buffers at a time and its CUDA context.
 
+The job is shared by several children at once (:func:`children`: half the
+CPUs this process may run on, at most 8, each with the device memory it
+needs): each walks the same warm-ups and compiles its share of the kernels
+(``CompileAhead.compile_only(share=...)``), at nice 10 like the loader
+thread, so the compiles leave the serving process its CPUs. On the H200 one
+child took 84-94 s over a new expert-set shape's 134-141 kernels.
+
 A child that fails (out of memory, a crash, a timeout) is logged and the
-loader compiles in-process, as before: the load still works, only slower on
+loader compiles in-process what is left: the load still works, only slower on
 the calls. If the loader's warm-ups still compile after a child succeeded
 (the specialisations differ), the engine logs a warning with the count.
 """
@@ -39,6 +46,7 @@ import ctypes
 import ctypes.util
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -47,6 +55,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ._priority import yield_cpu
 
 log = logging.getLogger("moegemm.server.ahead")
 
@@ -182,76 +192,117 @@ def make_job(backend, max_bucket_m: int, top_k, weight_sets, expert_sets) -> Job
 
 
 # A child needs a CUDA context and one family's static buffers at a time (a few hundred MB at
-# most): below this much free device memory it would take memory the calls may need, so the
-# loader compiles in-process instead.
+# most): below this much free device memory per child it would take memory the calls may
+# need, so fewer children share the job, or none and the loader compiles in-process.
 MIN_FREE_BYTES = 2 << 30
+
+# The most children one job is shared by.
+MAX_CHILDREN = 8
+
+
+def children(device: torch.device) -> int:
+    """How many children share a job: half the CPUs this process may run on (the other half
+    serves the calls), at most MAX_CHILDREN, and no more than the device's free memory holds
+    (0: too little free memory for one)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 2
+    count = max(1, min(MAX_CHILDREN, cpus // 2))
+    if device.type == "cuda" and torch.cuda.is_available():
+        count = min(count, torch.cuda.mem_get_info(device)[0] // MIN_FREE_BYTES)
+    return count
 
 
 def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S,
                   stop: threading.Event | None = None) -> int | None:
-    """Run ``job`` in a spawned child and wait (the GIL free meanwhile); the kernels the child
-    compiled (0: all were in the on-disk cache already), or None when it failed or was not
-    started (logged; the loader then compiles in-process). ``stop`` set (the engine closing)
-    ends the wait within a second and kills the child."""
+    """Run ``job`` in spawned children (:func:`children`, each compiling its share) and wait
+    (the GIL free meanwhile); the kernels they compiled (0: all were in the on-disk cache
+    already), or None when one failed or none was started (logged; the loader then compiles
+    in-process what the others left). ``stop`` set (the engine closing) ends the wait within a
+    second and kills the children."""
     started = time.monotonic()
-    device = torch.device(job.device)
-    if device.type == "cuda" and torch.cuda.is_available() and \
-            torch.cuda.mem_get_info(device)[0] < MIN_FREE_BYTES:
+    count = children(torch.device(job.device))
+    if count == 0:
         log.info("compiling %s in-process: less than %d MiB free on the device", job.describe(),
                  MIN_FREE_BYTES >> 20)
         return None
-    ours = theirs = child = None
+    answers: list[Any] = [("failed", f"no answer in {timeout_s:.0f} s")] * count
+    pipes: list[Any] = []
+    kids: list[Any] = []
     try:
         ctx = multiprocessing.get_context("spawn")
-        ours, theirs = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_child, args=(job, theirs), name="moegemm-compile",
-                            daemon=True)
-        child.start()
-        theirs.close()
-        theirs = None
-        answer: Any = ("failed", f"no answer in {timeout_s:.0f} s")
-        while time.monotonic() - started < timeout_s:
-            if ours.poll(1.0):
-                answer = ours.recv()
-                break
+        for mine in range(count):
+            ours, theirs = ctx.Pipe(duplex=False)
+            pipes.append(ours)
+            kid = ctx.Process(target=_child, args=(job, theirs, (mine, count)),
+                              name=f"moegemm-compile-{mine}", daemon=True)
+            kids.append(kid)
+            try:
+                kid.start()
+            finally:
+                theirs.close()
+        waiting = set(range(count))
+        while waiting and time.monotonic() - started < timeout_s:
             if stop is not None and stop.is_set():
-                answer = ("failed", "the server is closing")
+                for i in waiting:
+                    answers[i] = ("failed", "the server is closing")
                 break
-            if not child.is_alive():
-                answer = ours.recv() if ours.poll(0) else ("failed", "it ended without an answer")
-                break
+            for i in [i for i in waiting if pipes[i].poll(0) or not kids[i].is_alive()]:
+                answers[i] = _answer(pipes[i])
+                waiting.discard(i)
+            if waiting and any(a[0] != "ok" for i, a in enumerate(answers) if i not in waiting):
+                break  # one failed: the loader compiles in-process what the others left
+            if waiting:
+                multiprocessing.connection.wait([pipes[i] for i in waiting], timeout=1.0)
     except Exception as exc:  # noqa: BLE001 -- any failure here means "compile in-process"
-        answer = ("failed", f"{type(exc).__name__}: {exc}")
+        answers = [a if a[0] == "ok" else ("failed", f"{type(exc).__name__}: {exc}")
+                   for a in answers]
     finally:
-        for end in (ours, theirs):
-            if end is not None:
-                end.close()
-        if child is not None and child.pid is not None:
-            child.join(0 if answer[0] != "ok" else 5.0)
-            if child.is_alive():
-                child.kill()
-                child.join()
-    status, detail, *named = answer
-    if status != "ok":
-        log.warning("compiling %s ahead failed (%s, exit code %s): compiling in-process",
-                    job.describe(), detail, None if child is None else child.exitcode)
+        for pipe in pipes:
+            pipe.close()
+        ok = all(a[0] == "ok" for a in answers)
+        for kid in kids:
+            if kid.pid is not None:
+                kid.join(5.0 if ok else 0)
+                if kid.is_alive():
+                    kid.kill()
+                    kid.join()
+    failed = [(i, a) for i, a in enumerate(answers) if a[0] != "ok"]
+    if failed:
+        i, (_, detail, *_) = failed[0]
+        code = kids[i].exitcode if i < len(kids) else None
+        log.warning("compiling %s ahead failed (child %d of %d: %s, exit code %s): compiling "
+                    "in-process", job.describe(), i + 1, count, detail, code)
         return None
     with _done_lock:
         _done.update(job.key(item) for item in (*job.gemm, *job.experts))
-    log.info("compiled %d kernels for %s ahead, in a child process, in %.1f s", detail,
-             job.describe(), time.monotonic() - started)
+    compiled = sum(a[1] for a in answers)
+    log.info("compiled %d kernels for %s ahead, in %d child processes, in %.1f s", compiled,
+             job.describe(), count, time.monotonic() - started)
+    named = [text for a in answers for text in (a[2] if len(a) > 2 else ())]
     if named:
-        log.debug("the child compiled: %s", "; ".join(named[0]))
-    return detail
+        log.debug("the children compiled: %s", "; ".join(named))
+    return compiled
 
 
-def _child(job: Job, answer) -> None:
-    """The child process: run ``job``, then send ("ok", kernels compiled, the last of them named:
-    ``CompileAhead.compiled_since``) or ("failed", why). It dies with its parent (a SIGKILLed
-    server leaves no child holding device memory)."""
-    _die_with_parent()
+def _answer(pipe) -> Any:
+    """A child's answer, or ("failed", ...) when it ended without one."""
     try:
-        compiled, named = run_job(job)
+        return pipe.recv() if pipe.poll(0) else ("failed", "it ended without an answer")
+    except (EOFError, OSError):
+        return ("failed", "it ended without an answer")
+
+
+def _child(job: Job, answer, share: tuple[int, int] = (0, 1)) -> None:
+    """A child process: run its ``share`` of ``job``, then send ("ok", kernels compiled, the
+    last of them named: ``CompileAhead.compiled_since``) or ("failed", why). It runs at the
+    loader's nice value and dies with its parent (a SIGKILLed server leaves no child holding
+    device memory)."""
+    _die_with_parent()
+    yield_cpu()
+    try:
+        compiled, named = run_job(job, share)
     except BaseException as exc:  # noqa: BLE001 -- the parent logs it and compiles itself
         answer.send(("failed", f"{type(exc).__name__}: {exc}"[:2000]))
     else:
@@ -271,9 +322,10 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def run_job(job: Job) -> tuple[int, list[str]]:
-    """Compile ``job``'s kernels in this process (a child's work); how many it compiled, and the
-    last of them named (``CompileAhead.compiled_since``)."""
+def run_job(job: Job, share: tuple[int, int] = (0, 1)) -> tuple[int, list[str]]:
+    """Compile ``job``'s kernels in this process (a child's work), or with ``share=(i, n)``
+    the i-th of n shares of them; how many it compiled, and the last of them named
+    (``CompileAhead.compiled_since``)."""
     from moegemm.kernels import get_backend
 
     from ._ffn_graphs import FfnGraphs
@@ -286,7 +338,7 @@ def run_job(job: Job) -> tuple[int, list[str]]:
     if backend.ahead is None:
         raise RuntimeError(f"the {backend.name} backend does not compile ahead")
     before = backend.ahead.compiles()
-    with backend.ahead.compile_only():
+    with backend.ahead.compile_only(share=share):
         if job.gemm:
             pool = GraphPool(backend, job.max_bucket_m, compile_only=True)
             for w in job.gemm:

@@ -90,6 +90,26 @@ def test_a_failed_child_is_logged_and_the_load_compiles_in_process(caplog):
     assert "BackendUnavailable" in record.getMessage() or "RuntimeError" in record.getMessage()
 
 
+def test_children_sharing_a_job_that_fails_are_all_ended_and_logged_once(caplog, monkeypatch):
+    """Three real children share the job; each fails (no CUDA here): one warning, None, and no
+    child left running."""
+    import multiprocessing
+
+    monkeypatch.setattr(_ahead, "children", lambda device: 3)
+    job = Job("triton", "cpu", 256, (8,), (Weights.of(_set(8, 256, 512)),), ())
+    with caplog.at_level(logging.WARNING, logger="moegemm.server.ahead"):
+        assert _ahead.compile_ahead(job, timeout_s=120) is None
+    [record] = [r for r in caplog.records if r.name == "moegemm.server.ahead"]
+    assert "of 3" in record.getMessage() and "compiling in-process" in record.getMessage()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("moegemm-compile")]
+
+
+@pytest.mark.parametrize(("cpus", "count"), [(1, 1), (2, 1), (6, 3), (16, 8), (64, 8)])
+def test_a_job_is_shared_by_half_the_cpus_at_most_eight(monkeypatch, cpus, count):
+    monkeypatch.setattr(_ahead.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert _ahead.children(torch.device("cpu")) == count
+
+
 def test_a_child_that_does_not_answer_in_time_is_ended(caplog):
     job = Job("triton", "cpu", 256, (8,), (Weights.of(_set(8, 256, 512)),), ())
     with caplog.at_level(logging.WARNING, logger="moegemm.server.ahead"):
@@ -150,11 +170,13 @@ def test_a_child_answers_the_count_and_the_names_of_what_it_compiled(monkeypatch
     sent = []
     answer = SimpleNamespace(send=sent.append, close=lambda: None)
     monkeypatch.setattr(_ahead, "_die_with_parent", lambda: None)
-    monkeypatch.setattr(_ahead, "run_job", lambda job: (2, ["_route_kernel(div16: ids_ptr; G=8)", "_up_kernel()"]))
+    monkeypatch.setattr(_ahead, "yield_cpu", lambda: None)
+    monkeypatch.setattr(_ahead, "run_job",
+                        lambda job, share: (2, ["_route_kernel(div16: ids_ptr; G=8)", "_up_kernel()"]))
     job = Job("triton", "cpu", 256, (8,), (Weights.of(_set(8, 256, 512)),), ())
     _ahead._child(job, answer)
     assert sent == [("ok", 2, ["_route_kernel(div16: ids_ptr; G=8)", "_up_kernel()"])]
-    monkeypatch.setattr(_ahead, "run_job", lambda job: 1 / 0)
+    monkeypatch.setattr(_ahead, "run_job", lambda job, share: 1 / 0)
     sent.clear()
     _ahead._child(job, answer)
     assert sent == [("failed", "ZeroDivisionError: division by zero")]
