@@ -19,7 +19,8 @@ the two GEMMs of an expert-FFN graph. It is the torch definition
   bf16 (with integer operations, exact in the interpreter too);
 - the scale is ``max(amax, 1e-12) / FP8_MAX`` and the quantized value
   ``clamp(a / scale, -FP8_MAX, FP8_MAX)``, both with IEEE division, NaN
-  propagated as torch's ``amax``/``clamp`` propagate it;
+  propagated as torch's ``amax``/``clamp`` propagate it, the quotient taken off
+  the fp8 ties its float32 rounding can land on (``quant._to_fp8``);
 - the rounding to fp8 is done with integer operations (round to nearest even,
   subnormals included), so both formats and both vendors' GPUs give the same
   bits without a hardware conversion instruction that only one of them has;
@@ -121,10 +122,25 @@ def quantize_blocks(x, FP8_MAX, FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORM
     ``amax``/``clamp`` propagate it; every division IEEE."""
     amax = tl.reduce(tl.abs(x), 1, _max_nan)
     scale = tl.math.div_rn(_max_nan(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
-    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    wide = tl.broadcast_to(scale[:, None], x.shape)
+    v = tl.math.div_rn(x, wide)
     v = tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
-    return _fp8_bits(v, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE), scale
+    return _fp8_bits(_off_ties(v, x, wide, MIN_NORMAL, SUB_SCALE), FNUZ, BIAS, MIN_NORMAL, SUB_SCALE), scale
+
+
+@triton.jit
+def _off_ties(v, x, scale, MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
+    """The float32 quotient ``v`` of ``x / scale``, moved one float32 step towards the exact
+    quotient where it lands on a tie between two fp8 values that the exact one is not, so that
+    rounding it rounds the exact quotient (``quant._to_fp8`` says why; the same bits)."""
+    bits = v.to(tl.int32, bitcast=True)
+    a = tl.abs(v)
+    steps = a * SUB_SCALE
+    tie = tl.where(a < MIN_NORMAL, steps - tl.floor(steps) == 0.5, (bits & 0xFFFFF) == 0x80000)
+    over = v.to(tl.float64) * scale.to(tl.float64) - x.to(tl.float64)  # exact sign
+    step = tl.where((over > 0) == (v > 0), -1, 1)
+    return tl.where(tie & (over != 0), bits + step, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
