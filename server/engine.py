@@ -267,15 +267,30 @@ class Engine:
                     # merge window here (as the worker does) made the p99 at 1300
                     # calls/s worse (bench/SERVICE_NOTES.md, v5).
                     self._drain_handle = loop.call_soon(self._drain)
+            expiry = None if call.deadline is None else call.waiter.get_loop().call_later(
+                max(0.0, call.deadline - time.monotonic()), self._expire, call)
             try:
                 await call.waiter
             except asyncio.CancelledError:
                 call.outcome = _GONE  # its client went away: skip it if not yet run
                 raise
+            finally:
+                if expiry is not None:
+                    expiry.cancel()
         out = call.outcome
         if isinstance(out, BaseException):
             raise out
         return out
+
+    def _expire(self, call) -> None:
+        """On the loop, at ``call.deadline``: a call still queued is taken out of the queue (its
+        place freed) and answered DeadlineExceeded now, not when its turn would have come."""
+        with self._lock:
+            if not (_take(self._loop_calls, call) or _take(self._items, call)):
+                return  # a batch has it: it runs (or has run), or fails its own check
+            self._pending_calls -= 1
+        call.outcome = DeadlineExceeded("the request's deadline passed while it was queued")
+        _wake(call)
 
     def _next_turn(self) -> None:
         """The loop's next turn: a lone call may run at once again."""
@@ -689,6 +704,15 @@ def _gone(call) -> bool:
     """Whether the call's caller went away (its wait cancelled) before it ran."""
     waiter = call.waiter
     return call.outcome is _GONE or (waiter is not None and waiter.cancelled())
+
+
+def _take(queue, call) -> bool:
+    """Remove ``call`` (this very object: calls hold tensors, no equality) from ``queue``."""
+    for i, queued in enumerate(queue):
+        if queued is call:
+            del queue[i]
+            return True
+    return False
 
 
 def _wake(call) -> None:

@@ -44,8 +44,8 @@ from .store import WeightSet, WeightStore, check_name
 MSGPACK = "application/vnd.msgpack"
 MSGPACK_TYPES = frozenset({MSGPACK, "application/msgpack", "application/x-msgpack"})
 
-# A relative deadline in milliseconds: a gemm call still queued when it passes
-# answers 504 timeout instead of running.
+# A relative deadline in milliseconds: a call still queued when it passes answers 504
+# timeout then, instead of running (and its place in the queue is free again).
 DEADLINE_HEADER = "x-deadline-ms"
 
 

@@ -222,6 +222,40 @@ def test_a_bad_row_or_a_passed_deadline_fails_only_its_own_call():
         assert torch.equal(bf16_rows(g), bf16_rows(w))
 
 
+@pytest.mark.parametrize("rows", [5, SMALL_ROWS + 1], ids=["loop", "worker"])
+def test_a_queued_call_is_answered_at_its_deadline_and_frees_its_place(rows):
+    """A call still queued when its deadline passes gets DeadlineExceeded then, not when the
+    device comes free, and its place in the queue is free again; the calls queued with it
+    without a deadline still run."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    engine = _engine(loop=True, max_bucket_m=512)
+    release = threading.Event()
+    late, patient = _calls(gen, [ws], 2, rows=lambda i: rows)
+    late.deadline = time.monotonic() + 3600  # set for real below, once the device is held
+    seen = _spy_batches(engine)
+
+    async def scenario():
+        hold = asyncio.ensure_future(engine.run(lambda: release.wait(30)))
+        while not engine._busy:
+            await asyncio.sleep(0.001)
+        late.deadline = time.monotonic() + 0.05
+        started = time.monotonic()
+        tasks = [asyncio.ensure_future(engine.submit(c)) for c in (late, patient)]
+        done, _ = await asyncio.wait(tasks[:1], timeout=5)
+        answered = time.monotonic() - started
+        queued = engine.queued()
+        release.set()
+        await hold
+        return done, answered, queued, await asyncio.gather(*tasks, return_exceptions=True)
+
+    done, answered, queued, (got_late, got_patient) = _run(engine, scenario)
+    assert done and isinstance(got_late, DeadlineExceeded) and answered < 2.0
+    assert queued == 1  # the patient call alone holds a place
+    assert not isinstance(got_patient, BaseException)
+    assert sum(n for _, n in seen) == 1  # the late call never ran
+
+
 def test_mixed_dtypes_and_sets_batch_apart_and_each_caller_gets_its_rows():
     gen = torch.Generator().manual_seed(torch.seed())
     a, b = _set(gen, "a"), _set(gen, "b")
