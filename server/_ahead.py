@@ -32,7 +32,8 @@ CPUs this process may run on, at most 8, each with the device memory it
 needs): each walks the same warm-ups and compiles its share of the kernels
 (``CompileAhead.compile_only(share=...)``), at nice 10 like the loader
 thread, so the compiles leave the serving process its CPUs. On the H200 one
-child took 84-94 s over a new expert-set shape's 134-141 kernels.
+child took 84-94 s over a new expert-set shape's 134-141 kernels, eight 17.5-25.5 s
+(``bench/results/session26``, calls 1 and 2).
 
 A child that fails (out of memory, a crash, a timeout) is logged and the
 loader compiles in-process what is left: the load still works, only slower on
