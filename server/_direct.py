@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +35,7 @@ from moegemm.client._errors import APIError, InternalError, Overloaded, TooLarge
 
 from . import routes
 from ._body import MSGPACK
+from ._http_gate import echoed_id
 from .metrics import Metrics
 
 log = logging.getLogger("moegemm.server")
@@ -98,7 +98,7 @@ class DirectGemm:
         the status line and the blank line) and the body parts."""
         started = time.perf_counter()
         fields = _fields(headers)
-        request_id = _request_id(fields.get("x-request-id"))
+        request_id = echoed_id(fields.get("x-request-id"))
         try:
             status, head, parts, endpoint = await self._budgeted(route, fields, body, request_id)
         except Exception as exc:  # never a crash: the same last resort as RequestContext
@@ -152,7 +152,7 @@ class DirectGemm:
             budget.held -= size
         size_out = sum(len(p) for p in parts)
         head = b"content-type: %s\r\ncontent-length: %d\r\nx-request-id: %s\r\n" % (
-            _MSGPACK, size_out, request_id.encode())
+            _MSGPACK, size_out, request_id.encode("latin-1"))
         return 200, head, parts, route.endpoint
 
     def _budget(self):
@@ -204,13 +204,6 @@ def _fields(headers: Headers) -> dict[str, str]:
     return out
 
 
-def _request_id(given: str | None) -> str:
-    # RequestContext's rule: echo only what is safe in a header and a log line.
-    if given is not None and 0 < len(given) <= 200 and given.isprintable():
-        return given
-    return uuid.uuid4().hex
-
-
 def _error(exc: APIError, request_id: str) -> tuple[int, bytes, list]:
     """The SPEC 2 JSON answer for ``exc``, in the bytes ``app.error_response`` renders."""
     from .app import error_response
@@ -219,7 +212,7 @@ def _error(exc: APIError, request_id: str) -> tuple[int, bytes, list]:
     head = []
     for key, value in response.raw_headers:
         head += [key, b": ", value, b"\r\n"]
-    head += [b"x-request-id: ", request_id.encode(), b"\r\n"]
+    head += [b"x-request-id: ", request_id.encode("latin-1"), b"\r\n"]
     return exc.status, b"".join(head), [response.body]
 
 

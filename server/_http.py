@@ -324,7 +324,10 @@ class _Connection(asyncio.BufferedProtocol):
                 except httptools.HttpParserUpgrade:
                     pass  # the head is complete; the upgrade is not taken (see above)
                 except httptools.HttpParserError as exc:
-                    self._refuse(bad_field(f"malformed HTTP request: {exc}"))
+                    # A length past 2^64 is a body over any limit (llhttp's own words for it).
+                    over = "Content-Length overflow" in str(exc)
+                    self._refuse(too_large(f"the declared body is over the limit ({exc})") if over
+                                 else bad_field(f"malformed HTTP request: {exc}"))
                     return
                 self.fed = stop
             if end < 0:

@@ -167,16 +167,21 @@ def judge(limits: HttpLimits, method: str, path: str, headers: list[tuple[bytes,
     return None
 
 
+def echoed_id(given: str | None) -> str:
+    """The X-Request-Id to answer with (SPEC 2.1), from the client's (its bytes as latin-1
+    text, written back as latin-1: the same bytes): the client's when safe in a header and a
+    log line, else a fresh one. Every transport's one rule."""
+    if given is not None and 0 < len(given) <= 200 and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
 def request_id(headers: list[tuple[bytes, bytes]]) -> str:
-    """The X-Request-Id to answer with (SPEC 2.1): the client's, when safe in a
-    header and a log line (``app.RequestContext``'s rule), else a fresh one."""
+    """:func:`echoed_id` of a raw head's X-Request-Id."""
     for name, value in headers:
         if name == b"x-request-id":
-            text = value.decode("latin-1")
-            if 0 < len(text) <= 200 and text.isprintable():
-                return text
-            break
-    return uuid.uuid4().hex
+            return echoed_id(value.decode("latin-1"))
+    return echoed_id(None)
 
 
 def error_bytes(exc: Refusal, *, head_only: bool = False, close: bool = True,
@@ -194,5 +199,5 @@ def error_bytes(exc: Refusal, *, head_only: bool = False, close: bool = True,
         lines.append("www-authenticate: Bearer")
     if close:
         lines.append("connection: close")
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")  # the request id's bytes
     return head if head_only else head + body

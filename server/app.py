@@ -15,7 +15,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 import warnings
 from typing import Any
 
@@ -29,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from . import routes, routes_experts
+from ._http_gate import request_id as request_id_of
 from .config import Settings, get_settings
 from .engine import EXIT_DEVICE_LOST, Engine
 from .experts import ExpertStore
@@ -235,7 +235,7 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = _request_id(scope)
+        request_id = request_id_of(scope["headers"])
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
         status = 500
@@ -254,7 +254,7 @@ class RequestContext:
                 response_started = True
                 status = message["status"]
                 headers = list(message.get("headers", []))
-                headers.append((b"x-request-id", request_id.encode()))
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body":
                 metrics.bytes_out.inc(len(message.get("body", b"")))
@@ -286,15 +286,6 @@ class RequestContext:
             )
 
 
-def _request_id(scope) -> str:
-    for key, value in scope["headers"]:
-        if key == b"x-request-id":
-            text = value.decode("latin-1")
-            # Echo only what is safe in a header and a log line.
-            if 0 < len(text) <= 200 and text.isprintable():
-                return text
-            break
-    return uuid.uuid4().hex
 
 
 async def _api_error(request, exc: APIError) -> JSONResponse:

@@ -48,6 +48,9 @@ MSGPACK_TYPES = frozenset({MSGPACK, "application/msgpack", "application/x-msgpac
 # timeout then, instead of running (and its place in the queue is free again).
 DEADLINE_HEADER = "x-deadline-ms"
 
+# Every GET endpoint answers HEAD too (RFC 9110 9.3.2: the same head, no body).
+READ = ["GET", "HEAD"]
+
 
 @dataclass
 class Services:
@@ -272,14 +275,14 @@ weights_admin = APIRouter(
 metrics_router = APIRouter(dependencies=[Depends(require_token)])
 
 
-@health.get("/live")
+@health.api_route("/live", methods=READ)
 async def live(svc: ServicesDep) -> dict:
     """The process answers (503 once its device is lost: it is exiting)."""
     _require_device(svc)
     return {"status": "live"}
 
 
-@health.get("/ready")
+@health.api_route("/ready", methods=READ)
 async def ready(svc: ServicesDep) -> dict:
     """200 once start-up loading is done, 503 not_ready before (and once the device
     is lost)."""
@@ -294,7 +297,7 @@ def _require_device(svc: Services) -> None:
         raise NotReady(f"the device is lost ({svc.engine.lost}); the server is exiting")
 
 
-@api.get("/info")
+@api.api_route("/info", methods=READ)
 async def info(svc: ServicesDep, request: Request) -> dict:
     """Version, backend, device, fp8 format, buckets, limits and the expert sets."""
     s, backend = svc.settings, svc.engine.backend
@@ -322,7 +325,7 @@ async def info(svc: ServicesDep, request: Request) -> dict:
     }
 
 
-@api.get("/weights", dependencies=[Depends(require_ready)])
+@api.api_route("/weights", methods=READ, dependencies=[Depends(require_ready)])
 async def list_weights(svc: ServicesDep) -> dict:
     """Every loaded weight set."""
     return {"weights": [ws.describe() for ws in svc.store.list()]}
@@ -369,7 +372,7 @@ async def gemm(name: str, request: Request, svc: ServicesDep) -> Response:
     return PartsResponse(await run_gemm(svc, name, body, deadline))
 
 
-@metrics_router.get("/metrics")
+@metrics_router.api_route("/metrics", methods=READ)
 async def metrics(svc: ServicesDep) -> Response:
     """Prometheus text exposition."""
     return Response(svc.metrics.render(), media_type=svc.metrics.content_type)

@@ -25,6 +25,7 @@ from .engine import Engine
 from .experts import ExpertSet, ExpertStore, check_expert_name
 from .routes import (
     DEADLINE_HEADER,
+    READ,
     ServicesDep,
     _string,
     _tensor,
@@ -121,13 +122,13 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_token), Depends(r
 admin = APIRouter(prefix="/v1", dependencies=[Depends(require_admin), Depends(require_ready)])
 
 
-@router.get("/experts")
+@router.api_route("/experts", methods=READ)
 async def list_experts(request: Request) -> dict:
     """Every loaded expert set."""
     return {"experts": [es.describe() for es in _experts(request).store.list()]}
 
 
-@router.get("/experts/{name:wsname}")
+@router.api_route("/experts/{name:wsname}", methods=READ)
 async def get_experts(name: str, request: Request) -> dict:
     """One expert set's description."""
     return _experts(request).store.get(_name(name)).describe()

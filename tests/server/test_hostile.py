@@ -459,6 +459,15 @@ def test_an_oversized_head_is_too_large(target):
     assert got.startswith(b"HTTP/1.1 413 ") and b'"too_large"' in got, got[:300]
 
 
+def test_a_content_length_past_any_number_is_too_large(target):
+    with target.connect() as sock:
+        sock.sendall(_BASE + b"content-length: 99999999999999999999999\r\n\r\n")
+        got = _read(sock)
+    if target.kind == "uvicorn":
+        pytest.skip("uvicorn answers its own 400")
+    assert got.startswith(b"HTTP/1.1 413 ") and b'"too_large"' in got, got[:300]
+
+
 def test_a_well_framed_call_still_works(target):
     body = _body(4)
     chunks = b"".join(b"%x\r\n" % len(body[i:i + 7]) + body[i:i + 7] + b"\r\n"
@@ -482,8 +491,12 @@ def test_head_answers_have_no_body(target):
         while got.count(b"HTTP/1.1 ") < 2 and time.monotonic() < deadline:
             got += sock.recv(1 << 16)
     first, _, rest = got.partition(b"\r\n\r\n")
-    # The next bytes after the HEAD answer's head are the GET's answer.
-    assert first.startswith(b"HTTP/1.1 405 ") and rest.startswith(b"HTTP/1.1 200 "), got[:600]
+    # HEAD is answered as GET is (RFC 9110 9.3.2), and the next bytes after its head are the
+    # GET's answer: no body.
+    assert first.startswith(b"HTTP/1.1 200 ") and rest.startswith(b"HTTP/1.1 200 "), got[:600]
+    get_head = rest.partition(b"\r\n\r\n")[0]
+    length = [line for line in get_head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+    assert length and length[0] in first.lower().split(b"\r\n"), got[:600]
 
 
 def test_absolute_form_targets_are_served(target):
@@ -765,6 +778,29 @@ def test_a_thousand_pipelined_requests_are_answered_in_order(target):
             assert head.startswith(b"HTTP/1.1 200 ") and b"x-request-id: r%d\r\n" % i in \
                 head + b"\r\n", head
             got, i = rest[int(length[1]):], i + 1
+
+
+def test_a_request_id_of_any_printable_bytes_comes_back_as_sent(target):
+    """X-Request-Id is echoed byte for byte (UTF-8 included: header bytes are latin-1 text to
+    every transport) by a call, a route's error and a refusal from the head."""
+    rid = "trace-ünï".encode()
+    sent = {
+        "call": _gemm(_body(3)).replace(b"\r\n\r\n", b"\r\nx-request-id: " + rid + b"\r\n\r\n", 1),
+        "route error": b"GET /v1/weights/nope HTTP/1.1\r\nhost: x\r\n" + AUTH.encode()
+                       + b"x-request-id: " + rid + b"\r\n\r\n",
+        "head refusal": b"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\n"
+                        + AUTH.encode() + b"x-request-id: " + rid + b"\r\ncontent-length: 1\r\n\r\n"
+                        + _TINY,
+    }
+    for what, data in sent.items():
+        with target.connect() as sock:
+            sock.sendall(data)
+            sock.settimeout(10)
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += sock.recv(1 << 16)
+        assert b"\r\nx-request-id: " + rid + b"\r\n" in got.partition(b"\r\n\r\n")[0] + b"\r\n", \
+            (what, got[:400])
 
 
 def test_a_client_that_pipelines_and_never_reads_holds_bounded_memory(target):
