@@ -252,12 +252,13 @@ class _Acceptor:
         """Request body bytes this acceptor holds (``_Connection``'s head gate)."""
         return self.receiving
 
-    def count_refusal(self, status: int, method: str, path: str | None) -> None:
+    def count_refusal(self, status: int, method: str, path: str | None, seconds: float) -> None:
         """The owner keeps the metrics: tell it of a request answered here (its path
         only when short: a long one is no route's)."""
         if self.writer is not None and not self.lost and not self.writer.is_closing():
             path = path if path is not None and len(path) <= 1024 else None
-            self.writer.write(_frame({"t": "refused", "st": status, "m": method, "p": path}, 0))
+            self.writer.write(_frame({"t": "refused", "st": status, "m": method, "p": path,
+                                      "s": seconds}, 0))
 
     # _Connection's body allocator: a slot of the request arena when one is free,
     # else a spill (``_acceptor_shm``): a large body never travels on the link.

@@ -383,7 +383,7 @@ class Owner:
                     else:
                         link.answer_slots.give(meta["o"])
                 elif kind == "refused":  # answered by the acceptor from the head
-                    self.server.count_refusal(meta["st"], meta["m"], meta["p"])
+                    self.server.count_refusal(meta["st"], meta["m"], meta["p"], meta["s"])
                 elif kind == "pong":
                     link.ping_sent = None
         except (asyncio.IncompleteReadError, ConnectionError):

@@ -142,7 +142,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.head_view: memoryview | None = None
         self.start = self.fed = self.head_used = 0
         self.state = _IDLE
-        self.since = time.monotonic()  # when the current state began
+        self.since = self.began = time.monotonic()  # when the current state / request began
         self.parser: httptools.HttpRequestParser | None = None
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
@@ -278,6 +278,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _begin_head(self) -> None:
         self.state, self.since = _HEAD, time.monotonic()
+        self.began = self.since
         self.parser = httptools.HttpRequestParser(self)
         self.url, self.headers, self.method = b"", [], ""
         self.headers_done = self.message_done = False
@@ -482,13 +483,14 @@ class _Connection(asyncio.BufferedProtocol):
         self._unreserve()
         self._end()
         transport = self.transport
+        took = time.monotonic() - self.began
         self.state, self.since = _DRAIN, time.monotonic()
         self.parser = self.body = self.chunked = None
         if transport is None:
             return
         transport.write(error_bytes(exc, head_only=self.method == "HEAD",
                                     request_id=request_id(self.headers)))
-        self.server.count_refusal(exc.status, self.method, self.scope and self.scope["path"])
+        self.server.count_refusal(exc.status, self.method, self.scope and self.scope["path"], took)
         if transport.can_write_eof():
             transport.write_eof()  # the client reads the answer and an end; we drop the rest
         else:
@@ -686,16 +688,17 @@ class FastHttpServer:
         self.state: dict = {}
         self._server: asyncio.base_events.Server | None = None
 
-    def count_refusal(self, status: int, method: str, path: str | None) -> None:
+    def count_refusal(self, status: int, method: str, path: str | None, seconds: float) -> None:
         """A request the transport answered itself (``_Connection._refuse``), in the
-        request metrics under the endpoint the app would have counted it under (its
-        route's path format, e.g. a refused upload under ``/v1/weights/{name}``), else
-        as "unmatched"."""
+        request metrics (count and total time, from its head's first byte) under the
+        endpoint the app would have counted it under (its route's path format, e.g. a
+        refused upload under ``/v1/weights/{name}``), else as "unmatched"."""
         metrics = getattr(getattr(self.app, "state", None), "metrics", None)
         if metrics is None:
             return
-        metrics.requests.labels(endpoint=_endpoint_of(self.app, method, path),
-                                status=str(status)).inc()
+        endpoint = _endpoint_of(self.app, method, path)
+        metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        metrics.request_seconds.labels(endpoint=endpoint).observe(seconds)
 
     def held(self) -> int:
         """Request body bytes held: arriving here, plus those the app's budget holds."""

@@ -319,15 +319,31 @@ def _gemm(body: bytes, extra: str = AUTH) -> bytes:
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
-def _metric(target: Target, status: str, endpoint: str = "/v1/weights/{name}/gemm") -> float:
-    """moegemm_requests_total for ``endpoint`` (the gemm route) and ``status``."""
+def _metric(target: Target, status: str | None, endpoint: str = "/v1/weights/{name}/gemm",
+            name: str = "moegemm_requests_total") -> float:
+    """``name`` (moegemm_requests_total) for ``endpoint`` (the gemm route) and ``status``
+    (None: a metric without one, such as moegemm_request_seconds_count)."""
     _, _, text = _exchange(target.port, f"GET /metrics HTTP/1.1\r\nhost: x\r\n{AUTH}\r\n".encode())
     total = 0.0
     for line in text.decode().splitlines():
-        if line.startswith("moegemm_requests_total{") and f'endpoint="{endpoint}"' \
-                in line and f'status="{status}"' in line:
+        if line.startswith(name + "{") and f'endpoint="{endpoint}"' in line and \
+                (status is None or f'status="{status}"' in line):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def test_a_request_refused_from_its_head_is_counted_and_timed(target):
+    """SPEC 2.3's request count and total-time histogram both take a request the transport
+    refuses itself (here 415, the wrong media type)."""
+    before = (_metric(target, "415"), _metric(target, None, name="moegemm_request_seconds_count"))
+    status, _, _ = _exchange(target.port, b"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\n"
+                             b"content-type: text/plain\r\n" + AUTH.encode() + b"content-length: 1\r\n\r\n" + _TINY)
+    assert status == 415
+    deadline = time.monotonic() + 5  # an acceptor's report reaches the owner a moment later
+    while (after := (_metric(target, "415"), _metric(target, None, name="moegemm_request_seconds_count"))) \
+            != (before[0] + 1, before[1] + 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert after == (before[0] + 1, before[1] + 1)
 
 
 class _Probe:
