@@ -181,7 +181,7 @@ class DirectGemm:
         return svc, deadline
 
     async def _gemm(self, name: str, fields: dict[str, str], body: memoryview):
-        svc, deadline = self._admit(fields, body, routes.check_name, name)
+        svc, deadline = self._admit(fields, body, routes.check_gemm_name, name)
         return await routes.run_gemm(svc, name, body, deadline, alone=self.in_progress() <= 1)
 
     async def _expert(self, route: Route, fields: dict[str, str], body: memoryview):

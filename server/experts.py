@@ -31,23 +31,27 @@ from ._tensors import (
     require_positive_finite_scales,
     require_shape,
 )
+from .config import name_problem
 from .store import WeightSet, WeightStore, _MemoryGroups, check_name, set_bytes
 
 log = logging.getLogger("moegemm.server.experts")
 
-# "{name}.w13" must still be a valid weight-set name.
-_MAX_NAME = 128 - len(".w13")
-
-
 def check_expert_name(name: str) -> str:
-    """Return ``name`` if it is a valid expert-set name, else raise BadName."""
-    check_name(name)
-    if len(name) > _MAX_NAME:
-        raise BadName(
-            f"expert-set name {name!r} is {len(name)} characters; at most {_MAX_NAME}, so "
-            f"that '{name}.w13' is a weight-set name"
-        )
-    return name
+    """Return ``name`` if it is a valid expert-set name (SPEC 2.1's rule, up to 128
+    characters: its matrices' names run 4 past it, :func:`check_gemm_name`), else raise
+    BadName."""
+    return check_name(name)
+
+
+def check_gemm_name(name: str) -> str:
+    """Return ``name`` if the gemm endpoint may look it up: a weight-set name, or an expert
+    set's matrix ``{name}.w13`` / ``{name}.w2`` (up to 132 characters for a 128-character
+    expert set, SPEC 5), else raise BadName."""
+    stem, dot, matrix = name.rpartition(".")
+    if dot and matrix in ("w13", "w2") and name_problem(name) is not None and \
+            name_problem(stem) is None:
+        return name
+    return check_name(name)
 
 
 def matrix_names(name: str) -> tuple[str, str]:

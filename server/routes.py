@@ -38,6 +38,7 @@ from ._request import decode_gemm, gemm_call
 from ._tensors import WIRE_NAMES, to_torch
 from .config import Settings
 from .engine import Engine
+from .experts import check_gemm_name
 from .metrics import Metrics
 from .store import WeightSet, WeightStore, check_name
 
@@ -365,7 +366,7 @@ async def delete_weights(name: str, svc: ServicesDep) -> Response:
 @api.post("/weights/{name:wsname}/gemm", dependencies=[Depends(require_ready)])
 async def gemm(name: str, request: Request, svc: ServicesDep) -> Response:
     """SPEC 1 on a loaded weight set: msgpack {x, x_scale?, m_sizes} -> {out}."""
-    check_name(name)
+    check_gemm_name(name)
     deadline = _deadline(request)
     body = await read_body(request, svc.settings.max_body_bytes)
     # The header, then the output rows as they are: no msgpack copy.

@@ -106,13 +106,10 @@ def test_bad_uploads_change_nothing(srv):
 def test_bad_names_media_and_limits(srv):
     before = snapshot(srv.http)
     body = upload_body(srv.p)
-    for name in ("a b", "x" * 125, "caf\u00e9"):
+    for name in ("a b", "x" * 129, "caf\u00e9"):
         assert_error(put_experts(srv.http, name, body), 400, "bad_name")
         assert_error(post(srv.http, name, "ffn", ffn_body(torch.zeros(1, H), [1, 0, 0, 0])),
                      400, "bad_name")
-    assert put_experts(srv.http, "x" * 124, upload_body(random_experts(1, H, I))) \
-        .status_code == 201
-    assert srv.http.delete("/v1/experts/" + "x" * 124).status_code == 204
     assert_error(srv.http.put("/v1/experts/e", content=packb(body),
                               headers={"content-type": "application/json"}),
                  415, "unsupported_media_type")
@@ -134,6 +131,26 @@ def test_bad_names_media_and_limits(srv):
             "w2_scale": wire(torch.ones(16, 2, 3))}
     assert_error(put_experts(srv.http, "pair", pair), 507, "out_of_memory")
     assert snapshot(srv.http) == before
+
+
+def test_a_128_character_expert_set_and_its_matrices_are_served(srv):
+    """SPEC 2.1's names run to 128 characters, an expert set's too; its matrices' names
+    ({name}.w13, {name}.w2, SPEC 5) run to 132 and the gemm endpoint serves them. A name of
+    129 characters that is no expert set's matrix is still bad_name."""
+    name = "x" * 128
+    assert put_experts(srv.http, name, upload_body(random_experts(1, H, I))).status_code == 201
+    listed = {w["name"] for w in srv.http.get("/v1/weights").json()["weights"]}
+    assert {name + ".w13", name + ".w2"} <= listed
+    gemm = {"x": wire(torch.randn(2, H).to(torch.bfloat16)), "m_sizes": wire(torch.tensor([2]))}
+    r = srv.http.post(f"/v1/weights/{name}.w13/gemm", content=packb(gemm), headers=MSGPACK)
+    assert r.status_code == 200, r.text
+    assert out_of(r).shape == (2, 2 * I)
+    r = srv.http.post(f"/v1/weights/{'y' * 128}.w13/gemm", content=packb(gemm), headers=MSGPACK)
+    assert_error(r, 404, "no_such_weights")
+    for other in ("y" * 129, "y" * 129 + ".w3", "a b.w13"):
+        r = srv.http.post(f"/v1/weights/{other}/gemm", content=packb(gemm), headers=MSGPACK)
+        assert_error(r, 400, "bad_name")
+    assert srv.http.delete("/v1/experts/" + name).status_code == 204
 
 
 def _bad_ffn(p):
