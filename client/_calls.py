@@ -31,7 +31,8 @@ from ._wire import (
 
 MSGPACK = "application/vnd.msgpack"
 _MSGPACK_TYPES = (MSGPACK, "application/msgpack", "application/x-msgpack")
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# SPEC 2.1's names, and an expert set's matrices' (its name, up to 128 characters, then .w13 / .w2).
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}(\.w13|\.w2)?")
 # Answers this large are decoded in place (msgpack's C decoder copies bins;
 # under this size that copy costs less than walking the body in Python).
 _IN_PLACE_FROM = 64 << 10

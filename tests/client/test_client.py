@@ -202,13 +202,16 @@ def test_names_cannot_change_the_route(fake, client):
     assert fake.requests[-1].url.path == "/v1/weights/Layer-3_e.v2"
     sent = len(fake.requests)
     x = np.random.randn(1, 128).astype(np.float32)
-    for bad in ["a/b", "", "x" * 129, "sp ace", "caf\u00e9", "a?b"]:
+    for bad in ["a/b", "", "x" * 129, "x" * 129 + ".w3", "sp ace", "caf\u00e9", "a?b"]:
         with pytest.raises(mc.BadName):
             client.grouped_gemm(bad, x, [1])
         with pytest.raises(mc.BadName):
             client.load_weights_file(bad, "f.safetensors", "w")
     assert len(fake.requests) == sent  # refused before anything went out
     client.delete_weights("x" * 128)
+    # A 128-character expert set's matrices (SPEC 5) go out as they are.
+    client.delete_weights("x" * 128 + ".w13")
+    assert fake.requests[-1].url.path == "/v1/weights/" + "x" * 128 + ".w13"
 
 
 @pytest.mark.parametrize(
