@@ -77,6 +77,10 @@ def _tensor_map(store, checkpoint: str) -> tuple[dict[str, str], str]:
             raise TypeError("weight_map is not a map of names to file names")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise BadField(f"{base}/{INDEX} is not a safetensors index: {exc}") from exc
+    for shard in weight_map.values():
+        if shard.startswith("/"):  # joined below it would read as a file under the checkpoint
+            raise BadField(f"{base}/{INDEX} names shard {shard[:200]!r}: a path outside the "
+                           "checkpoint directory (shards are named relative to it)")
     return {name: f"{base}/{shard}" for name, shard in weight_map.items()}, INDEX
 
 
