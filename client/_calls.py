@@ -7,6 +7,7 @@ bf16 and fp8 through ml_dtypes, or torch), or raised as the error tree (SPEC 2.2
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import sys
@@ -162,8 +163,9 @@ def load_experts_call(name: str, w13: Any, w2: Any, w13_scale: Any, w2_scale: An
 
 
 def load_checkpoint_call(name: str, checkpoint: str | os.PathLike, layer: int) -> Call:
-    if isinstance(layer, bool) or not isinstance(layer, int):
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
         raise TypeError(f"layer is an int, got {type(layer).__name__}")
+    layer = int(layer)  # numpy integers too
     return Call("PUT", experts_path(name),
                  packb({"checkpoint": os.fspath(checkpoint), "layer": layer}), load=True)
 

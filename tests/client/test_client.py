@@ -195,6 +195,18 @@ def test_weights_accepts_an_envelope(fake, client):
     assert client.weights() == [{"name": "a"}]
 
 
+def test_a_checkpoint_layer_is_any_integer_and_nothing_else(fake, client):
+    from moegemm.client._wire import unpackb
+
+    client.load_experts_checkpoint("e", "model", np.int64(3))
+    assert unpackb(fake.requests[-1].content) == {"checkpoint": "model", "layer": 3}
+    sent = len(fake.requests)
+    for bad in (True, 3.0, "3", np.float32(3)):
+        with pytest.raises(TypeError):
+            client.load_experts_checkpoint("e", "model", bad)
+    assert len(fake.requests) == sent
+
+
 def test_names_cannot_change_the_route(fake, client):
     client.delete_weights("..")  # a valid name that is also a dot segment
     assert fake.requests[-1].url.raw_path.decode() == "/v1/weights/%2E%2E"
