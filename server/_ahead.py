@@ -201,15 +201,44 @@ MIN_FREE_BYTES = 2 << 30
 MAX_CHILDREN = 8
 
 
+# The cgroup's CPU bandwidth: v2's "quota period" (or "max ..."), v1's two files.
+_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+_CFS = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
+def cpu_quota() -> float | None:
+    """The CPUs this process's cgroup may use per period (a container's CPU limit), or None
+    when unlimited or unknown. Compiles past it would be throttled together with the calls
+    (the whole cgroup waits for the next period), so a job's children stay within it."""
+    try:
+        with open(_CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            with open(_CFS[0]) as f, open(_CFS[1]) as g:
+                quota, period = f.read().strip(), g.read().strip()
+        except OSError:
+            return None
+    try:
+        cpus = int(quota) / int(period)
+    except ValueError:  # "max"
+        return None
+    return cpus if cpus > 0 else None
+
+
 def children(device: torch.device) -> int:
     """How many children share a job: half the CPUs this process may run on (the other half
-    serves the calls), at most MAX_CHILDREN, and no more than the device's free memory holds
-    (0: too little free memory for one)."""
+    serves the calls; its affinity and its cgroup's CPU limit both bound them), at most
+    MAX_CHILDREN, and no more than the device's free memory holds (0: too little free memory
+    for one)."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        cpus = float(len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 2
-    count = max(1, min(MAX_CHILDREN, cpus // 2))
+        cpus = float(os.cpu_count() or 2)
+    quota = cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, quota)
+    count = max(1, min(MAX_CHILDREN, int(cpus // 2)))
     if device.type == "cuda" and torch.cuda.is_available():
         count = min(count, torch.cuda.mem_get_info(device)[0] // MIN_FREE_BYTES)
     return count

@@ -107,7 +107,26 @@ def test_children_sharing_a_job_that_fails_are_all_ended_and_logged_once(caplog,
 @pytest.mark.parametrize(("cpus", "count"), [(1, 1), (2, 1), (6, 3), (16, 8), (64, 8)])
 def test_a_job_is_shared_by_half_the_cpus_at_most_eight(monkeypatch, cpus, count):
     monkeypatch.setattr(_ahead.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(_ahead, "cpu_quota", lambda: None)
     assert _ahead.children(torch.device("cpu")) == count
+
+
+@pytest.mark.parametrize(("cpu_max", "count"), [("400000 100000\n", 2), ("max 100000\n", 8),
+                                                ("150000 100000\n", 1), ("1600000 100000", 8)])
+def test_a_container_cpu_limit_bounds_the_children(monkeypatch, tmp_path, cpu_max, count):
+    """A cgroup's CPU limit counts as the CPUs (children past it would be throttled with the
+    calls); no limit, the affinity's 64 CPUs give 8."""
+    (tmp_path / "cpu.max").write_text(cpu_max)
+    monkeypatch.setattr(_ahead, "_CPU_MAX", str(tmp_path / "cpu.max"))
+    monkeypatch.setattr(_ahead.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert _ahead.children(torch.device("cpu")) == count
+    monkeypatch.setattr(_ahead, "_CPU_MAX", str(tmp_path / "absent"))
+    monkeypatch.setattr(_ahead, "_CFS", (str(tmp_path / "q"), str(tmp_path / "p")))
+    (tmp_path / "q").write_text("200000\n")
+    (tmp_path / "p").write_text("100000\n")
+    assert _ahead.children(torch.device("cpu")) == 1  # cgroup v1: 2 CPUs
+    (tmp_path / "q").write_text("-1\n")
+    assert _ahead.cpu_quota() is None
 
 
 def test_a_child_that_does_not_answer_in_time_is_ended(caplog):
