@@ -19,8 +19,8 @@ the two GEMMs of an expert-FFN graph. It is the torch definition
   bf16 (with integer operations, exact in the interpreter too);
 - the scale is ``max(amax, 1e-12) / FP8_MAX`` and the quantized value
   ``clamp(a / scale, -FP8_MAX, FP8_MAX)``, both with IEEE division, NaN
-  propagated as torch's ``amax``/``clamp`` propagate it, the quotient taken off
-  the fp8 ties its float32 rounding can land on (``quant._to_fp8``);
+  propagated as torch's ``amax``/``clamp`` propagate it, the quotient rounded to
+  odd first so that the fp8 code rounds the exact quotient (``quant._to_fp8``);
 - the rounding to fp8 is done with integer operations (round to nearest even,
   subnormals included), so both formats and both vendors' GPUs give the same
   bits without a hardware conversion instruction that only one of them has;
@@ -121,41 +121,38 @@ def quantize_blocks(x, FP8_MAX, FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORM
                     SUB_SCALE: tl.constexpr):
     """float32 ``x`` ``[R, 128]``, each row one 128-wide block, quantized (SPEC 1.1): (the
     fp8 codes, int32 ``[R, 128]``; the blocks' scales ``[R]``). NaN propagates as torch's
-    ``amax``/``clamp`` propagate it; every division IEEE."""
+    ``amax``/``clamp`` propagate it; every division IEEE; each code rounds the exact quotient."""
     amax = tl.reduce(tl.abs(x), 1, _max_nan)
     scale = tl.math.div_rn(_max_nan(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
     wide = tl.broadcast_to(scale[:, None], x.shape)
-    v = tl.math.div_rn(x, wide)
+    v = _to_odd(tl.math.div_rn(x, wide), x, wide, _IN_INTERPRETER)
     v = tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
-    code = _fp8_bits(_off_ties(v, x, wide, MIN_NORMAL, SUB_SCALE, _IN_INTERPRETER), FNUZ, BIAS,
-                     MIN_NORMAL, SUB_SCALE)
-    return code, scale
+    return _fp8_bits(v, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE), scale
 
 
 @triton.jit
-def _off_ties(v, x, scale, MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr,
-              INTERPRETED: tl.constexpr):
-    """The float32 quotient ``v`` of ``x / scale``, moved one float32 step towards the exact
-    quotient where it lands on a tie between two fp8 values that the exact one is not, so that
-    rounding it rounds the exact quotient (``quant._to_fp8`` says why; the same bits).
+def _to_odd(v, x, scale, INTERPRETED: tl.constexpr):
+    """The float32 quotient ``v`` of ``x / scale`` (rounded to nearest) as the exact quotient
+    rounded to odd: the float32 neighbour of the exact quotient whose last bit is 1, unless it is
+    exact. Rounding that to fp8 (8 bits fewer and more) rounds the exact quotient, ties included
+    ("innocuous double rounding"), where rounding ``v`` itself picks the wrong neighbour when
+    ``v`` lands on an fp8 tie the exact quotient is not on (``quant._to_fp8``: the same bits).
 
-    The sign of ``v * scale - x`` decides: a fused multiply-add rounds it once, so its sign is
-    the exact one (and it is 0 only when exact; at a tie ``|v| >= 2^-10`` and ``scale >=
-    1e-12 / 448``, so a non-zero difference is at least 2^-105, a normal float32). In float64
-    the same took 1.3-1.8x the quantizer's time on the H200 (``bench/quant_speed.py``); the
-    interpreter's fma rounds twice, so it takes the float64 form.
+    The sign of ``v * scale - x`` says on which side of the exact quotient ``v`` lies: a fused
+    multiply-add rounds it once, so its sign is exact and it is 0 only when exact (a non-zero
+    difference is at least 2^-105 wherever ``v`` can matter, |v| >= 2^-10 and scale >= 1e-12 /
+    448). The interpreter's fma rounds twice: it takes the difference in float64.
     """
-    bits = v.to(tl.int32, bitcast=True)
-    a = tl.abs(v)
-    steps = a * SUB_SCALE
-    tie = tl.where(a < MIN_NORMAL, steps - tl.floor(steps) == 0.5, (bits & 0xFFFFF) == 0x80000)
     if INTERPRETED:
         over = v.to(tl.float64) * scale.to(tl.float64) - x.to(tl.float64)
     else:
         over = tl.fma(v, scale, -x)
-    step = tl.where((over > 0) == (v > 0), -1, 1)
-    return tl.where(tie & (over != 0), bits + step, bits).to(tl.float32, bitcast=True)
+    bits = v.to(tl.int32, bitcast=True)
+    # Above the exact quotient in magnitude: the neighbour below (one step down), then odd.
+    down = ((over > 0) == (v > 0)).to(tl.int32)
+    inexact = (over != 0) & (v != 0)  # a zero v: the exact quotient is below 2^-149, fp8 zero
+    return tl.where(inexact, (bits - down) | 1, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
