@@ -4,12 +4,12 @@
 
 ``gather_quantize_triton`` (bf16 rows, the server's quantization of a call's x) and
 ``silu_mul_quant_triton`` (the FFN's activation and its quantization) of this checkout against
-the same kernels from ``kernels/_triton_act_pre26.py`` (the file before the change, written by
-``git show 9635f7b~1:kernels/_triton_act.py > kernels/_triton_act_pre26.py`` before a run; never
-committed), each a CUDA-graph replay
-median (``bench_kernels.time_us``) on fresh random data, alternated over four rounds with the
-order reversed every other round (the median round reported); GB/s of bytes read and written, and how many codes differ (the
-float32 quotient's ties). Never collected by pytest.
+the same kernels from ``kernels/_triton_act_pre26.py`` (the file before the change: write it with
+``git show 9635f7b~1:kernels/_triton_act.py > kernels/_triton_act_pre26.py`` before a run, never
+commit it), each a CUDA-graph replay median (``bench_kernels.time_us``) on fresh random data,
+alternated over four rounds with the order reversed every other round (the median round
+reported); GB/s of bytes read and written, and how many codes differ (the float32 quotient's
+ties). Never collected by pytest.
 """
 
 from __future__ import annotations

@@ -109,6 +109,27 @@ def test_gather_quantize_equals_the_torch_ops_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gather_quantize_equals_the_torch_ops_on_many_rows():
+    """A prefill's worth of bf16 rows (65536 x 7168: half a million of them hold an fp8 tie of
+    the float32 quotient): every code and scale as ``quantize_activations`` gives them."""
+    pytest.importorskip("triton")
+    from moegemm.kernels import quantize_activations
+    from moegemm.kernels._triton_act import gather_quantize_triton
+
+    dev, fp8 = torch.device("cuda"), torch.float8_e4m3fn
+    gen = torch.Generator(device=dev).manual_seed(torch.seed())
+    rows, k = 65536, 7168
+    x = (torch.randn(rows, k, device=dev, generator=gen) * 3).to(torch.bfloat16)
+    out = (torch.empty(rows, k, dtype=fp8, device=dev), torch.empty(rows, k // 128, device=dev))
+    gather_quantize_triton(x, torch.arange(rows, device=dev),
+                           torch.zeros(rows, dtype=torch.int8, device=dev), out)
+    for start in range(0, rows, 8192):
+        want = quantize_activations(x[start:start + 8192], fp8)
+        assert _same((out[0][start:start + 8192], out[1][start:start + 8192]), want), start
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("fp8", FORMATS)
 def test_kernel_equals_the_torch_definition_on_the_gpu(fp8):
     pytest.importorskip("triton")
