@@ -179,23 +179,26 @@ def test_expert_calls_share_the_queue_bound_and_deadlines(es):
     release = threading.Event()
     _, make = _ffn_calls(es, gen, [3, 4, 5, 2])
     ids, w = random_routing(2, G, 2, gen)
-    late = moe_call(es, random_x(2, H, gen)[0], None, ids, w, deadline=time.monotonic() + 0.01)
+    late = moe_call(es, random_x(2, H, gen)[0], None, ids, w, deadline=time.monotonic() + 3600)
 
     async def scenario():
         held = asyncio.ensure_future(engine.run(release.wait))  # the worker is busy
         await asyncio.sleep(0.05)
         first, second, third, _ = make()
+        late.deadline = time.monotonic() + 0.3
         a = asyncio.ensure_future(engine.submit(first))
         b = asyncio.ensure_future(engine.submit(late))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.02)
         with pytest.raises(Overloaded):
             await engine.submit(second)
-        await asyncio.sleep(0.05)  # the moe call's deadline passes while it waits
+        # The moe call's deadline passes while it waits: answered then, its place freed, the
+        # worker still held.
+        with pytest.raises(DeadlineExceeded):
+            await b
+        assert engine.queued() == 1 and not a.done()
         release.set()
         await held
         assert answer_rows(await a, H).shape == (3, H)
-        with pytest.raises(DeadlineExceeded):
-            await b
         assert engine.queued() == 0
         assert answer_rows(await engine.submit(third), H).shape == (5, H)
 

@@ -61,8 +61,8 @@ def operations():
 
 
 def test_the_schema_covers_the_json_endpoints(operations):
-    assert set(operations) == {
-        "GET /v1/health/live", "GET /v1/health/ready", "GET /v1/info", "GET /v1/weights",
+    reads = {"/v1/health/live", "/v1/health/ready", "/v1/info", "/v1/weights"}
+    assert set(operations) == {f"{method} {path}" for path in reads for method in ("GET", "HEAD")} | {
         "PUT /v1/weights/{name}", "DELETE /v1/weights/{name}",
     }
 
