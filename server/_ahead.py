@@ -257,47 +257,26 @@ def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S,
         log.info("compiling %s in-process: less than %d MiB free on the device", job.describe(),
                  MIN_FREE_BYTES >> 20)
         return None
-    answers: list[Any] = [("failed", f"no answer in {timeout_s:.0f} s")] * count
-    pipes: list[Any] = []
     kids: list[Any] = []
+    pipes: list[Any] = []
+    answers: list[Any] = [("failed", "not started")] * count
     try:
         ctx = multiprocessing.get_context("spawn")
         for mine in range(count):
             ours, theirs = ctx.Pipe(duplex=False)
             pipes.append(ours)
-            kid = ctx.Process(target=_child, args=(job, theirs, (mine, count)),
-                              name=f"moegemm-compile-{mine}", daemon=True)
-            kids.append(kid)
+            kids.append(ctx.Process(target=_child, args=(job, theirs, (mine, count)),
+                                    name=f"moegemm-compile-{mine}", daemon=True))
             try:
-                kid.start()
+                kids[-1].start()
             finally:
                 theirs.close()
-        waiting = set(range(count))
-        while waiting and time.monotonic() - started < timeout_s:
-            if stop is not None and stop.is_set():
-                for i in waiting:
-                    answers[i] = ("failed", "the server is closing")
-                break
-            for i in [i for i in waiting if pipes[i].poll(0) or not kids[i].is_alive()]:
-                answers[i] = _answer(pipes[i])
-                waiting.discard(i)
-            if waiting and any(a[0] != "ok" for i, a in enumerate(answers) if i not in waiting):
-                break  # one failed: the loader compiles in-process what the others left
-            if waiting:
-                multiprocessing.connection.wait([pipes[i] for i in waiting], timeout=1.0)
+        answers = _answers(kids, pipes, started + timeout_s, stop)
     except Exception as exc:  # noqa: BLE001 -- any failure here means "compile in-process"
         answers = [a if a[0] == "ok" else ("failed", f"{type(exc).__name__}: {exc}")
                    for a in answers]
     finally:
-        for pipe in pipes:
-            pipe.close()
-        ok = all(a[0] == "ok" for a in answers)
-        for kid in kids:
-            if kid.pid is not None:
-                kid.join(5.0 if ok else 0)
-                if kid.is_alive():
-                    kid.kill()
-                    kid.join()
+        _end(kids, pipes, all(a[0] == "ok" for a in answers))
     failed = [(i, a) for i, a in enumerate(answers) if a[0] != "ok"]
     if failed:
         i, (_, detail, *_) = failed[0]
@@ -314,6 +293,38 @@ def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S,
     if named:
         log.debug("the children compiled: %s", "; ".join(named))
     return compiled
+
+
+def _answers(kids: list, pipes: list, until: float, stop: threading.Event | None) -> list:
+    """Each child's answer, as they come; the wait ends at ``until``, when ``stop`` is set or
+    when one child fails (the others' answers do not matter then)."""
+    answers: list[Any] = [("failed", "no answer in time")] * len(kids)
+    waiting = set(range(len(kids)))
+    while waiting and time.monotonic() < until:
+        if stop is not None and stop.is_set():
+            for i in waiting:
+                answers[i] = ("failed", "the server is closing")
+            break
+        for i in [i for i in waiting if pipes[i].poll(0) or not kids[i].is_alive()]:
+            answers[i] = _answer(pipes[i])
+            waiting.discard(i)
+            if answers[i][0] != "ok":
+                return answers
+        if waiting:
+            multiprocessing.connection.wait([pipes[i] for i in waiting], timeout=1.0)
+    return answers
+
+
+def _end(kids: list, pipes: list, ok: bool) -> None:
+    """Close the pipes; let children that answered exit (5 s), kill the rest."""
+    for pipe in pipes:
+        pipe.close()
+    for kid in kids:
+        if kid.pid is not None:
+            kid.join(5.0 if ok else 0)
+            if kid.is_alive():
+                kid.kill()
+                kid.join()
 
 
 def _answer(pipe) -> Any:
