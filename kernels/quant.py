@@ -45,34 +45,27 @@ def _scale_of(amax: torch.Tensor, limit: float) -> torch.Tensor:
     return amax.clamp_(min=_AMAX_FLOOR).div_(torch.full_like(amax, limit))
 
 
-# Per format: the smallest normal value and the inverse of the subnormal step (2^(-bias - 2)).
-_SUBNORMAL = {torch.float8_e4m3fn: (2.0**-6, 512.0), torch.float8_e4m3fnuz: (2.0**-7, 1024.0)}
-
-
 def _to_fp8(values: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``clamp(values / scale)`` rounded to ``fp8_dtype``, to nearest even from the exact quotient.
 
     The float32 division rounds once before the cast rounds again, and where the float32
     quotient lands on a tie between two fp8 values that the exact one is not (0.1 % of bf16
-    inputs), the cast's tie-to-even can pick the wrong neighbour: 84.0000027 rounds to 84.0,
-    then to 80, where SPEC 1.1 gives 88. Such a quotient is moved one float32 step towards the
-    exact one (the sign of ``quotient * scale - values``, exact in float64), which is no tie.
-    ``_triton_act.quantize_blocks`` does the same, bit for bit.
+    inputs), the cast's tie-to-even picks the wrong neighbour: 84.0000027 rounds to 84.0, then
+    to 80, where SPEC 1.1 gives 88. So the float32 quotient is first rounded to odd: where it is
+    not exact, the one of its two float32 neighbours around the exact quotient whose last bit is
+    1 (no tie, and on the exact quotient's side of every fp8 tie: 20 bits more than fp8 keeps).
+    Which side the quotient lies on is the sign of ``quotient * scale - values``, exact in
+    float64.
+    ``_triton_act._to_odd`` does the same, bit for bit.
     """
-    # Clamping first matters: torch's cast does not saturate, an overflow would be NaN.
+    # Clamping matters: torch's cast does not saturate, an overflow would be NaN.
     limit = fp8_max(fp8_dtype)
-    quotient = (values / scale).clamp_(-limit, limit)
-    min_normal, sub_scale = _SUBNORMAL[fp8_dtype]
-    magnitude = quotient.abs()
-    steps = magnitude * sub_scale  # exact: a power of two
-    bits = quotient.view(torch.int32)
-    tie = torch.where(magnitude < min_normal, steps - steps.floor() == 0.5,
-                      (bits & 0xFFFFF) == 0x80000)  # the first bit past e4m3's 3 mantissa bits
+    quotient = values / scale
     over = torch.addcmul(values.double().neg_(), quotient.double(), scale.double())
-    # One float32 step down where the quotient's magnitude is over the exact one, up where under.
-    step = torch.where((over > 0) == (quotient > 0), -1, 1).to(torch.int32)
-    bits = bits + step * (tie & (over != 0))
-    return bits.view(torch.float32).to(fp8_dtype)
+    bits = quotient.view(torch.int32)
+    down = ((over > 0) == (quotient > 0)).to(torch.int32)  # above the exact one in magnitude
+    odd = torch.where((over != 0) & (quotient != 0), (bits - down) | 1, bits)
+    return odd.view(torch.float32).clamp_(-limit, limit).to(fp8_dtype)
 
 
 def quantize_activations(
