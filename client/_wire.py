@@ -104,6 +104,10 @@ def encode_tensor(a: Any) -> dict:
             return {"dtype": name, "shape": list(a.shape),
                     "data": memoryview(a.reshape(-1).view(np.uint8)).toreadonly()}
     arr = np.asarray(a)
+    if not isinstance(a, np.ndarray) and arr.dtype == np.float64:
+        # A list of Python floats: numpy makes it float64, which no tensor field takes.
+        raise ArgumentDtype(f"a {type(a).__name__} of Python floats becomes float64, which "
+                            f"cannot go on the wire; pass an array of one of {sorted(DTYPES)}")
     name = _wire_name(arr.dtype)
     # astype, not ascontiguousarray: the latter turns a 0-d array into shape [1].
     arr = arr.astype(DTYPES[name], order="C", copy=False)

@@ -100,11 +100,14 @@ def test_numpy_scalar_keeps_shape_empty():
 def test_encode_refuses_dtypes_outside_the_wire():
     """The server's code for such an array (SPEC 2.2 bad_dtype), raised before sending: one
     exception tree (SPEC 4), and a TypeError as any wrong argument."""
-    for bad in (np.random.rand(2, 2), np.array([True, False])):
+    for bad in (np.random.rand(2, 2), np.array([True, False]), [[0.5, 1.5]]):
         with pytest.raises(BadDtype, match="cannot go on the wire") as info:
             encode_tensor(bad)
         assert isinstance(info.value, TypeError) and info.value.code == "bad_dtype"
         assert info.value.status == 400
+    with pytest.raises(BadDtype, match="list of Python floats"):  # says what the caller passed
+        encode_tensor([[0.5, 1.5]])
+    assert encode_tensor([3, 0, 5])["dtype"] == "int64"  # m_sizes as a list
 
 
 def test_decode_is_zero_copy():
