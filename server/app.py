@@ -318,6 +318,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # /v1/info/ is no path of the API: 404 and a JSON error (SPEC 2), not a redirect whose
+        # absolute Location names this host as it was reached (wrong behind a proxy).
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.metrics = metrics

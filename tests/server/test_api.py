@@ -117,6 +117,16 @@ def test_request_id_is_echoed_or_generated(server):
     assert r.status_code == 404 and r.headers["x-request-id"] == "trace-43"
 
 
+def test_a_trailing_slash_is_no_path_of_the_api(server):
+    """404 with SPEC 2's JSON error, not a redirect (whose absolute Location would name the
+    host as this hop saw it)."""
+    for path in ("/v1/info/", "/v1/health/live/", "/metrics/"):
+        r = server.http.get(path, follow_redirects=False)
+        assert r.status_code == 404, (path, r.status_code, r.headers)
+        assert r.headers["content-type"] == "application/json"
+        assert r.json()["error"]["code"] == "not_found"
+
+
 def test_metrics(server):
     x = torch.randn(5, 512)
     out_of(server.gemm("demo", {"x": wire(x), "m_sizes": wire(random_m_sizes(8, 5))}))
