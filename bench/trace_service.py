@@ -107,6 +107,21 @@ def _install_stamps() -> None:
     stamp_async(_direct.DirectGemm, "__call__", "handler")
     stamp_async(engine.Engine, "submit", "gemm")
     stamp_sync(_executor.Executor, "run", "executor")
+    # The expert calls' path (--experts): the same segments, their own steps.
+    from moegemm.server import _ffn_executor, _ffn_graphs, routes_experts
+    stamp_sync(_ffn_executor.ExpertExecutor, "run_calls", "executor")
+    for cls, attr in ((_ffn_executor.ExpertExecutor, "_graph_moe"),
+                      (_ffn_executor.ExpertExecutor, "_rows_up"),
+                      (_ffn_executor.ExpertExecutor, "_download"),
+                      (_ffn_graphs.FfnGraphs, "fill_tables"), (_ffn_graphs.FfnGraphs, "buffers"),
+                      (_ffn_graphs.FfnGraphs, "family"), (_staging.Staging, "begin"),
+                      (_staging.Staging, "enter"), (engine.Engine, "_run_batch")):
+        stamp_sync(cls, attr, attr)
+    routes_experts.decode_moe = _timed(routes_experts.decode_moe, "decode_moe")
+    routes_experts.moe_call = _timed(routes_experts.moe_call, "moe_call")
+    routes_experts.array_body_parts = _timed(routes_experts.array_body_parts, "array_body_parts")
+    _ffn_executor.unpack = _timed(_ffn_executor.unpack, "unpack")
+    _ffn_executor._answer = _timed(_ffn_executor._answer, "_answer")
     for cls, attr in ((_staging.Staging, "gather_rows"), (_staging.Staging, "upload"),
                       (_staging.Staging, "download"), (_graphs.GraphPool, "launch"),
                       (_executor.Executor, "_run_graph"), (_executor.Executor, "_run_general"),
@@ -349,6 +364,112 @@ def _wait_port(port: int, proc: subprocess.Popen | None, timeout: float) -> None
     raise RuntimeError("server not ready")
 
 
+def experts_trace(args) -> int:
+    """``--experts``: where a lone moe call's time goes, beside gemm calls on the same set.
+
+    One traced server at its defaults (GPU) loads a Qwen3-30B-A3B-shaped expert set (G=128,
+    H=2048, I=768, random fp8) from a checkpoint file. Each section sends calls one after
+    the other on one raw connection, rotating over 32 prebuilt bodies (fresh routing, so
+    the active experts' weights are not all in L2): moe at 1 and 16 tokens (bf16 x, top-8),
+    and gemm on the set's w13 at 8 rows (one token's top-8 rows: 8 groups of one row) and 1
+    row. Then the Client's p50 for the same calls (numpy arrays).
+    """
+    import ml_dtypes
+    from bench_moe import write_checkpoint
+    from moegemm.client import Client
+    from moegemm.client._wire import encode_tensor, packb
+
+    G, H, I, top = 128, 2048, 768, 8
+    work = Path(tempfile.mkdtemp(prefix="moegemm_trace_"))
+    write_checkpoint(work / "qwen", G, H, I)
+    rng = np.random.default_rng(0)
+    rot = 32
+
+    def moe_body(T):
+        x = rng.standard_normal((T, H)).astype(ml_dtypes.bfloat16)
+        ids = np.stack([rng.permutation(G)[:top] for _ in range(T)]).astype(np.int64)
+        w = rng.uniform(0.1, 1, (T, top)).astype(np.float32)
+        return (x, ids, w), packb({"x": encode_tensor(x), "topk_ids": encode_tensor(ids),
+                                   "topk_weights": encode_tensor(w)})
+
+    def gemm_body(m):
+        sizes = np.zeros(G, np.int64)
+        sizes[rng.permutation(G)[:m]] = 1
+        xq = rng.uniform(-448, 448, (m, H)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+        xs = rng.uniform(1e-4, 1e-3, (m, H // 128)).astype(np.float32)
+        return (xq, xs, sizes), packb({"x": encode_tensor(xq), "x_scale": encode_tensor(xs),
+                                       "m_sizes": encode_tensor(sizes)})
+
+    sections = [("moe T1", "/v1/experts/qwen/moe", [moe_body(1) for _ in range(rot)]),
+                ("gemm w13 M8", "/v1/weights/qwen.w13/gemm", [gemm_body(8) for _ in range(rot)]),
+                ("moe T16", "/v1/experts/qwen/moe", [moe_body(16) for _ in range(rot)]),
+                ("gemm w13 M1", "/v1/weights/qwen.w13/gemm", [gemm_body(1) for _ in range(rot)])]
+    result: dict = {"set": {"G": G, "H": H, "I": I, "top_k": top}, "calls": args.calls,
+                    "traced": {}}
+    warm, client_calls = 50, args.calls // 2
+    variants = {"default": ({}, []), "profile": ({"MOEGEMM_TRACE_PROFILE": "1"}, [])}
+    for i, name in enumerate(args.variants.split(",")):
+        env_extra, extra = variants[name]
+        port = args.port + 20 + i
+        trace_out = work / f"trace_{name}.json"
+        serve_args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--device",
+                      "cpu" if args.cpu else "cuda", "--no-demo", "--weights-dir", str(work),
+                      "--log-level", "warning", *extra]
+        proc = subprocess.Popen([sys.executable, "-P", __file__, "--trace-out", str(trace_out),
+                                 "--traced-serve", *serve_args], env={**os.environ, **env_extra})
+        stamps = {}
+        try:
+            _wait_port(port, proc, 300)
+            client = Client(f"http://127.0.0.1:{port}", timeout=600, retries=0)
+            t0 = time.perf_counter()
+            client.load_experts_checkpoint("qwen", "qwen", 0)
+            print(f"{name}: set loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+            raw = RawClient(port)
+            mine = result["traced"][name] = {}
+            for label, path, bodies in sections:
+                reqs = [request_bytes(path, b) for _, b in bodies]
+                for j in range(warm):
+                    raw.call(reqs[j % rot])
+                stamps[label] = [raw.call(reqs[j % rot]) for j in range(args.calls)]
+                lat = []
+                for j in range(client_calls):
+                    a, b, c = bodies[j % rot][0]
+                    t = _now()
+                    if label.startswith("moe"):
+                        client.moe("qwen", a, b, c)
+                    else:
+                        client.grouped_gemm("qwen.w13", a, c, x_scale=b)
+                    lat.append((_now() - t) / 1e3)
+                mine[label] = {"client_p50_us": round(_median(lat), 1)}
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        trace = json.loads(trace_out.read_text()) if trace_out.exists() else []
+        prof = Path(str(trace_out) + ".prof.txt")
+        if prof.exists():
+            result.setdefault("profiles", {})[name] = prof.read_text()
+            print(prof.read_text()[:6000], flush=True)
+        trace = [r for r in trace if "handler0" in r]
+        pos = 0
+        for label, _, _ in sections:
+            if label not in stamps:
+                break
+            pos += warm
+            line = timeline(stamps[label], trace[pos:pos + args.calls])
+            pos += args.calls + client_calls
+            result["traced"][name][label]["timeline_us"] = line
+            print(f"\n{name} {label}: Client p50 {result['traced'][name][label]['client_p50_us']} us",
+                  flush=True)
+            for seg, us in line.items():
+                print(f"  {seg:24s} {us:8.1f}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
@@ -362,12 +483,16 @@ def main() -> int:
     ap.add_argument("--trace-out")
     ap.add_argument("--echo", type=int, help="(internal) run the floor server on this port")
     ap.add_argument("--echo-sizes")
+    ap.add_argument("--experts", action="store_true",
+                    help="moe calls on a Qwen3-30B-A3B-shaped expert set beside gemm calls on its w13")
     args = ap.parse_args()
     if args.traced_serve is not None:
         return traced_serve(args.traced_serve, args.trace_out)
     if args.echo:
         echo_serve(args.echo, json.loads(args.echo_sizes))
         return 0
+    if args.experts:
+        return experts_trace(args)
 
     import ml_dtypes
     from bench_service import write_weights
