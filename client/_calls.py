@@ -33,7 +33,8 @@ from ._wire import (
 MSGPACK = "application/vnd.msgpack"
 _MSGPACK_TYPES = (MSGPACK, "application/msgpack", "application/x-msgpack")
 # SPEC 2.1's names, and an expert set's matrices' (its name, up to 128 characters, then .w13 / .w2).
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}(\.w13|\.w2)?")
+_SET_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}(\.w13|\.w2)?")  # a set's name, or its matrix's
 # Answers this large are decoded in place (msgpack's C decoder copies bins;
 # under this size that copy costs less than walking the body in Python).
 _IN_PLACE_FROM = 64 << 10
@@ -73,9 +74,12 @@ def weights_path(name: str) -> str:
     # %2F before routing, so "a/b" would reach a route-level 404, not bad_name.
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise BadName(f"weight-set name {name!r:.200} does not match [A-Za-z0-9._-]{{1,128}}")
+    return "/v1/weights/" + _quoted(name)
+
+
+def _quoted(name: str) -> str:
     # "." and ".." are valid names but dot segments in a URL: spell the dots.
-    quoted = name.replace(".", "%2E") if name in (".", "..") else name
-    return f"/v1/weights/{quoted}"
+    return name.replace(".", "%2E") if name in (".", "..") else name
 
 
 def _m_sizes_int64(m_sizes: Any) -> Any:
@@ -136,10 +140,11 @@ def load_file_call(
 
 
 def experts_path(name: str) -> str:
-    # As weights_path; "{name}.w13" must be a weight-set name too.
-    if isinstance(name, str) and len(name) > 124:
-        raise BadName(f"expert-set name {name!r:.200} is over 124 characters")
-    return "/v1/experts" + weights_path(name)[len("/v1/weights"):]
+    # As weights_path: SPEC 2.1's names, up to 128 characters (its matrices' names,
+    # "{name}.w13" and "{name}.w2", may run to 132: weights_path takes them).
+    if not isinstance(name, str) or not _SET_NAME.fullmatch(name):
+        raise BadName(f"expert-set name {name!r:.200} does not match [A-Za-z0-9._-]{{1,128}}")
+    return "/v1/experts/" + _quoted(name)
 
 
 def _like(x: Any) -> Any:

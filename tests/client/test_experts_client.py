@@ -108,8 +108,11 @@ def test_client_numpy_and_torch(servers):
                 c.moe("np", zero_d, ids, weights)
             with pytest.raises(BadShape):
                 c.grouped_gemm("np.w13", zero_d, sizes)
-        with pytest.raises(BadName):
-            c.load_experts("n" * 125, p.w13, p.w2)
+        for bad in ("n" * 129, "n" * 125 + ".w13", "a b", ""):  # SPEC 2.1's names
+            with pytest.raises(BadName):
+                c.load_experts(bad, p.w13, p.w2)
+            with pytest.raises(BadName):
+                c.moe(bad, x, ids, weights)
         c.delete_experts("np")
         with pytest.raises(NoSuchWeights):
             c.delete_experts("np")
@@ -193,3 +196,20 @@ def test_multi_clients_place_by_expert_set_name(servers):
     out, ffn, listed = asyncio.run(main())
     assert out.shape == ffn.shape == (6, 256)
     assert [e["name"] for e in listed[urls[1]]] == [name] and listed[urls[0]] == []
+
+
+def test_a_128_character_expert_set_through_the_client(servers):
+    """SPEC 2.1's names run to 128 characters, an expert set's too: the client loads, calls,
+    lists and deletes such a set, and its matrices ({name}.w13, 132 characters) by gemm."""
+    name = "n" * 128
+    p = random_experts(2, 256, 128)
+    x = p.tokens(3)
+    ids, weights = random_routing(3, 2, 2)
+    with Client(servers[0].url) as c:
+        c.load_experts(name, p.w13q, p.w2q, p.w13_scale, p.w2_scale)
+        assert [e["name"] for e in c.experts()] == [name]
+        assert c.moe(name, x, ids, weights).shape == (3, 256)
+        assert c.expert_ffn(name, x, [1, 2]).shape == (3, 256)
+        assert c.grouped_gemm(name + ".w13", x, [1, 2]).shape == (3, 256)
+        c.delete_experts(name)
+        assert c.experts() == []
