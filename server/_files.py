@@ -100,12 +100,42 @@ def open_beneath(root: Path, file: str) -> int:
     same way, relative to where it lies, so a directory swapped for a symlink
     between two steps is seen as one and judged, never followed blindly. A
     symlink's absolute target is spelled relative to ``root`` the same way and
-    walked again from it; a target or a ``..`` above ``root`` is outside.
+    walked again from it. A spelling or a ``..`` that leaves ``root`` on the way is not yet
+    outside: the path is then resolved by the filesystem (:func:`_resolved_within`), and one
+    that resolves inside (``sub/../../weights/x``) is walked again by its resolved spelling.
     """
     outside = BadField(f"file {shown(file)} resolves outside the weights directory")
-    relative = _within(root, file)
-    if relative is None:
-        raise outside
+    try:
+        relative = _within(root, file)
+        if relative is None:
+            raise outside
+        return _walk(root, file, relative, outside)
+    except BadField as exc:
+        if exc is not outside:
+            raise
+        resolved = _resolved_within(root, file)
+        if resolved is None:
+            raise
+        return _walk(root, file, resolved, outside)
+
+
+def _resolved_within(root: Path, file: str) -> str | None:
+    """``file``'s path (relative to ``root``, or absolute) resolved by the filesystem, spelled
+    relative to ``root``'s own resolved path; None when it is not strictly under it."""
+    try:
+        base = os.path.realpath(root)
+        resolved = os.path.realpath(os.path.join(base, file))
+    except (OSError, ValueError):  # a NUL byte, a loop
+        return None
+    relative = os.path.relpath(resolved, base)
+    if relative == os.curdir or relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        return None
+    return relative
+
+
+def _walk(root: Path, file: str, relative: str, outside: BadField) -> int:
+    """:func:`open_beneath`'s walk of ``relative`` (``file`` as spelled: for messages);
+    ``outside`` raised where it leaves ``root``."""
     parts = deque(p for p in relative.split("/") if p not in ("", "."))
     if not parts:
         raise outside  # the directory itself

@@ -94,7 +94,8 @@ def test_paths_outside_the_directory_are_refused(server, files, path):
 
 def test_paths_spelled_otherwise_that_resolve_inside_are_taken(server, files):
     """SPEC 2.1 refuses a path that resolves outside the directory, so one that resolves inside
-    is taken however it is spelled: absolute, climbing out and back in, or through a symlink
+    is taken however it is spelled: absolute, climbing out and back in (first or on the way,
+    as the filesystem resolves it), or through a symlink
     whose target is absolute (each still walked, symlink by symlink, under the directory)."""
     p, _, _ = files
     root = server.weights_dir
@@ -102,6 +103,8 @@ def test_paths_spelled_otherwise_that_resolve_inside_are_taken(server, files):
     want = reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes)
     for path in (str(root / "sub" / "fp8.safetensors"), "/" + str(root / "sub" / "fp8.safetensors"),
                  f"../{root.name}/sub/fp8.safetensors", f"../../{root.parent.name}/{root.name}/sub/fp8.safetensors",
+                 f"{root}/../{root.name}/sub/fp8.safetensors",
+                 f"sub/../../{root.name}/sub/fp8.safetensors",
                  "absolute-link.safetensors", str(root / "absolute-link.safetensors")):
         r = server.put("spelled", {"file": path, "w": "w", "w_scale": "s"})
         assert r.status_code in (200, 201), (path, r.text)
