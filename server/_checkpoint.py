@@ -48,6 +48,11 @@ _NAMINGS = (
 )
 
 
+# fp8 weights of either encoding (SPEC 1.2: converted to the device's) carry their
+# ``weight_scale_inv``.
+_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
 def _tensor_map(store, checkpoint: str) -> tuple[dict[str, str], str]:
     """Tensor name -> file (under the weights directory, spelled as ``checkpoint`` is), and what was
     read."""
@@ -179,12 +184,12 @@ def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> 
                            f"down {sorted(map(str, w2_dtypes))}")
         (dtype13,), (dtype2,) = w13_dtypes, w2_dtypes
         scales13 = scales2 = None
-        if dtype13 == torch.float8_e4m3fn:
+        if dtype13 in _FP8:
             scales13 = torch.stack([
                 torch.cat([_scale_inv(k, lookup, (I, H)) for k in expert_keys[:2]]).t()
                 for expert_keys in keys
             ])  # [G, H/128, 2I/128]
-        if dtype2 == torch.float8_e4m3fn:
+        if dtype2 in _FP8:
             scales2 = torch.stack([
                 _scale_inv(expert_keys[2], lookup, (H, I)).t() for expert_keys in keys
             ])  # [G, I/128, H/128]

@@ -133,11 +133,13 @@ def test_checkpoint_loads_and_answers(srv, caplog, naming, dtype, sharded):
 
 def test_a_checkpoint_named_by_an_absolute_path_under_the_directory_loads(srv):
     """SPEC 2.1 refuses only a path that resolves outside the weights directory: the same
-    checkpoint named absolutely, or climbing out and back in, loads and answers."""
+    checkpoint named absolutely, or climbing out and back in (first or on the way), loads and
+    answers."""
     problems = write_checkpoint(srv.weights_dir / "absolute", "deepseek", FP8, sharded=True)
     layer, p = next(iter(problems.items()))
     root = srv.weights_dir
-    for spelled in (str(root / "absolute"), f"../{root.name}/absolute/"):
+    for spelled in (str(root / "absolute"), f"../{root.name}/absolute/",
+                    f"{root}/../{root.name}/absolute", f"absolute/../../{root.name}/absolute"):
         r = put_experts(srv.http, "abs", {"checkpoint": spelled, "layer": layer})
         assert r.status_code in (200, 201), (spelled, r.text)
         _check_answers(srv, "abs", p)
@@ -145,6 +147,32 @@ def test_a_checkpoint_named_by_an_absolute_path_under_the_directory_loads(srv):
     outside = root.parent / "elsewhere"
     write_checkpoint(outside, "deepseek", FP8, sharded=True)
     assert_error(put_experts(srv.http, "abs", {"checkpoint": str(outside), "layer": layer}), 400, "bad_field")
+
+
+def test_an_e4m3fnuz_checkpoint_loads_with_its_scales(srv):
+    """fp8 weights in the other encoding (SPEC 1.2) carry their ``weight_scale_inv`` as e4m3fn
+    ones do: the same checkpoint rewritten as fnuz (bits kept, 0x80 -> 0x00, scales doubled)
+    loads and answers within 5.1's bound (it was 400: "fp8 weights need w_scale")."""
+    from safetensors.torch import load_file
+
+    root = srv.weights_dir / "fnuz"
+    problems = write_checkpoint(root, "deepseek", FP8, layers=(0,), sharded=False)
+    tensors = load_file(str(root / "model.safetensors"))
+    for key, t in list(tensors.items()):
+        if t.dtype == FP8:
+            bits = t.view(torch.uint8)
+            tensors[key] = torch.where(bits == 0x80, 0, bits).view(torch.float8_e4m3fnuz)
+        elif key.endswith("_scale_inv"):
+            tensors[key] = t * 2
+    save_file(tensors, str(root / "model.safetensors"))
+    r = put_experts(srv.http, "nuz", {"checkpoint": "fnuz", "layer": 0})
+    assert r.status_code == 201, r.text
+    p = problems[0]
+    sizes = random_m_sizes(p.G, 100)
+    x = p.tokens(100)
+    out = out_of(post(srv.http, "nuz", "ffn", ffn_body(x, sizes)))
+    assert rel_error(out, p.ffn_reference(*p.quantized(x), sizes)) <= FFN_TOLERANCE
+    assert srv.http.delete("/v1/experts/nuz").status_code == 204
 
 
 def _rewrite(root: Path, drop: str | None = None, remap: tuple[str, str] | None = None) -> None:
