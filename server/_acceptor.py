@@ -91,10 +91,12 @@ class _Acceptor:
         self.socket_path = socket_path
         self.limits = limits
         self.max_body_bytes = limits.max_body_bytes
-        # Body bytes of this acceptor's requests, from their head until the owner
-        # answered them: what the head gate judges the in-flight limit against
-        # here (the owner's budget bounds what it runs).
+        # Body bytes received of this acceptor's requests, until the owner answered them:
+        # what the head gate judges the in-flight limit against here (the owner's budget
+        # bounds what it runs); and the sizes of their buffers from ``allocate`` (arena
+        # slots, spills: memory taken whole), bounded by the same limit (``may_commit``).
         self.receiving = 0
+        self.committed = 0
         self.grace_s = grace_s
         self.app = self.direct = None
         self.active = 0  # what _Connection counts (the owner counts forwarded requests)
@@ -251,6 +253,11 @@ class _Acceptor:
     def held(self) -> int:
         """Request body bytes this acceptor holds (``_Connection``'s head gate)."""
         return self.receiving
+
+    def may_commit(self, size: int) -> bool:
+        """``FastHttpServer.may_commit``: the buffers from ``allocate`` stay within the
+        in-flight limit, or there are none."""
+        return not self.committed or self.committed + size <= self.limits.max_inflight_bytes
 
     def count_refusal(self, status: int, method: str, path: str | None, seconds: float) -> None:
         """The owner keeps the metrics: tell it of a request answered here (its path

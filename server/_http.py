@@ -150,7 +150,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.body: memoryview | None = None
         self.body_used = 0
         self.chunked: bytearray | None = None
-        self.reserved = 0  # body bytes this request holds in server.receiving
+        self.reserved = 0  # body bytes received so far, counted in server.receiving
+        self.committed = 0  # the size of a body buffer from server.allocate (server.committed)
+        self.served = False  # a request has begun on this connection
         self.scope: dict | None = None
         self.method = self.version = ""
         self.keep_alive = True
@@ -174,6 +176,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.disconnected = asyncio.Event()
         self.since = time.monotonic()
         full = len(self.server.connections) >= self.limits.max_connections
+        if full:  # an idle connection makes room: only connections at work hold the cap
+            full = not _close_idlest(self.server.connections)
         self.server.connections.add(self)
         if full:
             self._refuse(overloaded(
@@ -232,7 +236,10 @@ class _Connection(asyncio.BufferedProtocol):
         state = self.state
         if state == _BODY:
             self.body_used += nbytes
-            if self.body_used == len(self.body):
+            refusal = self._count(nbytes)
+            if refusal is not None:
+                self._refuse(refusal)
+            elif self.body_used == len(self.body):
                 self._dispatch()
             return
         if state == _DRAIN:
@@ -256,7 +263,8 @@ class _Connection(asyncio.BufferedProtocol):
     def check(self, now: float) -> None:
         limits, state, elapsed = self.limits, self.state, now - self.since
         if state == _IDLE:
-            late = elapsed > limits.keep_alive_s
+            # A connection that never sent a request gets a head's time, not a keep-alive's.
+            late = elapsed > (limits.keep_alive_s if self.served else limits.head_timeout_s)
         elif state == _HEAD:
             late = elapsed > limits.head_timeout_s
         elif state in (_BODY, _CHUNKED):
@@ -278,6 +286,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _begin_head(self) -> None:
         self.state, self.since = _HEAD, time.monotonic()
+        self.served = True
         self.began = self.since
         self.parser = httptools.HttpRequestParser(self)
         self.url, self.headers, self.method = b"", [], ""
@@ -310,6 +319,9 @@ class _Connection(asyncio.BufferedProtocol):
             raise too_large(f"the body is over {self.limits.max_body_bytes} bytes, the limit "
                            f"of this server")
         chunked += data
+        refusal = self._count(len(data))
+        if refusal is not None:
+            raise refusal
 
     def on_message_complete(self) -> None:
         self.message_done = True
@@ -388,13 +400,12 @@ class _Connection(asyncio.BufferedProtocol):
         }
         self._begin()
         if length != 0:
+            # Judged by the bodies held now; this one counts as its bytes arrive (_count).
             refusal = judge(self.limits, method, decoded, self.headers, length,
                             self.server.held())
             if refusal is not None:
                 self._refuse(refusal)
                 return
-            self.reserved = self.limits.max_body_bytes if length is None else length
-            self.server.receiving += self.reserved
         start = self.fed  # the body's first byte
         if length is None:
             self.state, self.since = _CHUNKED, time.monotonic()
@@ -405,13 +416,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._turn_chunked()
             return
         self.parser = None  # a Content-Length body never goes through the parser
-        try:
-            self.body = self.server.allocate(length) if length else memoryview(b"")
-        except Exception:  # noqa: BLE001 -- e.g. pinned memory exhausted: answer from plain memory
-            self.body = _plain_body(length)
+        self.body = self._body_buffer(length)
         have = min(length, self.head_used - start)
         if have:
             self.body[:have] = self.head_view[start:start + have]
+            refusal = self._count(have)
+            if refusal is not None:
+                self._refuse(refusal)
+                return
         self.body_used = have
         self.start = start + have
         if self.start == self.head_used:
@@ -422,6 +434,40 @@ class _Connection(asyncio.BufferedProtocol):
         self.state, self.since = _BODY, time.monotonic()
         if expect_continue:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _body_buffer(self, length: int) -> memoryview:
+        """Where a Content-Length body is received: the server's buffer (page-locked on a GPU, a
+        shared-memory slot in an acceptor: memory taken whole at once) while the bodies given
+        such buffers stay within the in-flight limit (``server.may_commit``), else plain memory
+        whose pages are taken only as the bytes arrive. So heads that declare bodies and send
+        none take no memory, and hold nothing of the limit (their bytes count as they come)."""
+        if not length:
+            return memoryview(b"")
+        server = self.server
+        if server.may_commit(length):
+            try:
+                body = server.allocate(length)
+            except Exception:  # noqa: BLE001 -- e.g. pinned memory exhausted: plain memory
+                return _plain_body(length)
+            self.committed = length
+            server.committed += length
+            return body
+        return _plain_body(length)
+
+    def _count(self, nbytes: int) -> Refusal | None:
+        """``nbytes`` more of the body received: counted as held (``server.receiving``). The
+        refusal (503 overloaded) when the bodies held pass the in-flight limit with others
+        held beside this one (a lone body is always let in), else None."""
+        self.reserved += nbytes
+        server = self.server
+        server.receiving += nbytes
+        held = server.held()
+        if held > self.limits.max_inflight_bytes and held > self.reserved:
+            return overloaded(
+                f"{held} bytes of request bodies are held, past the limit of "
+                f"{self.limits.max_inflight_bytes} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
+                retry_after=1)
+        return None
 
     def _turn_chunked(self) -> None:
         """Decode up to ``_CHUNKED_TURN`` bytes of the chunked body in the receive buffer, then
@@ -500,6 +546,9 @@ class _Connection(asyncio.BufferedProtocol):
         if self.reserved:
             self.server.receiving -= self.reserved
             self.reserved = 0
+        if self.committed:
+            self.server.committed -= self.committed
+            self.committed = 0
 
     # -- running the app ------------------------------------------------------------------
 
@@ -631,9 +680,29 @@ async def sweep(connections: set, limits: HttpLimits) -> None:
     every = min(1.0, limits.head_timeout_s / 4, limits.keep_alive_s / 4)
     while True:
         await asyncio.sleep(every)
-        now = time.monotonic()
-        for conn in list(connections):
-            conn.check(now)
+        _check_all(connections, time.monotonic())
+
+
+def _check_all(connections: set, now: float) -> None:
+    # A function of its own: a loop variable left in sweep's frame would keep the last
+    # connection checked (and the body it held) alive while the sweep sleeps.
+    for conn in list(connections):
+        conn.check(now)
+
+
+def _close_idlest(connections: set) -> bool:
+    """Close the connection idle longest between requests (or before its first), if any:
+    at the connection cap, room for a new one. Returns whether one was closed."""
+    idle = [c for c in connections if c.state == _IDLE and c.task is None
+            and c.transport is not None and not c.transport.is_closing()]
+    if not idle:
+        return False
+    conn = min(idle, key=lambda c: c.since)
+    if conn.write_paused:
+        conn.transport.abort()  # its answers are not being read: nothing more is owed
+    else:
+        conn.transport.close()
+    return True
 
 
 class FastHttpServer:
@@ -674,9 +743,11 @@ class FastHttpServer:
             limits = HttpLimits() if settings is None else HttpLimits.from_settings(settings)
         # The transport's body limit is the one it was given.
         self.limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
-        # Body bytes of requests whose head was let in and whose body is still
-        # arriving; the app's budget holds them once they run.
+        # Body bytes received of requests whose body is still arriving (the app's budget
+        # holds them once they run), and the sizes of such bodies' buffers taken whole
+        # (``allocate``: page-locked on a GPU), bounded by the in-flight limit.
         self.receiving = 0
+        self.committed = 0
         self._budget = None
         self.allocate = allocate or _plain_body
         self.grace_s = grace_s
@@ -701,11 +772,21 @@ class FastHttpServer:
         metrics.request_seconds.labels(endpoint=endpoint).observe(seconds)
 
     def held(self) -> int:
-        """Request body bytes held: arriving here, plus those the app's budget holds."""
+        """Request body bytes held: received here so far, plus those the app's budget holds."""
+        return self.receiving + self._app_held()
+
+    def may_commit(self, size: int) -> bool:
+        """Whether a body of ``size`` bytes may get a buffer from ``allocate`` (memory taken
+        whole): the bodies given one and those the app holds stay within the in-flight
+        limit with it, or there are none."""
+        held = self.committed + self._app_held()
+        return not held or held + size <= self.limits.max_inflight_bytes
+
+    def _app_held(self) -> int:
         budget = self._budget
         if budget is None:
             budget = self._budget = _find_budget(self.app)
-        return self.receiving + (budget.held if budget is not False else 0)
+        return budget.held if budget is not False else 0
 
     async def _lifespan(self) -> tuple[asyncio.Task, asyncio.Queue, asyncio.Queue]:
         to_app: asyncio.Queue = asyncio.Queue()

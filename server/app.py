@@ -176,12 +176,16 @@ def _fail_loudly(task: asyncio.Task, svc: routes.Services) -> None:
 class BodyBudget:
     """Pure ASGI middleware: a bound on the request bodies held at once.
 
-    A request reserves its declared Content-Length (a chunked one, the body
-    limit) before the app reads a byte of it. One that would take the bodies
-    held over ``limit`` is answered 503 overloaded with Retry-After at once, so
-    many large uploads arriving together cannot exhaust host memory; when no
-    other body is held a request is always let in. The reservation ends with
-    the request (the app holds its body until then).
+    A request that declares a body (Content-Length; chunked: the body limit) is
+    judged before the app reads a byte of it: one that would take the bodies
+    held over ``limit`` is answered 503 overloaded with Retry-After at once;
+    when no other body is held a request is always let in. Its bytes count as
+    the app receives them, so a head that declares a body and sends none holds
+    nothing (a client cannot lock the others out with heads alone); one whose
+    bytes take the bodies held past ``limit`` beside others is refused 503
+    there. What it received counts until the request ends (the app holds its
+    body until then). The fast transport judges heads and counts bytes the same
+    way before the app runs (``_http.py``), and hands the app whole bodies.
     """
 
     def __init__(self, app: Any, limit: int, body_limit: int) -> None:
@@ -206,18 +210,31 @@ class BodyBudget:
             await self.app(scope, receive, send)
             return
         if self.held and self.held + size > self.limit:
-            error = Overloaded(
-                f"{self.held} bytes of request bodies are held; {size} more would pass the "
-                f"limit of {self.limit} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
-                retry_after=1,
-            )
-            await error_response(error)(scope, receive, send)
+            await error_response(self._over(size))(scope, receive, send)
             return
-        self.held += size
+        got = 0
+
+        async def counted():
+            nonlocal got
+            message = await receive()
+            if message["type"] == "http.request":
+                n = len(message.get("body", b""))
+                got += n
+                self.held += n
+                if self.held > self.limit and self.held > got:
+                    raise self._over(0)
+            return message
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, counted, send)
         finally:
-            self.held -= size
+            self.held -= got
+
+    def _over(self, size: int) -> Overloaded:
+        more = f"; {size} more would pass" if size else ", past"
+        return Overloaded(
+            f"{self.held} bytes of request bodies are held{more} the limit of {self.limit} "
+            f"(MOEGEMM_MAX_INFLIGHT_BYTES); retry later", retry_after=1)
 
 
 class RequestContext:

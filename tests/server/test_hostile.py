@@ -591,19 +591,26 @@ def test_media_type_and_size_are_judged_from_the_head(target, request_line, endp
 
 
 def test_in_flight_bytes_are_judged_before_bodies_are_read(target):
-    """Bodies still arriving count (ours: in the process reading them): the head
-    that would take the bodies held past the in-flight limit gets 503 at once."""
-    size = 3 << 20
+    """Bodies count as their bytes arrive (ours: in the process reading them): the head that
+    would take the bodies held past the in-flight limit gets 503 at once. Heads that declare
+    bodies and send none hold nothing: they cannot lock the other callers out."""
+    size = INFLIGHT_LIMIT // 4
     head = (f"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\n{MSGPACK}{AUTH}"
             f"content-length: {size}\r\n\r\n").encode()
     first = target.connect()
-    socks = [first] + [target.connect(on=target.holder(first)) for _ in range(3)]
+    socks = [first] + [target.connect(on=target.holder(first)) for _ in range(9)]
     try:
-        for sock in socks[:3]:  # 9 MiB arriving: within the limit of 10
-            sock.sendall(head + b"\0" * 1000)
-            time.sleep(0.1)
-        socks[3].sendall(head)
-        status, headers, body = _answer(socks[3])
+        for sock in socks[:4]:  # the whole limit declared, none of it sent
+            sock.sendall(head)
+        time.sleep(0.2)
+        socks[4].sendall(_gemm(_body(4)))
+        status, _, body = _answer(socks[4])
+        assert status == 200, body[:300]
+        for sock in socks[5:9]:  # the limit received, less a byte a body: held
+            sock.sendall(head + b"\0" * (size - 1))
+        time.sleep(0.5)
+        socks[9].sendall(head)
+        status, headers, body = _answer(socks[9])
         assert status == 503 and b'"overloaded"' in body and headers[b"retry-after"] == b"1"
     finally:
         for sock in socks:
@@ -698,37 +705,71 @@ def _own_fast_server(**settings):
         thread.join(30)
 
 
-def test_connections_over_the_cap_are_refused_cleanly():
+def test_idle_connections_make_room_and_busy_ones_hold_the_cap():
+    """At the connection cap, the connection idle longest (here: never sent a byte) is closed
+    to let a new one in, so idle sockets cannot lock clients out; past the cap with every
+    connection at work (heads arriving), a new one is refused 503 cleanly."""
     with _own_fast_server(http_max_connections=4) as port:
-        held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        time.sleep(0.2)
+        assert _exchange(port, b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n"
+                               b"x-request-id: in-1\r\n\r\n")[:2][0] == 200
+        assert _read(idle[0], timeout=2) == b"", "the idlest connection was not closed"
+        for sock in idle:
+            sock.close()
+        time.sleep(0.2)
+        busy = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        for sock in busy:
+            sock.sendall(b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n")  # a head arriving
         time.sleep(0.2)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
             got = _read(extra)
         assert got.startswith(b"HTTP/1.1 503 ") and b'"overloaded"' in got, got
         assert b"retry-after: 1" in got.lower()
-        for sock in held:
+        for sock in busy:
             sock.close()
         time.sleep(0.2)
         assert _exchange(port, b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n\r\n")[0] == 200
 
 
+def test_a_connection_that_never_sends_is_closed_after_the_head_timeout():
+    """A connection with no request yet gets a head's time (MOEGEMM_HTTP_HEAD_TIMEOUT_S), not
+    the keep-alive's."""
+    with _own_fast_server(http_head_timeout_s=1.0, http_keep_alive_s=30.0) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            started = time.monotonic()
+            assert _read(sock, timeout=8) == b""
+            assert time.monotonic() - started < 4
+
+
 def test_in_flight_bytes_are_judged_from_the_head():
-    """A body still arriving counts: the next head that would pass the in-flight
-    limit is answered 503 at once, before its body is read."""
+    """A body still arriving counts by what it has sent: the next head that would pass the
+    in-flight limit is answered 503 at once, before its body is read; one that only
+    declared its body holds nothing; bodies whose bytes take the held bytes past the limit
+    together get 503 as they cross it."""
     with _own_fast_server(max_body_bytes=1 << 20, max_inflight_bytes=1 << 20) as port:
         head = (f"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\n{MSGPACK}{AUTH}"
                 f"content-length: {800 << 10}\r\n\r\n").encode()
         with socket.create_connection(("127.0.0.1", port), timeout=10) as first:
-            first.sendall(head + b"\0" * 1000)  # its body arriving, slowly
+            first.sendall(head + b"\0" * (700 << 10))  # its body arriving, slowly
             time.sleep(0.2)
             with socket.create_connection(("127.0.0.1", port), timeout=10) as second:
                 second.sendall(head)
                 status, headers, body = _answer(second)
             assert status == 503 and b'"overloaded"' in body and headers[b"retry-after"] == b"1"
         time.sleep(0.2)  # the first one gone, its bytes are free again
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as third:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as declared, \
+                socket.create_connection(("127.0.0.1", port), timeout=10) as third:
+            declared.sendall(head)  # 800 KiB declared, nothing sent
+            time.sleep(0.2)
             third.sendall(head + b"\0" * (800 << 10))
             assert _answer(third)[0] == 400  # read whole; not a gemm body
+            declared.sendall(b"\0" * (700 << 10))  # its bytes now count, and the third's are free
+            time.sleep(0.2)
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as fourth:
+                fourth.sendall(head + b"\0" * (400 << 10))  # crosses the limit beside it
+                status, _, body = _answer(fourth)
+            assert status == 503 and b'"overloaded"' in body
 
 
 def test_a_chunked_body_over_the_limit_is_too_large():
