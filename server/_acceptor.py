@@ -33,8 +33,8 @@ from ._acceptor_shm import (
     _unlink,
 )
 from ._asgi import status_line
-from ._http import _RUN, _Connection, _error_bytes, _plain_body, sweep
-from ._http_gate import HttpLimits
+from ._http import _BODY, _HEAD_LIMIT, _RUN, _SCRATCH, _Connection, _error_bytes, _plain_body, sweep
+from ._http_gate import HttpLimits, overloaded
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -42,12 +42,42 @@ log = logging.getLogger("moegemm.server.acceptors")
 class _ForwardConnection(_Connection):
     """A transport connection that forwards each request to the owner."""
 
+    spill: Spill | None = None  # the lazy spill the body arrives in (pages reserved ahead)
+
+    def _body_buffer(self, length: int) -> memoryview:
+        body = super()._body_buffer(length)
+        self.spill = self.server.lazy_spill(body) if length >= _INLINE_MAX else None
+        # What the head's buffer already holds of it is copied in at once: reserved exactly.
+        if self.spill is not None and not self._reserve(min(length, _HEAD_LIMIT), ahead=False):
+            return _plain_body(length)  # no room in /dev/shm: it travels inline
+        return body
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        spill = self.spill
+        if self.state == _BODY and spill is not None:
+            used = self.body_used
+            if used >= spill.reserved and not self._reserve(used + 1):
+                self._refuse(overloaded(
+                    "the server's shared memory (/dev/shm) is full; retry later"))
+                return _SCRATCH
+            return self.body[used:spill.reserved]
+        return super().get_buffer(sizehint)
+
+    def _reserve(self, upto: int, ahead: bool = True) -> bool:
+        try:
+            self.spill.reserve(upto, ahead)
+            return True
+        except OSError as exc:
+            log.warning("no room in /dev/shm for a request body (%s)", exc)
+            self.spill = None
+            return False
+
     def _dispatch(self) -> None:
         # The body stays reserved (``_Acceptor.held``) until the owner has answered.
         self.transport.pause_reading()
         self.state = _RUN
         self.task = asyncio.get_running_loop().create_task(self._forward(self.scope, self.body))
-        self.scope, self.body, self.body_used = None, None, 0
+        self.scope, self.body, self.body_used, self.spill = None, None, 0, None
 
     async def _forward(self, scope: dict, body: memoryview) -> None:
         try:
@@ -108,8 +138,10 @@ class _Acceptor:
         self.slots = _Slots(_ARENA_BYTES)
         self.holders: dict[int, int] = {}  # slot -> holders (this process, the owner)
         self.dropped: list[int] = []  # slots whose last local reference died
-        # Bodies in spills of their own (address -> path), until their memory is gone.
+        # Bodies in spills of their own (address -> path), until their memory is gone; lazy
+        # ones until their connection took them (``lazy_spill``).
         self.spills: dict[int, str] = {}
+        self.lazy: dict[int, Spill] = {}
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 0
         self.lost = False  # the owner's socket closed
@@ -268,8 +300,11 @@ class _Acceptor:
                                       "s": seconds}, 0))
 
     # _Connection's body allocator: a slot of the request arena when one is free,
-    # else a spill (``_acceptor_shm``): a large body never travels on the link.
-    def allocate(self, size: int) -> memoryview:
+    # else a spill (``_acceptor_shm``): a large body never travels on the link. A spill
+    # for a body still to arrive is lazy: its pages are reserved as it arrives
+    # (``_ForwardConnection.get_buffer``); one to be filled at once (``lazy=False``) is
+    # reserved whole.
+    def allocate(self, size: int, lazy: bool = True) -> memoryview:
         self._collect()
         if self.requests is None or size <= 0:
             return _plain_body(size)
@@ -283,18 +318,28 @@ class _Acceptor:
                 done.atexit = False
                 return memoryview(array)
         if size >= _INLINE_MAX:
-            spill = Spill.create(self.owner_pid, size)
+            spill = Spill.create(self.owner_pid, size, lazy=lazy)
             if spill is not None:
                 address = spill.array.ctypes.data
                 self.spills[address] = spill.path
+                if lazy:
+                    self.lazy[address] = spill
                 # The file goes with the memory: once the owner has answered (it maps
                 # the file when the request arrives) or the request was abandoned.
-                done = weakref.finalize(spill.array, self._spill_gone, address, spill.path)
+                done = weakref.finalize(spill.array, self._spill_gone, address, spill.path,
+                                        spill.closer())
                 done.atexit = False
                 return memoryview(spill.array)
         return _plain_body(size)
 
-    def _spill_gone(self, address: int, path: str) -> None:
+    def lazy_spill(self, body: memoryview) -> Spill | None:
+        """The lazy spill ``body`` is (taken off the list: its connection keeps it), or None."""
+        address = _address(body)
+        return None if address is None else self.lazy.pop(address, None)
+
+    def _spill_gone(self, address: int, path: str, close) -> None:
+        close()
+        self.lazy.pop(address, None)
         if self.spills.get(address) == path:
             del self.spills[address]
         _unlink(path)
@@ -349,7 +394,7 @@ class _Acceptor:
             return None, body
         where = self._place(body)
         if where is None and len(body) >= _INLINE_MAX:
-            copy = self.allocate(len(body))
+            copy = self.allocate(len(body), lazy=False)
             copy[:] = body
             where = self._place(copy)
             if where is not None:

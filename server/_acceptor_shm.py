@@ -40,6 +40,8 @@ _SLOT_MAX = _ARENA_BYTES // 4  # larger bodies get a spill
 _INLINE_MAX = 64 << 10
 _SLOT_ALIGN = 4096
 _SHM_DIR = "/dev/shm"
+# A lazy spill's pages are reserved this far ahead of the bytes received.
+_RESERVE_STEP = 4 << 20
 
 
 class _Slots:
@@ -151,16 +153,26 @@ def _unlink(path: str | None) -> None:
 
 
 class Spill:
-    """One body or answer in a /dev/shm file of its own (see the module's docstring)."""
+    """One body or answer in a /dev/shm file of its own (see the module's docstring).
 
-    def __init__(self, path: str, array: np.ndarray) -> None:
+    Made ``lazy`` (a request body an acceptor receives), its pages are reserved as the bytes
+    arrive (:meth:`reserve`, a step ahead of them) instead of at once: a client that
+    declares a large body and sends little of it makes the machine commit little.
+    """
+
+    def __init__(self, path: str, array: np.ndarray, fd: int | None = None,
+                 reserved: int | None = None) -> None:
         self.path = path
         self.array = array  # the mapped bytes
+        # The file, open while pages are still to be reserved: in a box, shared with whoever
+        # must close it when the memory goes first (``closer``).
+        self._fd = [fd]
+        self.reserved = len(array) if reserved is None else reserved
 
     @classmethod
-    def create(cls, owner_pid: int, size: int) -> Spill | None:
-        """A new spill of ``size`` bytes, its pages reserved; None when /dev/shm cannot
-        hold it (the caller then sends the bytes inline)."""
+    def create(cls, owner_pid: int, size: int, lazy: bool = False) -> Spill | None:
+        """A new spill of ``size`` bytes, its pages reserved (``lazy``: none yet); None when
+        /dev/shm cannot hold it (the caller then sends the bytes inline)."""
         path = os.path.join(_SHM_DIR, f"moegemm-{owner_pid}-spill-{secrets.token_hex(8)}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -168,15 +180,44 @@ class Spill:
             _spill_failed(size, exc)
             return None
         try:
-            os.posix_fallocate(fd, 0, size)
+            if lazy:
+                os.ftruncate(fd, size)
+            else:
+                os.posix_fallocate(fd, 0, size)
             mapped = mmap.mmap(fd, size)
         except OSError as exc:
             _spill_failed(size, exc)
             _unlink(path)
-            return None
-        finally:
             os.close(fd)
-        return cls(path, np.frombuffer(mapped, dtype=np.uint8))
+            return None
+        if not lazy:
+            os.close(fd)
+            return cls(path, np.frombuffer(mapped, dtype=np.uint8))
+        return cls(path, np.frombuffer(mapped, dtype=np.uint8), fd, 0)
+
+    def reserve(self, upto: int, ahead: bool = True) -> int:
+        """Reserve the pages through byte ``upto`` at least (``ahead``: ``_RESERVE_STEP`` past
+        what was reserved; at most the whole spill), so that writing there cannot fault; the
+        end reserved. Raises OSError when /dev/shm has no room for them."""
+        size = len(self.array)
+        fd = self._fd[0]
+        if upto > self.reserved and fd is not None:
+            end = min(size, max(upto, self.reserved + _RESERVE_STEP if ahead else 0))
+            os.posix_fallocate(fd, self.reserved, end - self.reserved)
+            self.reserved = end
+            if end == size:
+                self.close()
+        return self.reserved
+
+    def close(self) -> None:
+        """Close the file (its mapping stays); no more pages are reserved."""
+        _close_box(self._fd)
+
+    def closer(self):
+        """A function that closes the file if still open (for a finalizer of the memory:
+        it holds no reference to the spill)."""
+        box = self._fd
+        return lambda: _close_box(box)
 
     @staticmethod
     def open(path: str, size: int) -> np.ndarray:
@@ -194,6 +235,12 @@ class Spill:
 
     def unlink(self) -> None:
         _unlink(self.path)
+
+
+def _close_box(box: list) -> None:
+    fd, box[0] = box[0], None
+    if fd is not None:
+        os.close(fd)
 
 
 _spill_warned = False

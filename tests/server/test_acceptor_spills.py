@@ -192,3 +192,23 @@ def test_without_room_for_a_spill_a_large_body_still_arrives_inline(frames, tmp_
         await _close(acceptor, unix, reading)
 
     asyncio.run(scenario())
+
+
+def test_a_lazy_spill_takes_its_pages_as_they_are_reserved():
+    """A request body's spill (``lazy``) takes /dev/shm pages only as they are reserved, a
+    step ahead of the bytes; the whole reserved, its file is closed."""
+    size, step = 64 << 20, _acceptor_shm._RESERVE_STEP
+    spill = _acceptor_shm.Spill.create(os.getpid(), size, lazy=True)
+    assert spill is not None
+    try:
+        def taken() -> int:
+            return os.stat(spill.path).st_blocks * 512
+
+        assert taken() == 0
+        assert spill.reserve(1) == step and step <= taken() < 2 * step
+        spill.array[:step] = 7  # the reserved part is writable
+        assert spill.reserve(step + 1) == 2 * step
+        assert spill.reserve(size) == size and taken() >= size
+        assert spill._fd[0] is None
+    finally:
+        spill.unlink()

@@ -331,6 +331,43 @@ def test_a_body_larger_than_a_slot_answers_as_on_the_owner():
         server.stop()
 
 
+def test_heads_alone_commit_no_shared_memory():
+    """A large body an acceptor receives goes in a spill whose pages are reserved as its bytes
+    arrive: heads that declare 60 MiB bodies and send none take almost none of /dev/shm (an
+    audit's finding: 30 such heads committed 4 GB), and a body sent whole is still answered."""
+    server = _Server(1, ("--max-body-bytes", str(64 << 20)), MOEGEMM_OWNER_CONNECTIONS="0")
+    socks = []
+    try:
+        server.wait_ready()
+        acceptors = set(server.children())
+        head = _request("POST", "/v1/weights/demo/gemm", b"",
+                        {"authorization": f"Bearer {TOKEN}",
+                         "content-type": "application/vnd.msgpack"}).replace(
+            b"content-length: 0", b"content-length: %d" % (60 << 20))
+        assert b"content-length: %d" % (60 << 20) in head
+        for _ in range(200):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            if server.owner_of(sock) in acceptors:
+                sock.sendall(head)
+                socks.append(sock)
+                if len(socks) == 8:
+                    break
+            else:
+                sock.close()
+        time.sleep(0.5)
+        spills = [n for n in _arenas(server.process.pid) if "-spill-" in n]
+        assert len(spills) == 8
+        taken = sum(os.stat(f"/dev/shm/{n}").st_blocks * 512 for n in spills)
+        assert taken <= 8 << 20, taken  # 480 MiB declared
+        socks[0].sendall(b"\x80" * (60 << 20))  # the whole body: a bad gemm body, answered
+        status, _ = _read_answer(socks[0])
+        assert status.startswith(b"HTTP/1.1 400"), status
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+
+
 def test_a_killed_acceptor_is_replaced(servers):
     server, _ = servers
     before = server.children()
