@@ -44,6 +44,9 @@ class _ForwardConnection(_Connection):
 
     spill: Spill | None = None  # the lazy spill the body arrives in (pages reserved ahead)
 
+    def _allocate(self, length: int) -> memoryview:
+        return self.server.allocate(length, lazy=True)
+
     def _body_buffer(self, length: int) -> memoryview:
         body = super()._body_buffer(length)
         self.spill = self.server.lazy_spill(body) if length >= _INLINE_MAX else None
@@ -301,10 +304,9 @@ class _Acceptor:
 
     # _Connection's body allocator: a slot of the request arena when one is free,
     # else a spill (``_acceptor_shm``): a large body never travels on the link. A spill
-    # for a body still to arrive is lazy: its pages are reserved as it arrives
-    # (``_ForwardConnection.get_buffer``); one to be filled at once (``lazy=False``) is
-    # reserved whole.
-    def allocate(self, size: int, lazy: bool = True) -> memoryview:
+    # is reserved whole, or (``lazy``: a body still to arrive) as its bytes arrive
+    # (``_ForwardConnection.get_buffer``).
+    def allocate(self, size: int, lazy: bool = False) -> memoryview:
         self._collect()
         if self.requests is None or size <= 0:
             return _plain_body(size)
@@ -394,7 +396,7 @@ class _Acceptor:
             return None, body
         where = self._place(body)
         if where is None and len(body) >= _INLINE_MAX:
-            copy = self.allocate(len(body), lazy=False)
+            copy = self.allocate(len(body))
             copy[:] = body
             where = self._place(copy)
             if where is not None:

@@ -182,7 +182,7 @@ def test_without_room_for_a_spill_a_large_body_still_arrives_inline(frames, tmp_
         _, _, acceptor, unix, reading = await _linked(str(tmp_path))
         held = [acceptor.allocate(_acceptor_shm._SLOT_MAX) for _ in range(4)]
         monkeypatch.setattr(_acceptor_shm.Spill, "create",
-                            classmethod(lambda cls, owner_pid, size: None))
+                            classmethod(lambda cls, owner_pid, size, lazy=False: None))
         body = acceptor.allocate(2 * MiB)
         body[:] = np.random.default_rng(3).integers(0, 256, 2 * MiB, dtype=np.uint8)
         status, _, answer, _ = await acceptor.forward(_SCOPE, body)
