@@ -22,9 +22,15 @@ socket at each, a round trip through the event loop per chunk. Here:
 - response parts go to the socket as they are (``transport.writelines``);
 - a connection stops being read while its answers are not drained
   (``pause_writing``), so a client that pipelines and never reads holds one
-  answer here, not all of them;
+  answer here, not all of them; and a pipelined request waits while more than
+  ``_UNREAD_MAX`` bytes of the answers before it sit unread in the socket, so
+  such a client of many small answers gets the server's work only as it reads;
+- request bodies count in the in-flight limit as their bytes arrive, and only
+  the bodies within that limit get buffers taken whole (page-locked): heads
+  alone neither hold the limit nor take memory;
 - timeouts and limits (``HttpLimits``, settings ``MOEGEMM_HTTP_*``): the head's
-  arrival, the body's mean rate, idle keep-alive, connections per process.
+  arrival (also a new connection's first), the body's mean rate, idle keep-alive,
+  connections per process (at the cap the connection idle longest makes room).
 
 HTTP/1.0: a connection is kept alive only when the request asks for it
 (``Connection: keep-alive``; llhttp's rule, as uvicorn), and the answer then
@@ -40,11 +46,15 @@ upload's answer: llhttp gives no position where the next one starts).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import mmap
 import signal
 import socket
+import struct
+import termios
 import time
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +90,11 @@ _SOCKET_BUFFER = 4 << 20
 _DRAIN_S = 1.0
 _DRAIN_BYTES = 4 << 20
 _SCRATCH = memoryview(bytearray(64 << 10))  # where dropped bytes land (one loop)
+# A pipelined request waits while this much of the answers before it is unread (``_next``),
+# looked at again every _UNREAD_POLL_S.
+_UNREAD_MAX = 64 << 10
+_UNREAD_POLL_S = 0.02
+_INT = bytes(4)
 
 # A connection's states.
 _IDLE, _HEAD, _BODY, _CHUNKED, _RUN, _DRAIN = range(6)
@@ -165,6 +180,8 @@ class _Connection(asyncio.BufferedProtocol):
         # Whether this connection's current request counts in ``server.active``.
         self.counted = False
         self.peer = self.local = None
+        self.fd: int | None = None  # the socket's (for _unread)
+        self.held_back: asyncio.TimerHandle | None = None  # a pipelined request waiting (_next)
 
     # -- asyncio callbacks ------------------------------------------------------------
 
@@ -186,6 +203,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         sock = transport.get_extra_info("socket")
         if sock is not None:
+            self.fd = sock.fileno()
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
@@ -196,6 +214,8 @@ class _Connection(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=1 << 20)
 
     def connection_lost(self, exc) -> None:
+        if self.held_back is not None:
+            self.held_back.cancel()
         self._end()
         self._unreserve()
         self.server.connections.discard(self)
@@ -632,7 +652,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._next()
 
     def _next(self) -> None:
-        """Read the next request: one already pipelined, or wait for one."""
+        """Read the next request: one already pipelined, or wait for one. A request pipelined
+        while more than ``_UNREAD_MAX`` bytes of the answers before it are still unread by the
+        client waits until they are read: a client that pipelines and never reads gets
+        answers only as fast as it reads them, not as fast as the server makes them."""
+        if self.head_used and self._unread() > _UNREAD_MAX:
+            self.held_back = asyncio.get_running_loop().call_later(_UNREAD_POLL_S,
+                                                                   self._read_on)
+            return
         if self.start:
             self._compact()
         self.transport.resume_reading()
@@ -646,6 +673,21 @@ class _Connection(asyncio.BufferedProtocol):
         if (self.state == _IDLE and self.task is None and self.head_used
                 and self.transport is not None and not self.transport.is_closing()):
             self._begin_head()
+
+    def _read_on(self) -> None:
+        self.held_back = None
+        if (self.state == _IDLE and self.task is None and not self.write_paused
+                and self.transport is not None and not self.transport.is_closing()):
+            self._next()
+
+    def _unread(self) -> int:
+        """Answer bytes not yet taken by the client: in the socket's send queue (TIOCOUTQ)
+        and in the transport's buffer."""
+        unread = self.transport.get_write_buffer_size()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                unread += struct.unpack("i", fcntl.ioctl(self.fd, termios.TIOCOUTQ, _INT))[0]
+        return unread
 
 
 class ListenError(OSError):
