@@ -115,11 +115,19 @@ def _decode(body, schema: _Schema):
         decoded = schema.decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _diagnose(body, exc, schema) from None
-    # msgspec keeps the last of repeated keys; the contract's maps have unique ones.
+    # msgspec keeps the last of repeated keys; the contract's maps have unique ones: the body
+    # has one entry per field it gave, each tensor map three (dtype, shape, data).
     present = len(schema.required) + (decoded.x_scale is not msgspec.UNSET)
     if _map_len(body) != present:
         raise BadMsgpack("the body's map repeats a key")
+    for name, span in _SPANS.decode(body).items():
+        if _map_len(memoryview(span)) != 3:
+            raise BadMsgpack(f"the tensor map {name!r} repeats a key")
     return decoded
+
+
+# Each top-level value of a body as its raw bytes (no copy): where its map header is.
+_SPANS = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 
 
 def _map_len(body) -> int | None:

@@ -73,8 +73,21 @@ def test_int32_sizes_and_an_empty_call():
     assert _call(packb(_body(0, sizes=[0] * G))).rows == 0
 
 
+def _repeated_in_a_tensor(key: str) -> bytes:
+    """A valid body whose ``x`` map holds ``key`` twice, a bad value first."""
+    body = _body()
+    x = body.pop("x")
+    bad = {"dtype": "float64", "data": b"junk"}[key]
+    entries = [(key, bad), *x.items()]
+    raw = b"\x84" + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in entries)
+    rest = packb(body)  # a 2-entry map (x_scale, m_sizes): take its entries
+    return b"\x83" + msgpack.packb("x") + raw + rest[1:]
+
+
 @pytest.mark.parametrize(("raw", "error"), [
     (b"\x82\xa1x\x01\xa1x\x02", BadMsgpack),  # a repeated key
+    (_repeated_in_a_tensor("dtype"), BadMsgpack),  # a tensor map repeating a key (the last
+    (_repeated_in_a_tensor("data"), BadMsgpack),   # of them would be taken)
     (packb(_body()) + b"\x00", BadMsgpack),  # trailing bytes
     (packb(_body())[:-3], BadMsgpack),  # truncated
     (msgpack.packb({"x": msgpack.ExtType(1, b"a"), "m_sizes": 1}), BadMsgpack),
