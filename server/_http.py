@@ -396,6 +396,11 @@ class _Connection(asyncio.BufferedProtocol):
                 length = int(value)  # llhttp took only plain digits, and only once
             elif name == b"transfer-encoding":
                 length = None  # llhttp took only a final "chunked" (and never with CL)
+                if value.lower() != b"chunked":  # e.g. "gzip, chunked": a coding not decoded here
+                    self._refuse(bad_field(
+                        f"Transfer-Encoding {value[:100].decode('latin-1')!r}: only chunked "
+                        f"is taken (no other coding is decoded)"))
+                    return
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect_continue = True
         if length is None and self.http10:

@@ -321,6 +321,14 @@ async def info(svc: ServicesDep, request: Request) -> dict:
             "max_bucket_m": s.max_bucket_m,
             "queue_size": s.queue_size,
             "merge_window_us": s.merge_window_us,
+            # The HTTP transport's (server/_http.py), per process: the server's and each
+            # acceptor's (max_inflight_bytes too).
+            "http": {
+                "max_connections": s.http_max_connections,
+                "head_timeout_s": s.http_head_timeout_s,
+                "keep_alive_s": s.http_keep_alive_s,
+                "min_body_rate": s.http_min_body_rate,
+            },
         },
         "experts": request.app.state.experts.info(svc.engine),
     }

@@ -19,6 +19,9 @@ def test_health_and_info(server):
     assert info["graphs"] is False  # no CUDA graphs on the CPU
     assert info["buckets"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert info["limits"]["max_m"] == 4096
+    http = info["limits"]["http"]  # the transport's limits: what a client is closed or refused by
+    assert set(http) == {"max_connections", "head_timeout_s", "keep_alive_s", "min_body_rate"}
+    assert http["max_connections"] >= 1 and http["head_timeout_s"] > 0
     assert info["version"]
 
 
