@@ -444,7 +444,10 @@ FRAMING = {
 
 
 # What uvicorn serves where ours refuses (ours is the stricter there).
-UVICORN_SERVES = {"HTTP/0.9", "gzip, chunked"}
+UVICORN_SERVES = {"HTTP/0.9"}
+# What uvicorn reads as plain chunked where ours refuses the coding it does not decode: it
+# answers the body (here a bad gemm body, 400) and the request behind it.
+UVICORN_CHUNKED = {"gzip, chunked"}
 
 
 @pytest.mark.parametrize("case", list(FRAMING))
@@ -454,6 +457,9 @@ def test_framing_is_refused(target, case):
         got = _read(sock)
     if target.kind == "uvicorn" and case in UVICORN_SERVES:
         assert got.startswith(b"HTTP/1.1 200 ")
+        return
+    if target.kind == "uvicorn" and case in UVICORN_CHUNKED:
+        assert got.startswith(b"HTTP/1.1 400 ") and b'"bad_field"' in got, got[:400]
         return
     # A 4xx answer (ours: 400 bad_field) and a close, or a close alone; never an
     # answer to the smuggled request.
