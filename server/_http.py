@@ -51,6 +51,7 @@ import dataclasses
 import fcntl
 import logging
 import mmap
+import re
 import signal
 import socket
 import struct
@@ -68,6 +69,7 @@ from ._http_gate import (
     HttpLimits,
     Refusal,
     bad_field,
+    echoed_id,
     error_bytes,
     internal,
     judge,
@@ -95,6 +97,7 @@ _SCRATCH = memoryview(bytearray(64 << 10))  # where dropped bytes land (one loop
 _UNREAD_MAX = 64 << 10
 _UNREAD_POLL_S = 0.02
 _INT = bytes(4)
+_RAW_ID = re.compile(rb"(?im)^x-request-id:([^\r\n]*)")
 
 # A connection's states.
 _IDLE, _HEAD, _BODY, _CHUNKED, _RUN, _DRAIN = range(6)
@@ -558,17 +561,28 @@ class _Connection(asyncio.BufferedProtocol):
         self._end()
         transport = self.transport
         took = time.monotonic() - self.began
+        given = self._given_id()
         self.state, self.since = _DRAIN, time.monotonic()
         self.parser = self.body = self.chunked = None
         if transport is None:
             return
-        transport.write(error_bytes(exc, head_only=self.method == "HEAD",
-                                    request_id=request_id(self.headers)))
+        transport.write(error_bytes(exc, head_only=self.method == "HEAD", request_id=given))
         self.server.count_refusal(exc.status, self.method, self.scope and self.scope["path"], took)
         if transport.can_write_eof():
             transport.write_eof()  # the client reads the answer and an end; we drop the rest
         else:
             transport.close()
+
+    def _given_id(self) -> str:
+        """The X-Request-Id to answer with: the head's, also of a head refused before the
+        parser gave its headers (a malformed line after it), read from the raw bytes."""
+        if self.state == _HEAD and self.head is not None and not any(
+                name == b"x-request-id" for name, _ in self.headers):
+            end = self.head.find(b"\r\n\r\n", self.start, self.head_used)
+            found = _RAW_ID.search(self.head[self.start:self.head_used if end < 0 else end])
+            if found is not None:
+                return echoed_id(found.group(1).strip(b" \t").decode("latin-1"))
+        return request_id(self.headers)
 
     def _unreserve(self) -> None:
         if self.reserved:

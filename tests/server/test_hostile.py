@@ -844,6 +844,19 @@ def test_a_thousand_pipelined_requests_are_answered_in_order(target):
             got, i = rest[int(length[1]):], i + 1
 
 
+def test_a_malformed_head_still_echoes_its_request_id(target):
+    """A head refused mid-parse (a line with no colon after X-Request-Id: 400) is answered with
+    the id it carried, not a made one (an audit's finding)."""
+    if target.kind == "uvicorn":
+        pytest.skip("uvicorn answers its own 400")
+    data = b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\nX-Request-Id: rid-nc\r\nno colon\r\n\r\n"
+    with target.connect() as sock:
+        sock.sendall(data)
+        got = _read(sock)
+    head = got.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 400 ") and b"\r\nx-request-id: rid-nc" in head, got[:400]
+
+
 def test_a_request_id_of_any_printable_bytes_comes_back_as_sent(target):
     """X-Request-Id is echoed byte for byte (UTF-8 included: header bytes are latin-1 text to
     every transport) by a call, a route's error and a refusal from the head."""
