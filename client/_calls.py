@@ -34,7 +34,7 @@ MSGPACK = "application/vnd.msgpack"
 _MSGPACK_TYPES = (MSGPACK, "application/msgpack", "application/x-msgpack")
 # SPEC 2.1's names, and an expert set's matrices' (its name, up to 128 characters, then .w13 / .w2).
 _SET_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}(\.w13|\.w2)?")  # a set's name, or its matrix's
+_NAME = re.compile(_SET_NAME.pattern + r"(\.w13|\.w2)?")  # a set's name, or its matrix's
 # Answers this large are decoded in place (msgpack's C decoder copies bins;
 # under this size that copy costs less than walking the body in Python).
 _IN_PLACE_FROM = 64 << 10

@@ -49,9 +49,15 @@ class _ForwardConnection(_Connection):
 
     def _body_buffer(self, length: int) -> memoryview:
         body = super()._body_buffer(length)
-        self.spill = self.server.lazy_spill(body) if length >= _INLINE_MAX else None
-        # What the head's buffer already holds of it is copied in at once: reserved exactly.
-        if self.spill is not None and not self._reserve(min(length, _HEAD_LIMIT), ahead=False):
+        self.spill = self.server.lazy_spill(body)
+        if self.spill is None:
+            return body
+        # A lazy spill takes memory as its bytes arrive (counted in ``receiving``), not whole:
+        # it holds none of the buffers' share of the limit (``may_commit``).
+        self.server.committed -= self.committed
+        self.committed = 0
+        # What the head's buffer may already hold of it is copied in at once: reserved now.
+        if not self._reserve(min(length, _HEAD_LIMIT), ahead=False):
             return _plain_body(length)  # no room in /dev/shm: it travels inline
         return body
 
@@ -74,6 +80,10 @@ class _ForwardConnection(_Connection):
             log.warning("no room in /dev/shm for a request body (%s)", exc)
             self.spill = None
             return False
+
+    def _unreserve(self) -> None:
+        super()._unreserve()
+        self.spill = None  # a refused body's spill goes with its memory
 
     def _dispatch(self) -> None:
         # The body stays reserved (``_Acceptor.held``) until the owner has answered.
@@ -341,7 +351,6 @@ class _Acceptor:
 
     def _spill_gone(self, address: int, path: str, close) -> None:
         close()
-        self.lazy.pop(address, None)
         if self.spills.get(address) == path:
             del self.spills[address]
         _unlink(path)

@@ -33,7 +33,7 @@ import torch
 from moegemm.client._errors import BadDtype, BadField, BadShape, NoSuchFile, NotFinite
 
 from ._files import SAFETENSORS_DTYPES
-from ._tensors import require_positive_finite_scales
+from ._tensors import FP8, require_positive_finite_scales
 from .experts import ExpertSet, ExpertStore, expert_shapes
 
 log = logging.getLogger("moegemm.server.checkpoint")
@@ -46,11 +46,6 @@ _NAMINGS = (
     ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     ("block_sparse_moe.experts", ("w1", "w3", "w2")),
 )
-
-
-# fp8 weights of either encoding (SPEC 1.2: converted to the device's) carry their
-# ``weight_scale_inv``.
-_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 def _tensor_map(store, checkpoint: str) -> tuple[dict[str, str], str]:
@@ -184,12 +179,12 @@ def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> 
                            f"down {sorted(map(str, w2_dtypes))}")
         (dtype13,), (dtype2,) = w13_dtypes, w2_dtypes
         scales13 = scales2 = None
-        if dtype13 in _FP8:
+        if dtype13 in FP8:  # either encoding (SPEC 1.2) carries its weight_scale_inv
             scales13 = torch.stack([
                 torch.cat([_scale_inv(k, lookup, (I, H)) for k in expert_keys[:2]]).t()
                 for expert_keys in keys
             ])  # [G, H/128, 2I/128]
-        if dtype2 in _FP8:
+        if dtype2 in FP8:
             scales2 = torch.stack([
                 _scale_inv(expert_keys[2], lookup, (H, I)).t() for expert_keys in keys
             ])  # [G, I/128, H/128]

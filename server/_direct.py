@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from moegemm.client._errors import APIError, InternalError, Overloaded, TooLarge
+from moegemm.client._errors import APIError, InternalError, TooLarge
 
 from . import routes
 from ._body import MSGPACK
@@ -124,22 +124,14 @@ class DirectGemm:
 
     async def _budgeted(self, route: Route, fields, body, request_id) -> tuple[int, bytes, list, str]:
         """The answer, and the endpoint label its metrics go under."""
-        # BodyBudget's rule, over the same declared size: a body over the body
-        # limit was never read (answered 413 below), a chunked one counts in full.
-        declared = fields.get("content-length")
-        size = 0
-        if declared is not None:
-            size = int(declared) if declared.isdigit() else 0
-            size = size if size <= self.settings.max_body_bytes else 0
-        elif fields.get("transfer-encoding", "identity").lower() != "identity":
-            size = self.settings.max_body_bytes
+        # BodyBudget's rule over the body it now holds whole (the transport counted its bytes as
+        # they arrived and judged its head): a body over the body limit was never read
+        # (answered 413 below).
+        size = len(body) if len(body) <= self.settings.max_body_bytes else 0
         budget = self._budget()
         if size and budget.held and budget.held + size > budget.limit:
             # The ASGI path refuses before routing: its metrics say "unmatched".
-            return (*_error(Overloaded(
-                f"{budget.held} bytes of request bodies are held; {size} more would pass the "
-                f"limit of {budget.limit} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
-                retry_after=1), request_id), "unmatched")
+            return (*_error(budget.over(size), request_id), "unmatched")
         budget.held += size
         try:
             if route.kind == "gemm":

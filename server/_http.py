@@ -23,8 +23,9 @@ socket at each, a round trip through the event loop per chunk. Here:
 - a connection stops being read while its answers are not drained
   (``pause_writing``), so a client that pipelines and never reads holds one
   answer here, not all of them; and a pipelined request waits while more than
-  ``_UNREAD_MAX`` bytes of the answers before it sit unread in the socket, so
-  such a client of many small answers gets the server's work only as it reads;
+  ``_UNREAD_MAX`` bytes of the answers before it wait in the socket for the
+  client to make room, so such a client of many small answers gets the server's
+  work only as it reads;
 - request bodies count in the in-flight limit as their bytes arrive, and only
   the bodies within that limit get buffers taken whole (page-locked): heads
   alone neither hold the limit nor take memory;
@@ -92,10 +93,11 @@ _SOCKET_BUFFER = 4 << 20
 _DRAIN_S = 1.0
 _DRAIN_BYTES = 4 << 20
 _SCRATCH = memoryview(bytearray(64 << 10))  # where dropped bytes land (one loop)
-# A pipelined request waits while this much of the answers before it is unread (``_next``),
-# looked at again every _UNREAD_POLL_S.
+# A pipelined request waits while this much of the answers before it waits for the client
+# to make room for it (``_next``), looked at again every _UNREAD_POLL_S.
 _UNREAD_MAX = 64 << 10
 _UNREAD_POLL_S = 0.02
+_SIOCOUTQNSD = 0x894B  # Linux: a TCP socket's bytes queued and not yet sent
 _INT = bytes(4)
 _RAW_ID = re.compile(rb"(?im)^x-request-id:([^\r\n]*)")
 
@@ -168,7 +170,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.body: memoryview | None = None
         self.body_used = 0
         self.chunked: bytearray | None = None
-        self.reserved = 0  # body bytes received so far, counted in server.receiving
+        self.received = 0  # body bytes received so far, counted in server.receiving
         self.committed = 0  # the size of a body buffer from server.allocate (server.committed)
         self.served = False  # a request has begun on this connection
         self.scope: dict | None = None
@@ -342,9 +344,6 @@ class _Connection(asyncio.BufferedProtocol):
             raise too_large(f"the body is over {self.limits.max_body_bytes} bytes, the limit "
                            f"of this server")
         chunked += data
-        refusal = self._count(len(data))
-        if refusal is not None:
-            raise refusal
 
     def on_message_complete(self) -> None:
         self.message_done = True
@@ -489,11 +488,11 @@ class _Connection(asyncio.BufferedProtocol):
         """``nbytes`` more of the body received: counted as held (``server.receiving``). The
         refusal (503 overloaded) when the bodies held pass the in-flight limit with others
         held beside this one (a lone body is always let in), else None."""
-        self.reserved += nbytes
+        self.received += nbytes
         server = self.server
         server.receiving += nbytes
         held = server.held()
-        if held > self.limits.max_inflight_bytes and held > self.reserved:
+        if held > self.limits.max_inflight_bytes and held > self.received:
             return overloaded(
                 f"{held} bytes of request bodies are held, past the limit of "
                 f"{self.limits.max_inflight_bytes} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
@@ -531,6 +530,10 @@ class _Connection(asyncio.BufferedProtocol):
             self.keep_alive = False  # see the module's docstring
         except httptools.HttpParserError as exc:
             self._refuse(bad_field(f"malformed chunked body: {exc}"))
+            return
+        refusal = self._count(len(self.chunked) - self.received)  # the bytes decoded this turn
+        if refusal is not None:
+            self._refuse(refusal)
             return
         if self.message_done:
             if stop < used:  # bytes behind the upload, not decoded: as a request behind it
@@ -585,9 +588,9 @@ class _Connection(asyncio.BufferedProtocol):
         return request_id(self.headers)
 
     def _unreserve(self) -> None:
-        if self.reserved:
-            self.server.receiving -= self.reserved
-            self.reserved = 0
+        if self.received:
+            self.server.receiving -= self.received
+            self.received = 0
         if self.committed:
             self.server.committed -= self.committed
             self.committed = 0
@@ -672,9 +675,11 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _next(self) -> None:
         """Read the next request: one already pipelined, or wait for one. A request pipelined
-        while more than ``_UNREAD_MAX`` bytes of the answers before it are still unread by the
-        client waits until they are read: a client that pipelines and never reads gets
-        answers only as fast as it reads them, not as fast as the server makes them."""
+        while more than ``_UNREAD_MAX`` bytes of the answers before it wait for the client to
+        make room for them (``_unread``) waits too: a client that pipelines and never reads
+        gets answers only as fast as it reads them, not as fast as the server makes them."""
+        if self.transport.is_closing():
+            return
         if self.head_used and self._unread() > _UNREAD_MAX:
             self.held_back = asyncio.get_running_loop().call_later(_UNREAD_POLL_S,
                                                                    self._read_on)
@@ -700,12 +705,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._next()
 
     def _unread(self) -> int:
-        """Answer bytes not yet taken by the client: in the socket's send queue (TIOCOUTQ)
-        and in the transport's buffer."""
+        """Answer bytes the client has not made room for: not yet sent from the socket's
+        queue (SIOCOUTQNSD: they wait for the client's receive window, which a client that
+        does not read keeps closed; bytes in flight are not counted) and in the
+        transport's buffer."""
         unread = self.transport.get_write_buffer_size()
         if self.fd is not None:
             with contextlib.suppress(OSError):
-                unread += struct.unpack("i", fcntl.ioctl(self.fd, termios.TIOCOUTQ, _INT))[0]
+                unread += struct.unpack("i", fcntl.ioctl(self.fd, _SIOCOUTQNSD, _INT))[0]
         return unread
 
 
@@ -756,8 +763,9 @@ def _check_all(connections: set, now: float) -> None:
 
 def _close_idlest(connections: set) -> bool:
     """Close the connection idle longest between requests (or before its first), if any:
-    at the connection cap, room for a new one. Returns whether one was closed."""
-    idle = [c for c in connections if c.state == _IDLE and c.task is None
+    at the connection cap, room for a new one. One with requests waiting (pipelined) is not
+    idle. Returns whether one was closed. (A scan of every connection: at the cap only.)"""
+    idle = [c for c in connections if c.state == _IDLE and c.task is None and not c.head_used
             and c.transport is not None and not c.transport.is_closing()]
     if not idle:
         return False

@@ -210,7 +210,7 @@ class BodyBudget:
             await self.app(scope, receive, send)
             return
         if self.held and self.held + size > self.limit:
-            await error_response(self._over(size))(scope, receive, send)
+            await error_response(self.over(size))(scope, receive, send)
             return
         got = 0
 
@@ -222,7 +222,7 @@ class BodyBudget:
                 got += n
                 self.held += n
                 if self.held > self.limit and self.held > got:
-                    raise self._over(0)
+                    raise self.over(0)
             return message
 
         try:
@@ -230,7 +230,8 @@ class BodyBudget:
         finally:
             self.held -= got
 
-    def _over(self, size: int) -> Overloaded:
+    def over(self, size: int) -> Overloaded:
+        """The 503 for ``size`` more bytes (0: the bytes held are already past the limit)."""
         more = f"; {size} more would pass" if size else ", past"
         return Overloaded(
             f"{self.held} bytes of request bodies are held{more} the limit of {self.limit} "
