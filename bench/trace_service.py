@@ -364,6 +364,22 @@ def _wait_port(port: int, proc: subprocess.Popen | None, timeout: float) -> None
     raise RuntimeError("server not ready")
 
 
+def _stopped_trace(proc: subprocess.Popen, trace_out: Path, result: dict, name: str) -> list[dict]:
+    """Stop a traced server; its records of the calls (not health checks), in call order, and
+    its loop's profile (if it ran one) into ``result``."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    trace = json.loads(trace_out.read_text()) if trace_out.exists() else []
+    prof = Path(str(trace_out) + ".prof.txt")
+    if prof.exists():
+        result.setdefault("profiles", {})[name] = prof.read_text()
+        print(prof.read_text()[:6000], flush=True)
+    return [r for r in trace if "handler0" in r]
+
+
 def experts_trace(args) -> int:
     """``--experts``: where a lone moe call's time goes, beside gemm calls on the same set.
 
@@ -442,17 +458,7 @@ def experts_trace(args) -> int:
                     lat.append((_now() - t) / 1e3)
                 mine[label] = {"client_p50_us": round(_median(lat), 1)}
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        trace = json.loads(trace_out.read_text()) if trace_out.exists() else []
-        prof = Path(str(trace_out) + ".prof.txt")
-        if prof.exists():
-            result.setdefault("profiles", {})[name] = prof.read_text()
-            print(prof.read_text()[:6000], flush=True)
-        trace = [r for r in trace if "handler0" in r]
+            trace = _stopped_trace(proc, trace_out, result, name)
         pos = 0
         for label, _, _ in sections:
             if label not in stamps:
@@ -592,17 +598,7 @@ def main() -> int:
                     result.setdefault("client_profiles", {})[f"M{m}"] = text.getvalue()
                     print(f"client profile M={m}:\n{text.getvalue()[:4000]}", flush=True)
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        trace = json.loads(trace_out.read_text()) if trace_out.exists() else []
-        prof = Path(str(trace_out) + ".prof.txt")
-        if prof.exists():
-            result.setdefault("profiles", {})[name] = prof.read_text()
-            print(prof.read_text()[:6000], flush=True)
-        trace = [r for r in trace if "handler0" in r]  # gemm calls only (not health checks)
+            trace = _stopped_trace(proc, trace_out, result, name)
         # The server's records in call order: per M, warm-up, traced raw calls,
         # then the Client's calls (not matched: their stamps are only the p50).
         pos = 0
