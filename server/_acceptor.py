@@ -44,22 +44,15 @@ class _ForwardConnection(_Connection):
 
     spill: Spill | None = None  # the lazy spill the body arrives in (pages reserved ahead)
 
-    def _allocate(self, length: int) -> memoryview:
-        return self.server.allocate(length, lazy=True)
-
-    def _body_buffer(self, length: int) -> memoryview:
-        body = super()._body_buffer(length)
-        self.spill = self.server.lazy_spill(body)
+    def _allocate(self, length: int) -> tuple[memoryview, bool]:
+        # A lazy spill takes memory as its bytes arrive (counted in ``receiving``), not whole.
+        body, self.spill = self.server.take(length, lazy=True)
         if self.spill is None:
-            return body
-        # A lazy spill takes memory as its bytes arrive (counted in ``receiving``), not whole:
-        # it holds none of the buffers' share of the limit (``may_commit``).
-        self.server.committed -= self.committed
-        self.committed = 0
+            return body, True
         # What the head's buffer may already hold of it is copied in at once: reserved now.
         if not self._reserve(min(length, _HEAD_LIMIT), ahead=False):
-            return _plain_body(length)  # no room in /dev/shm: it travels inline
-        return body
+            return _plain_body(length), False  # no room in /dev/shm: it travels inline
+        return body, False
 
     def get_buffer(self, sizehint: int) -> memoryview:
         spill = self.spill
@@ -151,10 +144,8 @@ class _Acceptor:
         self.slots = _Slots(_ARENA_BYTES)
         self.holders: dict[int, int] = {}  # slot -> holders (this process, the owner)
         self.dropped: list[int] = []  # slots whose last local reference died
-        # Bodies in spills of their own (address -> path), until their memory is gone; lazy
-        # ones until their connection took them (``lazy_spill``).
+        # Bodies in spills of their own (address -> path), until their memory is gone.
         self.spills: dict[int, str] = {}
-        self.lazy: dict[int, Spill] = {}
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 0
         self.lost = False  # the owner's socket closed
@@ -313,13 +304,17 @@ class _Acceptor:
                                       "s": seconds}, 0))
 
     # _Connection's body allocator: a slot of the request arena when one is free,
-    # else a spill (``_acceptor_shm``): a large body never travels on the link. A spill
-    # is reserved whole, or (``lazy``: a body still to arrive) as its bytes arrive
-    # (``_ForwardConnection.get_buffer``).
-    def allocate(self, size: int, lazy: bool = False) -> memoryview:
+    # else a spill (``_acceptor_shm``): a large body never travels on the link.
+    def allocate(self, size: int) -> memoryview:
+        return self.take(size)[0]
+
+    def take(self, size: int, lazy: bool = False) -> tuple[memoryview, Spill | None]:
+        """``allocate``'s buffer, and with ``lazy`` (a body still to arrive) the spill it is
+        when it is one: its pages are reserved as the bytes arrive
+        (``_ForwardConnection.get_buffer``), where other spills are reserved whole."""
         self._collect()
         if self.requests is None or size <= 0:
-            return _plain_body(size)
+            return _plain_body(size), None
         if size <= _SLOT_MAX:
             offset = self.slots.take(size)
             if offset is not None:
@@ -328,26 +323,19 @@ class _Acceptor:
                 # list.append only: a finalizer may run inside any allocation.
                 done = weakref.finalize(array, self.dropped.append, offset)
                 done.atexit = False
-                return memoryview(array)
+                return memoryview(array), None
         if size >= _INLINE_MAX:
             spill = Spill.create(self.owner_pid, size, lazy=lazy)
             if spill is not None:
                 address = spill.array.ctypes.data
                 self.spills[address] = spill.path
-                if lazy:
-                    self.lazy[address] = spill
                 # The file goes with the memory: once the owner has answered (it maps
                 # the file when the request arrives) or the request was abandoned.
                 done = weakref.finalize(spill.array, self._spill_gone, address, spill.path,
                                         spill.closer())
                 done.atexit = False
-                return memoryview(spill.array)
-        return _plain_body(size)
-
-    def lazy_spill(self, body: memoryview) -> Spill | None:
-        """The lazy spill ``body`` is (taken off the list: its connection keeps it), or None."""
-        address = _address(body)
-        return None if address is None else self.lazy.pop(address, None)
+                return memoryview(spill.array), spill if lazy else None
+        return _plain_body(size), None
 
     def _spill_gone(self, address: int, path: str, close) -> None:
         close()

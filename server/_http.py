@@ -473,16 +473,18 @@ class _Connection(asyncio.BufferedProtocol):
         server = self.server
         if server.may_commit(length):
             try:
-                body = self._allocate(length)
+                body, whole = self._allocate(length)
             except Exception:  # noqa: BLE001 -- e.g. pinned memory exhausted: plain memory
                 return _plain_body(length)
-            self.committed = length
-            server.committed += length
+            if whole:
+                self.committed = length
+                server.committed += length
             return body
         return _plain_body(length)
 
-    def _allocate(self, length: int) -> memoryview:
-        return self.server.allocate(length)
+    def _allocate(self, length: int) -> tuple[memoryview, bool]:
+        """The server's buffer for a body, and whether its memory is taken whole."""
+        return self.server.allocate(length), True
 
     def _count(self, nbytes: int) -> Refusal | None:
         """``nbytes`` more of the body received: counted as held (``server.receiving``). The

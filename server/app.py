@@ -304,8 +304,6 @@ class RequestContext:
             )
 
 
-
-
 async def _api_error(request, exc: APIError) -> JSONResponse:
     return error_response(exc)
 
