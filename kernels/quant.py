@@ -122,12 +122,35 @@ def fn_to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torc
 
     The bits are kept (an fnuz pattern is worth half the fn one), the scales
     doubled, and 0x80 (-0 in fn, NaN in fnuz) becomes 0x00. Returns new tensors.
+
+    A scale over float32's largest / 2 cannot double: its block keeps the scale and
+    its codes are re-encoded at the same value instead, exact up to fnuz's 240 (a
+    larger code times such a scale is past float32's range already). ``scale`` is
+    per element (``q``'s shape), per activation block (``[..., M, K/128]``) or per
+    weight block (``[..., K/128, N/128]``).
     """
     if q.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fn_to_fnuz expects torch.float8_e4m3fn data, got {q.dtype}")
     bits = q.view(torch.uint8)
     bits = torch.where(bits == 0x80, torch.zeros_like(bits), bits)
-    return bits.view(torch.float8_e4m3fnuz), scale * 2
+    doubled = scale * 2
+    kept = torch.isinf(doubled) & torch.isfinite(scale)
+    same_value = q.float().clamp(-240.0, 240.0).to(torch.float8_e4m3fnuz).view(torch.uint8)
+    bits = torch.where(_per_element(kept, q.shape), same_value, bits)
+    return bits.view(torch.float8_e4m3fnuz), torch.where(kept, scale, doubled)
+
+
+def _per_element(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A per-block tensor spread over the elements of data of ``shape`` (``fn_to_fnuz``'s layouts)."""
+    if blocks.shape == shape:
+        return blocks
+    *lead, rows, k = shape
+    if tuple(blocks.shape) == (*lead, rows, k // BLOCK):  # activations' x_scale
+        return blocks.repeat_interleave(BLOCK, dim=-1)
+    if tuple(blocks.shape) == (*lead, k // BLOCK, rows // BLOCK):  # weights' w_scale
+        return blocks.transpose(-1, -2).repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    raise ValueError(f"scale of shape {tuple(blocks.shape)} is per element, per activation block or "
+                     f"per weight block of data {tuple(shape)}")
 
 
 def fnuz_to_fn(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

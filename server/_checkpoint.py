@@ -79,8 +79,8 @@ def _tensor_map(store, checkpoint: str) -> tuple[dict[str, str], str]:
         raise BadField(f"{base}/{INDEX} is not a safetensors index: {exc}") from exc
     for shard in weight_map.values():
         if shard.startswith("/"):  # joined below it would read as a file under the checkpoint
-            raise BadField(f"{base}/{INDEX} names shard {shard[:200]!r}: a path outside the "
-                           "checkpoint directory (shards are named relative to it)")
+            raise BadField(f"{base}/{INDEX} names shard {shard[:200]!r} by an absolute path; "
+                           "shards are named relative to the checkpoint directory")
     return {name: f"{base}/{shard}" for name, shard in weight_map.items()}, INDEX
 
 

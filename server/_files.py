@@ -114,21 +114,27 @@ def open_beneath(root: Path, file: str) -> int:
         if exc is not outside:
             raise
         resolved = _resolved_within(root, file)
+        if resolved == os.curdir:
+            raise _the_directory(file) from None
         if resolved is None:
             raise
         return _walk(root, file, resolved, outside)
 
 
+def _the_directory(file: str) -> NoSuchFile:
+    return NoSuchFile(f"no file {shown(file)}: it names the weights directory itself")
+
+
 def _resolved_within(root: Path, file: str) -> str | None:
     """``file``'s path (relative to ``root``, or absolute) resolved by the filesystem, spelled
-    relative to ``root``'s own resolved path; None when it is not strictly under it."""
+    relative to ``root``'s own resolved path: ``.`` for the directory itself, None outside it."""
     try:
         base = os.path.realpath(root)
         resolved = os.path.realpath(os.path.join(base, file))
     except (OSError, ValueError):  # a NUL byte, a loop
         return None
     relative = os.path.relpath(resolved, base)
-    if relative == os.curdir or relative == os.pardir or relative.startswith(os.pardir + os.sep):
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
         return None
     return relative
 
@@ -138,7 +144,7 @@ def _walk(root: Path, file: str, relative: str, outside: BadField) -> int:
     ``outside`` raised where it leaves ``root``."""
     parts = deque(p for p in relative.split("/") if p not in ("", "."))
     if not parts:
-        raise outside  # the directory itself
+        raise _the_directory(file)
     try:
         stack = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
     except OSError as exc:  # the configured directory itself is missing or no directory
@@ -154,7 +160,7 @@ def _walk(root: Path, file: str, relative: str, outside: BadField) -> int:
                 os.close(stack.pop())
                 if not parts:  # a directory: the weights directory itself, or one in it
                     if len(stack) == 1:
-                        raise outside
+                        raise _the_directory(file)
                     raise NoSuchFile(f"no file {shown(file)} in the weights directory")
                 continue
             if len(part.encode(errors="surrogateescape")) > _NAME_MAX:

@@ -266,7 +266,15 @@ class _AnyName(Convertor):
 
 # Route paths are compiled when the decorators below run, so the convertor is
 # registered first (one entry in Starlette's convertor table).
+class _SetName(_AnyName):
+    """``wsname`` for a path that ends with the name: not one ending in an action's path
+    (``x/gemm``, ``x/ffn``, ``x/moe``), where a wrong method is 405, not bad_name."""
+
+    regex = r"(?![\s\S]*/(?:gemm|ffn|moe)$)[\s\S]*"
+
+
 register_url_convertor("wsname", _AnyName())
+register_url_convertor("setname", _SetName())
 
 health = APIRouter(prefix="/v1/health")
 api = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
@@ -340,7 +348,7 @@ async def list_weights(svc: ServicesDep) -> dict:
     return {"weights": [ws.describe() for ws in svc.store.list()]}
 
 
-@weights_admin.put("/weights/{name:wsname}")
+@weights_admin.put("/weights/{name:setname}")
 async def put_weights(name: str, request: Request, svc: ServicesDep):
     """Load or replace a weight set, from tensors in the body or from a file (201/200)."""
     check_name(name)
@@ -362,7 +370,7 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
     return JSONResponse(ws.describe(), status_code=200 if replaced else 201)
 
 
-@weights_admin.delete("/weights/{name:wsname}", status_code=204)
+@weights_admin.delete("/weights/{name:setname}", status_code=204)
 async def delete_weights(name: str, svc: ServicesDep) -> Response:
     """Unload a weight set."""
     check_name(name)

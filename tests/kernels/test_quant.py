@@ -104,6 +104,48 @@ def test_fn_to_fnuz_keeps_bits_and_value_on_every_byte():
     assert not after.isnan().any()  # 0x80 (-0 in fn) did not become fnuz's NaN
 
 
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("layout", ["element", "activation", "weight"])
+def test_fn_to_fnuz_keeps_the_value_where_a_scale_cannot_double(layout):
+    # A finite scale over float32's max / 2 doubled is Inf (an audit: Inf answers on an fnuz
+    # device where the reference is finite). Such a block keeps its scale; its codes take the
+    # fnuz code of the same value, exact up to fnuz's 240 (every fn code of 2 or more dequantizes
+    # past float32 at such a scale).
+    gen = torch.Generator().manual_seed(0)
+    if layout == "element":
+        q = ALL_BYTES.view(torch.float8_e4m3fn)
+        scale = torch.where(torch.arange(256) % 2 == 0, torch.tensor(3e38), torch.tensor(0.75))
+        spread = scale
+    elif layout == "activation":
+        q = torch.randint(0, 256, (4, 384), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        scale = torch.tensor([[3e38, 1.0, 2e38], [0.5, 3.3e38, 1e-3], [1.0, 1.0, 1.0], [FLT_MAX] * 3])
+        spread = scale.repeat_interleave(128, 1)
+    else:
+        q = torch.randint(0, 256, (2, 256, 384), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        scale = torch.rand(2, 3, 2, generator=gen) + 0.5
+        scale[0, 1, 0] = scale[1, 2, 1] = 2.5e38
+        spread = scale.transpose(1, 2).repeat_interleave(128, 1).repeat_interleave(128, 2)
+    q2, scale2 = fn_to_fnuz(q, scale)
+    huge = scale * 2 == float("inf")
+    assert huge.any() and torch.isfinite(scale2).all()
+    assert torch.equal(scale2, torch.where(huge, scale, scale * 2))
+    value = q.double()
+    finite = ~value.isnan()  # 0x7F / 0xFF are NaN in fn
+    fits = finite & (value.abs() <= 240)
+    before = value * spread.double()
+    spread2 = (scale2 if layout == "element" else
+               scale2.repeat_interleave(128, 1) if layout == "activation" else
+               scale2.transpose(1, 2).repeat_interleave(128, 1).repeat_interleave(128, 2))
+    after = q2.double() * spread2.double()
+    assert torch.equal(before[fits], after[fits])  # every block, doubled or kept
+    assert not q2.double()[finite].isnan().any()
+    big = finite & ~fits
+    assert torch.equal(q2.double()[big].abs(), torch.where(
+        (spread[big] * 2).isinf(), 240.0, value[big].abs() / 2))  # kept blocks saturate there
+
+
 def test_fnuz_to_fn_converts_values_on_every_byte():
     q = ALL_BYTES.view(torch.float8_e4m3fnuz)
     scale = torch.rand(256) + 0.5

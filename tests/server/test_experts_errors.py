@@ -133,6 +133,19 @@ def test_bad_names_media_and_limits(srv):
     assert snapshot(srv.http) == before
 
 
+def test_a_wrong_method_on_an_action_is_405_not_a_bad_name(srv):
+    # An audit: GET /v1/experts/e/ffn answered 400 bad_name (the name "e/ffn").
+    before = snapshot(srv.http)
+    for method, path in (("GET", "/v1/experts/e/ffn"), ("PUT", "/v1/experts/e/moe"),
+                         ("DELETE", "/v1/experts/e/moe"), ("GET", "/v1/weights/e.w13/gemm"),
+                         ("PUT", "/v1/weights/e.w2/gemm"), ("DELETE", "/v1/weights/e.w2/gemm")):
+        r = srv.http.request(method, path)
+        assert_error(r, 405, "method_not_allowed")
+        assert r.headers["allow"] == "POST", (method, path)
+    assert_error(srv.http.get("/v1/experts/e/other"), 400, "bad_name")  # still a name
+    assert snapshot(srv.http) == before
+
+
 def test_a_128_character_expert_set_and_its_matrices_are_served(srv):
     """SPEC 2.1's names run to 128 characters, an expert set's too; its matrices' names
     ({name}.w13, {name}.w2, SPEC 5) run to 132 and the gemm endpoint serves them. A name of

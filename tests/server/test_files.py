@@ -81,7 +81,7 @@ def test_bf16_file_is_quantized(server, files):
 
 
 @pytest.mark.parametrize("path", ["../outside.safetensors", "sub/../../outside.safetensors",
-                                  "link.safetensors", "/etc/passwd", ".", ""])
+                                  "link.safetensors", "/etc/passwd", ""])
 def test_paths_outside_the_directory_are_refused(server, files, path):
     _, _, outside = files
     before = {ws.name: ws for ws in server.services.store.list()}
@@ -90,6 +90,17 @@ def test_paths_outside_the_directory_are_refused(server, files, path):
     assert_error(server.put("escape", {"file": str(outside), "w": "w", "w_scale": "s"}), 400,
                  "bad_field")
     assert {ws.name: ws for ws in server.services.store.list()} == before
+
+
+def test_a_path_naming_the_directory_itself_is_no_file(server, files):
+    # It does not resolve outside (an audit: "." was refused as if it did): it is a directory,
+    # as "sub" is, so no such file.
+    root = server.weights_dir
+    for path in (".", "./", "sub/..", str(root), f"../{root.name}"):
+        r = server.put("itself", {"file": path, "w": "w", "w_scale": "s"})
+        assert_error(r, 404, "no_such_file")
+        assert "weights directory itself" in r.json()["error"]["message"], path
+    assert_error(server.put("itself", {"file": "sub", "w": "w", "w_scale": "s"}), 404, "no_such_file")
 
 
 def test_paths_spelled_otherwise_that_resolve_inside_are_taken(server, files):
