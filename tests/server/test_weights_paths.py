@@ -55,11 +55,14 @@ def test_links_and_steps_outside_are_refused(tree, target):
     store, root, outside = tree
     os.symlink(str(outside / "w.safetensors") if target == "ABS" else target, root / "link")
     for name in ("link", "link/w.safetensors", "../outside/w.safetensors", "real/../..",
-                 str(outside / "w.safetensors"), ".", "real/.."):
+                 str(outside / "w.safetensors")):
         with pytest.raises((BadField, NoSuchFile)) as err:
             store.resolve(name)
         if name != "link/w.safetensors":  # a link to a file, used as a folder: 404 is fine
             assert err.type is BadField, name
+    for name in (".", "real/..", str(root)):  # the directory itself: inside, and no file
+        with pytest.raises(NoSuchFile, match="weights directory itself"):
+            store.resolve(name)
 
 
 def test_missing_folders_and_fifos_are_no_such_file(tree):
