@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from moegemm.client._errors import APIError, BadField, InternalError, Overloaded
 from moegemm.kernels import get_backend
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.requests import ClientDisconnect
 
 from . import routes, routes_experts
@@ -315,7 +316,18 @@ async def _validation_error(request, exc: RequestValidationError) -> JSONRespons
 async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
     body = {"error": {"code": _HTTP_CODES.get(exc.status_code, "http_error"),
                       "message": str(exc.detail)}}
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    headers = exc.headers
+    if exc.status_code == 405:  # every method the path takes, not only its first route's
+        headers = {**(headers or {}), "Allow": _allowed(request)}
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+def _allowed(request) -> str:
+    """The methods some route takes at the request's path (each asked of every route: the
+    routes of an included router are not all listed at the top in every FastAPI)."""
+    return ", ".join(method for method in ("GET", "HEAD", "PUT", "POST", "DELETE")
+                     if any(route.matches({**request.scope, "method": method})[0] is Match.FULL
+                            for route in request.app.router.routes))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

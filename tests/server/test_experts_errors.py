@@ -143,6 +143,13 @@ def test_a_wrong_method_on_an_action_is_405_not_a_bad_name(srv):
         assert_error(r, 405, "method_not_allowed")
         assert r.headers["allow"] == "POST", (method, path)
     assert_error(srv.http.get("/v1/experts/e/other"), 400, "bad_name")  # still a name
+    # Allow names every method the path takes, not only its first route's (RFC 9110 15.5.6).
+    for method, path, allow in (("GET", "/v1/weights/e.w13", "PUT, DELETE"),
+                                ("POST", "/v1/experts/e", "GET, HEAD, PUT, DELETE"),
+                                ("POST", "/v1/health/live", "GET, HEAD")):
+        r = srv.http.request(method, path)
+        assert_error(r, 405, "method_not_allowed")
+        assert r.headers["allow"] == allow, (method, path)
     assert snapshot(srv.http) == before
 
 
