@@ -1,11 +1,10 @@
-"""Where the FlyDSL kernel reads and writes: its index arithmetic, shared with a CPU model.
+"""Where the FlyDSL kernel reads and writes: its index arithmetic.
 
 Every function here uses only ``+ - * // % ^`` on its arguments, so the same
-code runs on FlyDSL values inside the kernel (``_flydsl_gemm.py``) and on
-Python ints or torch int64 tensors in ``tests/kernels/test_flydsl_model.py``,
-which replays the kernel's data movement on the CPU and checks the result
-against the float64 reference. That is the one way the addressing is tested
-without AMD hardware. Units: bytes for fp8 data, elements for scales.
+code runs on FlyDSL values inside the kernel (``_flydsl_gemm.py``), on torch int64
+tensors when ``testing_flydsl`` runs the kernel's source on the CPU, and on the
+offsets of launches too large to run there (``tests/kernels/test_flydsl_model.py``).
+Units: bytes for fp8 data, elements for scales.
 """
 
 from __future__ import annotations

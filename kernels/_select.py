@@ -2,8 +2,9 @@
 
 ``MOEGEMM_BACKEND`` (or an explicit ``name``) is one of ``auto``, ``reference``,
 ``triton``, ``flydsl``. ``auto`` picks the reference on CPU; on ROCm it tries
-FlyDSL, then Triton; on NVIDIA CUDA it tries Triton; the reference is the last
-resort. An explicitly named GPU backend that cannot load raises
+FlyDSL, on NVIDIA CUDA Triton (our Triton kernels are Hopper's: ``triton_kernel``
+refuses ROCm, so trying it there would only load Triton's LLVM into the process);
+the reference is the last resort, with a warning. An explicitly named GPU backend that cannot load raises
 :class:`BackendUnavailable` instead of falling back.
 
 GPU backend modules are imported only when tried, and never both: FlyDSL and
@@ -86,12 +87,11 @@ def _choose(device: torch.device, requested: str) -> Backend:
         return _load_gpu(requested, device)
     if device.type != "cuda":
         return reference.create(device)
-    order = ("flydsl", "triton") if torch.version.hip else ("triton",)
-    for name in order:
-        try:
-            return _load_gpu(name, device)
-        except BackendUnavailable as exc:
-            log.warning("backend %s unavailable on %s: %s", name, device, exc)
+    name = "flydsl" if torch.version.hip else "triton"
+    try:
+        return _load_gpu(name, device)
+    except BackendUnavailable as exc:
+        log.warning("backend %s unavailable on %s: %s", name, device, exc)
     log.warning("no GPU backend loads on %s: using the slow reference backend", device)
     return reference.create(device)
 

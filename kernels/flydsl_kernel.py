@@ -36,8 +36,9 @@ server accepts pack (a DeepSeek-V3 layer's weights are 7.5e9 bytes);
 
 Verification here: compiled and ISA-checked for gfx942 and gfx950 without a
 GPU (:func:`compile_only`, driven by ``_flydsl_isa.py``), large launches
-packed from meta tensors, and its addressing replayed on the CPU against the
-float64 reference; never executed on AMD hardware in this repository's CI.
+packed from meta tensors, and its own source executed on the CPU
+(``testing_flydsl``: FlyDSL's names stood in for) against the float64 reference;
+never executed on AMD hardware in this repository's CI.
 """
 
 from __future__ import annotations

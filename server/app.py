@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse
 from moegemm.client._errors import APIError, BadField, InternalError, Overloaded
 from moegemm.kernels import get_backend
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from . import routes, routes_experts
 from ._http_gate import request_id as request_id_of

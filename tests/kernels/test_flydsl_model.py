@@ -1,19 +1,15 @@
-"""The FlyDSL kernel's data movement, replayed on the CPU, computes SPEC 1.
+"""The FlyDSL kernel's own source, run on the CPU, computes SPEC 1.
 
-No AMD GPU runs here, so the kernel's numbers are checked through a model: this
-file replays the kernel block by block and lane by lane with the very index
-functions the kernel is traced from (``moegemm.kernels._flydsl_index``): the
-group-ownership walk over ``m_sizes`` (each size clamped to ``[0, M]``), the
-clamped A loads, the swizzled LDS staging in two stages (x scales pre-multiplied
-by the w scale when the block is at most 128 columns wide), the B reads in both
-weight layouts, the w/x scale lookups, the K loop whose last step prefetches
-nothing, and the epilogue masked by the group's end and by M. The MFMA is modelled by its register layout:
-lane ``l`` feeds row/column ``l % 16`` of A/B and receives rows
-``4 (l // 16) + [0, 4)`` of column ``l % 16`` of C, and A and B bytes at the same
-(lane group, byte) position meet in one product.
+No AMD GPU runs here. ``moegemm.kernels.testing_flydsl`` executes ``kernels/_flydsl_gemm.py``
+itself with stand-ins for FlyDSL's names, a workgroup's 256 threads at once, the
+MFMAs modelled by their register layout (see that module for what it models and
+what it does not). So the addresses, swizzles, scale reads and operands checked
+here are the kernel's, not a second copy of them: the kernel with ``x_scale``
+read in the wrong layout (the bug MSLK's first FlyDSL kernel shipped with G > 1
+and K > 128) fails these tests.
 
-What this does not cover: FlyDSL's lowering and the hardware (see
-test_flydsl_isa.py for what compiles), loop-carried values, and barriers.
+The int64 addressing of launches too large to run here is checked through the
+kernel's index functions (``moegemm.kernels._flydsl_index``) at the end.
 """
 
 from __future__ import annotations
@@ -28,237 +24,41 @@ from moegemm.kernels._flydsl_index import (
     WAVE_SIZE,
     WAVES,
     a_global_offset,
-    a_lds_offset,
-    a_operand_chunk,
     a_piece,
     acc_row,
     b_offset_plain,
     b_offset_preshuffled,
     lane_coords,
     owner_step,
-    scales_prescaled,
     w_scale_offset,
-    x_scale_global_offset,
-    x_scale_lds_offset,
-    x_scale_piece,
 )
 from moegemm.kernels._flydsl_tiles import (
     AUTOTUNE_TILES,
     DEFAULT_TILES,
     FP8_DTYPE,
-    FlyTile,
     fit_tile,
 )
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
-
-_BYTE = torch.arange(CHUNK)
+from moegemm.kernels.testing_flydsl import emulated_module, kernel_source, run
 
 
 def _select(cond, a, b):
     return a if cond else b
 
 
-def _gather16(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The 16 bytes at each offset: ``[len(offsets), 16]``."""
-    return flat[offsets.unsqueeze(1) + _BYTE]
-
-
-class _Block:
-    """One workgroup of the kernel, replayed: LDS, registers, accumulators."""
-
-    def __init__(self, kernel: _Replay, tile_m: int, tile_n: int):
-        self.kernel = kernel
-        state = (0, 0, -1, 0, 0)
-        for g, rows in enumerate(kernel.sizes):
-            rows = min(max(rows, 0), kernel.m)  # the kernel's clamp, before the sum
-            state = owner_step(state, g, rows, tile_m, kernel.bm, _select)
-        _, _, self.group, self.row0, row_end = state
-        self.row_stop = min(row_end, kernel.m)
-        self.tile_n = tile_n
-        k = kernel
-        # LDS starts as garbage: a read of a byte nobody wrote shows up as noise.
-        self.lds_a = torch.randint(0, 256, (2 * k.a_stage,), dtype=torch.uint8)
-        self.lds_xs = torch.full((2 * k.xs_stage,), float("nan"), dtype=torch.float64)
-
-    def load_a(self, step: int):
-        k, tid = self.kernel, torch.arange(THREADS)
-        pieces, scales = [], []
-        for p in range(k.a_passes):
-            row, chunk = a_piece(p * THREADS + tid, k.chunks_per_row)
-            grow = torch.clamp(self.row0 + row, max=k.m - 1)
-            pieces.append(_gather16(k.xq, a_global_offset(grow, k.k, step, k.bk, chunk)))
-        for p in range(k.xs_passes):
-            row, sub = x_scale_piece(torch.clamp(p * THREADS + tid, max=k.xs_count - 1), k.bm)
-            grow = torch.clamp(self.row0 + row, max=k.m - 1)
-            xs = k.x_scale[x_scale_global_offset(grow, k.k_scales, step, k.k_sub, sub)]
-            if k.prescaled:  # the block's one w scale per 128-block, folded in as it is staged
-                col = self.tile_n * k.bn
-                xs = (
-                    xs
-                    * k.w_scale[
-                        w_scale_offset(
-                            self.group, k.k_scales, k.n_scales, col, step * k.k_sub + sub
-                        )
-                    ]
-                )
-            scales.append(xs)
-        return pieces, scales
-
-    def store_a(self, stage: int, pieces, scales) -> None:
-        k, tid = self.kernel, torch.arange(THREADS)
-        written = []
-        for p in range(k.a_passes):
-            row, chunk = a_piece(p * THREADS + tid, k.chunks_per_row)
-            off = a_lds_offset(stage, k.a_stage, row, k.bk, chunk)
-            self.lds_a[off.unsqueeze(1) + _BYTE] = pieces[p]
-            written.append(off)
-        # The swizzle must be a permutation of the stage's 16-byte slots.
-        written = torch.cat(written)
-        assert torch.equal(
-            written.sort().values, stage * k.a_stage + torch.arange(0, k.a_stage, CHUNK)
-        )
-        for p in range(k.xs_passes):
-            row, sub = x_scale_piece(torch.clamp(p * THREADS + tid, max=k.xs_count - 1), k.bm)
-            self.lds_xs[x_scale_lds_offset(stage, k.xs_stage, sub, k.bm, row)] = scales[p]
-
-    def load_b(self, step: int, wave: int):
-        k = self.kernel
-        lane_row, lane_k = lane_coords(torch.arange(WAVE_SIZE))
-        col0 = self.tile_n * k.bn + wave * k.wave_n
-        regs = []
-        for sub in range(k.k_sub):
-            per_n = []
-            for j in range(k.n_sub):
-                halves = []
-                for half in range(2):
-                    k64 = step * (k.bk // 64) + sub * 2 + half
-                    off = k.b_offset(
-                        self.group * k.n * k.k, (col0 + j * 16) // 16, k64, lane_row, lane_k, k.k
-                    )
-                    halves.append(_gather16(k.wq, off))
-                per_n.append(torch.cat(halves, dim=1))
-            regs.append(per_n)
-        ws = [
-            k.w_scale[
-                w_scale_offset(self.group, k.k_scales, k.n_scales, col0, step * k.k_sub + sub)
-            ]
-            for sub in range(k.k_sub)
-        ]
-        return regs, ws
-
-    def run(self, out: torch.Tensor, writes: torch.Tensor) -> None:
-        k = self.kernel
-        lane_row, lane_k = lane_coords(torch.arange(WAVE_SIZE))
-        self.store_a(0, *self.load_a(0))
-        b_cur = [self.load_b(0, w) for w in range(WAVES)]
-        acc = torch.zeros(WAVES, k.m_sub, k.n_sub, WAVE_SIZE, 4, dtype=torch.float64)
-        for step in range(k.k_steps):
-            stage = step % 2
-            last = step == k.k_steps - 1
-            if not last:  # the last step prefetches nothing
-                pieces, scales = self.load_a(step + 1)
-                b_next = [self.load_b(step + 1, w) for w in range(WAVES)]
-            for w in range(WAVES):
-                b_regs, ws = b_cur[w]
-                for sub in range(k.k_sub):
-                    for i in range(k.m_sub):
-                        row = i * 16 + lane_row
-                        a = torch.cat(
-                            [
-                                _gather16(
-                                    self.lds_a,
-                                    a_lds_offset(
-                                        stage, k.a_stage, row, k.bk, a_operand_chunk(sub, h, lane_k)
-                                    ),
-                                )
-                                for h in range(2)
-                            ],
-                            dim=1,
-                        )
-                        xs_off = x_scale_lds_offset(
-                            stage, k.xs_stage, sub, k.bm, acc_row(i, lane_k, 0)
-                        )
-                        xs4 = self.lds_xs[xs_off.unsqueeze(1) + torch.arange(4)]
-                        scale4 = xs4 if k.prescaled else xs4 * ws[sub]
-                        for j in range(k.n_sub):
-                            acc[w, i, j] += _mfma(k.decode(a), k.decode(b_regs[sub][j])) * scale4
-            if not last:
-                self.store_a(1 - stage, pieces, scales)
-                b_cur = b_next
-        for w in range(WAVES):
-            col0 = self.tile_n * k.bn + w * k.wave_n
-            for i in range(k.m_sub):
-                for j in range(k.n_sub):
-                    col = col0 + j * 16 + lane_row
-                    for r in range(4):
-                        row = self.row0 + acc_row(i, lane_k, r)
-                        keep = row < self.row_stop
-                        out[row[keep], col[keep]] = acc[w, i, j, keep, r]
-                        writes[row[keep], col[keep]] += 1
-
-
-def _mfma(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A 16x16 MFMA on per-lane operands ``[64, bytes]``: each lane's 4 accumulator values.
-
-    Lane ``16 q + r`` holds row r of A (column r of B) for lane group q; the
-    product pairs A and B values at the same (q, byte). Lane ``16 q + c`` gets
-    C rows ``4 q + [0, 4)`` of column c.
-    """
-    a = a.reshape(4, 16, -1)  # [q, row, byte]
-    b = b.reshape(4, 16, -1)  # [q, col, byte]
-    c = torch.einsum("qre,qce->rc", a, b)  # [row, col]
-    q, col = torch.arange(WAVE_SIZE) // 16, torch.arange(WAVE_SIZE) % 16
-    rows = (q * 4).unsqueeze(1) + torch.arange(4)
-    return c[rows, col.unsqueeze(1)]
-
-
-class _Replay:
-    """The kernel's compile-time constants for one (tile, N, K), and its inputs as flat arrays."""
-
-    def __init__(self, layout, tile: FlyTile, xq, wq_dev, x_scale, w_scale, m_sizes):
-        self.m, self.k = xq.shape
-        g, self.n, _ = wq_dev.shape
-        tile = fit_tile(tile, self.n, self.k)
-        self.bm, self.bn, self.bk = tile.block_m, tile.block_n, tile.block_k
-        self.wave_n = self.bn // WAVES
-        self.n_sub, self.m_sub = self.wave_n // 16, self.bm // 16
-        self.k_sub, self.k_steps = self.bk // SCALE_BLOCK, self.k // self.bk
-        self.k_scales, self.n_scales = self.k // SCALE_BLOCK, self.n // SCALE_BLOCK
-        self.chunks_per_row = self.bk // CHUNK
-        self.a_passes = self.bm * self.bk // (CHUNK * THREADS)
-        self.xs_count = self.bm * self.k_sub
-        self.xs_passes = -(-self.xs_count // THREADS)
-        self.a_stage, self.xs_stage = self.bm * self.bk, self.xs_count
-        self.b_offset = b_offset_preshuffled if layout == "preshuffled" else b_offset_plain
-        self.prescaled = scales_prescaled(self.bn)
-        self.sizes = [int(s) for s in m_sizes]
-        self.grid = (-(-self.m // self.bm) + g - 1, self.n // self.bn)
-        self.xq = xq.view(torch.uint8).reshape(-1)
-        self.wq = wq_dev.view(torch.uint8).reshape(-1)
-        self.x_scale = x_scale.double().reshape(-1)
-        self.w_scale = w_scale.double().reshape(-1)
-        table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(xq.dtype)
-        self._values = table.double()
-
-    def decode(self, raw: torch.Tensor) -> torch.Tensor:
-        return self._values[raw.long()]
-
-    def run(self):
-        out = torch.full((self.m, self.n), float("nan"), dtype=torch.float64)
-        writes = torch.zeros((self.m, self.n), dtype=torch.int64)
-        for tile_m in range(self.grid[0]):
-            for tile_n in range(self.grid[1]):
-                block = _Block(self, tile_m, tile_n)
-                if block.group >= 0:
-                    block.run(out, writes)
-        return out, writes
-
-
-def _replay(arch, layout, tile, problem):
-    wq = preshuffle(problem.wq) if layout == "preshuffled" else problem.wq
-    return _Replay(
-        layout, tile, problem.xq, wq, problem.x_scale, problem.w_scale, problem.m_sizes
-    ).run()
+def _emulate(arch, layout, tile, problem, m_sizes=None, weights=None, module=None):
+    """The kernel of (arch, layout, tile) on ``problem``, emulated: ``(out, writes)``.
+    ``weights``: the bytes handed over as ``wq`` (default: ``problem.wq`` in ``layout``)."""
+    module = module or emulated_module()
+    _, n, k = problem.wq.shape
+    if weights is None:
+        weights = preshuffle(problem.wq) if layout == "preshuffled" else problem.wq
+    shape = module.KernelShape(arch, layout, fit_tile(tile, n, k), n, k)
+    out = torch.full((problem.xq.shape[0], n), float("nan"), dtype=torch.bfloat16)
+    sizes = problem.m_sizes if m_sizes is None else m_sizes
+    writes = run(shape, problem.xq, weights, problem.x_scale, problem.w_scale, sizes, out,
+                 module=module)
+    return out, writes
 
 
 # Both layouts for the default tiles; the server's layout for the other candidates.
@@ -269,44 +69,63 @@ MODEL_CASES = sorted(
 )
 
 
+def _arch_of(tile):
+    return "gfx950" if tile.lds_bytes > 64 * 1024 else "gfx942"
+
+
 @pytest.mark.parametrize(("tile", "layout"), MODEL_CASES, ids=lambda v: str(v))
-def test_replayed_kernel_meets_the_spec(tile, layout):
-    arch = "gfx950" if tile.lds_bytes > 64 * 1024 else "gfx942"
+def test_emulated_kernel_meets_the_spec(tile, layout):
+    arch = _arch_of(tile)
     m = 33 + int(torch.randint(0, 80, (1,)))  # ragged tails in every tile size
-    # Two K steps or more (the LDS stages alternate), two N tiles or more.
+    # Two K steps or more (the LDS stages alternate), two N tiles or more, K > 128.
     n, k = 2 * tile.block_n, 2 * tile.block_k
     problem = random_problem(m, n, k, 5, fp8_dtype=FP8_DTYPE[arch])
-    out, writes = _replay(arch, layout, tile, problem)
-    assert torch.equal(writes, torch.ones_like(writes)), (
-        "every output element is written exactly once"
-    )
-    ref = reference_float64(*problem.args())
-    assert rel_error(out.to(torch.bfloat16), ref) <= SPEC_TOLERANCE
+    out, writes = _emulate(arch, layout, tile, problem)
+    assert torch.equal(writes, torch.ones_like(writes)), "every output element is written once"
+    assert rel_error(out, reference_float64(*problem.args())) <= SPEC_TOLERANCE
 
 
-def test_replay_with_m_tile_past_every_group_and_empty_groups():
+@pytest.mark.parametrize("arch", sorted(DEFAULT_TILES))
+def test_emulated_kernel_on_many_groups_and_long_k(arch):
+    """G = 37 with empty groups, K = 1024: the scales of every group and K block."""
+    sizes = random_m_sizes(37, 301, empty_groups=True)
+    problem = random_problem(301, 256, 1024, 37, m_sizes=sizes, fp8_dtype=FP8_DTYPE[arch])
+    out, writes = _emulate(arch, "preshuffled", DEFAULT_TILES[arch], problem)
+    assert torch.equal(writes, torch.ones_like(writes))
+    assert rel_error(out, reference_float64(*problem.args())) <= SPEC_TOLERANCE
+
+
+def test_emulation_with_m_tile_past_every_group_and_empty_groups():
     """Zero-row groups at both ends and in the middle; a single row overall."""
     sizes = torch.tensor([0, 1, 0, 0], dtype=torch.int64)
     problem = random_problem(1, 256, 256, 4, m_sizes=sizes)
-    out, writes = _replay("gfx950", "preshuffled", DEFAULT_TILES["gfx950"], problem)
+    out, writes = _emulate("gfx950", "preshuffled", DEFAULT_TILES["gfx950"], problem)
     assert int(writes.sum()) == 256 and int(writes.max()) == 1
-    assert rel_error(out.to(torch.bfloat16), reference_float64(*problem.args())) <= SPEC_TOLERANCE
+    assert rel_error(out, reference_float64(*problem.args())) <= SPEC_TOLERANCE
 
 
-def test_replay_catches_the_wrong_weight_layout():
-    """The model is sharp: plain weights read as preshuffled miss the tolerance by far."""
-    problem = random_problem(70, 256, 256, 3, m_sizes=random_m_sizes(3, 70, empty_groups=False))
-    wrong = _Replay(
-        "preshuffled",
-        DEFAULT_TILES["gfx942"],
-        problem.xq,
-        problem.wq,
-        problem.x_scale,
-        problem.w_scale,
-        problem.m_sizes,
-    )
-    out, _ = wrong.run()
-    assert rel_error(out.to(torch.bfloat16), reference_float64(*problem.args())) > 0.5
+def test_emulation_catches_the_wrong_weight_layout():
+    """Plain weights read as preshuffled miss the tolerance by far."""
+    problem = random_problem(70, 256, 256, 3, m_sizes=random_m_sizes(3, 70, empty_groups=False),
+                             fp8_dtype=FP8_DTYPE["gfx942"])
+    out, _ = _emulate("gfx942", "preshuffled", DEFAULT_TILES["gfx942"], problem,
+                      weights=problem.wq)
+    assert rel_error(out, reference_float64(*problem.args())) > 0.5
+
+
+@pytest.mark.parametrize("arch", sorted(DEFAULT_TILES))
+def test_emulation_catches_x_scales_read_in_the_wrong_layout(arch):
+    """The kernel's source with x_scale read as ``[K/128, M]`` (MSLK's shipped bug: right
+    only for G = 1 or K = 128) fails: what runs here is the kernel's own addressing."""
+    right = "off = x_scale_global_offset(grow, k_scales, step, k_sub, fx.Int64(sub))"
+    wrong = "off = (step * k_sub + fx.Int64(sub)) * m64 + grow"
+    source = kernel_source()
+    assert source.count(right) == 1, "the kernel's x-scale read moved: update this test"
+    module = emulated_module(source.replace(right, wrong))
+    problem = random_problem(90, 256, 512, 3, m_sizes=random_m_sizes(3, 90, empty_groups=False),
+                             fp8_dtype=FP8_DTYPE[arch])
+    out, _ = _emulate(arch, "preshuffled", DEFAULT_TILES[arch], problem, module=module)
+    assert rel_error(out, reference_float64(*problem.args())) > 0.1
 
 
 # ----------------------------------------------------------------------------- bounds
@@ -321,23 +140,20 @@ def test_replay_catches_the_wrong_weight_layout():
     ],
     ids=["sum-past-m", "negative-and-huge", "wrapping-sum"],
 )
-def test_replay_never_writes_past_m(sizes, effective):
+def test_emulation_never_writes_past_m(sizes, effective):
     """Sizes the server would refuse still keep every store inside ``out`` ``[M, N]``.
 
-    The replay's ``out`` is exactly ``[M, N]``: a store to a row past M would
-    raise IndexError. What is stored equals SPEC 1 for the clamped sizes.
+    The emulated ``out`` is exactly ``[M, N]``: a store to a row past M raises
+    IndexError. What is stored equals SPEC 1 for the clamped sizes.
     """
     m = 70
-    problem = random_problem(m, 256, 256, 3, m_sizes=torch.tensor(effective))
-    args = list(problem.args())
     for arch, layout in (("gfx942", "plain"), ("gfx950", "preshuffled")):
-        wq = preshuffle(problem.wq) if layout == "preshuffled" else problem.wq
-        replay = _Replay(
-            layout, DEFAULT_TILES[arch], problem.xq, wq, problem.x_scale, problem.w_scale, sizes
-        )
-        out, writes = replay.run()
+        problem = random_problem(m, 256, 256, 3, m_sizes=torch.tensor(effective),
+                                 fp8_dtype=FP8_DTYPE[arch])
+        out, writes = _emulate(arch, layout, DEFAULT_TILES[arch], problem,
+                               m_sizes=torch.tensor(sizes, dtype=torch.int64))
         assert torch.equal(writes, torch.ones_like(writes))
-        assert rel_error(out.to(torch.bfloat16), reference_float64(*args)) <= SPEC_TOLERANCE
+        assert rel_error(out, reference_float64(*problem.args())) <= SPEC_TOLERANCE
 
 
 # ----------------------------------------------------------------------------- int64 addressing
