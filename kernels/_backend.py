@@ -112,10 +112,8 @@ class Backend:
     weight_layout: WeightLayout
     prepare_weights: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     run: Callable[..., torch.Tensor]
-    # run(xq, wq_prepared, x_scale, w_scale, m_sizes, out) -> out
+    # run(xq, wq_prepared, x_scale, w_scale, m_sizes, out) -> out; out bf16 or float32
     capture_safe: bool = False
-    # The dtypes ``run``'s ``out`` may have (bf16 always; float32 where the epilogue has it).
-    out_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
     run_addressed: Callable[..., torch.Tensor] | None = None
     check_and_gather: Callable[..., None] | None = None
     gather_quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -11,7 +11,7 @@ importing FlyDSL itself.
 | `x_scale` | `[M, K/128]`                   | float32             | per token, per 128-wide K block |
 | `w_scale` | `[G, K/128, N/128]`            | float32             | per 128x128 weight block |
 | `m_sizes` | `[G]`                          | int64 or int32      | rows per group, summing to M |
-| `out`     | `[M, N]`                       | bfloat16            | compact output, row-major |
+| `out`     | `[M, N]`                       | bfloat16 or float32 | compact output, row-major (the expert FFN's `h` is float32) |
 | `M`, `G`  | scalars                        | int32               | rows, groups |
 
 Every tensor arrives with its natural shape, layout-dynamic: FlyDSL packs each
@@ -108,6 +108,7 @@ class KernelShape:
     tile: FlyTile
     n: int
     k: int
+    out_dtype: str = "bf16"  # "bf16" | "f32": what the epilogue stores
 
 
 def _bytes16():
@@ -155,6 +156,7 @@ def build_launcher(shape: KernelShape) -> Callable:
     # folded into the x scales as they are staged, and the MFMA loop applies one
     # product per accumulator. Wider blocks multiply per wave in the loop.
     prescaled = scales_prescaled(bn)
+    out_f32 = shape.out_dtype == "f32"
 
     @fx.struct
     class Staging:
@@ -384,7 +386,7 @@ def build_launcher(shape: KernelShape) -> Callable:
             # Epilogue: a lane holds rows acc_row(i, lane_k, r) of column lane_row of each tile.
             for i in range_constexpr(m_sub):
                 for j in range_constexpr(n_sub):
-                    vals = acc[i][j].to(fx.BFloat16)
+                    vals = acc[i][j] if const_expr(out_f32) else acc[i][j].to(fx.BFloat16)
                     col = col0 + j * 16 + lane_row64
                     for r in range_constexpr(4):
                         row = row0 + fx.Int64(acc_row(i, lane_k, r))

@@ -287,12 +287,14 @@ def compile_case(
     k: int = 1024,
     m: int = 64,
     g: int = 4,
+    out: str = "bf16",
     timeout: float = 300,
 ) -> CompileResult:
     """Compile one (arch, layout, tile) case in a subprocess and parse its ISA.
 
     The child first packs the arguments of a launch of ``m`` rows and ``g``
-    groups (meta tensors), as a launch would.
+    groups (meta tensors), as a launch would. ``out``: the output's dtype,
+    ``bf16`` or ``f32`` (the expert FFN's h).
     """
     root = rocm_path()
     if root is None:
@@ -327,6 +329,8 @@ def compile_case(
             str(m),
             "--g",
             str(g),
+            "--out",
+            out,
         ]
         try:
             proc = subprocess.run(
@@ -366,13 +370,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=1024)
     parser.add_argument("--m", type=int, default=64, help="rows of the launch packed first")
     parser.add_argument("--g", type=int, default=4, help="groups of the launch packed first")
+    parser.add_argument("--out", choices=("bf16", "f32"), default="bf16", help="output dtype")
     args = parser.parse_args(argv)
+    import torch
+
     from .flydsl_kernel import compile_only
 
     start = time.perf_counter()
     try:
+        out_dtype = torch.float32 if args.out == "f32" else torch.bfloat16
         launcher = compile_only(
-            args.arch, args.layout, args.tile, n=args.n, k=args.k, m=args.m, g=args.g
+            args.arch, args.layout, args.tile, n=args.n, k=args.k, m=args.m, g=args.g,
+            out_dtype=out_dtype,
         )
     except TileTooLarge as exc:
         sys.stderr.write(f"rejected: {exc}\n")

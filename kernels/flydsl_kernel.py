@@ -7,7 +7,7 @@
 | `x_scale` | `[M, K/128]`        | float32                               |
 | `w_scale` | `[G, K/128, N/128]` | float32                               |
 | `m_sizes` | `[G]`               | int64 or int32                        |
-| `out`     | `[M, N]`            | bfloat16                              |
+| `out`     | `[M, N]`            | bfloat16 or float32                   |
 
 Two launchers, named for the weight layout they read: :func:`run_preshuffled`
 (the MFMA B layout the server keeps resident, shuffled once at load) and
@@ -165,7 +165,8 @@ def _jit_tensor(flyc, t: torch.Tensor):
     return flyc.from_torch_tensor(raw, assumed_align=_ALIGN).mark_layout_dynamic()
 
 
-def _operands(m: int, g: int, n: int, k: int, m_sizes_dtype: torch.dtype, device="meta"):
+def _operands(m: int, g: int, n: int, k: int, m_sizes_dtype: torch.dtype, device="meta",
+              out_dtype: torch.dtype = torch.bfloat16):
     """Placeholder operands of a launch of these sizes (meta tensors: no memory)."""
     fp8 = torch.uint8
     return (
@@ -174,7 +175,7 @@ def _operands(m: int, g: int, n: int, k: int, m_sizes_dtype: torch.dtype, device
         torch.empty(m, k // _BLOCK, dtype=torch.float32, device=device),
         torch.empty(g, k // _BLOCK, n // _BLOCK, dtype=torch.float32, device=device),
         torch.empty(g, dtype=m_sizes_dtype, device=device),
-        torch.empty(m, n, dtype=torch.bfloat16, device=device),
+        torch.empty(m, n, dtype=out_dtype, device=device),
     )
 
 
@@ -202,11 +203,16 @@ def pack_arguments(launcher, tensors, m: int, g: int) -> list:
     return storages
 
 
-def _kernel_shape(module, arch: str, layout: str, tile: FlyTile, n: int, k: int):
+_OUT_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _kernel_shape(module, arch: str, layout: str, tile: FlyTile, n: int, k: int,
+                  out_dtype: torch.dtype = torch.bfloat16):
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
     tile = check_tile(fit_tile(tile, n, k), arch)
-    return module.KernelShape(arch=arch, weight_layout=layout, tile=tile, n=n, k=k)
+    return module.KernelShape(arch=arch, weight_layout=layout, tile=tile, n=n, k=k,
+                              out_dtype=_OUT_DTYPES[out_dtype])
 
 
 def compile_only(
@@ -219,6 +225,7 @@ def compile_only(
     *,
     m: int = 64,
     g: int = 4,
+    out_dtype: torch.dtype = torch.bfloat16,
 ):
     """Trace and compile one kernel for ``arch`` without a GPU (FlyDSL's ``COMPILE_ONLY=1``).
 
@@ -241,12 +248,12 @@ def compile_only(
     module = _import_kernel_module()
     import flydsl.compiler as flyc
 
-    shape = _kernel_shape(module, arch, layout, tile, n, k)
+    shape = _kernel_shape(module, arch, layout, tile, n, k, out_dtype)
     _check_sizes(m, n, k, g)
     # Meta tensors: the sizes are real (a DeepSeek-V3 layer packs as it would on a
     # GPU) but nothing is allocated. Every tensor is layout-dynamic, so the code
     # compiled does not depend on M or G.
-    tensors = _operands(m, g, n, k, m_sizes_dtype)
+    tensors = _operands(m, g, n, k, m_sizes_dtype, out_dtype=out_dtype)
     launcher = module.build_launcher(shape)
     pack_arguments(launcher, tensors, m, g)
     flyc.compile(launcher, *(_jit_tensor(flyc, t) for t in tensors), m, g)
@@ -291,11 +298,8 @@ def _check_call(xq, wq, x_scale, w_scale, m_sizes, out, fp8_dtype) -> None:
         raise TypeError("x_scale and w_scale must be float32")
     if m_sizes.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"m_sizes must be int64 or int32, got {m_sizes.dtype}")
-    if out.dtype != torch.bfloat16:
-        # The kernel's epilogue packs bf16 pairs; a float32 epilogue (the FFN's
-        # float32 h) is not built, so the expert FFN does not run on this backend.
-        raise TypeError(f"the flydsl kernel writes bfloat16 only, got out {out.dtype} "
-                        "(float32 output is not supported on this backend)")
+    if out.dtype not in _OUT_DTYPES:  # float32: the expert FFN's h
+        raise TypeError(f"the flydsl kernel writes bfloat16 or float32, got out {out.dtype}")
     m, k = xq.shape
     g, n, wk = wq.shape
     _check_sizes(m, n, k, g)
@@ -339,7 +343,7 @@ def _run(layout: str, xq, wq, x_scale, w_scale, m_sizes, out, tile: FlyTile | No
 
     if tile is None:
         tile = _tile_for(layout, arch, xq, wq, x_scale, w_scale, m_sizes, out)
-    shape = _kernel_shape(module, arch, layout, tile, n, k)
+    shape = _kernel_shape(module, arch, layout, tile, n, k, out.dtype)
     args = tuple(_jit_tensor(flyc, t) for t in (xq, wq, x_scale, w_scale, m_sizes, out))
     stream = fx.Stream(torch.cuda.current_stream(xq.device))
     _launch((shape, m_sizes.dtype), module, flyc, args, m, g, stream)

@@ -226,7 +226,6 @@ def create(device: torch.device) -> Backend:
         prepare_weights=_prepare_weights,
         run=_run,
         capture_safe=False,
-        out_dtypes=(torch.bfloat16, torch.float32),
         tile_key=_one_tile,
     )
 

@@ -619,7 +619,6 @@ def create(device: torch.device) -> Backend:
         prepare_weights=_prepare_weights,
         run=run,
         capture_safe=True,
-        out_dtypes=(torch.bfloat16, torch.float32),
         run_addressed=run_addressed,
         check_and_gather=check_and_gather,
         gather_quantize=gather_quantize_triton,

@@ -8,7 +8,7 @@ The server runs expert calls through the engine (``_ffn_executor`` and
 ``_ffn_graphs``: merged, staged, in captured graphs); this module is the same
 chain written the obvious way, one call at a time, which the server's answers
 equal bit for bit on the same device (the GPU tests hold them to it), and the
-place of ``h_dtype``, the one choice both share.
+place of ``H_DTYPE``, the one choice both share.
 
 ``FfnExecutor`` is the chain of SPEC 5.1, built from the backend's GEMM
 (``backend.run``, the kernel the gemm endpoint runs) and
@@ -29,8 +29,6 @@ server checks them on the device instead, and never reads the ids).
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 from moegemm.client._errors import BadRouting
@@ -41,21 +39,9 @@ from ._checks import bad_rows, not_finite_error
 from ._tensors import FP8, to_backend_fp8
 from .experts import ExpertSet
 
-log = logging.getLogger("moegemm.server.ffn")
-
 H_DTYPE = torch.float32
-"""GEMM(w13)'s output ``h``: float32, not SPEC 5.1's bf16 (see the module docstring)."""
-
-
-def h_dtype(backend: Backend) -> torch.dtype:
-    """``H_DTYPE`` where the backend's GEMM writes it, else bf16 (FlyDSL's epilogue is
-    bf16 only: its FFN keeps SPEC 5.1's bf16 h, with that chain's accuracy tail on
-    calls of a few rows)."""
-    if H_DTYPE in backend.out_dtypes:
-        return H_DTYPE
-    log.warning("backend %s writes no %s GEMM output: the expert FFN keeps h in bf16",
-                backend.name, H_DTYPE)
-    return torch.bfloat16
+"""GEMM(w13)'s output ``h``: float32, not SPEC 5.1's bf16 (see the module docstring).
+Every backend's GEMM writes it."""
 
 
 def check_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, G: int) -> None:
@@ -82,7 +68,7 @@ class FfnExecutor:
         self.backend = backend
         self.device = backend.device
         self.fp8 = backend.fp8_dtype
-        self.h_dtype = h_dtype(backend)
+        self.h_dtype = H_DTYPE
 
     def ffn(self, es: ExpertSet, x: torch.Tensor, x_scale: torch.Tensor | None,
             m_sizes: list[int]) -> torch.Tensor:

@@ -67,7 +67,7 @@ from moegemm.kernels import quantize_activations, silu_mul_quant
 from moegemm.kernels._backend import Backend
 
 from ._checks import bad_rows
-from ._ffn import h_dtype
+from ._ffn import H_DTYPE
 from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addresses
 
 log = logging.getLogger("moegemm.server.ffn_graphs")
@@ -288,7 +288,7 @@ class FfnGraphs:
         self.backend = backend
         self.device = backend.device
         self.fp8 = backend.fp8_dtype
-        self.h_dtype = h_dtype(backend)  # float32 where the GEMM writes it (_ffn.py)
+        self.h_dtype = H_DTYPE  # float32, not SPEC 5.1's bf16 (_ffn.py)
         self.max_bucket = max_bucket_m
         self.buckets = buckets_up_to(max_bucket_m)
         is_gpu = self.device.type == "cuda"

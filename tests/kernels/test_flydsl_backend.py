@@ -150,9 +150,10 @@ def test_call_checks_refuse_what_the_kernel_cannot_read():
         fk._check_call(
             xq, wq, xs, ws, ms, torch.empty(256, 5, dtype=torch.bfloat16).t(), torch.float8_e4m3fnuz
         )
-    # A float32 out (the expert FFN's h on the triton and reference backends) is refused.
-    with pytest.raises(TypeError, match="bfloat16 only"):
-        fk._check_call(xq, wq, xs, ws, ms, out.float(), torch.float8_e4m3fnuz)
+    # float32 out (the expert FFN's h) is written; other dtypes are refused.
+    fk._check_call(xq, wq, xs, ws, ms, out.float(), torch.float8_e4m3fnuz)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        fk._check_call(xq, wq, xs, ws, ms, out.half(), torch.float8_e4m3fnuz)
 
 
 _ISA = """\

@@ -90,6 +90,10 @@ def compiled():
     cases = list(dict.fromkeys(DEFAULT_CASES + CANDIDATE_CASES))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         futures = {case: pool.submit(compile_case, *case, n=N, k=K) for case in cases}
+        for arch in SUPPORTED_ARCHS:  # the float32 epilogue (the expert FFN's h)
+            futures[(arch, "f32")] = pool.submit(
+                compile_case, arch, "preshuffled", DEFAULT_TILES[arch], n=N, k=K, out="f32"
+            )
         for arch, layout, launch in LARGE_CASES:
             g, n, k, m = LARGE_LAUNCHES[launch]
             futures[(arch, layout, launch)] = pool.submit(
@@ -122,6 +126,20 @@ def test_default_tile_compiles_to_the_intended_isa(compiled, case):
     assert isa.count("ds_write_b128") > 0 and isa.count("ds_read_b128") > 0
     # The code object's .text, read from the compiled module (what bench/rocm_isa.py reports).
     assert 4096 < isa.code_bytes < 64 * 1024 and isa.compile_seconds > 0
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_the_float32_epilogue_compiles_and_stores_dwords(compiled, arch):
+    """Out float32 (the expert FFN's h, server/_ffn.py): the same kernel, its epilogue
+    storing each sum as a dword where the bf16 one stores shorts."""
+    result = compiled[(arch, "f32")]
+    assert result.returncode == 0, result.stderr[-4000:]
+    isa, bf16 = result.isa, compiled[(arch, "preshuffled", DEFAULT_TILES[arch])].isa
+    assert isa.scratch_bytes == 0 and (isa.vgpr_spills, isa.sgpr_spills) == (0, 0)
+    assert isa.count("global_store_dword") > 0 and bf16.count("global_store_dword") == 0
+    assert not [m for m in isa.instructions if m.startswith("global_store_short")]
+    assert isa.count(MFMA_INSTRUCTION[arch]) == bf16.count(MFMA_INSTRUCTION[arch])
+    assert isa.lds_bytes == bf16.lds_bytes
 
 
 @pytest.mark.parametrize("case", DEFAULT_CASES, ids=_case_id)

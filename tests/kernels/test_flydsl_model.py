@@ -46,15 +46,17 @@ def _select(cond, a, b):
     return a if cond else b
 
 
-def _emulate(arch, layout, tile, problem, m_sizes=None, weights=None, module=None):
+def _emulate(arch, layout, tile, problem, m_sizes=None, weights=None, module=None,
+             out_dtype=torch.bfloat16):
     """The kernel of (arch, layout, tile) on ``problem``, emulated: ``(out, writes)``.
     ``weights``: the bytes handed over as ``wq`` (default: ``problem.wq`` in ``layout``)."""
     module = module or emulated_module()
     _, n, k = problem.wq.shape
     if weights is None:
         weights = preshuffle(problem.wq) if layout == "preshuffled" else problem.wq
-    shape = module.KernelShape(arch, layout, fit_tile(tile, n, k), n, k)
-    out = torch.full((problem.xq.shape[0], n), float("nan"), dtype=torch.bfloat16)
+    shape = module.KernelShape(arch, layout, fit_tile(tile, n, k), n, k,
+                               "f32" if out_dtype == torch.float32 else "bf16")
+    out = torch.full((problem.xq.shape[0], n), float("nan"), dtype=out_dtype)
     sizes = problem.m_sizes if m_sizes is None else m_sizes
     writes = run(shape, problem.xq, weights, problem.x_scale, problem.w_scale, sizes, out,
                  module=module)
@@ -93,6 +95,20 @@ def test_emulated_kernel_on_many_groups_and_long_k(arch):
     out, writes = _emulate(arch, "preshuffled", DEFAULT_TILES[arch], problem)
     assert torch.equal(writes, torch.ones_like(writes))
     assert rel_error(out, reference_float64(*problem.args())) <= SPEC_TOLERANCE
+
+
+@pytest.mark.parametrize("arch", sorted(DEFAULT_TILES))
+def test_the_float32_epilogue_stores_the_sums_the_bf16_one_rounds(arch):
+    """The expert FFN's h is float32 (server/_ffn.py): the f32 epilogue stores the
+    accumulators unrounded, and their bf16 rounding is the bf16 epilogue's bits."""
+    problem = random_problem(83, 256, 512, 4, fp8_dtype=FP8_DTYPE[arch])
+    tile = DEFAULT_TILES[arch]
+    f32, writes = _emulate(arch, "preshuffled", tile, problem, out_dtype=torch.float32)
+    bf16, _ = _emulate(arch, "preshuffled", tile, problem)
+    assert f32.dtype == torch.float32 and torch.equal(writes, torch.ones_like(writes))
+    assert torch.equal(f32.to(torch.bfloat16), bf16)
+    ref = reference_float64(*problem.args())
+    assert rel_error(f32, ref) < 1e-5  # the bf16 output's rounding (about 1e-3) is gone
 
 
 def test_emulation_with_m_tile_past_every_group_and_empty_groups():

@@ -333,19 +333,3 @@ def test_the_padded_triton_path_in_the_interpreter():
                           check=False, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
-
-def test_a_backend_without_float32_output_keeps_h_in_bf16():
-    """FlyDSL's epilogue writes bf16 only: its FFN runs with SPEC 5.1's bf16 h, where the
-    triton and reference backends keep h in float32 (kernels/activation.py says why)."""
-    import dataclasses
-
-    from moegemm.kernels.reference import create as reference_backend
-    from moegemm.server._ffn import FfnExecutor
-    from moegemm.server._ffn_graphs import FfnGraphs
-
-    backend = reference_backend(torch.device("cpu"))
-    assert FfnExecutor(backend).h_dtype == torch.float32
-    assert FfnGraphs(backend, 16).h_dtype == torch.float32
-    bf16_only = dataclasses.replace(backend, out_dtypes=(torch.bfloat16,))
-    assert FfnExecutor(bf16_only).h_dtype == torch.bfloat16
-    assert FfnGraphs(bf16_only, 16).h_dtype == torch.bfloat16
