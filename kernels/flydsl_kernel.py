@@ -138,6 +138,28 @@ def device_arch(device: torch.device) -> str:
     return arch
 
 
+def pin_target(arch: str) -> None:
+    """Make FlyDSL compile for ``arch``, the device's (read from torch), before it loads.
+
+    FlyDSL takes its target from ``ARCH``, then ``FLYDSL_GPU_ARCH`` or
+    ``HSA_OVERRIDE_GFX_VERSION``, then ``rocm_agent_enumerator``, and else guesses
+    gfx942: a host whose ``ARCH`` names its CPU (``x86_64``), or an MI350 container
+    without the enumerator, would build code for another target. ``FLYDSL_GPU_ARCH``
+    naming another gfx target than the device is refused (BackendUnavailable); a
+    stray ``ARCH`` is overridden in this process, with a warning.
+    """
+    named = os.environ.get("FLYDSL_GPU_ARCH", "").strip().lower()
+    if named and named != arch:
+        raise BackendUnavailable(f"FLYDSL_GPU_ARCH={named} but the device is {arch}")
+    os.environ["FLYDSL_GPU_ARCH"] = arch
+    stray = os.environ.get("ARCH")
+    if stray is not None and stray.strip().lower() != arch:
+        log.warning("ARCH=%s is not this device's target (%s): FlyDSL compiles for %s",
+                    stray, arch, arch)
+    if stray is not None:
+        os.environ["ARCH"] = arch
+
+
 def _arch(device: torch.device) -> str:
     arch = _arch_of.get(device)
     if arch is None:
@@ -461,6 +483,7 @@ def create(device: torch.device) -> Backend:
     """The FlyDSL Backend for a ROCm ``device`` (gfx942 or gfx950); BackendUnavailable otherwise."""
     device = torch.device(device)
     arch = device_arch(device)
+    pin_target(arch)
     _import_kernel_module()  # fail here, in the selector, rather than on the first request
 
     def run(xq, wq_prepared, x_scale, w_scale, m_sizes, out):

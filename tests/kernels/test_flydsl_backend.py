@@ -6,6 +6,8 @@ Python, and the module keeps FlyDSL out of any process that merely imports it.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 
@@ -96,6 +98,31 @@ def test_device_arch_in_compile_only_mode(monkeypatch):
 
 
 @pytest.mark.skipif(bool(torch.version.hip), reason="this box has ROCm torch")
+def test_pin_target_makes_flydsl_compile_for_the_device(monkeypatch):
+    """An audit: nothing made FlyDSL's target the device's. FlyDSL reads ARCH first, then
+    FLYDSL_GPU_ARCH, then rocm_agent_enumerator, and guesses gfx942."""
+    monkeypatch.delenv("FLYDSL_GPU_ARCH", raising=False)
+    monkeypatch.delenv("HSA_OVERRIDE_GFX_VERSION", raising=False)
+    monkeypatch.setenv("ARCH", "x86_64")  # a build host's variable
+    fk.pin_target("gfx950")
+    assert os.environ["FLYDSL_GPU_ARCH"] == "gfx950" and os.environ["ARCH"] == "gfx950"
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx942")
+    with pytest.raises(BackendUnavailable, match="FLYDSL_GPU_ARCH=gfx942 but the device is gfx950"):
+        fk.pin_target("gfx950")
+    if importlib.util.find_spec("flydsl") is None:
+        return
+    # FlyDSL's own choice, in a process of its own (never next to Triton).
+    code = ("from moegemm.kernels import flydsl_kernel as fk; fk.pin_target('gfx950'); "
+            "from flydsl.compiler.backends.rocm import RocmBackend; "
+            "print(RocmBackend.detect_target().arch)")
+    env = {k: v for k, v in os.environ.items() if k not in ("FLYDSL_GPU_ARCH", "COMPILE_ONLY")}
+    env["ARCH"] = "x86_64"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=False, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "gfx950"
+
+
 def test_create_is_unavailable_without_rocm(monkeypatch):
     monkeypatch.delenv("COMPILE_ONLY", raising=False)
     with pytest.raises(BackendUnavailable, match="ROCm"):
