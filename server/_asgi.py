@@ -160,3 +160,14 @@ class Response:
                 self.pending, self.pending_bytes = [], 0
             if not more:
                 self.finished = True
+
+
+def leaf_routes(routes):
+    """The routes themselves, through the routers the app included (FastAPI keeps each
+    included router as one entry whose ``original_router`` holds its routes)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from leaf_routes(inner.routes)
+        else:
+            yield route

@@ -56,7 +56,6 @@ import re
 import signal
 import socket
 import struct
-import termios
 import time
 from collections.abc import Callable
 from typing import Any
@@ -65,7 +64,7 @@ from urllib.parse import unquote
 import httptools
 import numpy as np
 
-from ._asgi import Response, _run_now, _start, status_line, whole_body_receive
+from ._asgi import Response, _run_now, _start, leaf_routes, status_line, whole_body_receive
 from ._http_gate import (
     HttpLimits,
     Refusal,
@@ -128,21 +127,10 @@ def _endpoint_of(app, method: str, path: str | None) -> str:
     if route is not None:
         return route.endpoint
     scope = {"type": "http", "method": method, "path": path, "root_path": ""}
-    for candidate in _leaf_routes(getattr(app, "routes", ())):
+    for candidate in leaf_routes(getattr(app, "routes", ())):
         if candidate.matches(scope)[0] == Match.FULL:
             return getattr(candidate, "path_format", "unmatched")
     return "unmatched"
-
-
-def _leaf_routes(routes):
-    """The routes themselves, through the routers the app included (FastAPI keeps each
-    included router as one entry whose ``original_router`` holds its routes)."""
-    for route in routes:
-        inner = getattr(route, "original_router", None)
-        if inner is not None:
-            yield from _leaf_routes(inner.routes)
-        else:
-            yield route
 
 
 class _Pipelined(Exception):

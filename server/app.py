@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from . import routes, routes_experts
+from ._asgi import leaf_routes
 from ._http_gate import request_id as request_id_of
 from .config import Settings, get_settings
 from .engine import EXIT_DEVICE_LOST, Engine
@@ -323,11 +324,12 @@ async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 def _allowed(request) -> str:
-    """The methods some route takes at the request's path (each asked of every route: the
-    routes of an included router are not all listed at the top in every FastAPI)."""
-    return ", ".join(method for method in ("GET", "HEAD", "PUT", "POST", "DELETE")
-                     if any(route.matches({**request.scope, "method": method})[0] is Match.FULL
-                            for route in request.app.router.routes))
+    """The methods of every route at the request's path."""
+    methods = set()
+    for route in leaf_routes(request.app.router.routes):
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(m for m in ("GET", "HEAD", "PUT", "POST", "DELETE") if m in methods)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -264,17 +264,20 @@ class _AnyName(Convertor):
         return value
 
 
-# Route paths are compiled when the decorators below run, so the convertor is
-# registered first (one entry in Starlette's convertor table).
-class _SetName(_AnyName):
-    """``wsname`` for a path that ends with the name: not one ending in an action's path
-    (``x/gemm``, ``x/ffn``, ``x/moe``), where a wrong method is 405, not bad_name."""
+class _NameBefore(_AnyName):
+    """``wsname`` for a path that ends with the name, but not where the name ends in one
+    of its resource's actions (``x/gemm`` under /weights; ``x/ffn``, ``x/moe`` under
+    /experts): there a wrong method is 405, not bad_name for the name ``x/gemm``."""
 
-    regex = r"(?![\s\S]*/(?:gemm|ffn|moe)$)[\s\S]*"
+    def __init__(self, *actions: str) -> None:
+        self.regex = rf"(?![\s\S]*/(?:{'|'.join(actions)})$)[\s\S]*"
 
 
+# Route paths are compiled when the decorators below run, so the convertors are
+# registered first (entries in Starlette's convertor table).
 register_url_convertor("wsname", _AnyName())
-register_url_convertor("setname", _SetName())
+register_url_convertor("weightset", _NameBefore("gemm"))
+register_url_convertor("expertset", _NameBefore("ffn", "moe"))
 
 health = APIRouter(prefix="/v1/health")
 api = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
@@ -348,7 +351,7 @@ async def list_weights(svc: ServicesDep) -> dict:
     return {"weights": [ws.describe() for ws in svc.store.list()]}
 
 
-@weights_admin.put("/weights/{name:setname}")
+@weights_admin.put("/weights/{name:weightset}")
 async def put_weights(name: str, request: Request, svc: ServicesDep):
     """Load or replace a weight set, from tensors in the body or from a file (201/200)."""
     check_name(name)
@@ -370,7 +373,7 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
     return JSONResponse(ws.describe(), status_code=200 if replaced else 201)
 
 
-@weights_admin.delete("/weights/{name:setname}", status_code=204)
+@weights_admin.delete("/weights/{name:weightset}", status_code=204)
 async def delete_weights(name: str, svc: ServicesDep) -> Response:
     """Unload a weight set."""
     check_name(name)

@@ -128,13 +128,13 @@ async def list_experts(request: Request) -> dict:
     return {"experts": [es.describe() for es in _experts(request).store.list()]}
 
 
-@router.api_route("/experts/{name:setname}", methods=READ)
+@router.api_route("/experts/{name:expertset}", methods=READ)
 async def get_experts(name: str, request: Request) -> dict:
     """One expert set's description."""
     return _experts(request).store.get(_name(name)).describe()
 
 
-@admin.put("/experts/{name:setname}")
+@admin.put("/experts/{name:expertset}")
 async def put_experts(name: str, request: Request, svc: ServicesDep):
     """Load or replace an expert set from tensors or a checkpoint layer (201/200)."""
     _name(name)
@@ -152,7 +152,7 @@ async def put_experts(name: str, request: Request, svc: ServicesDep):
     return JSONResponse(es.describe(), status_code=200 if replaced else 201)
 
 
-@admin.delete("/experts/{name:setname}", status_code=204)
+@admin.delete("/experts/{name:expertset}", status_code=204)
 async def delete_experts(name: str, request: Request, svc: ServicesDep) -> Response:
     """Unload an expert set and its two weight sets."""
     experts = _experts(request)
