@@ -132,7 +132,7 @@ def grouped_gemm(
     float32, ``m_sizes`` ``[G]`` int64/int32 (rows per group, summing to M; not
     checked here, because that would read the device). Returns bf16 ``[M, N]``,
     written into ``out`` when given; a float32 ``out`` receives the same sum
-    unrounded (what the expert FFN keeps as ``h``; the flydsl backend refuses it). Raises TypeError/ValueError on a contract
+    unrounded (what the expert FFN keeps as ``h``). Raises TypeError/ValueError on a contract
     violation.
     """
     _check_contract(xq, wq, x_scale, w_scale, m_sizes, out)

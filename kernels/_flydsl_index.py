@@ -1,9 +1,8 @@
 """Where the FlyDSL kernel reads and writes: its index arithmetic.
 
 Every function here uses only ``+ - * // % ^`` on its arguments, so the same
-code runs on FlyDSL values inside the kernel (``_flydsl_gemm.py``), on torch int64
-tensors when ``testing_flydsl`` runs the kernel's source on the CPU, and on the
-offsets of launches too large to run there (``tests/kernels/test_flydsl_model.py``).
+code runs on FlyDSL values inside the kernel (``_flydsl_gemm.py``) and on torch
+tensors when ``testing_flydsl`` runs the kernel's source on the CPU.
 Units: bytes for fp8 data, elements for scales.
 """
 

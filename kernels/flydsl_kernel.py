@@ -148,10 +148,11 @@ def pin_target(arch: str) -> None:
     naming another gfx target than the device is refused (BackendUnavailable); a
     stray ``ARCH`` is overridden in this process, with a warning.
     """
-    named = os.environ.get("FLYDSL_GPU_ARCH", "").strip().lower()
+    named = os.environ.get("FLYDSL_GPU_ARCH", "").strip().lower().split(":")[0]
     if named and named != arch:
         raise BackendUnavailable(f"FLYDSL_GPU_ARCH={named} but the device is {arch}")
-    os.environ["FLYDSL_GPU_ARCH"] = arch
+    if not named:
+        os.environ["FLYDSL_GPU_ARCH"] = arch
     stray = os.environ.get("ARCH")
     if stray is not None and stray.strip().lower() != arch:
         log.warning("ARCH=%s is not this device's target (%s): FlyDSL compiles for %s",

@@ -20,7 +20,13 @@ The stand-ins model the hardware as the kernel's docstring states it:
 - LDS starts as garbage (random bytes, NaN floats): a read of what nobody wrote
   shows up in the answer;
 - a store under a per-thread ``if`` (the epilogue's ``if row < row_stop``) writes
-  only the threads whose condition holds; every store to ``out`` is counted.
+  only the threads whose condition holds; every store to ``out`` is counted;
+- integers have the device's widths: thread and block indices, the ``fx.Int32``
+  arguments (M, G) and the kernel's loop counters are int32 and wrap, ``fx.Int64``
+  widens; every offset a load or store uses must lie inside its tensor, and a
+  store must write the pointer's own dtype;
+- ``Recording`` operands hold nothing and keep the offsets used, for launches too
+  large to hold (``launch(..., blocks=...)`` runs only some workgroups).
 
 What this does not cover: FlyDSL's lowering of the same source (``test_flydsl_isa.py``
 compiles it), barriers and races (threads run in lockstep), and the hardware's
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import builtins
 import importlib.util
+import inspect
 import sys
 import types
 from pathlib import Path
@@ -45,11 +52,13 @@ _SOURCE = Path(importlib.util.find_spec("moegemm.kernels").origin).parent / "_fl
 
 
 class _Run:
-    """The state of the launch being emulated: block index, arch, pending predicate."""
+    """The state of the launch being emulated: block index, arch, pending predicate, and
+    which blocks of the grid run (None: all)."""
 
     block = (0, 0)
     fp8 = torch.float8_e4m3fn
     predicate: torch.Tensor | None = None
+    only: set | None = None
 
 
 class Lanes(torch.Tensor):
@@ -132,15 +141,14 @@ class _Array:
 
 
 class _Int:
-    """``fx.Int64`` / ``fx.Int32``: a conversion when called, a type where one is named."""
+    """``fx.Int64`` / ``fx.Int32``: a conversion when called (to a tensor of that width: a
+    value narrowed to int32 wraps as on the device), a type where one is named."""
 
     def __init__(self, dtype):
         self.dtype = dtype
 
     def __call__(self, v):
-        if isinstance(v, torch.Tensor):
-            return _lanes(_plain(v).long()) if v.numel() > 1 else int(v)
-        return int(v)
+        return _lanes(torch.as_tensor(_plain(v)).to(self.dtype))
 
 
 def _dtype(t):
@@ -149,41 +157,58 @@ def _dtype(t):
 
 def _minmax(pick, tensor_op):
     def op(a, b):
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            a, b = (x if isinstance(x, torch.Tensor) else torch.tensor(x) for x in (a, b))
-            return _lanes(tensor_op(_plain(a), _plain(b)))
-        return pick(a, b)
+        if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+            return pick(a, b)
+        typed = a if isinstance(a, torch.Tensor) else b  # a Python constant takes its width
+        a, b = (torch.as_tensor(_plain(x), dtype=None if isinstance(x, torch.Tensor)
+                                else typed.dtype) for x in (a, b))
+        return _lanes(tensor_op(a, b))
 
     return op
 
 
+def _offsets(ptr: _Ptr, width: int = 1, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The pointer's element offsets, int64, those of the threads that access (``keep``)
+    checked inside its tensor (torch would take a negative one from the end)."""
+    offset = torch.as_tensor(_plain(ptr.offset))
+    assert not offset.is_floating_point(), offset.dtype
+    offset = offset.long()
+    used = offset if keep is None else offset.expand(THREADS)[keep]
+    if used.numel():
+        low, high = int(used.min()), int(used.max()) + width
+        assert 0 <= low and high <= ptr.flat.numel(), (low, high, ptr.flat.numel())
+    return offset
+
+
 def _load(ptr: _Ptr, result_type=None):
-    offset = _plain(ptr.offset)
     flat = ptr.flat
     if result_type is None:
-        value = flat[offset]
-        return _lanes(value) if isinstance(offset, torch.Tensor) else value.item()
+        return _lanes(flat[_offsets(ptr)])
     assert flat.dtype == result_type.dtype, (flat.dtype, result_type.dtype)
-    if not isinstance(offset, torch.Tensor):
-        offset = torch.full((THREADS,), offset, dtype=torch.int64)
+    offset = _offsets(ptr, result_type.count)
+    if offset.dim() == 0:
+        offset = offset.expand(THREADS)
     return Vec(flat[offset.unsqueeze(1) + torch.arange(result_type.count)])
 
 
 def _store(value, ptr: _Ptr):
     keep, _Run.predicate = _Run.predicate, None
-    offset = _plain(ptr.offset)
     data = value.data if isinstance(value, Vec) else _plain(value)
-    if not isinstance(offset, torch.Tensor):
-        offset = torch.full((THREADS,), offset, dtype=torch.int64)
+    # A store writes the value's own bytes: a float32 value stored through a bf16 pointer
+    # is a bug (twice the bytes), not a conversion.
+    assert data.dtype == ptr.flat.dtype, (data.dtype, ptr.flat.dtype)
+    offset = _offsets(ptr, data.shape[1] if isinstance(value, Vec) else 1, keep)
+    if offset.dim() == 0:
+        offset = offset.expand(THREADS)
     if isinstance(value, Vec):
         offset = offset.unsqueeze(1) + torch.arange(data.shape[1])
-    elif not isinstance(data, torch.Tensor) or data.dim() == 0:
-        data = torch.full(offset.shape, data, dtype=ptr.flat.dtype)
+    elif data.dim() == 0:
+        data = data.expand(offset.shape)
     if keep is not None:
         offset, data = offset[keep], data[keep]
     if getattr(ptr.flat, "writes", None) is not None:
         ptr.flat.writes.index_add_(0, offset.reshape(-1), torch.ones(offset.numel(), dtype=torch.int64))
-    ptr.flat[offset] = data.to(ptr.flat.dtype)
+    ptr.flat[offset] = data
 
 
 def _fma(a: Vec, b: Vec, c: Vec) -> Vec:
@@ -226,19 +251,21 @@ class _VectorApi:
 
 
 class _Idx:
+    """``fx.block_idx``: int32, as on the device."""
+
     @property
     def x(self):
-        return _Run.block[0]
+        return _lanes(torch.tensor(_Run.block[0], dtype=torch.int32))
 
     @property
     def y(self):
-        return _Run.block[1]
+        return _lanes(torch.tensor(_Run.block[1], dtype=torch.int32))
 
 
 class _ThreadIdx:
     @property
     def x(self):
-        return _lanes(torch.arange(THREADS, dtype=torch.int64))
+        return _lanes(torch.arange(THREADS, dtype=torch.int32))
 
 
 fx = types.SimpleNamespace(
@@ -317,8 +344,11 @@ class _Launch:
 
     def launch(self, grid, block, stream=None):
         assert tuple(block) == (THREADS, 1, 1)
+        assert all(int(extent) >= 0 for extent in grid), grid  # an int32 grid that wrapped
         for bx in range(int(grid[0])):
             for by in range(int(grid[1])):
+                if _Run.only is not None and (bx, by) not in _Run.only:
+                    continue
                 _Run.block = (bx, by)
                 self.body(*self.args)
                 assert _Run.predicate is None, "a per-thread if whose body stored nothing"
@@ -329,8 +359,14 @@ def _kernel(body):
 
 
 def _jit(fn):
+    int32 = [name for name, kind in fn.__annotations__.items() if kind is fx.Int32]
+
     def launcher(*args, **kwargs):
-        return fn(*args, **kwargs)
+        # Scalars declared fx.Int32 (M, G) arrive as int32, as FlyDSL passes them.
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        for name in int32:
+            bound.arguments[name] = _lanes(torch.tensor(bound.arguments[name], dtype=torch.int32))
+        return fn(*bound.args, **bound.kwargs)
 
     launcher.compile_hints = {}
     return launcher
@@ -340,14 +376,23 @@ flyc = types.SimpleNamespace(kernel=_kernel, jit=_jit)
 
 
 def _range(*bounds, unroll=None):
-    return builtins.range(*(int(b) for b in bounds))
+    """``range``: a loop of the kernel's (runtime bounds, or ``unroll=``) counts in int32 as
+    on the device; ``range_constexpr`` and Python's own loops in plain ints."""
+    values = builtins.range(*(int(b) for b in bounds))
+    if unroll is None and not any(isinstance(b, torch.Tensor) for b in bounds):
+        return values
+    return (_lanes(torch.tensor(v, dtype=torch.int32)) for v in values)
+
+
+def _constexpr_range(*bounds):
+    return builtins.range(*bounds)
 
 
 _FLYDSL = {
     "flydsl.compiler": flyc,
     "flydsl.expr": types.SimpleNamespace(
         **vars(fx), arith=arith, gpu=gpu, rocdl=rocdl, const_expr=lambda v: v,
-        range_constexpr=_range),
+        range_constexpr=_constexpr_range),
     "flydsl.expr.typing": types.SimpleNamespace(T=types.SimpleNamespace(f32x4="f32x4")),
 }
 _FLYDSL["flydsl"] = types.SimpleNamespace(compiler=flyc, expr=_FLYDSL["flydsl.expr"])
@@ -397,11 +442,48 @@ def run(shape, xq, wq, x_scale, w_scale, m_sizes, out, module=None) -> torch.Ten
     """Launch the kernel of ``shape`` (the emulated module's ``KernelShape``) on CPU tensors
     as ``flydsl_kernel`` passes them (fp8 as uint8 views); fills ``out`` and returns how
     many times each of its elements was stored."""
+    flat = out.view(-1)
+    flat.writes = torch.zeros(flat.numel(), dtype=torch.int64)
+    launch(shape, xq.view(torch.uint8), wq.view(torch.uint8), x_scale, w_scale, m_sizes, flat,
+           xq.shape[0], wq.shape[0], module=module)
+    return flat.writes.view(out.shape)
+
+
+def launch(shape, xq, wq, x_scale, w_scale, m_sizes, out, m: int, g: int, *, module=None,
+           blocks=None) -> None:
+    """The emulated launch itself, on flat operands (tensors, or :class:`Recording` stand-ins
+    for operands too large to hold); ``blocks``: only these ``(x, y)`` blocks of the grid run."""
     launcher = (module or emulated_module()).build_launcher(shape)
     _Run.fp8 = torch.float8_e4m3fnuz if shape.arch == "gfx942" else torch.float8_e4m3fn
     _Run.predicate = None
-    flat = out.view(-1)
-    flat.writes = torch.zeros(flat.numel(), dtype=torch.int64)
-    launcher(xq.view(torch.uint8), wq.view(torch.uint8), x_scale, w_scale, m_sizes, flat,
-             xq.shape[0], wq.shape[0])
-    return flat.writes.view(out.shape)
+    _Run.only = None if blocks is None else set(blocks)
+    try:
+        launcher(xq, wq, x_scale, w_scale, m_sizes, out, m, g)
+    finally:
+        _Run.only = None
+
+
+class Recording:
+    """A flat operand of ``size`` elements that holds nothing: loads read zeros, stores are
+    dropped, and the offsets of both are kept (``spans``: each access's [low, high))."""
+
+    def __init__(self, size: int, dtype: torch.dtype):
+        self.size, self.dtype, self.spans, self.writes = size, dtype, [], None
+
+    def numel(self) -> int:
+        return self.size
+
+    def reshape(self, *_shape):
+        return self
+
+    def _note(self, index) -> None:
+        index = torch.as_tensor(index)
+        if index.numel():
+            self.spans.append((int(index.min()), int(index.max()) + 1))
+
+    def __getitem__(self, index):
+        self._note(index)
+        return torch.zeros(torch.as_tensor(index).shape, dtype=self.dtype)
+
+    def __setitem__(self, index, value) -> None:
+        self._note(index)

@@ -68,7 +68,6 @@ class FfnExecutor:
         self.backend = backend
         self.device = backend.device
         self.fp8 = backend.fp8_dtype
-        self.h_dtype = H_DTYPE
 
     def ffn(self, es: ExpertSet, x: torch.Tensor, x_scale: torch.Tensor | None,
             m_sizes: list[int]) -> torch.Tensor:
@@ -104,7 +103,7 @@ class FfnExecutor:
         rows = xq.shape[0]
         if rows == 0:  # nothing to launch (a GPU kernel's grid would be empty)
             return torch.empty((0, es.H), dtype=torch.bfloat16, device=self.device)
-        h = torch.empty((rows, 2 * es.I), dtype=self.h_dtype, device=self.device)
+        h = torch.empty((rows, 2 * es.I), dtype=H_DTYPE, device=self.device)
         self.backend.run(xq, es.w13.wq, xs, es.w13.w_scale, sizes, h)
         aq, a_scale = silu_mul_quant(h, self.fp8)
         out = torch.empty((rows, es.H), dtype=torch.bfloat16, device=self.device)

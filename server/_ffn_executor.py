@@ -42,6 +42,7 @@ from moegemm.kernels import quantize_activations
 
 from ._checks import bad_rows, not_finite_error
 from ._executor import Launches, chunk_sizes
+from ._ffn import H_DTYPE
 from ._ffn_graphs import FfnBuffers, FfnGraphs, unpack
 from ._graphs import bucket_for
 from ._merge import group_order, plan_merge
@@ -139,7 +140,7 @@ class ExpertExecutor:
             if tile is None:  # a backend that does not say: every bucket its own run
                 return bucket
             m = bucket * max(k, 1)  # the GEMMs' rows: the bucket (moe: its tokens * k)
-            return tile(m, 2 * I, H, G, g.h_dtype), tile(m, H, I, G, torch.bfloat16)
+            return tile(m, 2 * I, H, G, H_DTYPE), tile(m, H, I, G, torch.bfloat16)
 
         keys = [tiles(b) for b in buckets]
         tops, top = {}, buckets[-1]

@@ -288,7 +288,6 @@ class FfnGraphs:
         self.backend = backend
         self.device = backend.device
         self.fp8 = backend.fp8_dtype
-        self.h_dtype = H_DTYPE  # float32, not SPEC 5.1's bf16 (_ffn.py)
         self.max_bucket = max_bucket_m
         self.buckets = buckets_up_to(max_bucket_m)
         is_gpu = self.device.type == "cuda"
@@ -410,7 +409,7 @@ class FfnGraphs:
             y = torch.zeros((rows, f.H), dtype=torch.bfloat16, device=self.device)
             y[:n] = self._chain(bufs, es, xq[:n], xs[:n], n, 0)
             return y
-        h = torch.empty((rows, 2 * f.I), dtype=self.h_dtype, device=self.device)
+        h = torch.empty((rows, 2 * f.I), dtype=H_DTYPE, device=self.device)  # float32 (_ffn.py)
         self._gemm(xq, xs, bufs.table13(), es.w13, m_sizes, h)
         aq, a_scale = self._act(h, live)
         y = torch.empty((rows, f.H), dtype=torch.bfloat16, device=self.device)

@@ -5,8 +5,8 @@ ROCm Dockerfile's own ``ENV`` defaults, in FlyDSL's compile-only mode for each
 arch, with the image's own ``MOEGEMM_DEVICE=cuda`` (which compile-only mode lets through
 with no GPU: elsewhere a GPU that is not there stops the server at once) and one
 stand-in for the ROCm host this box is not: ``MOEGEMM_BACKEND=flydsl`` (what the
-image's unset backend, ``auto``, tries first under a ROCm build of torch; this
-box's torch is a CPU build, under which ``auto`` would try Triton).
+image's unset backend, ``auto``, tries under a ROCm build of torch; this box's
+torch is a CPU build, under which ``auto`` picks the reference).
 The server must get through its settings, the backend selector and FlyDSL's
 import, log the FlyDSL backend with the arch's fp8 encoding and the preshuffled
 weight layout, and then fail only at its first device call (the graph pool),
@@ -68,7 +68,7 @@ def _serve(arch: str, tmp: Path) -> subprocess.CompletedProcess:
     env.update(
         MOEGEMM_HOST="127.0.0.1",  # the image listens on 0.0.0.0:8000; a test may not
         MOEGEMM_PORT=str(_free_port()),
-        MOEGEMM_BACKEND="flydsl",  # what "auto" tries first under a ROCm torch
+        MOEGEMM_BACKEND="flydsl",  # what "auto" tries under a ROCm torch
         MOEGEMM_WEIGHTS_DIR=str(tmp),
         MOEGEMM_CACHE_DIR=str(tmp / "cache"),
         COMPILE_ONLY="1",

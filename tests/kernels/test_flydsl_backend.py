@@ -109,6 +109,9 @@ def test_pin_target_makes_flydsl_compile_for_the_device(monkeypatch):
     monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx942")
     with pytest.raises(BackendUnavailable, match="FLYDSL_GPU_ARCH=gfx942 but the device is gfx950"):
         fk.pin_target("gfx950")
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx950:sramecc+:xnack-")  # feature flags: the same target
+    fk.pin_target("gfx950")
+    assert os.environ["FLYDSL_GPU_ARCH"] == "gfx950:sramecc+:xnack-"
     if importlib.util.find_spec("flydsl") is None:
         return
     # FlyDSL's own choice, in a process of its own (never next to Triton).

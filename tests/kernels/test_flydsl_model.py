@@ -8,8 +8,10 @@ here are the kernel's, not a second copy of them: the kernel with ``x_scale``
 read in the wrong layout (the bug MSLK's first FlyDSL kernel shipped with G > 1
 and K > 128) fails these tests.
 
-The int64 addressing of launches too large to run here is checked through the
-kernel's index functions (``moegemm.kernels._flydsl_index``) at the end.
+Launches too large to hold (a DeepSeek-V3 layer, M * N past 2^31) run their last
+workgroup on operands that record offsets instead of holding data, the kernel's
+int32 values (indices, M, G, loop counters) as int32: an offset narrowed to int32
+wraps there as on the device, and the test of it fails.
 """
 
 from __future__ import annotations
@@ -17,29 +19,17 @@ from __future__ import annotations
 import pytest
 import torch
 from moegemm.kernels import preshuffle, reference_float64
-from moegemm.kernels._flydsl_index import (
-    CHUNK,
-    SCALE_BLOCK,
-    THREADS,
-    WAVE_SIZE,
-    WAVES,
-    a_global_offset,
-    a_piece,
-    acc_row,
-    b_offset_plain,
-    b_offset_preshuffled,
-    lane_coords,
-    owner_step,
-    w_scale_offset,
-)
+from moegemm.kernels._flydsl_index import owner_step
 from moegemm.kernels._flydsl_tiles import (
     AUTOTUNE_TILES,
     DEFAULT_TILES,
     FP8_DTYPE,
+    LDS_BUDGET,
     fit_tile,
 )
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
-from moegemm.kernels.testing_flydsl import emulated_module, kernel_source, run
+from moegemm.kernels.testing_flydsl import Recording, emulated_module, kernel_source, run
+from moegemm.kernels.testing_flydsl import launch as launch_emulated
 
 
 def _select(cond, a, b):
@@ -63,21 +53,16 @@ def _emulate(arch, layout, tile, problem, m_sizes=None, weights=None, module=Non
     return out, writes
 
 
-# Both layouts for the default tiles; the server's layout for the other candidates.
-MODEL_CASES = sorted(
-    {(tile, layout) for tile in DEFAULT_TILES.values() for layout in ("plain", "preshuffled")}
-    | {(tile, "preshuffled") for tile in AUTOTUNE_TILES},
-    key=str,
-)
+# Each arch's default tile in both layouts; every other candidate in the server's layout, on
+# each arch whose LDS budget takes it.
+MODEL_CASES = [(arch, DEFAULT_TILES[arch], layout) for arch in sorted(DEFAULT_TILES)
+               for layout in ("plain", "preshuffled")] + [
+    (arch, tile, "preshuffled") for arch in sorted(DEFAULT_TILES) for tile in AUTOTUNE_TILES
+    if tile != DEFAULT_TILES[arch] and tile.lds_bytes <= LDS_BUDGET[arch]]
 
 
-def _arch_of(tile):
-    return "gfx950" if tile.lds_bytes > 64 * 1024 else "gfx942"
-
-
-@pytest.mark.parametrize(("tile", "layout"), MODEL_CASES, ids=lambda v: str(v))
-def test_emulated_kernel_meets_the_spec(tile, layout):
-    arch = _arch_of(tile)
+@pytest.mark.parametrize(("arch", "tile", "layout"), MODEL_CASES, ids=lambda v: str(v))
+def test_emulated_kernel_meets_the_spec(arch, tile, layout):
     m = 33 + int(torch.randint(0, 80, (1,)))  # ragged tails in every tile size
     # Two K steps or more (the LDS stages alternate), two N tiles or more, K > 128.
     n, k = 2 * tile.block_n, 2 * tile.block_k
@@ -186,94 +171,73 @@ def _strided(shape, *index):
     return sum(i * s for i, s in zip(index, strides, strict=True))
 
 
-@pytest.mark.parametrize("launch", sorted(LARGE_LAUNCHES))
-@pytest.mark.parametrize("arch", sorted(DEFAULT_TILES))
-def test_addressing_past_2_31_lands_on_the_natural_element(launch, arch):
-    """The last workgroup of a large launch, every lane of every wave, through the kernel's index functions.
-
-    Each offset (int64 tensors, as the kernel computes in Int64) is compared
-    with the element's offset from torch's strides of the natural tensor (and,
-    preshuffled, of SPEC 1.3's tile order); the largest pass 2^31 and none
-    passes the end of its tensor.
-    """
+def _last_workgroup(launch, arch, module=None):
+    """The last workgroup of a large launch that owns rows, emulated on operands that hold
+    nothing (``Recording``): ``(its group, its rows [row0, row_end), the operands)``."""
     g_count, n, k, m = LARGE_LAUNCHES[launch]
     tile = fit_tile(DEFAULT_TILES[arch], n, k)
-    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
     sizes = [m // g_count] * g_count
     sizes[-1] += m - sum(sizes)
-    tiles_m = -(-m // bm) + g_count - 1
-    # The last workgroup that owns rows: walk every tile index from the end.
-    for tile_m in range(tiles_m - 1, -1, -1):
+    tiles_m = -(-m // tile.block_m) + g_count - 1
+    for tile_m in range(tiles_m - 1, -1, -1):  # the last tile index that owns rows
         state = (0, 0, -1, 0, 0)
         for g, rows in enumerate(sizes):
-            state = owner_step(state, g, min(max(rows, 0), m), tile_m, bm, _select)
+            state = owner_step(state, g, rows, tile_m, tile.block_m, _select)
         _, _, group, row0, row_end = state
         if group >= 0:
             break
     assert group == g_count - 1 and row_end == m
-    tile_n, step = n // bn - 1, k // bk - 1
-    lane_row, lane_k = lane_coords(torch.arange(WAVE_SIZE, dtype=torch.int64))
-    k_sub, n_sub = bk // SCALE_BLOCK, bn // WAVES // 16
-    tid = torch.arange(THREADS, dtype=torch.int64)
-    seen = {"wq": [], "out": [], "xq": []}
+    ops = {"xq": Recording(m * k, torch.uint8), "wq": Recording(g_count * n * k, torch.uint8),
+           "x_scale": Recording(m * k // 128, torch.float32),
+           "w_scale": Recording(g_count * (k // 128) * (n // 128), torch.float32),
+           "out": Recording(m * n, torch.bfloat16)}
+    module = module or emulated_module()
+    shape = module.KernelShape(arch, "preshuffled", tile, n, k)
+    launch_emulated(shape, ops["xq"], ops["wq"], ops["x_scale"], ops["w_scale"],
+                    torch.tensor(sizes, dtype=torch.int64), ops["out"], m, g_count,
+                    module=module, blocks=[(tile_m, n // tile.block_n - 1)])
+    return group, row0, row_end, ops
 
-    # A: the clamped global rows of each 16-byte piece.
-    for p in range(bm * bk // (CHUNK * THREADS)):
-        row, chunk = a_piece(p * THREADS + tid, bk // CHUNK)
-        grow = torch.clamp(row0 + row, max=m - 1)
-        got = a_global_offset(grow, k, step, bk, chunk)
-        assert torch.equal(got, _strided((m, k), grow, step * bk + chunk * CHUNK))
-        seen["xq"].append(got)
-    for w in range(WAVES):
-        col0 = tile_n * bn + w * (bn // WAVES)
-        for sub in range(k_sub):
-            ws = w_scale_offset(group, k // SCALE_BLOCK, n // SCALE_BLOCK, col0, step * k_sub + sub)
-            assert ws == _strided(
-                (g_count, k // SCALE_BLOCK, n // SCALE_BLOCK),
-                group,
-                step * k_sub + sub,
-                col0 // SCALE_BLOCK,
-            )
-            for j in range(n_sub):
-                col = col0 + j * 16 + lane_row
-                for half in range(2):
-                    k64 = step * (bk // 64) + sub * 2 + half
-                    kk = k64 * 64 + lane_k * CHUNK
-                    base = group * n * k
-                    plain = b_offset_plain(base, (col0 + j * 16) // 16, k64, lane_row, lane_k, k)
-                    assert torch.equal(plain, _strided((g_count, n, k), group, col, kk))
-                    shuffled = b_offset_preshuffled(
-                        base, (col0 + j * 16) // 16, k64, lane_row, lane_k, k
-                    )
-                    # SPEC 1.3: [G, N/16, K/64, KLane 4, NLane 16, KPack 16].
-                    spec = _strided(
-                        (g_count, n // 16, k // 64, 4, 16, 16),
-                        group,
-                        col // 16,
-                        kk // 64,
-                        (kk % 64) // 16,
-                        col % 16,
-                        kk % 16,
-                    )
-                    assert torch.equal(shuffled, spec)
-                    seen["wq"] += [plain, shuffled]
-        for i in range(bm // 16):
-            for r in range(4):
-                row = row0 + acc_row(i, lane_k, r)
-                col = col0 + lane_row
-                keep = row < min(row_end, m)
-                got = row * n + col
-                assert torch.equal(got[keep], _strided((m, n), row[keep], col[keep]))
-                seen["out"].append(got[keep])
-    numel = {"wq": g_count * n * k, "out": m * n, "xq": m * k}
-    for what, offsets in seen.items():
-        top = int(torch.cat(offsets).max())
-        width = CHUNK if what != "out" else 1
-        assert top + width <= numel[what], what
-    # Where the launch is large, the offsets are: past int32, exactly as computed.
-    assert int(torch.cat(seen["wq"]).max()) > _INT32_MAX or g_count * n * k <= _INT32_MAX
-    assert int(torch.cat(seen["out"]).max()) > _INT32_MAX or m * n <= _INT32_MAX
+
+@pytest.mark.parametrize("launch", sorted(LARGE_LAUNCHES))
+@pytest.mark.parametrize("arch", sorted(DEFAULT_TILES))
+def test_the_last_workgroup_of_a_large_launch_reads_and_writes_its_own_elements(launch, arch):
+    """The kernel's own source, for the last workgroup of a launch too large to hold (its
+    operands record offsets instead): every access lies inside what the workgroup owns, by
+    torch's strides of the natural tensors, the largest past 2^31, and every value the
+    kernel computes in int32 (block and thread indices, M, G, loop counters) is int32 in the
+    emulation too, wrapping as it would on the device."""
+    g_count, n, k, m = LARGE_LAUNCHES[launch]
+    group, row0, row_end, ops = _last_workgroup(launch, arch)
+    owned = {  # [first, end) of the elements the workgroup may touch in each operand
+        "xq": (_strided((m, k), row0, 0), _strided((m, k), row_end - 1, k - 1) + 1),
+        "wq": (_strided((g_count, n, k), group, 0, 0), _strided((g_count, n, k), group + 1, 0, 0)
+               if group + 1 < g_count else g_count * n * k),
+        "x_scale": (row0 * (k // 128), row_end * (k // 128)),
+        "w_scale": (group * (k // 128) * (n // 128), (group + 1) * (k // 128) * (n // 128)),
+        "out": (_strided((m, n), row0, 0), _strided((m, n), row_end - 1, n - 1) + 1),
+    }
+    for name, (first, end) in owned.items():
+        spans = ops[name].spans
+        assert spans, name
+        assert first <= min(a for a, _ in spans) and max(b for _, b in spans) <= end, name
+    top = {name: max(b for _, b in ops[name].spans) for name in ("wq", "out")}
+    assert top["wq"] > _INT32_MAX or g_count * n * k <= _INT32_MAX
+    assert top["out"] > _INT32_MAX or m * n <= _INT32_MAX
     assert (g_count * n * k > _INT32_MAX) or (m * n > _INT32_MAX)
+
+
+def test_an_int32_group_offset_fails_on_a_large_launch():
+    """The emulation has teeth on widths: the weights' group offset narrowed to int32 (right
+    for small sets, wrapping on a DeepSeek-V3 layer) fails the large launch."""
+    right = "w_base = group * group_bytes"
+    source = kernel_source()
+    assert source.count(right) == 1, "the kernel's group offset moved: update this test"
+    module = emulated_module(source.replace(right, "w_base = fx.Int32(group) * group_bytes"))
+    with pytest.raises(AssertionError):
+        group, _, _, ops = _last_workgroup("dsv3", "gfx942", module=module)
+        first = group * 4096 * 7168
+        assert min(a for a, _ in ops["wq"].spans) >= first
 
 
 def test_spec_preshuffle_order_is_the_layout_modules():

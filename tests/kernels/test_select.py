@@ -102,15 +102,6 @@ def test_rocm_tries_flydsl_only(fake_gpu, monkeypatch):
     assert imported == ["flydsl", "flydsl"]
 
 
-def test_rocm_never_tries_triton_once_flydsl_is_loaded(fake_gpu, monkeypatch):
-    imported, available = fake_gpu
-    monkeypatch.setattr(torch.version, "hip", "7.0")
-    available.add("triton")
-    monkeypatch.setitem(sys.modules, "flydsl", types.ModuleType("flydsl"))
-    assert get_backend("cuda:0").name == "reference"  # flydsl failed, triton not imported
-    assert imported == ["flydsl"]
-
-
 def test_explicit_backend_refuses_when_rival_is_loaded(fake_gpu, monkeypatch):
     imported, available = fake_gpu
     available.add("flydsl")
