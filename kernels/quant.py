@@ -135,9 +135,19 @@ def fn_to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torc
     bits = torch.where(bits == 0x80, torch.zeros_like(bits), bits)
     doubled = scale * 2
     kept = torch.isinf(doubled) & torch.isfinite(scale)
-    same_value = q.float().clamp(-240.0, 240.0).to(torch.float8_e4m3fnuz).view(torch.uint8)
-    bits = torch.where(_per_element(kept, q.shape), same_value, bits)
+    bits = torch.where(_per_element(kept, q.shape), _fnuz_of_the_same_value(bits), bits)
     return bits.view(torch.float8_e4m3fnuz), torch.where(kept, scale, doubled)
+
+
+def _fnuz_of_the_same_value(bits: torch.Tensor) -> torch.Tensor:
+    """fn bit patterns (0x80 already 0x00) as the fnuz patterns of the same values, in
+    uint8 arithmetic (no float copy of the data): a normal's exponent field one higher
+    (fnuz's bias is 8, fn's 7), a subnormal's mantissa doubled into the low exponent bit,
+    and fn's top binade (256-448, and its NaN) saturated to fnuz's largest, 240 (0x7F)."""
+    low = bits & 0x7F
+    value = torch.where(low < 0x08, low * 2, low + 0x08)
+    value = torch.where(low >= 0x78, torch.full_like(low, 0x7F), value)
+    return torch.where(value == 0, value, (bits & 0x80) | value)
 
 
 def _per_element(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
