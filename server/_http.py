@@ -891,7 +891,12 @@ class FastHttpServer:
             self._server.close()
             running = [c.task for c in self.connections if c.task is not None]
             if running:
-                await asyncio.wait(running, timeout=self.grace_s)
+                log.info("stopping: %d request(s) in flight get up to %.1f s", len(running),
+                         self.grace_s)
+                _, cut = await asyncio.wait(running, timeout=self.grace_s)
+                if cut:
+                    log.warning("stopping: %d request(s) still running after %.1f s are cut off",
+                                len(cut), self.grace_s)
             sweeping.cancel()
             # close() flushes what is still buffered, asynchronously: wait for
             # every connection to be gone, or an answer in flight is cut short.

@@ -172,7 +172,10 @@ def _fail_loudly(task: asyncio.Task, svc: routes.Services) -> None:
         return
     error = task.exception()
     svc.startup_error = str(error) or type(error).__name__
-    log.error("start-up loading failed; the server stays not ready", exc_info=error)
+    # A contract error (a missing file or tensor, a bad shape) names itself: no traceback.
+    log.error("start-up loading failed; the server stays live and never ready (every call "
+              "answers 503 not_ready naming this): %s", svc.startup_error,
+              exc_info=None if isinstance(error, APIError) else error)
 
 
 class BodyBudget:

@@ -42,7 +42,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="load the random 'demo' weight set (default: when nothing is preloaded)")
     serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
     serve.add_argument("--max-inflight-bytes", dest="max_inflight_bytes", type=int)
-    serve.add_argument("--shutdown-grace-s", dest="shutdown_grace_s", type=float)
+    serve.add_argument("--shutdown-grace-s", dest="shutdown_grace_s", type=float,
+                       help="seconds the requests in flight get to finish on SIGTERM/SIGINT "
+                            "(with acceptors: each acceptor drains in two phases of at most "
+                            "0.4 of it)")
     serve.add_argument("--max-m", dest="max_m", type=int)
     serve.add_argument("--max-g", dest="max_g", type=int)
     serve.add_argument("--max-n", dest="max_n", type=int)
@@ -73,7 +76,9 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     """The settings of ``moegemm serve <flags>``: the flags given, over the environment."""
     args = vars(_parser().parse_args(argv))
     args.pop("command")
-    return Settings(**{key: value for key, value in args.items() if value is not None})
+    # An empty flag is no flag (as an empty MOEGEMM_* variable is): `--host "$HOST"` with
+    # HOST unset must not listen on every interface.
+    return Settings(**{key: value for key, value in args.items() if value not in (None, "")})
 
 
 def serve(settings: Settings) -> int:
@@ -87,6 +92,11 @@ def serve(settings: Settings) -> int:
     log.info("starting moegemm on %s:%d", settings.host, settings.port)
     for name in unknown_environment(os.environ):
         log.warning("%s is no setting of moegemm and is ignored (moegemm serve --help lists them)", name)
+    if settings.weights_dir is not None and not settings.weights_dir.is_dir():
+        # Not fatal (uploads over the wire still work), but a volume that failed to mount
+        # should say so now, not at the first file load.
+        log.warning("the weights directory %s is not a directory here (MOEGEMM_WEIGHTS_DIR): "
+                    "every load from a file will fail", settings.weights_dir)
     status = _serve_fast(settings)
     from . import engine
 

@@ -87,6 +87,28 @@ def test_cli_flags_override_settings(monkeypatch):
                                                                     False, 50)
 
 
+def test_an_empty_flag_is_no_flag(monkeypatch):
+    """An audit: `--host ""` (as `--host "$HOST"` with HOST unset) listened on every
+    interface, where an empty MOEGEMM_HOST means the default, loopback."""
+    seen = {}
+    monkeypatch.setattr(server_cli, "serve", lambda settings: seen.setdefault("s", settings) and 0)
+    monkeypatch.delenv("MOEGEMM_HOST", raising=False)
+    assert server_cli.main(["serve", "--host", "", "--log-level", "", "--device", "cpu"]) == 0
+    assert seen["s"].host == "127.0.0.1" and seen["s"].log_level == Settings().log_level
+
+
+def test_a_weights_directory_that_is_none_is_named_at_start(monkeypatch, tmp_path, caplog):
+    """Not fatal (uploads still work), but a volume that failed to mount is named at once."""
+    monkeypatch.setattr(server_cli, "_serve_fast", lambda settings: 0)
+    caplog.set_level("WARNING", logger="moegemm")
+    assert server_cli.serve(Settings(device="cpu", weights_dir=tmp_path / "absent")) == 0
+    assert any("weights directory" in r.getMessage() and "absent" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    assert server_cli.serve(Settings(device="cpu", weights_dir=tmp_path)) == 0
+    assert not any("weights directory" in r.getMessage() for r in caplog.records)
+
+
 def test_cli_refuses_bad_settings(capsys):
     assert server_cli.main(["serve", "--port", "-5"]) == 2
     assert "invalid settings" in capsys.readouterr().err

@@ -308,12 +308,13 @@ def test_serve_loads_checkpoint_layers_at_start(tmp_path):
         _check_answers(s, "layer5", problems[5])
 
 
-def test_serve_checks_every_layer_before_loading_one(tmp_path):
+def test_serve_checks_every_layer_before_loading_one(tmp_path, caplog):
     """``--layers 4-6`` of a model whose last layer is 5: refused from the index before
     layer 4 is read (not after the minutes its load takes on a real model); the server
-    stays not ready, saying why."""
+    stays not ready, saying why, and logs one line for it (a contract error: no traceback)."""
     write_checkpoint(tmp_path / "ck", "deepseek", torch.bfloat16, layers=(4, 5))
     settings = Settings(device="cpu", weights_dir=tmp_path, checkpoint="ck", layers="4-6")
+    caplog.set_level("ERROR", logger="moegemm.server")
     with serve(settings, wait=False) as s:
         with pytest.raises(TimeoutError):
             s.wait_ready(timeout=1)
@@ -322,6 +323,9 @@ def test_serve_checks_every_layer_before_loading_one(tmp_path):
         message = r.json()["error"]["message"]
         assert "start-up loading failed" in message and "layer 6" in message, message
         assert s.app.state.experts.store.list() == []  # layer 4 was never loaded
+    failed = [r for r in caplog.records if "start-up loading failed" in r.getMessage()]
+    assert len(failed) == 1 and "layer 6" in failed[0].getMessage()
+    assert failed[0].exc_info is None
 
 
 def test_checkpoint_settings_are_checked(tmp_path):
