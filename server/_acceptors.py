@@ -94,7 +94,7 @@ from ._acceptor_shm import (
     sweep_stale_arenas,
 )
 from ._asgi import whole_body_receive
-from ._http import FastHttpServer, _Connection, _error_bytes
+from ._http import FastHttpServer, _Connection, _error_bytes, stop_on_signals
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -609,9 +609,7 @@ async def serve_with_acceptors(
         await serving
         return
     # serve() handled the signals so far; now they stop the acceptors first.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, outer.set)
+    stop_on_signals(loop, outer)
     owner = Owner(server, count, log_level, pin, hung_after_s, direct_limit)
     owner.acceptor_grace_s = acceptor_grace_s  # before start(): the acceptors get it
     try:

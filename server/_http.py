@@ -52,6 +52,7 @@ import dataclasses
 import fcntl
 import logging
 import mmap
+import os
 import re
 import signal
 import socket
@@ -744,6 +745,22 @@ async def sweep(connections: set, limits: HttpLimits) -> None:
         _check_all(connections, time.monotonic())
 
 
+def stop_on_signals(loop, stop: asyncio.Event) -> None:
+    """SIGINT/SIGTERM set ``stop`` (an orderly stop: the requests in flight get the grace
+    period); a second one while stopping exits at once, as an operator's second Ctrl-C asks.
+    Not in the main thread (tests), the caller sets ``stop`` itself."""
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("a second signal while stopping: exiting now, cutting what is in flight")
+            os._exit(1)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, on_signal)
+
+
 def _check_all(connections: set, now: float) -> None:
     # A function of its own: a loop variable left in sweep's frame would keep the last
     # connection checked (and the body it held) alive while the sweep sleeps.
@@ -870,11 +887,7 @@ class FastHttpServer:
         """
         loop = asyncio.get_running_loop()
         stop = stop or asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError, ValueError):
-                pass  # not the main thread (tests): the caller sets ``stop``
+        stop_on_signals(loop, stop)
         _refuse_if_taken(self.host, self.port)
         task, to_app, from_app = await self._lifespan()
         self._server = await loop.create_server(

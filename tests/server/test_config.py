@@ -109,6 +109,32 @@ def test_a_weights_directory_that_is_none_is_named_at_start(monkeypatch, tmp_pat
     assert not any("weights directory" in r.getMessage() for r in caplog.records)
 
 
+def test_a_second_signal_while_stopping_exits_at_once():
+    """The first SIGINT/SIGTERM asks for the orderly stop (the grace period); a second one, an
+    operator's second Ctrl-C, exits at once (an audit: a drain of up to 60 s could not be cut)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, os, signal\n"
+        "from moegemm.server._http import stop_on_signals\n"
+        "async def main():\n"
+        "    stop = asyncio.Event()\n"
+        "    stop_on_signals(asyncio.get_running_loop(), stop)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    await asyncio.wait_for(stop.wait(), 5)\n"
+        "    print('stopping', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    await asyncio.sleep(5)\n"
+        "    print('not cut short', flush=True)\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.stdout.split() == ["stopping"], (done.stdout, done.stderr)
+    assert done.returncode == 1
+
+
 def test_cli_refuses_bad_settings(capsys):
     assert server_cli.main(["serve", "--port", "-5"]) == 2
     assert "invalid settings" in capsys.readouterr().err
