@@ -307,10 +307,13 @@ def _launch(shape_key, module, flyc, args: tuple, m: int, g: int, stream) -> Non
 
 
 def _check_sizes(m: int, n: int, k: int, g: int) -> None:
-    """Refuse sizes FlyDSL cannot pack: each extent (and the scalars M, G) is an int32."""
+    """Refuse sizes FlyDSL cannot pack: each extent (and the scalars M, G) is an int32, and
+    the launcher's int32 grid, ``(M + block_m - 1) // block_m + G - 1``, must not wrap."""
     for what, size in (("M", m), ("N", n), ("K", k), ("G", g)):
         if size > _INT32_MAX:
             raise ValueError(f"{what} = {size} is past the int32 range the kernel's arguments use")
+    if m + g + max(t.block_m for t in AUTOTUNE_TILES) > _INT32_MAX:
+        raise ValueError(f"M + G = {m + g} leaves no room for the launch grid's int32 arithmetic")
 
 
 def _check_call(xq, wq, x_scale, w_scale, m_sizes, out, fp8_dtype) -> None:

@@ -241,3 +241,10 @@ def test_call_checks_refuse_extents_past_int32():
     )
     with pytest.raises(ValueError, match="M = 2147483648 is past the int32 range"):
         fk._check_call(*args, torch.float8_e4m3fnuz)
+    # An M just inside int32 would wrap the launcher's int32 grid, (M + block_m - 1) // ...
+    m = 2**31 - 100
+    args = (torch.empty(m, 128, dtype=torch.float8_e4m3fnuz, device="meta"), args[1],
+            torch.empty(m, 1, device="meta"), args[3], args[4],
+            torch.empty(m, 128, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ValueError, match="grid's int32 arithmetic"):
+        fk._check_call(*args, torch.float8_e4m3fnuz)
