@@ -604,14 +604,15 @@ async def serve_with_acceptors(
     serving = loop.create_task(server.serve(inner))
     listening = loop.create_task(server.listening.wait())
     await asyncio.wait([serving, listening], return_when=asyncio.FIRST_COMPLETED)
-    if serving.done():
+    if serving.done() or inner.is_set():  # failed, or stopped while starting: no acceptors
         listening.cancel()
         await serving
         return
-    # serve() handled the signals so far; now they stop the acceptors first.
-    stop_on_signals(loop, outer)
     owner = Owner(server, count, log_level, pin, hung_after_s, direct_limit)
     owner.acceptor_grace_s = acceptor_grace_s  # before start(): the acceptors get it
+    # serve() handled the signals so far; now they stop the acceptors first (and a second
+    # one, exiting at once, still removes the owner's sockets).
+    stop_on_signals(loop, outer, before_exit=owner.close)
     try:
         await owner.start()
         stopped = loop.create_task(outer.wait())

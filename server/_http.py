@@ -745,20 +745,24 @@ async def sweep(connections: set, limits: HttpLimits) -> None:
         _check_all(connections, time.monotonic())
 
 
-def stop_on_signals(loop, stop: asyncio.Event) -> None:
+def stop_on_signals(loop, stop: asyncio.Event, before_exit: Callable[[], None] | None = None) -> None:
     """SIGINT/SIGTERM set ``stop`` (an orderly stop: the requests in flight get the grace
-    period); a second one while stopping exits at once, as an operator's second Ctrl-C asks.
-    Not in the main thread (tests), the caller sets ``stop`` itself."""
+    period); a second one while stopping exits at once (128 + its number, as a shell reports
+    a signal), as an operator's second Ctrl-C asks, after ``before_exit``. Not in the main
+    thread (tests), the caller sets ``stop`` itself."""
 
-    def on_signal() -> None:
+    def on_signal(sig: int) -> None:
         if stop.is_set():
             log.warning("a second signal while stopping: exiting now, cutting what is in flight")
-            os._exit(1)
+            if before_exit is not None:
+                with contextlib.suppress(Exception):
+                    before_exit()
+            os._exit(128 + sig)
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, on_signal, sig)
 
 
 def _check_all(connections: set, now: float) -> None:

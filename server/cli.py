@@ -92,11 +92,16 @@ def serve(settings: Settings) -> int:
     log.info("starting moegemm on %s:%d", settings.host, settings.port)
     for name in unknown_environment(os.environ):
         log.warning("%s is no setting of moegemm and is ignored (moegemm serve --help lists them)", name)
-    if settings.weights_dir is not None and not settings.weights_dir.is_dir():
+    if settings.weights_dir is not None:
         # Not fatal (uploads over the wire still work), but a volume that failed to mount
         # should say so now, not at the first file load.
-        log.warning("the weights directory %s is not a directory here (MOEGEMM_WEIGHTS_DIR): "
-                    "every load from a file will fail", settings.weights_dir)
+        try:
+            problem = None if settings.weights_dir.is_dir() else "is not a directory here"
+        except OSError as exc:  # a parent this user cannot open, a name too long
+            problem = f"cannot be looked at ({exc.strerror})"
+        if problem is not None:
+            log.warning("the weights directory %s %s: every load from a file will fail",
+                        settings.weights_dir, problem)
     status = _serve_fast(settings)
     from . import engine
 
