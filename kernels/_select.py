@@ -4,8 +4,8 @@
 ``triton``, ``flydsl``. ``auto`` picks the reference on CPU; on ROCm it tries
 FlyDSL, on NVIDIA CUDA Triton (our Triton kernels are Hopper's: ``triton_kernel``
 refuses ROCm, so trying it there would only load Triton's LLVM into the process);
-the reference is the last resort, with a warning. An explicitly named GPU backend that cannot load raises
-:class:`BackendUnavailable` instead of falling back.
+the reference is the last resort, with a warning. An explicitly named GPU backend
+that cannot load raises :class:`BackendUnavailable` instead of falling back.
 
 GPU backend modules are imported only when tried, and never both: FlyDSL and
 Triton each bring their own LLVM, and one process holding both crashes. Once

@@ -154,10 +154,10 @@ def pin_target(arch: str) -> None:
     if not named:
         os.environ["FLYDSL_GPU_ARCH"] = arch
     stray = os.environ.get("ARCH")
-    if stray is not None and stray.strip().lower() != arch:
-        log.warning("ARCH=%s is not this device's target (%s): FlyDSL compiles for %s",
-                    stray, arch, arch)
     if stray is not None:
+        if stray.strip().lower() != arch:
+            log.warning("ARCH=%s is not this device's target (%s): FlyDSL compiles for %s",
+                        stray, arch, arch)
         os.environ["ARCH"] = arch
 
 
@@ -172,6 +172,8 @@ def _arch(device: torch.device) -> str:
 
 
 _INT32_MAX = 2**31 - 1
+# Room the launcher's int32 grid arithmetic needs above M + G: the tallest tile's rows.
+_GRID_ROOM = max(t.block_m for t in AUTOTUNE_TILES)
 
 
 def _jit_tensor(flyc, t: torch.Tensor):
@@ -312,7 +314,7 @@ def _check_sizes(m: int, n: int, k: int, g: int) -> None:
     for what, size in (("M", m), ("N", n), ("K", k), ("G", g)):
         if size > _INT32_MAX:
             raise ValueError(f"{what} = {size} is past the int32 range the kernel's arguments use")
-    if m + g + max(t.block_m for t in AUTOTUNE_TILES) > _INT32_MAX:
+    if m + g + _GRID_ROOM > _INT32_MAX:
         raise ValueError(f"M + G = {m + g} leaves no room for the launch grid's int32 arithmetic")
 
 
