@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 _BLOCK = 128
+_ALIGN = 16  # bytes
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
@@ -102,18 +103,33 @@ def _dispatch(backend: Backend, xq, wq_prepared, x_scale, w_scale, m_sizes, out)
             f"the {backend.name} backend computes in {backend.fp8_dtype}, got {xq.dtype}: "
             "convert with fn_to_fnuz / fnuz_to_fn"
         )
-    if out is None:
-        out = torch.empty(
-            (xq.shape[0], wq_prepared.shape[1]), dtype=torch.bfloat16, device=xq.device
-        )
-    return backend.run(
-        xq.contiguous(),
-        wq_prepared,
-        x_scale.contiguous(),
-        w_scale.contiguous(),
-        m_sizes.contiguous(),
-        out,
+    shape = (xq.shape[0], wq_prepared.shape[1])
+    into = out if out is not None and _is_aligned(out) else None
+    if into is None:
+        into = torch.empty(shape, dtype=torch.bfloat16 if out is None else out.dtype, device=xq.device)
+    backend.run(
+        _aligned(xq),
+        _aligned(wq_prepared),
+        _aligned(x_scale),
+        _aligned(w_scale),
+        _aligned(m_sizes),
+        into,
     )
+    if out is None or out is into:
+        return into
+    return out.copy_(into)
+
+
+def _is_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % _ALIGN == 0
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous from a 16-byte boundary: the GPU kernels' vector and TMA accesses need
+    both. A view that starts elsewhere (an offset into a flat buffer) is copied, and a torch
+    allocation always starts aligned."""
+    t = t.contiguous()
+    return t if _is_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def grouped_gemm(
@@ -132,8 +148,9 @@ def grouped_gemm(
     float32, ``m_sizes`` ``[G]`` int64/int32 (rows per group, summing to M; not
     checked here, because that would read the device). Returns bf16 ``[M, N]``,
     written into ``out`` when given; a float32 ``out`` receives the same sum
-    unrounded (what the expert FFN keeps as ``h``). Raises TypeError/ValueError on a contract
-    violation.
+    unrounded (what the expert FFN keeps as ``h``). ``xq`` and the scales may have any
+    strides (copied contiguous), and an operand or ``out`` that does not start on a 16-byte
+    boundary is copied too. Raises TypeError/ValueError on a contract violation.
     """
     _check_contract(xq, wq, x_scale, w_scale, m_sizes, out)
     backend = get_backend(xq.device)

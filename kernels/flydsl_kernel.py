@@ -397,13 +397,15 @@ def run_plain(xq, wq, x_scale, w_scale, m_sizes, out, *, tile: FlyTile | None = 
 # --------------------------------------------------------------------------- autotune
 
 
-def autotune_key(m: int, n: int, k: int, g: int, device_name: str) -> str:
-    """The autotune cache key: ``nextPow2(M):N:K:G:device name``.
+def autotune_key(m: int, n: int, k: int, g: int, device_name: str,
+                 out_dtype: torch.dtype = torch.bfloat16) -> str:
+    """The autotune cache key: ``nextPow2(M):N:K:G:out:device name`` (out ``bf16`` or ``f32``:
+    the float32 epilogue stores twice the bytes, so it has its own winner).
 
     The weight layout is not in the key: each layout has its own file.
     """
     m_bucket = 1 if m <= 1 else 1 << (m - 1).bit_length()
-    return f"{m_bucket}:{n}:{k}:{g}:{device_name}"
+    return f"{m_bucket}:{n}:{k}:{g}:{_OUT_DTYPES[out_dtype]}:{device_name}"
 
 
 def _cache_file(layout: str) -> Path:
@@ -442,7 +444,7 @@ def _tile_for(layout, arch, xq, wq, x_scale, w_scale, m_sizes, out) -> FlyTile:
     if not _env_flag("MOEGEMM_AUTOTUNE"):
         return default
     g, n, k = wq.shape
-    key = autotune_key(xq.shape[0], n, k, g, torch.cuda.get_device_name(xq.device))
+    key = autotune_key(xq.shape[0], n, k, g, torch.cuda.get_device_name(xq.device), out.dtype)
     tuned = _load_tuned(layout)
     if key in tuned:
         return tuned[key]

@@ -141,7 +141,14 @@ def test_the_kernel_is_not_loaded_next_to_triton(monkeypatch):
 def test_autotune_key_buckets_m_by_powers_of_two():
     for m, bucket in ((1, 1), (2, 2), (83, 128), (1335, 2048), (4096, 4096)):
         assert fk.autotune_key(m, 7168, 2048, 256, "AMD Instinct MI300X") == \
-            f"{bucket}:7168:2048:256:AMD Instinct MI300X"
+            f"{bucket}:7168:2048:256:bf16:AMD Instinct MI300X"
+
+
+def test_autotune_key_tells_the_output_dtypes_apart():
+    """The expert FFN's float32 h and a gemm's bf16 out of one shape tune separately."""
+    bf16 = fk.autotune_key(83, 4096, 7168, 256, "MI300X")
+    f32 = fk.autotune_key(83, 4096, 7168, 256, "MI300X", torch.float32)
+    assert bf16 != f32 and f32 == "128:4096:7168:256:f32:MI300X"
 
 
 def test_autotune_winners_persist_per_layout(monkeypatch, tmp_path):

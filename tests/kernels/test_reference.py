@@ -233,3 +233,42 @@ def test_scales_far_apart_give_the_finite_answer(device, shape, x_factor, w_fact
     out = grouped_gemm(*args, out=poisoned_out(m, n, device=device))
     assert torch.isfinite(out).all()
     assert rel_error(out, want) <= SPEC_TOLERANCE
+
+
+def _misaligned(t: torch.Tensor, offset: int = 8) -> torch.Tensor:
+    """``t``'s values in a contiguous view starting ``offset`` bytes past a 16-byte boundary."""
+    raw = torch.zeros(t.numel() * t.element_size() + 64, dtype=torch.uint8, device=t.device)
+    start = (-raw.data_ptr()) % 16 + offset
+    view = raw[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 == offset
+    return view
+
+
+@pytest.mark.parametrize("entry", [grouped_gemm, grouped_gemm_preshuffled])
+def test_the_public_entries_hand_a_backend_aligned_operands(monkeypatch, entry):
+    """A GPU kernel's vector and TMA accesses need each base on a 16-byte boundary; a caller's
+    contiguous view at another offset (a tensor over a received buffer) is copied first, and
+    a misaligned ``out`` gets the answer copied in."""
+    from moegemm.kernels import reference
+
+    from moegemm import kernels
+
+    seen = []
+
+    def run(*operands):
+        seen.append([t.data_ptr() % 16 for t in operands])
+        return reference.grouped_gemm(*operands)
+
+    backend = kernels.Backend(name="recording", device=torch.device("cpu"), fp8_dtype=torch.float8_e4m3fn,
+                              weight_layout="plain", prepare_weights=lambda w, s: (w, s), run=run)
+    monkeypatch.setattr(kernels, "get_backend", lambda device: backend)
+    p = random_problem(37, 256, 384, 3)
+    args = list(p.args())
+    if entry is grouped_gemm_preshuffled:
+        args[1] = preshuffle(args[1])
+    expected = entry(*args)
+    out = _misaligned(poisoned_out(37, 256, "cpu"))
+    answer = entry(*(_misaligned(t) for t in args), out=out)
+    assert answer is out and torch.equal(out, expected)
+    assert seen == [[0] * 6, [0] * 6]
