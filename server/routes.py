@@ -196,9 +196,12 @@ def _tensor(body: dict, key: str) -> torch.Tensor | None:
     return to_torch(decode_tensor(body[key])) if key in body else None
 
 
-def _string(body: dict, key: str) -> str | None:
+def _string(body: dict, key: str, *, optional: bool = False) -> str | None:
+    """``body[key]``, a string; an optional field may be absent or nil (None)."""
     value = body.get(key)
-    if value is not None and not isinstance(value, str):
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
         raise BadField(f"{key} is a string here, got {type(value).__name__}")
     return value
 
@@ -358,7 +361,8 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
     body = await read_msgpack(request, svc.settings.max_body_bytes)
     if "file" in body:
         check_fields(body, {"file", "w"}, {"w_scale"})
-        file, w_key, scale_key = (_string(body, k) for k in ("file", "w", "w_scale"))
+        file, w_key = _string(body, "file"), _string(body, "w")
+        scale_key = _string(body, "w_scale", optional=True)
         # Opened here, off the engine's thread: a slow path (800 KB, a slow disk)
         # never holds up the calls the engine runs.
         opened = await asyncio.to_thread(svc.store.resolve, file)

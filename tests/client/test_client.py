@@ -207,6 +207,14 @@ def test_a_checkpoint_layer_is_any_integer_and_nothing_else(fake, client):
     assert len(fake.requests) == sent
 
 
+def test_file_tensor_keys_are_strings_and_nothing_else(fake, client):
+    sent = len(fake.requests)
+    for keys in ((None,), (3,), (b"w",), ("w", 3), ("w", b"s")):
+        with pytest.raises(TypeError, match="names a tensor"):
+            client.load_weights_file("e", "f.safetensors", *keys)
+    assert len(fake.requests) == sent
+
+
 def test_names_cannot_change_the_route(fake, client):
     client.delete_weights("..")  # a valid name that is also a dot segment
     assert fake.requests[-1].url.raw_path.decode() == "/v1/weights/%2E%2E"

@@ -181,6 +181,23 @@ def test_missing_file_or_key(server, files):
     assert "x" not in [ws.name for ws in server.services.store.list()]
 
 
+@pytest.mark.parametrize("fields", [{"file": "sub/fp8.safetensors", "w": None, "w_scale": "s"},
+                                    {"file": None, "w": "w", "w_scale": "s"},
+                                    {"file": "sub/fp8.safetensors", "w": 3, "w_scale": "s"},
+                                    {"file": "sub/fp8.safetensors", "w": "w", "w_scale": b"s"}])
+def test_file_fields_that_are_no_names_are_bad_fields(server, files, fields):
+    """``file`` and ``w`` are required strings (nil is no name); ``w_scale`` may be nil."""
+    assert_error(server.put("x", fields), 400, "bad_field")
+    assert "x" not in [ws.name for ws in server.services.store.list()]
+
+
+def test_a_nil_scale_key_is_no_scale_key(server, files):
+    _, w16, _ = files
+    r = server.put("nil-scale", {"file": "bf16.safetensors", "w": "experts", "w_scale": None})
+    assert r.status_code in (200, 201), r.text
+    assert (r.json()["G"], r.json()["N"], r.json()["K"]) == tuple(w16.shape)
+
+
 def test_not_a_safetensors_file(server, files):
     (server.weights_dir / "junk.safetensors").write_bytes(os.urandom(200))
     assert_error(server.put("x", {"file": "junk.safetensors", "w": "w"}), 400, "bad_field")
