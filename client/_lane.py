@@ -18,11 +18,15 @@ own exceptions, so retries, deadlines and error mapping stay in one place
 
 A pooled socket the server has closed (idle timeout, restart) is noticed before
 it is reused -- it reads as ready -- and replaced; a request is never sent twice.
+A pool is never shared: a process forked from the one that filled it starts an
+empty one (both reading answers off one socket would swap them), as does an
+``AsyncLane`` used from another event loop than the one its sockets belong to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import select
 import socket
@@ -204,6 +208,7 @@ class Lane:
         self._fixed = _fixed_headers(parts, headers)
         self._head = _Heads(self._fixed)
         self._idle: list[socket.socket] = []
+        self._pid = os.getpid()  # the process whose sockets _idle holds
         self._lock = threading.Lock()
         self._closed = False
 
@@ -223,6 +228,12 @@ class Lane:
     def _take(self, timeout: httpx.Timeout, deadline: float | None) -> socket.socket:
         while True:
             with self._lock:
+                if self._pid != os.getpid():
+                    # Forked: the parent still uses these sockets. Closing this process's
+                    # copies of the descriptors leaves the parent's connections open.
+                    inherited, self._idle, self._pid = self._idle, [], os.getpid()
+                    for sock in inherited:
+                        sock.close()
                 sock = self._idle.pop() if self._idle else None
             if sock is None:
                 return self._connect(timeout, deadline)
@@ -237,7 +248,7 @@ class Lane:
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
-            if not self._closed and len(self._idle) < _POOL:
+            if not self._closed and len(self._idle) < _POOL and self._pid == os.getpid():
                 self._idle.append(sock)
                 return
         sock.close()
@@ -517,7 +528,7 @@ class AsyncLane:
         self.where = f"{self.host}:{self.port}"
         self.prefix = parts.path.rstrip("/")
         self._fixed = _fixed_headers(parts, headers)
-        self._idle: list[tuple] = []
+        self._idle: list[tuple] = []  # (reader, writer, the event loop they belong to, pid)
         self._closed = False
 
     async def _connect(self, timeout: httpx.Timeout, deadline: float | None):
@@ -537,25 +548,30 @@ class AsyncLane:
         return reader, writer
 
     async def _take(self, timeout, deadline):
+        loop, pid = asyncio.get_running_loop(), os.getpid()
         while self._idle:
-            reader, writer = self._idle.pop()
-            # Idle and healthy: nothing buffered, no EOF (the server closing it).
-            if not reader.at_eof() and not writer.is_closing() and not _buffered(reader):
-                return reader, writer
-            writer.close()
+            reader, writer, owner, owner_pid = self._idle.pop()
+            if owner is loop and owner_pid == pid:
+                # Idle and healthy: nothing buffered, no EOF (the server closing it), and
+                # nothing the loop has not read yet (it may not have run since the close).
+                sock = writer.get_extra_info("socket")
+                if (not reader.at_eof() and not writer.is_closing() and not _buffered(reader)
+                        and sock is not None and not _readable(sock)):
+                    return reader, writer
+            _drop(writer)
         return await self._connect(timeout, deadline)
 
     def _give_back(self, conn) -> None:
         if not self._closed and len(self._idle) < _POOL:
-            self._idle.append(conn)
+            self._idle.append((*conn, asyncio.get_running_loop(), os.getpid()))
         else:
             conn[1].close()
 
     async def aclose(self) -> None:
         self._closed = True
         idle, self._idle = self._idle, []
-        for _, writer in idle:
-            writer.close()
+        for _, writer, _, _ in idle:
+            _drop(writer)
 
     async def request(self, method: str, path: str, headers: dict[str, str], body: bytes | None,
                       timeout: httpx.Timeout, deadline: float | None = None) -> Answer:
@@ -608,6 +624,15 @@ class AsyncLane:
                 chunk, recv_error = b"", exc
             done = parse.feed(chunk, self.where, send_error, recv_error)
         return parse.answer(send_error)
+
+
+def _drop(writer) -> None:
+    """Close a pooled stream, whose event loop may be closed already (then the transport,
+    unreachable, closes its socket when it is collected)."""
+    try:
+        writer.close()
+    except RuntimeError:  # "Event loop is closed"
+        pass
 
 
 def _buffered(reader) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import socket
 import struct
 import threading
@@ -140,6 +141,30 @@ def test_a_socket_the_server_closed_is_replaced():
         second = c.info()
     assert first["peer"] != second["peer"]
     assert len(requests) == 2
+
+
+def test_a_forked_process_opens_its_own_sockets(server):
+    """A process forked from one whose client holds pooled sockets never writes to them: both
+    would read answers off one connection and could take each other's (an audit: 54 of 300
+    answers swapped, no error). The child's copies are closed, the parent's sockets stay."""
+    url, _ = server
+    with Client(url, timeout=5) as c:
+        parent = c.info()["peer"]
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report its calls' peers, then leave without cleanup
+            try:
+                peers = [c.info()["peer"] for _ in range(3)]
+                os.write(write, json.dumps(peers).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            child = json.loads(pipe.read())
+        os.waitpid(pid, 0)
+        again = c.info()["peer"]
+    assert parent not in child and len(set(child)) == 1
+    assert again == parent
 
 
 def _keep_alive_server(after_first) -> tuple[str, list]:
@@ -406,6 +431,39 @@ def test_async_lane_replaces_a_socket_the_server_closed():
 
     first, second = _run(scenario())
     assert first["peer"] != second["peer"] and len(requests) == 2
+
+
+def test_async_lane_replaces_a_socket_closed_while_the_loop_was_blocked():
+    """The server closes the idle socket while the event loop runs no callbacks (blocking
+    work, or a loop run once per call): the stream has not seen the EOF yet, the socket
+    has, and the call goes out on a new connection instead of failing."""
+    import asyncio
+
+    from moegemm.client import AsyncClient
+
+    url, requests = _closing_server()
+    loop = asyncio.new_event_loop()
+    try:
+        c = AsyncClient(url, timeout=5)
+        first = loop.run_until_complete(c.info())
+        time.sleep(0.3)  # the server closes the connection; this loop is not running
+        second = loop.run_until_complete(c.info())
+        loop.run_until_complete(c.close())
+    finally:
+        loop.close()
+    assert first["peer"] != second["peer"] and len(requests) == 2
+
+
+def test_async_client_serves_one_event_loop_after_another(server):
+    """Sockets pooled under one ``asyncio.run`` belong to its loop, closed after it: the
+    next loop opens its own instead of failing with 'Event loop is closed'."""
+    from moegemm.client import AsyncClient
+
+    url, _ = server
+    c = AsyncClient(url, timeout=5)
+    peers = [_run(c.info())["peer"] for _ in range(3)]
+    _run(c.close())
+    assert len(set(peers)) == 3
 
 
 def test_async_lane_early_answer_interim_and_until_close():
