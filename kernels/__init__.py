@@ -150,7 +150,10 @@ def grouped_gemm(
     written into ``out`` when given; a float32 ``out`` receives the same sum
     unrounded (what the expert FFN keeps as ``h``). ``xq`` and the scales may have any
     strides (copied contiguous), and an operand or ``out`` that does not start on a 16-byte
-    boundary is copied too. Raises TypeError/ValueError on a contract violation.
+    boundary is copied too. The GPU kernels scale each K block by the float32 product
+    ``x_scale * w_scale``, so a pair of scales whose product leaves float32's normal range
+    (hand-made, e.g. 1e20 and 1e20) can give Inf where the answer is finite (README, "Scale
+    range"). Raises TypeError/ValueError on a contract violation.
     """
     _check_contract(xq, wq, x_scale, w_scale, m_sizes, out)
     backend = get_backend(xq.device)
