@@ -295,13 +295,14 @@ class _Acceptor:
         in-flight limit, or there are none."""
         return not self.committed or self.committed + size <= self.limits.max_inflight_bytes
 
-    def count_refusal(self, status: int, method: str, path: str | None, seconds: float) -> None:
+    def count_refusal(self, status: int, method: str, path: str | None, seconds: float,
+                      body: int) -> None:
         """The owner keeps the metrics: tell it of a request answered here (its path
         only when short: a long one is no route's)."""
         if self.writer is not None and not self.lost and not self.writer.is_closing():
             path = path if path is not None and len(path) <= 1024 else None
             self.writer.write(_frame({"t": "refused", "st": status, "m": method, "p": path,
-                                      "s": seconds}, 0))
+                                      "s": seconds, "b": body}, 0))
 
     # _Connection's body allocator: a slot of the request arena when one is free,
     # else a spill (``_acceptor_shm``): a large body never travels on the link.

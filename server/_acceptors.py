@@ -383,7 +383,8 @@ class Owner:
                     else:
                         link.answer_slots.give(meta["o"])
                 elif kind == "refused":  # answered by the acceptor from the head
-                    self.server.count_refusal(meta["st"], meta["m"], meta["p"], meta["s"])
+                    self.server.count_refusal(meta["st"], meta["m"], meta["p"], meta["s"],
+                                              meta["b"])
                 elif kind == "pong":
                     link.ping_sent = None
         except (asyncio.IncompleteReadError, ConnectionError):

@@ -560,8 +560,11 @@ class _Connection(asyncio.BufferedProtocol):
         self.parser = self.body = self.chunked = None
         if transport is None:
             return
-        transport.write(error_bytes(exc, head_only=self.method == "HEAD", request_id=given))
-        self.server.count_refusal(exc.status, self.method, self.scope and self.scope["path"], took)
+        answer = error_bytes(exc, head_only=self.method == "HEAD", request_id=given)
+        transport.write(answer)
+        body = len(answer) - answer.index(b"\r\n\r\n") - 4
+        self.server.count_refusal(exc.status, self.method, self.scope and self.scope["path"], took,
+                                  body)
         if transport.can_write_eof():
             transport.write_eof()  # the client reads the answer and an end; we drop the rest
         else:
@@ -842,17 +845,20 @@ class FastHttpServer:
         self.state: dict = {}
         self._server: asyncio.base_events.Server | None = None
 
-    def count_refusal(self, status: int, method: str, path: str | None, seconds: float) -> None:
+    def count_refusal(self, status: int, method: str, path: str | None, seconds: float,
+                      body: int) -> None:
         """A request the transport answered itself (``_Connection._refuse``), in the
         request metrics (count and total time, from its head's first byte) under the
         endpoint the app would have counted it under (its route's path format, e.g. a
-        refused upload under ``/v1/weights/{name}``), else as "unmatched"."""
+        refused upload under ``/v1/weights/{name}``), else as "unmatched"; ``body``: the
+        answer's body bytes (bytes out)."""
         metrics = getattr(getattr(self.app, "state", None), "metrics", None)
         if metrics is None:
             return
         endpoint = _endpoint_of(self.app, method, path)
         metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
         metrics.request_seconds.labels(endpoint=endpoint).observe(seconds)
+        metrics.bytes_out.inc(body)
 
     def held(self) -> int:
         """Request body bytes held: received here so far, plus those the app's budget holds."""

@@ -264,6 +264,7 @@ class RequestContext:
         status = 500
         response_started = False
         metrics = self.metrics
+        head_only = scope["method"] == "HEAD"  # the transport sends no body
 
         async def counting_receive():
             message = await receive()
@@ -279,7 +280,7 @@ class RequestContext:
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", request_id.encode("latin-1")))
                 message = {**message, "headers": headers}
-            elif message["type"] == "http.response.body":
+            elif message["type"] == "http.response.body" and not head_only:
                 metrics.bytes_out.inc(len(message.get("body", b"")))
             await send(message)
 

@@ -232,6 +232,34 @@ def test_other_routes_and_keep_alive(servers):
             assert _read_answer(sock) == _read_answer(ref)
 
 
+def test_an_acceptors_own_answers_count_as_bytes_out(servers):
+    """A request an acceptor refuses from its head (415 here) is counted by the owner, its
+    answer's body in ``moegemm_bytes_out_total`` too (the owner's metrics tell the whole
+    server's traffic)."""
+    server, _ = servers
+
+    def bytes_out() -> tuple[float, int]:
+        head, body = _exchange(server.port, _request(
+            "GET", "/metrics", b"", {"authorization": f"Bearer {TOKEN}"}))
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        line = next(r for r in body.split(b"\n") if r.startswith(b"moegemm_bytes_out_total "))
+        return float(line.split()[-1]), len(body)
+
+    before, told = bytes_out()
+    _, head, body = _via_acceptor(server, _request(
+        "POST", "/v1/weights/demo/gemm", b"\x80",
+        {"authorization": f"Bearer {TOKEN}", "content-type": "text/plain"}))
+    assert head.startswith(b"HTTP/1.1 415") and body
+    sent = told + len(body)
+    deadline = time.monotonic() + 10
+    while True:  # the acceptor's report reaches the owner over its link, soon after
+        now, told = bytes_out()
+        if now - before == sent or time.monotonic() > deadline:
+            break
+        sent += told
+    assert now - before == sent
+
+
 def _problem(gen: torch.Generator, g: int, n: int, k: int):
     w = torch.randn(g, n, k, generator=gen)
     wq, w_scale = quantize_weights(w)

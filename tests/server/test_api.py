@@ -146,6 +146,28 @@ def test_metrics(server):
     assert weight_bytes == server.services.store.total_bytes() > 0
 
 
+def _bytes_out(server) -> tuple[float, int]:
+    """``moegemm_bytes_out_total`` and the size of the /metrics body that told it."""
+    r = server.http.get("/metrics")
+    value = next(float(line.split()[-1]) for line in r.text.splitlines()
+                 if line.startswith("moegemm_bytes_out_total "))
+    return value, len(r.content)
+
+
+def test_bytes_out_counts_the_bodies_sent_and_only_those(server):
+    """A HEAD answer sends no body; an error the transport answers from the request's head
+    (415 here, on the fast transport) sends one: both as the bytes on the wire."""
+    before, told = _bytes_out(server)
+    for path in ("/v1/info", "/v1/weights", "/v1/health/ready"):
+        r = server.http.head(path)
+        assert r.status_code == 200 and r.content == b""
+    refused = server.http.post("/v1/weights/demo/gemm", content=b"\x80",
+                               headers={"content-type": "text/plain"})
+    assert refused.status_code == 415
+    after, _ = _bytes_out(server)
+    assert after - before == told + len(refused.content)
+
+
 def test_client_round_trip(server):
     p = fp8_problem(50, 128, 256, 3)
     with Client(server.url) as client:
