@@ -75,7 +75,7 @@ def _tensor_map(store, checkpoint: str) -> tuple[dict[str, str], str]:
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
             raise TypeError("weight_map is not a map of names to file names")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise BadField(f"{base}/{INDEX} is not a safetensors index: {exc}") from exc
     for shard in weight_map.values():
         if shard.startswith("/"):  # joined below it would read as a file under the checkpoint

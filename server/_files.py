@@ -236,7 +236,8 @@ def safetensors_header(handle, file: str) -> tuple[dict, int]:
                 raise ValueError(f"tensor {key!r} lies outside the file")
             if known is not None and end - begin != math.prod(e["shape"]) * known:
                 raise ValueError(f"tensor {key!r} has {end - begin} bytes for its shape")
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except (ValueError, KeyError, TypeError, OSError, RecursionError) as exc:
+        # RecursionError: JSON nested deeper than the parser's stack (never a real header).
         raise BadField(f"file {file!r} is not a readable safetensors file: {exc}") from exc
     return entries, data_start
 

@@ -252,6 +252,10 @@ def test_missing_tensors_and_shards_are_named(srv):
     (root / "broken" / "model.safetensors.index.json").write_text("{not json")
     assert_error(put_experts(srv.http, "x", {"checkpoint": "broken", "layer": 0}), 400,
                  "bad_field")
+    # JSON nested deeper than the parser's stack (it raised RecursionError: a 500).
+    (root / "broken" / "model.safetensors.index.json").write_text("[" * 100_000)
+    assert_error(put_experts(srv.http, "x", {"checkpoint": "broken", "layer": 0}), 400,
+                 "bad_field")
     assert snapshot(srv.http) == before
 
 

@@ -201,6 +201,10 @@ def test_a_nil_scale_key_is_no_scale_key(server, files):
 def test_not_a_safetensors_file(server, files):
     (server.weights_dir / "junk.safetensors").write_bytes(os.urandom(200))
     assert_error(server.put("x", {"file": "junk.safetensors", "w": "w"}), 400, "bad_field")
+    # A header of JSON nested deeper than the parser's stack (it raised RecursionError: a 500).
+    deep = b"[" * 100_000
+    (server.weights_dir / "deep.safetensors").write_bytes(len(deep).to_bytes(8, "little") + deep)
+    assert_error(server.put("x", {"file": "deep.safetensors", "w": "w"}), 400, "bad_field")
 
 
 def test_file_tensor_checks(server, files):
