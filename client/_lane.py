@@ -32,6 +32,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from urllib.parse import urlsplit
 
 import httpx
@@ -197,6 +198,17 @@ def usable(url: str, transport: object, trust_env: bool = True) -> bool:
     return True
 
 
+_LANES: weakref.WeakSet = weakref.WeakSet()  # every live Lane, for a forked child
+
+
+def _after_fork_in_child() -> None:
+    for lane in list(_LANES):
+        lane._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Lane:
     """Keep-alive sockets to one ``http://host:port`` (thread-safe: one socket per call)."""
 
@@ -208,9 +220,19 @@ class Lane:
         self._fixed = _fixed_headers(parts, headers)
         self._head = _Heads(self._fixed)
         self._idle: list[socket.socket] = []
-        self._pid = os.getpid()  # the process whose sockets _idle holds
         self._lock = threading.Lock()
         self._closed = False
+        _LANES.add(self)
+
+    def _forked(self) -> None:
+        """In a child forked from this lane's process: the parent still uses the pooled
+        sockets. Closing this process's copies of their descriptors leaves the parent's
+        connections open; the lock, which another of the parent's threads may have held at
+        the fork, is made anew."""
+        self._lock = threading.Lock()
+        inherited, self._idle = self._idle, []
+        for sock in inherited:
+            sock.close()
 
     # -- sockets ---------------------------------------------------------------------
 
@@ -228,12 +250,6 @@ class Lane:
     def _take(self, timeout: httpx.Timeout, deadline: float | None) -> socket.socket:
         while True:
             with self._lock:
-                if self._pid != os.getpid():
-                    # Forked: the parent still uses these sockets. Closing this process's
-                    # copies of the descriptors leaves the parent's connections open.
-                    inherited, self._idle, self._pid = self._idle, [], os.getpid()
-                    for sock in inherited:
-                        sock.close()
                 sock = self._idle.pop() if self._idle else None
             if sock is None:
                 return self._connect(timeout, deadline)
@@ -248,7 +264,7 @@ class Lane:
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
-            if not self._closed and len(self._idle) < _POOL and self._pid == os.getpid():
+            if not self._closed and len(self._idle) < _POOL:
                 self._idle.append(sock)
                 return
         sock.close()

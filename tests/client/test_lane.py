@@ -12,6 +12,8 @@ import contextlib
 import http.server
 import json
 import os
+import select
+import signal
 import socket
 import struct
 import threading
@@ -150,6 +152,18 @@ def test_a_forked_process_opens_its_own_sockets(server):
     url, _ = server
     with Client(url, timeout=5) as c:
         parent = c.info()["peer"]
+        # Another thread holds the pool's lock across the fork: the child's copy of it
+        # would stay locked forever.
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with c._lane._lock:
+                held.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(10)
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: report its calls' peers, then leave without cleanup
@@ -158,11 +172,17 @@ def test_a_forked_process_opens_its_own_sockets(server):
                 os.write(write, json.dumps(peers).encode())
             finally:
                 os._exit(0)
+        release.set()
+        holder.join()
         os.close(write)
+        ready, _, _ = select.select([read], [], [], 20)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
         with os.fdopen(read) as pipe:
-            child = json.loads(pipe.read())
+            child = json.loads(pipe.read() or "null")
         os.waitpid(pid, 0)
         again = c.info()["peer"]
+    assert child is not None, "the child hung on the pool's lock"
     assert parent not in child and len(set(child)) == 1
     assert again == parent
 
