@@ -96,15 +96,19 @@ def _opened(path, shown: str):
         yield f
 
 
-def _naming(names, layer: int) -> tuple[str, tuple[str, str, str], int]:
-    """The naming the layer uses, and its number of experts G."""
+def _naming(names, layer: int) -> tuple[str, tuple[str, str, str], set[int]]:
+    """The naming the layer uses, and the expert numbers its tensors name.
+
+    A number is written as the keys are (no leading zero) and has at most 9 digits: a
+    longer one names no expert (Python refuses to parse past 4300 digits).
+    """
     for family, projections in _NAMINGS:
         prefix = f"model.layers.{layer}.{family}."
-        pattern = re.compile(re.escape(prefix) + r"(\d+)\.(" + "|".join(projections) +
-                             r")\.weight")
-        experts = [int(m[1]) for m in map(pattern.fullmatch, names) if m is not None]
+        pattern = re.compile(re.escape(prefix) + r"(0|[1-9]\d{0,8})\.(" +
+                             "|".join(projections) + r")\.weight")
+        experts = {int(m[1]) for m in map(pattern.fullmatch, names) if m is not None}
         if experts:
-            return prefix, projections, max(experts) + 1
+            return prefix, projections, experts
     expected = " or ".join(
         f"'model.layers.{layer}.{family}.0.{projections[0]}.weight'"
         for family, projections in _NAMINGS
@@ -115,8 +119,14 @@ def _naming(names, layer: int) -> tuple[str, tuple[str, str, str], int]:
 def _expert_keys(where: dict, checkpoint: str, layer: int) -> list[list[str]]:
     """Layer ``layer``'s expert keys (gate, up, down of each), each present in the tensor
     map ``where`` (no tensor read)."""
-    prefix, projections, G = _naming(where.keys(), layer)
-    keys = [[f"{prefix}{e}.{p}.weight" for p in projections] for e in range(G)]
+    prefix, projections, experts = _naming(where.keys(), layer)
+    if max(experts) >= len(experts):
+        # Experts 0 .. max are G = max + 1; some are missing. Named before any key list is
+        # built: a lone tensor of expert 10**8 would otherwise list 3 * 10**8 keys.
+        gap = next(e for e in range(len(experts) + 1) if e not in experts)
+        raise NoSuchFile(f"checkpoint {checkpoint!r} has no tensor "
+                         f"{f'{prefix}{gap}.{projections[0]}.weight'!r}")
+    keys = [[f"{prefix}{e}.{p}.weight" for p in projections] for e in range(len(experts))]
     for expert_keys in keys:
         for key in expert_keys:
             if key not in where:

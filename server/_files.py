@@ -232,6 +232,9 @@ def safetensors_header(handle, file: str) -> tuple[dict, int]:
             if not (isinstance(e["shape"], list) and all(
                     type(d) is int and d >= 0 for d in e["shape"])):
                 raise ValueError(f"tensor {key!r} has a bad shape")
+            if math.prod(d for d in e["shape"] if d) >= 1 << 63:
+                # Empty (a 0 among them) but past int64 in its other extents: no tensor holds it.
+                raise ValueError(f"tensor {key!r} has extents past int64")
             if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= room):
                 raise ValueError(f"tensor {key!r} lies outside the file")
             if known is not None and end - begin != math.prod(e["shape"]) * known:

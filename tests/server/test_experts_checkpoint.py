@@ -259,6 +259,32 @@ def test_missing_tensors_and_shards_are_named(srv):
     assert snapshot(srv.http) == before
 
 
+def test_expert_numbers_the_index_names_far_out_are_checked_first(srv):
+    """An index naming expert 10**6 beside experts 0-3 is missing expert 4, named before a
+    key is listed for every expert up to it; a number of 5000 digits (Python refuses to
+    parse it: a 500 before) names no expert, and the layer's real experts still load."""
+    root = srv.weights_dir
+    write_checkpoint(root / "far", "deepseek", torch.bfloat16, layers=(0,))
+    index_path = root / "far" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"]["model.layers.0.mlp.experts.0.gate_proj.weight"]
+    long_number = "model.layers.0.mlp.experts." + "7" * 5000 + ".up_proj.weight"
+    index["weight_map"][long_number] = shard
+    index_path.write_text(json.dumps(index))
+    r = put_experts(srv.http, "far", {"checkpoint": "far", "layer": 0})
+    assert r.status_code == 201, r.text
+    assert r.json()["G"] == 4
+    assert srv.http.delete("/v1/experts/far").status_code == 204
+
+    before = snapshot(srv.http)
+    index["weight_map"]["model.layers.0.mlp.experts.1000000.gate_proj.weight"] = shard
+    index_path.write_text(json.dumps(index))
+    r = put_experts(srv.http, "far", {"checkpoint": "far", "layer": 0})
+    assert_error(r, 404, "no_such_file")
+    assert "'model.layers.0.mlp.experts.4.gate_proj.weight'" in r.json()["error"]["message"]
+    assert snapshot(srv.http) == before
+
+
 def _poison(root: Path, key: str, value: float, at=(0, 0)) -> None:
     """Set one element of tensor ``key`` of a sharded checkpoint to ``value``."""
     from safetensors.torch import load_file

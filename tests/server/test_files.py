@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -189,6 +190,21 @@ def test_file_fields_that_are_no_names_are_bad_fields(server, files, fields):
     """``file`` and ``w`` are required strings (nil is no name); ``w_scale`` may be nil."""
     assert_error(server.put("x", fields), 400, "bad_field")
     assert "x" not in [ws.name for ws in server.services.store.list()]
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63], [0, 2**62, 4], [2**40, 2**40, 2**40, 0]])
+def test_an_empty_tensor_with_extents_past_int64_is_refused(server, files, shape):
+    """Such an entry holds no bytes, so its data offsets check out, but no tensor takes its
+    shape (torch raised: a 500 before)."""
+    header = json.dumps({"w": {"dtype": "F8_E4M3", "shape": [1, 128, 128],
+                               "data_offsets": [0, 16384]},
+                         "s": {"dtype": "F32", "shape": shape,
+                               "data_offsets": [16384, 16384]}}).encode()
+    (server.weights_dir / "vast.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header + bytes(16384))
+    r = server.put("x", {"file": "vast.safetensors", "w": "w", "w_scale": "s"})
+    assert_error(r, 400, "bad_field")
+    assert "past int64" in r.json()["error"]["message"]
 
 
 def test_a_nil_scale_key_is_no_scale_key(server, files):
