@@ -197,6 +197,12 @@ def _pairs_to_dict(pairs: list) -> dict:
     return out
 
 
+_UNPACK_ERRORS = {
+    "FormatError": "a byte that starts no msgpack value (0xC1, or garbage)",
+    "StackError": "containers nested too deeply",
+}
+
+
 def unpackb(body: bytes | bytearray | memoryview) -> dict:
     """Decode a body that must be exactly one msgpack map, else raise BadMsgpack.
 
@@ -219,8 +225,10 @@ def unpackb(body: bytes | bytearray | memoryview) -> dict:
     except BadMsgpack:
         raise
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
-        # ValueError covers ExtraData, FormatError, StackError and UnicodeDecodeError.
-        raise BadMsgpack(f"the body is not one msgpack map: {exc}") from exc
+        # ValueError covers ExtraData, FormatError, StackError and UnicodeDecodeError; the
+        # first two and StackError say nothing of themselves.
+        detail = _UNPACK_ERRORS.get(type(exc).__name__) or str(exc) or type(exc).__name__
+        raise BadMsgpack(f"the body is not one msgpack map: {detail}") from exc
     if not isinstance(obj, dict):
         raise BadMsgpack(f"the body must be a msgpack map, got {type(obj).__name__}")
     return obj

@@ -64,6 +64,30 @@ def test_bad_msgpack(server, unchanged, body):
     assert_error(r, 400, "bad_msgpack")
 
 
+@pytest.mark.parametrize("body, says", [(b"\xc1", "starts no msgpack value"),
+                                        (b"\x91" * 100_000, "nested too deeply")])
+def test_bad_msgpack_says_what_is_wrong(server, unchanged, body, says):
+    r = raw_post(server, "/v1/weights/base/gemm", body)
+    assert_error(r, 400, "bad_msgpack")
+    assert says in r.json()["error"]["message"]
+
+
+def test_messages_quoting_client_input_stay_small(server, unchanged, loaded):
+    """A megabyte dtype name, field name or tensor key is quoted, but cut: the answer (and
+    the log line) stays about a kilobyte whatever was sent."""
+    p, vast = loaded, "q" * (1 << 20)
+    wrong_dtype = {**wire(p.xq), "dtype": vast}
+    for r, code in ((server.gemm("base", call(p, x=wrong_dtype)), "bad_dtype"),
+                    (server.gemm("base", call(p, **{vast: 1})), "bad_field"),
+                    (server.put("base", {"w": wrong_dtype, "w_scale": wire(p.w_scale)}),
+                     "bad_dtype"),
+                    (server.put("base", {"w": wire(p.wq), "w_scale": wire(p.w_scale),
+                                         vast: 1}), "bad_field")):
+        assert_error(r, 400, code)
+        assert len(r.content) < 1200, len(r.content)
+        assert r.json()["error"]["message"].endswith(" characters)")
+
+
 def test_bad_field(server, unchanged, loaded):
     p = loaded
     for body in (call(p, m_sizes=None), call(p, extra=1), {"m_sizes": wire(p.m_sizes)},
