@@ -50,6 +50,19 @@ C = TypeVar("C", Client, AsyncClient)
 # never fail over.
 _FAIL_OVER = (TransportError, Unavailable, NoSuchWeights)
 
+# An expert set's matrices are weight sets named after it (SPEC 5): they live where it does.
+_MATRICES = (".w13", ".w2")
+
+
+def _placed_by(name: str) -> str:
+    """The name whose rank places ``name``: an expert set's for its matrix ``{set}.w13`` or
+    ``{set}.w2`` (any weight set so named: the server holds the two names apart), else
+    ``name`` itself."""
+    for suffix in _MATRICES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)]
+    return name
+
 
 def _naming(endpoint: str, exc: APIError, context: str = "") -> APIError:
     """The same error class, with the endpoint that answered it in the message (an
@@ -113,9 +126,10 @@ class _Fleet(Generic[C]):
             if not 1 <= count <= len(urls):
                 raise ValueError(f"replica counts are between 1 and {len(urls)}, got {count}")
         self._replicas = replicas
-        # Which replica a call tries first; next() on an itertools.count is
-        # atomic under the GIL, so threads may share it.
-        self._turns = itertools.count()
+        # Which replica a set's next call tries first, per set: one count shared by every
+        # set pinned each set to one replica when calls of several sets alternate. next()
+        # on an itertools.count is atomic under the GIL, so threads may share them.
+        self._turns: dict[str, itertools.count] = {}
         self._clients: dict[str, C] = {url: make_client(url) for url in urls}
 
     @property
@@ -124,14 +138,20 @@ class _Fleet(Generic[C]):
         return list(self._clients)
 
     def placement(self, name: str) -> list[str]:
-        """The endpoints that hold weight set ``name``, the preferred one first."""
-        return place(name, self._clients, self._hot.get(name, self._replicas))
+        """The endpoints that hold weight set ``name``, the preferred one first; an expert
+        set's matrices (``{name}.w13``, ``{name}.w2``) are where the expert set is."""
+        owner = _placed_by(name)
+        return place(owner, self._clients,
+                     self._hot.get(name, self._hot.get(owner, self._replicas)))
 
     def _turn(self, name: str) -> list[str]:
-        # This call's order: the placement rotated by one per call, so calls on
-        # a replicated set spread over its replicas.
+        # This call's order: the placement rotated by one per call of this set, so calls
+        # on a replicated set spread over its replicas.
         placed = self.placement(name)
-        first = next(self._turns) % len(placed)
+        turns = self._turns.get(name)
+        if turns is None:
+            turns = self._turns.setdefault(name, itertools.count())
+        first = next(turns) % len(placed)
         return placed[first:] + placed[:first]
 
     @staticmethod
@@ -157,8 +177,8 @@ class _Fleet(Generic[C]):
             tried = "; ".join(f"{url}: {exc}" for url, exc in failures)
             raise DeadlineExceeded(
                 f"the {deadline} s deadline for weight set {name!r} passed "
-                f"while failing over ({tried})"
-            ) from failures[-1][1]
+                + (f"while failing over ({tried})" if failures else "before it was sent")
+            ) from (failures[-1][1] if failures else None)
         return {"deadline": left}
 
 

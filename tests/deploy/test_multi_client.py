@@ -14,7 +14,7 @@ import httpx
 import ml_dtypes
 import numpy as np
 import pytest
-from moegemm.client import Client, NoSuchWeights, TransportError
+from moegemm.client import Client, DeadlineExceeded, NoSuchWeights, TransportError
 from moegemm.client._calls import MSGPACK
 from moegemm.client._client import DEADLINE_HEADER
 from moegemm.client._multi import AsyncMultiClient, MultiClient
@@ -111,6 +111,28 @@ def test_grouped_gemm_goes_to_the_holder_and_matches_it(servers):
                 with Client(url, token=servers[0].token) as other, pytest.raises(NoSuchWeights):
                     other.grouped_gemm(name, x, m_sizes)
         multi.delete_weights(name)
+
+
+def test_an_expert_sets_matrices_are_reached_where_it_lives(servers):
+    """SPEC 5: ``{name}.w13`` and ``{name}.w2`` are weight sets, held with the expert set:
+    placed by its name, not their own (which sent most calls to an endpoint without them)."""
+    rng = np.random.default_rng()
+    urls = [s.url for s in servers]
+    H, I = K, 128
+    w13 = rng.standard_normal((G, 2 * I, H)).astype(ml_dtypes.bfloat16)
+    w2 = rng.standard_normal((G, H, I)).astype(ml_dtypes.bfloat16)
+    with MultiClient(urls, token=servers[0].token) as multi:
+        names = [f"moe-{rng.integers(1 << 30)}" for _ in range(4)]
+        for name in names:
+            multi.load_experts(name, w13, w2)
+            (holder,) = multi.placement(name)
+            assert multi.placement(f"{name}.w13") == multi.placement(f"{name}.w2") == [holder]
+            x, m_sizes = _call(rng)
+            out = multi.grouped_gemm(f"{name}.w13", x, m_sizes)
+            with Client(holder, token=servers[0].token) as direct:
+                np.testing.assert_array_equal(
+                    direct.grouped_gemm(f"{name}.w13", x, m_sizes), out)
+            multi.delete_experts(name)
 
 
 def test_an_endpoint_down_without_replica_is_named(servers):
@@ -233,6 +255,38 @@ def test_calls_take_turns_over_the_replicas_of_a_hot_set():
         for _ in range(3):
             multi.grouped_gemm("cold", x, m_sizes)
         assert [port for port, _ in log] == [single] * 3
+
+
+def test_hot_sets_called_in_turn_each_spread_over_their_replicas():
+    """A layer loop alternating two hot sets: each set's calls take turns over its own
+    replicas (one count shared by both pinned each to one replica)."""
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002, 9003, 9004)]
+    x, m_sizes = _call(np.random.default_rng())
+    log: list = []
+    with MultiClient(urls, hot={"a": 2, "b": 2}, transport=_fake_servers(log)) as multi:
+        for _ in range(4):
+            for name in ("a", "b"):
+                multi.grouped_gemm(name, x, m_sizes)
+        for offset, name in ((0, "a"), (1, "b")):
+            placed = [int(u.rsplit(":", 1)[1]) for u in multi.placement(name)]
+            assert [port for port, _ in log[offset::2]] == placed * 2
+
+
+def test_a_deadline_gone_before_the_first_try_is_deadline_exceeded():
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002)]
+    x, m_sizes = _call(np.random.default_rng())
+    log: list = []
+    with MultiClient(urls, transport=_fake_servers(log)) as multi, \
+            pytest.raises(DeadlineExceeded, match="before it was sent"):
+        multi.grouped_gemm("w", x, m_sizes, deadline=1e-12)
+
+    async def scenario():
+        async with AsyncMultiClient(urls, transport=_fake_servers(log)) as multi:
+            await multi.grouped_gemm("w", x, m_sizes, deadline=1e-12)
+
+    with pytest.raises(DeadlineExceeded, match="before it was sent"):
+        asyncio.run(scenario())
+    assert log == []
 
 
 def test_the_deadline_covers_the_failover():
