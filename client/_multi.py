@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._calls import budget as deadline_instant
 from ._client import AsyncClient, Client
 from ._errors import (
     APIError,
@@ -123,6 +123,8 @@ class _Fleet(Generic[C]):
             raise ValueError("a multi-endpoint client needs at least one endpoint")
         self._hot = dict(hot or {})
         for count in (replicas, *self._hot.values()):
+            if isinstance(count, bool) or not isinstance(count, int):
+                raise TypeError(f"replica counts are ints, got {count!r}")
             if not 1 <= count <= len(urls):
                 raise ValueError(f"replica counts are between 1 and {len(urls)}, got {count}")
         self._replicas = replicas
@@ -153,14 +155,6 @@ class _Fleet(Generic[C]):
             turns = self._turns.setdefault(name, itertools.count())
         first = next(turns) % len(placed)
         return placed[first:] + placed[:first]
-
-    @staticmethod
-    def _until(deadline: float | None) -> float | None:
-        if deadline is None:
-            return None
-        if not (deadline > 0 and math.isfinite(deadline)):
-            raise ValueError(f"deadline is a positive, finite number of seconds, got {deadline!r}")
-        return time.monotonic() + deadline
 
     @staticmethod
     def _budget(
@@ -344,7 +338,7 @@ class MultiClient(_Fleet[Client]):
     def _failing_over(self, name: str, deadline: float | None,
                       call: Callable[[Client, dict[str, Any]], T],
                       request_id: str | None = None) -> T:
-        until = self._until(deadline)
+        until = deadline_instant(deadline)
         failures: list[tuple[str, MoegemmError]] = []
         for url in self._turn(name):
             budget: dict[str, Any] = self._budget(name, deadline, until, failures)
@@ -515,7 +509,7 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
     async def _failing_over(self, name: str, deadline: float | None,
                             call: Callable[[AsyncClient, dict[str, Any]], Awaitable[T]],
                             request_id: str | None = None) -> T:
-        until = self._until(deadline)
+        until = deadline_instant(deadline)
         failures: list[tuple[str, MoegemmError]] = []
         for url in self._turn(name):
             budget: dict[str, Any] = self._budget(name, deadline, until, failures)

@@ -216,6 +216,11 @@ def test_multi_client_refuses_bad_configuration():
         MultiClient(["http://127.0.0.1:1", "http://127.0.0.1:2"], replicas=3)
     with pytest.raises(ValueError, match="between 1 and 1"):
         MultiClient(["http://127.0.0.1:1"], hot={"x": 0})
+    for count in (1.5, True):  # a fraction failed every call; True passed as 1
+        with pytest.raises(TypeError, match="replica counts are ints"):
+            MultiClient(["http://127.0.0.1:1", "http://127.0.0.1:2"], replicas=count)
+    with pytest.raises(TypeError, match="replica counts are ints"):
+        MultiClient(["http://127.0.0.1:1", "http://127.0.0.1:2"], hot={"x": 2.0})
 
 
 def test_probes_need_no_token(servers):
@@ -305,6 +310,8 @@ def test_the_deadline_covers_the_failover():
         assert 0 < int(used_budget) <= int(tried_budget) <= 5000
         with pytest.raises(ValueError, match="deadline"):
             multi.grouped_gemm("w", x, m_sizes, deadline=0)
+        with pytest.raises(TypeError, match="deadline"):  # as Client's own calls
+            multi.grouped_gemm("w", x, m_sizes, deadline=True)
 
 
 def test_a_callers_request_id_goes_to_every_replica_tried():
