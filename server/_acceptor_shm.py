@@ -89,7 +89,11 @@ def sweep_stale_arenas(directory: str = _SHM_DIR) -> list[str]:
         return removed
     for name in names:
         parts = name.split("-")
-        if len(parts) < 3 or parts[0] != "moegemm" or not parts[1].isdigit():
+        # ASCII digits only, few enough for a pid: str.isdigit() also takes '²', which int()
+        # refuses, and 20 digits overflow the kill() this leads to (any local user can name
+        # a file in /dev/shm; a start must not fail on one).
+        if (len(parts) < 3 or parts[0] != "moegemm" or not parts[1].isascii()
+                or not parts[1].isdigit() or len(parts[1]) > 9):
             continue
         pid = int(parts[1])
         if pid == os.getpid() or _pid_alive(pid):

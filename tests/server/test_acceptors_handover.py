@@ -120,8 +120,10 @@ def test_arenas_of_owners_that_are_gone_are_swept(tmp_path):
     alive = tmp_path / f"moegemm-{os.getppid()}-a0-req-4567cdef"
     mine = tmp_path / f"moegemm-{os.getpid()}-a1-ans-89abcdef"
     other = tmp_path / "moegemm-notapid-x"
-    for path in (stale, alive, mine, other):
+    # Names any local user can make that int() or kill() refuse (a start failed on them).
+    odd = [tmp_path / "moegemm-\u00b2-x", tmp_path / f"moegemm-{'9' * 20}-x"]
+    for path in (stale, alive, mine, other, *odd):
         path.write_bytes(b"x")
     assert _acceptor_shm.sweep_stale_arenas(str(tmp_path)) == [stale.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        p.name for p in (alive, mine, other))
+        p.name for p in (alive, mine, other, *odd))
