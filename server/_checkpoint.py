@@ -120,12 +120,9 @@ def _expert_keys(where: dict, checkpoint: str, layer: int) -> list[list[str]]:
     """Layer ``layer``'s expert keys (gate, up, down of each), each present in the tensor
     map ``where`` (no tensor read)."""
     prefix, projections, experts = _naming(where.keys(), layer)
-    if max(experts) >= len(experts):
-        # Experts 0 .. max are G = max + 1; some are missing. Named before any key list is
-        # built: a lone tensor of expert 10**8 would otherwise list 3 * 10**8 keys.
-        gap = next(e for e in range(len(experts) + 1) if e not in experts)
-        raise NoSuchFile(f"checkpoint {checkpoint!r} has no tensor "
-                         f"{f'{prefix}{gap}.{projections[0]}.weight'!r}")
+    # G is the count of expert numbers named, not the largest + 1: a lone tensor of expert
+    # 10**8 made 3 * 10**8 keys before the first missing one was found. With experts
+    # 0 .. G-1 all named these are every key; where one is missing, the loop names it.
     keys = [[f"{prefix}{e}.{p}.weight" for p in projections] for e in range(len(experts))]
     for expert_keys in keys:
         for key in expert_keys:

@@ -260,8 +260,8 @@ def test_missing_tensors_and_shards_are_named(srv):
 
 
 def test_expert_numbers_the_index_names_far_out_are_checked_first(srv):
-    """An index naming expert 10**6 beside experts 0-3 is missing expert 4, named before a
-    key is listed for every expert up to it; a number of 5000 digits (Python refuses to
+    """An index naming expert 999999999 beside experts 0-3 is missing expert 4, named with
+    no key listed for every expert up to it (3e9 keys: never done); a number of 5000 digits (Python refuses to
     parse it: a 500 before) names no expert, and the layer's real experts still load."""
     root = srv.weights_dir
     write_checkpoint(root / "far", "deepseek", torch.bfloat16, layers=(0,))
@@ -277,7 +277,7 @@ def test_expert_numbers_the_index_names_far_out_are_checked_first(srv):
     assert srv.http.delete("/v1/experts/far").status_code == 204
 
     before = snapshot(srv.http)
-    index["weight_map"]["model.layers.0.mlp.experts.1000000.gate_proj.weight"] = shard
+    index["weight_map"]["model.layers.0.mlp.experts.999999999.gate_proj.weight"] = shard
     index_path.write_text(json.dumps(index))
     r = put_experts(srv.http, "far", {"checkpoint": "far", "layer": 0})
     assert_error(r, 404, "no_such_file")
