@@ -79,9 +79,6 @@ class TransportError(MoegemmError):
         self.request_id = request_id
 
 
-_MESSAGE_MAX = 1000
-
-
 class APIError(MoegemmError):
     """An error with an HTTP status and a machine-readable code (SPEC 2.2).
 
@@ -99,11 +96,6 @@ class APIError(MoegemmError):
         request_id: str | None = None,
         retry_after: float | None = None,
     ) -> None:
-        if len(message) > _MESSAGE_MAX:
-            # Messages quote client input (a dtype, a field's name, a tensor key): an answer
-            # or a log line stays small whatever was sent.
-            # (Cut to at most _MESSAGE_MAX, so a pickled copy's message is not cut again.)
-            message = f"{message[:_MESSAGE_MAX - 40]}... ({len(message)} characters)"
         super().__init__(message)
         self.message = message
         self.request_id = request_id

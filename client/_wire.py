@@ -157,7 +157,7 @@ def decode_tensor(obj: Any) -> WireTensor:
         )
     name = obj["dtype"]
     if not isinstance(name, str) or name not in DTYPES:
-        raise BadDtype(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+        raise BadDtype(f"dtype {name!r:.100} is not one of {sorted(DTYPES)}")
     shape = obj["shape"]
     if not isinstance(shape, (list, tuple)) or not all(
         type(d) is int and d >= 0
@@ -197,9 +197,10 @@ def _pairs_to_dict(pairs: list) -> dict:
     return out
 
 
+# What msgpack's FormatError and StackError leave unsaid (their messages are empty).
 _UNPACK_ERRORS = {
-    "FormatError": "a byte that starts no msgpack value (0xC1, or garbage)",
-    "StackError": "containers nested too deeply",
+    msgpack.exceptions.FormatError: "a byte that starts no msgpack value (0xC1, or garbage)",
+    msgpack.exceptions.StackError: "containers nested too deeply",
 }
 
 
@@ -225,9 +226,8 @@ def unpackb(body: bytes | bytearray | memoryview) -> dict:
     except BadMsgpack:
         raise
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
-        # ValueError covers ExtraData, FormatError, StackError and UnicodeDecodeError; the
-        # first two and StackError say nothing of themselves.
-        detail = _UNPACK_ERRORS.get(type(exc).__name__) or str(exc) or type(exc).__name__
+        # ValueError covers ExtraData, FormatError, StackError and UnicodeDecodeError.
+        detail = _UNPACK_ERRORS.get(type(exc)) or str(exc) or type(exc).__name__
         raise BadMsgpack(f"the body is not one msgpack map: {detail}") from exc
     if not isinstance(obj, dict):
         raise BadMsgpack(f"the body must be a msgpack map, got {type(obj).__name__}")

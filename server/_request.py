@@ -44,6 +44,8 @@ from moegemm.client._errors import (
 )
 from moegemm.client._wire import DTYPES, unpackb
 
+from .config import shown
+
 BLOCK = 128
 
 FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz")
@@ -151,7 +153,7 @@ def _diagnose(body, exc: Exception, schema: _Schema) -> Exception:
     missing = sorted(set(schema.required) - obj.keys())
     unknown = sorted(obj.keys() - set(schema.required) - set(schema.optional))
     if missing or unknown:
-        return BadField(f"fields: missing {missing}, unknown {unknown}; this endpoint takes "
+        return BadField(f"fields: missing {missing}, unknown {shown(unknown)}; this endpoint takes "
                         f"{list(schema.required)} and optionally {list(schema.optional)}")
     message = str(exc)
     path = message.rpartition(" - at `")[2].rstrip("`") if " - at `" in message else "$"
@@ -246,17 +248,17 @@ def _tensor(t: WireTensor, name: str) -> int:
     return the element count."""
     dtype = DTYPES.get(t.dtype)
     if dtype is None:
-        raise BadDtype(f"{name}: dtype {t.dtype!r} is not one of {sorted(DTYPES)}")
+        raise BadDtype(f"{name}: dtype {t.dtype!r:.100} is not one of {sorted(DTYPES)}")
     count = math.prod(t.shape)
     want = count * dtype.itemsize
     if t.data.nbytes != want:
-        raise BadTensor(f"{name}: data holds {t.data.nbytes} bytes; {t.dtype} {t.shape} "
+        raise BadTensor(f"{name}: data holds {t.data.nbytes} bytes; {t.dtype} {shown(t.shape)} "
                         f"needs {want}")
     # Data that holds count > 0 elements bounds every dim by count; only an empty
     # tensor can name huge dims, and torch lays out even that one: its dims and
     # strides must fit int64 (the product of its non-zero dims bounds them all).
     if count == 0 and math.prod(max(d, 1) for d in t.shape) >= _MAX_DIM:
-        raise BadTensor(f"{name}: shape {t.shape} is too large to lay out")
+        raise BadTensor(f"{name}: shape {shown(t.shape)} is too large to lay out")
     return count
 
 
@@ -308,13 +310,13 @@ def _rows_call(body: GemmBody, target: Callable[[], Any], max_m: int, width):
     if m_sizes.dtype not in SIZE_DTYPES:
         raise BadDtype(f"m_sizes is {m_sizes.dtype}; expected one of: int64, int32")
     if len(x.shape) != 2:
-        raise BadShape(f"x has shape {x.shape}; expected 2-D [M, K]")
+        raise BadShape(f"x has shape {shown(x.shape)}; expected 2-D [M, K]")
     M, K = x.shape
     want, held = width(ws)
     if K != want:
         raise BadShape(f"x has K={K}; {held}")
     if m_sizes.shape != [ws.G]:
-        raise BadShape(f"m_sizes has shape {m_sizes.shape}; expected [{ws.G}] "
+        raise BadShape(f"m_sizes has shape {shown(m_sizes.shape)}; expected [{ws.G}] "
                        f"([G], G={ws.G} groups)")
     if M > max_m:
         raise TooLarge(f"x has M={M} rows; this server takes at most {max_m} per call")
@@ -371,17 +373,17 @@ def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k
     if weights.dtype != "float32":
         raise BadDtype(f"topk_weights is {weights.dtype}; expected one of: float32")
     if len(x.shape) != 2:
-        raise BadShape(f"x has shape {x.shape}; expected 2-D [T, H]")
+        raise BadShape(f"x has shape {shown(x.shape)}; expected 2-D [T, H]")
     T, H = x.shape
     if H != es.H:
         raise BadShape(f"x has H={H}; expert set {es.name!r} has H={es.H}")
     if len(ids.shape) != 2 or ids.shape[0] != T:
-        raise BadShape(f"topk_ids has shape {ids.shape}; expected [T, k] with T={T}")
+        raise BadShape(f"topk_ids has shape {shown(ids.shape)}; expected [T, k] with T={T}")
     k = ids.shape[1]
     if not 1 <= k <= es.G:
         raise BadShape(f"topk_ids has k={k} experts per token; expected 1 <= k <= G={es.G}")
     if weights.shape != [T, k]:
-        raise BadShape(f"topk_weights has shape {weights.shape}; expected [{T}, {k}] "
+        raise BadShape(f"topk_weights has shape {shown(weights.shape)}; expected [{T}, {k}] "
                        f"([T, k], as topk_ids)")
     if T * k > max_m:
         raise TooLarge(f"T*k = {T * k} expert rows; this server takes at most {max_m} "
@@ -409,7 +411,7 @@ def _x_scale(x: WireTensor, x_scale: WireTensor | None, rows: int, label: str) -
         if x_scale.dtype != "float32":
             raise BadDtype(f"x_scale is {x_scale.dtype}; expected one of: float32")
         if x_scale.shape != [rows, width // BLOCK]:
-            raise BadShape(f"x_scale has shape {x_scale.shape}; expected "
+            raise BadShape(f"x_scale has shape {shown(x_scale.shape)}; expected "
                            f"[{rows}, {width // BLOCK}] ([{label}, {width}/128])")
     elif x_scale is not None:
         raise BadField("x_scale is only for fp8 x; bf16/fp16/fp32 x is quantized by the server")

@@ -36,7 +36,7 @@ import moegemm
 from ._body import PartsResponse, array_body_parts, unpack_body
 from ._request import decode_gemm, gemm_call
 from ._tensors import WIRE_NAMES, to_torch
-from .config import Settings
+from .config import Settings, shown
 from .engine import Engine
 from .experts import check_gemm_name
 from .metrics import Metrics
@@ -187,7 +187,7 @@ def check_fields(body: dict, required: set[str], optional: set[str] = frozenset(
     unknown = sorted(body.keys() - required - optional)
     if missing or unknown:
         raise BadField(
-            f"fields: missing {missing}, unknown {unknown}; this endpoint takes "
+            f"fields: missing {missing}, unknown {shown(unknown)}; this endpoint takes "
             f"{sorted(required)} and optionally {sorted(optional)}"
         )
 

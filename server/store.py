@@ -57,7 +57,7 @@ from ._tensors import (
     require_shape,
     to_backend_fp8,
 )
-from .config import name_problem
+from .config import name_problem, shown
 
 log = logging.getLogger("moegemm.server.store")
 
@@ -299,17 +299,18 @@ class WeightStore:
             entries, data_start = safetensors_header(handle, file)
             for key in (w_key, w_scale_key):
                 if key is not None and key not in entries:
-                    raise NoSuchFile(f"file {file!r} holds no tensor {key!r}")
+                    raise NoSuchFile(f"file {file!r:.200} holds no tensor {key!r:.200}")
             w_entry = entries[w_key]
             dtype = SAFETENSORS_DTYPES.get(w_entry["dtype"])
             if dtype is None:
                 raise BadDtype(
-                    f"tensor {w_key!r} is {w_entry['dtype']}; expected one of "
+                    f"tensor {w_key!r:.200} is {w_entry['dtype']!r:.100}; expected one of "
                     f"{sorted(SAFETENSORS_DTYPES)}"
                 )
             shape = tuple(w_entry["shape"])
             if len(shape) != 3:
-                raise BadShape(f"tensor {w_key!r} has shape {list(shape)}; expected [G, N, K]")
+                raise BadShape(f"tensor {w_key!r:.200} has shape {shown(list(shape))}; "
+                               "expected [G, N, K]")
             w_scale = None
             if w_scale_key is not None:
                 w_scale = read_tensor(handle, entries[w_scale_key], data_start, w_scale_key)

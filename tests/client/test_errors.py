@@ -103,16 +103,3 @@ def test_raised_server_side_the_class_knows_its_answer():
         "error": {"code": "bad_shape", "message": "K must be a multiple of 128"}
     }
 
-
-def test_a_long_message_is_cut_once():
-    """A message quoting client input is cut to at most 1000 characters, naming its length;
-    a pickled copy keeps it as it is."""
-    import pickle
-
-    from moegemm.client import BadDtype
-
-    error = BadDtype("dtype " + "q" * 100_000, request_id="r1")
-    assert len(error.message) <= 1000 and error.message.endswith("... (100006 characters)")
-    copy = pickle.loads(pickle.dumps(error))
-    assert (copy.message, copy.request_id) == (error.message, "r1")
-    assert BadDtype("short").message == "short"

@@ -177,6 +177,9 @@ def test_missing_file_or_key(server, files):
                  404, "no_such_file")
     assert_error(server.put("x", {"file": "sub/fp8.safetensors", "w": "w", "w_scale": "nokey"}),
                  404, "no_such_file")
+    r = server.put("x", {"file": "sub/fp8.safetensors", "w": "q" * (1 << 20), "w_scale": "s"})
+    assert_error(r, 404, "no_such_file")
+    assert len(r.content) < 1000  # a megabyte key is quoted cut
     # fp8 without its scale key, bf16 with one: the same rules as uploads.
     assert_error(server.put("x", {"file": "sub/fp8.safetensors", "w": "w"}), 400, "bad_field")
     assert "x" not in [ws.name for ws in server.services.store.list()]
