@@ -18,9 +18,12 @@ own exceptions, so retries, deadlines and error mapping stay in one place
 
 A pooled socket the server has closed (idle timeout, restart) is noticed before
 it is reused -- it reads as ready -- and replaced; a request is never sent twice.
-A pool is never shared: a process forked from the one that filled it starts an
-empty one (both reading answers off one socket would swap them), as does an
-``AsyncLane`` used from another event loop than the one its sockets belong to.
+A pool is never shared: in a process forked from the one that filled it, every
+lane lets go of the parent's sockets, pooled or in calls in progress, and starts
+empty (both reading answers off one socket would swap them); an ``AsyncLane``
+used from another event loop than the one its sockets belong to opens its own.
+Calls that stay on httpx (https, a proxy) keep httpx's pool, which a forked
+child shares: make such a client after forking.
 """
 
 from __future__ import annotations
@@ -198,7 +201,7 @@ def usable(url: str, transport: object, trust_env: bool = True) -> bool:
     return True
 
 
-_LANES: weakref.WeakSet = weakref.WeakSet()  # every live Lane, for a forked child
+_LANES: weakref.WeakSet = weakref.WeakSet()  # every live Lane and AsyncLane, for a fork
 
 
 def _after_fork_in_child() -> None:
@@ -206,7 +209,22 @@ def _after_fork_in_child() -> None:
         lane._forked()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork to share sockets
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _disown(fds) -> None:
+    """A forked child's copies of the parent's connections, each pointed at /dev/null in
+    place: the parent's sockets stay open and registered in its event loop (an asyncio
+    close here would remove them from the epoll the two processes share), and whatever
+    later closes these descriptor numbers here closes /dev/null."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            if fd >= 0:
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 class Lane:
@@ -220,17 +238,20 @@ class Lane:
         self._fixed = _fixed_headers(parts, headers)
         self._head = _Heads(self._fixed)
         self._idle: list[socket.socket] = []
+        self._busy: set[socket.socket] = set()  # sockets of calls in progress
         self._lock = threading.Lock()
         self._closed = False
         _LANES.add(self)
 
     def _forked(self) -> None:
-        """In a child forked from this lane's process: the parent still uses the pooled
-        sockets. Closing this process's copies of their descriptors leaves the parent's
-        connections open; the lock, which another of the parent's threads may have held at
-        the fork, is made anew."""
+        """In a child forked from this lane's process: the parent still uses the sockets,
+        pooled or in calls its other threads are making. This process's copies of their
+        descriptors are closed (the parent's connections stay open, and end when the
+        parent closes them); the lock, which another of the parent's threads may have held
+        at the fork, is made anew."""
         self._lock = threading.Lock()
-        inherited, self._idle = self._idle, []
+        inherited = [*self._idle, *self._busy]
+        self._idle, self._busy = [], set()
         for sock in inherited:
             sock.close()
 
@@ -296,12 +317,14 @@ class Lane:
         parts = _parts(body)
         data = self._head(method, self.prefix + path, headers, sum(map(len, parts)))
         sock = self._take(timeout, deadline)
+        self._busy.add(sock)
         keep = False
         try:
             sent = self._send(sock, data, parts, timeout, deadline)
             answer, keep = self._receive(sock, timeout, deadline, sent)
             return answer
         finally:
+            self._busy.discard(sock)
             if keep:
                 self._give_back(sock)
             else:
@@ -544,8 +567,18 @@ class AsyncLane:
         self.where = f"{self.host}:{self.port}"
         self.prefix = parts.path.rstrip("/")
         self._fixed = _fixed_headers(parts, headers)
-        self._idle: list[tuple] = []  # (reader, writer, the event loop they belong to, pid)
+        self._idle: list[tuple] = []  # (reader, writer, the event loop they belong to)
+        self._busy: set = set()  # the writers of calls in progress
         self._closed = False
+        _LANES.add(self)
+
+    def _forked(self) -> None:
+        """In a child forked from this lane's process: its streams belong to the parent's
+        event loop, pooled or in calls in progress there; they are disowned in place
+        (:func:`_disown`), never closed through that loop."""
+        writers = [entry[1] for entry in self._idle] + list(self._busy)
+        self._idle, self._busy = [], set()
+        _disown(_fd(writer) for writer in writers)
 
     async def _connect(self, timeout: httpx.Timeout, deadline: float | None):
         # The time left first: past the deadline it raises before a connection is begun
@@ -564,10 +597,10 @@ class AsyncLane:
         return reader, writer
 
     async def _take(self, timeout, deadline):
-        loop, pid = asyncio.get_running_loop(), os.getpid()
+        loop = asyncio.get_running_loop()
         while self._idle:
-            reader, writer, owner, owner_pid = self._idle.pop()
-            if owner is loop and owner_pid == pid:
+            reader, writer, owner = self._idle.pop()
+            if owner is loop:
                 # Idle and healthy: nothing buffered, no EOF (the server closing it), and
                 # nothing the loop has not read yet (it may not have run since the close).
                 sock = writer.get_extra_info("socket")
@@ -579,14 +612,14 @@ class AsyncLane:
 
     def _give_back(self, conn) -> None:
         if not self._closed and len(self._idle) < _POOL:
-            self._idle.append((*conn, asyncio.get_running_loop(), os.getpid()))
+            self._idle.append((*conn, asyncio.get_running_loop()))
         else:
             conn[1].close()
 
     async def aclose(self) -> None:
         self._closed = True
         idle, self._idle = self._idle, []
-        for _, writer, _, _ in idle:
+        for _, writer, _ in idle:
             _drop(writer)
 
     async def request(self, method: str, path: str, headers: dict[str, str], body: bytes | None,
@@ -595,12 +628,14 @@ class AsyncLane:
         parts = _parts(body)
         data = _head(method, self.prefix + path, self._fixed, headers, sum(map(len, parts)))
         conn = await self._take(timeout, deadline)
+        self._busy.add(conn[1])
         keep = False
         try:
             send_error = await self._send(conn[1], data, parts, timeout, deadline)
             answer, keep = await self._receive(conn[0], timeout, deadline, send_error)
             return answer
         finally:
+            self._busy.discard(conn[1])
             if keep:
                 self._give_back(conn)
             else:
@@ -640,6 +675,11 @@ class AsyncLane:
                 chunk, recv_error = b"", exc
             done = parse.feed(chunk, self.where, send_error, recv_error)
         return parse.answer(send_error)
+
+
+def _fd(writer) -> int:
+    sock = writer.get_extra_info("socket")
+    return -1 if sock is None else sock.fileno()
 
 
 def _drop(writer) -> None:

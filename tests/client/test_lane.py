@@ -187,6 +187,73 @@ def test_a_forked_process_opens_its_own_sockets(server):
     assert again == parent
 
 
+def test_an_async_client_forked_keeps_the_parents_sockets_working(server):
+    """A child forked while the parent's loop runs, calling under its own loop: the parent's
+    pooled stream is disowned in the child, not closed through the loop the two share a
+    copy of (that removed the parent's socket from their common epoll: the parent's next
+    call hung until its read timeout)."""
+    import asyncio
+
+    from moegemm.client import AsyncClient
+
+    url, _ = server
+    c = AsyncClient(url, timeout=3)
+
+    async def scenario():
+        first = (await c.info())["peer"]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                asyncio.run(c.info())
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        second = (await c.info())["peer"]
+        await c.close()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first == second  # the same pooled socket, answering
+
+
+def test_a_forked_child_lets_go_of_sockets_in_use_by_other_threads():
+    """A call in flight on another thread at the fork: the child closes its copy of that
+    socket too, so the connection ends when the parent closes it, not when the child exits."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    ended = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            time.sleep(0.5)  # the fork happens while the call waits for this answer
+            body = b'{"ok": true}'
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(body) + body)
+            if conn.recv(65536) == b"":
+                ended.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    c = Client(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=10)
+    call = threading.Thread(target=c.info)
+    call.start()
+    time.sleep(0.2)
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(5)
+        os._exit(0)
+    try:
+        call.join(10)
+        c.close()
+        assert ended.wait(3), "the child's copy kept the connection open"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        listener.close()
+
+
 def _keep_alive_server(after_first) -> tuple[str, list]:
     """Answers every request; on the first connection, ``after_first(conn)`` runs
     after its first answer (False: close the connection). Returns the URL and the
