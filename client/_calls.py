@@ -257,7 +257,7 @@ def _raise_for_error(response: httpx.Response, request_id: str) -> None:
         payload = response.json()
         error = payload["error"]
         code, message = error.get("code"), str(error.get("message", message))
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         pass  # not the JSON error body: the class comes from the status alone
     raise error_for(
         response.status_code,
@@ -284,7 +284,7 @@ def read_answer(call: Call, response: httpx.Response, request_id: str) -> Any:
                 call.rows is not None and out.shape[0] != call.rows):
             raise ValueError(f"out is {out.dtype} {list(out.shape)}; expected bfloat16 "
                              f"[{call.rows}, N]")
-    except (ValueError, KeyError, APIError) as exc:
+    except (ValueError, KeyError, APIError, RecursionError) as exc:
         # A 2xx answer we cannot read is the server's fault, not the request's.
         raise InternalError(
             f"malformed {response.status_code} response to {call.method} {call.path}: {exc}",

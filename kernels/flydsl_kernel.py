@@ -419,8 +419,12 @@ def _load_tuned(layout: str) -> dict[str, FlyTile]:
     if tuned is None:
         try:
             raw = json.loads(_cache_file(layout).read_text())
+            if not all(isinstance(value, list) and all(type(size) is int for size in value)
+                       for value in raw.values()):
+                raise TypeError("a tile is a list of int sizes")
             tuned = {key: FlyTile(*value) for key, value in raw.items()}
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+            # Unreadable, not a map of tiles, or nested past the parser: tuned again.
             tuned = {}
         _tuned[layout] = tuned
     return tuned

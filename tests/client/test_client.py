@@ -528,3 +528,21 @@ def test_a_transport_error_carries_its_request_id():
             c.grouped_gemm("w", *_fp8_inputs([1])[:1], [1], _fp8_inputs([1])[1],
                            request_id="mine-1")
     assert info.value.request_id == "mine-1"
+
+
+def test_an_answer_nested_past_the_json_parser_is_an_internal_error():
+    """A 200 whose JSON nests deeper than the parser's stack is the server's fault, raised
+    in the tree (it was a bare RecursionError); an error answer so nested keeps its status."""
+    import httpx
+    from moegemm.client import InternalError, NotFound
+
+    def handle(request):
+        status = 404 if request.method == "DELETE" else 200
+        return httpx.Response(status, content=b"[" * 100_000,
+                              headers={"content-type": "application/json"})
+
+    with Client("http://x", transport=httpx.MockTransport(handle)) as c:
+        with pytest.raises(InternalError):
+            c.weights()
+        with pytest.raises(NotFound):
+            c.delete_weights("w")

@@ -163,6 +163,30 @@ def test_autotune_winners_persist_per_layout(monkeypatch, tmp_path):
     assert (tmp_path / "flydsl_preshuffled_tiles.json").exists()
 
 
+@pytest.mark.parametrize("text", ["[]", "[" * 100_000, '{"1:512:1024:8:bf16:x": "abc"}',
+                                  '{"k": [1, 2]}', "not json"])
+def test_an_autotune_cache_that_is_no_map_of_tiles_is_tuned_again(monkeypatch, tmp_path, text):
+    """A cache file some other tool or a crash left is read as empty (each of these raised
+    on every autotuned call, or made a tile of strings)."""
+    monkeypatch.setenv("MOEGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fk, "_tuned", {})
+    (tmp_path / "flydsl_plain_tiles.json").write_text(text)
+    assert fk._load_tuned("plain") == {}
+
+
+def test_autotune_looks_up_the_winner_of_the_calls_output_dtype(monkeypatch):
+    """The call site passes ``out``'s dtype: a float32 ``h`` gets the f32 winner."""
+    monkeypatch.setenv("MOEGEMM_AUTOTUNE", "1")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "MI300X")
+    bf16, f32 = FlyTile(128, 64, 256), FlyTile(64, 128, 256)
+    monkeypatch.setattr(fk, "_tuned", {"plain": {
+        fk.autotune_key(5, 256, 256, 3, "MI300X"): bf16,
+        fk.autotune_key(5, 256, 256, 3, "MI300X", torch.float32): f32}})
+    xq, wq, xs, ws, ms, out = _call_args()
+    assert fk._tile_for("plain", "gfx942", xq, wq, xs, ws, ms, out) == bf16
+    assert fk._tile_for("plain", "gfx942", xq, wq, xs, ws, ms, out.float()) == f32
+
+
 def _call_args(fp8=torch.float8_e4m3fnuz, m=5, n=256, k=256, g=3):
     return (
         torch.empty(m, k, dtype=fp8),

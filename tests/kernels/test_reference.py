@@ -245,8 +245,9 @@ def _misaligned(t: torch.Tensor, offset: int = 8) -> torch.Tensor:
     return view
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("entry", [grouped_gemm, grouped_gemm_preshuffled])
-def test_the_public_entries_hand_a_backend_aligned_operands(monkeypatch, entry):
+def test_the_public_entries_hand_a_backend_aligned_operands(monkeypatch, entry, out_dtype):
     """A GPU kernel's vector and TMA accesses need each base on a 16-byte boundary; a caller's
     contiguous view at another offset (a tensor over a received buffer) is copied first, and
     a misaligned ``out`` gets the answer copied in."""
@@ -267,8 +268,8 @@ def test_the_public_entries_hand_a_backend_aligned_operands(monkeypatch, entry):
     args = list(p.args())
     if entry is grouped_gemm_preshuffled:
         args[1] = preshuffle(args[1])
-    expected = entry(*args)
-    out = _misaligned(poisoned_out(37, 256, "cpu"))
+    expected = entry(*args, out=poisoned_out(37, 256, "cpu").to(out_dtype))
+    out = _misaligned(poisoned_out(37, 256, "cpu").to(out_dtype))
     answer = entry(*(_misaligned(t) for t in args), out=out)
-    assert answer is out and torch.equal(out, expected)
+    assert answer is out and torch.equal(out, expected)  # float32: the sums unrounded
     assert seen == [[0] * 6, [0] * 6]
