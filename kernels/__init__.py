@@ -106,7 +106,8 @@ def _dispatch(backend: Backend, xq, wq_prepared, x_scale, w_scale, m_sizes, out)
     shape = (xq.shape[0], wq_prepared.shape[1])
     into = out if out is not None and _is_aligned(out) else None
     if into is None:
-        into = torch.empty(shape, dtype=torch.bfloat16 if out is None else out.dtype, device=xq.device)
+        dtype = torch.bfloat16 if out is None else out.dtype
+        into = torch.empty(shape, dtype=dtype, device=xq.device)
     backend.run(
         _aligned(xq),
         _aligned(wq_prepared),

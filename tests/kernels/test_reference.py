@@ -261,7 +261,8 @@ def test_the_public_entries_hand_a_backend_aligned_operands(monkeypatch, entry, 
         seen.append([t.data_ptr() % 16 for t in operands])
         return reference.grouped_gemm(*operands)
 
-    backend = kernels.Backend(name="recording", device=torch.device("cpu"), fp8_dtype=torch.float8_e4m3fn,
+    backend = kernels.Backend(name="recording", device=torch.device("cpu"),
+                              fp8_dtype=torch.float8_e4m3fn,
                               weight_layout="plain", prepare_weights=lambda w, s: (w, s), run=run)
     monkeypatch.setattr(kernels, "get_backend", lambda device: backend)
     p = random_problem(37, 256, 384, 3)

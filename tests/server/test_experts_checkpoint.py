@@ -259,10 +259,11 @@ def test_missing_tensors_and_shards_are_named(srv):
     assert snapshot(srv.http) == before
 
 
-def test_expert_numbers_the_index_names_far_out_are_checked_first(srv):
+def test_an_expert_number_far_past_the_layers_names_the_gap(srv):
     """An index naming expert 999999999 beside experts 0-3 is missing expert 4, named with
-    no key listed for every expert up to it (3e9 keys: never done); a number of 5000 digits (Python refuses to
-    parse it: a 500 before) names no expert, and the layer's real experts still load."""
+    no key listed for every expert up to it (3e9 keys: never done); a number of 5000 digits
+    (Python refuses to parse it: a 500 before) names no expert, and the layer's real experts
+    still load."""
     root = srv.weights_dir
     write_checkpoint(root / "far", "deepseek", torch.bfloat16, layers=(0,))
     index_path = root / "far" / "model.safetensors.index.json"
