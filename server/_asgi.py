@@ -84,7 +84,8 @@ def _carry_on(coro, waited):
 
 def whole_body_receive(body: memoryview, disconnected: asyncio.Event):
     """An ASGI ``receive``: the whole body in one message, then a disconnect once
-    ``disconnected`` is set."""
+    ``disconnected`` is set. Its ``whole_body`` is that body, received before the app
+    runs (the request metrics count it whether or not the app reads it)."""
     delivered = False
 
     async def receive() -> dict:
@@ -95,6 +96,7 @@ def whole_body_receive(body: memoryview, disconnected: asyncio.Event):
         await disconnected.wait()
         return {"type": "http.disconnect"}
 
+    receive.whole_body = body
     return receive
 
 

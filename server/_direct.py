@@ -128,6 +128,7 @@ class DirectGemm:
         # they arrived and judged its head): a body over the body limit was never read
         # (answered 413 below).
         size = len(body) if len(body) <= self.settings.max_body_bytes else 0
+        self.metrics.bytes_in.inc(size)  # received, whether or not the call gets to read it
         budget = self._budget()
         if size and budget.held and budget.held + size > budget.limit:
             # The ASGI path refuses before routing: its metrics say "unmatched".
@@ -169,7 +170,6 @@ class DirectGemm:
         routes.check_body_head(fields.get("content-type"), fields.get("content-length"), limit)
         if len(body) > limit:
             raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
-        self.metrics.bytes_in.inc(len(body))
         return svc, deadline
 
     async def _gemm(self, name: str, fields: dict[str, str], body: memoryview):

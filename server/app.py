@@ -266,11 +266,19 @@ class RequestContext:
         metrics = self.metrics
         head_only = scope["method"] == "HEAD"  # the transport sends no body
 
-        async def counting_receive():
-            message = await receive()
-            if message["type"] == "http.request":
-                metrics.bytes_in.inc(len(message.get("body", b"")))
-            return message
+        whole = getattr(receive, "whole_body", None)
+        if whole is not None:
+            # Our transports received the body before the app runs: it is in, read or not
+            # (a request refused for its name or a header never reads it).
+            metrics.bytes_in.inc(len(whole))
+            counting_receive = receive
+        else:  # uvicorn: the bytes read, as they are read
+
+            async def counting_receive():
+                message = await receive()
+                if message["type"] == "http.request":
+                    metrics.bytes_in.inc(len(message.get("body", b"")))
+                return message
 
         async def tagging_send(message):
             nonlocal status, response_started

@@ -258,3 +258,25 @@ def test_the_timeout_sweep_keeps_no_connection_alive():
         return alive
 
     assert not asyncio.run(main())
+
+
+def _bytes_in(server) -> float:
+    text = server.http.get("/metrics").text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("moegemm_bytes_in_total "))
+
+
+def test_bytes_in_counts_bodies_refused_before_they_are_read(server):
+    """The transport holds the whole body before the app runs: a request refused for its
+    name, a header or its path, which never reads it, counts its bytes too."""
+    before = _bytes_in(server)
+    body = packb({"x": 1, "m_sizes": 2})
+    sent = 0
+    for method, path, headers in (("PUT", "/v1/weights/bad!name", {}),
+                                  ("POST", "/v1/weights/demo/gemm", {"X-Deadline-Ms": "soon"}),
+                                  ("POST", "/v1/nowhere", {})):
+        r = server.http.request(method, path, content=body,
+                                headers={"content-type": "application/vnd.msgpack", **headers})
+        assert r.status_code in (400, 404), r.text
+        sent += len(body)
+    assert _bytes_in(server) - before == sent
