@@ -133,8 +133,9 @@ def load_call(name: str, w: Any, w_scale: Any) -> Call:
 def load_file_call(
     name: str, file: str | os.PathLike, w_key: str, w_scale_key: str | None
 ) -> Call:
-    for what, key in (("w_key", w_key), ("w_scale_key", w_scale_key)):
-        if not isinstance(key, str) and (key is not None or what == "w_key"):
+    keys = {"w_key": w_key} if w_scale_key is None else {"w_key": w_key, "w_scale_key": w_scale_key}
+    for what, key in keys.items():
+        if not isinstance(key, str):
             raise TypeError(f"{what} names a tensor in the file (a str), got {type(key).__name__}")
     body: dict[str, Any] = {"file": os.fspath(file), "w": w_key}
     if w_scale_key is not None:
