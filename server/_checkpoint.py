@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from moegemm.client._errors import BadDtype, BadField, BadShape, NoSuchFile, NotFinite
 
-from ._files import SAFETENSORS_DTYPES
+from ._files import INDEX_LIMIT, SAFETENSORS_DTYPES, read_tensor, safetensors_header
 from ._tensors import FP8, require_positive_finite_scales
 from .experts import ExpertSet, ExpertStore, expert_shapes
 
@@ -71,11 +71,15 @@ def _tensor_map(store, checkpoint: str) -> tuple[dict[str, str], str]:
             names = list(f.keys())
         return {name: f"{base}/{SINGLE}" for name in names}, SINGLE
     try:
-        weight_map = json.loads(Path(index_path).read_text())["weight_map"]
+        with open(index_path, "rb") as f:
+            text = f.read(INDEX_LIMIT + 1)
+        if len(text) > INDEX_LIMIT:
+            raise ValueError(f"it is over {INDEX_LIMIT} bytes, the most this server reads")
+        weight_map = json.loads(text)["weight_map"]
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
             raise TypeError("weight_map is not a map of names to file names")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, OSError, RecursionError) as exc:
         raise BadField(f"{base}/{INDEX} is not a safetensors index: {exc}") from exc
     for shard in weight_map.values():
         if shard.startswith("/"):  # joined below it would read as a file under the checkpoint
@@ -84,16 +88,47 @@ def _tensor_map(store, checkpoint: str) -> tuple[dict[str, str], str]:
     return {name: f"{base}/{shard}" for name, shard in weight_map.items()}, INDEX
 
 
+class _Shard:
+    """One safetensors shard, read with ``pread`` as weight files are (``_files``), never
+    memory-mapped: a shard truncated while it loads (a model re-downloaded in place) is a
+    short read, 400 ``bad_field``, where a mapped page past the new end killed the server
+    with SIGBUS."""
+
+    def __init__(self, handle, shown: str) -> None:
+        self.handle, self.shown = handle, shown
+        self.entries, self.data_start = safetensors_header(handle, shown)
+
+    def keys(self):
+        return self.entries.keys()
+
+    def get_slice(self, key: str) -> _Tensor:
+        return _Tensor(self, key)
+
+
+class _Tensor:
+    """A tensor of a :class:`_Shard`: its dtype and shape from the header; ``[:]`` reads it."""
+
+    def __init__(self, shard: _Shard, key: str) -> None:
+        self.shard, self.key, self.entry = shard, key, shard.entries[key]
+
+    def get_dtype(self) -> str:
+        return self.entry["dtype"]
+
+    def get_shape(self) -> list[int]:
+        return self.entry["shape"]
+
+    def __getitem__(self, _everything) -> torch.Tensor:
+        return read_tensor(self.shard.handle, self.entry, self.shard.data_start, self.key)
+
+
 @contextlib.contextmanager
 def _opened(path, shown: str):
-    from safetensors import safe_open
-
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except Exception as exc:  # safetensors raises its own error types
+        handle = open(path, "rb")  # noqa: SIM115 -- closed below
+    except OSError as exc:
         raise BadField(f"{shown!r} is not a readable safetensors file: {exc}") from exc
-    with handle as f:
-        yield f
+    with handle:
+        yield _Shard(handle, shown)
 
 
 def _naming(names, layer: int) -> tuple[str, tuple[str, str, str], set[int]]:

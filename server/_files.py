@@ -219,8 +219,9 @@ def safetensors_header(handle, file: str) -> tuple[dict, int]:
     try:
         head = handle.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= min(size - 8, 100 << 20):
-            raise ValueError("bad header length")
+        if not 0 < n <= min(size - 8, HEADER_LIMIT):
+            raise ValueError(f"the header is {n} bytes; this server reads at most "
+                             f"{HEADER_LIMIT} (and no more than the file holds)")
         entries = json.loads(handle.read(n))
         if not isinstance(entries, dict):
             raise TypeError("header is not a map")
@@ -246,7 +247,9 @@ def safetensors_header(handle, file: str) -> tuple[dict, int]:
 
 
 def read_tensor(handle, entry: dict, data_start: int, key: str) -> torch.Tensor:
-    """A small tensor of the file (a weight set's scales), on the host."""
+    """A tensor of the file (a weight set's scales, a checkpoint's expert matrix), on the
+    host, read with ``pread`` (never mapped: a file cut short while it is read is a short
+    read, not a SIGBUS)."""
     dtype = _ST_TORCH.get(entry["dtype"])
     if dtype is None:
         raise BadDtype(f"tensor {key!r} is {entry['dtype']}; expected F32")
@@ -259,9 +262,14 @@ def read_tensor(handle, entry: dict, data_start: int, key: str) -> torch.Tensor:
         torch.empty(entry["shape"], dtype=dtype)
 
 
-_ST_TORCH = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
-             "F32": torch.float32, "F64": torch.float64, "I32": torch.int32,
-             "I64": torch.int64}
+# A header (or a checkpoint index) is JSON that the loading thread parses holding the GIL:
+# 100 MiB (safetensors' own limit) stalled every other call for 8.7 s on the CPU box. Real
+# ones are far smaller: a shard's header lists hundreds of tensors (tens of KiB), DeepSeek-V3's
+# index 91,000 (about 9 MiB).
+HEADER_LIMIT = 16 << 20
+INDEX_LIMIT = 32 << 20
+
+_ST_TORCH = {**SAFETENSORS_DTYPES, "F64": torch.float64, "I32": torch.int32, "I64": torch.int64}
 _ST_ITEMSIZE = {"F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "BF16": 2,
                 "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "I16": 2,
                 "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}

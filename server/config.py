@@ -73,7 +73,12 @@ def parse_layers(text: str) -> list[int]:
     last = int(match[2]) if match[2] is not None else first
     if last < first:
         raise ValueError(f"layers {text!r}: the last layer is before the first")
+    if last - first >= MAX_LAYERS:  # listed before any is checked: 0-3000000000 never returned
+        raise ValueError(f"layers {text!r}: at most {MAX_LAYERS} layers at once")
     return list(range(first, last + 1))
+
+
+MAX_LAYERS = 100_000
 
 
 # MOEGEMM_* variables that are no setting, read where they apply: the backend choice

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,6 +258,13 @@ def test_missing_tensors_and_shards_are_named(srv):
     (root / "broken" / "model.safetensors.index.json").write_text("[" * 100_000)
     assert_error(put_experts(srv.http, "x", {"checkpoint": "broken", "layer": 0}), 400,
                  "bad_field")
+    # An index past what the loading thread parses (it holds the GIL: other calls stall).
+    from moegemm.server._files import INDEX_LIMIT
+
+    (root / "broken" / "model.safetensors.index.json").write_text(" " * (INDEX_LIMIT + 1))
+    r = put_experts(srv.http, "x", {"checkpoint": "broken", "layer": 0})
+    assert_error(r, 400, "bad_field")
+    assert "the most this server reads" in r.json()["error"]["message"]
     assert snapshot(srv.http) == before
 
 
@@ -284,6 +293,31 @@ def test_an_expert_number_far_past_the_layers_names_the_gap(srv):
     assert_error(r, 404, "no_such_file")
     assert "'model.layers.0.mlp.experts.4.gate_proj.weight'" in r.json()["error"]["message"]
     assert snapshot(srv.http) == before
+
+
+def test_a_shard_cut_short_while_it_loads_is_bad_field_not_a_crash(tmp_path):
+    """A shard truncated after it was opened (a model re-downloaded in place during a load):
+    the read comes up short and is refused. Read through a memory map it killed the server
+    with SIGBUS; run in a child so that such a death fails this test, not the test run."""
+    path = str(tmp_path / "shard.safetensors")
+    code = f"""
+import os, torch
+from safetensors.torch import save_file
+from moegemm.client import BadField
+from moegemm.server._checkpoint import _opened
+save_file({{"w": torch.ones(1024, 1024)}}, {path!r})
+with _opened({path!r}, "shard") as shard:
+    w = shard.get_slice("w")
+    os.truncate({path!r}, 4096)
+    try:
+        w[:]
+    except BadField as exc:
+        print("bad_field:", exc)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "bad_field: tensor 'w' is cut short" in done.stdout
 
 
 def _poison(root: Path, key: str, value: float, at=(0, 0)) -> None:
@@ -364,7 +398,7 @@ def test_checkpoint_settings_are_checked(tmp_path):
         Settings(weights_dir=tmp_path, checkpoint="ck")  # no layers
     with pytest.raises(ValueError):
         Settings(checkpoint="ck", layers="1")  # no weights_dir
-    for bad in ("5-3", "a", "1-", "-2"):
+    for bad in ("5-3", "a", "1-", "-2", "0-3000000000"):  # the last listed 3e9 layers first
         with pytest.raises(ValueError):
             Settings(weights_dir=tmp_path, checkpoint="ck", layers=bad)
     assert Settings(weights_dir=tmp_path, checkpoint="ck", layers="7").checkpoint_layers() == [7]

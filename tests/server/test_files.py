@@ -220,6 +220,14 @@ def test_a_nil_scale_key_is_no_scale_key(server, files):
 def test_not_a_safetensors_file(server, files):
     (server.weights_dir / "junk.safetensors").write_bytes(os.urandom(200))
     assert_error(server.put("x", {"file": "junk.safetensors", "w": "w"}), 400, "bad_field")
+    # A header past what the loading thread parses (it holds the GIL: other calls stall).
+    from moegemm.server._files import HEADER_LIMIT
+
+    big = b" " * (HEADER_LIMIT + 1)
+    (server.weights_dir / "big.safetensors").write_bytes(len(big).to_bytes(8, "little") + big)
+    r = server.put("x", {"file": "big.safetensors", "w": "w"})
+    assert_error(r, 400, "bad_field")
+    assert "reads at most" in r.json()["error"]["message"]
     # A header of JSON nested deeper than the parser's stack (it raised RecursionError: a 500).
     deep = b"[" * 100_000
     (server.weights_dir / "deep.safetensors").write_bytes(len(deep).to_bytes(8, "little") + deep)
