@@ -27,7 +27,6 @@ import json
 import logging
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from moegemm.client._errors import BadDtype, BadField, BadShape, NoSuchFile, NotFinite
