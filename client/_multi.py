@@ -54,14 +54,22 @@ _FAIL_OVER = (TransportError, Unavailable, NoSuchWeights)
 _MATRICES = (".w13", ".w2")
 
 
-def _placed_by(name: str) -> str:
-    """The name whose rank places ``name``: an expert set's for its matrix ``{set}.w13`` or
-    ``{set}.w2`` (any weight set so named: the server holds the two names apart), else
+def _owner(name: str) -> str:
+    """The expert set whose matrix ``name`` would be (``{set}.w13`` or ``{set}.w2``), else
     ``name`` itself."""
     for suffix in _MATRICES:
         if name.endswith(suffix) and len(name) > len(suffix):
             return name[: -len(suffix)]
     return name
+
+
+def _placed_by(name: str) -> str:
+    """The name whose rank places ``name``: every matrix suffix stripped, so an expert set
+    and its matrices share one (an expert set may itself be named ``a.w13``: it, its
+    ``a.w13.w13`` and ``a.w13.w2`` all rank by ``a``). Any weight set so named is placed the
+    same way: the server holds the names apart."""
+    owner = _owner(name)
+    return name if owner == name else _placed_by(owner)
 
 
 def _naming(endpoint: str, exc: APIError, context: str = "") -> APIError:
@@ -142,9 +150,10 @@ class _Fleet(Generic[C]):
     def placement(self, name: str) -> list[str]:
         """The endpoints that hold weight set ``name``, the preferred one first; an expert
         set's matrices (``{name}.w13``, ``{name}.w2``) are where the expert set is."""
-        owner = _placed_by(name)
-        return place(owner, self._clients,
-                     self._hot.get(name, self._hot.get(owner, self._replicas)))
+        # A matrix takes its expert set's replica count (a count of its own would send
+        # calls to replicas of the set's rank that do not hold the set).
+        count = self._hot.get(_owner(name), self._hot.get(name, self._replicas))
+        return place(_placed_by(name), self._clients, count)
 
     def _turn(self, name: str) -> list[str]:
         # This call's order: the placement rotated by one per call of this set, so calls

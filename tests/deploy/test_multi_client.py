@@ -127,6 +127,10 @@ def test_an_expert_sets_matrices_are_reached_where_it_lives(servers):
             multi.load_experts(name, w13, w2)
             (holder,) = multi.placement(name)
             assert multi.placement(f"{name}.w13") == multi.placement(f"{name}.w2") == [holder]
+            # An expert set named like a matrix has its own matrices with it too.
+            odd = f"{name}.w13"
+            assert multi.placement(f"{odd}.w13") == multi.placement(f"{odd}.w2") == \
+                multi.placement(odd)
             x, m_sizes = _call(rng)
             out = multi.grouped_gemm(f"{name}.w13", x, m_sizes)
             with Client(holder, token=servers[0].token) as direct:
