@@ -14,9 +14,10 @@ fp8 e4m3fn weights come with ``<same>.weight_scale_inv`` float32 ``[N/128,
 K/128]`` (the dequant scale of each 128x128 block of the ``[N, K]`` weight,
 transposed relative to SPEC 1's ``w_scale``); bf16/fp16/fp32 weights are
 quantized by the server. Every name, shape and dtype is checked from the
-headers before a byte of weights is read; then the shards stay memory-mapped
-and each expert is read and moved to the device on its own, so host memory
-holds one expert's matrix at a time. A missing tensor or shard is 404
+headers before a byte of weights is read; then each expert is read from the
+open shards with ``pread`` (never memory-mapped: a shard cut short during a
+load is a short read, not a SIGBUS) and moved to the device on its own, so
+host memory holds one expert's matrix at a time. A missing tensor or shard is 404
 ``no_such_file`` naming it.
 """
 

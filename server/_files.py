@@ -42,7 +42,7 @@ _SYMLINK_HOPS = 40  # as the kernel's own limit
 class OpenedFile(os.PathLike):
     """A weights file opened under the weights directory: its descriptor (closed
     when this object is dropped), named as ``/proc/self/fd/N`` so that what opens
-    that path (safetensors, ``Path.read_text``) reads the very file checked here,
+    that path (a checkpoint's shards and index) reads the very file checked here,
     whatever was renamed or swapped in the directory since."""
 
     def __init__(self, fd: int, name: str) -> None:
@@ -252,14 +252,19 @@ def read_tensor(handle, entry: dict, data_start: int, key: str) -> torch.Tensor:
     read, not a SIGBUS)."""
     dtype = _ST_TORCH.get(entry["dtype"])
     if dtype is None:
-        raise BadDtype(f"tensor {key!r} is {entry['dtype']}; expected F32")
+        raise BadDtype(f"tensor {key!r:.200} is {entry['dtype']!r:.100}, which this server "
+                       "does not read")
     begin, end = entry["data_offsets"]
-    raw = bytearray(end - begin)
-    n = os.preadv(handle.fileno(), [raw], data_start + begin) if raw else 0
-    if n != len(raw):
-        raise BadField(f"tensor {key!r} is cut short in its file")
-    return torch.frombuffer(raw, dtype=dtype).view(entry["shape"]) if raw else \
-        torch.empty(entry["shape"], dtype=dtype)
+    if end == begin:
+        return torch.empty(entry["shape"], dtype=dtype)
+    out = torch.empty(end - begin, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
+    view, offset = memoryview(out.numpy()), data_start + begin
+    while len(view):  # one read returns at most 2 GiB - 4 KiB on Linux
+        n = os.preadv(handle.fileno(), [view], offset)
+        if n <= 0:
+            raise BadField(f"tensor {key!r:.200} is cut short in its file")
+        view, offset = view[n:], offset + n
+    return out.view(dtype).view(entry["shape"])
 
 
 # A header (or a checkpoint index) is JSON that the loading thread parses holding the GIL:
