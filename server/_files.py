@@ -258,13 +258,20 @@ def read_tensor(handle, entry: dict, data_start: int, key: str) -> torch.Tensor:
     if end == begin:
         return torch.empty(entry["shape"], dtype=dtype)
     out = torch.empty(end - begin, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
-    view, offset = memoryview(out.numpy()), data_start + begin
-    while len(view):  # one read returns at most 2 GiB - 4 KiB on Linux
-        n = os.preadv(handle.fileno(), [view], offset)
-        if n <= 0:
-            raise BadField(f"tensor {key!r:.200} is cut short in its file")
-        view, offset = view[n:], offset + n
+    if not pread_fully(handle.fileno(), memoryview(out.numpy()), data_start + begin):
+        raise BadField(f"tensor {key!r:.200} is cut short in its file")
     return out.view(dtype).view(entry["shape"])
+
+
+def pread_fully(fd: int, view: memoryview, offset: int) -> bool:
+    """Fill ``view`` from ``fd`` at ``offset``; False where the file ends first. One read
+    returns at most 2 GiB - 4 KiB on Linux, and a file cut short returns less."""
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            return False
+        view, offset = view[n:], offset + n
+    return True
 
 
 # A header (or a checkpoint index) is JSON that the loading thread parses holding the GIL:

@@ -144,17 +144,27 @@ def _map_len(body) -> int | None:
     return None
 
 
+def field_problem(keys, required, optional) -> BadField | None:
+    """BadField naming what is missing and unknown among a body's ``keys``, or None when
+    it has every ``required`` field and no other than ``optional`` ones (every endpoint's
+    one rule and message; client-given names quoted cut)."""
+    missing = sorted(set(required) - keys)
+    unknown = sorted(keys - set(required) - set(optional))
+    if not missing and not unknown:
+        return None
+    return BadField(f"fields: missing {missing}, unknown {shown(unknown)}; this endpoint takes "
+                    f"{list(required)} and optionally {list(optional)}")
+
+
 def _diagnose(body, exc: Exception, schema: _Schema) -> Exception:
     """The SPEC 2.2 error for a body the schema refused, in the contract's order: bytes
     that are not one msgpack map (bad_msgpack) before a missing or unknown field
     (bad_field) before a malformed tensor map (bad_tensor, bad_dtype). Only refused
     bodies come here, so decoding one again costs a valid call nothing."""
     obj = unpackb(body)  # raises BadMsgpack
-    missing = sorted(set(schema.required) - obj.keys())
-    unknown = sorted(obj.keys() - set(schema.required) - set(schema.optional))
-    if missing or unknown:
-        return BadField(f"fields: missing {missing}, unknown {shown(unknown)}; this endpoint takes "
-                        f"{list(schema.required)} and optionally {list(schema.optional)}")
+    problem = field_problem(obj.keys(), schema.required, schema.optional)
+    if problem is not None:
+        return problem
     message = str(exc)
     path = message.rpartition(" - at `")[2].rstrip("`") if " - at `" in message else "$"
     if not isinstance(exc, msgspec.ValidationError) or path == "$":  # (unpackb took it)

@@ -34,9 +34,9 @@ from starlette.convertors import Convertor, register_url_convertor
 import moegemm
 
 from ._body import PartsResponse, array_body_parts, unpack_body
-from ._request import decode_gemm, gemm_call
+from ._request import decode_gemm, field_problem, gemm_call
 from ._tensors import WIRE_NAMES, to_torch
-from .config import Settings, shown
+from .config import Settings
 from .engine import Engine
 from .experts import check_gemm_name
 from .metrics import Metrics
@@ -183,13 +183,9 @@ def check_fields(body: dict, required: set[str], optional: set[str] = frozenset(
     if required <= keys and len(keys) <= len(required) + len(optional) and \
             keys <= (required | optional):
         return
-    missing = sorted(required - body.keys())
-    unknown = sorted(body.keys() - required - optional)
-    if missing or unknown:
-        raise BadField(
-            f"fields: missing {missing}, unknown {shown(unknown)}; this endpoint takes "
-            f"{sorted(required)} and optionally {sorted(optional)}"
-        )
+    problem = field_problem(keys, sorted(required), sorted(optional))
+    if problem is not None:
+        raise problem
 
 
 def _tensor(body: dict, key: str) -> torch.Tensor | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from ._files import (
     SAFETENSORS_DTYPES,
     OpenedFile,
     open_file,
+    pread_fully,
     read_tensor,
     safetensors_header,
 )
@@ -534,11 +534,8 @@ class _FileGroups(_Groups):
         return _AllDone(spans)
 
     def _pread(self, view: memoryview, offset: int) -> None:
-        while len(view):
-            n = os.preadv(self._fd, [view], offset)
-            if n <= 0:
-                raise BadField("the weights file ends before its tensor's data")
-            view, offset = view[n:], offset + n
+        if not pread_fully(self._fd, view, offset):
+            raise BadField("the weights file ends before its tensor's data")
 
     def __del__(self) -> None:
         if self._pool is not None:
