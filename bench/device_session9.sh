@@ -12,7 +12,13 @@
 #   SWEEP_S  bench_kernels.py --sweep --no-peers on the cases matching $SWEEP_MATCH (tiles: $SWEEP_KEYS) -> sweep.json
 #   GAP_S    gap_gluon.py --match $GAP_MATCH: the service graph's parts apart  -> gap.json
 #   READ_S   read_ceiling.py: one kernel reading 10-940 MB, by size             -> read_ceiling.json
+#   AB_S     kernel_ab.py --base $AB_BASE on $AB_MATCH ($AB_FORMS, $AB_ROUNDS rounds) -> ab.json
 source bench/device_env.sh
+if [ -n "$AB_S" ]; then
+  timeout -k 5 $AB_S python3 -P bench/kernel_ab.py --base "$AB_BASE" --match "$AB_MATCH" \
+    --forms ${AB_FORMS:-public,svc} --rounds ${AB_ROUNDS:-4} --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1
+  echo "kernel A/B rc=$? $(el)"; grep -v "^ " "$OUT/ab.log" | cut -c1-40,80-110,200-330 | tail -45
+fi
 if [ -n "$TESTS_S" ]; then
   timeout -k 5 $TESTS_S python3 -P -m pytest -q -p no:cacheprovider -m "${MARK:-not slow}" --timeout ${TEST_TIMEOUT:-200} -rfE \
     --durations=5 -n ${WORKERS:-6} --dist loadfile $TESTS > "$OUT/gpu_tests.log" 2>&1

@@ -1,11 +1,11 @@
-"""The table's Gluon tile from this checkout against the same kernel from another copy of
-``kernels/_gluon_gemm.py`` (``--base``, e.g. the shipped one), in one process, on the same data:
-the same bits asserted, then both timed.
+"""The table's tile from this checkout against the same kernel from another copy of its module
+(``--base``: a copy of ``kernels/_gluon_gemm.py`` or ``kernels/_triton_gemm.py``, e.g. the shipped
+one), in one process, on the same data: the same bits asserted, then both timed.
 
     python bench/kernel_ab.py --base .carry/base16/kernels/_gluon_gemm.py [--variant NAME=PATH ...]
                               [--forms public,svc] [--json OUT] [--match a,b]
 
-For each case whose table tile is a Gluon schedule, both kernels are launched as
+For each case whose table tile is a kernel of that module (named as the copy's file), both kernels are launched as
 ``triton_kernel.launch_plan`` plans them, in two forms: ``public`` (plain pointers, the public
 function) and ``svc`` (activations and weights by address, stored in place: a lone prefill
 call's graph in the server); ``--forms`` may add ``map`` (the same through an identity row map: the
@@ -38,7 +38,7 @@ CASES = ("Qwen3-30B-A3B w2 prefill,Qwen3-30B-A3B w13 prefill,Qwen3-235B-A22B w2 
 
 def load_base(path: Path, name: str):
     """``path`` imported as a module of the ``moegemm.kernels`` package (its relative imports)."""
-    spec = importlib.util.spec_from_file_location(f"moegemm.kernels._gluon_gemm_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"moegemm.kernels.{path.stem}_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -66,7 +66,7 @@ def main() -> None:
     for case in bk.matching_cases(args.match):
         m, n, k, g = case["m"], case["n"], case["k"], case["g"]
         config = tk.default_config(m, n, k, g)
-        if config.schedule not in tk.GLUON_SCHEDULES:
+        if tk.SCHEDULES[config.schedule].fn.__module__.rsplit(".", 1)[-1] != args.base.stem:
             continue
         ops = bk.case_operands(case, gen)
         fns, outs = {}, {}

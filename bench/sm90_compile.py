@@ -118,17 +118,22 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     return compile_sm90(fn, sig, consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, divisible)
 
 
+def sass(kernel) -> list[tuple[int, str]]:
+    """The kernel's SASS (Triton's cuobjdump) as ``(address, instruction)`` in program order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        text = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], check=True, capture_output=True,
+                              text=True).stdout
+    return [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,6})\*/\s+([^;]*);", text)]
+
+
 def k_loop_local_loads(kernel) -> int:
     """Local-memory loads (``LDL``: spilled values brought back) inside a Gluon kernel's K loops,
     read from its SASS (Triton's cuobjdump): the innermost loops (a conditional backward branch
     and what lies between its target and it; ptxas's out-of-line blocks jump back
     unconditionally) holding a K block's scale promotion (128 or more FFMA)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], check=True, capture_output=True,
-                              text=True).stdout
-    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,6})\*/\s+([^;]*);", sass)]
+    code = sass(kernel)
     loops = []
     for at, op in code:
         back = re.search(r"^@!?U?P\w+\s+BRA\b.*?0x([0-9a-f]+)\s*$", op)

@@ -91,6 +91,22 @@ def _weights(w_ptr, ws_ptr, ADDRS: tl.constexpr):
 
 
 @triton.jit
+def _present(w_base, ws_base, x_base, xs_base, ADDRS: tl.constexpr, X_WORDS: tl.constexpr):
+    """Whether the loaded operand addresses are not null (always, for any launch that has rows
+    to compute). A decode tile's branch takes it so that the address loads stay where they are
+    written, issued beside ``m_sizes``'s: unused before the branch, the compiler sank them under
+    it, and a launch through the tables waited on two round trips to memory before its first
+    weight load instead of one (seen in the SASS; 1.00-1.04x on the one-token launches, session
+    30 in bench/NOTES.md)."""
+    ok = True
+    if ADDRS:
+        ok = ok & (w_base.to(tl.int64, bitcast=True) != 0) & (ws_base.to(tl.int64, bitcast=True) != 0)
+    if X_WORDS:
+        ok = ok & (x_base.to(tl.int64, bitcast=True) != 0) & (xs_base.to(tl.int64, bitcast=True) != 0)
+    return ok
+
+
+@triton.jit
 def _inputs(x_ptr, xs_ptr, X_WORDS: tl.constexpr):
     """The activations' and their scales' base pointers.
 
@@ -321,11 +337,11 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
     BLOCK_M is the token tile, BLOCK_N (<= 128) the weight tile: one
     weight-scale column per tile.
     """
+    w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)  # beside m_sizes's load: see _present
+    x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
     split, tile_id, tile_n, group, first_row, row_stop, valid = _grid_tile(
         m_sizes_ptr, M, N, G, SPLIT_K, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
-    if valid:
-        w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
-        x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
+    if valid & _present(w_base, ws_base, x_base, xs_base, ADDRS, X_WORDS):
         rows = first_row + tl.arange(0, BLOCK_M)
         rows_in = tl.minimum(rows, M - 1).to(tl.int64)
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -397,11 +413,11 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
     of the L2 latency the first dot does not cover (v9 in bench/NOTES.md).
     An odd last block pairs with itself, its copy scaled by 0.
     """
+    w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)  # beside m_sizes's load: see _present
+    x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
     split, tile_id, tile_n, group, first_row, row_stop, valid = _grid_tile(
         m_sizes_ptr, M, N, G, SPLIT_K, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
-    if valid:
-        w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)
-        x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
+    if valid & _present(w_base, ws_base, x_base, xs_base, ADDRS, X_WORDS):
         rows = first_row + tl.arange(0, BLOCK_M)
         rows_in = tl.minimum(rows, M - 1).to(tl.int64)
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)

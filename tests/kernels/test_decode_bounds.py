@@ -104,8 +104,25 @@ def check_in_interpreter() -> list[str]:
             finally:
                 tk.scale_chunk = chunk
             outs.append(out)
+        # The shipped tile through the tables, as a server graph launches it: the operands'
+        # addresses loaded from device words (and the rows' check inside).
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        table = tk.weight_addresses(wq, ws)
+        words = torch.tensor([xq.data_ptr(), xs.data_ptr()], dtype=torch.int64)
+        flags = torch.zeros(m, dtype=torch.int8)
+        kernel, grid, args, consts = tk.launch_plan(xq, table, xs, ws, sizes, out, n, g, shipped, addrs=True,
+                                                    x_words=words, flags=flags)
+        ranges[:] = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                     for t in (xq, xs, wq, ws, sizes, out, table, words, flags)]
+        ranges += [(a.data_ptr(), a.data_ptr() + a.numel() * a.element_size())
+                   for a in args if isinstance(a, torch.Tensor)]
+        where["now"] = f"{shipped.key()} through the tables, m{m} n{n} k{k} g{g}"
+        kernel[grid](*args, **consts)
+        outs.append(out)
         if not torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)):
             faults.append(f"{where['now']}: preloaded scales give other bits than shipped")
+        if not torch.equal(outs[0].view(torch.int16), outs[2].view(torch.int16)):
+            faults.append(f"{where['now']}: the tables give other bits than plain pointers")
         if not torch.isfinite(outs[0].float()).all():
             faults.append(f"{where['now']}: rows left unstored")
     return faults
