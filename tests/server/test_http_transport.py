@@ -280,3 +280,20 @@ def test_bytes_in_counts_bodies_refused_before_they_are_read(server):
         assert r.status_code in (400, 404), r.text
         sent += len(body)
     assert _bytes_in(server) - before == sent
+
+
+def test_bytes_in_counts_a_body_the_call_reads_once(server):
+    """A body that is read counts its bytes once, whichever way it went: gemm calls answered
+    by the direct route (one answered, one refused for its fields), and bodies the ASGI app
+    reads (weight uploads refused for their fields). The transport counts a body on arrival;
+    the app's read must add nothing."""
+    gen = torch.Generator().manual_seed(8)
+    calls = [("POST", "/v1/weights/demo/gemm", _demo_body(37, gen)[0], 200),
+             ("POST", "/v1/weights/demo/gemm", packb({"x": 1, "m_sizes": 2, "extra": 3}), 400),
+             ("PUT", "/v1/weights/bytes-in-probe", packb({"wq": 1, "extra": 2}), 400),
+             ("PUT", "/v1/experts/bytes-in-probe", packb({"w13": 1, "extra": 2}), 400)]
+    before = _bytes_in(server)
+    for method, path, body, status in calls:
+        r = server.http.request(method, path, content=body, headers=MSGPACK)
+        assert r.status_code == status, (path, r.text)
+    assert _bytes_in(server) - before == sum(len(body) for _, _, body, _ in calls)
