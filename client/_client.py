@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,22 @@ _SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 # The server's relative deadline header (milliseconds): a call still queued when
 # it passes is answered 504 instead of running.
 DEADLINE_HEADER = "X-Deadline-Ms"
+
+# Clients whose httpx pool is their own (no transport given): a forked child's copies get a
+# fresh pool, as the lanes do (_lane.py). The parent's pooled sockets are let go of in the
+# child, never closed through (the parent is still using them); a transport the caller gave
+# is theirs, and stays.
+_OWN_POOLS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_OWN_POOLS):
+        if not client._closed:
+            client._http = client._new_http()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork to share sockets
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True)
@@ -234,15 +251,20 @@ class Client(_Base):
     ) -> None:
         super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline,
                          load_timeout)
-        self._http = httpx.Client(
-            base_url=self.url,
-            headers=self._headers,
-            timeout=timeout,
-            transport=transport or httpx.HTTPTransport(socket_options=_SOCKET_OPTIONS),
-        )
+        self._http = self._new_http(transport)
+        if transport is None:
+            _OWN_POOLS.add(self)
         # Plain http:// calls take the lean lane (_lane.py); https, proxies and
         # custom transports stay on httpx.
         self._lane = Lane(self.url, self._headers) if usable(self.url, transport) else None
+
+    def _new_http(self, transport: httpx.BaseTransport | None = None) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url,
+            headers=self._headers,
+            timeout=self._timeout,
+            transport=transport or httpx.HTTPTransport(socket_options=_SOCKET_OPTIONS),
+        )
 
     def _send(self, call: Call) -> Any:
         call = self._bounded(call)
@@ -421,14 +443,19 @@ class AsyncClient(_Base):
     ) -> None:
         super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline,
                          load_timeout)
-        self._http = httpx.AsyncClient(
-            base_url=self.url,
-            headers=self._headers,
-            timeout=timeout,
-            transport=transport or httpx.AsyncHTTPTransport(socket_options=_SOCKET_OPTIONS),
-        )
+        self._http = self._new_http(transport)
+        if transport is None:
+            _OWN_POOLS.add(self)
         # Plain http:// calls take the lean lane (_lane.py), as in Client.
         self._lane = AsyncLane(self.url, self._headers) if usable(self.url, transport) else None
+
+    def _new_http(self, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.url,
+            headers=self._headers,
+            timeout=self._timeout,
+            transport=transport or httpx.AsyncHTTPTransport(socket_options=_SOCKET_OPTIONS),
+        )
 
     def _exchange(self, call: Call, args: dict[str, Any]):
         if self._lane is None:

@@ -22,8 +22,9 @@ A pool is never shared: in a process forked from the one that filled it, every
 lane lets go of the parent's sockets, pooled or in calls in progress, and starts
 empty (both reading answers off one socket would swap them); an ``AsyncLane``
 used from another event loop than the one its sockets belong to opens its own.
-Calls that stay on httpx (https, a proxy) keep httpx's pool, which a forked
-child shares: make such a client after forking.
+Calls that stay on httpx (https, a proxy) get the same from the client
+(``_client.py``): a forked child's copy of a client starts a fresh httpx pool,
+unless the client was given its own ``transport``.
 """
 
 from __future__ import annotations

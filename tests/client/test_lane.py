@@ -187,6 +187,38 @@ def test_a_forked_process_opens_its_own_sockets(server):
     assert again == parent
 
 
+def test_a_forked_child_of_a_client_on_httpx_opens_its_own_sockets(server, monkeypatch):
+    """Calls that stay on httpx (here through a proxy: the test server answers absolute-form
+    requests too) get the lanes' rule: a forked child's copy of the client starts a fresh
+    httpx pool instead of reusing the parent's pooled connection (both reading answers off
+    one socket could take each other's), and the parent's connection keeps working."""
+    url, _ = server
+    for var in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY", "http_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", url)
+    with Client(url, timeout=5) as c:
+        assert c._lane is None  # on httpx
+        parent = c.info()["peer"]
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report its calls' peers, then leave without cleanup
+            try:
+                peers = [c.info()["peer"] for _ in range(3)]
+                os.write(write, json.dumps(peers).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        ready, _, _ = select.select([read], [], [], 20)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        with os.fdopen(read) as pipe:
+            child = json.loads(pipe.read() or "null")
+        os.waitpid(pid, 0)
+        again = c.info()["peer"]
+    assert child is not None and parent not in child and len(set(child)) == 1
+    assert again == parent
+
+
 def test_an_async_client_forked_keeps_the_parents_sockets_working(server):
     """A child forked while the parent's loop runs, calling under its own loop: the parent's
     pooled stream is disowned in the child, not closed through the loop the two share a
