@@ -165,6 +165,12 @@ class _Fleet(Generic[C]):
         first = next(turns) % len(placed)
         return placed[first:] + placed[:first]
 
+    def _forget(self, *names: str) -> None:
+        # A deleted set's turn counts go with it: names that come and go (a set reloaded
+        # under a new version's name) would otherwise pile up for the client's life.
+        for name in names:
+            self._turns.pop(name, None)
+
     @staticmethod
     def _budget(
         name: str,
@@ -246,6 +252,7 @@ class MultiClient(_Fleet[Client]):
         Endpoints that do not hold it are skipped; `NoSuchWeights` only when
         none of them did.
         """
+        self._forget(name)
         self._delete(name, lambda c: c.delete_weights(name))
 
     def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
@@ -267,6 +274,7 @@ class MultiClient(_Fleet[Client]):
     def delete_experts(self, name: str) -> None:
         """Unload expert set ``name`` from each endpoint of its placement (as
         `delete_weights`)."""
+        self._forget(name, f"{name}.w13", f"{name}.w2")
         self._delete(name, lambda c: c.delete_experts(name))
 
     def experts(self) -> dict[str, list[dict]]:
@@ -429,6 +437,7 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
 
     async def delete_weights(self, name: str) -> None:
         """See `MultiClient.delete_weights`."""
+        self._forget(name)
         await self._delete(name, lambda c: c.delete_weights(name))
 
     async def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
@@ -447,6 +456,7 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
 
     async def delete_experts(self, name: str) -> None:
         """See `MultiClient.delete_experts`."""
+        self._forget(name, f"{name}.w13", f"{name}.w2")
         await self._delete(name, lambda c: c.delete_experts(name))
 
     async def experts(self) -> dict[str, list[dict]]:

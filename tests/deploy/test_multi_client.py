@@ -281,6 +281,35 @@ def test_hot_sets_called_in_turn_each_spread_over_their_replicas():
             assert [port for port, _ in log[offset::2]] == placed * 2
 
 
+def test_a_deleted_sets_turns_are_forgotten():
+    """Sets that come and go under new names (a version in the name) leave nothing behind in
+    the client: deleting a weight set drops its turn count, deleting an expert set drops
+    its own and its matrices'."""
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002)]
+    x, m_sizes = _call(np.random.default_rng())
+    log: list = []
+    gemm = _fake_servers(log)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(204)
+        return gemm.handle_request(request)
+
+    with MultiClient(urls, hot={"v0": 2}, transport=httpx.MockTransport(handle)) as multi:
+        for version in range(50):
+            multi.grouped_gemm(f"v{version}", x, m_sizes)
+            multi.grouped_gemm(f"e{version}.w13", x, m_sizes)
+            multi.grouped_gemm(f"e{version}.w2", x, m_sizes)
+            multi.delete_weights(f"v{version}")
+            multi.delete_experts(f"e{version}")
+        assert multi._turns == {}
+        # A set loaded again under a deleted name takes turns from the first again.
+        first = multi.placement("v0")[0]
+        log.clear()
+        multi.grouped_gemm("v0", x, m_sizes)
+        assert log[0][0] == int(first.rsplit(":", 1)[1])
+
+
 def test_a_deadline_gone_before_the_first_try_is_deadline_exceeded():
     urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002)]
     x, m_sizes = _call(np.random.default_rng())
