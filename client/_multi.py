@@ -278,7 +278,8 @@ class MultiClient(_Fleet[Client]):
         self._delete(name, lambda c: c.delete_experts(name))
 
     def experts(self) -> dict[str, list[dict]]:
-        """Each endpoint's loaded expert sets (as `Client.experts`)."""
+        """Each endpoint's loaded expert sets (as `Client.experts`); raises as `weights`
+        does."""
         return self._on_all(lambda c: c.experts())
 
     def _delete(self, name: str, delete_one: Callable[[Client], None]) -> None:
@@ -372,7 +373,8 @@ class MultiClient(_Fleet[Client]):
         )
 
     def weights(self) -> dict[str, list[dict]]:
-        """Each endpoint's loaded weight sets (as `Client.weights`)."""
+        """Each endpoint's loaded weight sets (as `Client.weights`); raises, naming the
+        endpoint, if one cannot be reached (a listing without it would read as sets lost)."""
         return self._on_all(lambda c: c.weights())
 
     def health(self) -> dict[str, dict]:
