@@ -2,7 +2,7 @@
 
     python bench/gap_gluon.py --out gap.json [--budget-s 85] [--cases 6] [--list]
 
-v16 (``results/kernels_v16_session8.json``): on the ``gluon_ws`` cases (many-expert
+v16 (``results/kernels_v16_session8.json``, in ``results/archive_sessions_1-22.tar.xz``): on the ``gluon_ws`` cases (many-expert
 prefill) the service graph took 2-23 % longer than the public ``grouped_gemm`` on the
 same shape and data (Qwen3-30B w2 t8192: 340 vs 277 us), bit for bit the same output.
 For the cases of that JSON with the largest service/public ratio (Qwen3-30B w2 t8192

@@ -520,7 +520,7 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
 #   consumers take only the tile's number: its four fields, held across gluon_ws's K loop, made
 #   ptxas spill into it). Session 10 measured this hand-over alone with gluon_ws's K loop and
 #   epilogue: 1.04x on the 12 w2 cases, 0.975x on the 12 w13 ones (`bench/results/session10/
-#   call3_gluon11.json`). (Issuing a block's first wgmma before its scale product, to put the
+#   call3_gluon11.json`, in the archive of sessions 1-22). (Issuing a block's first wgmma before its scale product, to put the
 #   first scale loads under the MMA, cost 52-136 bytes of spills at 232 registers: not done.)
 # - the epilogue in a partition of its own: each consumer writes its 64 x 256 to shared memory
 #   (bf16, straight from the MMA layout: stmatrix, no layout conversion) and goes on to its

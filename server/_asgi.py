@@ -48,7 +48,8 @@ def _run_now(coro) -> asyncio.Task | None:
     A lone call that the engine runs inline never waits: it is answered from this
     protocol callback with no task at all (the ASGI app runs in one, as anyio needs a
     current task). On the H200 the eager task of a lone call cost ~12 us of its
-    ~170 in the server (``bench/results/session9/trace_h200_default.log``, "task").
+    ~170 in the server (``bench/results/session9/trace_h200_default.log``, archived in
+    ``bench/results/archive_sessions_1-22.tar.xz``, "task").
     """
     try:
         waited = coro.send(None)
