@@ -109,7 +109,7 @@ def check_in_interpreter() -> list[str]:
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         table = tk.weight_addresses(wq, ws)
         words = torch.tensor([xq.data_ptr(), xs.data_ptr()], dtype=torch.int64)
-        flags = torch.zeros(m, dtype=torch.int8)
+        flags = torch.full((m,), 7, dtype=torch.int8)  # 7: a row the check did not write
         kernel, grid, args, consts = tk.launch_plan(xq, table, xs, ws, sizes, out, n, g, shipped, addrs=True,
                                                     x_words=words, flags=flags)
         ranges[:] = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
@@ -119,6 +119,22 @@ def check_in_interpreter() -> list[str]:
         where["now"] = f"{shipped.key()} through the tables, m{m} n{n} k{k} g{g}"
         kernel[grid](*args, **consts)
         outs.append(out)
+        if flags.tolist() != [0] * m:
+            faults.append(f"{where['now']}: the rows' check wrote {flags.tolist()}, not all 0")
+        # A row whose scale in the last K block is not finite is flagged 2, the others 0.
+        bad = xs.clone()
+        bad[m // 2, -1] = float("nan")
+        flags.fill_(7)
+        kernel, grid, args, consts = tk.launch_plan(xq, table, bad, ws, sizes, out.clone(), n, g, shipped,
+                                                    addrs=True, x_words=torch.tensor(
+                                                        [xq.data_ptr(), bad.data_ptr()], dtype=torch.int64),
+                                                    flags=flags)
+        ranges += [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for t in args if isinstance(t, torch.Tensor)]
+        ranges.append((bad.data_ptr(), bad.data_ptr() + bad.numel() * bad.element_size()))
+        kernel[grid](*args, **consts)
+        if flags.tolist() != [2 if r == m // 2 else 0 for r in range(m)]:
+            faults.append(f"{where['now']}: a row with a NaN scale: the check wrote {flags.tolist()}")
         if not torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)):
             faults.append(f"{where['now']}: preloaded scales give other bits than shipped")
         if not torch.equal(outs[0].view(torch.int16), outs[2].view(torch.int16)):
