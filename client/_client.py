@@ -58,17 +58,18 @@ _SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 # it passes is answered 504 instead of running.
 DEADLINE_HEADER = "X-Deadline-Ms"
 
-# Clients whose httpx pool is their own (no transport given): a forked child's copies get a
-# fresh pool, as the lanes do (_lane.py). The parent's pooled sockets are let go of in the
-# child, never closed through (the parent is still using them); a transport the caller gave
-# is theirs, and stays.
+# Clients whose calls go through an httpx pool of their own (https or a proxy, no transport
+# given): a forked child's copies get a fresh pool, as the lanes do (_lane.py). The parent's
+# pooled sockets are let go of in the child, never closed through (the parent is still using
+# them); a transport the caller gave is theirs, and stays. Clients on the lane are left out:
+# their httpx client carries no call. A child makes its pool on its first call, not at the fork
+# (an httpx client costs a TLS context: 25 ms).
 _OWN_POOLS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
     for client in list(_OWN_POOLS):
-        if not client._closed:
-            client._http = client._new_http()
+        client._http = None  # made on the child's first call (_pool)
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork to share sockets
@@ -147,6 +148,13 @@ class _Base:
         self._retry = _Retry(retries, backoff, max_backoff)
         self._deadline = deadline
         self._closed = False
+
+    def _pool(self):
+        """The httpx client calls go through: made anew on a forked child's first call
+        (``_after_fork_in_child``)."""
+        if self._http is None:
+            self._http = self._new_http()
+        return self._http
 
     def _request_args(self, call: Call) -> tuple[str, dict[str, Any]]:
         if self._closed:  # on every transport alike (httpx raises this; the lane would not)
@@ -252,11 +260,11 @@ class Client(_Base):
         super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline,
                          load_timeout)
         self._http = self._new_http(transport)
-        if transport is None:
-            _OWN_POOLS.add(self)
         # Plain http:// calls take the lean lane (_lane.py); https, proxies and
         # custom transports stay on httpx.
         self._lane = Lane(self.url, self._headers) if usable(self.url, transport) else None
+        if transport is None and self._lane is None:
+            _OWN_POOLS.add(self)
 
     def _new_http(self, transport: httpx.BaseTransport | None = None) -> httpx.Client:
         return httpx.Client(
@@ -277,7 +285,7 @@ class Client(_Base):
                         call.method, call.path, args["headers"], call.body,
                         args["timeout"], call.deadline)
                 elif call.deadline is None:
-                    response = self._http.request(**_joined(args))
+                    response = self._pool().request(**_joined(args))
                 else:
                     response = self._request_by(call, args, request_id)
                 return read_answer(call, response, request_id)
@@ -298,7 +306,7 @@ class Client(_Base):
         httpx's timeouts bound each read, not their sum: an answer trickling in
         could otherwise outlast the deadline many times over.
         """
-        with self._http.stream(**_joined(args)) as response:
+        with self._pool().stream(**_joined(args)) as response:
             chunks = []
             for chunk in response.iter_bytes():
                 chunks.append(chunk)
@@ -411,7 +419,8 @@ class Client(_Base):
         self._closed = True
         if self._lane is not None:
             self._lane.close()
-        self._http.close()
+        if self._http is not None:
+            self._http.close()
 
     def __enter__(self) -> Self:
         return self
@@ -444,10 +453,10 @@ class AsyncClient(_Base):
         super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline,
                          load_timeout)
         self._http = self._new_http(transport)
-        if transport is None:
-            _OWN_POOLS.add(self)
         # Plain http:// calls take the lean lane (_lane.py), as in Client.
         self._lane = AsyncLane(self.url, self._headers) if usable(self.url, transport) else None
+        if transport is None and self._lane is None:
+            _OWN_POOLS.add(self)
 
     def _new_http(self, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
         return httpx.AsyncClient(
@@ -459,7 +468,7 @@ class AsyncClient(_Base):
 
     def _exchange(self, call: Call, args: dict[str, Any]):
         if self._lane is None:
-            return self._http.request(**_joined(args))
+            return self._pool().request(**_joined(args))
         return self._lane.request(call.method, call.path, args["headers"], call.body,
                                   args["timeout"], call.deadline)
 
@@ -568,7 +577,8 @@ class AsyncClient(_Base):
         self._closed = True
         if self._lane is not None:
             await self._lane.aclose()
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.aclose()
 
     async def __aenter__(self) -> Self:
         return self
