@@ -302,8 +302,9 @@ def form_plan(form: str, ops: dict, out: torch.Tensor, config):
     """The launch plan of ``config`` on ``ops`` (:func:`case_operands`) into ``out`` in one of the
     forms a launch takes: ``public`` (plain pointers), ``svc`` (activations and weights by address,
     stored in place: a lone prefill call's graph in the server), ``map`` (the same through an
-    identity row map: the server's merged calls) or ``lone`` (``svc`` with the rows' check inside:
-    a lone decode call's graph; the decode tiles only)."""
+    identity row map: the server's merged calls) or ``lone`` (``map`` with the rows' check inside:
+    a lone decode call's graph, which keeps the row map on a decode tile; the decode tiles
+    only)."""
     from moegemm.kernels import triton_kernel as tk
 
     xq, wq, x_scale, w_scale, sizes = ops["xq"], ops["wq"], ops["x_scale"], ops["w_scale"], ops["sizes"]
@@ -311,7 +312,7 @@ def form_plan(form: str, ops: dict, out: torch.Tensor, config):
     if form == "public":
         return tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config, addrs=False)
     words = torch.tensor([xq.data_ptr(), x_scale.data_ptr()], dtype=torch.int64, device=DEV)
-    rows = torch.arange(xq.shape[0], dtype=torch.int64, device=DEV) if form == "map" else None
+    rows = torch.arange(xq.shape[0], dtype=torch.int64, device=DEV) if form in ("map", "lone") else None
     flags = torch.zeros(xq.shape[0], dtype=torch.int8, device=DEV) if form == "lone" else None
     return tk.launch_plan(xq, tk.weight_addresses(wq, w_scale), x_scale, w_scale, sizes, out, n, g, config,
                           addrs=True, x_words=words, out_rows=rows, flags=flags)

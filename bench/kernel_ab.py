@@ -5,11 +5,13 @@ one), in one process, on the same data: the same bits asserted, then both timed.
     python bench/kernel_ab.py --base .carry/base16/kernels/_gluon_gemm.py [--variant NAME=PATH ...]
                               [--forms public,svc] [--json OUT] [--match a,b]
 
-For each case whose table tile is a kernel of that module (named as the copy's file), both kernels are launched as
-``triton_kernel.launch_plan`` plans them, in two forms: ``public`` (plain pointers, the public
-function) and ``svc`` (activations and weights by address, stored in place: a lone prefill
-call's graph in the server); ``--forms`` may add ``map`` (the same through an identity row map: the
-server's merged calls). Timed as ``bench_kernels.time_us`` (median over CUDA-graph
+For each case whose table tile is a kernel of that module (named as the copy's file), both
+kernels are launched as ``triton_kernel.launch_plan`` plans them, in two forms: ``public``
+(plain pointers, the public function) and ``svc`` (activations and weights by address, stored
+in place: a lone prefill call's graph in the server); ``--forms`` may add ``map`` (the same
+through an identity row map: the server's merged calls) and, for the decode tiles, ``lone``
+(``map`` with the rows' check inside: a lone decode call's graph; its flags are compared as
+well as the output). Timed as ``bench_kernels.time_us`` (median over CUDA-graph
 replays of back-to-back launches), base and new alternating, ``--rounds`` rounds (2). ``--variant``: more
 copies of the module, timed beside them (the ratios are base over each). Never collected by
 pytest.
@@ -69,7 +71,7 @@ def main() -> None:
         if tk.SCHEDULES[config.schedule].fn.__module__.rsplit(".", 1)[-1] != args.base.stem:
             continue
         ops = bk.case_operands(case, gen)
-        fns, outs = {}, {}
+        fns, outs, flags = {}, {}, {}
         for form in form_names:
             for which, module in modules.items():
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
@@ -78,8 +80,13 @@ def main() -> None:
                 # An older build taking SKIP_DEAD_HALF (sessions 20-21) gets its table's rule (r <= 64).
                 older = {"SKIP_DEAD_HALF": m // g <= 64} if kernel and "SKIP_DEAD_HALF" in kernel.arg_names else {}
                 fns[f"{form} {which}"], outs[f"{form} {which}"] = bk.bound_launch(plan, kernel, **older), out
+                # The rows' check (the lone form): its flags are compared too.
+                flags[f"{form} {which}"] = [a for a in plan[2] if isinstance(a, torch.Tensor)
+                                            and a.dtype == torch.int8]
         ref = outs[f"{form_names[0]} base"].view(torch.int16)
-        same = {f: torch.equal(o.view(torch.int16), ref) for f, o in outs.items()}
+        same = {f: torch.equal(o.view(torch.int16), ref)
+                   and all(torch.equal(a, b) for a, b in zip(flags[f], flags[f"{f.split()[0]} base"], strict=True))
+                for f, o in outs.items()}
         times = bk.alternating_runs(fns, args.rounds)
         us = {f: statistics.median(t) for f, t in times.items()}
         row = {"name": case["name"], "config": config.key(), "floor_us": bk.floor_us(m, n, k, case["sizes"]),
