@@ -12,8 +12,8 @@ import math
 import os
 import random
 import socket
+import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,7 @@ from ._calls import (
     weights_path,
 )
 from ._errors import DeadlineExceeded, MoegemmError, TransportError, Unavailable
-from ._lane import AsyncLane, Lane, usable
+from ._lane import AsyncLane, Lane, reset_at_fork, usable
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
     from typing_extensions import Self
@@ -58,22 +58,6 @@ _SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 # it passes is answered 504 instead of running.
 DEADLINE_HEADER = "X-Deadline-Ms"
 
-# Clients whose calls go through an httpx pool of their own (https or a proxy, no transport
-# given): a forked child's copies get a fresh pool, as the lanes do (_lane.py). The parent's
-# pooled sockets are let go of in the child, never closed through (the parent is still using
-# them); a transport the caller gave is theirs, and stays. Clients on the lane are left out:
-# their httpx client carries no call. A child makes its pool on its first call, not at the fork
-# (an httpx client costs a TLS context: 25 ms).
-_OWN_POOLS: weakref.WeakSet = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for client in list(_OWN_POOLS):
-        client._http = None  # made on the child's first call (_pool)
-
-
-if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork to share sockets
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True)
@@ -148,12 +132,25 @@ class _Base:
         self._retry = _Retry(retries, backoff, max_backoff)
         self._deadline = deadline
         self._closed = False
+        self._pool_lock = threading.Lock()
+
+    def _forked(self) -> None:
+        """In a child forked from this client's process (a client whose calls go through an
+        httpx pool of its own: https or a proxy, no transport given; ``_lane.reset_at_fork``):
+        the pool's connections are the parent's. They are let go of, never closed through
+        (the parent is still using them), and the child makes its own pool on its first call
+        (``_pool``), not at the fork (an httpx client costs a TLS context: 25 ms). A
+        transport the caller gave is theirs, and stays; clients on the lane are not
+        registered (their httpx client carries no call)."""
+        self._http = None
+        self._pool_lock = threading.Lock()  # a parent thread may have held it at the fork
 
     def _pool(self):
-        """The httpx client calls go through: made anew on a forked child's first call
-        (``_after_fork_in_child``)."""
+        """The httpx client calls go through (made anew on a forked child's first call)."""
         if self._http is None:
-            self._http = self._new_http()
+            with self._pool_lock:
+                if self._http is None:
+                    self._http = self._new_http()
         return self._http
 
     def _request_args(self, call: Call) -> tuple[str, dict[str, Any]]:
@@ -264,7 +261,7 @@ class Client(_Base):
         # custom transports stay on httpx.
         self._lane = Lane(self.url, self._headers) if usable(self.url, transport) else None
         if transport is None and self._lane is None:
-            _OWN_POOLS.add(self)
+            reset_at_fork(self)
 
     def _new_http(self, transport: httpx.BaseTransport | None = None) -> httpx.Client:
         return httpx.Client(
@@ -456,7 +453,7 @@ class AsyncClient(_Base):
         # Plain http:// calls take the lean lane (_lane.py), as in Client.
         self._lane = AsyncLane(self.url, self._headers) if usable(self.url, transport) else None
         if transport is None and self._lane is None:
-            _OWN_POOLS.add(self)
+            reset_at_fork(self)
 
     def _new_http(self, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
         return httpx.AsyncClient(

@@ -22,9 +22,10 @@ A pool is never shared: in a process forked from the one that filled it, every
 lane lets go of the parent's sockets, pooled or in calls in progress, and starts
 empty (both reading answers off one socket would swap them); an ``AsyncLane``
 used from another event loop than the one its sockets belong to opens its own.
-Calls that stay on httpx (https, a proxy) get the same from the client
-(``_client.py``): a forked child's copy of a client starts a fresh httpx pool,
-unless the client was given its own ``transport``.
+Calls that stay on httpx (https, a proxy) get a fresh httpx pool in a forked
+child (``_client.py``), unless the client was given its own ``transport``: the
+parent's pooled connections are let go of; a call in flight at the fork in an
+async child's copy of the parent's event loop is not covered.
 """
 
 from __future__ import annotations
@@ -202,12 +203,18 @@ def usable(url: str, transport: object, trust_env: bool = True) -> bool:
     return True
 
 
-_LANES: weakref.WeakSet = weakref.WeakSet()  # every live Lane and AsyncLane, for a fork
+_AT_FORK: weakref.WeakSet = weakref.WeakSet()  # every live lane and client on httpx, for a fork
+
+
+def reset_at_fork(owner) -> None:
+    """``owner._forked()`` runs in every child forked while ``owner`` lives: a lane, or a
+    client whose calls go through an httpx pool of its own (``_client.py``)."""
+    _AT_FORK.add(owner)
 
 
 def _after_fork_in_child() -> None:
-    for lane in list(_LANES):
-        lane._forked()
+    for owner in list(_AT_FORK):
+        owner._forked()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork to share sockets
@@ -242,7 +249,7 @@ class Lane:
         self._busy: set[socket.socket] = set()  # sockets of calls in progress
         self._lock = threading.Lock()
         self._closed = False
-        _LANES.add(self)
+        reset_at_fork(self)
 
     def _forked(self) -> None:
         """In a child forked from this lane's process: the parent still uses the sockets,
@@ -571,7 +578,7 @@ class AsyncLane:
         self._idle: list[tuple] = []  # (reader, writer, the event loop they belong to)
         self._busy: set = set()  # the writers of calls in progress
         self._closed = False
-        _LANES.add(self)
+        reset_at_fork(self)
 
     def _forked(self) -> None:
         """In a child forked from this lane's process: its streams belong to the parent's

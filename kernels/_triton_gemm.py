@@ -97,12 +97,15 @@ def _present(w_base, ws_base, x_base, xs_base, ADDRS: tl.constexpr, X_WORDS: tl.
     written, issued beside ``m_sizes``'s: unused before the branch, the compiler sank them under
     it, and a launch through the tables waited on two round trips to memory before its first
     weight load instead of one (seen in the SASS; 1.00-1.04x on the one-token launches, session
-    30 in bench/NOTES.md)."""
+    30 in bench/NOTES.md). A null word (a server bug: no launch with rows passes one) skips
+    the tile instead of faulting."""
     ok = True
     if ADDRS:
-        ok = ok & (w_base.to(tl.int64, bitcast=True) != 0) & (ws_base.to(tl.int64, bitcast=True) != 0)
+        ok = ok & (w_base.to(tl.int64, bitcast=True) != 0)
+        ok = ok & (ws_base.to(tl.int64, bitcast=True) != 0)
     if X_WORDS:
-        ok = ok & (x_base.to(tl.int64, bitcast=True) != 0) & (xs_base.to(tl.int64, bitcast=True) != 0)
+        ok = ok & (x_base.to(tl.int64, bitcast=True) != 0)
+        ok = ok & (xs_base.to(tl.int64, bitcast=True) != 0)
     return ok
 
 

@@ -219,6 +219,48 @@ def test_a_forked_child_of_a_client_on_httpx_opens_its_own_sockets(server, monke
     assert again == parent
 
 
+def test_a_forked_child_of_an_async_client_on_httpx_opens_its_own_sockets(server, monkeypatch):
+    """As the blocking client's test above, for an AsyncClient on httpx forked while the
+    parent's loop runs: the child, under its own loop, calls on a fresh pool."""
+    import asyncio
+
+    from moegemm.client import AsyncClient
+
+    url, _ = server
+    for var in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY", "http_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", url)
+    c = AsyncClient(url, timeout=5)
+    assert c._lane is None  # on httpx
+
+    async def child_calls():
+        return [(await c.info())["peer"] for _ in range(3)]
+
+    async def scenario():
+        first = (await c.info())["peer"]
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.write(write, json.dumps(asyncio.run(child_calls())).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        ready, _, _ = select.select([read], [], [], 20)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        with os.fdopen(read) as pipe:
+            child = json.loads(pipe.read() or "null")
+        os.waitpid(pid, 0)
+        second = (await c.info())["peer"]
+        await c.close()
+        return first, child, second
+
+    first, child, second = asyncio.run(scenario())
+    assert child is not None and first not in child and len(set(child)) == 1
+    assert second == first
+
+
 def test_an_async_client_forked_keeps_the_parents_sockets_working(server):
     """A child forked while the parent's loop runs, calling under its own loop: the parent's
     pooled stream is disowned in the child, not closed through the loop the two share a

@@ -51,4 +51,3 @@ def test_plain_pointers_load_only_m_sizes_before_a_program_can_leave():
     m, n, k, g = SHAPES[0]
     kernel = compile_config(tk.default_config(m, n, k, g), m, n, k, g)
     assert _wide_loads_before_exit(kernel)[0] == 1
-
