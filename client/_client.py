@@ -59,7 +59,6 @@ _SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 DEADLINE_HEADER = "X-Deadline-Ms"
 
 
-
 @dataclass(frozen=True)
 class _Retry:
     """When to send a call again: after a 503 (the server did nothing with it) or
