@@ -72,7 +72,8 @@ def main() -> None:
             continue
         ops = bk.case_operands(case, gen)
         fns, outs, flags = {}, {}, {}
-        for form in form_names:
+        forms = [f for f in form_names if f != "lone" or config.swap_ab]  # lone: the decode tiles'
+        for form in forms:
             for which, module in modules.items():
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
                 plan = bk.form_plan(form, ops, out, config)
@@ -91,7 +92,7 @@ def main() -> None:
         us = {f: statistics.median(t) for f, t in times.items()}
         row = {"name": case["name"], "config": config.key(), "floor_us": bk.floor_us(m, n, k, case["sizes"]),
                "us": us, "same_bits": same,
-               "base_over": {f"{form} {w}": us[f"{form} base"] / us[f"{form} {w}"] for form in form_names
+               "base_over": {f"{form} {w}": us[f"{form} base"] / us[f"{form} {w}"] for form in forms
                              for w in modules if w != "base"}}
         rows.append(row)
         print(f"{case['name']:44s} {config.key():34s} floor {row['floor_us']:8.1f}  "
@@ -100,8 +101,8 @@ def main() -> None:
               + "  bits differ: " + (",".join(f for f, v in same.items() if not v) or "none"), flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
-    for key in (rows[0]["base_over"] if rows else ()):
-        ratios = [r["base_over"][key] for r in rows]
+    for key in dict.fromkeys(key for r in rows for key in r["base_over"]):
+        ratios = [r["base_over"][key] for r in rows if key in r["base_over"]]
         print(f"geomean base/({key}) {statistics.geometric_mean(ratios):.4f} over {len(ratios)}")
 
 
