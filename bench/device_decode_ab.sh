@@ -9,7 +9,6 @@
 #   AB_FORMS  (default public,map,lone)   AB_ROUNDS (default 4)
 # Writes $OUT/decode_ab.json and $OUT/decode_ab.log. No carry needed beyond .whl/server.
 #   run(command="bash bench/device_decode_ab.sh", carry=[".whl/server"])
-set -u
 source bench/device_env.sh
 V=/tmp/decode_variants
 rm -rf $V
