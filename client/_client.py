@@ -144,6 +144,12 @@ class _Base:
         self._http = None
         self._pool_lock = threading.Lock()  # a parent thread may have held it at the fork
 
+    def _new_http(self, transport=None):
+        """An httpx client (``_HTTPX``: blocking or async) for this client's calls, on
+        ``transport`` or a fresh one of ``_TRANSPORT``."""
+        return self._HTTPX(base_url=self.url, headers=self._headers, timeout=self._timeout,
+                           transport=transport or self._TRANSPORT(socket_options=_SOCKET_OPTIONS))
+
     def _pool(self):
         """The httpx client calls go through (made anew on a forked child's first call)."""
         if self._http is None:
@@ -239,6 +245,8 @@ class Client(_Base):
     ``request_id=``, else one given in ``headers``, else a random one.
     """
 
+    _HTTPX, _TRANSPORT = httpx.Client, httpx.HTTPTransport
+
     def __init__(
         self,
         url: str,
@@ -261,14 +269,6 @@ class Client(_Base):
         self._lane = Lane(self.url, self._headers) if usable(self.url, transport) else None
         if transport is None and self._lane is None:
             reset_at_fork(self)
-
-    def _new_http(self, transport: httpx.BaseTransport | None = None) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.url,
-            headers=self._headers,
-            timeout=self._timeout,
-            transport=transport or httpx.HTTPTransport(socket_options=_SOCKET_OPTIONS),
-        )
 
     def _send(self, call: Call) -> Any:
         call = self._bounded(call)
@@ -432,6 +432,8 @@ class AsyncClient(_Base):
     compute, but very large uploads may want ``asyncio.to_thread``.
     """
 
+    _HTTPX, _TRANSPORT = httpx.AsyncClient, httpx.AsyncHTTPTransport
+
     def __init__(
         self,
         url: str,
@@ -453,14 +455,6 @@ class AsyncClient(_Base):
         self._lane = AsyncLane(self.url, self._headers) if usable(self.url, transport) else None
         if transport is None and self._lane is None:
             reset_at_fork(self)
-
-    def _new_http(self, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            base_url=self.url,
-            headers=self._headers,
-            timeout=self._timeout,
-            transport=transport or httpx.AsyncHTTPTransport(socket_options=_SOCKET_OPTIONS),
-        )
 
     def _exchange(self, call: Call, args: dict[str, Any]):
         if self._lane is None:

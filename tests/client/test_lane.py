@@ -145,6 +145,37 @@ def test_a_socket_the_server_closed_is_replaced():
     assert len(requests) == 2
 
 
+def _child_answer(work, after_fork=None):
+    """Forks: the child runs ``work()`` and reports its JSON answer through a pipe, then leaves
+    without cleanup; the parent runs ``after_fork()`` (if given), waits up to 20 s for the
+    answer (a child hung past that is killed) and returns it, or None if none came."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, json.dumps(work()).encode())
+        finally:
+            os._exit(0)
+    if after_fork is not None:
+        after_fork()
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 20)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    with os.fdopen(read) as pipe:
+        answer = json.loads(pipe.read() or "null")
+    os.waitpid(pid, 0)
+    return answer
+
+
+def _through_proxy(monkeypatch, url: str) -> None:
+    """Calls to ``url`` go through httpx, by way of a proxy: the test server itself, which
+    answers absolute-form requests too."""
+    for var in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY", "http_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", url)
+
+
 def test_a_forked_process_opens_its_own_sockets(server):
     """A process forked from one whose client holds pooled sockets never writes to them: both
     would read answers off one connection and could take each other's (an audit: 54 of 300
@@ -164,23 +195,12 @@ def test_a_forked_process_opens_its_own_sockets(server):
         holder = threading.Thread(target=hold)
         holder.start()
         held.wait(10)
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report its calls' peers, then leave without cleanup
-            try:
-                peers = [c.info()["peer"] for _ in range(3)]
-                os.write(write, json.dumps(peers).encode())
-            finally:
-                os._exit(0)
-        release.set()
-        holder.join()
-        os.close(write)
-        ready, _, _ = select.select([read], [], [], 20)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        with os.fdopen(read) as pipe:
-            child = json.loads(pipe.read() or "null")
-        os.waitpid(pid, 0)
+
+        def let_go():
+            release.set()
+            holder.join()
+
+        child = _child_answer(lambda: [c.info()["peer"] for _ in range(3)], after_fork=let_go)
         again = c.info()["peer"]
     assert child is not None, "the child hung on the pool's lock"
     assert parent not in child and len(set(child)) == 1
@@ -193,27 +213,11 @@ def test_a_forked_child_of_a_client_on_httpx_opens_its_own_sockets(server, monke
     httpx pool instead of reusing the parent's pooled connection (both reading answers off
     one socket could take each other's), and the parent's connection keeps working."""
     url, _ = server
-    for var in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY", "http_proxy"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HTTP_PROXY", url)
+    _through_proxy(monkeypatch, url)
     with Client(url, timeout=5) as c:
         assert c._lane is None  # on httpx
         parent = c.info()["peer"]
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report its calls' peers, then leave without cleanup
-            try:
-                peers = [c.info()["peer"] for _ in range(3)]
-                os.write(write, json.dumps(peers).encode())
-            finally:
-                os._exit(0)
-        os.close(write)
-        ready, _, _ = select.select([read], [], [], 20)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        with os.fdopen(read) as pipe:
-            child = json.loads(pipe.read() or "null")
-        os.waitpid(pid, 0)
+        child = _child_answer(lambda: [c.info()["peer"] for _ in range(3)])
         again = c.info()["peer"]
     assert child is not None and parent not in child and len(set(child)) == 1
     assert again == parent
@@ -227,9 +231,7 @@ def test_a_forked_child_of_an_async_client_on_httpx_opens_its_own_sockets(server
     from moegemm.client import AsyncClient
 
     url, _ = server
-    for var in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY", "http_proxy"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HTTP_PROXY", url)
+    _through_proxy(monkeypatch, url)
     c = AsyncClient(url, timeout=5)
     assert c._lane is None  # on httpx
 
@@ -238,20 +240,7 @@ def test_a_forked_child_of_an_async_client_on_httpx_opens_its_own_sockets(server
 
     async def scenario():
         first = (await c.info())["peer"]
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.write(write, json.dumps(asyncio.run(child_calls())).encode())
-            finally:
-                os._exit(0)
-        os.close(write)
-        ready, _, _ = select.select([read], [], [], 20)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        with os.fdopen(read) as pipe:
-            child = json.loads(pipe.read() or "null")
-        os.waitpid(pid, 0)
+        child = _child_answer(lambda: asyncio.run(child_calls()))
         second = (await c.info())["peer"]
         await c.close()
         return first, child, second
