@@ -141,32 +141,43 @@ def _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP: tl.constexpr):
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add_triple(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
 def _locate_tile(m_sizes_ptr, M, G, tile_m, BLOCK_M: tl.constexpr, G_POW2: tl.constexpr):
     """(group, first row of the tile, end row of the group, valid) of flat row tile ``tile_m``.
 
     Group g owns rows ``[min(prefix_g, M), min(prefix_g + size_g, M))`` with
     each size clamped to ``[0, M]`` first (int64 sums): whatever ``m_sizes``
-    holds, no tile reaches past row M or into another group's rows.
+    holds, no tile reaches past row M or into another group's rows. Two steps
+    across the warps (each a barrier round at G >= 128): one scan of the rows and
+    tiles together, one sum of the tile's group found as a one-hot. The tiles are
+    counted from the clamped sizes before the rows' clamp to M: where ``m_sizes``
+    sums past M, a group's tiles past row M own no row (their ``row_stop`` is
+    below their first row), and every tile of a row below M comes first.
     """
     offs_g = tl.arange(0, G_POW2)
     raw = tl.load(m_sizes_ptr + offs_g, mask=offs_g < G, other=0).to(tl.int64)
     raw = tl.minimum(tl.maximum(raw, 0), M)
-    ends = tl.cumsum(raw, 0)
-    row_end = tl.minimum(ends, M).to(tl.int32)
-    row_start = tl.minimum(ends - raw, M).to(tl.int32)
-    sizes = row_end - row_start
-    tiles = (sizes + (BLOCK_M - 1)) // BLOCK_M
-    tile_end = tl.cumsum(tiles, 0)
-    # The group is the first whose tiles end after tile_m; empty groups end
-    # where the previous one did and are skipped by the count.
-    group = tl.sum((tile_end <= tile_m).to(tl.int32), 0)
-    pick = offs_g == group
-    group_tile_end = tl.sum(tl.where(pick, tile_end, 0), 0)
-    group_tiles = tl.sum(tl.where(pick, tiles, 0), 0)
-    group_row_end = tl.sum(tl.where(pick, row_end, 0), 0)
-    group_row_start = tl.sum(tl.where(pick, row_start, 0), 0)
-    first_row = group_row_start + (tile_m - (group_tile_end - group_tiles)) * BLOCK_M
-    return group, first_row, group_row_end, group < G
+    ends, tile_end = tl.associative_scan((raw, (raw + (BLOCK_M - 1)) // BLOCK_M), 0, _add_pair)
+    row_end = tl.minimum(ends, M)
+    row_start = tl.minimum(ends - raw, M)
+    tile_start = tile_end - (raw + (BLOCK_M - 1)) // BLOCK_M
+    # Empty groups (no tile) are never hit; past the last group's tiles nothing is.
+    hit = (tile_start <= tile_m) & (tile_m < tile_end)
+    first_row = row_start + (tile_m - tile_start) * BLOCK_M
+    group1, first, stop = tl.reduce((tl.where(hit, offs_g + 1, 0), tl.where(hit, first_row, 0),
+                                     tl.where(hit, row_end, 0)), 0, _add_triple)
+    valid = group1 > 0
+    group = tl.where(valid, group1 - 1, G)
+    return group, first.to(tl.int32), stop.to(tl.int32), valid
 
 
 @triton.jit
