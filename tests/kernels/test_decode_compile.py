@@ -51,3 +51,18 @@ def test_plain_pointers_load_only_m_sizes_before_a_program_can_leave():
     m, n, k, g = SHAPES[0]
     kernel = compile_config(tk.default_config(m, n, k, g), m, n, k, g)
     assert _wide_loads_before_exit(kernel)[0] == 1
+
+
+@pytest.mark.parametrize("m,n,k,g", [(8, 7168, 2048, 256), (1, 2048, 768, 128), (8, 7168, 2048, 384)])
+def test_the_group_lookup_crosses_the_warps_in_few_steps(m, n, k, g):
+    """At G >= 128 the sizes' vector spans the warps, and each cross-warp step of the group
+    lookup (``_locate_tile``) is a barrier round before the tile's first weight load. One scan
+    of rows and tiles together and one sum of the tile's group (a one-hot) make 4 ``BAR.SYNC``;
+    two cumsums and five separate sums made 18, paid by every one-token launch of a
+    many-expert model (A/B on the H200: bench/NOTES.md, session 31)."""
+    cfg = tk.default_config(m, n, k, g)
+    assert cfg.swap_ab, cfg.key()
+    code = [op for _, op in sass(compile_config(cfg, m, n, k, g, service=True, row_map=True))]
+    first_weight_load = next(i for i, op in enumerate(code) if "LDGSTS" in op)
+    barriers = sum("BAR.SYNC" in op for op in code[:first_weight_load])
+    assert barriers <= 4, (cfg.key(), barriers)
