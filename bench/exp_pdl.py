@@ -15,7 +15,8 @@ times the service), rounds alternated and reversed:
 - ``pdl_check``: GEMM, then the check launched with ``launch_pdl`` (its programs may start as the
   GEMM's programs leave);
 - ``after``: GEMM, then the check, plain;
-- ``gemm``: the GEMM alone (the service form's kernel, no check).
+- ``gemm``: the GEMM alone (the service form's kernel, no check);
+- ``inside``: the GEMM with the rows' check inside (``FLAGS``, session 31: what ships since).
 
 Same output bits and flags asserted for every form (a NaN row scale planted, so a flag is set).
 
@@ -65,6 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--match", default=CASES)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--forms", default="serial,pdl_gemm,pdl_gemm_trig,pdl_check,after,gemm,inside")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     triton.set_allocator(tk._tma_scratch)
@@ -91,6 +93,14 @@ def main() -> None:
         def gemm(pdl=False):
             kernel[grid](*gargs, **consts, launch_pdl=pdl)
 
+        words = torch.tensor([xq.data_ptr(), xs.data_ptr()], dtype=torch.int64, device=bk.DEV)
+        ikernel, igrid, iargs, iconsts = tk.launch_plan(
+            xq, tk.weight_addresses(ops["wq"], ops["w_scale"]), xs, ops["w_scale"], ops["sizes"], out, n, g,
+            config, addrs=True, x_words=words, flags=flags)
+
+        def inside():
+            ikernel[igrid](*iargs, **iconsts)
+
         def check(pdl=False):
             pro._check_gather[(triton.cdiv(m, br),)](
                 xq.view(torch.uint8), xs, gather, spare_x.view(torch.uint8), spare_s, flags, regroup, 1, m,
@@ -104,7 +114,8 @@ def main() -> None:
         bodies = {"serial": lambda: (check(), gemm()), "pdl_gemm": lambda: (check(), gemm(True)),
                   "pdl_gemm_trig": lambda: (check_trig(), gemm(True)),
                   "pdl_check": lambda: (gemm(), check(True)), "after": lambda: (gemm(), check()),
-                  "gemm": lambda: gemm()}
+                  "gemm": lambda: gemm(), "inside": inside}
+        bodies = {name: body for name, body in bodies.items() if name in args.forms.split(",")}
         want_flags = bad_rows(xq, xs)
         row = {"name": case["name"], "config": config.key(), "errors": {}, "us": {}}
         graphs, want = {}, None
