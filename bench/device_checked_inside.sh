@@ -4,6 +4,12 @@
 # the lone prefill graph's A/B (bench/exp_pdl.py: serial check + GEMM, the GEMM with the check
 # inside, the GEMM alone), then the full bench through the server's graphs.
 #   run(command="bash bench/device_checked_inside.sh", carry=[".whl/server", ".whl/mslk"])
+# The change is bench/prepared/checked_inside_persistent.patch (kernels, server, its GPU tests),
+# applied here to the device's copy of the checkout first (not yet in the shipped code: written in
+# session 31, when the device stopped lending before it could run). Adopt it if all passes and the
+# A/B gains: git apply it in the checkout and commit it with these results.
+git apply bench/prepared/checked_inside_persistent.patch 2>/dev/null \
+  || patch -s -p1 < bench/prepared/checked_inside_persistent.patch || { echo "the patch did not apply"; exit 1; }
 source bench/device_env.sh
 timeout -k 5 ${TESTS_S:-290} python3 -P -m pytest -q -p no:cacheprovider -m "not slow" --timeout 200 -rfE \
   --durations=5 -n ${WORKERS:-8} --dist load tests/kernels/test_triton_service.py tests/kernels/test_triton.py \

@@ -67,8 +67,8 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     """``cfg``'s kernel compiled as ``triton_kernel._launch`` would launch it on (m, n, k, g);
     ``addrs``: the weights by address; ``service``: also the activations by address and
     (``row_map``, else stored in place: a lone prefill call's graph) the output through a row
-    map, as a server graph launches it; ``out``: bf16 or fp32; ``flags``: the rows' check
-    inside (a lone call's graph: in place on a persistent tile); ``extra``: more constexprs (an experiment's)."""
+    map, as a server graph launches it; ``out``: bf16 or fp32; ``flags``: a decode tile with the
+    rows' check inside (a lone call's graph); ``extra``: more constexprs (an experiment's)."""
     from moegemm.kernels import triton_kernel as tk
 
     fn = tk.SCHEDULES[cfg.schedule]
@@ -99,13 +99,14 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
         consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, PRELOAD=cfg.preload,
                       CHUNK=tk.scale_chunk(cfg, k) if cfg.preload else 16, GROUP_TILES_M=cfg.group_tiles_m,
                       FLAGS=flags, KB_POW2=tk._next_pow2(k // 128) if flags else 1)
-    else:  # the persistent schedules
-        if cfg.schedule != "persistent_ws":
-            sig["work_ptr"] = "*i32"
-            divisible.append("work_ptr")
-        sig["flags_ptr"] = "*i8" if flags else "*i64"  # a lone call's graph: the check inside
-        divisible.append("flags_ptr")
-        consts.update(GROUP_TILES_M=cfg.group_tiles_m, FLAGS=flags)
+    elif cfg.schedule == "persistent_ws":
+        consts.update(GROUP_TILES_M=cfg.group_tiles_m)
+    elif cfg.schedule == "persistent_tma" or cfg.schedule in tk.GLUON_SCHEDULES:
+        sig["work_ptr"] = "*i32"
+        divisible.append("work_ptr")
+        consts.update(GROUP_TILES_M=cfg.group_tiles_m)
+    else:
+        consts.update(GROUP_TILES_M=cfg.group_tiles_m)
     consts.update(extra or {})
     # Keep the kernel's argument order (the signature dict is ordered by the caller).
     order = list(fn.arg_names)
@@ -145,14 +146,14 @@ def k_loop_local_loads(kernel) -> int:
 
 
 def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False, out: str = "bf16",
-           row_map: bool = True, flags: bool = False) -> dict:
+           row_map: bool = True) -> dict:
     """Registers (for Gluon: the entry cap; setmaxnreg hands the consumers their share), spills,
     serialisation warnings, shared memory, partitions and the wgmma count of one compiled form
     (Gluon: also the K loops' local-memory loads)."""
     from moegemm.kernels import triton_kernel as tk
 
     try:
-        kernel = compile_config(cfg, m, n, k, g, addrs, service, out, row_map, flags)
+        kernel = compile_config(cfg, m, n, k, g, addrs, service, out, row_map)
     except Exception as exc:  # noqa: BLE001  report and go on
         return {"config": cfg.key(), "error": str(exc).splitlines()[-1][:160]}
     ptx = kernel.asm["ptx"]

@@ -55,13 +55,11 @@ The schedules:
 For a server graph every schedule also takes ``X_WORDS`` (the activations'
 and their scales' base addresses from two more device words: the rows where a
 lone call's arrived, or regrouped) and ``ROW_MAP`` (row r stored at
-``out[map[r]]``: the callers' order). Neither changes a value computed. Every
-schedule also takes ``FLAGS`` (a lone call's graph, one kernel: the server's check
-of the rows' scales written to ``flags_ptr`` at each row's stored place by the
-first column tile's programs; the decode kernels load the scales for it before
-their K loop, the persistent ones check the scales their K loop loads anyway).
-The decode kernels take ``GROUP_TILES_M`` (row tiles walked side by side per
-weight tile: only the programs' order).
+``out[map[r]]``: the callers' order). Neither changes a value computed. The
+decode kernels also take ``FLAGS`` (a lone call's graph: the server's check of
+the rows' scales written to ``flags_ptr`` at each row's stored place, by the
+first column tile's programs, before their K loop) and ``GROUP_TILES_M`` (row
+tiles walked side by side per weight tile: only the programs' order).
 """
 
 from __future__ import annotations
@@ -321,13 +319,6 @@ def scale_flags(scale):
 
 
 @triton.jit
-def _bad_scales(sx):
-    """1 where an activation scale is not finite and > 0, else 0 (int32), elementwise: the
-    persistent tiles' form of :func:`scale_flags`, accumulated over the K loop's scale loads."""
-    return (~((sx > 0.0) & (sx <= 3.4028234663852886e38))).to(tl.int32)
-
-
-@triton.jit
 def _row_flags(xs_base, rows, rows_in, row_stop, map_ptr, stride_map, flags_ptr, stride_xsm, tile_n, split, K,
                BLOCK_K: tl.constexpr, KB_POW2: tl.constexpr, ROW_MAP: tl.constexpr):
     """The server's check of the tile's rows (``FLAGS``: a lone call's graph, one kernel):
@@ -530,12 +521,12 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
 
 
 @triton.jit
-def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, flags_ptr,
+def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
                          M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
                          stride_map,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
                          GROUP_TILES_M: tl.constexpr, ADDRS: tl.constexpr,
-                         X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr, FLAGS: tl.constexpr = False):
+                         X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr):
     """Persistent warp-specialised prefill: one program per SM walks the tiles ``pid, pid + programs, ...``.
 
     The tile loop is the warp-specialised loop: the TMA producer runs ahead
@@ -579,7 +570,6 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map
         keep = (rows < row_stop) & valid
         dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        bad = tl.zeros((BLOCK_M,), dtype=tl.int32)
         for kp in range((num_k + 1) // 2):
             kb = 2 * kp
             step = tl.minimum(1, num_k - 1 - kb)  # 0 on an odd last block
@@ -587,12 +577,9 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map
             w0 = w_desc.load([w_row, kb * BLOCK_K])
             x1 = x_desc.load([tma_row, (kb + step) * BLOCK_K])
             w1 = w_desc.load([w_row, (kb + step) * BLOCK_K])
-            sx0 = tl.load(xs_ptrs + kb)
-            sx1 = tl.load(xs_ptrs + kb + step)
-            if FLAGS:
-                bad = bad | _bad_scales(sx0) | _bad_scales(sx1)
-            s0 = sx0 * tl.load(ws_ptrs + kb * stride_wsk)
-            s1 = sx1 * (tl.load(ws_ptrs + (kb + step) * stride_wsk) * step.to(tl.float32))
+            s0 = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
+            s1 = tl.load(xs_ptrs + kb + step) * (tl.load(ws_ptrs + (kb + step) * stride_wsk)
+                                                 * step.to(tl.float32))
             part0 = tl.dot(x0, tl.trans(w0))
             part1 = tl.dot(x1, tl.trans(w1))
             acc += part0 * s0[:, None]
@@ -600,8 +587,6 @@ def persistent_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
-        if FLAGS:  # the rows' check (a lone call's graph): the first column tile's, each row once
-            tl.store(flags_ptr + dest, (bad * 2).to(tl.int8), mask=keep & (tile_n == 0))
 
 
 @triton.jit
@@ -653,12 +638,12 @@ def _find_tile(table_ptr, t, num_n, BLOCK_M: tl.constexpr, G_POW2: tl.constexpr,
 
 
 @triton.jit
-def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr, flags_ptr,
+def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
                           M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk,
                           stride_om, stride_map,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           G_POW2: tl.constexpr, GROUP_TILES_M: tl.constexpr, ADDRS: tl.constexpr,
-                          X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr, FLAGS: tl.constexpr = False):
+                          X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr):
     """Persistent TMA prefill for many experts: the programs walk exactly the real tiles.
 
     Each program first writes its own tile table (``work_ptr``: 3 x G_POW2
@@ -696,21 +681,15 @@ def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
         ws_ptrs = ws_base + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
         keep = rows < row_stop
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        bad = tl.zeros((BLOCK_M,), dtype=tl.int32)
         for kb in range(num_kb):
             x = x_desc.load([first_row, kb * BLOCK_K])
             w = w_desc.load([w_row, kb * BLOCK_K])
-            sx = tl.load(xs_ptrs + kb)
-            if FLAGS:
-                bad = bad | _bad_scales(sx)
-            s = sx * tl.load(ws_ptrs + kb * stride_wsk)
+            s = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
             acc += tl.dot(x, tl.trans(w)) * s[:, None]
         dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
-        if FLAGS:  # the rows' check (a lone call's graph): the first column tile's, each row once
-            tl.store(flags_ptr + dest, (bad * 2).to(tl.int8), mask=keep & (tile_n == 0))
 
 SCHEDULES = {
     "decode": decode_kernel,

@@ -399,7 +399,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
     words) instead of ``xq``'s and ``x_scale``'s (which still give M, K and the
     strides); ``out_rows``: int64 ``[M]`` (any stride), row r stored at
     ``out[out_rows[r]]``; ``flags``: int8, the rows' scale check written where each row
-    is stored (:func:`run_addressed`; on a persistent tile only in place). Nothing is launched:
+    is stored (the decode tiles only: :func:`run_addressed`). Nothing is launched:
     ``bench/bench_kernels.py`` compiles the plans of a run ahead with ``kernel.warmup``.
     """
     m, k = xq.shape
@@ -416,37 +416,32 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
               "ADDRS": addrs, "X_WORDS": x_words is not None, "ROW_MAP": out_rows is not None,
               "G_POW2": g_pow2, "num_warps": config.num_warps, "num_stages": config.num_stages}
     extra = ()
-    if flags is not None and out_rows is not None and not config.swap_ab:
-        # The staging tile's consumers write the flags where the rows are (the row map is its
-        # store warps'); a lone prefill call's graph stores in place.
-        raise ValueError(f"the rows' check inside {config.schedule} needs the in-place store (no out_rows)")
-    flags_arg = m_sizes if flags is None else flags  # m_sizes: a pointer FLAGS=False never reads
+    if flags is not None and not config.swap_ab:
+        raise ValueError(f"the rows' check runs inside the decode tiles only, not {config.schedule}")
     if config.swap_ab:
         split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
         parts = counts = None
         if split_k > 1:
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
                                              config.block_m * config.block_n)
-        extra = (parts, counts, flags_arg)
+        extra = (parts, counts, m_sizes if flags is None else flags)  # m_sizes: a pointer FLAGS=False never reads
         # CHUNK only shapes the preloaded loop: the plain one gets one value, so one kernel.
         consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
                       CHUNK=scale_chunk(config, k) if config.preload else 16, GROUP_TILES_M=config.group_tiles_m,
                       FLAGS=flags is not None, KB_POW2=_next_pow2(k // _SCALE_BLOCK) if flags is not None else 1)
     elif config.schedule == "persistent_ws":
-        extra = (flags_arg,)
-        consts.update(GROUP_TILES_M=config.group_tiles_m, FLAGS=flags is not None)
+        consts.update(GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule == "persistent_tma":
-        extra = (_tile_tables(xq.device, grid[0], g_pow2), flags_arg)
-        consts.update(GROUP_TILES_M=config.group_tiles_m, FLAGS=flags is not None)
+        extra = (_tile_tables(xq.device, grid[0], g_pow2),)
+        consts.update(GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule in GLUON_SCHEDULES:
         # The ring depth is the kernel's STAGES; the launch option caps the registers each of the
         # 12 warps starts with (setmaxnreg then moves them from the producer to the consumers).
-        extra = (_tile_tables(xq.device, grid[0], g_pow2), flags_arg)
+        extra = (_tile_tables(xq.device, grid[0], g_pow2),)
         del consts["num_stages"]
-        consts.update(GROUP_TILES_M=config.group_tiles_m, STAGES=config.num_stages, maxnreg=_GLUON_MAXNREG,
-                      FLAGS=flags is not None)
+        consts.update(GROUP_TILES_M=config.group_tiles_m, STAGES=config.num_stages, maxnreg=_GLUON_MAXNREG)
     else:
-        raise ValueError(f"unknown schedule {config.schedule}")
+        consts.update(GROUP_TILES_M=config.group_tiles_m)
     x_arg = xq if x_words is None else x_words
     xs_arg = x_scale if x_words is None else x_words
     map_arg = m_sizes if out_rows is None else out_rows
@@ -517,11 +512,11 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
 
     Neither changes what is computed: the output values are the same bits.
 
-    - ``flags``: int8 ``[M]`` on the device: the launch also writes each row's check of
+    - ``flags``: int8 ``[M]`` on the device, only where the tile is not persistent
+      (:func:`persistent`: the decode tiles): the launch also writes each row's check of
       its scales (2 where one is not finite and > 0, else 0: the server's ``bad_rows`` of
       fp8 rows) at the row's stored place, so a lone call's graph is one kernel. Rows in
-      no group get no flag. On a persistent tile (:func:`persistent`: prefill) only with
-      the rows stored in place (no ``out_rows``), as a lone prefill call's graph stores them.
+      no group get no flag.
     """
     if addresses.dtype != torch.int64 or addresses.numel() < 2 or not addresses.is_contiguous():
         raise ValueError(f"addresses must be contiguous int64 words (>= 2), got {addresses.dtype} "
