@@ -27,6 +27,7 @@ device in a few large ops; a case is timed over about 10 ms of replays.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -278,8 +279,17 @@ def bound_launch(plan, kernel=None, **consts):
     launched once under a device sync, so a fault names its launch."""
     planned, grid, args, plan_consts = plan
     kernel = planned if kernel is None else kernel
-    # Another build (an older copy of the module) may not take a constexpr the plan names: it runs
-    # its own code for it. Launch options (num_warps, maxnreg) are no argument of either.
+    # Another build (an older copy of the module) may not take an argument or a constexpr the plan
+    # names (a pointer a later kernel added, e.g. ``flags_ptr``): bound by name, those are left
+    # out and it runs its own code for them. Launch options (num_warps, maxnreg) are no argument
+    # of either.
+    named = dict(zip(planned.arg_names, args))
+    given = {param.name for param in kernel.params if param.default is not inspect.Parameter.empty}
+    missing = [name for name in kernel.arg_names
+               if name not in named and name not in plan_consts and name not in consts and name not in given]
+    if missing:
+        raise ValueError(f"{kernel.fn.__name__} takes {missing}, which the plan does not give")
+    args = [named[name] for name in kernel.arg_names if name in named]
     plan_consts = {name: value for name, value in dict(plan_consts, **consts).items()
                    if name in kernel.arg_names or name not in planned.arg_names}
 
