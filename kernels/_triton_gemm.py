@@ -166,10 +166,11 @@ def _locate_tile(m_sizes_ptr, M, G, tile_m, BLOCK_M: tl.constexpr, G_POW2: tl.co
     offs_g = tl.arange(0, G_POW2)
     raw = tl.load(m_sizes_ptr + offs_g, mask=offs_g < G, other=0).to(tl.int64)
     raw = tl.minimum(tl.maximum(raw, 0), M)
-    ends, tile_end = tl.associative_scan((raw, (raw + (BLOCK_M - 1)) // BLOCK_M), 0, _add_pair)
+    tiles = (raw + (BLOCK_M - 1)) // BLOCK_M
+    ends, tile_end = tl.associative_scan((raw, tiles), 0, _add_pair)
     row_end = tl.minimum(ends, M)
     row_start = tl.minimum(ends - raw, M)
-    tile_start = tile_end - (raw + (BLOCK_M - 1)) // BLOCK_M
+    tile_start = tile_end - tiles
     # Empty groups (no tile) are never hit; past the last group's tiles nothing is.
     hit = (tile_start <= tile_m) & (tile_m < tile_end)
     first_row = row_start + (tile_m - tile_start) * BLOCK_M
