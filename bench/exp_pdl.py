@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from moegemm.kernels._triton_gemm import scale_flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk
@@ -54,8 +55,7 @@ def _scale_check_first_trigger(xs_ptr, flags_ptr, rows, KB: tl.constexpr, BLOCK_
     offs = tl.arange(0, BLOCK_S)
     inside = live[:, None] & (offs < KB)[None, :]
     scale = tl.load(xs_ptr + row[:, None] * KB + offs[None, :], mask=inside, other=1.0)
-    bad = ((scale != scale) | (scale <= 0) | (scale == float("inf"))).to(tl.int32)
-    tl.store(flags_ptr + row, (tl.max(bad, axis=1) * 2).to(tl.int8), mask=live)
+    tl.store(flags_ptr + row, scale_flags(scale).to(tl.int8), mask=live)
 
 
 def main() -> None:

@@ -144,6 +144,15 @@ class _Base:
         self._http = None
         self._pool_lock = threading.Lock()  # a parent thread may have held it at the fork
 
+    def _connect(self, transport) -> None:
+        """This client's httpx client and, for plain http:// calls, its lean lane (``_LANE``:
+        ``_lane.py``); https, proxies and custom transports stay on httpx, whose pool a fork
+        resets (:meth:`_forked`) unless the transport is the caller's."""
+        self._http = self._new_http(transport)
+        self._lane = self._LANE(self.url, self._headers) if usable(self.url, transport) else None
+        if transport is None and self._lane is None:
+            reset_at_fork(self)
+
     def _new_http(self, transport=None):
         """An httpx client (``_HTTPX``: blocking or async) for this client's calls, on
         ``transport`` or a fresh one of ``_TRANSPORT``."""
@@ -245,7 +254,7 @@ class Client(_Base):
     ``request_id=``, else one given in ``headers``, else a random one.
     """
 
-    _HTTPX, _TRANSPORT = httpx.Client, httpx.HTTPTransport
+    _HTTPX, _TRANSPORT, _LANE = httpx.Client, httpx.HTTPTransport, Lane
 
     def __init__(
         self,
@@ -263,12 +272,7 @@ class Client(_Base):
     ) -> None:
         super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline,
                          load_timeout)
-        self._http = self._new_http(transport)
-        # Plain http:// calls take the lean lane (_lane.py); https, proxies and
-        # custom transports stay on httpx.
-        self._lane = Lane(self.url, self._headers) if usable(self.url, transport) else None
-        if transport is None and self._lane is None:
-            reset_at_fork(self)
+        self._connect(transport)
 
     def _send(self, call: Call) -> Any:
         call = self._bounded(call)
@@ -432,7 +436,7 @@ class AsyncClient(_Base):
     compute, but very large uploads may want ``asyncio.to_thread``.
     """
 
-    _HTTPX, _TRANSPORT = httpx.AsyncClient, httpx.AsyncHTTPTransport
+    _HTTPX, _TRANSPORT, _LANE = httpx.AsyncClient, httpx.AsyncHTTPTransport, AsyncLane
 
     def __init__(
         self,
@@ -450,11 +454,7 @@ class AsyncClient(_Base):
     ) -> None:
         super().__init__(url, token, headers, timeout, retries, backoff, max_backoff, deadline,
                          load_timeout)
-        self._http = self._new_http(transport)
-        # Plain http:// calls take the lean lane (_lane.py), as in Client.
-        self._lane = AsyncLane(self.url, self._headers) if usable(self.url, transport) else None
-        if transport is None and self._lane is None:
-            reset_at_fork(self)
+        self._connect(transport)
 
     def _exchange(self, call: Call, args: dict[str, Any]):
         if self._lane is None:
