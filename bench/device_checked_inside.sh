@@ -20,4 +20,4 @@ timeout -k 5 ${AB_S:-80} python3 -P bench/exp_pdl.py --forms serial,inside,gemm 
   --match "seed m1024 ,Qwen3-30B-A3B w2 prefill,Qwen3-30B-A3B w13 prefill t2048,Qwen3-235B-A22B w2 prefill t2048,Mixtral-8x7B w2 decode t256,Llama-4-Maverick w2 prefill t2048,GLM-4.5 w2 prefill t2048" \
   --json "$OUT/checked_inside.json" > "$OUT/checked_inside.log" 2>&1
 echo "A/B rc=$? $(el)"; grep -E "^geomean|Error" "$OUT/checked_inside.log" | tail -8
-KERN_S=${KERN_S:-135} bash bench/device_session9.sh 2>&1 | grep -v "^WARNING: Target"
+KERN_S=${KERN_S:-135} bash bench/device_stages.sh 2>&1 | grep -v "^WARNING: Target"

@@ -1,6 +1,6 @@
 #!/bin/bash
-# The eighth and ninth sessions' device calls (the eighth's ran as device_session8.sh, these stages less
-# TILE_S and TRACE_S). Stages, each run when its time limit is set (carry .whl):
+# The staged device call (named device_session9.sh until session 32). Stages, each run when its time
+# limit is set; carry .whl/server (and .whl/mslk for the kernel bench's MSLK peer):
 #   TESTS_S  GPU tests ($TESTS, pytest-xdist workers, one file each; MARK, default "not slow") -> gpu_tests.log
 #   SPREAD_S GPU tests ($SPREAD, spread test by test over the workers: files of many kernels) -> gpu_spread.log
 #   SERV_S   bench_service.py quick points, default server ($SERV_ARGS: more options) -> service.json
