@@ -20,6 +20,7 @@ import numpy as np
 
 from ._errors import APIError, ArgumentDtype, BadMSizes, BadName, InternalError, error_for
 from ._wire import (
+    MSGPACK_TYPES,
     WireTensor,
     decode_tensor,
     encode_tensor,
@@ -30,8 +31,6 @@ from ._wire import (
     unpackb,
 )
 
-MSGPACK = "application/vnd.msgpack"
-_MSGPACK_TYPES = (MSGPACK, "application/msgpack", "application/x-msgpack")
 # SPEC 2.1's names, and an expert set's matrices' (its name, up to 128 characters, then .w13 / .w2).
 _SET_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _NAME = re.compile(_SET_NAME.pattern + r"(\.w13|\.w2)?")  # a set's name, or its matrix's
@@ -278,7 +277,7 @@ def read_answer(call: Call, response: httpx.Response, request_id: str) -> Any:
         if call.expect == "json":
             return response.json()
         media = response.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media not in _MSGPACK_TYPES:
+        if media not in MSGPACK_TYPES:
             raise ValueError(f"content type {media!r} is not msgpack")
         out = decode_out(response.content)
         if out.dtype != "bfloat16" or len(out.shape) != 2 or (

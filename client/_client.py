@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ._calls import (
-    MSGPACK,
     Call,
     budget,
     expert_list,
@@ -39,6 +38,7 @@ from ._calls import (
 )
 from ._errors import DeadlineExceeded, MoegemmError, TransportError, Unavailable
 from ._lane import AsyncLane, Lane, reset_at_fork, usable
+from ._wire import MSGPACK
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
     from typing_extensions import Self

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from moegemm.client._wire import bin_header, packb, unpack_in_place, unpackb
+from moegemm.client._wire import MSGPACK, bin_header, packb, unpack_in_place, unpackb
 from starlette.responses import Response
 
 from ._tensors import WIRE_NAMES
-
-MSGPACK = "application/vnd.msgpack"
 
 # Below this, msgpack's C decoder (which copies bins) is faster than walking
 # the body in Python: a 7 KB call decodes in ~7 us instead of ~35 us, and its

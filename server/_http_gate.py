@@ -25,8 +25,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
-MSGPACK_TYPES = frozenset({"application/vnd.msgpack", "application/msgpack",
-                           "application/x-msgpack"})  # as routes.MSGPACK_TYPES
+from moegemm.client._wire import MSGPACK, MSGPACK_TYPES
+
 # Bodies sent here are msgpack maps (SPEC 2.1): the media type is judged from the head.
 _MSGPACK_PREFIXES = ("/v1/weights/", "/v1/experts/")
 
@@ -66,6 +66,15 @@ def unauthorized(message: str) -> Refusal:
 
 def too_large(message: str) -> Refusal:
     return Refusal(413, "too_large", message)
+
+
+def media_problem(media: str) -> str | None:
+    """What is wrong with a body's media type (lower-cased, without parameters), if it is
+    not msgpack's (SPEC 2): the 415's message."""
+    if media in MSGPACK_TYPES:
+        return None
+    others = ", ".join(sorted(MSGPACK_TYPES - {MSGPACK}))
+    return f"send the body as {MSGPACK} (or {others}), got {media[:100] or 'none'!r}"
 
 
 def unsupported_media_type(message: str) -> Refusal:
@@ -150,10 +159,9 @@ def judge(limits: HttpLimits, method: str, path: str, headers: list[tuple[bytes,
         return unauthorized("send 'Authorization: Bearer <token>' with this server's token")
     if method in ("POST", "PUT") and path.startswith(_MSGPACK_PREFIXES):
         media = (content_type or b"").partition(b";")[0].strip().lower().decode("latin-1")
-        if media not in MSGPACK_TYPES:
-            return unsupported_media_type(
-                f"send the body as application/vnd.msgpack (or application/msgpack), "
-                f"got {media[:100] or 'none'!r}")
+        problem = media_problem(media)
+        if problem:
+            return unsupported_media_type(problem)
     limit = limits.max_body_bytes
     if size is not None and size > limit:
         return too_large(f"the body is {size} bytes; this server takes at most {limit}")

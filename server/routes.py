@@ -34,6 +34,7 @@ from starlette.convertors import Convertor, register_url_convertor
 import moegemm
 
 from ._body import PartsResponse, array_body_parts, unpack_body
+from ._http_gate import media_problem
 from ._request import decode_gemm, field_problem, gemm_call
 from ._tensors import WIRE_NAMES, to_torch
 from .config import Settings
@@ -41,9 +42,6 @@ from .engine import Engine
 from .experts import check_gemm_name
 from .metrics import Metrics
 from .store import WeightSet, WeightStore, check_name
-
-MSGPACK = "application/vnd.msgpack"
-MSGPACK_TYPES = frozenset({MSGPACK, "application/msgpack", "application/x-msgpack"})
 
 # A relative deadline in milliseconds: a call still queued when it passes answers 504
 # timeout then, instead of running (and its place in the queue is free again).
@@ -147,11 +145,9 @@ async def require_ready(request: Request) -> None:
 
 def check_body_head(content_type: str | None, content_length: str | None, limit: int) -> None:
     """A msgpack media type, and a declared length within ``limit``."""
-    media = (content_type or "").partition(";")[0].strip().lower()
-    if media not in MSGPACK_TYPES:
-        raise UnsupportedMediaType(
-            f"send the body as {MSGPACK} (or application/msgpack), got {media or 'none'!r}"
-        )
+    problem = media_problem((content_type or "").partition(";")[0].strip().lower())
+    if problem:
+        raise UnsupportedMediaType(problem)
     if content_length is not None and content_length.isdigit() and int(content_length) > limit:
         raise TooLarge(f"the body is {content_length} bytes; this server takes at most {limit}")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -314,7 +315,7 @@ class WeightStore:
             w_scale = None
             if w_scale_key is not None:
                 w_scale = read_tensor(handle, entries[w_scale_key], data_start, w_scale_key)
-            log.info("loading %r from %s (%s %s)", name, path, WIRE_NAMES[dtype], list(shape))
+            log.info("loading %r from %r (%s %s)", name, path, WIRE_NAMES[dtype], list(shape))
             source = _FileGroups(handle.fileno(), data_start + w_entry["data_offsets"][0])
             return self._assemble(name, shape, dtype, source, w_scale)
 
@@ -417,9 +418,7 @@ class WeightStore:
             scale_dev = w_scale.to(dev, non_blocking=on_gpu)
             if as_is:
                 scales.copy_(scale_dev)
-        step = max(1, G // 10)
-        # Progress of sets of a GiB or more is worth an operator's attention.
-        level = logging.INFO if G * N * K >= 1 << 30 else logging.DEBUG
+        progress = _Progress(name, G, dev, large=G * N * K >= 1 << 30)
         upload = PacedUpload(dev)
         try:
             reading = source.start(*chunks[0], group_bytes, staging[0])
@@ -444,8 +443,7 @@ class WeightStore:
                     q, s = _quantize_groups(chunk, fp8)
                     wq[g0:g1].copy_(q)
                     scales[g0:g1].copy_(s)
-                if (g1 // step) != (g0 // step) or g1 == G:
-                    log.log(level, "%r: %d/%d groups on %s", name, g1, G, dev)
+                progress.sent(g0, g1)
         finally:
             upload.close()
         first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else None  # the one sync
@@ -458,6 +456,30 @@ class WeightStore:
         return wq, scales
 
 
+class _Progress:
+    """A load's progress in the log (SPEC 2.1): each tenth of the groups at INFO for a set
+    of 2^30 elements or more (DEBUG below), and at INFO whenever ``_PROGRESS_S`` passed
+    since the load's last line, so a slow load of any size is never silent."""
+
+    def __init__(self, name: str, G: int, device, large: bool) -> None:
+        self.name, self.G, self.device = name, G, device
+        self.step = max(1, G // 10)
+        self.level = logging.INFO if large else logging.DEBUG
+        self.last = time.monotonic()
+
+    def sent(self, g0: int, g1: int) -> None:
+        """Groups ``g0:g1`` are on their way to the device."""
+        now = time.monotonic()
+        tenth = (g1 // self.step) != (g0 // self.step) or g1 == self.G
+        level = logging.INFO if now - self.last >= _PROGRESS_S else self.level if tenth else None
+        if level is not None and log.isEnabledFor(level):
+            log.log(level, "%r: %d/%d groups on %s", self.name, g1, self.G, self.device)
+            if level == logging.INFO:
+                self.last = now
+
+
+# Seconds a load may go without a progress line in the log.
+_PROGRESS_S = 2.0
 # Bytes read and copied per step of a load (two such page-locked buffers per load).
 _CHUNK_BYTES = 64 << 20
 # Threads reading one chunk of a file at once (each a slice; page-cache copies

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -48,6 +49,22 @@ def test_fp8_file(server, files):
     out = out_of(server.gemm("from-file", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
                                            "m_sizes": wire(p.m_sizes)}))
     assert close_to(out, reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes))
+
+
+def test_a_file_load_logs_the_callers_file_and_its_progress(server, files, caplog, monkeypatch):
+    """SPEC 2.1: "Loading logs its progress". A slow load of any size logs a line at INFO at
+    least every ``_PROGRESS_S`` (here 0: at every chunk), and names the file as the caller
+    did, not the descriptor the server reads it through."""
+    from moegemm.server import store
+
+    monkeypatch.setattr(store, "_PROGRESS_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="moegemm.server.store"):
+        r = server.put("logged", {"file": "sub/fp8.safetensors", "w": "w", "w_scale": "s"})
+    assert r.status_code in (200, 201), r.text
+    lines = [r.getMessage() for r in caplog.records if r.name == "moegemm.server.store"]
+    assert any(line.startswith("loading 'logged' from 'sub/fp8.safetensors'") for line in lines), lines
+    assert not any("/proc/self/fd" in line for line in lines), lines
+    assert f"'logged': {G}/{G} groups on cpu" in lines, lines
 
 
 def test_fnuz_file_answers_as_the_same_tensors_sent_in_the_body(server, files):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from moegemm.client._wire import MSGPACK_TYPES
 from moegemm.server import Settings
-from moegemm.server._http_gate import HttpLimits, error_bytes, judge, overloaded
+from moegemm.server._http_gate import HttpLimits, error_bytes, judge, media_problem, overloaded
 
 MSGPACK = (b"content-type", b"application/vnd.msgpack")
 
@@ -62,3 +63,12 @@ def test_error_bytes():
             b"content-length: %d" % len(body)} <= set(lines)
     assert json.loads(body) == {"error": {"code": "overloaded", "message": "full"}}
     assert error_bytes(overloaded("full"), head_only=True, request_id="r1") == head + b"\r\n\r\n"
+
+
+def test_the_415_names_every_type_taken_as_msgpack():
+    """SPEC 2: three media types are msgpack; a refusal names each (both transports word it
+    through ``media_problem``)."""
+    assert all(media_problem(t) is None for t in MSGPACK_TYPES)
+    problem = media_problem("application/json")
+    assert all(t in problem for t in MSGPACK_TYPES) and "'application/json'" in problem
+    assert media_problem("").endswith("got 'none'")
