@@ -177,6 +177,24 @@ def test_an_e4m3fnuz_checkpoint_loads_with_its_scales(srv):
     assert srv.http.delete("/v1/experts/nuz").status_code == 204
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_fp8_scales_stored_in_another_dtype_are_refused_naming_them(srv, dtype):
+    """SPEC 5.3: an fp8 weight's ``weight_scale_inv`` is float32; 2.2 answers other fp8 scales
+    400 ``bad_dtype``, as the upload of the same scales is (and nothing is loaded)."""
+    from safetensors.torch import load_file
+
+    root = srv.weights_dir / f"scales-{str(dtype)[6:]}"
+    write_checkpoint(root, "deepseek", FP8, layers=(0,), sharded=False)
+    tensors = load_file(str(root / "model.safetensors"))
+    key = "model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"
+    tensors[key] = tensors[key].to(dtype)
+    save_file(tensors, str(root / "model.safetensors"))
+    r = put_experts(srv.http, "scales", {"checkpoint": root.name, "layer": 0})
+    assert_error(r, 400, "bad_dtype")
+    assert key in r.json()["error"]["message"]
+    assert "scales" not in {e["name"] for e in srv.http.get("/v1/experts").json()["experts"]}
+
+
 def _rewrite(root: Path, drop: str | None = None, remap: tuple[str, str] | None = None) -> None:
     """Edit a sharded checkpoint: drop tensor ``drop`` from its shard and the index, or
     point the index's entry ``remap[0]`` at file ``remap[1]``."""
