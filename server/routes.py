@@ -346,10 +346,17 @@ async def list_weights(svc: ServicesDep) -> dict:
     return {"weights": [ws.describe() for ws in svc.store.list()]}
 
 
+def _plain_name(svc: Services, name: str) -> None:
+    """A name PUT or DELETE may change: an expert set's matrix is refused as such first (its
+    name may run past 128 characters, SPEC 5), then anything outside SPEC 2.1's names."""
+    svc.store.refuse_owned(name)
+    check_name(name)
+
+
 @weights_admin.put("/weights/{name:weightset}")
 async def put_weights(name: str, request: Request, svc: ServicesDep):
     """Load or replace a weight set, from tensors in the body or from a file (201/200)."""
-    check_name(name)
+    _plain_name(svc, name)
     body = await read_msgpack(request, svc.settings.max_body_bytes)
     if "file" in body:
         check_fields(body, {"file", "w"}, {"w_scale"})
@@ -372,7 +379,7 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
 @weights_admin.delete("/weights/{name:weightset}", status_code=204)
 async def delete_weights(name: str, svc: ServicesDep) -> Response:
     """Unload a weight set."""
-    check_name(name)
+    _plain_name(svc, name)
     old = svc.store.delete(name)
     svc.engine.forget(old)  # its graphs' table entries only: never the calls' path
     return Response(status_code=204)

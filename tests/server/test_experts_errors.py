@@ -175,6 +175,12 @@ def test_a_128_character_expert_set_and_its_matrices_are_served(srv):
     for other in ("y" * 129, "y" * 129 + ".w3", "a b.w13"):
         r = srv.http.post(f"/v1/weights/{other}/gemm", content=packb(gemm), headers=MSGPACK)
         assert_error(r, 400, "bad_name")
+    # Changed through /v1/weights, they are refused as the expert set's, not as too long.
+    for r in (srv.http.put(f"/v1/weights/{name}.w13", content=packb({"w": gemm["x"]}),
+                           headers=MSGPACK), srv.http.delete(f"/v1/weights/{name}.w2")):
+        assert_error(r, 400, "bad_name")
+        assert f"belongs to expert set {name!r}" in r.json()["error"]["message"]
+    assert {name + ".w13", name + ".w2"} <= {w["name"] for w in srv.http.get("/v1/weights").json()["weights"]}
     assert srv.http.delete("/v1/experts/" + name).status_code == 204
 
 
