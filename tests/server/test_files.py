@@ -61,7 +61,7 @@ def test_a_file_load_logs_the_callers_file_and_its_progress(server, files, caplo
     with caplog.at_level(logging.INFO, logger="moegemm.server.store"):
         r = server.put("logged", {"file": "sub/fp8.safetensors", "w": "w", "w_scale": "s"})
     assert r.status_code in (200, 201), r.text
-    lines = [r.getMessage() for r in caplog.records if r.name == "moegemm.server.store"]
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "moegemm.server.store"]
     assert any(line.startswith("loading 'logged' from 'sub/fp8.safetensors'") for line in lines), lines
     assert not any("/proc/self/fd" in line for line in lines), lines
     assert f"'logged': {G}/{G} groups on cpu" in lines, lines
