@@ -121,7 +121,9 @@ def fn_to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torc
     """Re-encode e4m3fn data as e4m3fnuz, exactly (SPEC 1.2).
 
     The bits are kept (an fnuz pattern is worth half the fn one), the scales
-    doubled, and 0x80 (-0 in fn, NaN in fnuz) becomes 0x00. Returns new tensors.
+    doubled, 0x80 (-0 in fn, NaN in fnuz) becomes 0x00, and fn's NaN (0x7F, 0xFF:
+    +-240 in fnuz, had their bits been kept) becomes fnuz's NaN, 0x80: a NaN stays
+    one, as ``fnuz_to_fn`` keeps it. Returns new tensors.
 
     A scale over float32's largest / 2 cannot double: its block keeps the scale and
     its codes are re-encoded at the same value instead, exact up to fnuz's 240 (a
@@ -131,11 +133,12 @@ def fn_to_fnuz(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torc
     """
     if q.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fn_to_fnuz expects torch.float8_e4m3fn data, got {q.dtype}")
-    bits = q.view(torch.uint8)
-    bits = torch.where(bits == 0x80, torch.zeros_like(bits), bits)
+    fn_bits = q.view(torch.uint8)
+    bits = torch.where(fn_bits == 0x80, torch.zeros_like(fn_bits), fn_bits)
     doubled = scale * 2
     kept = torch.isinf(doubled) & torch.isfinite(scale)
     bits = torch.where(_per_element(kept, q.shape), _fnuz_of_the_same_value(bits), bits)
+    bits = torch.where((fn_bits & 0x7F) == 0x7F, torch.full_like(bits, 0x80), bits)
     return bits.view(torch.float8_e4m3fnuz), torch.where(kept, scale, doubled)
 
 
@@ -143,7 +146,8 @@ def _fnuz_of_the_same_value(bits: torch.Tensor) -> torch.Tensor:
     """fn bit patterns (0x80 already 0x00) as the fnuz patterns of the same values, in
     uint8 arithmetic (no float copy of the data): a normal's exponent field one higher
     (fnuz's bias is 8, fn's 7), a subnormal's mantissa doubled into the low exponent bit,
-    and fn's top binade (256-448, and its NaN) saturated to fnuz's largest, 240 (0x7F)."""
+    and fn's top binade (256-448) saturated to fnuz's largest, 240 (0x7F); fn's NaN is
+    made fnuz's by the caller."""
     low = bits & 0x7F
     value = torch.where(low < 0x08, low * 2, low + 0x08)
     value = torch.where(low >= 0x78, torch.full_like(low, 0x7F), value)

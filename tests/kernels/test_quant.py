@@ -94,6 +94,7 @@ def test_fn_to_fnuz_keeps_bits_and_value_on_every_byte():
     assert q2.dtype == torch.float8_e4m3fnuz
     expected_bits = ALL_BYTES.clone()
     expected_bits[0x80] = 0
+    expected_bits[0x7F] = expected_bits[0xFF] = 0x80  # fn's NaN, as fnuz's (not +-240)
     assert torch.equal(q2.view(torch.uint8), expected_bits)
     assert torch.equal(scale2, scale * 2)
     before = q.double() * scale.double()
@@ -101,7 +102,7 @@ def test_fn_to_fnuz_keeps_bits_and_value_on_every_byte():
     finite = ~before.isnan()  # 0x7F / 0xFF are NaN in fn
     assert int(finite.sum()) == 254
     assert torch.equal(before[finite], after[finite])
-    assert not after.isnan().any()  # 0x80 (-0 in fn) did not become fnuz's NaN
+    assert torch.equal(after.isnan(), ~finite)  # 0x80 (-0 in fn) did not become a NaN; NaN stays
 
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -141,6 +142,7 @@ def test_fn_to_fnuz_keeps_the_value_where_a_scale_cannot_double(layout):
     after = q2.double() * spread2.double()
     assert torch.equal(before[fits], after[fits])  # every block, doubled or kept
     assert not q2.double()[finite].isnan().any()
+    assert q2.double()[~finite].isnan().all()  # fn's NaN, kept block or doubled, is fnuz's
     big = finite & ~fits
     assert torch.equal(q2.double()[big].abs(), torch.where(
         (spread[big] * 2).isinf(), 240.0, value[big].abs() / 2))  # kept blocks saturate there
