@@ -27,7 +27,7 @@ costs shared with the GPU path. (This box runs Python 3.11: a request's task
 starts in the loop's next turn, where the H200's 3.12 starts it eagerly.)
 
 ``--in-process`` times the same code without sockets, each checkout in its own
-process, rounds alternating: the gemm handler (``DirectGemm``, inline, stub
+process, rounds alternating: the gemm handler (``DirectCalls``, inline, stub
 executor), the transport (``_Connection`` with a canned direct route) and the
 executor's graph path (the GPU's; driver copies and replay stubbed). Far less
 noise than the loopback figures on this shared 2-core box.
@@ -112,7 +112,7 @@ def _install_stamps(out: str) -> None:
     sync(conn, "buffer_updated", "read", first=True)
     sync(conn, "_begin_request", "head parsed")
     sync(conn, "_dispatch", "body in")
-    coro(_direct.DirectGemm, "__call__", "handler", "handler done")
+    coro(_direct.DirectCalls, "__call__", "handler", "handler done")
     routes_run = routes.run_gemm
 
     async def run_gemm(*a, **kw):
@@ -200,7 +200,7 @@ def serve_inline(argv: list[str], profile_out: str | None, stub: bool,
         # happens before it, so the profile holds the calls and little else.
         from moegemm.server import _direct
 
-        call = _direct.DirectGemm.__call__
+        call = _direct.DirectCalls.__call__
 
         async def first(self, *a, **kw):
             if not getattr(profile, "on", False):
@@ -208,7 +208,7 @@ def serve_inline(argv: list[str], profile_out: str | None, stub: bool,
                 profile.enable()
             return await call(self, *a, **kw)
 
-        _direct.DirectGemm.__call__ = first
+        _direct.DirectCalls.__call__ = first
     from moegemm.server.cli import main
 
     return main(argv)
@@ -425,11 +425,11 @@ def _calls(m: int, rng):
 
 
 async def _handler_us(m: int, calls: int) -> float:
-    """Microseconds per ``DirectGemm`` call (the gemm handler: headers, budget, admission,
+    """Microseconds per ``DirectCalls`` call (the gemm handler: headers, budget, admission,
     decode, validation, ``Engine.submit`` inline, the answer's parts, metrics), stub
     executor, in this process's ``moegemm``."""
     from moegemm.client._wire import encode_tensor, packb
-    from moegemm.server._direct import DirectGemm
+    from moegemm.server._direct import DirectCalls
     from moegemm.server.app import create_app
     from moegemm.server.config import Settings
 
@@ -441,7 +441,7 @@ async def _handler_us(m: int, calls: int) -> float:
         svc = app.state.services
         while not svc.ready:
             await asyncio.sleep(0.05)
-        direct = DirectGemm(app)
+        direct = DirectCalls(app)
         direct.in_progress = lambda: 1  # the lone request: inline, as on a GPU
         x, sizes, scale = _calls(m, np.random.default_rng(0))
         body = memoryview(packb({"x": encode_tensor(x), "x_scale": encode_tensor(scale),
@@ -493,11 +493,11 @@ async def _transport_us(calls: int) -> float:
     """Microseconds per request through the fast transport's ``_Connection`` (head parse,
     gate, body, dispatch to a direct route answering canned bytes, answer, next),
     in this process's ``moegemm``."""
-    from moegemm.server._direct import DirectGemm
+    from moegemm.server._direct import DirectCalls
     from moegemm.server._http import FastHttpServer, _Connection
 
     class Canned:
-        match = staticmethod(DirectGemm.match)
+        match = staticmethod(DirectCalls.match)
 
         async def __call__(self, route, headers, body):
             return 200, (b"content-type: application/vnd.msgpack\r\ncontent-length: 10\r\n"

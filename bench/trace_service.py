@@ -104,7 +104,7 @@ def _install_stamps() -> None:
     def stamp_sync(cls, attr, key):
         setattr(cls, attr, _timed(getattr(cls, attr), key))
 
-    stamp_async(_direct.DirectGemm, "__call__", "handler")
+    stamp_async(_direct.DirectCalls, "__call__", "handler")
     stamp_async(engine.Engine, "submit", "gemm")
     stamp_sync(_executor.Executor, "run", "executor")
     # The expert calls' path (--experts): the same segments, their own steps.

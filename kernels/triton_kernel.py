@@ -118,7 +118,7 @@ class TileConfig:
                 and self.num_warps == self.block_m // 16 and self.per_sm in (1, 2) and g <= TABLE_G_MAX)
 
     def key(self) -> str:
-        """A short stable name, used in the autotune cache and benchmarks."""
+        """A short stable name: the merge key's tile (``tile_key``) and the benchmarks' label."""
         extra = (f"_sk{self.split_k}" if self.split_k > 1 else "") + ("_ef" if self.evict_w else "") + (
             f"_p{self.per_sm}" if self.per_sm != 1 else "") + ("_pre" if self.preload else "")
         return (f"{self.schedule}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"

@@ -7,7 +7,7 @@ I/O and per-call Python (``bench/SERVICE_NOTES.md``). With
 processes that bind it too, so the kernel spreads connections over N+1
 processes. An acceptor parses HTTP with the same transport (``_http.py``) and
 forwards every request it reads to the owner over a private Unix socket; the
-owner answers it with its own ``DirectGemm`` or app, exactly as if it had read
+owner answers it with its own ``DirectCalls`` or app, exactly as if it had read
 the request itself, and the acceptor writes the answer. Acceptors import no
 torch and never touch the device; metrics, the body budget and the engine stay
 in the owner.

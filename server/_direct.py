@@ -1,11 +1,12 @@
-"""The gemm endpoint served by the fast transport without the ASGI stack.
+"""The call endpoints (gemm, and an expert set's ffn and moe) served by the fast
+transport without the ASGI stack.
 
-``POST /v1/weights/{name}/gemm`` is the only hot path of the service, and on
-the request path Starlette and FastAPI cost more than everything else on the
-host: measured on this repo's CPU box with the kernel replaced by a no-op, the
+``POST /v1/weights/{name}/gemm`` and ``POST /v1/experts/{name}/{ffn,moe}`` are the
+service's hot paths, and on the request path Starlette and FastAPI cost more than
+everything else on the host: measured on this repo's CPU box with the kernel replaced by a no-op, the
 middleware, routing and dependency machinery took ~40 % of the server's time
 per call (py-spy, ``bench/SERVICE_NOTES.md``, v2). The fast transport
-(``_http.py``) therefore hands this one route to :class:`DirectGemm`, which
+(``_http.py``) therefore hands these routes to :class:`DirectCalls`, which
 does, in the same order and with the same helpers, what the ASGI path does:
 
 1. the request context: ``X-Request-Id`` (echoed or made), the request and
@@ -20,7 +21,7 @@ Errors become the same SPEC 2.2 JSON as ``app.error_response`` makes (it is
 used for the bytes); anything unexpected is logged and answered 500. The
 contract does not change with the transport: the whole API and error suites
 run against both (``tests/server/test_http_transport.py``). uvicorn (the
-tests' and the benchmarks' peer) serves this route through FastAPI.
+tests' and the benchmarks' peer) serves these routes through FastAPI.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ _MSGPACK = MSGPACK.encode()
 Headers = list[tuple[bytes, bytes]]
 
 
-class DirectGemm:
-    """Serves gemm calls for the app's services straight from the transport."""
+class DirectCalls:
+    """Serves gemm, ffn and moe calls for the app's services straight from the transport."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

@@ -139,11 +139,6 @@ class Buffers:
         at = self.out_offset(rows)
         return self.result[at : at + 2 * rows * self.N].view(torch.bfloat16).view(rows, self.N)
 
-    def packed(self, launched: int, rows: int) -> torch.Tensor:
-        """The bytes holding the flags and the first ``rows`` output rows of a launch
-        over ``launched`` rows (see :func:`unpack_result`)."""
-        return self.result[: self.out_offset(launched) + 2 * rows * self.N]
-
     @property
     def m_sizes(self) -> torch.Tensor:
         """``[G]`` int64 group sizes."""
@@ -627,13 +622,6 @@ class GraphPool:
         return len(self._graphs)
 
 
-def unpack_result(host: torch.Tensor, launched: int, rows: int, N: int):
-    """``Buffers.packed`` bytes, copied to the host, as (bf16 ``[rows, N]``, int8 ``[rows]``)."""
-    at = Buffers.out_offset(launched)
-    out = host[at : at + 2 * rows * N].view(torch.bfloat16).view(rows, N)
-    return out, host[:rows].view(torch.int8)
-
-
 def table_words(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]:
     """``wq``'s and ``w_scale``'s base addresses, the words :meth:`GraphPool.fill_words`
     writes (both contiguous, as :func:`fill_addresses` requires)."""
@@ -649,11 +637,7 @@ def fill_addresses(words: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor)
     contiguous ``[G, ...]`` (the store's layout): the kernel finds group g
     ``g`` strides after the base.
     """
-    if not (wq.is_contiguous() and w_scale.is_contiguous()):
-        raise ValueError("launches by address need contiguous wq and w_scale")
-    out = words.numpy()
-    out[0] = wq.data_ptr()
-    out[1] = w_scale.data_ptr()
+    words.numpy()[:2] = table_words(wq, w_scale)
     return words
 
 

@@ -120,11 +120,11 @@ def _endpoint_of(app, method: str, path: str | None) -> str:
     own counting (``app.py``) labels it; "unmatched" for no route."""
     from starlette.routing import Match
 
-    from ._direct import DirectGemm
+    from ._direct import DirectCalls
 
     if path is None:
         return "unmatched"
-    route = DirectGemm.match(method, path)
+    route = DirectCalls.match(method, path)
     if route is not None:
         return route.endpoint
     scope = {"type": "http", "method": method, "path": path, "root_path": ""}
@@ -594,7 +594,7 @@ class _Connection(asyncio.BufferedProtocol):
     def _dispatch(self) -> None:
         self.transport.pause_reading()
         self.state = _RUN
-        self._unreserve()  # the app's budget holds it from here (BodyBudget, DirectGemm)
+        self._unreserve()  # the app's budget holds it from here (BodyBudget, DirectCalls)
         scope, direct = self.scope, self.server.direct
         name = None if direct is None else direct.match(scope["method"], scope["path"])
         body = self.body
@@ -808,7 +808,7 @@ class FastHttpServer:
         limits: HttpLimits | None = None,
     ) -> None:
         self.app = app
-        # Routes answered without the app (``_direct.DirectGemm``): an object with
+        # Routes answered without the app (``_direct.DirectCalls``): an object with
         # match(method, path) -> key | None and an async call(key, headers, body)
         # -> (status, header lines, body parts).
         self.direct = direct

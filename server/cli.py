@@ -112,7 +112,7 @@ def _serve_fast(settings: Settings) -> int:
     """The app on the fast transport; request bodies land in pinned memory on a GPU."""
     import asyncio
 
-    from ._direct import DirectGemm
+    from ._direct import DirectCalls
     from ._http import FastHttpServer, ListenError
     from .app import NoSuchDevice, create_app, resolve_device
 
@@ -128,10 +128,10 @@ def _serve_fast(settings: Settings) -> int:
 
         allocate, pin = pinned_body_allocator(), pin_host_array
     app = create_app(settings)
-    # The gemm route skips the ASGI stack on this transport (_direct.py).
+    # The call routes (gemm, ffn, moe) skip the ASGI stack on this transport (_direct.py).
     server = FastHttpServer(app, settings.host, settings.port,
                             max_body_bytes=settings.max_body_bytes, allocate=allocate,
-                            direct=DirectGemm(app), reuse_port=acceptors > 0,
+                            direct=DirectCalls(app), reuse_port=acceptors > 0,
                             grace_s=settings.shutdown_grace_s)
     if acceptors:
         # Processes beside this one on the same port, forwarding to it (_acceptors.py).

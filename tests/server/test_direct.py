@@ -1,7 +1,7 @@
 """The gemm route served without the ASGI stack answers exactly what the app answers.
 
 Two fast-transport servers on the same settings and the same (seeded) demo
-weights: one hands gemm calls to ``DirectGemm``, the other to the FastAPI
+weights: one hands gemm calls to ``DirectCalls``, the other to the FastAPI
 route. Every request below -- good calls, each error of SPEC 2.2 the route can
 give, auth, deadlines, odd framing -- goes to both with the same request id;
 status, headers and body bytes must be equal, and so must the request metrics.
@@ -19,7 +19,7 @@ import torch
 from moegemm.client._wire import encode_tensor, packb
 from moegemm.kernels import quantize_activations
 from moegemm.server import Settings, create_app
-from moegemm.server._direct import DirectGemm
+from moegemm.server._direct import DirectCalls
 from moegemm.server._http import FastHttpServer
 from server_support import _free_port, fast_server_thread
 
@@ -32,7 +32,7 @@ def _fast(direct: bool, **overrides):
     settings = Settings(device="cpu", demo=True, token=TOKEN, max_body_bytes=1 << 20,
                         max_m=64, **overrides)
     app = create_app(settings)
-    spy = _Spy(DirectGemm(app)) if direct else None
+    spy = _Spy(DirectCalls(app)) if direct else None
     port = _free_port()
     server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=settings.max_body_bytes,
                             direct=spy)
@@ -52,9 +52,9 @@ def _fast(direct: bool, **overrides):
 
 
 class _Spy:
-    """DirectGemm, counting the calls it answered."""
+    """DirectCalls, counting the calls it answered."""
 
-    def __init__(self, inner: DirectGemm) -> None:
+    def __init__(self, inner: DirectCalls) -> None:
         self.inner = inner
         self.calls = 0
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from moegemm.server import Settings, create_app
-from moegemm.server._direct import DirectGemm
+from moegemm.server._direct import DirectCalls
 from moegemm.server._http import FastHttpServer
 from server_support import Running, _free_port, fp8_problem, wire
 
@@ -39,7 +39,7 @@ def fast():
     port = _free_port()
     app = create_app(config)
     server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=config.max_body_bytes,
-                            direct=DirectGemm(app))
+                            direct=DirectCalls(app))
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(stop)),

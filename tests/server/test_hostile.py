@@ -38,7 +38,7 @@ import torch
 import uvicorn
 from moegemm.client._wire import encode_tensor, packb
 from moegemm.server import Settings, create_app
-from moegemm.server._direct import DirectGemm
+from moegemm.server._direct import DirectCalls
 from moegemm.server._http import FastHttpServer
 from server_support import _free_port
 
@@ -723,7 +723,7 @@ def _own_fast_server(**settings):
     app = create_app(config)
     port = _free_port()
     server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=config.max_body_bytes,
-                            direct=DirectGemm(app))
+                            direct=DirectCalls(app))
     loop, stop = asyncio.new_event_loop(), asyncio.Event()
     thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(stop)),
                               daemon=True)

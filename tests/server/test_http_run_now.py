@@ -7,7 +7,7 @@ import functools
 
 import pytest
 from moegemm.server._asgi import _run_now
-from moegemm.server._direct import DirectGemm
+from moegemm.server._direct import DirectCalls
 from moegemm.server._http import FastHttpServer, _Connection
 
 
@@ -63,7 +63,7 @@ def _request(n: int) -> bytes:
 class _Route:
     """A direct route answering its body back; it waits on ``gate`` first when set."""
 
-    match = staticmethod(DirectGemm.match)
+    match = staticmethod(DirectCalls.match)
 
     def __init__(self) -> None:
         self.gate: asyncio.Future | None = None

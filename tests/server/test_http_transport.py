@@ -22,7 +22,7 @@ from moegemm.client._wire import encode_tensor, packb, unpackb
 from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
 from moegemm.server import Settings, create_app
-from moegemm.server._direct import DirectGemm
+from moegemm.server._direct import DirectCalls
 from moegemm.server._http import FastHttpServer
 from server_support import MSGPACK, Running, _free_port
 from test_api import *
@@ -35,7 +35,7 @@ def fast_serve(settings: Settings) -> Iterator[Running]:
     port = _free_port()
     app = create_app(settings)
     server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=settings.max_body_bytes,
-                            direct=DirectGemm(app))
+                            direct=DirectCalls(app))
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     failed: list[BaseException] = []
