@@ -48,7 +48,7 @@ _UNKNOWN = object()  # a graph not looked up yet (None: looked up, there is none
 
 # Graph-path results smaller than this are copied out of the batch arena (which
 # the next batch reuses); larger ones land in their own page-locked buffer.
-_COPY_OUT_BELOW = 64 << 10
+COPY_OUT_BELOW = 64 << 10
 
 
 @dataclass
@@ -114,13 +114,21 @@ def chunk_sizes(m_sizes: np.ndarray, start: int, stop: int) -> np.ndarray:
     return np.clip(np.minimum(ends, stop) - np.maximum(begins, start), 0, None)
 
 
-def _view(data, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def body_view(data, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A CPU torch view of a call's wire bytes (no copy; never written)."""
-    if not shape[0]:
+    if not all(shape):
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only bodies: never written
         return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+def to_device_fp8(x: torch.Tensor, x_scale: torch.Tensor | None, fp8: torch.dtype):
+    """Rows in the device's fp8 ``fp8``: fp16/fp32 (``x_scale`` None) quantized, fp8 of the
+    other format converted (SPEC 1.1, 1.2)."""
+    if x_scale is None:
+        return quantize_activations(x, fp8)
+    return to_backend_fp8(x, x_scale, fp8)
 
 
 class Executor:
@@ -258,7 +266,7 @@ class Executor:
         staging = self.staging
         at = Buffers.out_offset(launched)
         nbytes = at + 2 * out_elems
-        small = nbytes < _COPY_OUT_BELOW
+        small = nbytes < COPY_OUT_BELOW
         host = staging.take(nbytes) if small else \
             staging.host_empty((nbytes,), torch.uint8).numpy()
         staging.dtoh(host, lane.result, lane.result_addr, nbytes)
@@ -274,11 +282,11 @@ class Executor:
         dtype = TORCH_DTYPES[calls[0].dtype]
         family = self.family(ws.G, ws.N, ws.K, calls[0].dtype)
         plan = plan_merge([c.m_sizes for c in calls])
-        x_host = self.staging.gather_rows([_view(c.x, dtype, (c.rows, ws.K)) for c in calls])
+        x_host = self.staging.gather_rows([body_view(c.x, dtype, (c.rows, ws.K)) for c in calls])
         xs_host = None
         if calls[0].x_scale is not None:
             xs_host = self.staging.gather_rows(
-                [_view(c.x_scale, torch.float32, (c.rows, ws.K // 128)) for c in calls])
+                [body_view(c.x_scale, torch.float32, (c.rows, ws.K // 128)) for c in calls])
         out_dev, flags_dev = self._general(ws, family, x_host, xs_host, plan, launches)
         out, flags = self.staging.download(out_dev, flags_dev)
         out = out.view(torch.uint8).numpy()
@@ -293,11 +301,10 @@ class Executor:
         if xs_host is not None:
             xs_dev = torch.empty(xs_host.shape, dtype=xs_host.dtype, device=self.device)
             self.staging.upload(xs_dev, xs_host)
-        # Checked before any conversion: fn -> fnuz keeps the bits, and fn's NaN
-        # patterns are valid fnuz numbers.
+        # Checked as sent, before any conversion (fp16/fp32 values, fp8 scales).
         flags_dev = bad_rows(x_dev, xs_dev)
         if not family.quantize:
-            x_dev, xs_dev = self._to_device_fp8(x_dev, xs_dev)
+            x_dev, xs_dev = to_device_fp8(x_dev, xs_dev, self.backend.fp8_dtype)
         if not plan.is_identity:  # per-expert order before chunking
             gather = torch.from_numpy(plan.gather).to(self.device, non_blocking=True)
             x_dev = x_dev.index_select(0, gather)
@@ -319,9 +326,4 @@ class Executor:
             out_dev = out_dev.index_select(0, scatter)
         return out_dev, flags_dev
 
-    def _to_device_fp8(self, x_dev, xs_dev):
-        """fp16/fp32 quantized, fp8 of the other format converted (SPEC 1.1, 1.2)."""
-        fp8 = self.backend.fp8_dtype
-        if xs_dev is None:
-            return quantize_activations(x_dev, fp8)
-        return to_backend_fp8(x_dev, xs_dev, fp8)
+

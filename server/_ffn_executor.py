@@ -32,26 +32,20 @@ quantization, the moe combine per token), so equal tiles give equal bits.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from moegemm.client._errors import BadRouting
-from moegemm.kernels import quantize_activations
 
 from ._checks import bad_rows, not_finite_error
-from ._executor import Launches, chunk_sizes
+from ._executor import COPY_OUT_BELOW, Launches, body_view, chunk_sizes, to_device_fp8
 from ._ffn import H_DTYPE
 from ._ffn_graphs import FfnBuffers, FfnGraphs, unpack
 from ._graphs import bucket_for
 from ._merge import group_order, plan_merge
 from ._staging import Staging
-from ._tensors import TORCH_DTYPES, to_backend_fp8
-
-# Results smaller than this are copied out of the batch arena (which the next batch
-# reuses); larger ones land in their own page-locked buffer.
-_COPY_OUT_BELOW = 64 << 10
+from ._tensors import TORCH_DTYPES
 
 _ROUTING = ("topk_ids must hold distinct experts per token, each in [0, G), and "
             "topk_weights finite numbers")
@@ -74,15 +68,6 @@ class _Lane:
         if bufs.family.top_k:
             self.ids, self.ids_addr = flat(bufs.ids)
             self.weights, self.weights_addr = flat(bufs.weights)
-
-
-def _view(data, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A CPU torch view of a call's wire bytes (no copy; never written)."""
-    if not all(shape):
-        return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only bodies: never written
-        return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
 class ExpertExecutor:
@@ -266,7 +251,7 @@ class ExpertExecutor:
         """The packed result on the host after the stream's work, in memory the next
         batch does not reuse."""
         st = self.staging
-        small = nbytes < _COPY_OUT_BELOW
+        small = nbytes < COPY_OUT_BELOW
         host = st.take(nbytes) if small else st.host_empty((nbytes,), torch.uint8).numpy()
         st.dtoh(host, lane.result, lane.result_addr, nbytes)
         st.wait()
@@ -278,11 +263,11 @@ class ExpertExecutor:
         """The calls' x (and scales) on the device in a dtype the graphs take, and the
         rows' flags where a conversion could hide them (else None)."""
         dtype = TORCH_DTYPES[calls[0].dtype]
-        x = self.staging.gather_rows([_view(c.x, dtype, (n, es.H))
+        x = self.staging.gather_rows([body_view(c.x, dtype, (n, es.H))
                                       for c, n in zip(calls, units)])
         xs = None
         if calls[0].x_scale is not None:
-            xs = self.staging.gather_rows([_view(c.x_scale, torch.float32, (n, es.H // 128))
+            xs = self.staging.gather_rows([body_view(c.x_scale, torch.float32, (n, es.H // 128))
                                            for c, n in zip(calls, units)])
         x = x.to(self.device, non_blocking=True)
         xs = None if xs is None else xs.to(self.device, non_blocking=True)
@@ -291,10 +276,7 @@ class ExpertExecutor:
         # fp16/fp32 are quantized, the other fp8 format converted: check first (their values,
         # or the fp8 rows' scales, as the graphs' prologue checks bf16 and fp8 rows).
         flags = bad_rows(x, xs)
-        if xs is None:
-            x, xs = quantize_activations(x, self.backend.fp8_dtype)
-        else:
-            x, xs = to_backend_fp8(x, xs, self.backend.fp8_dtype)
+        x, xs = to_device_fp8(x, xs, self.backend.fp8_dtype)
         return x, xs, flags
 
     def _general_ffn(self, es, calls, launches: Launches) -> list:
@@ -360,8 +342,8 @@ class ExpertExecutor:
         tokens = starts[-1]
         x, xs, raw = self._inputs(es, calls, [c.tokens for c in calls])
         id_dtype = torch.int64 if calls[0].ids_dtype == "int64" else torch.int32
-        ids = torch.cat([_view(c.ids, id_dtype, (c.rows,)) for c in calls])
-        weights = torch.cat([_view(c.weights, torch.float32, (c.rows,)) for c in calls])
+        ids = torch.cat([body_view(c.ids, id_dtype, (c.rows,)) for c in calls])
+        weights = torch.cat([body_view(c.weights, torch.float32, (c.rows,)) for c in calls])
         bufs = g.buffers(g.family(es, x.dtype == torch.bfloat16, k))
         out = np.empty((tokens, 2 * es.H), dtype=np.uint8)
         x_flags = np.zeros(tokens, dtype=np.int8)
