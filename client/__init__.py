@@ -10,7 +10,11 @@ the same kind. Failures raise one tree rooted at `MoegemmError`. The wire format
 lives in the private `_wire` module, which the server shares.
 """
 
-from ._client import AsyncClient, Client
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from ._errors import (
     APIError,
     ArgumentDtype,
@@ -39,7 +43,16 @@ from ._errors import (
     Unavailable,
     UnsupportedMediaType,
 )
-from ._multi import AsyncMultiClient, MultiClient
+
+if TYPE_CHECKING:
+    from ._client import AsyncClient, Client
+    from ._multi import AsyncMultiClient, MultiClient
+
+# The SDK's classes, imported at their first use: the server's processes import this package
+# for the error tree and the media types alone (an acceptor process has no use for httpx,
+# numpy's ml_dtypes or msgpack, which take it half a second to import).
+_CLASSES = {"AsyncClient": "._client", "Client": "._client",
+            "AsyncMultiClient": "._multi", "MultiClient": "._multi"}
 
 __all__ = [
     "APIError",
@@ -73,3 +86,16 @@ __all__ = [
     "Unavailable",
     "UnsupportedMediaType",
 ]
+
+
+def __getattr__(name: str):
+    module = _CLASSES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

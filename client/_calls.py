@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 
 from ._errors import APIError, ArgumentDtype, BadMSizes, BadName, InternalError, error_for
+from ._media import MSGPACK_TYPES
 from ._wire import (
-    MSGPACK_TYPES,
     WireTensor,
     decode_tensor,
     encode_tensor,

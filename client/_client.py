@@ -38,7 +38,7 @@ from ._calls import (
 )
 from ._errors import DeadlineExceeded, MoegemmError, TransportError, Unavailable
 from ._lane import AsyncLane, Lane, reset_at_fork, usable
-from ._wire import MSGPACK
+from ._media import MSGPACK
 
 if TYPE_CHECKING:  # annotations only: typing_extensions is not a runtime dependency
     from typing_extensions import Self

@@ -23,13 +23,9 @@ import numpy as np
 from ._errors import ArgumentDtype, BadDtype, BadMsgpack, BadTensor
 
 __all__ = [
-    "DTYPES", "MSGPACK", "MSGPACK_TYPES", "WireTensor", "decode_tensor", "encode_tensor",
-    "pack_parts", "pack_tensors", "packb", "tensor_head", "unpack_in_place", "unpackb",
+    "DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "pack_parts", "pack_tensors",
+    "packb", "tensor_head", "unpack_in_place", "unpackb",
 ]
-
-# SPEC 2: the media type of msgpack bodies, and every type taken as one.
-MSGPACK = "application/vnd.msgpack"
-MSGPACK_TYPES = frozenset({MSGPACK, "application/msgpack", "application/x-msgpack"})
 
 DTYPES: dict[str, np.dtype] = {
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),

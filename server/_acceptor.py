@@ -21,6 +21,8 @@ import time
 import weakref
 from collections import deque
 
+from moegemm.client._errors import Overloaded
+
 from ._acceptor_link import _fd_path, _frame, _read_frame
 from ._acceptor_shm import (
     _ARENA_BYTES,
@@ -34,7 +36,7 @@ from ._acceptor_shm import (
 )
 from ._asgi import status_line
 from ._http import _BODY, _HEAD_LIMIT, _RUN, _SCRATCH, _Connection, _error_bytes, _plain_body, sweep
-from ._http_gate import HttpLimits, overloaded
+from ._http_gate import HttpLimits
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -59,8 +61,8 @@ class _ForwardConnection(_Connection):
         if self.state == _BODY and spill is not None:
             used = self.body_used
             if used >= spill.reserved and not self._reserve(used + 1):
-                self._refuse(overloaded(
-                    "the server's shared memory (/dev/shm) is full; retry later"))
+                self._refuse(Overloaded(
+                    "the server's shared memory (/dev/shm) is full; retry later", retry_after=1))
                 return _SCRATCH
             return self.body[used:spill.reserved]
         return super().get_buffer(sizehint)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from moegemm.client._wire import MSGPACK, bin_header, packb, unpack_in_place, unpackb
+from moegemm.client._media import MSGPACK
+from moegemm.client._wire import bin_header, packb, unpack_in_place, unpackb
 from starlette.responses import Response
 
 from ._tensors import WIRE_NAMES

@@ -64,20 +64,10 @@ from urllib.parse import unquote
 
 import httptools
 import numpy as np
+from moegemm.client._errors import APIError, BadField, Overloaded, TooLarge, error_for
 
 from ._asgi import Response, _run_now, _start, leaf_routes, status_line, whole_body_receive
-from ._http_gate import (
-    HttpLimits,
-    Refusal,
-    bad_field,
-    echoed_id,
-    error_bytes,
-    internal,
-    judge,
-    overloaded,
-    request_id,
-    too_large,
-)
+from ._http_gate import HttpLimits, echoed_id, error_bytes, judge, request_id
 
 log = logging.getLogger("moegemm.server.http")
 
@@ -112,7 +102,7 @@ def _plain_body(size: int) -> memoryview:
 
 def _error_bytes(status: int, code: str, message: str) -> bytes:
     """An answer for the transport's own failures (500 ``internal``), closing."""
-    return error_bytes(internal(message) if status == 500 else Refusal(status, code, message))
+    return error_bytes(error_for(status, code, message))
 
 
 def _endpoint_of(app, method: str, path: str | None) -> str:
@@ -191,7 +181,7 @@ class _Connection(asyncio.BufferedProtocol):
             full = not _close_idlest(self.server.connections)
         self.server.connections.add(self)
         if full:
-            self._refuse(overloaded(
+            self._refuse(Overloaded(
                 f"this server holds {self.limits.max_connections} connections "
                 f"(MOEGEMM_HTTP_MAX_CONNECTIONS); retry later", retry_after=1))
             return
@@ -242,7 +232,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self.head_used >= _HEAD_LIMIT:
             # A full buffer is parsed (and a head over the limit refused) as it
             # fills; reading is paused while a request runs, so this is a guard.
-            self._refuse(too_large(f"the request head is over {_HEAD_LIMIT} bytes"))
+            self._refuse(TooLarge(f"the request head is over {_HEAD_LIMIT} bytes"))
             return _SCRATCH
         return self.head_view[self.head_used:]
 
@@ -330,7 +320,7 @@ class _Connection(asyncio.BufferedProtocol):
     def on_body(self, data: bytes) -> None:
         chunked = self.chunked
         if len(chunked) + len(data) > self.limits.max_body_bytes:
-            raise too_large(f"the body is over {self.limits.max_body_bytes} bytes, the limit "
+            raise TooLarge(f"the body is over {self.limits.max_body_bytes} bytes, the limit "
                            f"of this server")
         chunked += data
 
@@ -350,21 +340,21 @@ class _Connection(asyncio.BufferedProtocol):
                 except httptools.HttpParserError as exc:
                     # A length past 2^64 is a body over any limit (llhttp's own words for it).
                     over = "Content-Length overflow" in str(exc)
-                    self._refuse(too_large(f"the declared body is over the limit ({exc})") if over
-                                 else bad_field(f"malformed HTTP request: {exc}"))
+                    self._refuse(TooLarge(f"the declared body is over the limit ({exc})") if over
+                                 else BadField(f"malformed HTTP request: {exc}"))
                     return
                 self.fed = stop
             if end < 0:
                 if self.head_used - self.start >= _HEAD_LIMIT:
                     # SPEC 2.2 has no code of its own for this: too_large.
-                    self._refuse(too_large(f"the request head is over {_HEAD_LIMIT} bytes"))
+                    self._refuse(TooLarge(f"the request head is over {_HEAD_LIMIT} bytes"))
                 return
         self._begin_request()
 
     def _begin_request(self) -> None:
         version, method = self.version, self.method
         if version not in ("1.1", "1.0") or method == "CONNECT":
-            self._refuse(bad_field(f"HTTP/{version} {method} is not served (HTTP/1.1 or 1.0)"))
+            self._refuse(BadField(f"HTTP/{version} {method} is not served (HTTP/1.1 or 1.0)"))
             return
         self.http10 = version == "1.0"
         target = self.url
@@ -375,7 +365,7 @@ class _Connection(asyncio.BufferedProtocol):
                 try:
                     url = httptools.parse_url(target)
                 except httptools.HttpParserInvalidURLError:
-                    self._refuse(bad_field("malformed request target"))
+                    self._refuse(BadField("malformed request target"))
                     return
                 path, query = url.path or b"/", url.query or b""
         else:
@@ -388,7 +378,7 @@ class _Connection(asyncio.BufferedProtocol):
             elif name == b"transfer-encoding":
                 length = None  # llhttp took only a final "chunked" (and never with CL)
                 if value.lower() != b"chunked":  # e.g. "gzip, chunked": a coding not decoded here
-                    self._refuse(bad_field(
+                    self._refuse(BadField(
                         f"Transfer-Encoding {value[:100].decode('latin-1')!r}: only chunked "
                         f"is taken (no other coding is decoded)"))
                     return
@@ -396,7 +386,7 @@ class _Connection(asyncio.BufferedProtocol):
                 expect_continue = True
         if length is None and self.http10:
             # RFC 9112 6.1: Transfer-Encoding in an HTTP/1.0 request is faulty.
-            self._refuse(bad_field("Transfer-Encoding in an HTTP/1.0 request"))
+            self._refuse(BadField("Transfer-Encoding in an HTTP/1.0 request"))
             return
         decoded = unquote(path.decode("latin-1"))
         self.scope = {
@@ -475,7 +465,7 @@ class _Connection(asyncio.BufferedProtocol):
         """The server's buffer for a body, and whether its memory is taken whole."""
         return self.server.allocate(length), True
 
-    def _count(self, nbytes: int) -> Refusal | None:
+    def _count(self, nbytes: int) -> APIError | None:
         """``nbytes`` more of the body received: counted as held (``server.receiving``). The
         refusal (503 overloaded) when the bodies held pass the in-flight limit with others
         held beside this one (a lone body is always let in), else None."""
@@ -484,7 +474,7 @@ class _Connection(asyncio.BufferedProtocol):
         server.receiving += nbytes
         held = server.held()
         if held > self.limits.max_inflight_bytes and held > self.received:
-            return overloaded(
+            return Overloaded(
                 f"{held} bytes of request bodies are held, past the limit of "
                 f"{self.limits.max_inflight_bytes} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
                 retry_after=1)
@@ -513,14 +503,14 @@ class _Connection(asyncio.BufferedProtocol):
             self.parser.feed_data(self.head_view[start:stop])
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            if isinstance(cause, Refusal):
+            if isinstance(cause, APIError):
                 self._refuse(cause)
                 return
             if not (isinstance(cause, _Pipelined) and self.message_done):
                 raise
             self.keep_alive = False  # see the module's docstring
         except httptools.HttpParserError as exc:
-            self._refuse(bad_field(f"malformed chunked body: {exc}"))
+            self._refuse(BadField(f"malformed chunked body: {exc}"))
             return
         refusal = self._count(len(self.chunked) - self.received)  # the bytes decoded this turn
         if refusal is not None:
@@ -549,7 +539,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.fed = max(0, self.fed - start)
         self.start, self.head_used = 0, used - start
 
-    def _refuse(self, exc: Refusal) -> None:
+    def _refuse(self, exc: APIError) -> None:
         """Answer ``exc`` and close, reading nothing more of the request."""
         self._unreserve()
         self._end()

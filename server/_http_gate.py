@@ -10,8 +10,8 @@ only answers earlier); requests without a body are left to the app entirely.
 With a token configured, any body needs it, even one sent to an endpoint that
 takes none (the health probes): an unauthenticated body is never read.
 
-The answers use the contract's codes (SPEC 2.2): the transport has no codes
-of its own. Malformed HTTP (bad framing, a head llhttp refuses) is 400
+The answers are the contract's errors (SPEC 2.2, ``moegemm.client._errors``): the
+transport has no codes of its own. Malformed HTTP (bad framing, a head llhttp refuses) is 400
 ``bad_field``; a head over the head limit is 413 ``too_large``; a full server
 (connections or in-flight bytes) is 503 ``overloaded`` with Retry-After.
 
@@ -25,47 +25,24 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from moegemm.client._wire import MSGPACK, MSGPACK_TYPES
+from moegemm.client._errors import (
+    APIError,
+    Overloaded,
+    TooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
+)
+from moegemm.client._media import MSGPACK, MSGPACK_TYPES
 
 # Bodies sent here are msgpack maps (SPEC 2.1): the media type is judged from the head.
 _MSGPACK_PREFIXES = ("/v1/weights/", "/v1/experts/")
 
 REASONS = {
     100: "Continue", 200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request",
-    401: "unauthorized", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
+    401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
     413: "Content Too Large", 415: "Unsupported Media Type", 500: "Internal Server Error",
     503: "Service Unavailable", 504: "Gateway Timeout", 507: "Insufficient Storage",
 }
-
-
-class Refusal(Exception):
-    """A transport-level answer: an HTTP status and a SPEC 2.2 code.
-
-    Not ``moegemm.client._errors``: that package imports the client's wire code
-    (ml_dtypes, ~0.8 s), which an acceptor process has no use for. The codes are
-    the same strings; ``error_bytes`` renders either kind.
-    """
-
-    def __init__(self, status: int, code: str, message: str,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.retry_after = (
-            status, code, message, retry_after)
-
-    def to_dict(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message}}
-
-
-def bad_field(message: str) -> Refusal:
-    return Refusal(400, "bad_field", message)
-
-
-def unauthorized(message: str) -> Refusal:
-    return Refusal(401, "unauthorized", message)
-
-
-def too_large(message: str) -> Refusal:
-    return Refusal(413, "too_large", message)
 
 
 def media_problem(media: str) -> str | None:
@@ -75,18 +52,6 @@ def media_problem(media: str) -> str | None:
         return None
     others = ", ".join(sorted(MSGPACK_TYPES - {MSGPACK}))
     return f"send the body as {MSGPACK} (or {others}), got {media[:100] or 'none'!r}"
-
-
-def unsupported_media_type(message: str) -> Refusal:
-    return Refusal(415, "unsupported_media_type", message)
-
-
-def overloaded(message: str, retry_after: float = 1) -> Refusal:
-    return Refusal(503, "overloaded", message, retry_after)
-
-
-def internal(message: str) -> Refusal:
-    return Refusal(500, "internal", message)
 
 
 @dataclass(frozen=True)
@@ -106,14 +71,11 @@ class HttpLimits:
 
     @classmethod
     def from_settings(cls, settings) -> HttpLimits:
-        token = settings.token.get_secret_value().encode() if settings.token else None
-        admin = (settings.admin_token.get_secret_value().encode()
-                 if settings.admin_token else None)
+        tokens, admin = secrets_of(settings)
         return cls(
             max_body_bytes=settings.max_body_bytes,
             max_inflight_bytes=settings.max_inflight_bytes,
-            # routes.check_token: the admin token also authorizes every call.
-            tokens=tuple(t for t in (token, admin) if t is not None) if token else (),
+            tokens=tokens,
             admin_token=admin,
             head_timeout_s=settings.http_head_timeout_s,
             min_body_rate=settings.http_min_body_rate,
@@ -122,8 +84,31 @@ class HttpLimits:
         )
 
 
+def secrets_of(settings) -> tuple[tuple[bytes, ...], bytes | None]:
+    """``Settings``' tokens as (any that authorizes a call, the one a change needs): with a
+    token configured the admin token also authorizes every call; none: no token needed."""
+    token = settings.token.get_secret_value().encode() if settings.token else None
+    admin = settings.admin_token.get_secret_value().encode() if settings.admin_token else None
+    return (tuple(t for t in (token, admin) if t is not None) if token else ()), admin
+
+
+def token_refusal(tokens: tuple[bytes, ...], admin_token: bytes | None, changes: bool,
+                  authorization: bytes | None) -> Unauthorized | None:
+    """The 401 of a request whose ``Authorization`` header value is ``authorization``, or
+    None: a change of weights or experts (``changes``) needs the admin token when one is
+    set; every request needs one of ``tokens`` when there are any. Every transport's and
+    the app's one rule."""
+    given = _bearer(authorization)
+    if changes and admin_token is not None:
+        if not _matches(given, (admin_token,)):
+            return Unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
+    elif tokens and not _matches(given, tokens):
+        return Unauthorized("send 'Authorization: Bearer <token>' with this server's token")
+    return None
+
+
 def _bearer(value: bytes | None) -> bytes | None:
-    # routes.bearer, on bytes.
+    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
     if value is None:
         return None
     scheme, _, token = value.partition(b" ")
@@ -140,7 +125,7 @@ def _matches(given: bytes | None, secrets: tuple[bytes, ...]) -> bool:
 
 
 def judge(limits: HttpLimits, method: str, path: str, headers: list[tuple[bytes, bytes]],
-          size: int | None, held: int) -> Refusal | None:
+          size: int | None, held: int) -> APIError | None:
     """The refusal of a request that declares a body (``size`` bytes; None: chunked,
     judged as the body limit), or None to read it. ``held``: the request bodies this
     process holds now (received, being received, or running)."""
@@ -150,25 +135,22 @@ def judge(limits: HttpLimits, method: str, path: str, headers: list[tuple[bytes,
             authorization = value
         elif name == b"content-type" and content_type is None:
             content_type = value
-    given = _bearer(authorization)
     changes = method == "PUT" and path.startswith(_MSGPACK_PREFIXES)
-    if changes and limits.admin_token is not None:
-        if not _matches(given, (limits.admin_token,)):
-            return unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
-    elif limits.tokens and not _matches(given, limits.tokens):
-        return unauthorized("send 'Authorization: Bearer <token>' with this server's token")
+    refusal = token_refusal(limits.tokens, limits.admin_token, changes, authorization)
+    if refusal is not None:
+        return refusal
     if method in ("POST", "PUT") and path.startswith(_MSGPACK_PREFIXES):
         media = (content_type or b"").partition(b";")[0].strip().lower().decode("latin-1")
         problem = media_problem(media)
         if problem:
-            return unsupported_media_type(problem)
+            return UnsupportedMediaType(problem)
     limit = limits.max_body_bytes
     if size is not None and size > limit:
-        return too_large(f"the body is {size} bytes; this server takes at most {limit}")
+        return TooLarge(f"the body is {size} bytes; this server takes at most {limit}")
     need = limit if size is None else size
     # app.BodyBudget's rule: a lone body is always let in.
     if held and held + need > limits.max_inflight_bytes:
-        return overloaded(
+        return Overloaded(
             f"{held} bytes of request bodies are held; {need} more would pass the limit "
             f"of {limits.max_inflight_bytes} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
             retry_after=1)
@@ -192,7 +174,7 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return echoed_id(None)
 
 
-def error_bytes(exc: Refusal, *, head_only: bool = False, close: bool = True,
+def error_bytes(exc: APIError, *, head_only: bool = False, close: bool = True,
                 request_id: str | None = None) -> bytes:
     """A whole HTTP/1.1 answer for ``exc``: SPEC 2 JSON, as ``app.error_response``
     renders it (Retry-After, WWW-Authenticate); ``head_only`` for a HEAD request."""

@@ -11,7 +11,6 @@ errors of ``moegemm.client._errors``; ``app.py`` turns them into JSON.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from moegemm.client._errors import (
     NotReady,
     OutOfMemory,
     TooLarge,
-    Unauthorized,
     UnsupportedMediaType,
 )
 from moegemm.client._wire import decode_tensor
@@ -34,7 +32,7 @@ from starlette.convertors import Convertor, register_url_convertor
 import moegemm
 
 from ._body import PartsResponse, array_body_parts, unpack_body
-from ._http_gate import media_problem
+from ._http_gate import media_problem, secrets_of, token_refusal
 from ._request import decode_gemm, field_problem, gemm_call
 from ._tensors import WIRE_NAMES, to_torch
 from .config import Settings
@@ -78,36 +76,15 @@ async def _services_dep(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(_services_dep)]
 
 
-def bearer(authorization: str | None) -> bytes | None:
-    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
-    if authorization is None:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip().encode()
-
-
-def _bearer(request: Request) -> bytes | None:
-    return bearer(request.headers.get("authorization"))
-
-
-def _matches(given: bytes | None, secrets: list) -> bool:
-    # Compare against every secret, constant-time each, so timing reveals nothing.
-    ok = False
-    for secret in secrets:
-        if given is not None and hmac.compare_digest(given, secret.get_secret_value().encode()):
-            ok = True
-    return ok
-
-
-def check_token(settings: Settings, authorization: str | None) -> None:
-    """With a token configured, ``authorization`` carries it (or the admin token)."""
-    if settings.token is None:
+def check_token(settings: Settings, authorization: str | None, changes: bool = False) -> None:
+    """With a token configured, ``authorization`` carries it (or the admin token); a change
+    (``changes``) carries the admin token when one is configured (``_http_gate``'s rule)."""
+    if settings.token is None and settings.admin_token is None:
         return
-    secrets = [s for s in (settings.token, settings.admin_token) if s is not None]
-    if not _matches(bearer(authorization), secrets):
-        raise Unauthorized("send 'Authorization: Bearer <token>' with this server's token")
+    refusal = token_refusal(*secrets_of(settings), changes,
+                            None if authorization is None else authorization.encode("latin-1"))
+    if refusal is not None:
+        raise refusal
 
 
 async def require_token(request: Request) -> None:
@@ -117,11 +94,7 @@ async def require_token(request: Request) -> None:
 
 async def require_admin(request: Request) -> None:
     """Weight changes need the admin token when one is configured, else the token."""
-    settings = services(request).settings
-    if settings.admin_token is None:
-        await require_token(request)
-    elif not _matches(_bearer(request), [settings.admin_token]):
-        raise Unauthorized("changing weights needs 'Authorization: Bearer <admin token>'")
+    check_token(services(request).settings, request.headers.get("authorization"), changes=True)
 
 
 def not_ready(svc: Services) -> NotReady:

@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from moegemm.client import Client, DeadlineExceeded, NoSuchWeights, TransportError
-from moegemm.client._wire import MSGPACK
 from moegemm.client._client import DEADLINE_HEADER
+from moegemm.client._media import MSGPACK
 from moegemm.client._multi import AsyncMultiClient, MultiClient
 from moegemm.client._placement import normalize_endpoint, place
 from moegemm.client._wire import encode_tensor, packb

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from moegemm.client._wire import MSGPACK_TYPES
+from moegemm.client._errors import Overloaded
+from moegemm.client._media import MSGPACK_TYPES
 from moegemm.server import Settings
-from moegemm.server._http_gate import HttpLimits, error_bytes, judge, media_problem, overloaded
+from moegemm.server._http_gate import HttpLimits, error_bytes, judge, media_problem
 
 MSGPACK = (b"content-type", b"application/vnd.msgpack")
 
@@ -55,14 +56,14 @@ def test_media_type_size_and_budget():
 
 
 def test_error_bytes():
-    raw = error_bytes(overloaded("full"), request_id="r1")
+    raw = error_bytes(Overloaded("full", retry_after=1), request_id="r1")
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
     lines = head.split(b"\r\n")[1:]
     assert {b"retry-after: 1", b"connection: close", b"x-request-id: r1",
             b"content-length: %d" % len(body)} <= set(lines)
     assert json.loads(body) == {"error": {"code": "overloaded", "message": "full"}}
-    assert error_bytes(overloaded("full"), head_only=True, request_id="r1") == head + b"\r\n\r\n"
+    assert error_bytes(Overloaded("full", retry_after=1), head_only=True, request_id="r1") == head + b"\r\n\r\n"
 
 
 def test_the_415_names_every_type_taken_as_msgpack():

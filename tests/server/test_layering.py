@@ -8,6 +8,8 @@ Read from the source (``ast``), so a new server module is held to it too.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,17 @@ def test_the_checks_see_what_they_look_for():
     assert names == ["triton", "moegemm.kernels._triton_route"]
     compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
     assert [_names_backend(n.left) for n in compares] == [True, True]
+
+
+def test_an_acceptor_process_imports_neither_torch_nor_the_sdk():
+    """An acceptor process (``_acceptors.py``, spawned) reads HTTP and answers refusals with the
+    contract's errors: it imports the client package for its error tree and media types alone,
+    not the SDK's httpx or ml_dtypes (half a second of a respawn's start on the CPU box), nor
+    torch."""
+    code = ("import sys\n"
+            "import moegemm.server._acceptor\n"
+            "print(sorted(m for m in ('torch', 'httpx', 'ml_dtypes') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
