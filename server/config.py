@@ -285,9 +285,6 @@ class Settings(BaseSettings):
         """The checkpoint layers to load at start-up (none without a checkpoint)."""
         return parse_layers(self.layers) if self.layers is not None else []
 
-    def buckets(self) -> list[int]:
-        """The total_M buckets: powers of two up to ``max_bucket_m``."""
-        return [1 << i for i in range(self.max_bucket_m.bit_length())]
 
 
 @functools.lru_cache(maxsize=1)

@@ -32,6 +32,7 @@ from starlette.convertors import Convertor, register_url_convertor
 import moegemm
 
 from ._body import PartsResponse, array_body_parts, unpack_body
+from ._graphs import buckets_up_to
 from ._http_gate import media_problem, secrets_of, token_refusal
 from ._request import decode_gemm, field_problem, gemm_call
 from ._tensors import WIRE_NAMES, to_torch
@@ -288,7 +289,7 @@ async def info(svc: ServicesDep, request: Request) -> dict:
         "fp8_format": WIRE_NAMES[backend.fp8_dtype],
         "weight_layout": backend.weight_layout,
         "graphs": svc.engine.graphs,
-        "buckets": s.buckets(),
+        "buckets": buckets_up_to(s.max_bucket_m),
         "limits": {
             "max_body_bytes": s.max_body_bytes,
             "max_inflight_bytes": s.max_inflight_bytes,

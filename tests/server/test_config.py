@@ -24,7 +24,6 @@ def test_defaults():
     assert (s.host, s.port, s.device) == ("127.0.0.1", 8000, "auto")
     assert s.token is None and s.admin_token is None
     assert s.wants_demo()  # nothing preloaded
-    assert s.buckets()[0] == 1 and s.buckets()[-1] == s.max_bucket_m
 
 
 def test_environment(monkeypatch, tmp_path):
