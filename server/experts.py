@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import torch
-from moegemm.client._errors import BadField, BadName, BadShape, NoSuchWeights, OutOfMemory
+from moegemm.client._errors import BadField, BadName, BadShape, NoSuchWeights
 
 from ._tensors import (
     BLOCK,
@@ -183,17 +183,9 @@ class ExpertStore:
                               f"delete it first")
         self.weights.check_room(w13_name, G, 2 * I, H)
         self.weights.check_room(w2_name, G, H, I)
-        limit = self.weights.limits.max_total_bytes
-        if limit is not None:
-            nbytes = set_bytes(G, 2 * I, H) + set_bytes(G, H, I)
-            held = self.weights.total_bytes()
-            old = self._sets.get(name)
-            held -= old.bytes if old is not None else 0
-            if held + nbytes > limit:
-                raise OutOfMemory(
-                    f"expert set {name!r} needs {nbytes} bytes; the loaded sets hold {held} "
-                    f"of this server's {limit} (MOEGEMM_MAX_WEIGHT_BYTES)"
-                )
+        old = self._sets.get(name)
+        self.weights.check_total(f"expert set {name!r}", set_bytes(G, 2 * I, H) + set_bytes(G, H, I),
+                                 old.bytes if old is not None else 0)
 
     def build(
         self,

@@ -162,7 +162,7 @@ class WeightStore:
         with self._lock:
             self._check_unowned(ws.name)
             old = self._sets.get(ws.name)
-            self._check_total(ws.name, ws.bytes, old)
+            self._check_total(f"weight set {ws.name!r}", ws.bytes, old.bytes if old else 0)
             self._sets[ws.name] = ws
         return old
 
@@ -192,15 +192,8 @@ class WeightStore:
                     what = f"expert set {holder!r}" if holder else "a plain weight set"
                     raise BadName(f"the name {ws.name!r} is taken by {what}; delete it first")
             old = [self._sets[ws.name] for ws in sets if ws.name in self._sets]
-            limit = self.limits.max_total_bytes
-            if limit is not None:
-                others = sum(w.bytes for w in self._sets.values()) - sum(w.bytes for w in old)
-                if others + sum(ws.bytes for ws in sets) > limit:
-                    raise OutOfMemory(
-                        f"expert set {owner!r} needs {sum(ws.bytes for ws in sets)} bytes; "
-                        f"the loaded sets hold {others} of this server's {limit} "
-                        f"(MOEGEMM_MAX_WEIGHT_BYTES)"
-                    )
+            self._check_total(f"expert set {owner!r}", sum(ws.bytes for ws in sets),
+                              sum(w.bytes for w in old))
             for ws in sets:
                 self._sets[ws.name] = ws
                 self._owners[ws.name] = owner
@@ -228,15 +221,21 @@ class WeightStore:
                 f"through /v1/experts/{owner}"
             )
 
-    def _check_total(self, name: str, nbytes: int, old: WeightSet | None) -> None:
-        # Called under the lock. A replacement frees its predecessor's bytes.
+    def check_total(self, what: str, nbytes: int, freed: int = 0) -> None:
+        """OutOfMemory if ``what`` (``nbytes``, replacing sets of ``freed`` bytes) would take
+        the loaded sets past ``max_total_bytes`` (``MOEGEMM_MAX_WEIGHT_BYTES``)."""
+        with self._lock:
+            self._check_total(what, nbytes, freed)
+
+    def _check_total(self, what: str, nbytes: int, freed: int) -> None:
+        # Called under the lock. A replacement frees its predecessors' bytes.
         limit = self.limits.max_total_bytes
         if limit is None:
             return
-        others = sum(ws.bytes for ws in self._sets.values()) - (old.bytes if old else 0)
+        others = sum(ws.bytes for ws in self._sets.values()) - freed
         if others + nbytes > limit:
             raise OutOfMemory(
-                f"weight set {name!r} needs {nbytes} bytes; the loaded sets hold {others} "
+                f"{what} needs {nbytes} bytes; the loaded sets hold {others} "
                 f"of this server's {limit} (MOEGEMM_MAX_WEIGHT_BYTES)"
             )
 
@@ -252,7 +251,8 @@ class WeightStore:
             )
         nbytes = set_bytes(G, N, K)
         with self._lock:
-            self._check_total(name, nbytes, self._sets.get(name))
+            old = self._sets.get(name)
+            self._check_total(f"weight set {name!r}", nbytes, old.bytes if old else 0)
         if self.device.type != "cuda":
             return
         free, _ = torch.cuda.mem_get_info(self.device)
