@@ -200,6 +200,13 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         if self.held_back is not None:
             self.held_back.cancel()
+        if self.state in (_BODY, _CHUNKED):
+            # The client left mid-body (e.g. its deadline passed): nobody to answer. Logged
+            # and counted as the app counts it when a body it reads ends so (499).
+            path = self.scope and self.scope["path"]
+            log.info("request %s %r: the client disconnected (request id %s)", self.method,
+                     path, self._given_id())
+            self.server.count_refusal(499, self.method, path, time.monotonic() - self.began, 0)
         self._end()
         self._unreserve()
         self.server.connections.discard(self)

@@ -1,5 +1,5 @@
-"""Helpers of the server tests: a real uvicorn server on a free loopback port (in a
-background thread), raw requests, and the SPEC 1 accuracy check."""
+"""Helpers of the server tests: a real server on a free loopback port (in a background
+thread; the shipped transport, or uvicorn), raw requests, and the SPEC 1 accuracy check."""
 
 from __future__ import annotations
 
@@ -50,10 +50,12 @@ LOAD_TIMEOUT = DEFAULT_LOAD_TIMEOUT
 class Running:
     """A server the tests talk to: its URL, app, and an httpx client."""
 
-    def __init__(self, url: str, app, server: uvicorn.Server) -> None:
+    def __init__(self, url: str, app, server, begin_shutdown) -> None:
         self.url = url
         self.app = app
         self.server = server
+        # What SIGINT/SIGTERM do: stop accepting, finish what was accepted, then stop.
+        self.begin_shutdown = begin_shutdown
         self.http = httpx.Client(base_url=url, timeout=60)
 
     @property
@@ -81,7 +83,48 @@ class Running:
 
 @contextmanager
 def serve(settings: Settings, wait: bool = True) -> Iterator[Running]:
-    """Start the app on a free port; stop it on exit."""
+    """The app behind the transport ``moegemm serve`` runs (``FastHttpServer`` with its direct
+    routes) on a free loopback port, its own thread and event loop; stopped on exit."""
+    from moegemm.server._direct import DirectCalls
+    from moegemm.server._http import FastHttpServer
+
+    port = _free_port()
+    app = create_app(settings)
+    server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=settings.max_body_bytes,
+                            direct=DirectCalls(app), grace_s=settings.shutdown_grace_s)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(server.serve(stop))
+        except BaseException as exc:  # noqa: BLE001 -- surfaced below
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    running = Running(f"http://127.0.0.1:{port}", app, server,
+                      lambda: loop.call_soon_threadsafe(stop.set))
+    try:
+        deadline = time.monotonic() + 30
+        while not server.listening.is_set():
+            if failed or not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {failed}")
+            time.sleep(0.01)
+        if wait:
+            running.wait_ready()
+        yield running
+    finally:
+        running.http.close()
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+@contextmanager
+def serve_uvicorn(settings: Settings, wait: bool = True) -> Iterator[Running]:
+    """The same app under uvicorn (``moegemm serve --http uvicorn``, and the benchmarks'
+    peer), on a free port in a thread; stopped on exit."""
     port = _free_port()
     app = create_app(settings)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -94,7 +137,8 @@ def serve(settings: Settings, wait: bool = True) -> Iterator[Running]:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the server did not start")
         time.sleep(0.01)
-    running = Running(f"http://127.0.0.1:{port}", app, server)
+    running = Running(f"http://127.0.0.1:{port}", app, server,
+                      lambda: setattr(server, "should_exit", True))
     try:
         if wait:
             running.wait_ready()

@@ -7,19 +7,14 @@ server keeps serving other connections, and its loaded weights never change.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
-import threading
-import time
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from moegemm.server import Settings, create_app
-from moegemm.server._direct import DirectCalls
-from moegemm.server._http import FastHttpServer
-from server_support import Running, _free_port, fp8_problem, wire
+from moegemm.server import Settings
+from server_support import fp8_problem, serve, wire
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -30,42 +25,19 @@ STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3}) ")
 
 @pytest.fixture(scope="module")
 def fast():
-    """The app behind FastHttpServer, on its own thread and loop, one set loaded.
+    """The app behind FastHttpServer (``server_support.serve``), one set loaded.
 
     Weight changes need the admin token, which the fuzzed requests never carry: a
     well-formed DELETE of 'base' would otherwise be a legitimate change.
     """
     config = Settings(device="cpu", demo=False, max_body_bytes=64 << 10, admin_token=ADMIN)
-    port = _free_port()
-    app = create_app(config)
-    server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=config.max_body_bytes,
-                            direct=DirectCalls(app))
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(stop)),
-                              daemon=True)
-    thread.start()
-    running = Running(f"http://127.0.0.1:{port}", app, None)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            running.wait_ready()
-            break
-        except Exception:  # noqa: BLE001 -- not listening yet
-            assert time.monotonic() < deadline, "the fast server did not start"
-            time.sleep(0.05)
-    p = fp8_problem(8, 128, 128, 2)
-    r = running.put("base", {"w": wire(p.wq), "w_scale": wire(p.w_scale)},
-                    headers={"authorization": f"Bearer {ADMIN}"})
-    assert r.status_code == 201, r.text
-    running.base = running.services.store.get("base")
-    try:
+    with serve(config) as running:
+        p = fp8_problem(8, 128, 128, 2)
+        r = running.put("base", {"w": wire(p.wq), "w_scale": wire(p.w_scale)},
+                        headers={"authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 201, r.text
+        running.base = running.services.store.get("base")
         yield running
-    finally:
-        running.http.close()
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-        loop.close()
 
 
 def _exchange(url: str, data: bytes, wait: float = 0.05) -> bytes:

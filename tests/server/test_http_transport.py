@@ -1,18 +1,14 @@
-"""The fast HTTP transport serves the same app with the same contract.
-
-The whole API and error suites (test_api.py, test_errors.py) run again here
-against ``FastHttpServer`` instead of uvicorn, plus the transport's own cases:
-keep-alive, pipelining, Expect: 100-continue, oversize and chunked bodies.
-"""
+"""The fast HTTP transport's own cases: keep-alive, pipelining, Expect: 100-continue,
+oversize and chunked bodies. (Every server suite runs on this transport, the one
+``moegemm serve`` runs; ``test_api_uvicorn.py`` runs the contract's suites under uvicorn
+too.)"""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -21,58 +17,17 @@ from moegemm.client import Client
 from moegemm.client._wire import encode_tensor, packb, unpackb
 from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
-from moegemm.server import Settings, create_app
-from moegemm.server._direct import DirectCalls
-from moegemm.server._http import FastHttpServer
-from server_support import MSGPACK, Running, _free_port
-from test_api import *
-from test_errors import *
-
-
-@contextmanager
-def fast_serve(settings: Settings) -> Iterator[Running]:
-    """Start the app behind FastHttpServer on a free port (own thread and loop)."""
-    port = _free_port()
-    app = create_app(settings)
-    server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=settings.max_body_bytes,
-                            direct=DirectCalls(app))
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run_until_complete(server.serve(stop))
-        except BaseException as exc:  # surfaced to the test below
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    running = Running(f"http://127.0.0.1:{port}", app, None)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                running.wait_ready()
-                break
-            except Exception:
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"the fast server did not start: {failed}") from None
-                time.sleep(0.05)
-        yield running
-    finally:
-        running.http.close()
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
+from moegemm.server import Settings
+from server_support import MSGPACK, Running, serve
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Running]:
-    """The same CPU server as conftest's, behind the fast transport."""
+    """The same CPU server as conftest's (the fast transport)."""
     root = tmp_path_factory.mktemp("weights")
     settings = Settings(device="cpu", weights_dir=root, demo=True, max_body_bytes=8 << 20,
                         max_m=4096, max_bucket_m=256)
-    with fast_serve(settings) as running:
+    with serve(settings) as running:
         running.weights_dir = root
         yield running
 

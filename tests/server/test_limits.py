@@ -372,7 +372,7 @@ def test_graceful_shutdown_finishes_what_was_accepted(problem):
         threads, results = _in_threads(*[one_call] * 5)
         assert gate.entered.wait(30)
         _wait_queued(engine, 4)
-        srv.server.should_exit = True  # what SIGINT/SIGTERM do
+        srv.begin_shutdown()
         time.sleep(0.3)
         # No new connection is accepted...
         with pytest.raises(httpx.ConnectError):
