@@ -112,14 +112,9 @@ def gemm_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | N
     }
     if x_scale is not None:
         body["x_scale"] = encode_tensor(x_scale)
-    torch = sys.modules.get("torch")
-    like = x if torch is not None and isinstance(x, torch.Tensor) else None
-    # Large tensors go out as views (``pack_tensors``); a small body is packed at once
-    # (one packb call costs less than assembling it from cached heads).
-    big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
-    return Call("POST", weights_path(name) + "/gemm", pack_tensors(body) if big else packb(body),
-                expect="gemm", like_torch=like, deadline=budget(deadline),
-                rows=_rows(body["x"]), request_id=request_id_of(request_id))
+    return Call("POST", weights_path(name) + "/gemm", _packed(body), expect="gemm",
+                like_torch=_like(x), deadline=budget(deadline), rows=_rows(body["x"]),
+                request_id=request_id_of(request_id))
 
 
 def load_call(name: str, w: Any, w_scale: Any) -> Call:
@@ -156,7 +151,8 @@ def _like(x: Any) -> Any:
 
 
 def _packed(body: dict[str, Any]) -> bytes | list:
-    # Large tensors go out as views, as in gemm_call.
+    # Large tensors go out as views (``pack_tensors``); a small body is packed at once
+    # (one packb call costs less than assembling it from cached heads).
     big = any(t["data"].nbytes >= _PART_FROM for t in body.values())
     return pack_tensors(body) if big else packb(body)
 

@@ -12,18 +12,12 @@ import math
 
 import torch
 from moegemm.client._errors import BadDtype, BadShape, BadTensor, NotFinite
+from moegemm.client._wire import DTYPES
 
 BLOCK = 128
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
+# SPEC 2's dtype names are torch's attribute names (``client/_wire.DTYPES``).
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 WIRE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 _MAX_DIM = 1 << 63  # torch sizes are int64

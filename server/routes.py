@@ -158,11 +158,12 @@ def check_fields(body: dict, required: set[str], optional: set[str] = frozenset(
         raise problem
 
 
-def _tensor(body: dict, key: str) -> torch.Tensor | None:
+def tensor_field(body: dict, key: str) -> torch.Tensor | None:
+    """``body[key]``, a SPEC 2 tensor, as a torch tensor (None: absent)."""
     return to_torch(decode_tensor(body[key])) if key in body else None
 
 
-def _string(body: dict, key: str, *, optional: bool = False) -> str | None:
+def string_field(body: dict, key: str, *, optional: bool = False) -> str | None:
     """``body[key]``, a string; an optional field may be absent or nil (None)."""
     value = body.get(key)
     if value is None and optional:
@@ -334,8 +335,8 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
     body = await read_msgpack(request, svc.settings.max_body_bytes)
     if "file" in body:
         check_fields(body, {"file", "w"}, {"w_scale"})
-        file, w_key = _string(body, "file"), _string(body, "w")
-        scale_key = _string(body, "w_scale", optional=True)
+        file, w_key = string_field(body, "file"), string_field(body, "w")
+        scale_key = string_field(body, "w_scale", optional=True)
         # Opened here, off the engine's thread: a slow path (800 KB, a slow disk)
         # never holds up the calls the engine runs.
         opened = await asyncio.to_thread(svc.store.resolve, file)
@@ -345,7 +346,7 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
         check_fields(body, {"w"}, {"w_scale"})
         if isinstance(body["w"], str):
             raise BadField("w is a tensor; to name a tensor in a file, send 'file' too")
-        w, w_scale = _tensor(body, "w"), _tensor(body, "w_scale")
+        w, w_scale = tensor_field(body, "w"), tensor_field(body, "w_scale")
         ws, replaced = await install(svc, lambda: svc.store.build(name, w, w_scale))
     return JSONResponse(ws.describe(), status_code=200 if replaced else 201)
 

@@ -27,8 +27,6 @@ from .routes import (
     DEADLINE_HEADER,
     READ,
     ServicesDep,
-    _string,
-    _tensor,
     check_fields,
     parse_deadline,
     read_body,
@@ -36,6 +34,8 @@ from .routes import (
     require_admin,
     require_ready,
     require_token,
+    string_field,
+    tensor_field,
 )
 
 
@@ -80,7 +80,7 @@ def expert_upload(body: dict) -> TensorUpload | CheckpointUpload:
     against each other) or a checkpoint directory and layer."""
     if "checkpoint" in body:
         check_fields(body, {"checkpoint", "layer"})
-        checkpoint = _string(body, "checkpoint")
+        checkpoint = string_field(body, "checkpoint")
         layer = body["layer"]
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise BadField(f"layer is a non-negative integer, got {layer!r:.100}")
@@ -90,7 +90,7 @@ def expert_upload(body: dict) -> TensorUpload | CheckpointUpload:
         if isinstance(body[key], str):
             raise BadField(f"{key} is a tensor; to load from a checkpoint send "
                            f"{{'checkpoint', 'layer'}}")
-    return TensorUpload(*(_tensor(body, k) for k in ("w13", "w13_scale", "w2", "w2_scale")))
+    return TensorUpload(*(tensor_field(body, k) for k in ("w13", "w13_scale", "w2", "w2_scale")))
 
 
 # -- installing ----------------------------------------------------------------------------
@@ -112,10 +112,6 @@ async def install_experts(engine: Engine, experts: Experts, build) -> tuple[Expe
     return es, old is not None
 
 
-def _name(name: str) -> str:
-    return check_expert_name(name)
-
-
 # -- the routes ------------------------------------------------------------------------------
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token), Depends(require_ready)])
@@ -131,13 +127,13 @@ async def list_experts(request: Request) -> dict:
 @router.api_route("/experts/{name:expertset}", methods=READ)
 async def get_experts(name: str, request: Request) -> dict:
     """One expert set's description."""
-    return _experts(request).store.get(_name(name)).describe()
+    return _experts(request).store.get(check_expert_name(name)).describe()
 
 
 @admin.put("/experts/{name:expertset}")
 async def put_experts(name: str, request: Request, svc: ServicesDep):
     """Load or replace an expert set from tensors or a checkpoint layer (201/200)."""
-    _name(name)
+    check_expert_name(name)
     experts = _experts(request)
     body = await read_msgpack(request, svc.settings.max_body_bytes)
     upload = expert_upload(body)
@@ -156,7 +152,7 @@ async def put_experts(name: str, request: Request, svc: ServicesDep):
 async def delete_experts(name: str, request: Request, svc: ServicesDep) -> Response:
     """Unload an expert set and its two weight sets."""
     experts = _experts(request)
-    old = experts.store.delete(_name(name))
+    old = experts.store.delete(check_expert_name(name))
     await svc.engine.forget_experts(old, experts.store.list())
     return Response(status_code=204)
 
@@ -182,7 +178,7 @@ async def run_expert_call(svc, experts: Experts, kind: str, name: str, body,
 
 async def _answer(kind: str, name: str, request: Request, svc) -> Response:
     """An ffn or moe route: the name, the deadline, the body, then run_expert_call."""
-    _name(name)
+    check_expert_name(name)
     deadline = parse_deadline(request.headers.get(DEADLINE_HEADER))
     body = await read_body(request, svc.settings.max_body_bytes)
     return PartsResponse(await run_expert_call(svc, _experts(request), kind, name, body,
