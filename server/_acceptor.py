@@ -99,14 +99,9 @@ class _ForwardConnection(_Connection):
             if close:
                 self.keep_alive = False
             if status is not None and self.transport is not None:
-                line = status_line(status)
-                if scope["http_version"] == "1.0" and b"transfer-encoding: chunked" in head:
-                    # _asgi.Response's rule for a 1.0 client: no chunks, the end of
-                    # the body is the end of the connection (the owner chunked it).
-                    self.keep_alive = False
                 end = self._connection_line() + b"\r\n"
-                parts = [line + head + end]
-                if scope["method"] != "HEAD":  # a HEAD answer has no body
+                parts = [status_line(status) + head + end]  # framed by the owner (header_lines)
+                if scope["method"] != "HEAD":  # a HEAD answer has no body (an error's neither)
                     parts.append(data)
                 self.transport.writelines(parts)
         del body

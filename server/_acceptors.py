@@ -93,7 +93,7 @@ from ._acceptor_shm import (
     _unlink,
     sweep_stale_arenas,
 )
-from ._asgi import whole_body_receive
+from ._asgi import body_parts, header_lines, http_scope, whole_body_receive
 from ._http import FastHttpServer, _Connection, _error_bytes, stop_on_signals
 
 log = logging.getLogger("moegemm.server.acceptors")
@@ -477,46 +477,23 @@ class Owner:
     async def _run_app(self, meta: dict, headers: list, body: memoryview):
         """The app's answer as (status, header lines, body parts, close); status None
         when nothing may be written (as ``_http._Connection._run``)."""
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": meta["v"],
-            "method": meta["m"],
-            "scheme": "http",
-            "path": meta["p"],
-            "raw_path": meta["r"],
-            "query_string": meta["q"],
-            "root_path": "",
-            "headers": headers,
-            "client": tuple(meta["c"]) if meta["c"] else None,
-            "server": tuple(meta["sv"]) if meta["sv"] else None,
-            "state": dict(self.server.state),
-        }
-        out: dict = {"status": None, "head": [], "parts": [], "chunked": False, "done": False}
+        scope = http_scope(meta["v"], meta["m"], meta["p"], meta["r"], meta["q"], headers,
+                           tuple(meta["c"]) if meta["c"] else None,
+                           tuple(meta["sv"]) if meta["sv"] else None, self.server.state)
+        out: dict = {"status": None, "head": [], "parts": [], "chunked": False, "ends": False,
+                     "done": False}
         receive = whole_body_receive(body, self.never)
+        bodiless = meta["m"] == "HEAD"
 
-        async def send(message: dict) -> None:  # _asgi.Response, collected
+        async def send(message: dict) -> None:  # _asgi.Response's framing, collected
             if message["type"] == "http.response.start":
-                status = out["status"] = message["status"]
-                has_length = False
-                for key, value in message.get("headers", ()):
-                    if key.lower() == b"content-length":
-                        has_length = True
-                    out["head"] += [key, b": ", value, b"\r\n"]
-                if not has_length and status not in (204, 304):
-                    out["chunked"] = True
-                    out["head"].append(b"transfer-encoding: chunked\r\n")
+                out["status"] = message["status"]
+                out["head"], out["chunked"], out["ends"] = header_lines(
+                    message, http10=meta["v"] == "1.0", bodiless=bodiless)
             elif message["type"] == "http.response.body":
-                data = message.get("body", b"")
-                more = message.get("more_body", False)
-                if out["chunked"]:
-                    if data:
-                        out["parts"] += [b"%x\r\n" % len(data), data, b"\r\n"]
-                    if not more:
-                        out["parts"].append(b"0\r\n\r\n")
-                elif data:
-                    out["parts"].append(data)
-                out["done"] = not more
+                if not bodiless:
+                    out["parts"] += body_parts(message, out["chunked"])
+                out["done"] = not message.get("more_body", False)
 
         try:
             await self.server.app(scope, receive, send)
@@ -527,7 +504,8 @@ class Owner:
             return None, b"", [], True
         if not out["done"]:
             return None, b"", [], True
-        return out["status"], b"".join(out["head"]), out["parts"], False
+        # An HTTP/1.0 body without a length ends with the connection.
+        return out["status"], b"".join(out["head"]), out["parts"], out["ends"]
 
     async def stop(self, grace_s: float) -> None:
         """Signal every acceptor, wait up to ``grace_s`` for them to exit, kill the rest."""

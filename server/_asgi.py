@@ -26,6 +26,55 @@ def status_line(status: int) -> bytes:
 _STATUS_LINES: dict[int, bytes] = {}
 
 
+def http_scope(version: str, method: str, path: str, raw_path: bytes, query: bytes,
+               headers: list, client, server, state: dict) -> dict:
+    """An ASGI 3 ``http`` scope (``path`` decoded, ``raw_path`` as sent)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": version,
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": raw_path,
+        "query_string": query,
+        "root_path": "",
+        "headers": headers,
+        "client": client,
+        "server": server,
+        "state": dict(state),
+    }
+
+
+def header_lines(message: dict, *, http10: bool, bodiless: bool) -> tuple[list, bool, bool]:
+    """An ``http.response.start``'s headers as wire lines (no status line, no end), and
+    (chunked, ends_with_connection): a body without a Content-Length is chunked for an
+    HTTP/1.1 client and ends with the connection for an HTTP/1.0 one; a 204, a 304 and a
+    HEAD answer have no body. Every transport's one framing."""
+    lines: list = []
+    has_length = False
+    for name, value in message.get("headers", ()):
+        if name.lower() == b"content-length":
+            has_length = True
+        lines += [name, b": ", value, b"\r\n"]
+    open_ended = not has_length and message["status"] not in (204, 304) and not bodiless
+    chunked = open_ended and not http10
+    if chunked:
+        lines.append(b"transfer-encoding: chunked\r\n")
+    return lines, chunked, open_ended and http10
+
+
+def body_parts(message: dict, chunked: bool) -> list:
+    """An ``http.response.body``'s bytes as wire parts (chunks where ``chunked``)."""
+    body = message.get("body", b"")
+    if chunked:
+        parts = [b"%x\r\n" % len(body), body, b"\r\n"] if body else []
+        if not message.get("more_body", False):
+            parts.append(b"0\r\n\r\n")
+        return parts
+    return [body] if body else []
+
+
 def _start(coro) -> asyncio.Task:
     """A task for ``coro`` that runs at once, up to its first wait (Python 3.12+).
 
@@ -125,36 +174,20 @@ class Response:
     async def send(self, message: dict) -> None:
         kind = message["type"]
         if kind == "http.response.start":
-            status = message["status"]
             conn = self.conn
-            lines = [f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\n".encode()]
-            has_length = False
-            for name, value in message.get("headers", ()):
-                if name.lower() == b"content-length":
-                    has_length = True
-                lines += [name, b": ", value, b"\r\n"]
-            if not has_length and status not in (204, 304) and not self.bodiless:
-                if conn.http10:
-                    conn.keep_alive = False  # the body ends with the connection
-                else:
-                    self.chunked = True
-                    lines.append(b"transfer-encoding: chunked\r\n")
-            lines += [conn._connection_line(), b"\r\n"]
+            lines, self.chunked, ends = header_lines(message, http10=conn.http10,
+                                                     bodiless=self.bodiless)
+            if ends:
+                conn.keep_alive = False  # the body ends with the connection
+            lines = [status_line(message["status"]), *lines, conn._connection_line(), b"\r\n"]
             self.pending = [b"".join(lines)]
             self.started = True
         elif kind == "http.response.body":
             body = message.get("body", b"")
             more = message.get("more_body", False)
             size = len(body)
-            if self.bodiless:
-                pass
-            elif self.chunked:
-                if size:
-                    self.pending += [b"%x\r\n" % size, body, b"\r\n"]
-                if not more:
-                    self.pending.append(b"0\r\n\r\n")
-            elif size:
-                self.pending.append(body)
+            if not self.bodiless:
+                self.pending += body_parts(message, self.chunked)
             self.pending_bytes += size
             if not more or self.pending_bytes >= self._FLUSH_BYTES:
                 transport = self.conn.transport

@@ -66,7 +66,15 @@ import httptools
 import numpy as np
 from moegemm.client._errors import APIError, BadField, Overloaded, TooLarge, error_for
 
-from ._asgi import Response, _run_now, _start, leaf_routes, status_line, whole_body_receive
+from ._asgi import (
+    Response,
+    _run_now,
+    _start,
+    http_scope,
+    leaf_routes,
+    status_line,
+    whole_body_receive,
+)
 from ._http_gate import HttpLimits, echoed_id, error_bytes, judge, request_id
 
 log = logging.getLogger("moegemm.server.http")
@@ -396,21 +404,8 @@ class _Connection(asyncio.BufferedProtocol):
             self._refuse(BadField("Transfer-Encoding in an HTTP/1.0 request"))
             return
         decoded = unquote(path.decode("latin-1"))
-        self.scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": version,
-            "method": method,
-            "scheme": "http",
-            "path": decoded,
-            "raw_path": path,
-            "query_string": query,
-            "root_path": "",
-            "headers": self.headers,
-            "client": self.peer,
-            "server": self.local,
-            "state": dict(self.server.state),
-        }
+        self.scope = http_scope(version, method, decoded, path, query, self.headers, self.peer,
+                                self.local, self.server.state)
         self._begin()
         if length != 0:
             # Judged by the bodies held now; this one counts as its bytes arrive (_count).
