@@ -36,7 +36,7 @@ from moegemm.client._errors import APIError, InternalError, TooLarge
 
 from . import routes
 from ._body import MSGPACK
-from ._http_gate import echoed_id
+from ._http_gate import echoed_id, over_budget
 from .metrics import Metrics
 
 log = logging.getLogger("moegemm.server")
@@ -131,9 +131,10 @@ class DirectCalls:
         size = len(body) if len(body) <= self.settings.max_body_bytes else 0
         self.metrics.bytes_in.inc(size)  # received, whether or not the call gets to read it
         budget = self._budget()
-        if size and budget.held and budget.held + size > budget.limit:
+        refusal = over_budget(budget.held, size, budget.limit) if size else None
+        if refusal is not None:
             # The ASGI path refuses before routing: its metrics say "unmatched".
-            return (*_error(budget.over(size), request_id), "unmatched")
+            return (*_error(refusal, request_id), "unmatched")
         budget.held += size
         try:
             if route.kind == "gemm":

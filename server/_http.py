@@ -75,7 +75,7 @@ from ._asgi import (
     status_line,
     whole_body_receive,
 )
-from ._http_gate import HttpLimits, echoed_id, error_bytes, judge, request_id
+from ._http_gate import HttpLimits, echoed_id, error_bytes, judge, over_budget, request_id
 
 log = logging.getLogger("moegemm.server.http")
 
@@ -474,13 +474,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.received += nbytes
         server = self.server
         server.receiving += nbytes
-        held = server.held()
-        if held > self.limits.max_inflight_bytes and held > self.received:
-            return Overloaded(
-                f"{held} bytes of request bodies are held, past the limit of "
-                f"{self.limits.max_inflight_bytes} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
-                retry_after=1)
-        return None
+        return over_budget(server.held() - self.received, self.received,
+                           self.limits.max_inflight_bytes)
 
     def _turn_chunked(self) -> None:
         """Decode up to ``_CHUNKED_TURN`` bytes of the chunked body in the receive buffer, then

@@ -147,13 +147,17 @@ def judge(limits: HttpLimits, method: str, path: str, headers: list[tuple[bytes,
     limit = limits.max_body_bytes
     if size is not None and size > limit:
         return TooLarge(f"the body is {size} bytes; this server takes at most {limit}")
-    need = limit if size is None else size
-    # app.BodyBudget's rule: a lone body is always let in.
-    if held and held + need > limits.max_inflight_bytes:
+    return over_budget(held, limit if size is None else size, limits.max_inflight_bytes)
+
+
+def over_budget(others: int, size: int, limit: int) -> Overloaded | None:
+    """The 503 when a body of ``size`` bytes (received or declared) and the ``others`` held
+    beside it would pass ``limit`` (``MOEGEMM_MAX_INFLIGHT_BYTES``), else None: a lone body
+    is always let in. Every transport's and the app's one rule."""
+    if others and others + size > limit:
         return Overloaded(
-            f"{held} bytes of request bodies are held; {need} more would pass the limit "
-            f"of {limits.max_inflight_bytes} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later",
-            retry_after=1)
+            f"{others} bytes of request bodies are held; {size} more would pass the limit "
+            f"of {limit} (MOEGEMM_MAX_INFLIGHT_BYTES); retry later", retry_after=1)
     return None
 
 

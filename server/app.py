@@ -22,7 +22,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from moegemm.client._errors import APIError, BadField, InternalError, Overloaded
+from moegemm.client._errors import APIError, BadField, InternalError
 from moegemm.kernels import get_backend
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -30,6 +30,7 @@ from starlette.routing import Match
 
 from . import routes, routes_experts
 from ._asgi import leaf_routes
+from ._http_gate import over_budget
 from ._http_gate import request_id as request_id_of
 from .config import Settings, get_settings
 from .engine import EXIT_DEVICE_LOST, Engine
@@ -214,8 +215,9 @@ class BodyBudget:
         if size == 0:
             await self.app(scope, receive, send)
             return
-        if self.held and self.held + size > self.limit:
-            await error_response(self.over(size))(scope, receive, send)
+        refusal = over_budget(self.held, size, self.limit)
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, send)
             return
         got = 0
 
@@ -226,8 +228,9 @@ class BodyBudget:
                 n = len(message.get("body", b""))
                 got += n
                 self.held += n
-                if self.held > self.limit and self.held > got:
-                    raise self.over(0)
+                refusal = over_budget(self.held - got, got, self.limit)
+                if refusal is not None:
+                    raise refusal
             return message
 
         try:
@@ -235,12 +238,6 @@ class BodyBudget:
         finally:
             self.held -= got
 
-    def over(self, size: int) -> Overloaded:
-        """The 503 for ``size`` more bytes (0: the bytes held are already past the limit)."""
-        more = f"; {size} more would pass" if size else ", past"
-        return Overloaded(
-            f"{self.held} bytes of request bodies are held{more} the limit of {self.limit} "
-            f"(MOEGEMM_MAX_INFLIGHT_BYTES); retry later", retry_after=1)
 
 
 class RequestContext:
