@@ -77,7 +77,7 @@ def _install_stamps(out: str) -> None:
     import atexit
     import functools
 
-    from moegemm.server import _direct, _executor, _http, engine, routes
+    from moegemm.server import _direct, _executor, _http_conn, engine, routes
 
     now = time.perf_counter_ns
     current: list = []
@@ -108,7 +108,7 @@ def _install_stamps(out: str) -> None:
                 current.append((leave, now()))
         setattr(cls, attr, wrapped)
 
-    conn = _http._Connection
+    conn = _http_conn._Connection
     sync(conn, "buffer_updated", "read", first=True)
     sync(conn, "_begin_request", "head parsed")
     sync(conn, "_dispatch", "body in")
@@ -494,7 +494,8 @@ async def _transport_us(calls: int) -> float:
     gate, body, dispatch to a direct route answering canned bytes, answer, next),
     in this process's ``moegemm``."""
     from moegemm.server._direct import DirectCalls
-    from moegemm.server._http import FastHttpServer, _Connection
+    from moegemm.server._http import FastHttpServer
+    from moegemm.server._http_conn import _Connection
 
     class Canned:
         match = staticmethod(DirectCalls.match)

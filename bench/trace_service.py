@@ -58,9 +58,9 @@ _current: dict = {}
 
 def _install_stamps() -> None:
     """Wrap the request path of this process (the owner) with stamps."""
-    from moegemm.server import _direct, _executor, _graphs, _http, _staging, engine
+    from moegemm.server import _direct, _executor, _graphs, _http_conn, _staging, engine
 
-    conn = _http._Connection
+    conn = _http_conn._Connection
     orig_updated = conn.buffer_updated
 
     def buffer_updated(self, nbytes):

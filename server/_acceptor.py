@@ -35,7 +35,16 @@ from ._acceptor_shm import (
     _unlink,
 )
 from ._asgi import status_line
-from ._http import _BODY, _HEAD_LIMIT, _RUN, _SCRATCH, _Connection, _error_bytes, _plain_body, sweep
+from ._http_conn import (
+    _BODY,
+    _HEAD_LIMIT,
+    _RUN,
+    _SCRATCH,
+    _Connection,
+    _error_bytes,
+    _plain_body,
+    sweep,
+)
 from ._http_gate import HttpLimits
 
 log = logging.getLogger("moegemm.server.acceptors")

@@ -94,7 +94,8 @@ from ._acceptor_shm import (
     sweep_stale_arenas,
 )
 from ._asgi import body_parts, header_lines, http_scope, whole_body_receive
-from ._http import FastHttpServer, _Connection, _error_bytes, stop_on_signals
+from ._http import FastHttpServer, stop_on_signals
+from ._http_conn import _Connection, _error_bytes
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -476,7 +477,7 @@ class Owner:
 
     async def _run_app(self, meta: dict, headers: list, body: memoryview):
         """The app's answer as (status, header lines, body parts, close); status None
-        when nothing may be written (as ``_http._Connection._run``)."""
+        when nothing may be written (as ``_http_conn._Connection._run``)."""
         scope = http_scope(meta["v"], meta["m"], meta["p"], meta["r"], meta["q"], headers,
                            tuple(meta["c"]) if meta["c"] else None,
                            tuple(meta["sv"]) if meta["sv"] else None, self.server.state)

@@ -8,7 +8,8 @@ import functools
 import pytest
 from moegemm.server._asgi import _run_now
 from moegemm.server._direct import DirectCalls
-from moegemm.server._http import FastHttpServer, _Connection
+from moegemm.server._http import FastHttpServer
+from moegemm.server._http_conn import _Connection
 
 
 def _in_loop(test):

@@ -121,7 +121,7 @@ def test_a_chunked_upload_decoded_over_several_turns(server):
     # _CHUNKED_TURN bytes. The answer is the Content-Length call's, bit for bit; a request sent
     # behind the upload in the same write is not served and the connection closes after the
     # upload's answer (the module's rule).
-    from moegemm.server._http import _CHUNKED_TURN
+    from moegemm.server._http_conn import _CHUNKED_TURN
 
     gen = torch.Generator().manual_seed(torch.seed())
     body = _demo_body(300, gen)[0]
@@ -192,7 +192,7 @@ def test_the_timeout_sweep_keeps_no_connection_alive():
     server)."""
     import weakref
 
-    from moegemm.server._http import sweep
+    from moegemm.server._http_conn import sweep
     from moegemm.server._http_gate import HttpLimits
 
     class Conn:
