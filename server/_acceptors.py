@@ -5,7 +5,7 @@ I/O and per-call Python (``bench/SERVICE_NOTES.md``). With
 ``MOEGEMM_ACCEPTORS=N`` (default 0: none of this runs) the server process, the
 *owner*, binds the public port with SO_REUSEPORT and spawns N acceptor
 processes that bind it too, so the kernel spreads connections over N+1
-processes. An acceptor parses HTTP with the same transport (``_http.py``) and
+processes. An acceptor parses HTTP with the same connection (``_http_conn.py``) and
 forwards every request it reads to the owner over a private Unix socket; the
 owner answers it with its own ``DirectCalls`` or app, exactly as if it had read
 the request itself, and the acceptor writes the answer. Acceptors import no
