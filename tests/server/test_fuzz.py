@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from moegemm.client._errors import BadDtype, BadMsgpack, BadTensor, InvalidRequest
 from moegemm.client._wire import DTYPES, decode_tensor, packb, unpackb
 from moegemm.server import Settings
-from moegemm.server.routes import _tensor
+from moegemm.server.routes import tensor_field
 from server_support import MSGPACK, close_to, fp8_problem, out_of, reference, serve, wire
 
 N, K, G = 128, 256, 3
@@ -174,7 +174,7 @@ def test_unpackb_returns_a_map_or_raises_bad_msgpack(body):
 @given(st.one_of(tensors(), values))
 def test_tensor_maps_decode_or_raise_their_code(obj):
     try:
-        t = _tensor({"t": obj}, "t")
+        t = tensor_field({"t": obj}, "t")
     except (BadTensor, BadDtype):
         return
     wire_t = decode_tensor(obj)
@@ -185,7 +185,7 @@ def test_tensor_maps_decode_or_raise_their_code(obj):
 def test_routes_refuse_dims_torch_cannot_hold():
     for shape in ([2**63, 0], [0, 2**64 - 1]):
         with pytest.raises(InvalidRequest):
-            _tensor({"t": {"dtype": "float32", "shape": shape, "data": b""}}, "t")
+            tensor_field({"t": {"dtype": "float32", "shape": shape, "data": b""}}, "t")
 
 
 # -- the endpoints, over HTTP -------------------------------------------------------------
