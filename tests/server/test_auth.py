@@ -154,3 +154,19 @@ def test_the_client_sends_its_token(both, problem):
             12, N)
     with Client(both.url, token="wrong") as c, pytest.raises(Unauthorized):
         c.weights()
+
+
+def test_a_token_outside_ascii_is_its_utf8_bytes_on_every_path(problem):
+    """A header carries bytes; a configured token is compared as its UTF-8 bytes, by the gate
+    (a body's head) and by the app's dependencies alike (the app read the header as latin-1
+    text and re-encoded it as UTF-8, so such a token was refused on calls without a body)."""
+    token = "t\u00f6k\u00e9n-7"
+    with serve(Settings(device="cpu", demo=False, token=token)) as srv:
+        raw = {"authorization": b"Bearer " + token.encode()}
+        assert srv.http.get("/v1/info", headers=raw).status_code == 200
+        assert srv.http.get("/v1/weights", headers=raw).status_code == 200
+        body = {"w": wire(problem.wq), "w_scale": wire(problem.w_scale)}
+        assert srv.put("base", body, headers=raw).status_code == 201
+        assert srv.gemm("base", _call(problem), headers=raw).status_code == 200
+        assert_error(srv.http.get("/v1/info", headers={"authorization": b"Bearer t\xf6k\xe9n-7"}),
+                     401, "unauthorized")  # its latin-1 bytes are another token
