@@ -3,8 +3,9 @@ transport without the ASGI stack.
 
 ``POST /v1/weights/{name}/gemm`` and ``POST /v1/experts/{name}/{ffn,moe}`` are the
 service's hot paths, and on the request path Starlette and FastAPI cost more than
-everything else on the host: measured on this repo's CPU box with the kernel replaced by a no-op, the
-middleware, routing and dependency machinery took ~40 % of the server's time
+everything else on the host: measured on this repo's CPU box with the kernel
+replaced by a no-op, the middleware, routing and dependency machinery took ~40 % of
+the server's time
 per call (py-spy, ``bench/SERVICE_NOTES.md``, v2). The fast transport
 (``_http.py``) therefore hands these routes to :class:`DirectCalls`, which
 does, in the same order and with the same helpers, what the ASGI path does:
@@ -19,9 +20,9 @@ does, in the same order and with the same helpers, what the ASGI path does:
 
 Errors become the same SPEC 2.2 JSON as ``app.error_response`` makes (it is
 used for the bytes); anything unexpected is logged and answered 500. The
-contract does not change with the transport: the whole API and error suites
-run against both (``tests/server/test_http_transport.py``). uvicorn (the
-tests' and the benchmarks' peer) serves these routes through FastAPI.
+contract does not change with the transport: every server suite runs on this
+one, and the contract's suites also under uvicorn (``tests/server/*_uvicorn.py``),
+which serves these routes through FastAPI (``--http uvicorn``, the benchmarks' peer).
 """
 
 from __future__ import annotations
