@@ -22,7 +22,7 @@ Errors become the same SPEC 2.2 JSON as ``app.error_response`` makes (it is
 used for the bytes); anything unexpected is logged and answered 500. The
 contract does not change with the transport: every server suite runs on this
 one, and the contract's suites also under uvicorn (``tests/server/*_uvicorn.py``),
-which serves these routes through FastAPI (``--http uvicorn``, the benchmarks' peer).
+which serves these routes through FastAPI (the benchmarks' peer, ``bench/uvicorn_peer.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Flags override the environment (``MOEGEMM_*``); anything without a flag is
 still read from it. The transport is ``_http.py``'s, the only one that ships
-(uvicorn serves the same app in the tests and as the benchmarks' peer,
+(uvicorn serves the same app in the contract suites' reruns and as the benchmarks' peer,
 ``bench/uvicorn_peer.py``).
 """
 

@@ -123,8 +123,8 @@ def serve(settings: Settings, wait: bool = True) -> Iterator[Running]:
 
 @contextmanager
 def serve_uvicorn(settings: Settings, wait: bool = True) -> Iterator[Running]:
-    """The same app under uvicorn (``moegemm serve --http uvicorn``, and the benchmarks'
-    peer), on a free port in a thread; stopped on exit."""
+    """The same app under uvicorn (the benchmarks' peer), on a free port in a thread;
+    stopped on exit."""
     port = _free_port()
     app = create_app(settings)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

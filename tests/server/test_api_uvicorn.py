@@ -1,5 +1,5 @@
-"""The API and error suites again, under uvicorn (``moegemm serve --http uvicorn``, and the
-benchmarks' peer) instead of the fast transport: same app, same contract."""
+"""The API and error suites again, under uvicorn (the benchmarks' peer) instead of the fast
+transport: same app, same contract."""
 
 from __future__ import annotations
 

@@ -270,7 +270,8 @@ def test_acceptors_default_to_four_on_a_gpu():
 def test_no_setting_only_picks_an_implementation():
     """Issue 16: graphs are how a GPU runs calls, the fast transport is what ships and
     the kernels pick their backend per device; none of them is a deployment's choice
-    (uvicorn serves the same app in the tests and as the benchmarks' peer)."""
+    (uvicorn serves the same app in the contract suites' *_uvicorn reruns and as the
+    benchmarks' peer)."""
     for name in ("graphs", "http", "backend"):
         assert name not in Settings.model_fields
         with pytest.raises(ValidationError):

@@ -1,4 +1,4 @@
-"""The expert-set error suite again, under uvicorn (``moegemm serve --http uvicorn``)."""
+"""The expert-set error suite again, under uvicorn (the benchmarks' peer)."""
 
 from __future__ import annotations
 

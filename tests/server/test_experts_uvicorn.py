@@ -1,4 +1,4 @@
-"""The expert-set API suite again, under uvicorn (``moegemm serve --http uvicorn``) instead of
+"""The expert-set API suite again, under uvicorn (the benchmarks' peer) instead of
 the fast transport: same app, same contract."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One fixture, ``target``, runs each test on the three (as uvicorn's own tests run
 every protocol case on each implementation): ``fast`` (``moegemm serve
 --acceptors 0``, its own process), ``acceptors`` (``moegemm serve --acceptors 1``,
 connections taken on the acceptor where a test needs one) and ``uvicorn``
-(httptools in a thread here, as ``moegemm serve --http uvicorn``). The
+(httptools in a thread here, as the benchmarks' peer runs it). The
 catalogue: request smuggling and framing shapes, slowloris heads and bodies,
 1000 idle keep-alive connections, clients that pipeline and never read, huge
 declared bodies without a token, 1-byte chunks. Ours must be at least as strict as uvicorn (every framing case is
@@ -109,7 +109,7 @@ class Target:
 
 
 class _Uvicorn(Target):
-    """What ``moegemm serve --http uvicorn`` runs, in a thread of this process."""
+    """uvicorn with httptools (the benchmarks' peer), in a thread of this process."""
 
     kind = "uvicorn"
 
