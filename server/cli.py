@@ -15,7 +15,7 @@ import sys
 
 from pydantic import ValidationError
 
-from .config import Settings, unknown_environment
+from .config import Settings, shown, unknown_environment
 
 # The exit status when the address cannot be listened on (a port taken, a host not this one's).
 EXIT_CANNOT_LISTEN = 1
@@ -59,7 +59,25 @@ def _parser() -> argparse.ArgumentParser:
                        help="acceptor processes sharing the port (default: 4 on a GPU, "
                             "0 on the CPU)")
     serve.add_argument("--log-level", dest="log_level")
+    # Each setting's flag, for messages (argparse keeps its actions in a private list).
+    parser.flags = {action.dest: action.option_strings[0] for action in serve._actions
+                    if action.option_strings and action.dest != "help"}
     return parser
+
+
+def settings_problems(exc: ValidationError) -> str:
+    """Each invalid setting named as an operator sets it (``MOEGEMM_PORT``, ``--port``), with
+    pydantic's reason and the value given, a line each (no documentation links)."""
+    flags = _parser().flags
+    lines = []
+    for error in exc.errors(include_url=False):
+        field = str(error["loc"][0]) if error["loc"] else None
+        if field is None:  # a rule over several settings: its message says which
+            lines.append(f"  {error['msg']}")
+            continue
+        name = f"MOEGEMM_{field.upper()}" + (f" (or {flags[field]})" if field in flags else "")
+        lines.append(f"  {name}: {error['msg']} (got {shown(error.get('input'))})")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = parse_settings(argv)
     except ValidationError as exc:
-        print(f"moegemm serve: invalid settings:\n{exc}", file=sys.stderr)
+        print(f"moegemm serve: invalid settings:\n{settings_problems(exc)}", file=sys.stderr)
         return 2
     return serve(settings)
 

@@ -141,9 +141,15 @@ def test_a_second_signal_while_stopping_exits_at_once():
     assert done.returncode == 128 + 2  # the second signal's, SIGINT
 
 
-def test_cli_refuses_bad_settings(capsys):
+def test_cli_refuses_bad_settings_naming_them_as_an_operator_sets_them(capsys, monkeypatch):
     assert server_cli.main(["serve", "--port", "-5"]) == 2
-    assert "invalid settings" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "invalid settings" in err and "MOEGEMM_PORT (or --port)" in err and "(got -5)" in err
+    monkeypatch.setenv("MOEGEMM_MAX_BUCKET_M", "100")
+    assert server_cli.main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "MOEGEMM_MAX_BUCKET_M (or --max-bucket-m)" in err and "power of two" in err
+    assert "pydantic.dev" not in err  # no documentation links in an operator's message
 
 
 def test_moegemm_serve_runs_a_server():
