@@ -12,17 +12,14 @@ import pytest
 # their helpers by this (unique) module name.
 sys.path.insert(0, str(Path(__file__).parent))
 
-from moegemm.server import Settings
-from server_support import Running, serve
+from server_support import Running, demo_settings, serve
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Running]:
     """A CPU server with the demo set and a weights directory."""
     root = tmp_path_factory.mktemp("weights")
-    settings = Settings(device="cpu", weights_dir=root, demo=True, max_body_bytes=8 << 20,
-                        max_m=4096, max_bucket_m=256)
-    with serve(settings) as running:
+    with serve(demo_settings(root)) as running:
         running.weights_dir = root
         yield running
 

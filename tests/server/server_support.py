@@ -81,6 +81,12 @@ class Running:
                               **kw)
 
 
+def demo_settings(root) -> Settings:
+    """The settings of the suites' shared CPU server: the demo set, weights directory ``root``."""
+    return Settings(device="cpu", weights_dir=root, demo=True, max_body_bytes=8 << 20,
+                    max_m=4096, max_bucket_m=256)
+
+
 @contextmanager
 def serve(settings: Settings, wait: bool = True) -> Iterator[Running]:
     """The app behind the transport ``moegemm serve`` runs (``FastHttpServer`` with its direct

@@ -25,11 +25,15 @@ from moegemm.server import Settings
 from server_support import assert_error, out_of, serve, wire
 
 
+def expert_settings(root) -> Settings:
+    """The expert suite's CPU server: no demo set, bodies up to 32 MiB."""
+    return Settings(device="cpu", weights_dir=root, demo=False, max_body_bytes=32 << 20,
+                    max_m=4096, max_bucket_m=256)
+
+
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    settings = Settings(device="cpu", weights_dir=tmp_path_factory.mktemp("w"), demo=False,
-                        max_body_bytes=32 << 20, max_m=4096, max_bucket_m=256)
-    with serve(settings) as running:
+    with serve(expert_settings(tmp_path_factory.mktemp("w"))) as running:
         yield running
 
 

@@ -8,28 +8,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 import torch
 from moegemm.client import Client
 from moegemm.client._wire import encode_tensor, packb, unpackb
 from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
-from moegemm.server import Settings
-from server_support import MSGPACK, Running, serve
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Running]:
-    """The same CPU server as conftest's (the fast transport)."""
-    root = tmp_path_factory.mktemp("weights")
-    settings = Settings(device="cpu", weights_dir=root, demo=True, max_body_bytes=8 << 20,
-                        max_m=4096, max_bucket_m=256)
-    with serve(settings) as running:
-        running.weights_dir = root
-        yield running
+from server_support import MSGPACK, Running
 
 
 def _raw(server: Running, data: bytes, reads: int = 1, timeout: float = 20) -> bytes:
