@@ -330,3 +330,25 @@ def test_every_setting_has_a_row_in_the_readme():
     missing = [name for name in Settings.model_fields
                if not any(f"`MOEGEMM_{name.upper()}`" in row for row in rows)]
     assert not missing, f"settings without a README row: {missing}"
+
+
+def test_the_parts_built_without_settings_default_as_the_settings_do():
+    """HttpLimits, WeightLimits and Engine keep their own defaults (tests and the bench build
+    them without a Settings); they must be the server's, or a test measures another server."""
+    import dataclasses
+    import inspect
+
+    from moegemm.server._http_gate import HttpLimits
+    from moegemm.server.engine import Engine
+    from moegemm.server.store import WeightLimits
+
+    s = Settings()
+    http = dataclasses.replace(HttpLimits.from_settings(s), tokens=(), admin_token=None)
+    assert HttpLimits() == http
+    weights = WeightLimits()
+    assert (weights.max_g, weights.max_n, weights.max_k, weights.max_total_bytes) == (
+        s.max_g, s.max_n, s.max_k, s.max_weight_bytes)
+    engine = {name: p.default for name, p in inspect.signature(Engine).parameters.items()}
+    assert (engine["queue_size"], engine["max_m"], engine["max_bucket_m"],
+            engine["merge_window_us"], engine["switch_interval_us"], list(engine["moe_top_k"])) == (
+        s.queue_size, s.max_m, s.max_bucket_m, s.merge_window_us, s.gil_switch_us, s.moe_top_k)
