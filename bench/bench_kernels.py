@@ -6,8 +6,9 @@
 Ours is the server's captured graph for the call's bucket (``service_us``):
 a ``GraphPool`` as the server builds it (triton backend, weights by address),
 the call's rows in its buffers, the graph replayed as ``Executor`` replays it
-(check kernel, GEMM with the output stored in the callers' order: everything
-the graph does). Its output must equal the public ``grouped_gemm``'s bit for
+(a lone call's: the GEMM checking the rows itself, or the check kernel before a
+``persistent_ws`` GEMM; the output stored in the callers' order: everything the
+graph does). Its output must equal the public ``grouped_gemm``'s bit for
 bit (``public_us`` beside it: the public function alone, graph-captured).
 Peers in the same run: MSLK's CUTLASS kernel (``mslk-cuda`` 1.1.0, when
 importable), ``torch._scaled_grouped_mm`` (rowwise scales, a coarser recipe,
@@ -197,10 +198,11 @@ def _compile_one(job) -> str:
         if service:
             rows = torch.zeros((m, 2), dtype=torch.int64, device=DEV)[:, 1]
             plans = [tk.launch_plan(xq, words[:2], xs, words[:2], sizes, out, n, g, cfg, True, words[2:], rows)]
-            if cfg.swap_ab:  # a lone call's graph: the rows' check inside the kernel
+            if cfg.checks_rows:  # a lone call's graph: the rows' check inside the kernel (a decode
+                # tile keeps the row map, a persistent one stores in place)
                 flags = torch.empty(m, dtype=torch.int8, device=DEV)
                 plans.append(tk.launch_plan(xq, words[:2], xs, words[:2], sizes, out, n, g, cfg, True, words[2:],
-                                            rows, flags))
+                                            rows if cfg.swap_ab else None, flags))
         else:
             w = torch.empty(16, dtype=FP8, device=DEV)
             ws = torch.empty(16, dtype=torch.float32, device=DEV)
@@ -312,9 +314,8 @@ def form_plan(form: str, ops: dict, out: torch.Tensor, config):
     """The launch plan of ``config`` on ``ops`` (:func:`case_operands`) into ``out`` in one of the
     forms a launch takes: ``public`` (plain pointers), ``svc`` (activations and weights by address,
     stored in place: a lone prefill call's graph in the server), ``map`` (the same through an
-    identity row map: the server's merged calls) or ``lone`` (``map`` with the rows' check inside:
-    a lone decode call's graph, which keeps the row map on a decode tile; the decode tiles
-    only)."""
+    identity row map: the server's merged calls) or ``lone`` (a lone call's graph: the rows'
+    check inside, with the row map on a decode tile, stored in place on a persistent one)."""
     from moegemm.kernels import triton_kernel as tk
 
     xq, wq, x_scale, w_scale, sizes = ops["xq"], ops["wq"], ops["x_scale"], ops["w_scale"], ops["sizes"]
@@ -322,7 +323,8 @@ def form_plan(form: str, ops: dict, out: torch.Tensor, config):
     if form == "public":
         return tk.launch_plan(xq, wq, x_scale, w_scale, sizes, out, n, g, config, addrs=False)
     words = torch.tensor([xq.data_ptr(), x_scale.data_ptr()], dtype=torch.int64, device=DEV)
-    rows = torch.arange(xq.shape[0], dtype=torch.int64, device=DEV) if form in ("map", "lone") else None
+    mapped = form == "map" or (form == "lone" and config.swap_ab)
+    rows = torch.arange(xq.shape[0], dtype=torch.int64, device=DEV) if mapped else None
     flags = torch.zeros(xq.shape[0], dtype=torch.int8, device=DEV) if form == "lone" else None
     return tk.launch_plan(xq, tk.weight_addresses(wq, w_scale), x_scale, w_scale, sizes, out, n, g, config,
                           addrs=True, x_words=words, out_rows=rows, flags=flags)

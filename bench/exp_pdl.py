@@ -97,8 +97,8 @@ def main() -> None:
 
         def inside():
             # Planned at the first call (capture's warm-up, outside the capture: the plan copies
-            # words to the device), only when the form is asked for: a persistent tile takes
-            # flags only with bench/prepared/checked_inside_persistent.patch applied.
+            # words to the device), only when the form is asked for: every tile but persistent_ws
+            # takes flags (TileConfig.checks_rows).
             if not planned:
                 words = torch.tensor([xq.data_ptr(), xs.data_ptr()], dtype=torch.int64, device=bk.DEV)
                 planned["plan"] = tk.launch_plan(

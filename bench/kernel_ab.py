@@ -8,10 +8,10 @@ one), in one process, on the same data: the same bits asserted, then both timed.
 For each case whose table tile is a kernel of that module (named as the copy's file), both
 kernels are launched as ``triton_kernel.launch_plan`` plans them, in two forms: ``public``
 (plain pointers, the public function) and ``svc`` (activations and weights by address, stored
-in place: a lone prefill call's graph in the server); ``--forms`` may add ``map`` (the same
-through an identity row map: the server's merged calls) and, for the decode tiles, ``lone``
-(``map`` with the rows' check inside: a lone decode call's graph; its flags are compared as
-well as the output). Timed as ``bench_kernels.time_us`` (median over CUDA-graph
+in place); ``--forms`` may add ``map`` (the same through an identity row map: the server's
+merged calls) and ``lone`` (a lone call's graph: the rows' check inside, through the row map on
+a decode tile, in place on a persistent one; its flags are compared as well as the output; a
+base copy whose kernel takes no flags writes none, and differs). Timed as ``bench_kernels.time_us`` (median over CUDA-graph
 replays of back-to-back launches), base and new alternating, ``--rounds`` rounds (2). ``--variant``: more
 copies of the module, timed beside them (the ratios are base over each). Never collected by
 pytest.
@@ -72,7 +72,7 @@ def main() -> None:
             continue
         ops = bk.case_operands(case, gen)
         fns, outs, flags = {}, {}, {}
-        forms = [f for f in form_names if f != "lone" or config.swap_ab]  # lone: the decode tiles'
+        forms = [f for f in form_names if f != "lone" or config.checks_rows]
         for form in forms:
             for which, module in modules.items():
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)

@@ -67,8 +67,8 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     """``cfg``'s kernel compiled as ``triton_kernel._launch`` would launch it on (m, n, k, g);
     ``addrs``: the weights by address; ``service``: also the activations by address and
     (``row_map``, else stored in place: a lone prefill call's graph) the output through a row
-    map, as a server graph launches it; ``out``: bf16 or fp32; ``flags``: a decode tile with the
-    rows' check inside (a lone call's graph); ``extra``: more constexprs (an experiment's)."""
+    map, as a server graph launches it; ``out``: bf16 or fp32; ``flags``: the rows' check
+    inside (a lone call's graph: in place on a persistent tile); ``extra``: more constexprs (an experiment's)."""
     from moegemm.kernels import triton_kernel as tk
 
     fn = tk.SCHEDULES[cfg.schedule]
@@ -99,14 +99,14 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
         consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, PRELOAD=cfg.preload,
                       CHUNK=tk.scale_chunk(cfg, k) if cfg.preload else 16, GROUP_TILES_M=cfg.group_tiles_m,
                       FLAGS=flags, KB_POW2=tk._next_pow2(k // 128) if flags else 1)
-    elif cfg.schedule == "persistent_ws":
+    elif cfg.schedule == "persistent_ws":  # no check inside (triton_kernel.checks_rows)
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
-    elif cfg.schedule == "persistent_tma" or cfg.schedule in tk.GLUON_SCHEDULES:
+    else:  # the other persistent schedules
         sig["work_ptr"] = "*i32"
         divisible.append("work_ptr")
-        consts.update(GROUP_TILES_M=cfg.group_tiles_m)
-    else:
-        consts.update(GROUP_TILES_M=cfg.group_tiles_m)
+        sig["flags_ptr"] = "*i8" if flags else "*i64"  # a lone call's graph: the check inside
+        divisible.append("flags_ptr")
+        consts.update(GROUP_TILES_M=cfg.group_tiles_m, FLAGS=flags)
     consts.update(extra or {})
     # Keep the kernel's argument order (the signature dict is ordered by the caller).
     order = list(fn.arg_names)
@@ -146,14 +146,14 @@ def k_loop_local_loads(kernel) -> int:
 
 
 def report(cfg, m, n, k, g, addrs: bool = False, service: bool = False, out: str = "bf16",
-           row_map: bool = True) -> dict:
+           row_map: bool = True, flags: bool = False) -> dict:
     """Registers (for Gluon: the entry cap; setmaxnreg hands the consumers their share), spills,
     serialisation warnings, shared memory, partitions and the wgmma count of one compiled form
     (Gluon: also the K loops' local-memory loads)."""
     from moegemm.kernels import triton_kernel as tk
 
     try:
-        kernel = compile_config(cfg, m, n, k, g, addrs, service, out, row_map)
+        kernel = compile_config(cfg, m, n, k, g, addrs, service, out, row_map, flags)
     except Exception as exc:  # noqa: BLE001  report and go on
         return {"config": cfg.key(), "error": str(exc).splitlines()[-1][:160]}
     ptx = kernel.asm["ptx"]
@@ -208,13 +208,15 @@ def moe_token_report(G: int, H: int, I: int, k: int, fp8_in: bool) -> list[dict]
     return found
 
 
-GLUON_FORMS = [(addrs, service, row_map, out)
-               for addrs, service, row_map in ((False, False, False), (True, False, False), (True, True, False),
-                                               (True, True, True))
-               for out in ("bf16", "fp32")]
+GLUON_FORMS = [(addrs, service, row_map, flags, out)
+               for addrs, service, row_map, flags in ((False, False, False, False), (True, False, False, False),
+                                                      (True, True, False, False), (True, True, False, True),
+                                                      (True, True, True, False))
+               for out in ("bf16", "fp32") if not (flags and out == "fp32")]
 """Every form a launch of ``gluon_ws`` takes: plain pointers (the public function), the weights by
-address (ADDRS: the expert FFN's), the server gemm graph's lone call (ADDRS + X_WORDS, stored in
-place) and merged calls (with ROW_MAP); bf16 and float32 out."""
+address (ADDRS: the expert FFN's), the activations by address stored in place (ADDRS + X_WORDS),
+the server gemm graph's lone call (that with the rows' check inside, FLAGS: bf16 out) and merged
+calls (with ROW_MAP); bf16 and float32 out."""
 
 
 def main() -> None:
@@ -250,11 +252,12 @@ def main() -> None:
             table = tk.default_config(m, n, k, g)
             for schedule in tk.GLUON_SCHEDULES:  # gluon_ws and its issue-15 variants, on its tile
                 cfg = replace(table, schedule=schedule)  # the table's tile
-                for addrs, service, row_map, out in GLUON_FORMS:
+                for addrs, service, row_map, flags, out in GLUON_FORMS:
                     if schedule == "gluon_ws_store" and out == "fp32":
                         continue  # tile_for_out runs it as gluon_ws
                     print(f"{schedule} m{m} n{n} k{k} g{g} addrs={addrs} service={service} row_map={row_map} "
-                          f"{out}", report(cfg, m, n, k, g, addrs, service, out, row_map), flush=True)
+                          f"flags={flags} {out}", report(cfg, m, n, k, g, addrs, service, out, row_map, flags),
+                          flush=True)
         return
     import bench_kernels as bk
 

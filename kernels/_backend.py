@@ -79,9 +79,10 @@ class Backend:
       holding the activations' and scales' base addresses (``xq``/``x_scale``
       then give only shape and strides); ``out_rows``: int64 ``[M]``, row r
       stored at ``out[out_rows[r]]``. Same kernel, same tile, same bits as ``run``.
-      ``flags`` (int8, only where ``persistent`` is False for the launch): the
-      launch also writes each grouped row's scale check (``bad_rows`` of fp8 rows)
-      at its stored place, so a lone call's graph needs no check kernel.
+      ``flags`` (int8; only where ``checks_rows`` is True for the launch, and where
+      ``persistent`` is too only with no ``out_rows``): the launch also writes each grouped row's scale check
+      (``bad_rows`` of fp8 rows) at its stored place, so a lone call's graph needs
+      no check kernel.
     - ``check_and_gather(x, x_scale, gather, x_out, scale_out, flags, *,
       regroup=None)``: one kernel that checks the rows' contents (the server's
       ``bad_rows``) and regroups them (``x_out = x[gather]``; not at all when
@@ -91,9 +92,11 @@ class Backend:
       ``x_scale``, and ``flags[gather[r]]`` set as ``bad_rows`` sets it, in one
       kernel; capture-safe.
     - ``persistent(m, n, k, g)``: whether a launch of ``m`` rows runs a persistent tile
-      (one program per SM slot for the whole launch): the server's lone-call check then
-      runs as a kernel before it (beside it, it would hold SMs the GEMM's programs wait
-      for); on other tiles ``run_addressed`` checks the rows itself (``flags``).
+      (one program per SM slot for the whole launch): a lone call's graph then stores
+      its rows in place (they are in group order).
+    - ``checks_rows(m, n, k, g)``: whether a bf16 launch of ``m`` rows can check the rows
+      itself (``run_addressed``'s ``flags``): a lone call's graph is then that one kernel;
+      where it cannot, the server's check kernel runs before it.
     - ``tile_key(m, n, k, g, out_dtype)``: a key of the tile (schedule, tile
       sizes, split-K) a launch of ``m`` rows runs: launches whose keys are
       equal compute each output row alike, bit for bit, whatever the other
@@ -119,5 +122,6 @@ class Backend:
     gather_quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     tile_key: Callable[[int, int, int, int, torch.dtype], Hashable] | None = None
     persistent: Callable[[int, int, int, int], bool] | None = None
+    checks_rows: Callable[[int, int, int, int], bool] | None = None
     ffn: FfnKernels | None = None
     ahead: CompileAhead | None = None

@@ -354,10 +354,28 @@ def _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stri
 
 
 @gluon.jit
-def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.constexpr, mma_layout: gl.constexpr):
+def _bad_scales(sx):
+    """1 where an activation scale is not finite and > 0 (the server's check of fp8 rows,
+    ``_triton_gemm.scale_flags`` one block at a time), else 0 (int32)."""
+    return (~((sx > 0.0) & (sx <= 3.4028234663852886e38))).to(gl.int32)
+
+
+@gluon.jit
+def _store_flags(flags_ptr, dest, rows, row_stop, tile_n, bad, FLAGS: gl.constexpr):
+    """``FLAGS`` (a lone call's graph: the rows' check in the GEMM, no check kernel before it):
+    the consumer's rows' flags, 2 (``BAD_SCALE``) where a scale of the row was bad, at the row's
+    stored place; written by the first column tile only, so each row once."""
+    if FLAGS:
+        gl.store(flags_ptr + dest, (bad * 2).to(gl.int8), mask=(rows < row_stop) & (tile_n == 0))
+
+
+@gluon.jit
+def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.constexpr, mma_layout: gl.constexpr,
+               FLAGS: gl.constexpr):
     """One consumer's two 64 x 128 sums of a tile, both Gluon kernels' K loop (one order of
     operations, so one set of bits). Returns (columns 0-127, columns 128-255, the ring position after
-    the tile).
+    the tile, and with ``FLAGS`` its rows' check: 1 where a scale the loop read was bad, the
+    scales it loads anyway, so the check costs a compare a block and no load).
 
     A consumer none of whose 64 rows is a row of the tile's group (``live`` false: the second
     half of a group's last row tile of 64 rows or fewer) runs no wgmma; it only turns the ring
@@ -377,8 +395,11 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.cons
     sx = gl.load(xs_row)
     sw = gl.load(ws_col)
     sw_b = gl.load(ws_col + 1)
+    bad = gl.zeros_like(sx.to(gl.int32))
     mma_kb = num_kb * live.to(gl.int32)
     for kb in range(mma_kb):
+        if FLAGS:
+            bad = bad | _bad_scales(sx)
         s = sx * sw
         s_b = sx * sw_b
         kn = gl.minimum(kb + 1, num_kb - 1)
@@ -398,13 +419,13 @@ def _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, live, HALF: gl.cons
         slot = _ready(ready, it, STAGES)
         mbarrier.arrive(empty.index(slot), count=1)
         it += 1
-    return acc, acc_b, it
+    return acc, acc_b, it, bad
 
 
 @gluon.jit
-def _mma_partition(bufs, tiles_ring, table_ptr, scalars, srcs, out_ptr, map_ptr, HALF: gl.constexpr,
+def _mma_partition(bufs, tiles_ring, table_ptr, scalars, srcs, out_ptr, map_ptr, flags_ptr, HALF: gl.constexpr,
                    G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, ROW_MAP: gl.constexpr,
-                   ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
+                   ADDRS: gl.constexpr, X_WORDS: gl.constexpr, FLAGS: gl.constexpr):
     """One consumer warpgroup of ``gluon_ws``: rows ``[HALF * 64, HALF * 64 + 64)`` of every tile
     the producer claims for this program (its number, :func:`_take_tile`), stored by this warpgroup.
 
@@ -442,9 +463,11 @@ def _mma_partition(bufs, tiles_ring, table_ptr, scalars, srcs, out_ptr, map_ptr,
         else:
             dest = rows  # unused: the store numbers the rows itself
         top = first_row + HALF * ROWS
-        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, top < row_stop, HALF, mma_layout)
+        acc, acc_b, it, bad = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, top < row_stop, HALF,
+                                         mma_layout, FLAGS)
         _store(acc_b, out_ptr, dest, top, tile_n * BN + 128, row_stop, stride_om, ROW_MAP, out_layout)
         _store(acc, out_ptr, dest, top, tile_n * BN, row_stop, stride_om, ROW_MAP, out_layout)
+        _store_flags(flags_ptr, dest, rows, row_stop, tile_n, bad, FLAGS)
         i += 1
         t, _group, _first_row, _tile_n, _row_stop = _take_tile(tiles_ring, i)
 
@@ -479,12 +502,12 @@ def _prologue(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, s
 
 
 @gluon.jit
-def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
+def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr, flags_ptr,
                     M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
                     stride_map,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G_POW2: gl.constexpr,
                     GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr, ADDRS: gl.constexpr,
-                    X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
+                    X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr, FLAGS: gl.constexpr = False):
     """Persistent warp-specialised grouped GEMM: one program per SM, 128 x 256 tiles (module doc).
 
     ``stride_wg`` is unused (the weight descriptor spans all groups' rows); it keeps the
@@ -499,10 +522,10 @@ def gluon_ws_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr,
     TOP: gl.constexpr = 0
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
-        (_mma_partition, (bufs, tiles_ring, table, scalars, srcs, out_ptr, map_ptr, TOP, G_POW2, GROUP_TILES_M,
-                          ROW_MAP, ADDRS, X_WORDS)),
-        (_mma_partition, (bufs, tiles_ring, table, scalars, srcs, out_ptr, map_ptr, BOTTOM, G_POW2, GROUP_TILES_M,
-                          ROW_MAP, ADDRS, X_WORDS)),
+        (_mma_partition, (bufs, tiles_ring, table, scalars, srcs, out_ptr, map_ptr, flags_ptr, TOP, G_POW2,
+                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS, FLAGS)),
+        (_mma_partition, (bufs, tiles_ring, table, scalars, srcs, out_ptr, map_ptr, flags_ptr, BOTTOM, G_POW2,
+                          GROUP_TILES_M, ROW_MAP, ADDRS, X_WORDS, FLAGS)),
         (_load_partition, (descs, bufs, tiles_ring, table, counters, tiles, N, K, G_POW2, GROUP_TILES_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -558,8 +581,8 @@ def _stage(acc, acc_b, staging, i, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _staging_mma_partition(bufs, tiles_ring, staging, scalars, srcs, HALF: gl.constexpr,
-                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr):
+def _staging_mma_partition(bufs, tiles_ring, staging, scalars, srcs, flags_ptr, HALF: gl.constexpr,
+                           ADDRS: gl.constexpr, X_WORDS: gl.constexpr, FLAGS: gl.constexpr):
     """A consumer warpgroup of ``gluon_ws_store``: the tile from the ring, its sums staged in shared
     memory for the store warps."""
     a_bufs, b_bufs, _ready, _empty = bufs
@@ -578,11 +601,12 @@ def _staging_mma_partition(bufs, tiles_ring, staging, scalars, srcs, HALF: gl.co
     _t, group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
     while group >= 0:
         xs_base, ws_base = _scale_bases(srcs, ADDRS, X_WORDS)
-        _rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
+        rows, xs_row, ws_col = _tile_scales(xs_base, ws_base, group, first_row, tile_n, M, stride_xsm, stride_wsg,
                                             HALF, ROWS, BN, row_layout)
-        acc, acc_b, it = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb, first_row + HALF * ROWS < row_stop,
-                                    HALF, mma_layout)
+        acc, acc_b, it, bad = _tile_sums(bufs, it, xs_row, ws_col, stride_wsk, num_kb,
+                                         first_row + HALF * ROWS < row_stop, HALF, mma_layout, FLAGS)
         _stage(acc, acc_b, staging, i, HALF)
+        _store_flags(flags_ptr, rows, rows, row_stop, tile_n, bad, FLAGS)  # in place (no row map)
         i += 1
         _t, group, first_row, tile_n, row_stop = _take_tile(tiles_ring, i)
 
@@ -672,16 +696,19 @@ def _store_partition(staging, dests, tiles_ring, scalars, out_ptr, map_ptr, ROW_
 
 
 @gluon.jit
-def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
+def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr, flags_ptr,
                           M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk,
                           stride_om, stride_map,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           G_POW2: gl.constexpr, GROUP_TILES_M: gl.constexpr, STAGES: gl.constexpr,
-                          ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr):
+                          ADDRS: gl.constexpr, X_WORDS: gl.constexpr, ROW_MAP: gl.constexpr,
+                          FLAGS: gl.constexpr = False):
     """``gluon_ws`` with the tile's fields taken from the ring and the epilogue in two store warps
     (section comment above): each consumer stages its 64 x 256 bf16 in shared memory (32 KB; 208 KB
     with the three ring slots) and starts its next tile. bf16 only: float32 would need 128 KB more (``tile_for_out`` runs
-    ``gluon_ws`` instead)."""
+    ``gluon_ws`` instead). ``FLAGS`` stores in place only (the consumers write the flags; the
+    row map is the store warps')."""
+    gl.static_assert(not (FLAGS and ROW_MAP))
     tiles, table, counters, srcs, descs, bufs = _prologue(
         x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, work_ptr, M, N, K, G, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
         BLOCK_K, G_POW2, STAGES, ADDRS, X_WORDS)
@@ -704,8 +731,9 @@ def gluon_ws_store_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
     TOP: gl.constexpr = 0
     BOTTOM: gl.constexpr = 1
     gl.warp_specialize([
-        (_staging_mma_partition, (bufs, tiles_ring, staging, scalars, srcs, TOP, ADDRS, X_WORDS)),
-        (_staging_mma_partition, (bufs, tiles_ring, staging, scalars, srcs, BOTTOM, ADDRS, X_WORDS)),
+        (_staging_mma_partition, (bufs, tiles_ring, staging, scalars, srcs, flags_ptr, TOP, ADDRS, X_WORDS, FLAGS)),
+        (_staging_mma_partition, (bufs, tiles_ring, staging, scalars, srcs, flags_ptr, BOTTOM, ADDRS, X_WORDS,
+                                  FLAGS)),
         (_load_partition, (descs, bufs, tiles_ring, table, counters, tiles, N, K, G_POW2, GROUP_TILES_M)),
         (_store_partition, (staging, dests, tiles_ring, scalars, out_ptr, map_ptr, ROW_MAP)),
     ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, STORE_REGS])

@@ -55,11 +55,15 @@ The schedules:
 For a server graph every schedule also takes ``X_WORDS`` (the activations'
 and their scales' base addresses from two more device words: the rows where a
 lone call's arrived, or regrouped) and ``ROW_MAP`` (row r stored at
-``out[map[r]]``: the callers' order). Neither changes a value computed. The
-decode kernels also take ``FLAGS`` (a lone call's graph: the server's check of
-the rows' scales written to ``flags_ptr`` at each row's stored place, by the
-first column tile's programs, before their K loop) and ``GROUP_TILES_M`` (row
-tiles walked side by side per weight tile: only the programs' order).
+``out[map[r]]``: the callers' order). Neither changes a value computed. Every
+schedule but ``persistent_ws`` also takes ``FLAGS`` (a lone call's graph, one
+kernel: the server's check of the rows' scales written to ``flags_ptr`` at each
+row's stored place by the first column tile's programs; the decode kernels load
+the scales for it before their K loop, the persistent ones check the scales their
+K loop loads anyway). In ``persistent_ws``'s warp-specialised loop that check cost
+the tile 1.12x (seed m1024 n2048 k7168, session 33), so its lone calls keep the
+check kernel before it. The decode kernels take ``GROUP_TILES_M`` (row tiles
+walked side by side per weight tile: only the programs' order).
 """
 
 from __future__ import annotations
@@ -317,6 +321,13 @@ def scale_flags(scale):
     # NaN fails both comparisons; +Inf fails the second (the largest float32).
     good = (scale > 0.0) & (scale <= 3.4028234663852886e38)
     return tl.max((~good).to(tl.int32), axis=1) << 1
+
+
+@triton.jit
+def _bad_scales(sx):
+    """1 where an activation scale is not finite and > 0, else 0 (int32), elementwise: the
+    persistent tiles' form of :func:`scale_flags`, accumulated over the K loop's scale loads."""
+    return (~((sx > 0.0) & (sx <= 3.4028234663852886e38))).to(tl.int32)
 
 
 @triton.jit
@@ -639,12 +650,12 @@ def _find_tile(table_ptr, t, num_n, BLOCK_M: tl.constexpr, G_POW2: tl.constexpr,
 
 
 @triton.jit
-def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr,
+def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, work_ptr, flags_ptr,
                           M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk,
                           stride_om, stride_map,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           G_POW2: tl.constexpr, GROUP_TILES_M: tl.constexpr, ADDRS: tl.constexpr,
-                          X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr):
+                          X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr, FLAGS: tl.constexpr = False):
     """Persistent TMA prefill for many experts: the programs walk exactly the real tiles.
 
     Each program first writes its own tile table (``work_ptr``: 3 x G_POW2
@@ -682,15 +693,21 @@ def persistent_tma_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, ma
         ws_ptrs = ws_base + group.to(tl.int64) * stride_wsg + (tile_n * BLOCK_N) // 128
         keep = rows < row_stop
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        bad = tl.zeros((BLOCK_M,), dtype=tl.int32)
         for kb in range(num_kb):
             x = x_desc.load([first_row, kb * BLOCK_K])
             w = w_desc.load([w_row, kb * BLOCK_K])
-            s = tl.load(xs_ptrs + kb) * tl.load(ws_ptrs + kb * stride_wsk)
+            sx = tl.load(xs_ptrs + kb)
+            if FLAGS:
+                bad = bad | _bad_scales(sx)
+            s = sx * tl.load(ws_ptrs + kb * stride_wsk)
             acc += tl.dot(x, tl.trans(w)) * s[:, None]
         dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+        if FLAGS:  # the rows' check (a lone call's graph): the first column tile's, each row once
+            tl.store(flags_ptr + dest, (bad * 2).to(tl.int8), mask=keep & (tile_n == 0))
 
 SCHEDULES = {
     "decode": decode_kernel,

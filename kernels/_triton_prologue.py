@@ -2,17 +2,19 @@
 
 A launch first checks what the callers' rows hold (``_checks.bad_rows``:
 NaN/Inf in 16-bit rows, scales that are not finite and > 0) and puts the rows
-in per-expert order (``gather``); a lone fp8 call on a decode tile skips it (the
-decode GEMM checks the rows' scales itself: ``triton_kernel.run_addressed``'s
-``flags``). A lone call's rows are already in that
-order: with a ``regroup`` word that holds 0 the kernel only checks (the GEMM
-then reads the rows where they arrived), so the graph moves no row twice. In torch that is about fifteen small kernels
+in per-expert order (``gather``); a lone fp8 call skips it where its GEMM checks
+the rows' scales itself (``triton_kernel.run_addressed``'s ``flags``; every tile
+but ``persistent_ws``: ``checks_rows``). A lone
+call's rows are already in that order: in a graph that serves lone and merged
+calls alike, a ``regroup`` word that holds 0 makes the kernel only check (the
+GEMM then reads the rows where they arrived), so the graph moves no row twice. In torch that is about fifteen small kernels
 per graph (comparisons, reductions, casts, two ``index_select``), each a few
 microseconds of a lone call's latency; here it is one kernel that reads each
 row once, copies it (and its scales) to its place and writes its flags.
 
 A program takes a block of rows, not one: the check runs before a prefill
-bucket's persistent GEMM (``server/_graphs.py``), and one 4-warp program per row
+bucket's persistent GEMM in merged calls' graphs (``server/_graphs.py``; in a lone
+fp8 call's on ``persistent_ws``), and one 4-warp program per row
 (65536 at the largest bucket, each two dependent loads long) cost about 1 ns a
 row there (Qwen3-30B w2 t8192 through the service graph: 340 us against 277 us
 for the public entry, v16; measured apart by ``bench/gap_gluon.py``), where a

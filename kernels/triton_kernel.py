@@ -93,6 +93,14 @@ class TileConfig:
         """Whether the weights sit on the MMA's M side (the decode schedules)."""
         return self.schedule.startswith("decode")
 
+    @property
+    def checks_rows(self) -> bool:
+        """Whether the kernel can check the rows' scales itself (``FLAGS``: a lone call's graph
+        as one kernel): every schedule but ``persistent_ws``, whose warp-specialised K loop ran
+        1.12x slower with the check than the check kernel and the GEMM together (seed m1024
+        n2048 k7168: 64.9 against 59.8 us, session 33)."""
+        return self.schedule != "persistent_ws"
+
     def fits(self, n: int, g: int = 1) -> bool:
         """Whether this tile divides N and the schedule takes G groups (K is a multiple of 128)."""
         if self.schedule not in SCHEDULES or n % self.block_n:
@@ -399,7 +407,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
     words) instead of ``xq``'s and ``x_scale``'s (which still give M, K and the
     strides); ``out_rows``: int64 ``[M]`` (any stride), row r stored at
     ``out[out_rows[r]]``; ``flags``: int8, the rows' scale check written where each row
-    is stored (the decode tiles only: :func:`run_addressed`). Nothing is launched:
+    is stored (:func:`run_addressed`; on a persistent tile only in place). Nothing is launched:
     ``bench/bench_kernels.py`` compiles the plans of a run ahead with ``kernel.warmup``.
     """
     m, k = xq.shape
@@ -416,15 +424,21 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
               "ADDRS": addrs, "X_WORDS": x_words is not None, "ROW_MAP": out_rows is not None,
               "G_POW2": g_pow2, "num_warps": config.num_warps, "num_stages": config.num_stages}
     extra = ()
-    if flags is not None and not config.swap_ab:
-        raise ValueError(f"the rows' check runs inside the decode tiles only, not {config.schedule}")
+    if flags is not None and not config.checks_rows:
+        raise ValueError(f"{config.schedule} does not check the rows inside (checks_rows): a check kernel runs "
+                         "before it")
+    if flags is not None and out_rows is not None and not config.swap_ab:
+        # The staging tile's consumers write the flags where the rows are (the row map is its
+        # store warps'); a lone prefill call's graph stores in place.
+        raise ValueError(f"the rows' check inside {config.schedule} needs the in-place store (no out_rows)")
+    flags_arg = m_sizes if flags is None else flags  # m_sizes: a pointer FLAGS=False never reads
     if config.swap_ab:
         split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
         parts = counts = None
         if split_k > 1:
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
                                              config.block_m * config.block_n)
-        extra = (parts, counts, m_sizes if flags is None else flags)  # m_sizes: a pointer FLAGS=False never reads
+        extra = (parts, counts, flags_arg)
         # CHUNK only shapes the preloaded loop: the plain one gets one value, so one kernel.
         consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
                       CHUNK=scale_chunk(config, k) if config.preload else 16, GROUP_TILES_M=config.group_tiles_m,
@@ -432,16 +446,17 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
     elif config.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule == "persistent_tma":
-        extra = (_tile_tables(xq.device, grid[0], g_pow2),)
-        consts.update(GROUP_TILES_M=config.group_tiles_m)
+        extra = (_tile_tables(xq.device, grid[0], g_pow2), flags_arg)
+        consts.update(GROUP_TILES_M=config.group_tiles_m, FLAGS=flags is not None)
     elif config.schedule in GLUON_SCHEDULES:
         # The ring depth is the kernel's STAGES; the launch option caps the registers each of the
         # 12 warps starts with (setmaxnreg then moves them from the producer to the consumers).
-        extra = (_tile_tables(xq.device, grid[0], g_pow2),)
+        extra = (_tile_tables(xq.device, grid[0], g_pow2), flags_arg)
         del consts["num_stages"]
-        consts.update(GROUP_TILES_M=config.group_tiles_m, STAGES=config.num_stages, maxnreg=_GLUON_MAXNREG)
+        consts.update(GROUP_TILES_M=config.group_tiles_m, STAGES=config.num_stages, maxnreg=_GLUON_MAXNREG,
+                      FLAGS=flags is not None)
     else:
-        consts.update(GROUP_TILES_M=config.group_tiles_m)
+        raise ValueError(f"unknown schedule {config.schedule}")
     x_arg = xq if x_words is None else x_words
     xs_arg = x_scale if x_words is None else x_words
     map_arg = m_sizes if out_rows is None else out_rows
@@ -512,11 +527,12 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
 
     Neither changes what is computed: the output values are the same bits.
 
-    - ``flags``: int8 ``[M]`` on the device, only where the tile is not persistent
-      (:func:`persistent`: the decode tiles): the launch also writes each row's check of
+    - ``flags``: int8 ``[M]`` on the device: the launch also writes each row's check of
       its scales (2 where one is not finite and > 0, else 0: the server's ``bad_rows`` of
       fp8 rows) at the row's stored place, so a lone call's graph is one kernel. Rows in
-      no group get no flag.
+      no group get no flag. Not on a ``persistent_ws`` tile (:func:`checks_rows`); on the
+      other persistent tiles (:func:`persistent`: prefill) only with the rows stored in place
+      (no ``out_rows``), as a lone prefill call's graph stores them.
     """
     if addresses.dtype != torch.int64 or addresses.numel() < 2 or not addresses.is_contiguous():
         raise ValueError(f"addresses must be contiguous int64 words (>= 2), got {addresses.dtype} "
@@ -554,6 +570,12 @@ def persistent(m: int, n: int, k: int, g: int, *, device: torch.device) -> bool:
     """Whether the tile for this shape is persistent (``Backend.persistent``)."""
     schedule = default_config(m, n, k, g).schedule
     return schedule in ("persistent_tma", "persistent_ws") or schedule in GLUON_SCHEDULES
+
+
+def checks_rows(m: int, n: int, k: int, g: int, *, device: torch.device) -> bool:
+    """Whether the tile a bf16 launch of this shape runs checks the rows' scales inside
+    (``run_addressed``'s ``flags``; ``Backend.checks_rows``): :attr:`TileConfig.checks_rows`."""
+    return default_config(m, n, k, g).checks_rows
 
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -624,6 +646,7 @@ def create(device: torch.device) -> Backend:
         gather_quantize=gather_quantize_triton,
         tile_key=functools.partial(tile_key, device=device),
         persistent=functools.partial(persistent, device=device),
+        checks_rows=functools.partial(checks_rows, device=device),
         ffn=FfnKernels(silu_mul_quant=silu_mul_quant_triton, route=route, combine=combine,
                        quantize_scatter=quantize_scatter, moe_token=moe_token),
         ahead=_triton_ahead.create(),

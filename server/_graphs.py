@@ -28,18 +28,20 @@ order (a row map in the kernel's store), so a lone call's graph costs the
 check and the GEMM and nothing else. Other backends regroup with torch and
 scatter the output back after the GEMM.
 
-A lone fp8 call's GEMM does not wait for the check: nothing it reads comes
-from it, so where the bucket's tile is not persistent (decode), the GEMM checks
-the rows itself (``Backend.run_addressed``'s ``flags``: the programs of each
-row tile's first column tile read its rows' scales and write their flags), and
-the lone call's graph is that one kernel (the answer is read after it: a
-flagged call is refused as before). The check as a node before the GEMM cost a
-decode replay 1-5 us (seed m1: 7.5 -> 6.2 us), and on a parallel branch beside
-it about 1 us more than the GEMM alone (``bench/NOTES.md``, session 14). A
-persistent tile (prefill) keeps the check kernel before it: beside it, the
-check's programs held SMs the GEMM's programs waited for, 3-19 % slower (v13).
-There a lone call's rows need no row map either (they are in group order): its
-GEMM stores in place, as the public entry does. Merged calls need the
+A lone fp8 call's GEMM does not wait for a check: nothing it reads comes from
+one, so the GEMM checks the rows itself where its tile can
+(``Backend.checks_rows``; ``Backend.run_addressed``'s ``flags``: the programs of
+each row tile's first column tile check its rows' scales and write their flags),
+and the lone call's graph is that one kernel (the answer is
+read after it: a flagged call is refused as before). The check as a node before
+the GEMM cost a decode replay 1-5 us (seed m1: 7.5 -> 6.2 us), and on a parallel
+branch beside it about 1 us more than the GEMM alone (``bench/NOTES.md``,
+session 14); before a prefill GEMM 2-5 us (seed m1024 n7168 k2304: 54.1 against
+51.3 us, session 31), where the persistent tiles now check the scales their K
+loop loads anyway; but ``persistent_ws`` keeps the check kernel before it (the
+check in its loop cost it more, session 33). A lone call's rows need no row map on a persistent tile
+(prefill: they are in group order): its GEMM stores in place, as the public
+entry does; decode tiles keep the map (the identity). Merged calls need the
 regrouped rows first and the map, so such buckets have two graphs, *lone* and
 *merged* (:meth:`GraphPool.variants`), chosen by whether the launch regroups.
 
@@ -131,7 +133,7 @@ class Buffers:
 
     def flags(self, rows: int) -> torch.Tensor:
         """``[rows]`` int8: ``_checks.bad_rows`` of a launch over ``rows`` rows (its first
-        ``sum(sizes)``, the callers' rows: a lone decode call's GEMM writes no padding row's)."""
+        ``sum(sizes)``, the callers' rows: a lone call's GEMM writes no padding row's)."""
         return self.result[:rows].view(torch.int8)
 
     def out(self, rows: int) -> torch.Tensor:
@@ -266,12 +268,12 @@ class GraphPool:
 
     def _checked_inside(self, family: Family, rows: int) -> bool:
         """Whether a lone call's GEMM over ``rows`` rows checks the rows itself
-        (``run_addressed``'s ``flags``): fp8 inputs read by address, the fused prologue,
-        and a tile that is not persistent."""
-        persistent = self.backend.persistent
-        return (self.run_table is not None and not family.quantize
-                and self.check_and_gather is not None and persistent is not None
-                and not persistent(rows, family.N, family.K, family.G))
+        (``run_addressed``'s ``flags``): fp8 inputs read by address and the fused
+        prologue (the triton backend), on a tile that checks them (``Backend.checks_rows``;
+        a persistent one stores in place: :meth:`_in_place`)."""
+        checks_rows = self.backend.checks_rows
+        return (self.run_table is not None and not family.quantize and self.check_and_gather is not None
+                and checks_rows is not None and checks_rows(rows, family.N, family.K, family.G))
 
     def _in_place(self, family: Family, rows: int) -> bool:
         """Whether a lone call's GEMM over ``rows`` rows stores them in place, without the
@@ -297,9 +299,8 @@ class GraphPool:
         """Check the inputs' contents, regroup and quantize them where needed and run the GEMM
         over the first ``rows`` buffer rows, its output in the callers' order in ``bufs.out``.
 
-        ``merged`` False (a lone call, whose input words point at ``x``): on a tile that is
-        not persistent an fp8 family's GEMM checks the rows itself (:meth:`_checked_inside`),
-        captured or eager alike."""
+        ``merged`` False (a lone call, whose input words point at ``x``): an fp8 family's GEMM
+        checks the rows itself (:meth:`_checked_inside`), captured or eager alike."""
         inside = not merged and self._checked_inside(family, rows)
         bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
@@ -359,7 +360,7 @@ class GraphPool:
         read when the pool launches by address, else ``wq`` and ``w_scale`` are
         captured directly. ``inputs`` (device words: where the activations are)
         and ``out_rows`` (the row map of the store) only in address mode; so is ``flags``
-        (the rows' check written by the GEMM: a tile that is not persistent).
+        (the rows' check written by the GEMM: a lone call's graph).
         Either way the backend's kernel and tile for the shape. ``out`` is bf16
         (the gemm endpoint) or float32 (the sum unrounded: the expert FFN's h);
         both launchers store ``out``'s dtype.
@@ -434,11 +435,15 @@ class GraphPool:
                        groups=family.G, inputs=words[ADDRESS_WORDS:], out_rows=flipped)
         answers = [(got.flip(0), want)]
         if self._checked_inside(family, rows):
+            in_place = self._in_place(family, rows)  # as a lone call's graph stores them
             checked = torch.full_like(want, float("nan"))
             flags = torch.full((rows,), 7, dtype=torch.int8, device=self.device)  # none is a flag
             self.run_table(torch.empty_like(xq), words[:ADDRESS_WORDS], torch.empty_like(xs), sizes, checked,
-                           groups=family.G, inputs=words[ADDRESS_WORDS:], out_rows=flipped, flags=flags)
-            answers += [(checked.flip(0), want), (flags.flip(0), bad_rows(xq, xs))]
+                           groups=family.G, inputs=words[ADDRESS_WORDS:], out_rows=None if in_place else flipped,
+                           flags=flags)
+            if not in_place:
+                checked, flags = checked.flip(0), flags.flip(0)
+            answers += [(checked, want), (flags, bad_rows(xq, xs))]
         return answers
 
     def _graph_key(

@@ -268,22 +268,38 @@ def test_merged_calls_come_back_in_the_callers_order_and_a_lone_call_moves_no_ro
     assert bool((bufs.xg.view(torch.uint8) == 0x7F).all())
 
 
-@pytest.mark.parametrize("m,n,k,g", [(5, 1280, 8192, 8), (1500, 512, 1536, 128)])
+# Decode tiles, then one shape per persistent schedule: persistent_ws, persistent_tma, gluon_ws,
+# gluon_ws_store.
+@pytest.mark.parametrize("m,n,k,g", [(5, 1280, 8192, 8), (1500, 512, 1536, 128), (900, 1280, 1024, 8),
+                                     (300, 1024, 1024, 8), (700, 7168, 1024, 8), (9000, 512, 1536, 128)])
 def test_a_lone_calls_gemm_checks_its_rows_and_flags_bad_ones(m, n, k, g, backend, gen):
-    """A lone call's graph is its own (the decode GEMM checks the rows itself; prefill: the
-    check kernel, then the GEMM storing in place): both graphs exist per bucket, the lone one
-    flags a bad scale as the check kernel does (an fp8 NaN code is no flag: SPEC 2.2 checks
-    fp8 rows' scales), and the other rows are the public function's bits."""
+    """A lone call's graph is its own, one kernel where the tile checks the rows itself (a
+    decode tile through the row map, a persistent one storing in place) and no check kernel
+    runs; on ``persistent_ws`` (``checks_rows`` false) the check kernel, then the GEMM storing
+    in place. Both graphs exist per bucket, the lone one flags a bad scale as the check kernel
+    does (an fp8 NaN code is no flag: SPEC 2.2 checks fp8 rows' scales), and the other rows
+    are the public function's bits."""
     sizes = random_m_sizes(g, m)
     problem = _problem(m, n, k, g, sizes, gen)
     xq, wq, x_scale, w_scale, m_sizes = problem
     bucket = 1 << (m - 1).bit_length()
     pool = GraphPool(backend, bucket)
     family = Family(g, n, k, quantize=False)
-    assert pool.variants(family, bucket) == (False, True)  # decode: the check inside the GEMM
+    inside = tk.checks_rows(bucket, n, k, g, device=DEV)
+    assert inside == (tk.default_config(bucket, n, k, g).schedule != "persistent_ws")
+    assert pool.variants(family, bucket) == (False, True)  # the check inside the GEMM, or in place
     pool.capture(family, wq, w_scale, only=[bucket])
     lone_graph, merged_graph = (pool.graph(family, bucket, wq, w_scale, merged) for merged in (False, True))
     assert lone_graph is not None and merged_graph is not None and lone_graph is not merged_graph
+    checks = []
+    real_check = pool.check_and_gather
+    pool.check_and_gather = lambda *a, **kw: (checks.append(1), real_check(*a, **kw))
+    pool._body(family, bucket, wq, w_scale, merged=False)  # what a lone call's graph runs, eagerly
+    assert checks == ([] if inside else [1])
+    checks.clear()
+    pool._body(family, bucket, wq, w_scale)  # merged calls': the check kernel regroups first
+    assert checks == [1]
+    pool.check_and_gather = real_check
     bad_x, bad_scale = m // 2, m - 1
     xq = xq.clone()
     xq.view(torch.uint8)[bad_x, 7] = 0x7F  # an fp8 NaN code: not a flag (SPEC 2.2), NaN out
@@ -310,7 +326,7 @@ def test_a_lone_calls_gemm_checks_its_rows_and_flags_bad_ones(m, n, k, g, backen
 def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, gen, monkeypatch):
     """SPEC 3 pinned: the pool's launcher and ``grouped_gemm`` launch the same kernel with the
     same tile for a shape (recorded at the launch), merged calls' graph and a lone call's
-    alike (the lone one: the rows' check inside a decode GEMM, the store in place on a
+    alike (the lone one: the rows' check inside the GEMM, the store in place on a
     persistent tile), and the same bits come out."""
     launched = []
     real = tk._launch
@@ -341,8 +357,9 @@ def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, 
     (merged_tile, *merged_how), (lone_tile, *lone_how), *_, (public_tile, *public_how) = launched
     assert merged_tile == lone_tile == public_tile == tk.default_config(bucket, n, k, g)
     decode = not tk.persistent(bucket, n, k, g, device=DEV)
+    inside = tk.checks_rows(bucket, n, k, g, device=DEV)
     assert merged_how == [True, True, True, False] and public_how == [False, False, False, False]
-    assert lone_how == [True, True, decode, decode]  # decode: row map and check; prefill: in place
+    assert lone_how == [True, True, decode, inside]  # decode: row map, prefill: in place
     assert torch.equal(got, public[:m])
 
 
@@ -389,35 +406,58 @@ def test_split_k_graphs_never_share_counters_the_pool_left_dirty(monkeypatch):
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
-# One token over 8 experts (the 8-warp pair); a few experts split 8 ways along K (33 blocks:
-# the last split empty); a banded pair; the banded single-block tile; one expert's 64-row
-# pairs; the 8-warp single-block tile; 32-token tiles at G = 128.
-@pytest.mark.parametrize("m,n,k,g", [(8, 2048, 768, 128), (6, 1024, 4096, 8), (6, 1024, 4224, 8),
-                                     (128, 4096, 2048, 8), (128, 8192, 1024, 8), (4, 4096, 1024, 8),
-                                     (8, 7168, 2048, 256), (2048, 3072, 4096, 128)])
-def test_decode_tiles_check_the_rows_inside_the_gemm(m, n, k, g, gen):
+# Decode tiles: one token over 8 experts (the 8-warp pair); a few experts split 8 ways along K
+# (33 blocks: the last split empty); a banded pair; the banded single-block tile; one expert's
+# 64-row pairs; the 8-warp single-block tile; 32-token tiles at G = 128. Then the persistent
+# tiles that check the rows (all but persistent_ws), stored in place (a lone prefill call's
+# graph), at 9 K blocks and at one: persistent_tma, gluon_ws, gluon_ws_store. The last two:
+# groups of 64, 192, 100 and 28 rows (a 128-row tile whose second half is another group's).
+@pytest.mark.parametrize("m,n,k,g,schedule", [
+    (8, 2048, 768, 128, "decode_pair"), (6, 1024, 4096, 8, "decode"), (6, 1024, 4224, 8, "decode"),
+    (128, 4096, 2048, 8, "decode_pair"), (128, 8192, 1024, 8, "decode"), (4, 4096, 1024, 8, "decode_pair"),
+    (8, 7168, 2048, 256, "decode"), (2048, 3072, 4096, 128, "decode"),
+    (512, 1024, 1152, 8, "persistent_tma"),
+    (1024, 7168, 1152, 8, "gluon_ws"), (9000, 512, 1152, 128, "gluon_ws_store"),
+    (512, 1024, 128, 8, "persistent_tma"),
+    (1024, 7168, 128, 8, "gluon_ws"), (9000, 512, 128, 128, "gluon_ws_store"),
+    (1024, 7168, 1280, 8, "gluon_ws"), (512, 1024, 1280, 8, "persistent_tma")])
+def test_every_tile_checks_the_rows_inside_the_gemm(m, n, k, g, schedule, gen):
     """``run_addressed(flags=)`` (a lone call's graph, one kernel): each grouped row's flag is
     the server's check of its scales (``bad_rows``: 2 where one is not finite and > 0), stored
-    at the row's place through the row map; rows in no group keep what the buffer held; the
-    output is the same bits as without the check."""
+    at the row's place (through the row map on a decode tile, in place on a persistent one);
+    rows in no group keep what the buffer held; the output is the same bits as without the
+    check. A persistent tile refuses the check with a row map. Besides the fixed bad scales
+    (the first and last K block, a row past the groups' end), one row in 20 gets one at a
+    random block (the same draw on every run), so each tile half and row position meets some."""
     from moegemm.server._checks import bad_rows
 
     config = tk.default_config(m, n, k, g)
-    assert config.swap_ab
-    sizes = random_m_sizes(g, m - 2)  # two rows past the groups' end
+    assert config.schedule == schedule, config.key()
+    if k == 1280:  # groups ending on a 64-row half and inside a 128-row tile
+        sizes = torch.tensor([64, 192, 100, 0, 28, 0, 0, m - 386], dtype=torch.int64)
+    else:
+        sizes = random_m_sizes(g, m - 2)  # two rows past the groups' end
     xq, wq, x_scale, w_scale, sizes = _problem(m, n, k, g, sizes, gen)
-    bad = ((0, 0, float("nan")), (m // 2, k // 128 - 1, float("inf")), (m - 3, 1, 0.0), (m - 4, 0, -1.0),
-           (m - 1, 0, float("nan")))  # m - 1 lies in no group: never flagged
+    kbs = k // 128
+    bad = [(0, 0, float("nan")), (m // 2, kbs - 1, float("inf")), (m - 3, min(1, kbs - 1), 0.0),
+           (m - 4, 0, -1.0), (m - 1, 0, float("nan"))]  # m - 1 lies in no group (or the last)
+    draw = torch.Generator().manual_seed(m * 7919 + n + k)
+    values = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0, -3.0)
+    for i, row in enumerate(torch.randperm(m, generator=draw)[: max(1, m // 20)].tolist()):
+        bad.append((row, int(torch.randint(kbs, (1,), generator=draw)), values[i % len(values)]))
     for row, kb, value in bad:
         x_scale[row, kb] = value
     words = torch.tensor([wq.data_ptr(), w_scale.data_ptr(), xq.data_ptr(), x_scale.data_ptr()],
                          dtype=torch.int64, device=DEV)
-    order = torch.randperm(m, device=DEV)  # a row map: row r stored at order[r]
+    # A row map on a decode tile (row r stored at order[r]); in place on a persistent one.
+    order = torch.randperm(m, device=DEV) if config.swap_ab else torch.arange(m, device=DEV)
+    out_rows = order if config.swap_ab else None
     want = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    tk.run_addressed(xq, words[:2], x_scale, sizes, want, groups=g, inputs=words[2:], out_rows=order)
+    tk.run_addressed(xq, words[:2], x_scale, sizes, want, groups=g, inputs=words[2:], out_rows=out_rows)
     out = torch.full_like(want, float("nan"))
     flags = torch.full((m,), 7, dtype=torch.int8, device=DEV)
-    tk.run_addressed(xq, words[:2], x_scale, sizes, out, groups=g, inputs=words[2:], out_rows=order, flags=flags)
+    tk.run_addressed(xq, words[:2], x_scale, sizes, out, groups=g, inputs=words[2:], out_rows=out_rows,
+                     flags=flags)
     torch.cuda.synchronize()
     grouped = int(sizes.sum())
     placed = order[:grouped]
@@ -426,8 +466,23 @@ def test_decode_tiles_check_the_rows_inside_the_gemm(m, n, k, g, gen):
     assert torch.equal(flags[placed], expected.to(torch.int8))
     assert int(expected.sum()) == 2 * len({row for row, _, _ in bad if row < grouped})  # 2 each
     assert (flags[order[grouped:]] == 7).all()
-    with pytest.raises(ValueError, match="decode tiles"):
-        big = torch.empty((20000, n), dtype=torch.bfloat16, device=DEV)
-        tk.run_addressed(torch.empty((20000, k), dtype=FP8, device=DEV), words[:2],
-                         torch.empty((20000, k // 128), device=DEV), sizes, big, groups=g,
-                         flags=torch.empty(20000, dtype=torch.int8, device=DEV))
+    if not config.swap_ab:
+        with pytest.raises(ValueError, match="in-place store"):
+            tk.run_addressed(xq, words[:2], x_scale, sizes, out, groups=g, inputs=words[2:],
+                             out_rows=torch.arange(m, device=DEV), flags=flags)
+
+
+def test_persistent_ws_leaves_the_rows_check_to_the_check_kernel(gen):
+    """``persistent_ws`` takes no ``flags`` (its loop ran slower with the check: ``checks_rows``
+    false); a lone call's graph on it runs the check kernel first
+    (``test_a_lone_calls_gemm_checks_its_rows_and_flags_bad_ones``)."""
+    m, n, k, g = 1024, 2048, 1152, 8
+    assert tk.default_config(m, n, k, g).schedule == "persistent_ws"
+    assert not tk.checks_rows(m, n, k, g, device=DEV)
+    xq, wq, x_scale, w_scale, sizes = _problem(m, n, k, g, random_m_sizes(g, m), gen)
+    words = torch.tensor([wq.data_ptr(), w_scale.data_ptr(), xq.data_ptr(), x_scale.data_ptr()],
+                         dtype=torch.int64, device=DEV)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="persistent_ws"):
+        tk.run_addressed(xq, words[:2], x_scale, sizes, out, groups=g, inputs=words[2:],
+                         flags=torch.empty(m, dtype=torch.int8, device=DEV))
