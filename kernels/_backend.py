@@ -80,9 +80,9 @@ class Backend:
       then give only shape and strides); ``out_rows``: int64 ``[M]``, row r
       stored at ``out[out_rows[r]]``. Same kernel, same tile, same bits as ``run``.
       ``flags`` (int8; only where ``checks_rows`` is True for the launch, and where
-      ``persistent`` is too only with no ``out_rows``): the launch also writes each grouped row's scale check
-      (``bad_rows`` of fp8 rows) at its stored place, so a lone call's graph needs
-      no check kernel.
+      ``persistent`` is too only with no ``out_rows``): the launch also writes each
+      grouped row's scale check (``bad_rows`` of fp8 rows) at its stored place, so a
+      lone call's graph needs no check kernel.
     - ``check_and_gather(x, x_scale, gather, x_out, scale_out, flags, *,
       regroup=None)``: one kernel that checks the rows' contents (the server's
       ``bad_rows``) and regroups them (``x_out = x[gather]``; not at all when

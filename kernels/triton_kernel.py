@@ -407,7 +407,8 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
     words) instead of ``xq``'s and ``x_scale``'s (which still give M, K and the
     strides); ``out_rows``: int64 ``[M]`` (any stride), row r stored at
     ``out[out_rows[r]]``; ``flags``: int8, the rows' scale check written where each row
-    is stored (:func:`run_addressed`; on a persistent tile only in place). Nothing is launched:
+    is stored (:func:`run_addressed`; not on ``persistent_ws``, on the other persistent tiles
+    only in place). Nothing is launched:
     ``bench/bench_kernels.py`` compiles the plans of a run ahead with ``kernel.warmup``.
     """
     m, k = xq.shape
