@@ -314,20 +314,19 @@ def _pick(blk, scales, kb):
 
 
 @triton.jit
+def _bad_scales(sx):
+    """1 where an activation scale is not finite and > 0, else 0 (int32), elementwise (the
+    persistent tiles OR it over the scales their K loop loads)."""
+    # NaN fails both comparisons; +Inf fails the second (the largest float32).
+    return (~((sx > 0.0) & (sx <= 3.4028234663852886e38))).to(tl.int32)
+
+
+@triton.jit
 def scale_flags(scale):
     """Per row of a ``[rows, blocks]`` tile of scales (blocks past K loaded as 1.0): 2 (the
     server's ``BAD_SCALE``) where one is not finite and > 0, else 0 (int32). The server's
     check of fp8 rows, here and in ``_triton_prologue``."""
-    # NaN fails both comparisons; +Inf fails the second (the largest float32).
-    good = (scale > 0.0) & (scale <= 3.4028234663852886e38)
-    return tl.max((~good).to(tl.int32), axis=1) << 1
-
-
-@triton.jit
-def _bad_scales(sx):
-    """1 where an activation scale is not finite and > 0, else 0 (int32), elementwise: the
-    persistent tiles' form of :func:`scale_flags`, accumulated over the K loop's scale loads."""
-    return (~((sx > 0.0) & (sx <= 3.4028234663852886e38))).to(tl.int32)
+    return tl.max(_bad_scales(scale), axis=1) << 1
 
 
 @triton.jit
