@@ -32,14 +32,14 @@ A lone fp8 call's GEMM does not wait for a check: nothing it reads comes from
 one, so the GEMM checks the rows itself where its tile can
 (``Backend.checks_rows``; ``Backend.run_addressed``'s ``flags``: the programs of
 each row tile's first column tile check its rows' scales and write their flags),
-and the lone call's graph is that one kernel (the answer is
-read after it: a flagged call is refused as before). The check as a node before
-the GEMM cost a decode replay 1-5 us (seed m1: 7.5 -> 6.2 us), and on a parallel
-branch beside it about 1 us more than the GEMM alone (``bench/NOTES.md``,
-session 14); before a prefill GEMM 2-5 us (seed m1024 n7168 k2304: 54.1 against
-51.3 us, session 31), where the persistent tiles now check the scales their K
-loop loads anyway; but ``persistent_ws`` keeps the check kernel before it (the
-check in its loop cost it more, session 33). A lone call's rows need no row map on a persistent tile
+and the lone call's graph is that one kernel (the answer is read after it: a
+flagged call is refused as before). The check as a node before the GEMM cost a
+decode replay 1-5 us (seed m1: 7.5 -> 6.2 us), and on a parallel branch beside
+it about 1 us more than the GEMM alone (``bench/NOTES.md``, session 14); before
+a prefill GEMM 2-5 us (seed m1024 n7168 k2304: 54.1 against 51.3 us, session
+31), where the persistent tiles now check the scales their K loop loads anyway;
+``persistent_ws`` keeps the check kernel before it (the check in its loop cost
+it more, session 33). A lone call's rows need no row map on a persistent tile
 (prefill: they are in group order): its GEMM stores in place, as the public
 entry does; decode tiles keep the map (the identity). Merged calls need the
 regrouped rows first and the map, so such buckets have two graphs, *lone* and
