@@ -52,6 +52,7 @@ SEED_SHAPES = [
 REAL_JSON = Path(__file__).resolve().parent / "real_models.json"
 REAL_SEED = 0
 FLOOR_CEILINGS = {"copy_TBps": 4.27, "fp8_TFLOPs": 1290.0}
+FLOOR_DEVICE = "H200"  # the board those ceilings are: floor/time elsewhere is no issue-15 figure
 
 
 # ---- the cases ------------------------------------------------------------------------------
@@ -603,8 +604,13 @@ def main() -> None:
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings['copy_TBps']:.2f} TB/s, fp8 {ceilings['fp8_TFLOPs']:.0f} TFLOP/s", flush=True)
     rows, weights = [], {}
+    device = torch.cuda.get_device_name()
     meta = {"measured_ceilings": ceilings, "floor_ceilings": FLOOR_CEILINGS, "compile_failures": failed,
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+            "device": device, "torch": torch.__version__, "triton": triton.__version__}
+    if FLOOR_DEVICE not in device:
+        meta["floors_not_this_device"] = (f"the floors are the {FLOOR_DEVICE}'s; on {device} only ratios "
+                                          "within this run (service/public, against the peers) compare")
+        print(f"NOTE: {meta['floors_not_this_device']}", flush=True)
     for case in cases:
         if time.monotonic() - started > args.budget_s:
             meta["stopped_early"] = f"budget reached before {case['name']}"
