@@ -40,7 +40,6 @@ def servers(tmp_path_factory):
     settings = Settings(device="cpu", weights_dir=root, demo=False, max_body_bytes=16 << 20,
                         max_bucket_m=256)
     with serve(settings) as a, serve(settings) as b:
-        a.weights_dir = root
         yield a, b
 
 

@@ -18,8 +18,6 @@ from server_support import Running, demo_settings, serve
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Running]:
     """A CPU server with the demo set and a weights directory."""
-    root = tmp_path_factory.mktemp("weights")
-    with serve(demo_settings(root)) as running:
-        running.weights_dir = root
+    with serve(demo_settings(tmp_path_factory.mktemp("weights"))) as running:
         yield running
 

@@ -48,12 +48,13 @@ LOAD_TIMEOUT = DEFAULT_LOAD_TIMEOUT
 
 
 class Running:
-    """A server the tests talk to: its URL, app, and an httpx client."""
+    """A server the tests talk to: its URL, app, weights directory and an httpx client."""
 
-    def __init__(self, url: str, app, server, begin_shutdown) -> None:
+    def __init__(self, url: str, app, server, begin_shutdown, weights_dir) -> None:
         self.url = url
         self.app = app
         self.server = server
+        self.weights_dir = weights_dir  # the settings' (None: none configured)
         # What SIGINT/SIGTERM do: stop accepting, finish what was accepted, then stop.
         self.begin_shutdown = begin_shutdown
         self.http = httpx.Client(base_url=url, timeout=60)
@@ -111,7 +112,7 @@ def serve(settings: Settings, wait: bool = True) -> Iterator[Running]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     running = Running(f"http://127.0.0.1:{port}", app, server,
-                      lambda: loop.call_soon_threadsafe(stop.set))
+                      lambda: loop.call_soon_threadsafe(stop.set), settings.weights_dir)
     try:
         deadline = time.monotonic() + 30
         while not server.listening.is_set():
@@ -144,7 +145,7 @@ def serve_uvicorn(settings: Settings, wait: bool = True) -> Iterator[Running]:
             raise RuntimeError("the server did not start")
         time.sleep(0.01)
     running = Running(f"http://127.0.0.1:{port}", app, server,
-                      lambda: setattr(server, "should_exit", True))
+                      lambda: setattr(server, "should_exit", True), settings.weights_dir)
     try:
         if wait:
             running.wait_ready()

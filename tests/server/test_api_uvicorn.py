@@ -14,7 +14,5 @@ from test_errors import *
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Running]:
     """The same CPU server as conftest's, under uvicorn."""
-    root = tmp_path_factory.mktemp("weights")
-    with serve_uvicorn(demo_settings(root)) as running:
-        running.weights_dir = root
+    with serve_uvicorn(demo_settings(tmp_path_factory.mktemp("weights"))) as running:
         yield running

@@ -94,7 +94,6 @@ def srv(tmp_path_factory):
     settings = Settings(device="cpu", weights_dir=root, demo=False, max_body_bytes=8 << 20,
                         max_m=4096, max_bucket_m=256)
     with serve(settings) as running:
-        running.weights_dir = root
         yield running
 
 
