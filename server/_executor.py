@@ -325,5 +325,3 @@ class Executor:
             scatter = torch.from_numpy(plan.scatter).to(self.device, non_blocking=True)
             out_dev = out_dev.index_select(0, scatter)
         return out_dev, flags_dev
-
-
