@@ -588,14 +588,21 @@ def _check_out_dtype(out: torch.Tensor) -> None:
         raise TypeError(f"out must be bfloat16 or float32, got {out.dtype}")
 
 
+def _rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` is rows of unit-stride elements, as the kernels index it (row r from
+    ``r * t.stride(0)``; rows may be padded apart). A column of one element, or a tensor of no
+    element (numpy's empty arrays have strides (0, 0)), has no stride to keep."""
+    return t.stride(1) == 1 or t.shape[1] == 1 or t.numel() == 0
+
+
 def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
     """Layout facts the kernel relies on beyond what the public entry checks."""
     if xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn:
         raise TypeError(f"the triton backend computes in float8_e4m3fn, got {xq.dtype}/{wq.dtype}")
     _check_out_dtype(out)
-    if xq.stride(1) != 1 or not wq.is_contiguous() or out.stride(1) != 1:
+    if not _rows(xq) or not wq.is_contiguous() or not _rows(out):
         raise ValueError("xq and out must be row-major and wq contiguous [G, N, K]")
-    if x_scale.stride(1) != 1 or not w_scale.is_contiguous() or not m_sizes.is_contiguous():
+    if not _rows(x_scale) or not w_scale.is_contiguous() or not m_sizes.is_contiguous():
         raise ValueError("x_scale [M, K/128] row-major, w_scale [G, K/128, N/128] contiguous")
     n, k = wq.shape[1], wq.shape[2]
     if n % _SCALE_BLOCK or k % _SCALE_BLOCK:
@@ -604,10 +611,12 @@ def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
 
 def run(xq, wq, x_scale, w_scale, m_sizes, out) -> torch.Tensor:
     """SPEC 1 into ``out`` (bf16, or float32: the sum unrounded) on the GPU; returns ``out``.
-    Capture-safe (no host reads)."""
+    Capture-safe (no host reads). M = 0 launches nothing (an empty output, SPEC 1)."""
     _check(xq, wq, x_scale, w_scale, m_sizes, out)
     m, k = xq.shape
     g, n, _ = wq.shape
+    if m == 0:
+        return out
     return launch(xq, wq, x_scale, w_scale, m_sizes, out, default_config(m, n, k, g))
 
 

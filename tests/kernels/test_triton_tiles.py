@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -354,6 +355,46 @@ def test_an_empty_k_or_n_is_refused_before_any_launch(n, k, monkeypatch):
         with pytest.raises(ValueError, match="positive multiples of 128"):
             call()
     assert kernel.launches == []
+
+
+def test_the_gpu_entry_takes_what_torch_calls_contiguous(monkeypatch):
+    """SPEC 1: M may be 0, and a K = 128 call's scales are one column. numpy's empty arrays have
+    strides (0, 0) and a column made by a transpose has strides (1, M); torch calls both
+    contiguous, so the public entry hands them on as they are (session 34's GPU harness: an
+    M = 0 call from numpy was refused). No rows launch nothing; a column launches as its
+    contiguous copy does (its rows ``stride(0)`` apart, as the kernel reads them). An ``xq``
+    whose K is not the fastest dimension is still refused."""
+    kernel = _RecordingKernel()
+    for schedule in tk.SCHEDULES:
+        monkeypatch.setitem(tk.SCHEDULES, schedule, kernel)
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tk, "_split_workspace", lambda *a: (None, None))
+    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
+    g, n, k, m = 8, 256, 128, 40
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    w_scale = torch.ones((g, k // 128, n // 128))
+
+    xq = torch.from_numpy(np.zeros((0, k), np.uint8)).view(torch.float8_e4m3fn)
+    x_scale = torch.from_numpy(np.zeros((0, k // 128), np.float32))
+    out = torch.from_numpy(np.zeros((0, n), np.float32)).to(torch.bfloat16)
+    assert xq.stride() == x_scale.stride() == (0, 0) and xq.is_contiguous()
+    assert tk.run(xq, wq, x_scale, w_scale, torch.zeros(g, dtype=torch.int64), out) is out
+    assert kernel.launches == []
+
+    xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+    sizes = torch.full((g,), m // g)
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    column = torch.ones(1, m).t()
+    assert column.stride() == (1, m) and column.is_contiguous()
+    tk.run(xq, wq, column, w_scale, sizes, out)
+    tk.run(xq, wq, column.clone(), w_scale, sizes, out)
+    (grid_a, args_a, kw_a), (grid_b, args_b, kw_b) = kernel.launches
+    assert grid_a == grid_b and kw_a == kw_b
+    assert args_a[2] is column and args_b[2] is not column
+    assert all(a is b or a == b for i, (a, b) in enumerate(zip(args_a, args_b, strict=True)) if i != 2)
+
+    with pytest.raises(ValueError, match="row-major"):
+        tk.run(torch.zeros((k, m), dtype=torch.float8_e4m3fn).t(), wq, column, w_scale, sizes, out)
 
 
 def test_gluon_launch_options(monkeypatch):
