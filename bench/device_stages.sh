@@ -9,7 +9,8 @@
 #   TILE_S   tinymoe_tiles.py: the one-token moe kernels' weight tiles    -> tinymoe_tiles.json
 #   TRACE_S  trace_service.py: a lone call's timeline, client and server   -> trace.json
 #   KERN_S   bench_kernels.py, seed + real through the service graph, peers  -> kernels.json
-#   SWEEP_S  bench_kernels.py --sweep --no-peers on the cases matching $SWEEP_MATCH (tiles: $SWEEP_KEYS) -> sweep.json
+#   SWEEP_S  bench_kernels.py --sweep --no-peers on the cases matching $SWEEP_MATCH (tiles: $SWEEP_KEYS;
+#            or the table's tile with the fields of $SWEEP_VARY changed, e.g. "split_k=1,2;num_stages=4,8") -> sweep.json
 #   GAP_S    gap_gluon.py --match $GAP_MATCH: the service graph's parts apart  -> gap.json
 #   READ_S   read_ceiling.py: one kernel reading 10-940 MB, by size             -> read_ceiling.json
 #   AB_S     kernel_ab.py --base $AB_BASE on $AB_MATCH ($AB_FORMS, $AB_ROUNDS rounds) -> ab.json
@@ -60,7 +61,7 @@ if [ -n "$KERN_S" ]; then
 fi
 if [ -n "$SWEEP_S" ]; then
   timeout -k 5 $SWEEP_S python3 -P bench/bench_kernels.py --sweep --no-peers --budget-s $(( SWEEP_S - 30 )) \
-    --match "$SWEEP_MATCH" --sweep-keys "$SWEEP_KEYS" --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
+    --match "$SWEEP_MATCH" --sweep-keys "$SWEEP_KEYS" --sweep-vary "$SWEEP_VARY" --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
   echo "sweep rc=$? $(el)"; tail -1 "$OUT/sweep.log" | cut -c1-300
 fi
 if [ -n "$GAP_S" ]; then
