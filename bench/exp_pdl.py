@@ -17,6 +17,8 @@ times the service), rounds alternated and reversed:
 - ``after``: GEMM, then the check, plain;
 - ``gemm``: the GEMM alone (the service form's kernel, no check);
 - ``inside``: the GEMM with the rows' check inside (``FLAGS``, session 31: what ships since).
+- ``branch``: the check on a stream forked beside the GEMM and joined after it (two parallel
+  nodes in the graph; for ``persistent_ws``, which keeps its check kernel).
 
 Same output bits and flags asserted for every form (a NaN row scale planted, so a flag is set).
 
@@ -66,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--match", default=CASES)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--forms", default="serial,pdl_gemm,pdl_gemm_trig,pdl_check,after,gemm,inside")
+    parser.add_argument("--forms", default="serial,pdl_gemm,pdl_gemm_trig,pdl_check,after,gemm,inside,branch")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     triton.set_allocator(tk._tma_scratch)
@@ -117,10 +119,21 @@ def main() -> None:
             _scale_check_first_trigger[(triton.cdiv(m, br),)](xs, flags, m, KB=kb, BLOCK_R=br, BLOCK_S=bs,
                                                               num_warps=4)
 
+        side = torch.cuda.Stream()
+
+        def branch():
+            # The GEMM reads nothing the check writes: fork the check, join it after the GEMM.
+            here = torch.cuda.current_stream()
+            side.wait_stream(here)
+            with torch.cuda.stream(side):
+                check()
+            gemm()
+            here.wait_stream(side)
+
         bodies = {"serial": lambda: (check(), gemm()), "pdl_gemm": lambda: (check(), gemm(True)),
                   "pdl_gemm_trig": lambda: (check_trig(), gemm(True)),
                   "pdl_check": lambda: (gemm(), check(True)), "after": lambda: (gemm(), check()),
-                  "gemm": lambda: gemm(), "inside": inside}
+                  "gemm": lambda: gemm(), "inside": inside, "branch": branch}
         bodies = {name: body for name, body in bodies.items() if name in args.forms.split(",")}
         want_flags = bad_rows(xq, xs)
         row = {"name": case["name"], "config": config.key(), "errors": {}, "us": {}}
