@@ -218,6 +218,14 @@ class _RecordingKernel:
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
+def _launch_without_a_gpu(monkeypatch) -> None:
+    """What a launch asks of the GPU, stood in for: an H100/H200's 132 SMs, no split-K
+    workspace, no TMA scratch allocator."""
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tk, "_split_workspace", lambda *a: (None, None))
+    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
+
+
 @pytest.mark.parametrize("m,n,k,g", [(1, 8192, 1024, 8), (32, 1280, 8192, 8), (16384, 2048, 7168, 8),
                                      (1024, 2048, 7168, 8), (32768, 4096, 7168, 256), (200000, 4096, 1536, 128),
                                      (16384, 1408, 2048, 128)])
@@ -227,9 +235,7 @@ def test_both_entries_launch_the_same_kernel_grid_and_tile(m, n, k, g, monkeypat
     config = tk.default_config(m, n, k, g)
     kernel = _RecordingKernel()
     monkeypatch.setitem(tk.SCHEDULES, config.schedule, kernel)
-    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(tk, "_split_workspace", lambda *a: (None, None))
-    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
+    _launch_without_a_gpu(monkeypatch)
     xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
     wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
     w_scale = torch.ones((g, k // 128, n // 128))
@@ -260,9 +266,7 @@ def test_float32_out_runs_warp_specialised_tiles_as_the_tma_prefill(m, n, k, g, 
     kernels = {name: _RecordingKernel() for name in tk.SCHEDULES}
     for name, kernel in kernels.items():
         monkeypatch.setitem(tk.SCHEDULES, name, kernel)
-    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(tk, "_split_workspace", lambda *a: (None, None))
-    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
+    _launch_without_a_gpu(monkeypatch)
     xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
     wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
     w_scale, x_scale = torch.ones((g, k // 128, n // 128)), torch.ones((m, k // 128))
@@ -292,9 +296,7 @@ def test_the_service_launch_differs_only_in_where_it_reads_and_stores(m, n, k, g
     config = tk.default_config(m, n, k, g)
     kernel = _RecordingKernel()
     monkeypatch.setitem(tk.SCHEDULES, config.schedule, kernel)
-    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(tk, "_split_workspace", lambda *a: (None, None))
-    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
+    _launch_without_a_gpu(monkeypatch)
     xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
     wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
     w_scale, x_scale = torch.ones((g, k // 128, n // 128)), torch.ones((m, k // 128))
@@ -367,9 +369,7 @@ def test_the_gpu_entry_takes_what_torch_calls_contiguous(monkeypatch):
     kernel = _RecordingKernel()
     for schedule in tk.SCHEDULES:
         monkeypatch.setitem(tk.SCHEDULES, schedule, kernel)
-    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(tk, "_split_workspace", lambda *a: (None, None))
-    monkeypatch.setattr(tk.triton, "set_allocator", lambda fn: None)
+    _launch_without_a_gpu(monkeypatch)
     g, n, k, m = 8, 256, 128, 40
     wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
     w_scale = torch.ones((g, k // 128, n // 128))
