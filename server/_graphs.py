@@ -218,6 +218,9 @@ class GraphPool:
         # Such a launcher also reads the activations by address and stores through a
         # row map (Backend.run_addressed's inputs= and out_rows=).
         self.run_table: Callable | None = backend.run_addressed if is_gpu and weight_table else None
+        # A lone call's check beside its GEMM where the GEMM does not check the rows (_body).
+        self._beside = torch.cuda.Stream(self.device) if self.run_table is not None \
+            and self.check_and_gather is not None else None
         self._buffers: dict[Family, Buffers] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._variants: dict[tuple[Family, int], tuple[bool, ...]] = {}
@@ -302,6 +305,11 @@ class GraphPool:
         ``merged`` False (a lone call, whose input words point at ``x``): an fp8 family's GEMM
         checks the rows itself (:meth:`_checked_inside`), captured or eager alike."""
         inside = not merged and self._checked_inside(family, rows)
+        # A lone fp8 call on a tile that stores in place but does not check the rows
+        # (persistent_ws): the check only reads the rows and writes their flags, and the
+        # GEMM reads the rows where they arrived, so the check runs on a branch beside it.
+        beside = (not merged and not inside and not family.quantize and self._beside is not None
+                  and self._in_place(family, rows))
         bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
@@ -323,6 +331,11 @@ class GraphPool:
                 xg = torch.empty_like(x)
             if inside:
                 pass  # the GEMM below writes the flags; the rows stay where they arrived
+            elif beside:
+                here = torch.cuda.current_stream(self.device)
+                self._beside.wait_stream(here)
+                with torch.cuda.stream(self._beside):
+                    self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
             elif self.check_and_gather is not None:
                 # One kernel: checks every row; copies into xg unless regroup holds 0 (lone call).
                 self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
@@ -343,6 +356,8 @@ class GraphPool:
                           w_scale=w_scale, inputs=None if family.quantize else bufs.inputs,
                           out_rows=None if not merged and self._in_place(family, rows) else gather,
                           flags=flags if inside else None)
+            if beside:
+                torch.cuda.current_stream(self.device).wait_stream(self._beside)
         else:
             out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
             self.run_gemm(xq, xsq, bufs.m_sizes, out, addresses=bufs.addresses, wq=wq, w_scale=w_scale)

@@ -275,8 +275,8 @@ def test_merged_calls_come_back_in_the_callers_order_and_a_lone_call_moves_no_ro
 def test_a_lone_calls_gemm_checks_its_rows_and_flags_bad_ones(m, n, k, g, backend, gen):
     """A lone call's graph is its own, one kernel where the tile checks the rows itself (a
     decode tile through the row map, a persistent one storing in place) and no check kernel
-    runs; on ``persistent_ws`` (``checks_rows`` false) the check kernel, then the GEMM storing
-    in place. Both graphs exist per bucket, the lone one flags a bad scale as the check kernel
+    runs; on ``persistent_ws`` (``checks_rows`` false) the check kernel on a stream beside the
+    GEMM storing in place (the GEMM reads nothing it writes). Both graphs exist per bucket, the lone one flags a bad scale as the check kernel
     does (an fp8 NaN code is no flag: SPEC 2.2 checks fp8 rows' scales), and the other rows
     are the public function's bits."""
     sizes = random_m_sizes(g, m)
@@ -293,12 +293,15 @@ def test_a_lone_calls_gemm_checks_its_rows_and_flags_bad_ones(m, n, k, g, backen
     assert lone_graph is not None and merged_graph is not None and lone_graph is not merged_graph
     checks = []
     real_check = pool.check_and_gather
-    pool.check_and_gather = lambda *a, **kw: (checks.append(1), real_check(*a, **kw))
+    pool.check_and_gather = lambda *a, **kw: (checks.append(torch.cuda.current_stream(DEV)),
+                                              real_check(*a, **kw))
+    here = torch.cuda.current_stream(DEV)
     pool._body(family, bucket, wq, w_scale, merged=False)  # what a lone call's graph runs, eagerly
-    assert checks == ([] if inside else [1])
+    assert checks == ([] if inside else [pool._beside])
+    assert pool._beside != here
     checks.clear()
     pool._body(family, bucket, wq, w_scale)  # merged calls': the check kernel regroups first
-    assert checks == [1]
+    assert checks == [here]
     pool.check_and_gather = real_check
     bad_x, bad_scale = m // 2, m - 1
     xq = xq.clone()
