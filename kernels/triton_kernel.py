@@ -162,10 +162,12 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
        in bands of 8 per weight tile (a hot expert's token tiles run side by side and read its
        weights once from HBM); else row tile by row tile.
 
-       a. Fewer 128-row weight tiles than SMs and K >= 4096 (a few experts): tiles of up to 32
-          tokens split along K, the split doubled from 2 up to 8 while the programs stay within
-          three per SM, 8 warps where the row tiles are walked one by one; a 64-token tile
-          unsplit.
+       a. Fewer 128-row weight tiles than SMs and K >= 4096 (a few experts), 8 warps where the
+          row tiles are walked one by one: tiles of up to 32 tokens unsplit behind a 6-slot ring
+          where the weight tiles are at least 60 % of the SMs and the scale products preload
+          (each program streams its own SM's share without the split's sums); else split along
+          K, the split doubled from 2 up to 8 while the programs stay within three per SM; a
+          64-token tile unsplit.
        b. 16-token tiles at G < 64, where the weight tiles are fewer than SMs or K >= 2048: the
           pair schedule (two K blocks an iteration, the scales a pair ahead); 64-row weight
           tiles and 8 warps where the weight tiles are fewer than SMs and K < 2048 (a single
@@ -196,14 +198,17 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         band = 8 if g < 64 and rows_per_group >= 16 else 1
         T = functools.partial(TileConfig, evict_w=ef, group_tiles_m=band)
         if weight_tiles < _SMS and k >= 4096:
+            warps = 8 if band == 1 else 4
+            unsplit = _preloaded(T("decode", token_tile, 128, warps, 6), k)
+            if token_tile <= 32 and 5 * weight_tiles >= 3 * _SMS and unsplit.preload:
+                # Weight tiles for 60 % of the SMs, their scale products preloaded: unsplit,
+                # each program on its own SM behind a 6-slot ring, without the split's sums
+                # (bench/NOTES.md, session 35; not preloaded, the ring waits on the scales).
+                return unsplit
             if token_tile <= 32:
                 split = 2
                 while split < 8 and weight_tiles * split * 2 <= 3 * _SMS:
                     split *= 2
-                # 8 warps where the programs walk row tile by row tile: more loads in flight
-                # per program (Llama-4 t1 1.04-1.13x; seed m32 n1280 and Mixtral t1 within
-                # noise: bench/NOTES.md, session 19).
-                warps = 8 if band == 1 else 4
                 return _preloaded(T("decode", token_tile, 128, warps, 3, split_k=split), k)
             return _preloaded(T("decode", token_tile, 128, 4, 3), k)
         if pair and (weight_tiles < _SMS or k >= 2048):

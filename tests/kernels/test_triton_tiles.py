@@ -49,14 +49,21 @@ def test_decode_table_rules():
     ef = "evict_first"
     assert tk.default_config(32, 7168, 8192, 8).swap_ab
     assert not tk.default_config(16384, 7168, 2304, 8).swap_ab
-    # Fewer weight tiles than SMs and long K: 128-row weight tiles split along K, the split
-    # doubled from 2 to 8 while the programs stay within 3 per SM (396 on 132 SMs); scale
-    # products preloaded; 8 warps where the row tiles are walked one by one (band 1).
+    # Fewer weight tiles than SMs and long K: with tiles for at least 60 % of the SMs (80 of
+    # 132) and the unsplit tile's scale products preloaded, unsplit behind a 6-slot ring;
+    # else 128-row weight tiles split along K, the split doubled from 2 to 8 while the
+    # programs stay within 3 per SM (396 on 132 SMs); scale products preloaded; 8 warps where
+    # the row tiles are walked one by one (band 1).
+    unsplit = T("decode", 16, 128, 8, 6, evict_w=ef, preload=True)
+    assert tk.default_config(32, 1280, 8192, 8) == unsplit  # 80 tiles
+    assert tk.default_config(1, 16384, 5120, 128) == unsplit  # Llama-4 w13, 1 token: 128 tiles
+    assert tk.default_config(128, 1280, 8192, 8) == replace(unsplit, num_warps=4, group_tiles_m=8)
     split4 = T("decode", 16, 128, 8, 3, split_k=4, evict_w=ef, preload=True)
-    assert tk.default_config(32, 1280, 8192, 8) == split4  # 80 tiles: 320 programs
     assert tk.default_config(2, 4096, 14336, 8) == split4  # Mixtral-8x7B w2, 1 token: 64 tiles
     assert tk.default_config(1, 5120, 8192, 128) == replace(split4, split_k=8)  # Llama-4 w2: 40 tiles
-    assert tk.default_config(1, 16384, 5120, 128) == replace(split4, split_k=2)  # Llama-4 w13: 128
+    # 96 tiles, but 128 K blocks of scale products, too many to preload: split.
+    assert tk.default_config(2, 6144, 16384, 8) == split4  # Mixtral-8x22B w2, 1 token
+    # 32-token tiles: 2048 products unsplit, split too.
     assert tk.default_config(24 * 8, 1280, 8192, 8) == T("decode", 32, 128, 4, 3, split_k=4, evict_w=ef,
                                                          group_tiles_m=8, preload=True)
     # 64-token tiles unsplit (never preloaded: not measured).
