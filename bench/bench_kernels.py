@@ -130,22 +130,28 @@ def parse_vary(text: str) -> dict[str, list]:
     return found
 
 
+def varied_configs(config, vary: dict[str, list], n: int, g: int) -> list:
+    """``config`` with each combination of ``vary``'s fields changed (:func:`parse_vary`), those
+    that fit, once each."""
+    import dataclasses
+    import itertools
+
+    fields = list(vary)
+    found = [dataclasses.replace(config, **dict(zip(fields, combo)))
+             for combo in itertools.product(*(vary[f] for f in fields))]
+    return [c for c in dict.fromkeys(found) if c.fits(n, g)]
+
+
 def sweep_configs(m, n, k, g):
     """The table's neighbours for ``--sweep`` (public entry): ``candidate_configs`` but the
     table's own choice (and, with ``--sweep-keys``, only those whose key matches). With
     ``--sweep-vary``, the table's tile with each combination of the given fields changed
     (those that fit), instead of ``candidate_configs``."""
-    import dataclasses
-    import itertools
-
     from moegemm.kernels import triton_kernel as tk
 
     default = tk.default_config(m, n, k, g)
     if SWEEP_VARY:
-        fields = list(SWEEP_VARY)
-        found = [dataclasses.replace(default, **dict(zip(fields, combo)))
-                 for combo in itertools.product(*(SWEEP_VARY[f] for f in fields))]
-        found = [c for c in dict.fromkeys(found) if c.fits(n, g)]
+        found = varied_configs(default, SWEEP_VARY, n, g)
     else:
         found = tk.candidate_configs(m, n, k, g)
     return [c for c in found
