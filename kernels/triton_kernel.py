@@ -162,12 +162,12 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
        in bands of 8 per weight tile (a hot expert's token tiles run side by side and read its
        weights once from HBM); else row tile by row tile.
 
-       a. Fewer 128-row weight tiles than SMs and K >= 4096 (a few experts), 8 warps where the
-          row tiles are walked one by one: tiles of up to 32 tokens unsplit behind a 6-slot ring
-          where the weight tiles are at least 60 % of the SMs and the scale products preload
-          (each program streams its own SM's share without the split's sums); else split along
-          K, the split doubled from 2 up to 8 while the programs stay within three per SM; a
-          64-token tile unsplit.
+       a. Fewer 128-row weight tiles than SMs and K >= 4096 (a few experts): 16-token tiles
+          unsplit behind a 6-slot ring where the weight tiles are at least 60 % of the SMs and
+          the scale products preload (each program streams its own SM's share without the
+          split's sums); else tiles of up to 32 tokens split along K, the split doubled from 2
+          up to 8 while the programs stay within three per SM; both with 8 warps where the row
+          tiles are walked one by one. A 64-token tile unsplit, 4 warps.
        b. 16-token tiles at G < 64, where the weight tiles are fewer than SMs or K >= 2048: the
           pair schedule (two K blocks an iteration, the scales a pair ahead); 64-row weight
           tiles and 8 warps where the weight tiles are fewer than SMs and K < 2048 (a single
@@ -200,10 +200,12 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         if weight_tiles < _SMS and k >= 4096:
             warps = 8 if band == 1 else 4
             unsplit = _preloaded(T("decode", token_tile, 128, warps, 6), k)
-            if token_tile <= 32 and 5 * weight_tiles >= 3 * _SMS and unsplit.preload:
+            if token_tile == 16 and 5 * weight_tiles >= 3 * _SMS and unsplit.preload:
                 # Weight tiles for 60 % of the SMs, their scale products preloaded: unsplit,
                 # each program on its own SM behind a 6-slot ring, without the split's sums
                 # (bench/NOTES.md, session 35; not preloaded, the ring waits on the scales).
+                # 16-token tiles only: two fit an SM (108 KB), and a hot expert's extra row
+                # tiles find room; the 32-token ring (120 KB) was not measured.
                 return unsplit
             if token_tile <= 32:
                 split = 2

@@ -49,8 +49,9 @@ def test_decode_table_rules():
     ef = "evict_first"
     assert tk.default_config(32, 7168, 8192, 8).swap_ab
     assert not tk.default_config(16384, 7168, 2304, 8).swap_ab
-    # Fewer weight tiles than SMs and long K: with tiles for at least 60 % of the SMs (80 of
-    # 132) and the unsplit tile's scale products preloaded, unsplit behind a 6-slot ring;
+    # Fewer weight tiles than SMs and long K: 16-token tiles, with weight tiles for at least
+    # 60 % of the SMs (80 of 132) and the unsplit tile's scale products preloaded, unsplit
+    # behind a 6-slot ring;
     # else 128-row weight tiles split along K, the split doubled from 2 to 8 while the
     # programs stay within 3 per SM (396 on 132 SMs); scale products preloaded; 8 warps where
     # the row tiles are walked one by one (band 1).
@@ -63,9 +64,10 @@ def test_decode_table_rules():
     assert tk.default_config(1, 5120, 8192, 128) == replace(split4, split_k=8)  # Llama-4 w2: 40 tiles
     # 96 tiles, but 128 K blocks of scale products, too many to preload: split.
     assert tk.default_config(2, 6144, 16384, 8) == split4  # Mixtral-8x22B w2, 1 token
-    # 32-token tiles: 2048 products unsplit, split too.
-    assert tk.default_config(24 * 8, 1280, 8192, 8) == T("decode", 32, 128, 4, 3, split_k=4, evict_w=ef,
-                                                         group_tiles_m=8, preload=True)
+    # 32-token tiles split, their scale products preloaded or not.
+    split32 = T("decode", 32, 128, 4, 3, split_k=4, evict_w=ef, group_tiles_m=8, preload=True)
+    assert tk.default_config(24 * 8, 1280, 8192, 8) == split32
+    assert tk.default_config(32 * 8, 1280, 4096, 8) == split32
     # 64-token tiles unsplit (never preloaded: not measured).
     assert tk.default_config(40 * 8, 1280, 8192, 8) == T("decode", 64, 128, 4, 3, evict_w=ef, group_tiles_m=8)
     # Pairs with the scales ahead for one active expert and for K >= 2048 ...
