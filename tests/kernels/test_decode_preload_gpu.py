@@ -37,10 +37,12 @@ SHAPES = [(8, 2048, 768, 128),     # decode_pair m16 n128 w8 (6 blocks)
           (128, 4096, 4096, 8),    # decode_pair m16 n128 w4, bands of 8
           (256, 5120, 8192, 128),  # decode_pair m16 n128 w8, 64 blocks
           (32, 4096, 14336, 8),    # decode_pair n128 w4, 112 blocks: chunks of 64-128
-          (192, 1280, 8192, 8)]    # decode m32 n128 sk4, bands of 8
+          (192, 1280, 8192, 8),    # decode m32 n128 sk4, bands of 8
+          (32, 1280, 8192, 8)]     # decode m16 n128 w8 s6, unsplit (64 blocks)
 
 
-@pytest.mark.parametrize("stages", [3, 4, 5])
+# Every depth, and the table's own (None: 6 slots on the unsplit few-expert tile).
+@pytest.mark.parametrize("stages", [3, 4, 5, None])
 @pytest.mark.parametrize("m,n,k,g", SHAPES)
 def test_preloaded_scales_give_the_shipped_bits(m, n, k, g, stages):
     gen = torch.Generator(device=DEV).manual_seed(m * 7 + n + k + g + stages)
@@ -54,7 +56,7 @@ def test_preloaded_scales_give_the_shipped_bits(m, n, k, g, stages):
     shipped = tk.default_config(m, n, k, g)
     assert shipped.swap_ab
     plain = dataclasses.replace(shipped, preload=False, num_stages=3)
-    variant = dataclasses.replace(shipped, preload=True, num_stages=stages)
+    variant = dataclasses.replace(shipped, preload=True, num_stages=stages or shipped.num_stages)
     for out_dtype in (torch.bfloat16, torch.float32):
         want = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEV)
         got = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEV)
