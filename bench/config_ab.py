@@ -32,10 +32,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--match", required=True)
     parser.add_argument("--vary", required=True)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--form", default="lone")
+    parser.add_argument("--rounds", type=int, default=6, help="even: each order runs as often")
+    parser.add_argument("--form", default="lone", choices=("public", "svc", "map", "lone"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.rounds < 2 or args.rounds % 2:
+        parser.error("--rounds must be even and at least 2 (alternating_runs reverses every other round)")
     triton.set_allocator(tk._tma_scratch)
     vary = bk.parse_vary(args.vary)
     gen = torch.Generator(device=bk.DEV)
@@ -64,12 +66,14 @@ def main() -> None:
         runs = bk.alternating_runs(launches, args.rounds)
         row["us"] = {key: round(statistics.median(v), 2) for key, v in runs.items()}
         row["spread"] = {key: round((max(v) - min(v)) / statistics.median(v), 3) for key, v in runs.items()}
-        base = row["us"].get(table.key())
+        base = row["us"].get(table.key())  # None where the table's own tile failed (see errors)
         ranked = sorted(row["us"].items(), key=lambda kv: kv[1])
         print(f"{case['name']:<44} floor {row['floor_us']:6.1f}  table {table.key()} {base}", flush=True)
         for key, us in ranked[:6]:
-            print(f"    {key:<44} {us:7.2f}  {base / us if base else 0:.3f}x  spread {row['spread'][key]}",
-                  flush=True)
+            ratio = f"{base / us:.3f}x" if base else "-"
+            print(f"    {key:<44} {us:7.2f}  {ratio}  spread {row['spread'][key]}", flush=True)
+        for key, error in row["errors"].items():
+            print(f"    {key:<44} failed: {error}", flush=True)
         rows.append(row)
         del ops, launches
         torch.cuda.empty_cache()
