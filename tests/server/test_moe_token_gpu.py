@@ -32,12 +32,15 @@ from moegemm.server._ffn import FfnExecutor
 
 DEV = torch.device("cuda")
 SHAPES = {"qwen3-30b-like": (64, 2048, 768), "deepseek-v3-like": (64, 7168, 2048),
-          "split-k": (8, 1152, 4224)}
+          "split-k": (8, 1152, 4224),
+          # One expert's w13 is 80 weight tiles at H = 4096: the unsplit 6-slot tile (rule 1a).
+          "unsplit-ring": (8, 4096, 5120)}
 # (shape, top-k, token kind, ids dtype)
 CASES = [("qwen3-30b-like", 8, "bf16", torch.int64), ("qwen3-30b-like", 8, "fp8", torch.int32),
          ("qwen3-30b-like", 1, "bf16", torch.int32), ("qwen3-30b-like", 2, "fp8", torch.int64),
          ("deepseek-v3-like", 8, "bf16", torch.int32), ("deepseek-v3-like", 1, "fp8", torch.int64),
-         ("split-k", 2, "bf16", torch.int64), ("split-k", 8, "fp8", torch.int32)]
+         ("split-k", 2, "bf16", torch.int64), ("split-k", 8, "fp8", torch.int32),
+         ("unsplit-ring", 1, "fp8", torch.int64)]
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +115,10 @@ def test_one_token_equals_the_grouped_path(backend, shape, k, kind, ids_dtype):
     lone = runner.moe(es, x, xs, ids, w)
     assert len(calls) == 1
     assert torch.equal(_bits(lone), _bits(FfnExecutor(backend).moe(es, x, xs, ids, w)))
-    if shape != "split-k" and (shape, k) != ("deepseek-v3-like", 1):
+    if shape not in ("split-k", "unsplit-ring") and (shape, k) != ("deepseek-v3-like", 1):
         # The real shapes' t1 and t2 tiles agree; one expert's w13 at G = 64 splits K by its
-        # weight tiles (8 ways for 32 tiles, 4 for 64): the calls then run apart (SPEC 5.1).
+        # weight tiles (8 ways for 32 tiles, 4 for 64), and one expert's 80 tiles run unsplit
+        # where two experts' 160 do not: the calls then run apart (SPEC 5.1).
         assert _same_tiles(backend, es, k)
     if not _same_tiles(backend, es, k):
         return
