@@ -307,11 +307,11 @@ class GraphPool:
         ``merged`` False (a lone call, whose input words point at ``x``): an fp8 family's GEMM
         checks the rows itself (:meth:`_checked_inside`), captured or eager alike."""
         inside = not merged and self._checked_inside(family, rows)
+        in_place = not merged and self._in_place(family, rows)
         # A lone fp8 call on a tile that stores in place but does not check the rows
         # (persistent_ws): the check only reads the rows and writes their flags, and the
         # GEMM reads the rows where they arrived, so the check runs on a branch beside it.
-        beside = (not merged and not inside and not family.quantize and self._beside is not None
-                  and self._in_place(family, rows))
+        beside = in_place and not inside and not family.quantize and self._beside is not None
         bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
@@ -356,7 +356,7 @@ class GraphPool:
             # the public entry's store (``_in_place``).
             self.run_gemm(xq, xsq, bufs.m_sizes, bufs.out(rows), addresses=bufs.addresses, wq=wq,
                           w_scale=w_scale, inputs=None if family.quantize else bufs.inputs,
-                          out_rows=None if not merged and self._in_place(family, rows) else gather,
+                          out_rows=None if in_place else gather,
                           flags=flags if inside else None)
             if beside:
                 torch.cuda.current_stream(self.device).wait_stream(self._beside)

@@ -277,8 +277,8 @@ def test_a_lone_calls_gemm_checks_its_rows_and_flags_bad_ones(m, n, k, g, backen
     decode tile through the row map, a persistent one storing in place) and no check kernel
     runs; on ``persistent_ws`` (``checks_rows`` false) the check kernel on a stream beside the
     GEMM storing in place (the GEMM reads nothing it writes). Both graphs exist per bucket,
-    the lone one flags a bad scale as the check kernel does (an fp8 NaN code is no flag: SPEC 2.2 checks fp8 rows' scales), and the other rows
-    are the public function's bits."""
+    the lone one flags a bad scale as the check kernel does (an fp8 NaN code is no flag: SPEC
+    2.2 checks fp8 rows' scales), and the other rows are the public function's bits."""
     sizes = random_m_sizes(g, m)
     problem = _problem(m, n, k, g, sizes, gen)
     xq, wq, x_scale, w_scale, m_sizes = problem

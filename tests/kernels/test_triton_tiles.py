@@ -51,10 +51,9 @@ def test_decode_table_rules():
     assert not tk.default_config(16384, 7168, 2304, 8).swap_ab
     # Fewer weight tiles than SMs and long K: 16-token tiles, with weight tiles for at least
     # 60 % of the SMs (80 of 132) and the unsplit tile's scale products preloaded, unsplit
-    # behind a 6-slot ring;
-    # else 128-row weight tiles split along K, the split doubled from 2 to 8 while the
-    # programs stay within 3 per SM (396 on 132 SMs); scale products preloaded; 8 warps where
-    # the row tiles are walked one by one (band 1).
+    # behind a 6-slot ring; else 128-row weight tiles split along K, the split doubled from 2
+    # to 8 while the programs stay within 3 per SM (396 on 132 SMs); scale products preloaded;
+    # 8 warps where the row tiles are walked one by one (band 1).
     unsplit = T("decode", 16, 128, 8, 6, evict_w=ef, preload=True)
     assert tk.default_config(32, 1280, 8192, 8) == unsplit  # 80 tiles
     assert tk.default_config(1, 16384, 5120, 128) == unsplit  # Llama-4 w13, 1 token: 128 tiles
