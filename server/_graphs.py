@@ -311,7 +311,10 @@ class GraphPool:
         # A lone fp8 call on a tile that stores in place but does not check the rows
         # (persistent_ws): the check only reads the rows and writes their flags, and the
         # GEMM reads the rows where they arrived, so the check runs on a branch beside it.
-        beside = in_place and not inside and not family.quantize and self._beside is not None
+        # Captures only: they run on one thread at a time (the loader's, or start-up's), so
+        # the pool's one side stream never takes another thread's eager work.
+        beside = (in_place and not inside and not family.quantize and self._beside is not None
+                  and torch.cuda.is_current_stream_capturing())
         bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]

@@ -297,8 +297,14 @@ def test_a_lone_calls_gemm_checks_its_rows_and_flags_bad_ones(m, n, k, g, backen
                                               real_check(*a, **kw))
     here = torch.cuda.current_stream(DEV)
     pool._body(family, bucket, wq, w_scale, merged=False)  # what a lone call's graph runs, eagerly
+    assert checks == ([] if inside else [here])  # eagerly, in order on the caller's stream
+    checks.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # captured (what the pool's graphs hold): beside the GEMM
+        pool._body(family, bucket, wq, w_scale, merged=False)
     assert checks == ([] if inside else [pool._beside])
     assert pool._beside != here
+    del graph
     checks.clear()
     pool._body(family, bucket, wq, w_scale)  # merged calls': the check kernel regroups first
     assert checks == [here]
