@@ -539,7 +539,7 @@ def run_case(case, problem, x, sweep: bool, peers: bool) -> dict:
     row["public_us"], row["service_us"] = us.pop("public"), us.pop("service")
     row["peers_us"].update(us)
     row["floor_over_service"] = row["floor_us"] / row["service_us"]
-    del pool, bufs, graph, got
+    del pool, bufs, graph, got, timers  # the timers hold the graph
     if sweep:
         row["sweep_us"] = {}
         for cfg in sweep_configs(m, n, k, g):
