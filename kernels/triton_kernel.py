@@ -199,14 +199,15 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
         T = functools.partial(TileConfig, evict_w=ef, group_tiles_m=band)
         if weight_tiles < _SMS and k >= 4096:
             warps = 8 if band == 1 else 4
-            unsplit = _preloaded(T("decode", token_tile, 128, warps, 6), k)
-            if token_tile == 16 and 5 * weight_tiles >= 3 * _SMS and unsplit.preload:
+            if token_tile == 16 and 5 * weight_tiles >= 3 * _SMS:
                 # Weight tiles for 60 % of the SMs, their scale products preloaded: unsplit,
                 # each program on its own SM behind a 6-slot ring, without the split's sums
                 # (bench/NOTES.md, session 35; not preloaded, the ring waits on the scales).
                 # 16-token tiles only: two fit an SM (108 KB), and a hot expert's extra row
                 # tiles find room; the 32-token ring (120 KB) was not measured.
-                return unsplit
+                unsplit = _preloaded(T("decode", token_tile, 128, warps, 6), k)
+                if unsplit.preload:
+                    return unsplit
             if token_tile <= 32:
                 split = 2
                 while split < 8 and weight_tiles * split * 2 <= 3 * _SMS:

@@ -39,9 +39,9 @@ it about 1 us more than the GEMM alone (``bench/NOTES.md``, session 14); before
 a prefill GEMM 2-5 us (seed m1024 n7168 k2304: 54.1 against 51.3 us, session
 31), where the persistent tiles now check the scales their K loop loads anyway;
 ``persistent_ws`` keeps the check kernel (the check in its loop cost it more, session
-33), on a stream forked beside the GEMM and joined after it: the GEMM reads nothing
-it writes (seed m1024 n2048 k7168: 50.3 us serial, 48.9 beside, 48.0 the GEMM alone,
-session 35). A lone call's rows need no row map on a persistent tile
+33), in its graph on a stream forked beside the GEMM and joined after it (eager, in
+order): the GEMM reads nothing it writes (seed m1024 n2048 k7168: 50.3 us serial, 48.9
+beside, 48.0 the GEMM alone, session 35). A lone call's rows need no row map on a persistent tile
 (prefill: they are in group order): its GEMM stores in place, as the public
 entry does; decode tiles keep the map (the identity). Merged calls need the
 regrouped rows first and the map, so such buckets have two graphs, *lone* and
@@ -315,6 +315,7 @@ class GraphPool:
         # the pool's one side stream never takes another thread's eager work.
         beside = (in_place and not inside and not family.quantize and self._beside is not None
                   and torch.cuda.is_current_stream_capturing())
+        here = torch.cuda.current_stream(self.device) if beside else None  # forked and joined
         bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
@@ -337,7 +338,6 @@ class GraphPool:
             if inside:
                 pass  # the GEMM below writes the flags; the rows stay where they arrived
             elif beside:
-                here = torch.cuda.current_stream(self.device)
                 self._beside.wait_stream(here)
                 with torch.cuda.stream(self._beside):
                     self.check_and_gather(x, xs, gather, xg, xsg, flags, regroup=regroup)
@@ -362,7 +362,7 @@ class GraphPool:
                           out_rows=None if in_place else gather,
                           flags=flags if inside else None)
             if beside:
-                torch.cuda.current_stream(self.device).wait_stream(self._beside)
+                here.wait_stream(self._beside)
         else:
             out = torch.empty((rows, family.N), dtype=torch.bfloat16, device=self.device)
             self.run_gemm(xq, xsq, bufs.m_sizes, out, addresses=bufs.addresses, wq=wq, w_scale=w_scale)
