@@ -17,13 +17,14 @@ the two GEMMs of an expert-FFN graph. It is the torch definition
   ``/`` is an approximate division on NVIDIA) and the math library's ``expf``
   (libdevice/ocml, what torch's kernels call); the product is rounded once to
   bf16 (with integer operations, exact in the interpreter too);
-- the scale is ``max(amax, 1e-12) / FP8_MAX`` and the quantized value
-  ``clamp(a / scale, -FP8_MAX, FP8_MAX)``, both with IEEE division, NaN
-  propagated as torch's ``amax``/``clamp`` propagate it, the quotient rounded to
-  odd first so that the fp8 code rounds the exact quotient (``quant._to_fp8``);
-- the rounding to fp8 is done with integer operations (round to nearest even,
-  subnormals included), so both formats and both vendors' GPUs give the same
-  bits without a hardware conversion instruction that only one of them has;
+- the scale is ``max(amax, 1e-12) / FP8_MAX`` with IEEE division, NaN
+  propagated as torch's ``amax``/``clamp`` propagate it, and each code the exact
+  quotient ``a * FP8_MAX / max(amax, 1e-12)`` rounded to nearest even
+  (``quant._to_fp8``): the float32 quotient finds its fp8 interval, an exact
+  float64 comparison with the interval's midpoint picks the end;
+- the rounding to fp8 is done with integer operations (subnormals included), so
+  both formats and both vendors' GPUs give the same bits without a hardware
+  conversion instruction that only one of them has;
 - no multiply-add contraction (``enable_fp_fusion=False``): torch rounds each
   product and sum separately.
 
@@ -53,12 +54,8 @@ from triton.language.extra import libdevice
 from ._triton_keys import settle
 from .quant import BLOCK, fp8_max
 
-# Float bits of 2^23: adding and subtracting it rounds a value in [0, 2^22) to an integer, ties to even.
-_ROUND_MAGIC = tl.constexpr(8388608.0)
 # Triton's interpreter (TRITON_INTERPRET=1, read when a kernel is defined) runs the CPU tests.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# The same, as the kernels read it (a jit function reads only constexpr globals).
-_IN_INTERPRETER = tl.constexpr(_INTERPRETED)
 
 
 @triton.jit
@@ -83,18 +80,28 @@ _FORMAT = {False: (7, 0.015625, 512.0), True: (8, 0.0078125, 1024.0)}
 
 
 @triton.jit
-def _fp8_bits(v, FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-              SUB_SCALE: tl.constexpr):
-    """Round float32 ``v`` (|v| <= the format's max, or NaN) to e4m3fn / e4m3fnuz bits (int32)."""
+def _fp8_bits(v, x, floor, FP8_MAX, FNUZ: tl.constexpr, BIAS: tl.constexpr,
+              MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
+    """e4m3fn / e4m3fnuz bits (int32) of the exact quotient ``x * FP8_MAX / floor`` (``floor``
+    float64, one per row), to nearest even (``quant._to_fp8``, bit for bit). ``v`` is the
+    float32 quotient by the rounded
+    scale, clamped to the format's max (or NaN): within 1.5 float32 ulps of the exact one, it
+    finds the fp8 interval; the sign of ``|x| * FP8_MAX - mid * floor`` (two products exact in
+    float64: the same in the interpreter) says which end the exact quotient rounds to, ``mid``
+    being the interval's midpoint, and 0 is a tie (to even)."""
     raw = v.to(tl.int32, bitcast=True)
     negative = raw < 0
     a = tl.abs(v)
-    bits = a.to(tl.int32, bitcast=True)
-    # Normal: keep 3 mantissa bits, round to nearest even, re-bias the exponent.
-    rounded = bits + 0x7FFFF + ((bits >> 20) & 1)
-    normal = (rounded >> 20) - ((127 - BIAS) << 3)
-    sub = ((a * SUB_SCALE + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int32)
-    code = tl.where(a < MIN_NORMAL, sub, normal)
+    # The interval's low end as a code (its mantissa's last bit is the code's) and its
+    # midpoint: a normal value's 3 mantissa bits kept; a subnormal one's whole steps (exact).
+    kept = a.to(tl.int32, bitcast=True) & -1048576
+    steps = (a * SUB_SCALE).to(tl.int32)
+    subnormal = a < MIN_NORMAL
+    code = tl.where(subnormal, steps, (kept >> 20) - ((127 - BIAS) << 3))
+    mid = tl.where(subnormal, (steps.to(tl.float32) + 0.5) * (1.0 / SUB_SCALE),
+                   (kept | 524288).to(tl.float32, bitcast=True))
+    side = tl.abs(x).to(tl.float64) * FP8_MAX - mid.to(tl.float64) * floor
+    code += ((side > 0) | ((side == 0) & ((code & 1) == 1))).to(tl.int32)
     if FNUZ:
         # No negative zero in fnuz (0x80 is its NaN).
         code = tl.where(negative & (code != 0), code | 0x80, code)
@@ -121,38 +128,16 @@ def quantize_blocks(x, FP8_MAX, FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORM
                     SUB_SCALE: tl.constexpr):
     """float32 ``x`` ``[R, 128]``, each row one 128-wide block, quantized (SPEC 1.1): (the
     fp8 codes, int32 ``[R, 128]``; the blocks' scales ``[R]``). NaN propagates as torch's
-    ``amax``/``clamp`` propagate it; every division IEEE; each code rounds the exact quotient."""
+    ``amax``/``clamp`` propagate it; every division IEEE; each code rounds the exact quotient
+    ``x * FP8_MAX / max(amax, 1e-12)`` (:func:`_fp8_bits`)."""
     amax = tl.reduce(tl.abs(x), 1, _max_nan)
-    scale = tl.math.div_rn(_max_nan(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
-    wide = tl.broadcast_to(scale[:, None], x.shape)
-    v = _to_odd(tl.math.div_rn(x, wide), x, wide, _IN_INTERPRETER)
+    floor = _max_nan(amax, 1e-12)
+    scale = tl.math.div_rn(floor, tl.full(amax.shape, FP8_MAX, tl.float32))
+    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     v = tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
-    return _fp8_bits(v, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE), scale
-
-
-@triton.jit
-def _to_odd(v, x, scale, INTERPRETED: tl.constexpr):
-    """The float32 quotient ``v`` of ``x / scale`` (rounded to nearest) as the exact quotient
-    rounded to odd: the float32 neighbour of the exact quotient whose last bit is 1, unless it is
-    exact. Rounding that to fp8 (8 bits fewer and more) rounds the exact quotient, ties included
-    ("innocuous double rounding"), where rounding ``v`` itself picks the wrong neighbour when
-    ``v`` lands on an fp8 tie the exact quotient is not on (``quant._to_fp8``: the same bits).
-
-    The sign of ``v * scale - x`` says on which side of the exact quotient ``v`` lies: a fused
-    multiply-add rounds it once, so its sign is exact and it is 0 only when exact (a non-zero
-    difference is at least 2^-105 wherever ``v`` can matter, |v| >= 2^-10 and scale >= 1e-12 /
-    448). The interpreter's fma rounds twice: it takes the difference in float64.
-    """
-    if INTERPRETED:
-        over = v.to(tl.float64) * scale.to(tl.float64) - x.to(tl.float64)
-    else:
-        over = tl.fma(v, scale, -x)
-    bits = v.to(tl.int32, bitcast=True)
-    # Above the exact quotient in magnitude: the neighbour below (one step down), then odd.
-    down = ((over > 0) == (v > 0)).to(tl.int32)
-    inexact = (over != 0) & (v != 0)  # a zero v: the exact quotient is below 2^-149, fp8 zero
-    return tl.where(inexact, (bits - down) | 1, bits).to(tl.float32, bitcast=True)
+    return _fp8_bits(v, x, floor.to(tl.float64)[:, None], FP8_MAX, FNUZ, BIAS, MIN_NORMAL,
+                     SUB_SCALE), scale
 
 
 @triton.jit

@@ -34,38 +34,55 @@ def _check_float_input(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what} must be bfloat16, float16 or float32, got {t.dtype}")
 
 
-def _scale_of(amax: torch.Tensor, limit: float) -> torch.Tensor:
-    """``max(amax, floor) / limit``, in place, rounded the same on every device.
+def _scale_of(amax: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(floor, scale)``: ``max(amax, 1e-12)`` (in place) and ``floor / limit``, the scale
+    rounded the same on every device.
 
     Dividing by a Python number lets torch multiply by its reciprocal instead,
     rounded differently on the CPU and on CUDA: the H200's scales came out one
     ulp away from the CPU reference's, and so did some quantized values. A
     tensor divisor is a true IEEE division everywhere.
     """
-    return amax.clamp_(min=_AMAX_FLOOR).div_(torch.full_like(amax, limit))
+    floor = amax.clamp_(min=_AMAX_FLOOR)
+    return floor, floor / torch.full_like(floor, limit)
 
 
-def _to_fp8(values: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """``clamp(values / scale)`` rounded to ``fp8_dtype``, to nearest even from the exact quotient.
+# The fp8 formats' smallest normal value and the inverse of their subnormal step.
+_SUBNORMAL = {torch.float8_e4m3fn: (2.0**-6, 512.0), torch.float8_e4m3fnuz: (2.0**-7, 1024.0)}
 
-    The float32 division rounds once before the cast rounds again, and where the float32
-    quotient lands on a tie between two fp8 values that the exact one is not (0.1 % of bf16
-    inputs), the cast's tie-to-even picks the wrong neighbour: 84.0000027 rounds to 84.0, then
-    to 80, where SPEC 1.1 gives 88. So the float32 quotient is first rounded to odd: where it is
-    not exact, the one of its two float32 neighbours around the exact quotient whose last bit is
-    1 (no tie, and on the exact quotient's side of every fp8 tie: 20 bits more than fp8 keeps).
-    Which side the quotient lies on is the sign of ``quotient * scale - values``, exact in
-    float64.
-    ``_triton_act._to_odd`` does the same, bit for bit.
+
+def _to_fp8(values: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor,
+            fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``values`` rounded to ``fp8_dtype`` as SPEC 1.1 has it: the exact quotient
+    ``values * FP8_MAX / floor`` (``floor`` = ``max(amax, 1e-12)``, the block's real scale's
+    numerator) to nearest even, never past the format's maximum.
+
+    The float32 quotient ``values / scale`` only finds the fp8 interval ``[lo, hi]`` around
+    the exact one (it is within 1.5 float32 ulps of it); which end it rounds to is decided by
+    the sign of ``|values| * FP8_MAX - mid * floor``, ``mid`` the interval's midpoint: both
+    products are exact in float64, so the sign is the exact quotient's side of ``mid``, and 0
+    where it lies on it (a tie, to even). Rounding the float32 quotient itself, or the exact
+    quotient by the float32 scale (both the rounded scale), differs from that on about 0.1 % of
+    bf16 values, whose exact quotients are ties (``0.2578125 * 448 / 2.75`` is 42, between 40
+    and 44): what a float64 evaluation of SPEC 1.1 gives is this.
+    ``_triton_act.quantize_blocks`` does the same, bit for bit.
     """
-    # Clamping matters: torch's cast does not saturate, an overflow would be NaN.
     limit = fp8_max(fp8_dtype)
-    quotient = values / scale
-    over = torch.addcmul(values.double().neg_(), quotient.double(), scale.double())
-    bits = quotient.view(torch.int32)
-    down = ((over > 0) == (quotient > 0)).to(torch.int32)  # above the exact one in magnitude
-    odd = torch.where((over != 0) & (quotient != 0), (bits - down) | 1, bits)
-    return odd.view(torch.float32).clamp_(-limit, limit).to(fp8_dtype)
+    min_normal, per_step = _SUBNORMAL[fp8_dtype]
+    # Clamping matters: torch's cast does not saturate, an overflow would be NaN. NaN stays.
+    v = (values / scale).clamp_(-limit, limit)
+    a = v.abs()
+    subnormal = a < min_normal
+    bits = a.view(torch.int32) & -(1 << 20)  # a normal value's 3 mantissa bits kept: lo
+    steps = (a * per_step).to(torch.int32)  # a subnormal value's whole steps (exact scaling)
+    lo = torch.where(subnormal, steps.float() / per_step, bits.view(torch.float32))
+    hi = torch.where(subnormal, (steps + 1).float() / per_step, (bits + (1 << 20)).view(torch.float32))
+    mid = torch.where(subnormal, (steps.float() + 0.5) / per_step, (bits | (1 << 19)).view(torch.float32))
+    odd = torch.where(subnormal, steps, bits >> 20) & 1
+    side = values.abs().double().mul_(limit).addcmul_(mid.double(), floor.double(), value=-1)
+    up = (side > 0) | ((side == 0) & (odd == 1))
+    rounded = torch.copysign(torch.where(up, hi, lo), v)
+    return torch.where(v.isnan(), v, rounded).to(fp8_dtype)
 
 
 def quantize_activations(
@@ -86,8 +103,8 @@ def quantize_activations(
         raise ValueError(f"K must be a multiple of {BLOCK}, got K={k}")
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=2, keepdim=True)
-    scale = _scale_of(amax, limit)
-    xq = _to_fp8(blocks, scale, fp8_dtype).reshape(m, k)
+    floor, scale = _scale_of(amax, limit)
+    xq = _to_fp8(blocks, floor, scale, fp8_dtype).reshape(m, k)
     return xq, scale.reshape(m, k // BLOCK).contiguous()
 
 
@@ -111,8 +128,8 @@ def quantize_weights(
     nb, kb = n // BLOCK, k // BLOCK
     blocks = w.float().reshape(*lead, nb, BLOCK, kb, BLOCK)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)  # [..., nb, 1, kb, 1]
-    scale = _scale_of(amax, limit)
-    wq = _to_fp8(blocks, scale, fp8_dtype).reshape(w.shape)
+    floor, scale = _scale_of(amax, limit)
+    wq = _to_fp8(blocks, floor, scale, fp8_dtype).reshape(w.shape)
     w_scale = scale.reshape(*lead, nb, kb).transpose(-1, -2).contiguous()
     return wq, w_scale
 
