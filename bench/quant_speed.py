@@ -1,15 +1,15 @@
-"""The Triton quantizers before and after session 26's exact-quotient rounding, on the H200.
+"""The Triton quantizers of this checkout against an earlier commit's, on a GPU.
 
+    git show <rev>:kernels/_triton_act.py > kernels/_triton_act_base.py   # never commit it
     python bench/quant_speed.py [--json OUT]
 
 ``gather_quantize_triton`` (bf16 rows, the server's quantization of a call's x) and
 ``silu_mul_quant_triton`` (the FFN's activation and its quantization) of this checkout against
-the same kernels from ``kernels/_triton_act_pre26.py`` (the file before the change: write it with
-``git show 9635f7b~1:kernels/_triton_act.py > kernels/_triton_act_pre26.py`` before a run, never
-commit it), each a CUDA-graph replay median (``bench_kernels.time_us``) on fresh random data,
-alternated over four rounds with the order reversed every other round (the median round
-reported); GB/s of bytes read and written, and how many codes differ (the float32 quotient's
-ties). Never collected by pytest.
+the same kernels from ``kernels/_triton_act_base.py`` (session 26: the exact-quotient rounding
+against 9635f7b~1; session 38: the rounding of the real quotient against 66d90b0), each a
+CUDA-graph replay median (``bench_kernels.time_us``) on fresh random data, alternated over four
+rounds with the order reversed every other round (the median round reported); GB/s of bytes
+read and written, and how many codes differ. Never collected by pytest.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import bench_kernels as bk
 
 def main() -> None:
     from moegemm.kernels import _triton_act as new
-    from moegemm.kernels import _triton_act_pre26 as old
+    from moegemm.kernels import _triton_act_base as old
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
