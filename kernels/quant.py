@@ -6,6 +6,8 @@ tensor contents on the host, so it may be captured into a CUDA/HIP graph.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 BLOCK = 128
@@ -55,7 +57,7 @@ def _to_fp8(values: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor,
             fp8_dtype: torch.dtype) -> torch.Tensor:
     """``values`` rounded to ``fp8_dtype`` as SPEC 1.1 has it: the exact quotient
     ``values * FP8_MAX / floor`` (``floor`` = ``max(amax, 1e-12)``, the block's real scale's
-    numerator) to nearest even, never past the format's maximum.
+    numerator, 1e-12 being float32's) to nearest even, never past the format's maximum.
 
     The float32 quotient ``values / scale`` only finds the fp8 interval ``[lo, hi]`` around
     the exact one (it is within 1.5 float32 ulps of it); which end it rounds to is decided by
@@ -85,6 +87,21 @@ def _to_fp8(values: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor,
     return torch.where(v.isnan(), v, rounded).to(fp8_dtype)
 
 
+# Elements :func:`_to_fp8` takes at once: its temporaries (about 50 bytes an element) stay
+# under a GiB whatever the tensor (a weight set's group of 7168 x 18432 float32 would need 6.8 GB).
+_SLICE_ELEMENTS = 1 << 24
+
+
+def _in_slices(values: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor,
+               fp8_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_to_fp8` over slices of dim 0 (``floor`` and ``scale`` have ``values``' dim 0)."""
+    out = torch.empty(values.shape, dtype=fp8_dtype, device=values.device)
+    per = max(1, _SLICE_ELEMENTS // max(1, math.prod(values.shape[1:])))
+    for i in range(0, values.shape[0], per):
+        out[i:i + per] = _to_fp8(values[i:i + per], floor[i:i + per], scale[i:i + per], fp8_dtype)
+    return out
+
+
 def quantize_activations(
     x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +121,7 @@ def quantize_activations(
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     floor, scale = _scale_of(amax, limit)
-    xq = _to_fp8(blocks, floor, scale, fp8_dtype).reshape(m, k)
+    xq = _in_slices(blocks, floor, scale, fp8_dtype).reshape(m, k)
     return xq, scale.reshape(m, k // BLOCK).contiguous()
 
 
@@ -129,7 +146,8 @@ def quantize_weights(
     blocks = w.float().reshape(*lead, nb, BLOCK, kb, BLOCK)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)  # [..., nb, 1, kb, 1]
     floor, scale = _scale_of(amax, limit)
-    wq = _to_fp8(blocks, floor, scale, fp8_dtype).reshape(w.shape)
+    wq = _in_slices(blocks.reshape(-1, BLOCK, kb, BLOCK), floor.reshape(-1, 1, kb, 1),
+                    scale.reshape(-1, 1, kb, 1), fp8_dtype).reshape(w.shape)
     w_scale = scale.reshape(*lead, nb, kb).transpose(-1, -2).contiguous()
     return wq, w_scale
 

@@ -197,6 +197,10 @@ def _exact_fp8(quotient: torch.Tensor, fp8_dtype) -> torch.Tensor:
     return torch.round(quotient / step) * step  # exact: a power of two; round: ties to even
 
 
+# The amax floor as the quantizers hold it: float32's 1e-12 (the scales are float32).
+FLOOR = torch.tensor(1e-12).item()
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_quantized_values_round_the_exact_quotient(fp8_dtype, dtype):
@@ -213,7 +217,7 @@ def test_quantized_values_round_the_exact_quotient(fp8_dtype, dtype):
     x[0, 0] = 1.0
     xq, x_scale = quantize_activations(x, fp8_dtype)
     blocks = x.double().reshape(512, 8, 128)
-    floor = blocks.abs().amax(dim=2, keepdim=True).clamp(min=1e-12)
+    floor = blocks.abs().amax(dim=2, keepdim=True).clamp(min=FLOOR)
     want = _exact_fp8((blocks * limit / floor).reshape(512, 1024), fp8_dtype)
     assert torch.equal(xq.double(), want)
     if dtype != torch.float32:
@@ -226,5 +230,26 @@ def test_quantized_values_round_the_exact_quotient(fp8_dtype, dtype):
     w = x.reshape(4, 128, 1024)
     wq, _ = quantize_weights(w, fp8_dtype)
     wb = w.double().reshape(4, 1, 128, 8, 128)
-    wfloor = wb.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-12)
+    wfloor = wb.abs().amax(dim=(2, 4), keepdim=True).clamp(min=FLOOR)
     assert torch.equal(wq.double(), _exact_fp8((wb * limit / wfloor).reshape(4, 128, 1024), fp8_dtype))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_slices_give_the_bits_of_one_pass(fp8_dtype, monkeypatch):
+    """The rounding runs over slices of the leading blocks (its temporaries bounded): any slice
+    size gives the bits and scales of one pass, activations (M = 0 included) and weights."""
+    from moegemm.kernels import quant
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(37, 384, generator=gen) * torch.exp(torch.randn(37, 1, generator=gen))).bfloat16()
+    w3 = torch.randn(3, 256, 384, generator=gen) * 0.02
+    w2 = torch.randn(256, 384, generator=gen).half()
+    inputs = [(quantize_activations, x), (quantize_activations, x[:0]), (quantize_weights, w3),
+              (quantize_weights, w2)]
+    whole = [f(t, fp8_dtype) for f, t in inputs]
+    for elements in (1, 128 * 128 * 3 + 5, 384 * 7):
+        monkeypatch.setattr(quant, "_SLICE_ELEMENTS", elements)
+        for (f, t), (q, s) in zip(inputs, whole, strict=True):
+            got_q, got_s = f(t, fp8_dtype)
+            assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8)), (elements, t.shape)
+            assert torch.equal(got_s, s)
