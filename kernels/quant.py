@@ -49,56 +49,44 @@ def _scale_of(amax: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Ten
     return floor, floor / torch.full_like(floor, limit)
 
 
-# The fp8 formats' smallest normal value and the inverse of their subnormal step.
-_SUBNORMAL = {torch.float8_e4m3fn: (2.0**-6, 512.0), torch.float8_e4m3fnuz: (2.0**-7, 1024.0)}
-
-
-def _to_fp8(values: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor,
-            fp8_dtype: torch.dtype) -> torch.Tensor:
+def _to_fp8(values: torch.Tensor, floor: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``values`` rounded to ``fp8_dtype`` as SPEC 1.1 has it: the exact quotient
     ``values * FP8_MAX / floor`` (``floor`` = ``max(amax, 1e-12)``, the block's real scale's
     numerator, 1e-12 being float32's) to nearest even, never past the format's maximum.
 
-    The float32 quotient ``values / scale`` only finds the fp8 interval ``[lo, hi]`` around
-    the exact one (it is within 1.5 float32 ulps of it); which end it rounds to is decided by
-    the sign of ``|values| * FP8_MAX - mid * floor``, ``mid`` the interval's midpoint: both
-    products are exact in float64, so the sign is the exact quotient's side of ``mid``, and 0
-    where it lies on it (a tie, to even). Rounding the float32 quotient itself, or the exact
-    quotient by the float32 scale (both the rounded scale), differs from that on about 0.1 % of
+    The quotient is taken in float64 (``values * FP8_MAX`` exact, one rounding in the
+    division): for 16- and 32-bit floats it lies on the same side of every float32 value as the
+    exact one, and on one only where the exact one is (their distance is at least 2^-42 of it).
+    It is then rounded to odd in float32 (the neighbour whose last bit is 1, unless exact), 20
+    bits more than fp8 keeps, so the cast to fp8 rounds the exact quotient, ties included. The
+    quotient by the float32-rounded scale, or its float32 rounding, differs on about 0.1 % of
     bf16 values, whose exact quotients are ties (``0.2578125 * 448 / 2.75`` is 42, between 40
-    and 44): what a float64 evaluation of SPEC 1.1 gives is this.
-    ``_triton_act.quantize_blocks`` does the same, bit for bit.
+    and 44): what a float64 evaluation of SPEC 1.1 gives is this (for bf16 and fp16 inputs;
+    torch's float64 cast rounds through float32). ``_triton_act._fp8_bits`` gives the same bits
+    with a float32 division and an exact float64 comparison.
     """
     limit = fp8_max(fp8_dtype)
-    min_normal, per_step = _SUBNORMAL[fp8_dtype]
+    exact = values.double().mul_(limit).div_(floor.double())
+    v = exact.float()
+    over = v.double().sub_(exact)  # v's side of the quotient: exact (two close float64 values)
+    bits = v.view(torch.int32)
+    down = ((over > 0) == (v > 0)).to(torch.int32)  # above the quotient in magnitude
+    odd = torch.where((over != 0) & (v != 0), (bits - down) | 1, bits)
     # Clamping matters: torch's cast does not saturate, an overflow would be NaN. NaN stays.
-    v = (values / scale).clamp_(-limit, limit)
-    a = v.abs()
-    subnormal = a < min_normal
-    bits = a.view(torch.int32) & -(1 << 20)  # a normal value's 3 mantissa bits kept: lo
-    steps = (a * per_step).to(torch.int32)  # a subnormal value's whole steps (exact scaling)
-    lo = torch.where(subnormal, steps.float() / per_step, bits.view(torch.float32))
-    hi = torch.where(subnormal, (steps + 1).float() / per_step, (bits + (1 << 20)).view(torch.float32))
-    mid = torch.where(subnormal, (steps.float() + 0.5) / per_step, (bits | (1 << 19)).view(torch.float32))
-    odd = torch.where(subnormal, steps, bits >> 20) & 1
-    side = values.abs().double().mul_(limit).addcmul_(mid.double(), floor.double(), value=-1)
-    up = (side > 0) | ((side == 0) & (odd == 1))
-    rounded = torch.copysign(torch.where(up, hi, lo), v)
-    return torch.where(v.isnan(), v, rounded).to(fp8_dtype)
+    return odd.view(torch.float32).clamp_(-limit, limit).to(fp8_dtype)
 
 
-# Elements :func:`_to_fp8` takes at once: its temporaries (about 50 bytes an element) stay
+# Elements :func:`_to_fp8` takes at once: its temporaries (about 40 bytes an element) stay
 # under a GiB whatever the tensor (a weight set's group of 7168 x 18432 float32 would need 6.8 GB).
 _SLICE_ELEMENTS = 1 << 24
 
 
-def _in_slices(values: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor,
-               fp8_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`_to_fp8` over slices of dim 0 (``floor`` and ``scale`` have ``values``' dim 0)."""
+def _in_slices(values: torch.Tensor, floor: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_to_fp8` over slices of dim 0 (``floor`` has ``values``' dim 0)."""
     out = torch.empty(values.shape, dtype=fp8_dtype, device=values.device)
     per = max(1, _SLICE_ELEMENTS // max(1, math.prod(values.shape[1:])))
     for i in range(0, values.shape[0], per):
-        out[i:i + per] = _to_fp8(values[i:i + per], floor[i:i + per], scale[i:i + per], fp8_dtype)
+        out[i:i + per] = _to_fp8(values[i:i + per], floor[i:i + per], fp8_dtype)
     return out
 
 
@@ -121,7 +109,7 @@ def quantize_activations(
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     floor, scale = _scale_of(amax, limit)
-    xq = _in_slices(blocks, floor, scale, fp8_dtype).reshape(m, k)
+    xq = _in_slices(blocks, floor, fp8_dtype).reshape(m, k)
     return xq, scale.reshape(m, k // BLOCK).contiguous()
 
 
@@ -147,7 +135,7 @@ def quantize_weights(
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)  # [..., nb, 1, kb, 1]
     floor, scale = _scale_of(amax, limit)
     wq = _in_slices(blocks.reshape(-1, BLOCK, kb, BLOCK), floor.reshape(-1, 1, kb, 1),
-                    scale.reshape(-1, 1, kb, 1), fp8_dtype).reshape(w.shape)
+                    fp8_dtype).reshape(w.shape)
     w_scale = scale.reshape(*lead, nb, kb).transpose(-1, -2).contiguous()
     return wq, w_scale
 
