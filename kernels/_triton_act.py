@@ -84,11 +84,11 @@ def _fp8_bits(v, x, floor, FP8_MAX, FNUZ: tl.constexpr, BIAS: tl.constexpr,
               MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
     """e4m3fn / e4m3fnuz bits (int32) of the exact quotient ``x * FP8_MAX / floor`` (``floor``
     float64, one per row), to nearest even (``quant._to_fp8``, bit for bit). ``v`` is the
-    float32 quotient by the rounded
-    scale, clamped to the format's max (or NaN): within 1.5 float32 ulps of the exact one, it
-    finds the fp8 interval; the sign of ``|x| * FP8_MAX - mid * floor`` (two products exact in
-    float64: the same in the interpreter) says which end the exact quotient rounds to, ``mid``
-    being the interval's midpoint, and 0 is a tie (to even)."""
+    float32 quotient by the rounded scale, clamped to the format's max (or NaN): within 1.5
+    float32 ulps of the exact one, it finds the fp8 interval; the sign of ``|x| * FP8_MAX - mid
+    * floor`` (two products exact in float64: the same in the interpreter) says which end the
+    exact quotient rounds to, ``mid`` being the interval's midpoint, and 0 is a tie (to even).
+    No float64 division: the GPU's is slow."""
     raw = v.to(tl.int32, bitcast=True)
     negative = raw < 0
     a = tl.abs(v)

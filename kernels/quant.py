@@ -55,8 +55,9 @@ def _to_fp8(values: torch.Tensor, floor: torch.Tensor, fp8_dtype: torch.dtype) -
     numerator, 1e-12 being float32's) to nearest even, never past the format's maximum.
 
     The quotient is taken in float64 (``values * FP8_MAX`` exact, one rounding in the
-    division): for 16- and 32-bit floats it lies on the same side of every float32 value as the
-    exact one, and on one only where the exact one is (their distance is at least 2^-42 of it).
+    division, at most 2^-53 of it): for 16- and 32-bit floats it lies on the same side of every
+    float32 value as the exact one, and on one only where the exact one is (a 28-bit numerator
+    over a 24-bit floor is either a 24-bit value or at least 2^-48 of itself away from each).
     It is then rounded to odd in float32 (the neighbour whose last bit is 1, unless exact), 20
     bits more than fp8 keeps, so the cast to fp8 rounds the exact quotient, ties included. The
     quotient by the float32-rounded scale, or its float32 rounding, differs on about 0.1 % of

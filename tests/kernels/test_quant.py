@@ -206,10 +206,10 @@ FLOOR = torch.tensor(1e-12).item()
 def test_quantized_values_round_the_exact_quotient(fp8_dtype, dtype):
     """SPEC 1.1 in real arithmetic: ``x / (amax / FP8_MAX)`` rounded to fp8 once, to nearest
     even. Every value equals that rounding, activations and weights, normal and subnormal, and
-    so what a float64 evaluation of 1.1's formulas gives. For bf16 inputs about 0.1 % of the
-    exact quotients are fp8 ties (``0.2578125 * 448 / 2.75`` is 42, between 40 and 44), which
-    a quotient by the float32 scale (``x_scale``, rounded) moves off the tie: rounding that one
-    exactly, as this server did until session 38, picks the other neighbour there."""
+    for bf16 and fp16 inputs what a float64 evaluation of 1.1 in torch gives. For bf16 inputs
+    about 0.1 % of the exact quotients are fp8 ties (``0.2578125 * 448 / 2.75`` is 42, between
+    40 and 44), which a quotient by the float32 scale (``x_scale``, rounded) moves off the tie:
+    rounding that one exactly, as this server did until session 38, picks the other neighbour."""
     gen = torch.Generator().manual_seed(11)
     limit = fp8_max(fp8_dtype)
     x = (torch.randn(512, 1024, generator=gen) * torch.exp(torch.randn(512, 1, generator=gen) * 3)).to(dtype)
