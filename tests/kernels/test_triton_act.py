@@ -110,8 +110,8 @@ def test_gather_quantize_equals_the_torch_ops_on_the_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gather_quantize_equals_the_torch_ops_on_many_rows():
-    """A prefill's worth of bf16 rows (65536 x 7168: half a million of them hold an fp8 tie of
-    the float32 quotient): every code and scale as ``quantize_activations`` gives them."""
+    """A prefill's worth of bf16 rows (65536 x 7168: about half a million of their exact
+    quotients are fp8 ties): every code and scale as ``quantize_activations`` gives them."""
     pytest.importorskip("triton")
     from moegemm.kernels import quantize_activations
     from moegemm.kernels._triton_act import gather_quantize_triton
