@@ -77,15 +77,19 @@ def _to_fp8(values: torch.Tensor, floor: torch.Tensor, fp8_dtype: torch.dtype) -
     return odd.view(torch.float32).clamp_(-limit, limit).to(fp8_dtype)
 
 
-# Elements :func:`_to_fp8` takes at once: its temporaries (about 36 bytes an element) stay
-# under a GiB whatever the tensor (a weight set's group of 7168 x 18432 would need 4.7 GB).
+# Elements :func:`_to_fp8` takes at once: its temporaries (float64 copies among them: about 36
+# bytes an element, the peak RSS of quantize_weights on the CPU) stay under a GiB whatever the
+# tensor.
 _SLICE_ELEMENTS = 1 << 24
 
 
 def _in_slices(values: torch.Tensor, floor: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`_to_fp8` over slices of dim 0 (``floor`` has ``values``' dim 0)."""
-    out = torch.empty(values.shape, dtype=fp8_dtype, device=values.device)
+    """:func:`_to_fp8` over slices of dim 0 (``floor`` has ``values``' dim 0); in one piece, with
+    no copy, where that fits one slice (every call but a prefill's)."""
     per = max(1, _SLICE_ELEMENTS // max(1, math.prod(values.shape[1:])))
+    if values.shape[0] <= per:
+        return _to_fp8(values, floor, fp8_dtype)
+    out = torch.empty(values.shape, dtype=fp8_dtype, device=values.device)
     for i in range(0, values.shape[0], per):
         out[i:i + per] = _to_fp8(values[i:i + per], floor[i:i + per], fp8_dtype)
     return out
