@@ -49,12 +49,14 @@ _PIN_BODIES_FROM = 64 << 10
 
 # A load's host-to-device copies (:class:`PacedUpload`) go in pieces of this many
 # bytes, at most ``_LOAD_AHEAD`` of them queued on the device at once. Calls'
-# copies share the copy engines and PCIe with them: behind a load's 64 MiB copy
-# (~2.7 ms at 25 GB/s) a call's 0.9 MB waited, and on the H200 (v6) a 7.5 GB
-# set loading from a file doubled another set's p99 (1.29 -> 2.63 ms at 128
-# rows). Two pieces queued keep the load's copies going between the loader
-# thread's turns; the load itself is paced by its file reads (~10 GB/s).
-_LOAD_PIECE = 8 << 20
+# copies share the copy engines and PCIe with them, and a call's 0.9 MB waits
+# behind whatever load pieces are queued ahead of it: 8 MiB pieces (~0.35 ms each
+# at 24 GB/s) took a 128-row call's p99 during replacement loads of a 7.5 GB set
+# to 2.14-2.26x its idle p99, 2 MiB to 2.09-2.15x, 1 MiB to 1.49-1.66x (H100
+# host, three runs each, session 39), with the loads' median rate unchanged
+# (23.6-24.6 GB/s). Two pieces queued keep the load's copies going between the
+# loader thread's turns.
+_LOAD_PIECE = 1 << 20
 _LOAD_AHEAD = 2
 
 
