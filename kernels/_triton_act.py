@@ -108,7 +108,7 @@ def _fp8_bits(v, x, floor, FP8_MAX, FNUZ: tl.constexpr, BIAS: tl.constexpr,
         code = tl.where(v != v, 0x80, code)  # noqa: PLR0124 (NaN)
     else:
         code = tl.where(negative, code | 0x80, code)
-        code = tl.where(v != v, tl.where(negative, 0xFF, 0x7F), code)  # noqa: PLR0124
+        code = tl.where(v != v, 0x7F, code)  # noqa: PLR0124 (one NaN code: quant._to_fp8)
     return code
 
 

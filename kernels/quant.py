@@ -49,6 +49,10 @@ def _scale_of(amax: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Ten
     return floor, floor / torch.full_like(floor, limit)
 
 
+# float32 NaN bits with the sign clear: :func:`_to_fp8`'s NaN, 0x7F in e4m3fn (0x80 in fnuz).
+_POSITIVE_NAN = 0x7FC00000
+
+
 def _to_fp8(values: torch.Tensor, floor: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``values`` rounded to ``fp8_dtype`` as SPEC 1.1 has it: the exact quotient
     ``values * FP8_MAX / floor`` (``floor`` = ``max(amax, 1e-12)``, the block's real scale's
@@ -73,6 +77,9 @@ def _to_fp8(values: torch.Tensor, floor: torch.Tensor, fp8_dtype: torch.dtype) -
     bits = v.view(torch.int32)
     down = ((over > 0) == (v > 0)).to(torch.int32)  # above the quotient in magnitude
     odd = torch.where((over != 0) & (v != 0), (bits - down) | 1, bits)
+    # One NaN code whatever the NaN's sign: a float64 NaN made on CUDA (``inf / inf``) is
+    # negative, a float32 one positive, and x86's are negative.
+    odd.masked_fill_(v.isnan(), _POSITIVE_NAN)
     # Clamping matters: torch's cast does not saturate, an overflow would be NaN. NaN stays.
     return odd.view(torch.float32).clamp_(-limit, limit).to(fp8_dtype)
 

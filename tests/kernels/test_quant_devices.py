@@ -52,3 +52,48 @@ def test_gpu_quantizes_to_the_cpu_bits(fp8, limit, dtype):
         q_gpu, s_gpu = fn(t.cuda(), fp8)
         assert torch.equal(s_gpu.cpu(), s_cpu)
         assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+
+
+def _non_finite_blocks(dtype):
+    """Blocks whose codes come out NaN: NaN inputs of either sign (each block's amax NaN), and
+    +-Inf (``inf / inf``, a NaN made by the division; x86's and CUDA's float64 ones are
+    negative, CUDA's float32 ones positive)."""
+    x = _data((4, 512), 5)
+    negative_nan = torch.tensor(float("nan")).neg()
+    x[0, 3], x[1, 130] = float("nan"), negative_nan
+    x[2, 260], x[3, 400] = float("inf"), -float("inf")
+    x[3, 401] = float("inf")
+    return x.to(dtype)
+
+
+def _assert_one_nan_code(q, fp8, block):
+    """Two blocks of ``block`` elements all NaN (amax NaN), and the three ``inf / inf``."""
+    bits = q.view(torch.uint8)
+    nan = q.float().isnan()
+    assert nan.sum() == 2 * block + 3
+    assert (bits[nan] == (0x7F if fp8 == torch.float8_e4m3fn else 0x80)).all()
+
+
+@pytest.mark.parametrize("fp8,limit", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_nan_code_is_the_positive_one(fp8, limit, dtype):
+    """Inputs holding NaN or Inf (the server flags such rows; the codes are its internal ones):
+    every NaN code is one code, 0x7F in fn, whatever the NaN's sign."""
+    x = _non_finite_blocks(dtype)
+    w = torch.zeros((1, 128, 512), dtype=dtype)
+    w[0, :4] = x
+    for fn, t, block in ((quantize_activations, x, 128), (quantize_weights, w, 128 * 128)):
+        q, _ = fn(t, fp8)
+        _assert_one_nan_code(q, fp8, block)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+@pytest.mark.parametrize("fp8,limit", FORMATS)
+def test_gpu_nan_codes_are_the_cpu_ones(fp8, limit):
+    x = _non_finite_blocks(torch.bfloat16)
+    q_cpu, s_cpu = quantize_activations(x, fp8)
+    q_gpu, s_gpu = quantize_activations(x.cuda(), fp8)
+    _assert_one_nan_code(q_gpu.cpu(), fp8, 128)
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    assert torch.equal(s_gpu.cpu().view(torch.int32), s_cpu.view(torch.int32))
