@@ -227,14 +227,22 @@ def _gather_quant_kernel(x_ptr, gather_ptr, gather_stride, aq_ptr, scale_ptr, fl
                  MIN_NORMAL, SUB_SCALE)
 
 
+def row_chunk(k: int) -> int:
+    """128-wide blocks a row-quantizing program takes at once (:func:`quantize_row`): its
+    registers then hold 1024 values whatever K (a whole 7168-wide row, held at once, had
+    taken 168 registers a thread and one program an SM)."""
+    return triton.next_power_of_2(min(8, k // BLOCK))
+
+
 @triton.jit
-def quantized_row(x_ptr, src, FP8_MAX, K: tl.constexpr, BLOCKS: tl.constexpr, FNUZ: tl.constexpr,
-                  BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
-    """Row ``src`` of bf16 ``x`` ``[*, K]`` quantized: ``(codes [BLOCKS, 128] uint8, scales
-    [BLOCKS], flag)``, flag 1 where the row holds NaN or Inf. Blocks past ``K / 128`` hold
-    nothing meaningful (the stores mask them: :func:`store_quantized_row`)."""
+def quantized_chunk(x_ptr, src, c, FP8_MAX, K: tl.constexpr, BLOCKS: tl.constexpr,
+                    FNUZ: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                    SUB_SCALE: tl.constexpr):
+    """Blocks ``c .. c + BLOCKS - 1`` of row ``src`` of bf16 ``x`` ``[*, K]`` quantized:
+    ``(codes [BLOCKS, 128] uint8, scales [BLOCKS], flag)``, flag 1 where they hold NaN or
+    Inf. Blocks past ``K / 128`` hold nothing meaningful (:func:`store_chunk` masks them)."""
     KB: tl.constexpr = K // 128
-    blk = tl.arange(0, BLOCKS)
+    blk = c + tl.arange(0, BLOCKS)
     col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
     inside = blk[:, None] < KB
     x = tl.load(x_ptr + src * K + col, mask=inside, other=0.0).to(tl.float32)
@@ -244,10 +252,10 @@ def quantized_row(x_ptr, src, FP8_MAX, K: tl.constexpr, BLOCKS: tl.constexpr, FN
 
 
 @triton.jit
-def store_quantized_row(code, scale, row, aq_ptr, scale_ptr, K: tl.constexpr, BLOCKS: tl.constexpr):
-    """:func:`quantized_row`'s codes and scales into row ``row`` of ``aq`` and its scales."""
+def store_chunk(code, scale, row, c, aq_ptr, scale_ptr, K: tl.constexpr, BLOCKS: tl.constexpr):
+    """:func:`quantized_chunk`'s codes and scales into row ``row`` of ``aq`` and its scales."""
     KB: tl.constexpr = K // 128
-    blk = tl.arange(0, BLOCKS)
+    blk = c + tl.arange(0, BLOCKS)
     col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
     tl.store(aq_ptr + row * K + col, code, mask=blk[:, None] < KB)
     tl.store(scale_ptr + row * KB + blk, scale, mask=blk < KB)
@@ -258,10 +266,15 @@ def quantize_row(x_ptr, src, row, aq_ptr, scale_ptr, flags_ptr, FP8_MAX, K: tl.c
                  BLOCKS: tl.constexpr, FNUZ: tl.constexpr, BIAS: tl.constexpr,
                  MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
     """Row ``src`` of bf16 ``x`` ``[*, K]`` quantized into row ``row`` of ``aq`` and its
-    scales, ``flags[src]`` = 1 where it holds NaN or Inf (``gather_quantize_triton``'s
-    program; moe's routing kernel runs it for the rows it routes)."""
-    code, scale, flag = quantized_row(x_ptr, src, FP8_MAX, K, BLOCKS, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
-    store_quantized_row(code, scale, row, aq_ptr, scale_ptr, K, BLOCKS)
+    scales, ``BLOCKS`` blocks at a time (:func:`row_chunk`), ``flags[src]`` = 1 where it
+    holds NaN or Inf (``gather_quantize_triton``'s program; moe's routing kernel runs it
+    for the rows it routes)."""
+    flag = tl.full([], 0, tl.int32)
+    for c in range(0, K // 128, BLOCKS):
+        code, scale, bad = quantized_chunk(x_ptr, src, c, FP8_MAX, K, BLOCKS, FNUZ, BIAS,
+                                           MIN_NORMAL, SUB_SCALE)
+        store_chunk(code, scale, row, c, aq_ptr, scale_ptr, K, BLOCKS)
+        flag = flag | bad
     tl.store(flags_ptr + src, flag)
 
 
@@ -300,11 +313,10 @@ def gather_quantize_triton(
         return xq, x_scale
     fnuz = fp8_dtype == torch.float8_e4m3fnuz
     bias, min_normal, sub_scale = _FORMAT[fnuz]
-    blocks = triton.next_power_of_2(k // BLOCK)
     _gather_quant_kernel[(rows,)](
         x, gather, gather.stride(0), xq.view(torch.uint8), x_scale, flags, limit,
-        K=k, BLOCKS=blocks, FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal, SUB_SCALE=sub_scale,
-        num_warps=4 if blocks <= 16 else 8, enable_fp_fusion=False,
+        K=k, BLOCKS=row_chunk(k), FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal,
+        SUB_SCALE=sub_scale, num_warps=4, enable_fp_fusion=False,
     )
     return xq, x_scale
 

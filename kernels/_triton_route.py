@@ -55,8 +55,9 @@ from moegemm.kernels._triton_act import (
     _round_to_bf16,
     check_gather_quantize,
     quantize_row,
-    quantized_row,
-    store_quantized_row,
+    quantized_chunk,
+    row_chunk,
+    store_chunk,
 )
 from moegemm.kernels._triton_keys import settle
 from moegemm.kernels.quant import BLOCK, fp8_max
@@ -170,9 +171,13 @@ def _quantize_scatter_kernel(x_ptr, pos_ptr, aq_ptr, scale_ptr, flags_ptr, FP8_M
                              H: tl.constexpr, BLOCKS: tl.constexpr, FNUZ: tl.constexpr,
                              BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    code, scale, flag = quantized_row(x_ptr, t, FP8_MAX, H, BLOCKS, FNUZ, BIAS, MIN_NORMAL, SUB_SCALE)
-    for j in range(K):
-        store_quantized_row(code, scale, tl.load(pos_ptr + t * K + j), aq_ptr, scale_ptr, H, BLOCKS)
+    flag = tl.full([], 0, tl.int32)
+    for c in range(0, H // 128, BLOCKS):
+        code, scale, bad = quantized_chunk(x_ptr, t, c, FP8_MAX, H, BLOCKS, FNUZ, BIAS,
+                                           MIN_NORMAL, SUB_SCALE)
+        for j in range(K):
+            store_chunk(code, scale, tl.load(pos_ptr + t * K + j), c, aq_ptr, scale_ptr, H, BLOCKS)
+        flag = flag | bad
     tl.store(flags_ptr + t, flag)
 
 
@@ -199,7 +204,7 @@ def route(ids: torch.Tensor, wide: torch.Tensor, weights: torch.Tensor, tokens: 
     else:
         x, (xq, x_scale), x_flags = quantize
         H = check_gather_quantize(x, (xq, x_scale), rows)
-        blocks = triton.next_power_of_2(H // BLOCK)
+        blocks = row_chunk(H)
         # Programs per expert: as many as its mean rows (each row's loads wait on the src word
         # before them: a program walks its rows one by one), 32 at most.
         parts = min(32, triton.next_power_of_2(triton.cdiv(rows, G + 1)))
@@ -211,7 +216,7 @@ def route(ids: torch.Tensor, wide: torch.Tensor, weights: torch.Tensor, tokens: 
         bucket_tokens=bucket_tokens, R=rows, G=G, K=k, KP=triton.next_power_of_2(k), CHUNK=_CHUNK,
         TBLOCK=max(1, _CHUNK // triton.next_power_of_2(k)), QUANT=quantize is not None, S=parts,
         H=H, BLOCKS=blocks, FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal, SUB_SCALE=sub_scale,
-        num_warps=4 if blocks <= 16 else 8, enable_fp_fusion=False,
+        num_warps=4 if H <= 16 * BLOCK else 8, enable_fp_fusion=False,
     )
 
 
@@ -243,11 +248,10 @@ def quantize_scatter(x: torch.Tensor, pos: torch.Tensor, k: int, flags: torch.Te
         return xq, x_scale
     fnuz = xq.dtype == torch.float8_e4m3fnuz
     bias, min_normal, sub_scale = _FORMAT[fnuz]
-    blocks = triton.next_power_of_2(H // BLOCK)
     _quantize_scatter_kernel[(bucket_tokens,)](
         x, pos, xq.view(torch.uint8), x_scale, flags, fp8_max(xq.dtype),
-        K=k, H=H, BLOCKS=blocks, FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal, SUB_SCALE=sub_scale,
-        num_warps=4 if blocks <= 16 else 8, enable_fp_fusion=False,
+        K=k, H=H, BLOCKS=row_chunk(H), FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal,
+        SUB_SCALE=sub_scale, num_warps=4, enable_fp_fusion=False,
     )
     return xq, x_scale
 

@@ -209,7 +209,10 @@ def compare_kernels_on_cpu() -> None:
             got.append(outs)
         for a, b in zip(*got):
             assert torch.equal(a, b), (g, k, bucket, tokens, a, b)
-        _route_quantizes_as_torch(words, torch.tensor(wide), w, n, g, k, bucket, got[0][2], gen)
+        # H 1152: a row is quantized in two chunks of blocks (_triton_act.row_chunk), its NaN in
+        # the first and its -Inf in the second
+        _route_quantizes_as_torch(words, torch.tensor(wide), w, n, g, k, bucket, got[0][2], gen,
+                                  H=1152 if g == 9 else 384)
         if wide and tokens > 2:
             assert got[0][4][0] == 1
         assert got[0][4][: min(tokens, 4)].tolist()[1:] == [1] * (min(tokens, 4) - 1) \
