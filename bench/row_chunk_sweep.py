@@ -34,7 +34,7 @@ def main() -> None:
     for k in (7168, 2048):
         whole = 1 << (k // 128 - 1).bit_length()
         variants = {f"b{b}w{w}": (b, w) for b, w in ((8, 4), (16, 4), (whole, 8))}
-        for rows in (1, 8, 32, 128, 512, 2048, 16384):
+        for rows in (1, 8, 32, 128, 256, 512, 2048, 16384):
             x = (torch.randn(rows, k, device=dev, generator=gen) * 3).to(torch.bfloat16)
             gather = torch.arange(rows, device=dev)
             flags = torch.zeros(rows, dtype=torch.int8, device=dev)
