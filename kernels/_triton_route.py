@@ -204,7 +204,7 @@ def route(ids: torch.Tensor, wide: torch.Tensor, weights: torch.Tensor, tokens: 
     else:
         x, (xq, x_scale), x_flags = quantize
         H = check_gather_quantize(x, (xq, x_scale), rows)
-        blocks = row_chunk(H)
+        blocks, _ = row_chunk(H, rows)
         # Programs per expert: as many as its mean rows (each row's loads wait on the src word
         # before them: a program walks its rows one by one), 32 at most.
         parts = min(32, triton.next_power_of_2(triton.cdiv(rows, G + 1)))
@@ -248,10 +248,11 @@ def quantize_scatter(x: torch.Tensor, pos: torch.Tensor, k: int, flags: torch.Te
         return xq, x_scale
     fnuz = xq.dtype == torch.float8_e4m3fnuz
     bias, min_normal, sub_scale = _FORMAT[fnuz]
+    blocks, warps = row_chunk(H, bucket_tokens)
     _quantize_scatter_kernel[(bucket_tokens,)](
         x, pos, xq.view(torch.uint8), x_scale, flags, fp8_max(xq.dtype),
-        K=k, H=H, BLOCKS=row_chunk(H), FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal,
-        SUB_SCALE=sub_scale, num_warps=4, enable_fp_fusion=False,
+        K=k, H=H, BLOCKS=blocks, FNUZ=fnuz, BIAS=bias, MIN_NORMAL=min_normal,
+        SUB_SCALE=sub_scale, num_warps=warps, enable_fp_fusion=False,
     )
     return xq, x_scale
 

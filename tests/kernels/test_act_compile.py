@@ -43,13 +43,15 @@ def _compiled(kind: str, fnuz: bool):
                             [a for a in sig if a in POINTERS])
     sig = {"x_ptr": "*bf16", "gather_ptr": "*i64", "gather_stride": "i64", "aq_ptr": "*u8",
            "scale_ptr": "*fp32", "flags_ptr": "*i8", "FP8_MAX": "fp32"}
-    # the launch gather_quantize_triton makes for K = 7168
-    return compile_sm90(ta._gather_quant_kernel, sig, {"K": 7168, "BLOCKS": ta.row_chunk(7168), **formats},
-                        {"num_warps": 4, "enable_fp_fusion": False}, [a for a in sig if a in POINTERS])
+    # the launches gather_quantize_triton makes for K = 7168: few rows (a whole row at once) or
+    # many (chunks of 8 blocks)
+    blocks, warps = ta.row_chunk(7168, 8 if kind == "gather_quantize_few" else 2048)
+    return compile_sm90(ta._gather_quant_kernel, sig, {"K": 7168, "BLOCKS": blocks, **formats},
+                        {"num_warps": warps, "enable_fp_fusion": False}, [a for a in sig if a in POINTERS])
 
 
 @pytest.mark.parametrize("fnuz", [False, True], ids=["e4m3fn", "e4m3fnuz"])
-@pytest.mark.parametrize("kind", ["silu_mul_quant", "gather_quantize"])
+@pytest.mark.parametrize("kind", ["silu_mul_quant", "gather_quantize", "gather_quantize_few"])
 def test_quantizing_kernels_compile_with_the_rounding_they_are_tested_with(kind, fnuz):
     kernel = _compiled(kind, fnuz)
     ptx = kernel.asm["ptx"]

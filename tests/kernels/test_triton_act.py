@@ -63,13 +63,16 @@ def compare_on_cpu() -> None:
 
 def compare_gather_on(device) -> None:
     """``gather_quantize_triton`` against the torch ops it replaces, repeated rows included."""
-    from moegemm.kernels import quantize_activations
+    from moegemm.kernels import _triton_act, quantize_activations
     from moegemm.kernels._triton_act import gather_quantize_triton
     from moegemm.server._checks import bad_rows
 
     gen = torch.Generator().manual_seed(0 if device == "cpu" else torch.seed())
+    saved = _triton_act._FEW_ROWS
+    # 7168: few rows take a whole row at once, more rows chunks of 8 blocks (row_chunk)
+    cases = ((1, 128, 1, saved), (6, 384, 3, saved), (9, 7168, 2, saved), (9, 7168, 2, 0))
     for fp8 in FORMATS:
-        for rows, k, repeat in ((1, 128, 1), (6, 384, 3), (9, 7168, 2)):
+        for rows, k, repeat, few_rows in cases:
             x = torch.randn((rows, k), generator=gen) * torch.exp(torch.randn((rows, 1), generator=gen))
             x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -1e-30])
             if rows > 2:
@@ -81,12 +84,16 @@ def compare_gather_on(device) -> None:
             out = (torch.empty((len(gather), k), dtype=fp8, device=device),
                    torch.empty((len(gather), k // 128), device=device))
             flags = torch.full((rows,), 7, dtype=torch.int8, device=device)
-            gather_quantize_triton(x, gather, flags, out)
+            _triton_act._FEW_ROWS = few_rows
+            try:
+                gather_quantize_triton(x, gather, flags, out)
+            finally:
+                _triton_act._FEW_ROWS = saved
             want = quantize_activations(x.index_select(0, gather), fp8)
             finite = torch.isfinite(want[1]).all(dim=1)  # rows with NaN/Inf: flagged, values moot
             got = (out[0][finite], out[1][finite])
-            assert _same(got, (want[0][finite], want[1][finite])), (fp8, rows, k)
-            assert torch.equal(flags.cpu(), bad_rows(x.cpu(), None)), (flags, fp8)
+            assert _same(got, (want[0][finite], want[1][finite])), (fp8, rows, k, few_rows)
+            assert torch.equal(flags.cpu(), bad_rows(x.cpu(), None)), (flags, fp8, few_rows)
 
 
 def test_kernel_in_the_triton_interpreter():

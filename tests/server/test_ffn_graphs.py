@@ -145,8 +145,8 @@ def _route_quantizes_as_torch(words, wide, w, n, g, k, bucket, src, gen, H=384) 
     """``route`` with ``quantize`` gives route's words and ``gather_quantize``'s rows and flags
     (the torch definitions: ``quantize_activations(x[src])``, ``bad_rows(x)``), bit for bit,
     tokens holding NaN and Inf among them."""
-    from moegemm.kernels import quantize_activations
-    from moegemm.kernels._triton_route import route
+    from moegemm.kernels import _triton_act, quantize_activations
+    from moegemm.kernels._triton_route import quantize_scatter, route
     from moegemm.server._checks import bad_rows
 
     dev = words.device
@@ -154,29 +154,33 @@ def _route_quantizes_as_torch(words, wide, w, n, g, k, bucket, src, gen, H=384) 
     x[bucket // 2, 5] = float("nan")
     x[bucket - 1, H - 1] = float("-inf")
     rows = bucket * k
-    outs = (torch.full((g,), -5, dtype=torch.int64, device=dev),
-            torch.full((rows,), -5, dtype=torch.int64, device=dev),
-            torch.full((rows,), -5, dtype=torch.int64, device=dev), torch.tensor(-1, device=dev),
-            torch.full((bucket,), 9, dtype=torch.int8, device=dev))
-    xq = torch.full((rows, H), 0x55, dtype=torch.uint8, device=dev).view(FP8)
-    xs = torch.full((rows, H // 128), -7.0, device=dev)
-    x_flags = torch.full((bucket,), 9, dtype=torch.int8, device=dev)
-    route(words, wide, w, n, g, k, *outs, quantize=(x, (xq, xs), x_flags))
-    assert torch.equal(outs[2], src)
-    want_q, want_s = quantize_activations(x[src], FP8)
-    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(xs.view(torch.int32), want_s.view(torch.int32))  # NaN scales too
-    assert torch.equal(x_flags.cpu(), bad_rows(x.cpu(), None))
-    # Past the routing's few rows: each token quantized once, stored at its k rows (pos).
-    from moegemm.kernels._triton_route import quantize_scatter
-
-    xq.view(torch.uint8).fill_(0x55)
-    xs.fill_(-7.0)
-    x_flags.fill_(9)
-    quantize_scatter(x, outs[1], k, x_flags, (xq, xs))
-    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(xs.view(torch.int32), want_s.view(torch.int32))
-    assert torch.equal(x_flags.cpu(), bad_rows(x.cpu(), None))
+    saved = _triton_act._FEW_ROWS
+    try:  # a row wider than 16 blocks both ways (_triton_act.row_chunk): whole, and in chunks
+        for few_rows in (saved, 0) if H > 16 * 128 else (saved,):
+            _triton_act._FEW_ROWS = few_rows
+            outs = (torch.full((g,), -5, dtype=torch.int64, device=dev),
+                    torch.full((rows,), -5, dtype=torch.int64, device=dev),
+                    torch.full((rows,), -5, dtype=torch.int64, device=dev), torch.tensor(-1, device=dev),
+                    torch.full((bucket,), 9, dtype=torch.int8, device=dev))
+            xq = torch.full((rows, H), 0x55, dtype=torch.uint8, device=dev).view(FP8)
+            xs = torch.full((rows, H // 128), -7.0, device=dev)
+            x_flags = torch.full((bucket,), 9, dtype=torch.int8, device=dev)
+            route(words, wide, w, n, g, k, *outs, quantize=(x, (xq, xs), x_flags))
+            assert torch.equal(outs[2], src)
+            want_q, want_s = quantize_activations(x[src], FP8)
+            assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(xs.view(torch.int32), want_s.view(torch.int32))  # NaN scales too
+            assert torch.equal(x_flags.cpu(), bad_rows(x.cpu(), None))
+            # Past the routing's few rows: each token quantized once, stored at its k rows (pos).
+            xq.view(torch.uint8).fill_(0x55)
+            xs.fill_(-7.0)
+            x_flags.fill_(9)
+            quantize_scatter(x, outs[1], k, x_flags, (xq, xs))
+            assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(xs.view(torch.int32), want_s.view(torch.int32))
+            assert torch.equal(x_flags.cpu(), bad_rows(x.cpu(), None))
+    finally:
+        _triton_act._FEW_ROWS = saved
 
 
 def compare_kernels_on_cpu() -> None:
@@ -209,10 +213,10 @@ def compare_kernels_on_cpu() -> None:
             got.append(outs)
         for a, b in zip(*got):
             assert torch.equal(a, b), (g, k, bucket, tokens, a, b)
-        # H 1152: a row is quantized in two chunks of blocks (_triton_act.row_chunk), its NaN in
-        # the first and its -Inf in the second
+        # H 2176: in chunks, a row is quantized in three (_triton_act.row_chunk), its NaN in
+        # the first and its -Inf in the last
         _route_quantizes_as_torch(words, torch.tensor(wide), w, n, g, k, bucket, got[0][2], gen,
-                                  H=1152 if g == 9 else 384)
+                                  H=2176 if g == 9 else 384)
         if wide and tokens > 2:
             assert got[0][4][0] == 1
         assert got[0][4][: min(tokens, 4)].tolist()[1:] == [1] * (min(tokens, 4) - 1) \
