@@ -70,3 +70,40 @@ def test_one_token_moe_kernels_compile_clean(fp8_in):
     """DeepSeek-V3's layer (G 256, H 7168, I 2048, top-8): no spill in either kernel."""
     for found in moe_token_report(256, 7168, 2048, 8, fp8_in):
         assert found["spill_bytes"] == 0, found
+
+
+@pytest.mark.parametrize("tokens", [16, 4096], ids=["whole-rows", "chunks"])
+@pytest.mark.parametrize("kind", ["route", "quantize_scatter"])
+def test_moe_row_quantizers_compile_clean(kind, tokens):
+    """The moe path's row quantization at DeepSeek-V3's H 7168, top-8, G 256, as ``route`` and
+    ``quantize_scatter`` launch it for a bucket of ``tokens`` (16: 128 rows, each quantized
+    whole; 4096: in chunks of 8 blocks, ``row_chunk``): the rounding's operations, no spill."""
+    import triton
+    from moegemm.kernels import _triton_route as tr
+
+    bias, min_normal, sub_scale = ta._FORMAT[False]
+    formats = {"FNUZ": False, "BIAS": bias, "MIN_NORMAL": min_normal, "SUB_SCALE": sub_scale}
+    H, k, G = 7168, 8, 256
+    blocks, warps = ta.row_chunk(H, tokens * k if kind == "route" else tokens)
+    quant = {"x_ptr": "*bf16", "aq_ptr": "*u8", "scale_ptr": "*fp32", "FP8_MAX": "fp32"}
+    if kind == "route":
+        sig = {"ids_ptr": "*i32", "wide_ptr": "*i64", "w_ptr": "*fp32", "tokens_ptr": "*i64",
+               "m_sizes_ptr": "*i64", "pos_ptr": "*i64", "src_ptr": "*i64", "live_ptr": "*i64",
+               "flags_ptr": "*i8", **quant, "x_flags_ptr": "*i8"}
+        consts = {"bucket_tokens": tokens, "R": tokens * k, "G": G, "K": k, "KP": k,
+                  "CHUNK": tr._CHUNK, "TBLOCK": tr._CHUNK // k, "QUANT": True, "H": H,
+                  "S": min(32, triton.next_power_of_2(triton.cdiv(tokens * k, G + 1))),
+                  "BLOCKS": blocks, **formats}
+        fn, warps = tr._route_kernel, 8  # route's warps follow H
+    else:
+        sig = {"x_ptr": "*bf16", "pos_ptr": "*i64", "aq_ptr": "*u8", "scale_ptr": "*fp32",
+               "flags_ptr": "*i8", "FP8_MAX": "fp32"}
+        consts = {"K": k, "H": H, "BLOCKS": blocks, **formats}
+        fn = tr._quantize_scatter_kernel
+    kernel = compile_sm90(fn, sig, consts, {"num_warps": warps, "enable_fp_fusion": False},
+                          [a for a in sig if a.endswith("_ptr")])
+    ops = re.findall(r"^\s*((?:div|mul|sub|fma|cvt)\.[\w.]+)", kernel.asm["ptx"], re.MULTILINE)
+    assert "div.rn.f32" in ops and "cvt.rzi.s32.f32" in ops
+    assert not [o for o in ops if o.startswith("div.") and o != "div.rn.f32"], ops
+    found = ptxas_report(kernel)
+    assert found["spill_bytes"] == 0, found
