@@ -50,19 +50,24 @@ def _compiled(kind: str, fnuz: bool):
                         {"num_warps": warps, "enable_fp_fusion": False}, [a for a in sig if a in POINTERS])
 
 
-@pytest.mark.parametrize("fnuz", [False, True], ids=["e4m3fn", "e4m3fnuz"])
-@pytest.mark.parametrize("kind", ["silu_mul_quant", "gather_quantize", "gather_quantize_few"])
-def test_quantizing_kernels_compile_with_the_rounding_they_are_tested_with(kind, fnuz):
-    kernel = _compiled(kind, fnuz)
-    ptx = kernel.asm["ptx"]
-    ops = re.findall(r"^\s*((?:div|mul|sub|fma|cvt)\.[\w.]+)", ptx, re.MULTILINE)
+def _rounding_ops(kernel) -> list[str]:
+    """The kernel's arithmetic PTX operations, having checked the rounding's: IEEE float32
+    division only, truncating float-to-int conversions, and no register spill."""
+    ops = re.findall(r"^\s*((?:div|mul|sub|fma|cvt)\.[\w.]+)", kernel.asm["ptx"], re.MULTILINE)
     assert "div.rn.f32" in ops, "the quotient by the scale must be an IEEE division"
     assert not [o for o in ops if o.startswith("div.") and o != "div.rn.f32"], ops
-    f64 = [o for o in ops if o.endswith(".f64") and o.split(".")[0] in ("mul", "sub", "fma")]
-    assert f64 and all(".rn." in o or o == "mul.f64" for o in f64), f64
     assert "cvt.rzi.s32.f32" in ops  # a subnormal value's whole steps: truncated, as numpy does
     found = ptxas_report(kernel)
     assert found["spill_bytes"] == 0, found
+    return ops
+
+
+@pytest.mark.parametrize("fnuz", [False, True], ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("kind", ["silu_mul_quant", "gather_quantize", "gather_quantize_few"])
+def test_quantizing_kernels_compile_with_the_rounding_they_are_tested_with(kind, fnuz):
+    ops = _rounding_ops(_compiled(kind, fnuz))
+    f64 = [o for o in ops if o.endswith(".f64") and o.split(".")[0] in ("mul", "sub", "fma")]
+    assert f64 and all(".rn." in o or o == "mul.f64" for o in f64), f64
 
 
 @pytest.mark.parametrize("fp8_in", [False, True], ids=["bf16-token", "fp8-token"])
@@ -100,10 +105,5 @@ def test_moe_row_quantizers_compile_clean(kind, tokens):
                "flags_ptr": "*i8", "FP8_MAX": "fp32"}
         consts = {"K": k, "H": H, "BLOCKS": blocks, **formats}
         fn = tr._quantize_scatter_kernel
-    kernel = compile_sm90(fn, sig, consts, {"num_warps": warps, "enable_fp_fusion": False},
-                          [a for a in sig if a.endswith("_ptr")])
-    ops = re.findall(r"^\s*((?:div|mul|sub|fma|cvt)\.[\w.]+)", kernel.asm["ptx"], re.MULTILINE)
-    assert "div.rn.f32" in ops and "cvt.rzi.s32.f32" in ops
-    assert not [o for o in ops if o.startswith("div.") and o != "div.rn.f32"], ops
-    found = ptxas_report(kernel)
-    assert found["spill_bytes"] == 0, found
+    _rounding_ops(compile_sm90(fn, sig, consts, {"num_warps": warps, "enable_fp_fusion": False},
+                               [a for a in sig if a.endswith("_ptr")]))
