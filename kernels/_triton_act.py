@@ -227,26 +227,28 @@ def _gather_quant_kernel(x_ptr, gather_ptr, gather_stride, aq_ptr, scale_ptr, fl
                  MIN_NORMAL, SUB_SCALE)
 
 
-# Rows up to which a row-quantizing program takes its whole row at once: about one program an SM
-# (a Hopper part has 114-132).
-_FEW_ROWS = 128
+# Rows up to which a row-quantizing program takes its whole row at once (two programs an SM on
+# a Hopper part's 114-132).
+_FEW_ROWS = 256
 
 
 def row_chunk(k: int, rows: int) -> tuple[int, int]:
     """``(blocks, num_warps)``: how many 128-wide blocks a row-quantizing program
     (:func:`quantize_row`) takes at once, for ``rows`` rows of width ``k``.
 
-    The whole row where it has at most 16 blocks or where there are few rows: each SM then
-    runs one program, and a row's loads are all in flight at once where chunks would wait one
-    after another (8 rows of 7168: 6.0 us whole, 7.7 in chunks of 8; 65536 rows of 2048: 258
-    whole, 283 in chunks). Otherwise 8 blocks at a time: a whole 7168-wide row took 168
-    registers a thread, one program an SM (2048 rows: 57.0 us whole, 36.0 in chunks; 65536
-    rows: 1298 us in chunks against 1775 before session 38). H100, session 39, calls 2 and 5.
+    Up to ``_FEW_ROWS`` rows, the whole row, with 8 warps where it has 16 blocks or more: a
+    row's loads are then all in flight at once, where chunks would wait one after another.
+    More rows: chunks of 8 blocks with 4 warps where the row has more than 16 (a whole
+    7168-wide row takes 168 registers a thread, one program an SM), else the whole row with 4
+    warps. Measured on an H100 (session 40, call 3, ``bench/quant_speed.py --chunks``),
+    gather_quantize at K 7168: whole 7.9 us against 8.9 in chunks at 256 rows, 14.2 against
+    11.1 at 512; at K 2048, 8 warps 3.1 against 3.4 us at 256 rows, 10.7 against 9.9 at 2048;
+    quantize_scatter at H 7168: whole 8.4 against 10.2 at 128 tokens, 21.5 against 17.7 at 512.
     """
     blocks = triton.next_power_of_2(k // BLOCK)
-    if blocks > 16 and rows > _FEW_ROWS:
-        return 8, 4
-    return blocks, 4 if blocks <= 16 else 8
+    if rows <= _FEW_ROWS:
+        return blocks, 8 if blocks >= 16 else 4
+    return (8 if blocks > 16 else blocks), 4
 
 
 @triton.jit
