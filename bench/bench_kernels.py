@@ -252,6 +252,7 @@ def _event_ms(fn, reps: int) -> list[float]:
 def time_us(fn, budget_ms: float = 10.0) -> float:
     """Microseconds per call of ``fn``: median over replays of a CUDA graph of several calls."""
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs' initialisation comes first
     with torch.cuda.stream(stream):
         fn()
         est = min(_event_ms(fn, 2))
