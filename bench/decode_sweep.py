@@ -96,6 +96,7 @@ def graph_of(fn):
     import bench_kernels as bk
 
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs' initialisation first
     with torch.cuda.stream(stream):
         fn()
         est = min(bk._event_ms(fn, 2))

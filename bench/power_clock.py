@@ -72,6 +72,7 @@ def graph_of(fn):
     calls = max(1, min(200, int(1000 / us)))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs' initialisation first
     with torch.cuda.stream(stream):
         fn()
         with torch.cuda.graph(graph):
