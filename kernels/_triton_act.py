@@ -227,8 +227,8 @@ def _gather_quant_kernel(x_ptr, gather_ptr, gather_stride, aq_ptr, scale_ptr, fl
                  MIN_NORMAL, SUB_SCALE)
 
 
-# Rows up to which a row-quantizing program takes its whole row at once (two programs an SM on
-# a Hopper part's 114-132).
+# Rows up to which a row-quantizing program takes its whole row at once (:func:`row_chunk`): about
+# two waves of the whole-row program, one an SM, on a Hopper part's 114-132 SMs.
 _FEW_ROWS = 256
 
 
