@@ -84,6 +84,7 @@ def against_base(dev: torch.device) -> list[dict]:
 
 
 def chunk_sizes(dev: torch.device) -> list[dict]:
+    import triton
     from moegemm.kernels import _triton_act as ta
     from moegemm.kernels import _triton_route as tr
 
@@ -94,7 +95,7 @@ def chunk_sizes(dev: torch.device) -> list[dict]:
 
     def timed(row: dict, k: int, launch) -> None:
         """``launch(blocks, warps)`` timed with each choice; ``row`` with the medians."""
-        choices = ((8, 4), (16, 4), (1 << (k // 128 - 1).bit_length(), 8))
+        choices = ((8, 4), (16, 4), (triton.next_power_of_2(k // 128), 8))
         times = bk.alternating_runs({f"b{b}w{w}": (lambda b=b, w=w: launch(b, w)) for b, w in choices},
                                     rounds=4)
         row["us"] = {n: round(sorted(t)[len(t) // 2], 2) for n, t in times.items()}
