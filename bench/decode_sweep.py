@@ -91,24 +91,6 @@ def compile_jobs(cases) -> list[tuple]:
     return list(by_class.values())
 
 
-def graph_of(fn):
-    """(graph of about 1 ms of ``fn`` calls, calls) captured on a side stream."""
-    import bench_kernels as bk
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())  # the inputs' initialisation first
-    with torch.cuda.stream(stream):
-        fn()
-        est = min(bk._event_ms(fn, 2))
-        calls = max(1, min(200, int(1.0 / max(est, 1e-3))))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    return graph, calls
-
-
 def run_case(case, problem, rounds: int) -> dict:
     import bench_kernels as bk
     from moegemm.kernels import triton_kernel as tk
@@ -133,7 +115,7 @@ def run_case(case, problem, rounds: int) -> dict:
         if want is None:
             want = out.clone()
         entry["same_bits"] = bool(torch.equal(out.view(torch.int16), want.view(torch.int16)))
-        graph, calls = graph_of(lambda cfg=cfg, out=out: tk.launch(*problem, out, config=cfg))
+        graph, calls, _ = bk.graph_of(lambda cfg=cfg, out=out: tk.launch(*problem, out, config=cfg))
         # out stays referenced beside its graph: freed, its memory would go to the next
         # variant's buffers while this graph's replays still wrote it.
         timed.append((name, graph, calls, [], out))

@@ -67,10 +67,7 @@ def main() -> None:
             assert err == driver.CUresult.CUDA_SUCCESS, err
 
         forms = {"replay": graph.replay, "cuGraphLaunch": driver_launch}
-        runs = {name: [] for name in forms}
-        for r in range(4):
-            for name in (list(forms) if r % 2 == 0 else list(forms)[::-1]):
-                runs[name].append(loop_us(forms[name]))
+        runs = bk.alternating_timers({name: (lambda f=f: loop_us(f)) for name, f in forms.items()}, rounds=4)
         row = {"name": case["name"], "config": tk.default_config(bk.bucket_of(case["m"]), case["n"], case["k"],
                                                                  case["g"]).key(),
                "public_graph_us": round(bk.time_us(lambda problem=problem, out=out: tk.run(*problem, out)), 2)}
