@@ -62,7 +62,7 @@ fi
 if [ -n "$SWEEP_S" ]; then
   timeout -k 5 $SWEEP_S python3 -P bench/bench_kernels.py --sweep --no-peers --budget-s $(( SWEEP_S - 30 )) \
     --match "$SWEEP_MATCH" --sweep-keys "$SWEEP_KEYS" --sweep-vary "$SWEEP_VARY" --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
-  echo "sweep rc=$? $(el)"; tail -1 "$OUT/sweep.log" | cut -c1-300
+  echo "sweep rc=$? $(el)"; grep -v "^{" "$OUT/sweep.log" | tail -40 | cut -c1-300
 fi
 if [ -n "$GAP_S" ]; then
   timeout -k 5 $GAP_S python3 -P bench/gap_gluon.py --match "$GAP_MATCH" --budget-s $(( GAP_S - 30 )) \
