@@ -268,12 +268,16 @@ def graph_of(fn) -> tuple[torch.cuda.CUDAGraph, int, float]:
     return graph, calls, est
 
 
-def time_us(fn, budget_ms: float = 10.0) -> float:
-    """Microseconds per call of ``fn``: median over replays of a CUDA graph of several calls."""
-    graph, calls, est = graph_of(fn)
+def graph_us(graph: torch.cuda.CUDAGraph, calls: int, est: float, budget_ms: float = 10.0) -> float:
+    """Microseconds per call of a :func:`graph_of` graph: the median over its replays."""
     reps = max(3, min(30, int(budget_ms / max(est * calls, 1e-3))))
     times = _event_ms(graph.replay, reps)
     return 1e3 * sorted(times)[len(times) // 2] / calls
+
+
+def time_us(fn, budget_ms: float = 10.0) -> float:
+    """Microseconds per call of ``fn``: median over replays of a CUDA graph of several calls."""
+    return graph_us(*graph_of(fn), budget_ms=budget_ms)
 
 
 def alternating_runs(fns: dict, rounds: int = 2) -> dict[str, list[float]]:
@@ -555,7 +559,8 @@ def run_case(case, problem, x, sweep: bool, peers: bool) -> dict:
         # (``sweep_table_us``: the table's tile there): single timings of ms-long prefill cases
         # drift by 10 % within a run (Kimi-K2 w13 t8192, session 42), more than tiles differ by.
         table = tk.default_config(m, n, k, g)
-        row["sweep_us"], ok, fns = {}, {}, {"table": lambda: tk.launch(*problem, public, config=table)}
+        row["sweep_us"], ok = {}, {}
+        graphs = {"table": graph_of(lambda: tk.launch(*problem, public, config=table))}
         for cfg in sweep_configs(m, n, k, g):
             try:
                 public.fill_(float("nan"))
@@ -563,13 +568,12 @@ def run_case(case, problem, x, sweep: bool, peers: bool) -> dict:
                 torch.cuda.synchronize()
                 err = spot_error(problem, public)
                 ok[cfg.key()] = bool(torch.isfinite(public).all()) and err <= 5e-3
-                fn = lambda cfg=cfg: tk.launch(*problem, public, config=cfg)
-                graph_of(fn)  # a tile that cannot be captured fails here, not in the rounds
-                fns[cfg.key()] = fn
+                graphs[cfg.key()] = graph_of(lambda cfg=cfg: tk.launch(*problem, public, config=cfg))
             except Exception as exc:  # noqa: BLE001  keep sweeping past one bad candidate
                 row["sweep_us"][cfg.key()] = repr(exc)[:200]
-        runs = alternating_timers({key: (lambda fn=fn: time_us(fn, budget_ms=5.0)) for key, fn in fns.items()},
+        runs = alternating_timers({key: (lambda g=g: graph_us(*g, budget_ms=5.0)) for key, g in graphs.items()},
                                   ROUNDS)
+        del graphs
         row["sweep_table_us"] = round(statistics.median(runs.pop("table")), 2)
         row["sweep_us"].update({key: (round(statistics.median(times), 2), ok[key]) for key, times in runs.items()})
     measured = [v for v in row["peers_us"].values() if v]

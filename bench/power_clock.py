@@ -68,8 +68,8 @@ def sampled(run, seconds: float, handle) -> dict:
 
 def graph_of(fn):
     """A CUDA graph's replay of about 1 ms of calls of ``fn`` and the microseconds of one call."""
-    graph, _, _ = bk.graph_of(fn)
-    return graph.replay, bk.time_us(fn)
+    graph, calls, est = bk.graph_of(fn)
+    return graph.replay, bk.graph_us(graph, calls, est)
 
 
 def main() -> None:
