@@ -186,11 +186,23 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise BadMsgpack(f"msgpack ext type {code} is not allowed")
 
 
+@dataclass(frozen=True)
+class OtherKey:
+    """A map key that is not a string (an int, a bin, ...), as its ``repr``: still one msgpack
+    map, so a body's non-string key is a field no endpoint knows (400 ``bad_field``) and a
+    tensor map's makes it malformed (``bad_tensor``), never ``bad_msgpack``."""
+
+    text: str
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def _pairs_to_dict(pairs: list) -> dict:
     out: dict = {}
     for key, value in pairs:
         if not isinstance(key, str):
-            raise BadMsgpack(f"map keys must be strings, got {type(key).__name__}")
+            key = OtherKey(repr(key))
         if key in out:
             raise BadMsgpack(f"duplicate map key {key!r:.100}")
         out[key] = value
@@ -207,15 +219,16 @@ _UNPACK_ERRORS = {
 def unpackb(body: bytes | bytearray | memoryview) -> dict:
     """Decode a body that must be exactly one msgpack map, else raise BadMsgpack.
 
-    Bins become bytes (the only copy of tensor data); keys must be unique
-    strings; ext types, invalid UTF-8, truncation and trailing bytes are refused.
+    Bins become bytes (the only copy of tensor data); keys must be unique (a non-string
+    one becomes an :class:`OtherKey`); ext types, invalid UTF-8, truncation and
+    trailing bytes are refused.
     """
     try:
         obj = msgpack.unpackb(
             body,
             raw=False,
             use_list=True,
-            strict_map_key=True,
+            strict_map_key=False,  # non-string keys: OtherKey
             object_pairs_hook=_pairs_to_dict,
             ext_hook=_refuse_ext,
             max_str_len=_MAX_STR_LEN,

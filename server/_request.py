@@ -149,7 +149,7 @@ def field_problem(keys, required, optional) -> BadField | None:
     it has every ``required`` field and no other than ``optional`` ones (every endpoint's
     one rule and message; client-given names quoted cut)."""
     missing = sorted(set(required) - keys)
-    unknown = sorted(keys - set(required) - set(optional))
+    unknown = sorted(keys - set(required) - set(optional), key=repr)  # (an OtherKey among them)
     if not missing and not unknown:
         return None
     return BadField(f"fields: missing {missing}, unknown {shown(unknown)}; this endpoint takes "

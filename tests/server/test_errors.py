@@ -106,6 +106,21 @@ def test_bad_field(server, unchanged, loaded):
                  "bad_field")
 
 
+def test_non_string_keys_are_unknown_fields(server, unchanged, loaded):
+    """A map with an int or bin key is still one msgpack map (not bad_msgpack): at the top
+    such a key is a field the endpoint does not know, in a tensor map a malformed tensor."""
+    p = loaded
+    for body in (call(p) | {1: 2}, {b"x": wire(p.xq), b"x_scale": wire(p.x_scale),
+                                    b"m_sizes": wire(p.m_sizes)}):
+        r = server.gemm("base", body)
+        assert_error(r, 400, "bad_field")
+        assert "unknown" in r.json()["error"]["message"]
+    assert_error(server.put("base", {"w": wire(p.wq), "w_scale": wire(p.w_scale), 7: 0}), 400,
+                 "bad_field")
+    x = wire(p.xq)
+    assert_error(server.gemm("base", call(p, x={**x, b"shape": x["shape"]})), 400, "bad_tensor")
+
+
 def test_bad_tensor(server, unchanged, loaded):
     good = wire(loaded.xq)
     for broken in (

@@ -91,7 +91,7 @@ def _repeated_in_a_tensor(key: str) -> bytes:
     (packb(_body()) + b"\x00", BadMsgpack),  # trailing bytes
     (packb(_body())[:-3], BadMsgpack),  # truncated
     (msgpack.packb({"x": msgpack.ExtType(1, b"a"), "m_sizes": 1}), BadMsgpack),
-    (b"\x81\x01\x02", BadMsgpack),  # a key that is not a string
+    (b"\x81\x01\x02", BadField),  # a key that is not a string: a field nobody knows
     (packb([1, 2]), BadMsgpack),
     (packb({"x": 1}), BadField),  # m_sizes missing (before the bad tensor)
     (packb({**_body(), "extra": 1}), BadField),
