@@ -366,8 +366,9 @@ def unpack_in_place(body: bytes | bytearray | memoryview) -> dict:
     floats, nil, bools) and only fully valid input: anything else --
     truncation, ext types, duplicate or non-string keys, oversize containers,
     bad UTF-8 -- is handed to ``unpackb``, which raises exactly the error the
-    contract names (or, for non-string keys, decodes them). Used for large bodies (the server's requests, the client's
-    answers): their tensor bytes are then never copied on the host.
+    contract names (non-string keys it decodes). Used for large bodies (the
+    server's requests, the client's answers): their tensor bytes are then never
+    copied on the host.
     """
     view = memoryview(body)
     if view.format != "B" or view.ndim != 1:
