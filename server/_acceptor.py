@@ -45,7 +45,7 @@ from ._http_conn import (
     _plain_body,
     sweep,
 )
-from ._http_gate import HttpLimits
+from ._http_gate import HttpLimits, fit_to_descriptors
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -144,6 +144,7 @@ class _Acceptor:
         self.active = 0  # what _Connection counts (the owner counts forwarded requests)
         self.state: dict = {}
         self.connections: set = set()
+        self.unread: dict = {}  # as FastHttpServer's (``_http_conn.bound_unread``)
         self.requests = _map_arena(request_path, unlink=True)
         self.answers = _map_arena(answer_path, unlink=True)
         self.base = None if self.requests is None else self.requests.ctypes.data
@@ -478,6 +479,7 @@ class _Acceptor:
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
+        self.limits = fit_to_descriptors(self.limits)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)

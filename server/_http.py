@@ -30,7 +30,7 @@ from typing import Any
 
 from ._asgi import leaf_routes
 from ._http_conn import _Connection, _plain_body, log, sweep
-from ._http_gate import HttpLimits
+from ._http_gate import HttpLimits, fit_to_descriptors
 
 
 def _endpoint_of(app, method: str, path: str | None) -> str:
@@ -153,6 +153,9 @@ class FastHttpServer:
         # Set once the port is bound (``self.port`` is then the real one).
         self.listening = asyncio.Event()
         self.connections: set[_Connection] = set()
+        # The connections whose answers wait for their clients to read them, and since when
+        # (oldest first): bounded together by the in-flight limit (``_http_conn.bound_unread``).
+        self.unread: dict[_Connection, float] = {}
         self.state: dict = {}
         self._server: asyncio.base_events.Server | None = None
 
@@ -210,6 +213,7 @@ class FastHttpServer:
         stop = stop or asyncio.Event()
         stop_on_signals(loop, stop)
         _refuse_if_taken(self.host, self.port)
+        self.limits = fit_to_descriptors(self.limits)
         task, to_app, from_app = await self._lifespan()
         self._server = await loop.create_server(
             lambda: _Connection(self), self.host, self.port, backlog=1024, reuse_address=True,

@@ -24,9 +24,15 @@ ASGI app or the direct routes and back, and the connections' housekeeping:
 - request bodies count in the in-flight limit as their bytes arrive, and only
   the bodies within that limit get buffers taken whole (page-locked): heads
   alone neither hold the limit nor take memory;
+- answers that wait for their clients to read them are bounded by the same limit
+  (``MOEGEMM_MAX_INFLIGHT_BYTES``) per process: past it, the connection whose answer
+  has waited longest is dropped (:func:`bound_unread`), so clients that never read
+  cannot make the server hold their answers without bound;
 - timeouts and limits (``HttpLimits``, settings ``MOEGEMM_HTTP_*``): the head's
-  arrival (also a new connection's first), the body's mean rate, idle keep-alive,
-  connections per process (at the cap the connection idle longest makes room).
+  arrival (also a new connection's first), the body's rate (each head timeout of a
+  body brings at least that many seconds of the minimum rate, so bytes sent early buy
+  no silence later), idle keep-alive, connections per process (at the cap the
+  connection idle longest, or whose head has been arriving longest, makes room).
 
 HTTP/1.0: a connection is kept alive only when the request asks for it
 (``Connection: keep-alive``; llhttp's rule, as uvicorn), and the answer then
@@ -131,6 +137,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.body: memoryview | None = None
         self.body_used = 0
         self.chunked: bytearray | None = None
+        # The body's rate window (``check``): when it began and the body's bytes then.
+        self.window_at = 0.0
+        self.window_got = 0
         self.received = 0  # body bytes received so far, counted in server.receiving
         self.committed = 0  # the size of a body buffer from server.allocate (server.committed)
         self.served = False  # a request has begun on this connection
@@ -192,16 +201,21 @@ class _Connection(asyncio.BufferedProtocol):
         self._end()
         self._unreserve()
         self.server.connections.discard(self)
+        self.server.unread.pop(self, None)
         self.disconnected.set()
         self.transport = None
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        now = time.monotonic()
         if self.state == _IDLE:
-            self.since = time.monotonic()
+            self.since = now
+        self.server.unread[self] = now  # (ordered: the longest waiting first)
+        bound_unread(self.server.unread, self.limits.max_inflight_bytes, self)
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self.server.unread.pop(self, None)
         transport = self.transport
         if (self.state == _IDLE and self.task is None and transport is not None
                 and not transport.is_closing()):
@@ -261,8 +275,15 @@ class _Connection(asyncio.BufferedProtocol):
         elif state == _HEAD:
             late = elapsed > limits.head_timeout_s
         elif state in (_BODY, _CHUNKED):
+            # Each window of a head timeout brings that many seconds of the minimum rate: a
+            # client that sent most of a body fast and then stops holds its bytes (and the
+            # in-flight limit) one window, not the time its early bytes would have bought.
             got = self.body_used if state == _BODY else len(self.chunked)
-            late = elapsed > limits.head_timeout_s + got / limits.min_body_rate
+            window = now - self.window_at
+            late = False
+            if window >= limits.head_timeout_s:
+                late = got - self.window_got < window * limits.min_body_rate
+                self.window_at, self.window_got = now, got
         elif state == _DRAIN:
             late = elapsed > _DRAIN_S
         else:
@@ -391,6 +412,7 @@ class _Connection(asyncio.BufferedProtocol):
         start = self.fed  # the body's first byte
         if length is None:
             self.state, self.since = _CHUNKED, time.monotonic()
+            self.window_at, self.window_got = self.since, 0
             self.chunked = bytearray()
             self.start = start
             if expect_continue:
@@ -414,6 +436,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._dispatch()
             return
         self.state, self.since = _BODY, time.monotonic()
+        self.window_at, self.window_got = self.since, have
         if expect_continue:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -687,10 +710,14 @@ def _check_all(connections: set, now: float) -> None:
 
 
 def _close_idlest(connections: set) -> bool:
-    """Close the connection idle longest between requests (or before its first), if any:
-    at the connection cap, room for a new one. One with requests waiting (pipelined) is not
-    idle. Returns whether one was closed. (A scan of every connection: at the cap only.)"""
-    idle = [c for c in connections if c.state == _IDLE and c.task is None and not c.head_used
+    """Close the connection idle longest between requests (or before its first), or whose
+    head has been arriving longest, if any: at the connection cap, room for a new one. A
+    head still arriving is no work yet (slow heads held the cap and made the server close a
+    caller's keep-alive connection between two of its calls instead: an audit's finding);
+    one with requests waiting (pipelined), a body arriving or a request running is at work.
+    Returns whether one was closed. (A scan of every connection: at the cap only.)"""
+    idle = [c for c in connections
+            if (c.state == _HEAD or (c.state == _IDLE and c.task is None and not c.head_used))
             and c.transport is not None and not c.transport.is_closing()]
     if not idle:
         return False
@@ -700,3 +727,27 @@ def _close_idlest(connections: set) -> bool:
     else:
         conn.transport.close()
     return True
+
+
+def bound_unread(unread: dict, limit: int, current=None) -> None:
+    """Keep the answers waiting for their clients to read them (the transports' buffers of the
+    connections whose writing is paused, ``unread``: connection -> when it paused, oldest
+    first) within ``limit`` bytes: past it, drop the connections whose answers have waited
+    longest, but never ``current`` (the one whose answer just paused: a lone answer is always
+    let out, as a lone body is let in). Nothing more is owed to a client that does not read;
+    one that reads gets its answer out within milliseconds, so it is not the longest waiting.
+    (Each connection's own wait is bounded by the keep-alive timeout; this bounds their sum,
+    which clients that never read could otherwise grow to the connection cap times the
+    largest answer: an audit's finding.)"""
+    sizes = {c: c.transport.get_write_buffer_size() for c in unread if c.transport is not None}
+    total = sum(sizes.values())
+    for conn in list(unread):
+        if total <= limit:
+            return
+        if conn is current or conn.transport is None:
+            continue
+        total -= sizes.get(conn, 0)
+        log.info("dropping a connection whose answer (%d bytes) waits for its client to read it: "
+                 "the answers waiting pass MOEGEMM_MAX_INFLIGHT_BYTES", sizes.get(conn, 0))
+        unread.pop(conn, None)
+        conn.transport.abort()

@@ -20,8 +20,10 @@ transport has no codes of its own. Malformed HTTP (bad framing, a head llhttp re
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -33,6 +35,8 @@ from moegemm.client._errors import (
     UnsupportedMediaType,
 )
 from moegemm.client._media import MSGPACK, MSGPACK_TYPES
+
+log = logging.getLogger("moegemm.server.http")
 
 # Bodies sent here are msgpack maps (SPEC 2.1): the media type is judged from the head.
 _MSGPACK_PREFIXES = ("/v1/weights/", "/v1/experts/")
@@ -82,6 +86,41 @@ class HttpLimits:
             keep_alive_s=settings.http_keep_alive_s,
             max_connections=settings.http_max_connections,
         )
+
+
+# Descriptors kept for the process's own files (weights, logs, the GPU driver's) beside its
+# connections, or half the open-file limit where that is small.
+_FD_RESERVE = 256
+
+
+def fit_to_descriptors(limits: HttpLimits) -> HttpLimits:
+    """``limits`` with a connection cap this process's open-file limit can hold: the soft limit
+    raised towards the hard one to hold the cap and a reserve, and the cap lowered (with a
+    warning) where even that does not fit. Without this a soft limit under the cap (1024 under
+    systemd) made new clients meet a closed socket instead of the cap's rules (an idle
+    connection closed to make room, or 503 overloaded): an audit's finding."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        infinite = resource.RLIM_INFINITY
+        want = limits.max_connections + _FD_RESERVE
+        if soft != infinite and soft < want:
+            raised = want if hard == infinite else min(want, hard)
+            if raised > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+                soft = raised
+    except (ImportError, ValueError, OSError):
+        return limits
+    if soft == infinite:
+        return limits
+    room = soft - min(_FD_RESERVE, soft // 2)
+    if room >= limits.max_connections:
+        return limits
+    log.warning("the open-file limit (%d, hard %s) holds %d connections, not "
+                "MOEGEMM_HTTP_MAX_CONNECTIONS=%d: serving at most %d", soft,
+                "unlimited" if hard == infinite else hard, room, limits.max_connections, room)
+    return dataclasses.replace(limits, max_connections=room)
 
 
 def secrets_of(settings) -> tuple[tuple[bytes, ...], bytes | None]:

@@ -755,7 +755,7 @@ def _own_fast_server(**settings):
 def test_idle_connections_make_room_and_busy_ones_hold_the_cap():
     """At the connection cap, the connection idle longest (here: never sent a byte) is closed
     to let a new one in, so idle sockets cannot lock clients out; past the cap with every
-    connection at work (heads arriving), a new one is refused 503 cleanly."""
+    connection at work (bodies arriving), a new one is refused 503 cleanly."""
     with _own_fast_server(http_max_connections=4) as port:
         idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
         time.sleep(0.2)
@@ -772,7 +772,7 @@ def test_idle_connections_make_room_and_busy_ones_hold_the_cap():
         time.sleep(0.2)
         busy = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
         for sock in busy:
-            sock.sendall(b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n")  # a head arriving
+            sock.sendall(_BASE + b"content-length: 1000\r\n\r\n" + b"\0" * 10)  # a body arriving
         time.sleep(0.2)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
             got = _read(extra)
@@ -782,6 +782,86 @@ def test_idle_connections_make_room_and_busy_ones_hold_the_cap():
             sock.close()
         time.sleep(0.2)
         assert _exchange(port, b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n\r\n")[0] == 200
+
+
+def test_slow_heads_at_the_cap_make_room_before_a_callers_keep_alive():
+    """A head still arriving is no work yet: at the cap, the connection whose head has been
+    arriving longest is closed to let a new one in, not a caller's keep-alive connection idle
+    between two of its calls (an audit's finding: slowloris heads at the cap threw the caller
+    out, and then its calls got 503)."""
+    with _own_fast_server(http_max_connections=4, http_head_timeout_s=30.0,
+                          http_keep_alive_s=30.0) as port:
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+        for sock in slow:
+            sock.sendall(b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\nx-slow: a")  # never ends
+        time.sleep(0.3)
+        live = b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as caller:
+            caller.sendall(live)
+            assert _answer(caller)[0] == 200  # the caller's connection, idle now
+            for _ in range(3):  # new connections, each past the cap
+                time.sleep(0.2)
+                assert _exchange(port, live)[0] == 200
+            closed = 0
+            for sock in slow:
+                got = _read(sock, timeout=2)
+                closed += got == b""
+            assert closed == 3, "a slow head was kept while callers came"
+            caller.sendall(live)  # its keep-alive connection still serves it
+            assert _answer(caller)[0] == 200
+        for sock in slow:
+            sock.close()
+
+
+def test_a_body_that_stops_is_closed_within_a_window():
+    """Bytes sent early buy no silence later: a body sent nearly whole at once and then
+    stopped is closed within a head timeout (the window of the body rate), not after the time
+    its bytes would have bought at the minimum rate (here 900 KiB at 64 KiB/s: 14 s), so it
+    cannot hold the in-flight limit that long (an audit's finding)."""
+    with _own_fast_server(max_body_bytes=1 << 20, max_inflight_bytes=2 << 20) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(_BASE + f"content-length: {1 << 20}\r\n\r\n".encode() + b"\0" * (900 << 10))
+        started = time.monotonic()
+        assert _read(sock, timeout=10) == b""
+        assert time.monotonic() - started < 2 * TIMEOUT_S + 1.5
+
+
+def test_answers_left_unread_are_bounded_together():
+    """Clients that send a call and never read its answer hold the answers here until the
+    keep-alive timeout; together they are bounded by the in-flight limit: past it, the
+    connection whose answer has waited longest is dropped (an audit's finding: 60 such clients
+    of 16 MB answers held 1 GB, without bound). The newest answer waiting is let out whole to a
+    client that reads it."""
+    rows, n = 1024, 8192  # a 256 KiB call, a 16 MiB answer: over the 10 MiB in-flight limit
+    with _own_fast_server(http_keep_alive_s=30.0) as port:
+        w = torch.randn(1, n, 128).to(torch.bfloat16)
+        body = packb({"w": encode_tensor(w)})
+        put = (f"PUT /v1/weights/wide HTTP/1.1\r\nhost: x\r\n{MSGPACK}authorization: Bearer "
+               f"{ADMIN}\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+        assert _exchange(port, put)[0] == 201
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        call = packb({"x": encode_tensor(x), "m_sizes": encode_tensor(torch.tensor([rows]))})
+        request = (f"POST /v1/weights/wide/gemm HTTP/1.1\r\nhost: x\r\n{MSGPACK}{AUTH}"
+                   f"content-length: {len(call)}\r\n\r\n").encode() + call
+        readers = []
+        try:
+            for _ in range(3):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+                sock.settimeout(10)
+                sock.connect(("127.0.0.1", port))
+                sock.sendall(request)
+                readers.append(sock)
+                time.sleep(1.0)  # its answer made, waiting for it to read
+            first = b"-"
+            with contextlib.suppress(ConnectionResetError):
+                first = _read(readers[0], timeout=3)
+            assert len(first) < (n * rows * 2) // 2, "the oldest unread answer was kept whole"
+            status, _, out = _answer(readers[-1], timeout=20)  # the newest: let out whole
+            assert status == 200 and len(out) > n * rows * 2
+        finally:
+            for sock in readers:
+                sock.close()
 
 
 def test_a_connection_that_never_sends_is_closed_after_the_head_timeout():

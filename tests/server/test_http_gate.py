@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import resource
+import subprocess
+import sys
 
 import pytest
 from moegemm.client._errors import Overloaded
@@ -73,3 +76,33 @@ def test_the_415_names_every_type_taken_as_msgpack():
     problem = media_problem("application/json")
     assert all(t in problem for t in MSGPACK_TYPES) and "'application/json'" in problem
     assert media_problem("").endswith("got 'none'")
+
+
+_FIT = """
+import resource, sys
+from moegemm.server._http_gate import HttpLimits, fit_to_descriptors
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+fitted = fit_to_descriptors(HttpLimits(max_connections=2048))
+print(fitted.max_connections, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_NOFILE as on Linux")
+@pytest.mark.parametrize("soft, hard, cap, raised", [
+    (1024, 4096, 2048, 2048 + 256),  # systemd's soft 1024: raised to hold the cap
+    (300, 300, 150, 300),            # a hard limit under the cap: the cap fits it, half kept
+    (1024, 2100, 2100 - 256, 2100),  # raised to the hard limit, the cap lowered to fit
+])
+def test_the_connection_cap_fits_the_open_file_limit(soft, hard, cap, raised):
+    """A soft open-file limit under the connection cap made new clients meet a closed socket
+    instead of the cap's rules (an audit's finding): the soft limit is raised towards the hard
+    one, and the cap lowered where that is not enough (in a process of its own: limits are
+    per process)."""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:
+        pytest.skip("this process's hard open-file limit is lower than the case's")
+    done = subprocess.run([sys.executable, "-c", _FIT, str(soft), str(hard)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(cap), str(raised)]
+    assert (cap < 2048) == ("MOEGEMM_HTTP_MAX_CONNECTIONS" in done.stderr)
