@@ -112,7 +112,7 @@ class _ForwardConnection(_Connection):
                 parts = [status_line(status) + head + end]  # framed by the owner (header_lines)
                 if scope["method"] != "HEAD":  # a HEAD answer has no body (an error's neither)
                     parts.append(data)
-                self.transport.writelines(parts)
+                self.write_answer(parts)
         del body
         self._unreserve()
         self._finish()

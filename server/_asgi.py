@@ -190,9 +190,8 @@ class Response:
                 self.pending += body_parts(message, self.chunked)
             self.pending_bytes += size
             if not more or self.pending_bytes >= self._FLUSH_BYTES:
-                transport = self.conn.transport
-                if transport is not None and self.pending:
-                    transport.writelines(self.pending)
+                if self.conn.transport is not None and self.pending:
+                    self.conn.write_answer(self.pending)
                 self.pending, self.pending_bytes = [], 0
             if not more:
                 self.finished = True

@@ -14,7 +14,7 @@ ASGI app or the direct routes and back, and the connections' housekeeping:
   uploads from it without another host copy; chunked bodies are decoded by
   llhttp from the receive buffer where they land (no per-chunk memmove);
 - the app gets the whole body in one ``http.request`` message, as a memoryview;
-- response parts go to the socket as they are (``transport.writelines``);
+- response parts go to the socket as they are (``transport.writelines``, ``write_answer``);
 - a connection stops being read while its answers are not drained
   (``pause_writing``), so a client that pipelines and never reads holds one
   answer here, not all of them; and a pipelined request waits while more than
@@ -152,6 +152,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.disconnected: asyncio.Event | None = None
         self.write_paused = False
         self.drained = 0
+        # Bytes of the answers written since the transport last held none (its buffers keep
+        # the parts they have not sent whole): what this connection holds while paused.
+        self.unread_bytes = 0
         # Whether this connection's current request counts in ``server.active``.
         self.counted = False
         self.peer = self.local = None
@@ -216,6 +219,16 @@ class _Connection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self.write_paused = False
         self.server.unread.pop(self, None)
+
+    def write_answer(self, parts: list) -> None:
+        """Write answer parts (never copied here), counting their bytes in ``unread_bytes``
+        from the last time the transport held nothing: a part sent in part stays whole in
+        memory, so a paused connection holds them all (:func:`bound_unread`)."""
+        transport = self.transport
+        if not transport.get_write_buffer_size():
+            self.unread_bytes = 0
+        self.unread_bytes += sum(memoryview(part).nbytes for part in parts)
+        transport.writelines(parts)
         transport = self.transport
         if (self.state == _IDLE and self.task is None and transport is not None
                 and not transport.is_closing()):
@@ -609,8 +622,8 @@ class _Connection(asyncio.BufferedProtocol):
             self.keep_alive = False
         else:
             if self.transport is not None:
-                self.transport.writelines([status_line(status) + head + self._connection_line()
-                                           + b"\r\n", *parts])
+                self.write_answer([status_line(status) + head + self._connection_line() + b"\r\n",
+                                   *parts])
         self._finish()
 
     async def _run(self, scope: dict, body: memoryview) -> None:
@@ -730,16 +743,17 @@ def _close_idlest(connections: set) -> bool:
 
 
 def bound_unread(unread: dict, limit: int, current=None) -> None:
-    """Keep the answers waiting for their clients to read them (the transports' buffers of the
-    connections whose writing is paused, ``unread``: connection -> when it paused, oldest
-    first) within ``limit`` bytes: past it, drop the connections whose answers have waited
+    """Keep the answers waiting for their clients to read them (what the connections whose
+    writing is paused hold, ``_Connection.write_answer``; ``unread``: connection -> when it
+    paused, oldest first) within ``limit`` bytes: past it, drop the connections whose answers have waited
     longest, but never ``current`` (the one whose answer just paused: a lone answer is always
     let out, as a lone body is let in). Nothing more is owed to a client that does not read;
     one that reads gets its answer out within milliseconds, so it is not the longest waiting.
     (Each connection's own wait is bounded by the keep-alive timeout; this bounds their sum,
     which clients that never read could otherwise grow to the connection cap times the
     largest answer: an audit's finding.)"""
-    sizes = {c: c.transport.get_write_buffer_size() for c in unread if c.transport is not None}
+    sizes = {c: max(c.unread_bytes, c.transport.get_write_buffer_size())
+             for c in unread if c.transport is not None}
     total = sum(sizes.values())
     for conn in list(unread):
         if total <= limit:

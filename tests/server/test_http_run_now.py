@@ -44,6 +44,9 @@ class _Transport:
     def writelines(self, parts):
         self.out.append(b"".join(parts))
 
+    def get_write_buffer_size(self):
+        return 0  # everything written is sent at once
+
     def write(self, data):
         self.out.append(bytes(data))
 
