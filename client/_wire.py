@@ -11,6 +11,7 @@ already imported by the caller (``sys.modules``), and crosses as raw bytes.
 from __future__ import annotations
 
 import math
+import reprlib
 import struct
 import sys
 from dataclasses import dataclass
@@ -188,21 +189,42 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 @dataclass(frozen=True)
 class OtherKey:
-    """A map key that is not a string (an int, a bin, ...), as its ``repr``: still one msgpack
-    map, so a body's non-string key is a field no endpoint knows (400 ``bad_field``) and a
-    tensor map's makes it malformed (``bad_tensor``), never ``bad_msgpack``."""
+    """A map key that is not a string (an int, a bin, ...): still one msgpack map, so a body's
+    non-string key is a field no endpoint knows (400 ``bad_field``) and a tensor map's makes it
+    malformed (``bad_tensor``), never ``bad_msgpack``. Equal as the key it holds (a container
+    key, unhashable, as its own object); shown cut, whatever the key's size."""
 
-    text: str
+    key: Any
 
     def __repr__(self) -> str:
-        return self.text
+        key = self.key
+        if isinstance(key, bytes):
+            head = repr(key[:40])
+            return head if len(key) <= 40 else f"{head}... ({len(key)} bytes)"
+        return reprlib.repr(key)
+
+
+def _other_key(key: Any) -> OtherKey:
+    try:
+        hash(key)
+    except TypeError:  # a map or an array as a key: only ever equal to itself
+        return OtherKey(_Opaque(key))
+    return OtherKey(key)
+
+
+@dataclass(frozen=True, eq=False)
+class _Opaque:
+    value: Any
+
+    def __repr__(self) -> str:
+        return reprlib.repr(self.value)
 
 
 def _pairs_to_dict(pairs: list) -> dict:
     out: dict = {}
     for key, value in pairs:
         if not isinstance(key, str):
-            key = OtherKey(repr(key))
+            key = _other_key(key)
         if key in out:
             raise BadMsgpack(f"duplicate map key {key!r:.100}")
         out[key] = value

@@ -494,7 +494,7 @@ class _Acceptor:
         if self.offering:
             self._open_fd_channel()
         owner = loop.create_task(self._read_owner(reader, stop))
-        sweeping = loop.create_task(sweep(self.connections, self.limits))
+        sweeping = loop.create_task(sweep(self.connections, self.limits, self.unread))
         self._listen()
         log.debug("acceptor %d listening on %s:%d", self.index, self.host, self.port)
         await stop.wait()

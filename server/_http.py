@@ -221,7 +221,7 @@ class FastHttpServer:
         )
         self.port = self._server.sockets[0].getsockname()[1]
         self.listening.set()
-        sweeping = loop.create_task(sweep(self.connections, self.limits))
+        sweeping = loop.create_task(sweep(self.connections, self.limits, self.unread))
         log.info("listening on http://%s:%d (fast HTTP transport)", self.host, self.port)
         try:
             await stop.wait()

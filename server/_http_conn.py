@@ -24,10 +24,11 @@ ASGI app or the direct routes and back, and the connections' housekeeping:
 - request bodies count in the in-flight limit as their bytes arrive, and only
   the bodies within that limit get buffers taken whole (page-locked): heads
   alone neither hold the limit nor take memory;
-- answers that wait for their clients to read them are bounded by the same limit
-  (``MOEGEMM_MAX_INFLIGHT_BYTES``) per process: past it, the connection whose answer
-  has waited longest is dropped (:func:`bound_unread`), so clients that never read
-  cannot make the server hold their answers without bound;
+- answers that wait for their clients to read them are bounded by a budget of the
+  same size (``MOEGEMM_MAX_INFLIGHT_BYTES``) per process: past it, the connections whose
+  answers have waited longest (over a second; the newest never) are dropped
+  (:func:`bound_unread`), so clients that never read cannot make the server hold their
+  answers without bound;
 - timeouts and limits (``HttpLimits``, settings ``MOEGEMM_HTTP_*``): the head's
   arrival (also a new connection's first), the body's rate (each head timeout of a
   body brings at least that many seconds of the minimum rate, so bytes sent early buy
@@ -94,6 +95,11 @@ _SCRATCH = memoryview(bytearray(64 << 10))  # where dropped bytes land (one loop
 # to make room for it (``_next``), looked at again every _UNREAD_POLL_S.
 _UNREAD_MAX = 64 << 10
 _UNREAD_POLL_S = 0.02
+# A head arriving (or a new connection silent) this long is the first to make room at the cap.
+_SLOW_HEAD_S = 1.0
+# An answer that paused (more of it than the socket took) counts for dropping in the bound of
+# the answers waiting (``bound_unread``) once it has waited this long.
+_UNREAD_GRACE_S = 1.0
 _SIOCOUTQNSD = 0x894B  # Linux: a TCP socket's bytes queued and not yet sent
 _INT = bytes(4)
 _RAW_ID = re.compile(rb"(?im)^x-request-id:([^\r\n]*)")
@@ -152,9 +158,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.disconnected: asyncio.Event | None = None
         self.write_paused = False
         self.drained = 0
-        # Bytes of the answers written since the transport last held none (its buffers keep
-        # the parts they have not sent whole): what this connection holds while paused.
-        self.unread_bytes = 0
+        # The largest answer part written since the transport last held nothing (``held``).
+        self.largest_part = 0
         # Whether this connection's current request counts in ``server.active``.
         self.counted = False
         self.peer = self.local = None
@@ -214,25 +219,33 @@ class _Connection(asyncio.BufferedProtocol):
         if self.state == _IDLE:
             self.since = now
         self.server.unread[self] = now  # (ordered: the longest waiting first)
-        bound_unread(self.server.unread, self.limits.max_inflight_bytes, self)
+        bound_unread(self.server.unread, self.limits.max_inflight_bytes, now)
 
     def resume_writing(self) -> None:
         self.write_paused = False
         self.server.unread.pop(self, None)
-
-    def write_answer(self, parts: list) -> None:
-        """Write answer parts (never copied here), counting their bytes in ``unread_bytes``
-        from the last time the transport held nothing: a part sent in part stays whole in
-        memory, so a paused connection holds them all (:func:`bound_unread`)."""
-        transport = self.transport
-        if not transport.get_write_buffer_size():
-            self.unread_bytes = 0
-        self.unread_bytes += sum(memoryview(part).nbytes for part in parts)
-        transport.writelines(parts)
+        if self.state == _IDLE:  # the keep-alive counts from when its answer went out
+            self.since = time.monotonic()
         transport = self.transport
         if (self.state == _IDLE and self.task is None and transport is not None
                 and not transport.is_closing()):
             self._next()
+
+    def write_answer(self, parts: list) -> None:
+        """Write answer parts (never copied here). A part the transport has sent in part stays
+        whole in memory, so what a paused connection holds is at most its unsent bytes and its
+        largest part written since the transport last held nothing (:meth:`held`)."""
+        transport = self.transport
+        if not transport.get_write_buffer_size():
+            self.largest_part = 0
+        self.largest_part = max(self.largest_part,
+                                max((memoryview(part).nbytes for part in parts), default=0))
+        transport.writelines(parts)
+
+    def held(self) -> int:
+        """The answer bytes this connection holds, at most (:meth:`write_answer`)."""
+        transport = self.transport
+        return 0 if transport is None else transport.get_write_buffer_size() + self.largest_part
 
     def get_buffer(self, sizehint: int) -> memoryview:
         state = self.state
@@ -707,12 +720,15 @@ class _Connection(asyncio.BufferedProtocol):
         return unread
 
 
-async def sweep(connections: set, limits: HttpLimits) -> None:
-    """Apply every connection's timeouts, about once a second, forever."""
+async def sweep(connections: set, limits: HttpLimits, unread: dict) -> None:
+    """Apply every connection's timeouts and the bound of the answers waiting to be read
+    (``unread``, :func:`bound_unread`), about once a second, forever."""
     every = min(1.0, limits.head_timeout_s / 4, limits.keep_alive_s / 4)
     while True:
         await asyncio.sleep(every)
-        _check_all(connections, time.monotonic())
+        now = time.monotonic()
+        _check_all(connections, now)
+        bound_unread(unread, limits.max_inflight_bytes, now)
 
 
 def _check_all(connections: set, now: float) -> None:
@@ -723,18 +739,25 @@ def _check_all(connections: set, now: float) -> None:
 
 
 def _close_idlest(connections: set) -> bool:
-    """Close the connection idle longest between requests (or before its first), or whose
-    head has been arriving longest, if any: at the connection cap, room for a new one. A
-    head still arriving is no work yet (slow heads held the cap and made the server close a
-    caller's keep-alive connection between two of its calls instead: an audit's finding);
-    one with requests waiting (pipelined), a body arriving or a request running is at work.
-    Returns whether one was closed. (A scan of every connection: at the cap only.)"""
+    """At the connection cap, make room for a new one: close a connection whose head has been
+    arriving, or which has sent nothing since it connected, for over ``_SLOW_HEAD_S`` (the
+    longest such first), else the one idle longest between requests, if any. A head still
+    arriving is no work yet (slow heads held the cap and made the server close a caller's
+    keep-alive connection between two of its calls instead: an audit's finding); one with
+    requests waiting (pipelined), a body arriving or a request running is at work. Returns
+    whether one was closed. (A scan of every connection: at the cap only.)"""
+    now = time.monotonic()
     idle = [c for c in connections
             if (c.state == _HEAD or (c.state == _IDLE and c.task is None and not c.head_used))
             and c.transport is not None and not c.transport.is_closing()]
     if not idle:
         return False
-    conn = min(idle, key=lambda c: c.since)
+
+    def order(c) -> tuple[bool, float]:
+        slow = (c.state == _HEAD or not c.served) and now - c.since > _SLOW_HEAD_S
+        return not slow, c.since
+
+    conn = min(idle, key=order)
     if conn.write_paused:
         conn.transport.abort()  # its answers are not being read: nothing more is owed
     else:
@@ -742,26 +765,29 @@ def _close_idlest(connections: set) -> bool:
     return True
 
 
-def bound_unread(unread: dict, limit: int, current=None) -> None:
+def bound_unread(unread: dict, limit: int, now: float) -> None:
     """Keep the answers waiting for their clients to read them (what the connections whose
-    writing is paused hold, ``_Connection.write_answer``; ``unread``: connection -> when it
-    paused, oldest first) within ``limit`` bytes: past it, drop the connections whose answers have waited
-    longest, but never ``current`` (the one whose answer just paused: a lone answer is always
-    let out, as a lone body is let in). Nothing more is owed to a client that does not read;
-    one that reads gets its answer out within milliseconds, so it is not the longest waiting.
-    (Each connection's own wait is bounded by the keep-alive timeout; this bounds their sum,
-    which clients that never read could otherwise grow to the connection cap times the
-    largest answer: an audit's finding.)"""
-    sizes = {c: max(c.unread_bytes, c.transport.get_write_buffer_size())
-             for c in unread if c.transport is not None}
+    writing is paused hold, ``_Connection.held``; ``unread``: connection -> when it paused,
+    oldest first) within ``limit`` bytes: past it, drop the connections whose answers have
+    waited longest, of those that have waited at least ``_UNREAD_GRACE_S``. Nothing more is
+    owed to a client that does not read. Answers written together pause together whether or
+    not their clients read, so one within its grace is judged at a later sweep, by when a
+    client that reads has taken it; the newest is never dropped (a lone answer is always let
+    out, as a lone body is let in). (Each connection's own wait is bounded by the keep-alive
+    timeout; this bounds their sum, which clients that never read could otherwise grow to the
+    connection cap times the largest answer: an audit's finding.) Run at each pause and each
+    sweep."""
+    if len(unread) < 2:
+        return
+    sizes = {conn: conn.held() for conn in unread}
     total = sum(sizes.values())
-    for conn in list(unread):
-        if total <= limit:
-            return
-        if conn is current or conn.transport is None:
-            continue
-        total -= sizes.get(conn, 0)
-        log.info("dropping a connection whose answer (%d bytes) waits for its client to read it: "
-                 "the answers waiting pass MOEGEMM_MAX_INFLIGHT_BYTES", sizes.get(conn, 0))
-        unread.pop(conn, None)
-        conn.transport.abort()
+    for conn, since in list(unread.items())[:-1]:
+        if total <= limit or now - since < _UNREAD_GRACE_S:
+            return  # (the rest paused later still)
+        total -= sizes[conn]
+        log.info("dropping a connection whose answer (%d bytes) has waited %.1f s for its client "
+                 "to read it: the answers waiting pass MOEGEMM_MAX_INFLIGHT_BYTES", sizes[conn],
+                 now - since)
+        del unread[conn]
+        if conn.transport is not None:
+            conn.transport.abort()

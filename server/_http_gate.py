@@ -101,17 +101,19 @@ def fit_to_descriptors(limits: HttpLimits) -> HttpLimits:
     connection closed to make room, or 503 overloaded): an audit's finding."""
     try:
         import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        infinite = resource.RLIM_INFINITY
-        want = limits.max_connections + _FD_RESERVE
-        if soft != infinite and soft < want:
-            raised = want if hard == infinite else min(want, hard)
-            if raised > soft:
+    except ImportError:  # not a POSIX system: nothing to fit
+        return limits
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinite = resource.RLIM_INFINITY
+    want = limits.max_connections + _FD_RESERVE
+    if soft != infinite and soft < want:
+        raised = want if hard == infinite else min(want, hard)
+        if raised > soft:
+            try:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
                 soft = raised
-    except (ImportError, ValueError, OSError):
-        return limits
+            except (ValueError, OSError):  # the cap is lowered to the soft limit below
+                pass
     if soft == infinite:
         return limits
     room = soft - min(_FD_RESERVE, soft // 2)

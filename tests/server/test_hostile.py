@@ -785,32 +785,31 @@ def test_idle_connections_make_room_and_busy_ones_hold_the_cap():
 
 
 def test_slow_heads_at_the_cap_make_room_before_a_callers_keep_alive():
-    """A head still arriving is no work yet: at the cap, the connection whose head has been
-    arriving longest is closed to let a new one in, not a caller's keep-alive connection idle
-    between two of its calls (an audit's finding: slowloris heads at the cap threw the caller
-    out, and then its calls got 503)."""
+    """A head still arriving is no work yet: at the cap, a connection whose head has been
+    arriving over a second is closed to let a new one in, before a caller's keep-alive
+    connection idle between two of its calls, even one idle longer (an audit's finding:
+    slowloris heads at the cap threw the caller out, and then its calls got 503)."""
+    live = b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n\r\n"
     with _own_fast_server(http_max_connections=4, http_head_timeout_s=30.0,
-                          http_keep_alive_s=30.0) as port:
+                          http_keep_alive_s=30.0) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=5) as caller:
+        caller.sendall(live)
+        assert _answer(caller)[0] == 200  # the caller's connection, idle from now
         slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
-        for sock in slow:
-            sock.sendall(b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\nx-slow: a")  # never ends
-        time.sleep(0.3)
-        live = b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\n\r\n"
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as caller:
-            caller.sendall(live)
-            assert _answer(caller)[0] == 200  # the caller's connection, idle now
-            for _ in range(3):  # new connections, each past the cap
-                time.sleep(0.2)
-                assert _exchange(port, live)[0] == 200
-            closed = 0
+        try:
             for sock in slow:
-                got = _read(sock, timeout=2)
-                closed += got == b""
+                sock.sendall(b"GET /v1/health/live HTTP/1.1\r\nhost: x\r\nx-slow: a")  # never ends
+            time.sleep(1.5)  # slow now, and all of them arriving since after the caller's call
+            for _ in range(3):  # new connections, each past the cap
+                assert _exchange(port, live)[0] == 200
+                time.sleep(0.1)
+            closed = sum(_read(sock, timeout=2) == b"" for sock in slow)
             assert closed == 3, "a slow head was kept while callers came"
             caller.sendall(live)  # its keep-alive connection still serves it
             assert _answer(caller)[0] == 200
-        for sock in slow:
-            sock.close()
+        finally:
+            for sock in slow:
+                sock.close()
 
 
 def test_a_body_that_stops_is_closed_within_a_window():
@@ -826,23 +825,70 @@ def test_a_body_that_stops_is_closed_within_a_window():
         assert time.monotonic() - started < 2 * TIMEOUT_S + 1.5
 
 
+_WIDE_ROWS, _WIDE_N = 1024, 8192  # a 256 KiB call, a 16 MiB answer: over a socket's buffer
+
+
+def _wide_set(port: int) -> bytes:
+    """Load the weight set 'wide' (G 1, N 8192, K 128) on the server at ``port``; return a gemm
+    request on it whose answer is 16 MiB."""
+    w = torch.randn(1, _WIDE_N, 128).to(torch.bfloat16)
+    body = packb({"w": encode_tensor(w)})
+    put = (f"PUT /v1/weights/wide HTTP/1.1\r\nhost: x\r\n{MSGPACK}authorization: Bearer "
+           f"{ADMIN}\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+    assert _exchange(port, put)[0] in (200, 201)
+    x = torch.randn(_WIDE_ROWS, 128).to(torch.bfloat16)
+    call = packb({"x": encode_tensor(x), "m_sizes": encode_tensor(torch.tensor([_WIDE_ROWS]))})
+    return (f"POST /v1/weights/wide/gemm HTTP/1.1\r\nhost: x\r\n{MSGPACK}{AUTH}"
+            f"content-length: {len(call)}\r\n\r\n").encode() + call
+
+
+def test_a_keep_alive_connection_serves_again_after_a_large_answer(target):
+    """An answer larger than the socket takes at once pauses the connection's writing; once
+    the client has read it, the connection reads its next request (a review found a change
+    that never resumed it: the second call waited for the keep-alive timeout)."""
+    request = _wide_set(target.port)
+    with socket.create_connection(("127.0.0.1", target.port), timeout=10) as sock:
+        for _ in range(3):
+            started = time.monotonic()
+            sock.sendall(request)
+            status, _, out = _answer(sock, timeout=10)
+            assert status == 200 and len(out) > _WIDE_ROWS * _WIDE_N * 2
+            assert time.monotonic() - started < 5
+
+
+def test_answers_read_together_all_arrive():
+    """Answers written together pause together, whether or not their clients read: when they
+    pass the in-flight limit together, clients that read get them whole (the bound drops only
+    answers that have waited past its grace)."""
+    with _own_fast_server(http_keep_alive_s=30.0) as port:
+        request = _wide_set(port)
+        results: list = []
+
+        def client() -> None:
+            with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+                for _ in range(3):
+                    sock.sendall(request)
+                    status, _, out = _answer(sock, timeout=20)
+                    results.append((status, len(out)))
+
+        threads = [threading.Thread(target=client) for _ in range(4)]  # 64 MiB, over 10 MiB
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert len(results) == 12 and all(
+            status == 200 and size > _WIDE_ROWS * _WIDE_N * 2 for status, size in results), results
+
+
 def test_answers_left_unread_are_bounded_together():
     """Clients that send a call and never read its answer hold the answers here until the
     keep-alive timeout; together they are bounded by the in-flight limit: past it, the
     connection whose answer has waited longest is dropped (an audit's finding: 60 such clients
     of 16 MB answers held 1 GB, without bound). The newest answer waiting is let out whole to a
     client that reads it."""
-    rows, n = 1024, 8192  # a 256 KiB call, a 16 MiB answer: over the 10 MiB in-flight limit
+    rows, n = _WIDE_ROWS, _WIDE_N  # 16 MiB answers: over the 10 MiB in-flight limit
     with _own_fast_server(http_keep_alive_s=30.0) as port:
-        w = torch.randn(1, n, 128).to(torch.bfloat16)
-        body = packb({"w": encode_tensor(w)})
-        put = (f"PUT /v1/weights/wide HTTP/1.1\r\nhost: x\r\n{MSGPACK}authorization: Bearer "
-               f"{ADMIN}\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
-        assert _exchange(port, put)[0] == 201
-        x = torch.randn(rows, 128).to(torch.bfloat16)
-        call = packb({"x": encode_tensor(x), "m_sizes": encode_tensor(torch.tensor([rows]))})
-        request = (f"POST /v1/weights/wide/gemm HTTP/1.1\r\nhost: x\r\n{MSGPACK}{AUTH}"
-                   f"content-length: {len(call)}\r\n\r\n").encode() + call
+        request = _wide_set(port)
         readers = []
         try:
             for _ in range(3):

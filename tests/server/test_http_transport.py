@@ -190,7 +190,7 @@ def test_the_timeout_sweep_keeps_no_connection_alive():
 
     async def main() -> bool:
         task = asyncio.ensure_future(sweep(connections, HttpLimits(head_timeout_s=0.02,
-                                                                   keep_alive_s=0.02)))
+                                                                   keep_alive_s=0.02), {}))
         await asyncio.sleep(0.05)  # rounds that checked it
         connections.clear()
         await asyncio.sleep(0.05)  # rounds with nothing to check
