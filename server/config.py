@@ -181,9 +181,9 @@ class Settings(BaseSettings):
     # http_head_timeout_s of its first byte (a new connection's first too); each
     # http_head_timeout_s of a body brings that many seconds of http_min_body_rate bytes/s; a
     # connection idle between requests (or not draining its answers) is closed after
-    # http_keep_alive_s; at http_max_connections per process the one idle longest (or whose head
-    # has been arriving longest) is closed to make room, and with every one at work new
-    # connections get 503 overloaded.
+    # http_keep_alive_s; at http_max_connections per process a slow head (over a second) or else
+    # the one idle longest is closed to make room, and with every one at work new connections
+    # get 503 overloaded.
     http_head_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
     http_min_body_rate: int = Field(64 << 10, gt=0)
     http_keep_alive_s: float = Field(30.0, gt=0, allow_inf_nan=False)
