@@ -101,13 +101,12 @@ class _ForwardConnection(_Connection):
             status, head, data, close = await self.server.forward(scope, body)
         except Exception:  # the owner is gone, or a bug: as _run_direct answers its failures
             log.exception("forwarding %s %r failed", scope["method"], scope["path"][:200])
-            if self.transport is not None:
-                self.transport.write(_error_bytes(500, "internal", "unexpected server error"))
+            self.write_answer([_error_bytes(500, "internal", "unexpected server error")])
             self.keep_alive = False
         else:
             if close:
                 self.keep_alive = False
-            if status is not None and self.transport is not None:
+            if status is not None:
                 end = self._connection_line() + b"\r\n"
                 parts = [status_line(status) + head + end]  # framed by the owner (header_lines)
                 if scope["method"] != "HEAD":  # a HEAD answer has no body (an error's neither)

@@ -190,7 +190,7 @@ class Response:
                 self.pending += body_parts(message, self.chunked)
             self.pending_bytes += size
             if not more or self.pending_bytes >= self._FLUSH_BYTES:
-                if self.conn.transport is not None and self.pending:
+                if self.pending:
                     self.conn.write_answer(self.pending)
                 self.pending, self.pending_bytes = [], 0
             if not more:

@@ -232,10 +232,13 @@ class _Connection(asyncio.BufferedProtocol):
             self._next()
 
     def write_answer(self, parts: list) -> None:
-        """Write answer parts (never copied here). A part the transport has sent in part stays
-        whole in memory, so what a paused connection holds is at most its unsent bytes and its
-        largest part written since the transport last held nothing (:meth:`held`)."""
+        """Write answer parts (never copied here), if the client is still there: every answer's
+        one way out. A part the transport has sent in part stays whole in memory, so what a
+        paused connection holds is at most its unsent bytes and its largest part written since
+        the transport last held nothing (:meth:`held`)."""
         transport = self.transport
+        if transport is None:
+            return
         if not transport.get_write_buffer_size():
             self.largest_part = 0
         self.largest_part = max(self.largest_part,
@@ -630,13 +633,11 @@ class _Connection(asyncio.BufferedProtocol):
         except Exception:  # the handler answers its own errors; this is a bug in it
             log.exception("the direct route failed on %s %r", scope["method"],
                           scope["path"][:200])
-            if self.transport is not None:
-                self.transport.write(_error_bytes(500, "internal", "unexpected server error"))
+            self.write_answer([_error_bytes(500, "internal", "unexpected server error")])
             self.keep_alive = False
         else:
-            if self.transport is not None:
-                self.write_answer([status_line(status) + head + self._connection_line() + b"\r\n",
-                                   *parts])
+            self.write_answer([status_line(status) + head + self._connection_line() + b"\r\n",
+                               *parts])
         self._finish()
 
     async def _run(self, scope: dict, body: memoryview) -> None:
@@ -646,8 +647,8 @@ class _Connection(asyncio.BufferedProtocol):
             await self.server.app(scope, receive, response.send)
         except Exception:
             log.exception("the app failed on %s %r", scope["method"], scope["path"][:200])
-            if not response.started and self.transport is not None:
-                self.transport.write(_error_bytes(500, "internal", "unexpected server error"))
+            if not response.started:
+                self.write_answer([_error_bytes(500, "internal", "unexpected server error")])
             self.keep_alive = False
         if not response.finished:
             self.keep_alive = False
@@ -779,7 +780,9 @@ def bound_unread(unread: dict, limit: int, now: float) -> None:
     sweep."""
     if len(unread) < 2:
         return
-    sizes = {conn: conn.held() for conn in unread}
+    # (A connection already dropped, closing, frees what it holds: it counts nothing.)
+    sizes = {conn: 0 if conn.transport is None or conn.transport.is_closing() else conn.held()
+             for conn in unread}
     total = sum(sizes.values())
     for conn, since in list(unread.items())[:-1]:
         if total <= limit or now - since < _UNREAD_GRACE_S:
