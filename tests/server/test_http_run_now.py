@@ -27,6 +27,7 @@ class _Transport:
 
     def __init__(self) -> None:
         self.out: list[bytes] = []
+        self.closed = False
 
     def get_extra_info(self, key, default=None):
         return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(
@@ -54,7 +55,7 @@ class _Transport:
         return False
 
     def close(self):
-        pass
+        self.closed = True
 
 
 def _request(n: int) -> bytes:
@@ -125,6 +126,23 @@ async def test_an_answer_that_waits_goes_on_in_a_task():
     route.gate.set_result(None)
     await conn.task
     assert transport.out[-1].endswith(b"5") and conn.task is None and server.active == 0
+
+
+@_in_loop
+async def test_a_route_that_fails_answers_500_and_closes():
+    """A direct route that raises (a bug in it) gets the client a 500 ``internal`` through the
+    one answer path, and the connection closes."""
+    route = _Route()
+
+    async def failing(route_name, headers, body):
+        raise RuntimeError("a bug")
+
+    failing.match = _Route.match
+    conn, transport, server = _connection(failing)
+    _send(conn, _request(3))
+    await asyncio.sleep(0)
+    assert transport.out[-1].startswith(b"HTTP/1.1 500 ") and b'"internal"' in transport.out[-1]
+    assert transport.closed and server.active == 0 and route.in_task == []
 
 
 @_in_loop
