@@ -32,8 +32,9 @@ ASGI app or the direct routes and back, and the connections' housekeeping:
 - timeouts and limits (``HttpLimits``, settings ``MOEGEMM_HTTP_*``): the head's
   arrival (also a new connection's first), the body's rate (each head timeout of a
   body brings at least that many seconds of the minimum rate, so bytes sent early buy
-  no silence later), idle keep-alive, connections per process (at the cap the
-  connection idle longest, or whose head has been arriving longest, makes room).
+  no silence later), idle keep-alive, connections per process (at the cap a head
+  arriving, or a new connection silent, for over a second makes room, else the
+  connection idle longest).
 
 HTTP/1.0: a connection is kept alive only when the request asks for it
 (``Connection: keep-alive``; llhttp's rule, as uvicorn), and the answer then
