@@ -247,9 +247,12 @@ class _Connection(asyncio.BufferedProtocol):
         transport.writelines(parts)
 
     def held(self) -> int:
-        """The answer bytes this connection holds, at most (:meth:`write_answer`)."""
+        """The answer bytes this connection holds, at most (:meth:`write_answer`); none once
+        it is closing (dropped: what it holds is freed)."""
         transport = self.transport
-        return 0 if transport is None else transport.get_write_buffer_size() + self.largest_part
+        if transport is None or transport.is_closing():
+            return 0
+        return transport.get_write_buffer_size() + self.largest_part
 
     def get_buffer(self, sizehint: int) -> memoryview:
         state = self.state
@@ -781,9 +784,7 @@ def bound_unread(unread: dict, limit: int, now: float) -> None:
     sweep."""
     if len(unread) < 2:
         return
-    # (A connection already dropped, closing, frees what it holds: it counts nothing.)
-    sizes = {conn: 0 if conn.transport is None or conn.transport.is_closing() else conn.held()
-             for conn in unread}
+    sizes = {conn: conn.held() for conn in unread}
     total = sum(sizes.values())
     for conn, since in list(unread.items())[:-1]:
         if total <= limit or now - since < _UNREAD_GRACE_S:

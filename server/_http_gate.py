@@ -20,12 +20,11 @@ transport has no codes of its own. Malformed HTTP (bad framing, a head llhttp re
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import json
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moegemm.client._errors import (
     APIError,
@@ -122,7 +121,7 @@ def fit_to_descriptors(limits: HttpLimits) -> HttpLimits:
     log.warning("the open-file limit (%d, hard %s) holds %d connections, not "
                 "MOEGEMM_HTTP_MAX_CONNECTIONS=%d: serving at most %d", soft,
                 "unlimited" if hard == infinite else hard, room, limits.max_connections, room)
-    return dataclasses.replace(limits, max_connections=room)
+    return replace(limits, max_connections=room)
 
 
 def secrets_of(settings) -> tuple[tuple[bytes, ...], bytes | None]:
