@@ -1,13 +1,13 @@
 """What one replay of a service graph costs beside its kernel, on the device (session 44).
 
-For each case matching ``--match``: the server's graph for the call's bucket
-(``bench_kernels.service_graph``), then
-- the kernels a replay runs (``torch.profiler``: does ``CUDAGraph.replay`` add work of its own?);
-- the host's cost of one ``replay()`` and of one driver ``cuGraphLaunch`` of the same executable
-  graph, timed while the GPU is held by a sleep kernel (the launch queue never drains);
-- back-to-back replays timed as ``bench_kernels.time_replays_us`` through either launcher, the
-  public entry (a graph of ~1 ms of calls) and the public entry as a graph of one call,
-  alternated over ``--rounds`` rounds.
+For each case matching ``--match`` (``--repeat`` times through them): the server's graph for
+the call's bucket (``bench_kernels.service_graph``), then
+- back-to-back launches timed as ``bench_kernels.time_replays_us`` through torch's ``replay``,
+  the server's launcher (``server._staging.replay``) and a driver ``cuGraphLaunch`` on a cached
+  handle, beside the public entry (a graph of ~1 ms of calls) and the public entry as a graph of
+  one call, alternated over ``--rounds`` rounds;
+- the host's cost of one launch through each, timed while the GPU is held by a sleep kernel;
+- the kernels each launch runs (``torch.profiler``: does ``CUDAGraph.replay`` add work of its own?).
 
     python bench/replay_probe.py --match "seed m1 ,Qwen3-30B-A3B w2 decode t1 g" --json OUT
 """
@@ -47,10 +47,10 @@ def driver_launcher(graph: torch.cuda.CUDAGraph):
     return launch
 
 
-def host_us(launch, calls: int = 2000) -> float:
+def host_us(launch, calls: int = 300) -> float:
     """Host microseconds per ``launch()`` while the GPU sleeps (the queue never drains)."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # ~1 s at ~2 GHz: longer than the loop
+    torch.cuda._sleep(int(2e8))  # ~0.1 s: longer than the loop, which stays under the queue's depth
     t0 = time.perf_counter()
     for _ in range(calls):
         launch()
@@ -90,8 +90,9 @@ def loop_us(launch, budget_ms: float = 10.0) -> float:
 
 
 def probe_case(case: dict, gen: torch.Generator, rounds: int) -> dict:
-    """One case's row: the replay's kernels, each launcher's host cost, the alternated timings."""
+    """One case's row: the alternated timings, each launcher's host cost, the kernels it runs."""
     from moegemm.kernels import triton_kernel as tk
+    from moegemm.server import _staging
 
     wq, w_scale = bk.random_weights(case["g"], case["n"], case["k"], gen)
     _, xq, x_scale = bk.random_activations(case["m"], case["k"], gen)
@@ -102,23 +103,23 @@ def probe_case(case: dict, gen: torch.Generator, rounds: int) -> dict:
     _pool, _bufs, graph = bk.service_graph(problem, bucket)
     row = {"name": case["name"], "config": tk.default_config(bucket, case["n"], case["k"], case["g"]).key()}
     drive = driver_launcher(graph)
-    row["replay_kernels"] = replay_kernels(graph.replay)
-    row["host_us"] = {"replay": host_us(graph.replay)}
+    shipped = _staging.replay
     one = torch.cuda.CUDAGraph()  # the public entry, one call a graph: the launch form apart
     with torch.cuda.graph(one):
         tk.run(*problem, public)
-    timers = {"public": lambda: bk.time_us(lambda: tk.run(*problem, public)),
-              "public_one": lambda: loop_us(one.replay),
-              "replay": lambda: loop_us(graph.replay)}
+    launchers = {"replay": graph.replay, "shipped": lambda: shipped(graph)}
     if drive is not None:
-        drive()
-        torch.cuda.synchronize()
-        row["driver_kernels"] = replay_kernels(drive)
-        row["host_us"]["driver"] = host_us(drive)
-        timers["driver"] = lambda: loop_us(drive)
+        launchers["driver"] = drive
+    timers = {"public": lambda: bk.time_us(lambda: tk.run(*problem, public)),
+              "public_one": lambda: loop_us(one.replay)}
+    timers.update({name: (lambda fn=fn: loop_us(fn)) for name, fn in launchers.items()})
     times = bk.alternating_timers(timers, rounds)
     row["rounds_us"] = {k: [round(t, 2) for t in v] for k, v in times.items()}
     row["us"] = {k: round(statistics.median(v), 2) for k, v in times.items()}
+    # After the timings: the first case timed after the profiler's first use read its torch
+    # replays 1.7x slow (session 44 call 2), the profiler suspected.
+    row["host_us"] = {name: round(host_us(fn), 2) for name, fn in launchers.items()}
+    row["kernels"] = {name: replay_kernels(fn) for name, fn in launchers.items()}
     return row
 
 
@@ -126,12 +127,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--match", default="seed m1 ,Qwen3-30B-A3B w2 decode t1 g,DeepSeek-V3 w2 decode t1 g")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=2, help="times through the cases")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     gen = torch.Generator(device=bk.DEV)
     gen.manual_seed(int(time.time()))
     rows = []
-    for case in bk.matching_cases(args.match):
+    for case in bk.matching_cases(args.match) * args.repeat:
         rows.append(probe_case(case, gen, args.rounds))
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
