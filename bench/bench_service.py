@@ -18,7 +18,9 @@ What one run does:
    32 concurrent clients, fp8 and bf16 inputs: p50/p99 latency, calls/s, and
    the overhead (p50 latency minus the kernel's own time);
    Issue 16's points: 32 clients of 1024-row calls, mixed traffic (32 clients,
-   rows log-uniform in 1..1024), and the load point (one client's calls
+   rows log-uniform in 1..1024; its calls of up to 256 rows also apart), one
+   client's one-row calls beside 31 clients of 1024-row calls ("beside"),
+   and the load point (one client's calls
    during the 7.5 GB set's first load, its graphs captured, and while it is
    loaded from its file again and again), each beside the same calls on the
    idle server in the same run;
@@ -48,6 +50,9 @@ from pathlib import Path
 import numpy as np
 
 FP8_MAX = 448.0
+# A call of at most this many rows may run on the server's event loop (SPEC 3; the engine's
+# SMALL_ROWS): the mixed and beside points report these calls' latencies apart.
+SMALL_ROWS = 256
 
 
 # -- client workers (forked first; no torch) ----------------------------------------
@@ -78,14 +83,17 @@ def _worker(conn, index: int) -> None:
         if job["m"] == "mixed":
             # Rows log-uniform in 1..1024, a fresh draw per call from 32 prepared inputs.
             ms = np.exp(rng.uniform(0, np.log(1024), size=32)).round().astype(int)
-            prepared = [_inputs(rng, int(m), job["k"], job["g"], job["kind"]) for m in ms]
+        elif job["m"] == "beside":
+            # One client's one-row calls beside the others' largest calls.
+            ms = [1 if index == 0 else job["m_large"]]
         else:
-            prepared = [_inputs(rng, job["m"], job["k"], job["g"], job["kind"])]
+            ms = [job["m"]]
+        prepared = [_inputs(rng, int(m), job["k"], job["g"], job["kind"]) for m in ms]
         x, scale, sizes = prepared[0]
         client = clients.get(job["url"])
         if client is None:
             client = clients[job["url"]] = Client(job["url"], timeout=120, retries=0)
-        errors, lat = 0, []
+        errors, lat, lat_small = 0, [], []
         for _ in range(3):  # warm the connection and the server's path
             client.grouped_gemm(job["name"], x, sizes, x_scale=scale)
         # Paced (open loop) when the job has a total rate: each client sends on its
@@ -106,16 +114,18 @@ def _worker(conn, index: int) -> None:
                 next_send += interval
             else:
                 t0 = time.perf_counter()
-            if len(prepared) > 1:
-                x, scale, sizes = prepared[int(rng.integers(len(prepared)))]
+            pick = int(rng.integers(len(prepared))) if len(prepared) > 1 else 0
+            x, scale, sizes = prepared[pick]
             try:
                 client.grouped_gemm(job["name"], x, sizes, x_scale=scale)
                 lat.append(time.perf_counter() - t0)
+                if ms[pick] <= SMALL_ROWS:
+                    lat_small.append(lat[-1])
             except Exception:  # counted, never hidden
                 errors += 1
             if time.time() >= stop_at and len(lat) >= job["min_calls"]:
                 break
-        conn.send({"lat": lat, "errors": errors, "end": time.time()})
+        conn.send({"lat": lat, "lat_small": lat_small, "errors": errors, "end": time.time()})
 
 
 class Workers:
@@ -140,6 +150,11 @@ class Workers:
         lat = sorted(x for r in results for x in r["lat"])
         wall = max(r["end"] for r in results) - start_at
         out = _summary(clients, lat, sum(r["errors"] for r in results), wall)
+        if job["m"] in ("mixed", "beside"):
+            small = sorted(x for r in results for x in r["lat_small"])
+            out["small_calls"] = len(small)
+            out["small_p50_us"] = 1e6 * small[len(small) // 2] if small else None
+            out["small_p99_us"] = 1e6 * small[min(len(small) - 1, int(len(small) * 0.99))] if small else None
         if keep:
             out["lat"] = lat
         return out
@@ -340,6 +355,9 @@ def main() -> int:
     ap.add_argument("--large", action="store_true",
                     help="with --quick: also the 1024-row calls at 32 clients (default, "
                          "merge_off and the variants)")
+    ap.add_argument("--only-m", default="",
+                    help="only the points of these M (e.g. 'beside,mixed,1024'), at 1 and --clients "
+                         "clients, on every server in turn")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every point this many times, interleaved; medians in 'summary'")
     ap.add_argument("--port", type=int, default=18600)
@@ -439,6 +457,10 @@ def main() -> int:
         # 32 clients of the largest calls, and mixed traffic (rows log-uniform 1..1024).
         first += [("default", "main", ms[-1], "fp8", 1), ("default", "main", ms[-1], "fp8", c),
                   ("default", "main", "mixed", "fp8", 1), ("default", "main", "mixed", "fp8", c)]
+        # A small caller beside large ones (server/engine.py's fair turns: "a large call delays
+        # a small one by at most its own batch"): one client's one-row calls while the others
+        # send the largest calls, beside the same client alone (c = 1: the idle server).
+        first += [("default", "main", "beside", "fp8", 1), ("default", "main", "beside", "fp8", c)]
         if args.large:
             first += [("merge_off", "main", ms[-1], "fp8", c)]
         rest = [("default", "main", m, kind, n) for m in ms for kind in kinds for n in (1, c)]
@@ -457,6 +479,10 @@ def main() -> int:
                      if name not in plans_base]
         points = (points[:len(first)] + paced + variants
                   + ([] if args.quick else points[len(first):]))
+        if args.only_m:
+            # Only these points, on every server in turn.
+            only = [m if m in ("mixed", "beside") else int(m) for m in args.only_m.split(",")]
+            points = [(name, "main", m, "fp8", n) for m in only for n in (1, c) for name in servers]
         if args.interleave:
             # Each variant's point right after the default server's same point, so drift on
             # the shared machine (and anything still running from the start) hits both alike.
@@ -469,7 +495,7 @@ def main() -> int:
                     points += [q for q in own if q[1:] == p[1:] and q not in points]
             points += [q for q in own if q not in points]
         points = [p for p in points if p[0] in servers and result["servers"][p[0]]["ready"]]
-        shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points if p[2] != "mixed"})
+        shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points if p[2] not in ("mixed", "beside")})
         result["kernel_us"] = kernel_times(shapes, device)
 
         # --rounds: the measured points again, in the same order, so a slow spell of the
@@ -482,7 +508,8 @@ def main() -> int:
                 break
             g, n, k = sets[set_name]
             job = {"url": srv.url, "name": set_name, "m": m, "k": k, "g": g, "kind": kind,
-                   "duration": args.duration, "seed": (m if m != "mixed" else 5) * 7 + clients,
+                   "duration": args.duration, "seed": (m if isinstance(m, int) else 5) * 7 + clients,
+                   "m_large": ms[-1],
                    "min_calls": 20 if clients == 1 else 3, "rate": pace[0] if pace else None}
             before = srv.metrics()
             row = {"server": server, "set": set_name, "M": m, "input": kind,
@@ -505,7 +532,7 @@ def main() -> int:
             row["round"] = rnd
             row["mean_merge_size"] = (delta["batched_calls"] / delta["batches"]
                                       if delta["batches"] else None)
-            kern = result["kernel_us"].get(f"{set_name}/M{m}/{kind}") if m != "mixed" else None
+            kern = result["kernel_us"].get(f"{set_name}/M{m}/{kind}") if isinstance(m, int) else None
             row["kernel_us"] = kern
             row["overhead_p50_us"] = row["p50_us"] - kern if row["p50_us"] and kern else None
             points_done = result["points"]
@@ -654,7 +681,9 @@ def _fmt(row: dict) -> str:
             f"overhead {num(row['overhead_p50_us']):>6s} us  merge {num(row['mean_merge_size'], '.1f')}"
             f"  graph/eager {row['graph_replays']:.0f}/{row['eager_runs']:.0f}"
             f"  in-server {num(row['server_us_per_call'])} us  batch {num(row['batch_us'])} us"
-            f"  inline {num(row.get('inline_batches'))}  errors {row['errors']}")
+            f"  inline {num(row.get('inline_batches'))}  errors {row['errors']}"
+            + (f"  small ({num(row.get('small_calls'))}) p50 {num(row.get('small_p50_us'))} us"
+               f" p99 {num(row.get('small_p99_us'))} us" if "small_calls" in row else ""))
 
 
 if __name__ == "__main__":
