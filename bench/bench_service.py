@@ -38,6 +38,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import shlex
 import signal
 import statistics
 import struct
@@ -213,12 +214,13 @@ def write_weights(path: Path, g: int, n: int, k: int, seed: int) -> None:
 class Server:
     """One ``moegemm serve`` process on loopback."""
 
-    def __init__(self, name: str, port: int, args: list[str], env: dict, log_dir: Path) -> None:
+    def __init__(self, name: str, port: int, args: list[str], env: dict, log_dir: Path,
+                 prefix: list[str] = ()) -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_dir / f"server_{name}.log", "w")
         peer = name == "uvicorn"  # the same app on the stock transport
-        cmd = [sys.executable, *([str(Path(__file__).with_name("uvicorn_peer.py"))] if peer
+        cmd = [*prefix, sys.executable, *([str(Path(__file__).with_name("uvicorn_peer.py"))] if peer
                                  else ["-m", "moegemm.cli"]),
                "serve", "--host", "127.0.0.1", "--port", str(port), *args]
         self.cmd = cmd
@@ -358,6 +360,10 @@ def main() -> int:
     ap.add_argument("--only-m", default="",
                     help="only the points of these M (e.g. 'beside,mixed,1024'), at 1 and --clients "
                          "clients, on every server in turn")
+    ap.add_argument("--server-prefix", default="",
+                    help="a command each server runs under, e.g. a sampling profiler: "
+                         "'py-spy record --gil --subprocesses -f raw -o OUT/{name}.txt --' "
+                         "({name}: the server's)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every point this many times, interleaved; medians in 'summary'")
     ap.add_argument("--port", type=int, default=18600)
@@ -418,7 +424,8 @@ def main() -> int:
         envs[name]["TRITON_CACHE_DIR"] = str(work / f"triton_{name}")
     servers = {}
     for i, name in enumerate(wanted):
-        servers[name] = Server(name, args.port + i, common + plans[name], envs[name], work)
+        prefix = [w.replace("{name}", name) for w in shlex.split(args.server_prefix)]
+        servers[name] = Server(name, args.port + i, common + plans[name], envs[name], work, prefix)
 
     result: dict = {
         "what": "moegemm service benchmark: real servers on loopback, client processes "

@@ -10,8 +10,9 @@ pending:
   the server's only request and the device is free (``alone``: nothing could
   merge with it) and no call ran at once in this turn of the loop, else in the
   loop's next turn, merged with the calls that arrived in this one (a "loop
-  batch"); when a worker batch or job holds the device, the waiting calls get
-  it as soon as that one ends (fair turns). (The transport counts a request
+  batch"); when a worker batch or job holds the device, the worker runs the
+  calls that came meanwhile as soon as that one ends, before its next item
+  (fair turns). (The transport counts a request
   when it has read its head, and the requests whose bytes arrive in one turn
   are read one after another, each run before the next is read: only the
   first of them can find itself alone, and the others merge behind it.)
@@ -25,6 +26,11 @@ interval to win it back from the busy loop, every time. On the H200 at 32
 clients a merged batch of 9 small calls took 6.7 ms on the worker for
 ~0.3 ms of device work, and 0.86 ms on the loop (``bench/SERVICE_NOTES.md``,
 v5); the 256-row bound keeps any one batch's hold on the loop to a few ms.
+Small calls that wait for a worker batch are the exception: handing them back
+to the loop cost each of them several of its turns, each several ms under
+large calls' traffic, and the worker holds the device anyway (a one-row call
+beside 31 clients of 1024-row calls waited 12-27 ms for the device, 2-5 ms when
+the worker runs it; ``bench/SERVICE_NOTES.md``, session 44).
 
 A call object has ``kind``, ``ws``, ``rows`` (the rows the device runs: a
 moe call's tokens times its top-k), ``deadline``, ``enqueued``, ``outcome``
@@ -246,7 +252,11 @@ class Engine:
                 self._pending_calls += 1  # until a batch takes it
                 # Before the worker can see it: the worker wakes the caller through it.
                 call.waiter = asyncio.get_running_loop().create_future()
-                if not on_loop:
+                if on_loop:
+                    self._loop_calls.append(call)  # under the lock: the worker may take them
+                    if self._busy:  # the worker's: it runs them when its batch or job ends
+                        self._loop_waiting = True
+                else:
                     self._items.append(call)
                     self._cv.notify()
         if now:
@@ -260,7 +270,6 @@ class Engine:
         else:
             if on_loop:
                 loop = self._loop = call.waiter.get_loop()
-                self._loop_calls.append(call)
                 if self._drain_handle is None:
                     # No wait: the calls that arrive while a batch holds the loop are
                     # read in its next turn and merge then. On the H200, waiting the
@@ -286,7 +295,10 @@ class Engine:
         """On the loop, at ``call.deadline``: a call still queued is taken out of the queue (its
         place freed) and answered DeadlineExceeded now, not when its turn would have come."""
         with self._lock:
-            if not (_take(self._loop_calls, call) or _take(self._items, call)):
+            if _take(self._loop_calls, call):
+                if not self._loop_calls:
+                    self._stop_waiting()  # nothing waits for the device any more
+            elif not _take(self._items, call):
                 return  # a batch has it: it runs (or has run), or fails its own check
             self._pending_calls -= 1
         call.outcome = DeadlineExceeded("the request's deadline passed while it was queued")
@@ -309,8 +321,9 @@ class Engine:
             )
 
     def _release(self) -> None:
-        """The device is free again: small calls waiting on the loop get it first (their
-        drain is scheduled; the worker waits for it), else the worker."""
+        """The device is free again: small calls still waiting (come while the worker ran
+        the last ones) get it first (the loop's drain is scheduled; the worker waits for
+        it), else the worker."""
         with self._lock:
             self._busy = False
             yield_to_loop = self._loop_waiting
@@ -319,47 +332,52 @@ class Engine:
         if yield_to_loop:
             self._schedule_drain()
 
+    def _stop_waiting(self) -> None:
+        """Under the lock, once no loop call waits: the worker goes on (it waits while
+        ``_loop_waiting``; a flag left set by calls that expired would stop it for good)."""
+        if self._loop_waiting:
+            self._loop_waiting = False
+            if not self._busy and self._items:
+                self._cv.notify_all()
+
     def _schedule_drain(self) -> None:
         loop = self._loop
         if loop is None:
             return
         try:
-            loop.call_soon_threadsafe(self._drain_soon)
+            # The drain itself, not a callback that schedules it: under load each turn of
+            # the loop carries every connection's reads and writes, and the device waits.
+            loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # its loop is closed: nobody waits any more
             pass
 
-    def _drain_soon(self) -> None:
-        if self._drain_handle is None and self._loop_calls:
-            self._drain_handle = asyncio.get_running_loop().call_soon(self._drain)
-
     # Fair turns (SPEC 3: loads and large calls never hold up small calls for long):
-    # small calls that find the device held by a worker batch or job wait on the loop,
-    # and the worker lets them have the device before its next item. A large call
-    # thus delays a small one by at most its own batch, never by a queue of them.
+    # small calls that find the device held by a worker batch or job are run by the
+    # worker when that one ends, before its next item, without waiting for a turn of the
+    # loop. A large call thus delays a small one by at most its own batch, never by a
+    # queue of them.
     def _drain(self) -> None:
         """Run the calls waiting for the loop, merged per batch key (in arrival order,
         within the key's row bound), or, when the worker holds the device, leave them
-        waiting for its release."""
+        to it: it runs them before it lets go (:meth:`_run_waiting`)."""
         self._drain_handle = None
-        waiting, self._loop_calls = self._loop_calls, []
-        if not waiting:
-            return
         with self._lock:
-            closed, busy = self._closed, self._busy
-            if closed:
-                pass  # (close emptied the count)
-            elif busy:
-                self._loop_waiting = True  # the worker's release schedules the next drain
-            else:
+            if not self._loop_calls:
+                if not self._busy:
+                    self._stop_waiting()  # the calls it was set for expired
+                return
+            closed = self._closed
+            if self._busy and not closed:
+                self._loop_waiting = True
+                return
+            waiting, self._loop_calls = self._loop_calls, []
+            if not closed:  # (close emptied the count)
                 self._busy, self._loop_waiting = True, False
                 self._pending_calls -= len(waiting)
         if closed:
             for call in waiting:
                 call.outcome = NotReady("the server is shutting down")
                 _wake(call)
-            return
-        if busy:
-            self._loop_calls = waiting + self._loop_calls
             return
         try:
             for batch in self._batches([c for c in waiting if not _gone(c)]):
@@ -617,8 +635,36 @@ class Engine:
                 return
             try:
                 self._work(item)
+                self._run_waiting()
             finally:
                 self._release()
+
+    def _run_waiting(self) -> None:
+        """On the worker, before it lets go of the device: the small calls that came while
+        it held it, merged per key (see "Why the loop" above)."""
+        with self._lock:
+            if not self._loop_waiting or self._closed:
+                return
+            waiting, self._loop_calls = self._loop_calls, []
+            self._loop_waiting = False
+            self._pending_calls -= len(waiting)
+        self._run_and_wake(waiting)
+
+    def _run_and_wake(self, calls: list) -> None:
+        """On the worker: run ``calls`` per key and row bound (:meth:`_batches`; a collected
+        batch is one), then wake their callers. A bug here fails the calls, never the
+        device's only thread."""
+        try:
+            for part in self._batches([call for call in calls if not _gone(call)]):
+                self._run_batch(part)
+        except Exception:
+            log.exception("the engine failed a batch of %d calls", len(calls))
+            for call in calls:
+                if call.outcome is None:
+                    call.outcome = InternalError("the engine failed this call")
+        finally:
+            for call in calls:
+                self._wake_threadsafe(call)
 
     def _work(self, item) -> None:
         if isinstance(item, _Job):
@@ -628,19 +674,7 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 -- handed to the awaiting request
                     item.future.set_exception(exc)
             return
-        batch = self._collect(item)
-        try:
-            live = [call for call in batch if not _gone(call)]
-            for part in self._batches(live) if len(set(map(self._key, live))) > 1 else [live]:
-                self._run_batch(part)
-        except Exception:  # a bug here must not kill the device's only thread
-            log.exception("the engine failed a batch of %d calls", len(batch))
-            for call in batch:
-                if call.outcome is None:
-                    call.outcome = InternalError("the engine failed this call")
-        finally:
-            for call in batch:
-                self._wake_threadsafe(call)
+        self._run_and_wake(self._collect(item))
 
     def _next(self):
         with self._cv:
