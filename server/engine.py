@@ -674,7 +674,12 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 -- handed to the awaiting request
                     item.future.set_exception(exc)
             return
-        self._run_and_wake(self._collect(item))
+        batch = [item]
+        try:
+            self._collect(batch)
+        except Exception:  # a bug: the calls collected so far still get their answers
+            log.exception("the engine failed to collect a batch")
+        self._run_and_wake(batch)
 
     def _next(self):
         with self._cv:
@@ -688,17 +693,18 @@ class Engine:
             self._busy = True
             return item
 
-    def _collect(self, first) -> list:
-        """``first`` plus the calls of its key that arrive with it, within the key's rows.
+    def _collect(self, batch: list) -> None:
+        """Add to ``batch`` (its first call) the calls of its key that arrive with it, within
+        the key's rows.
 
         Calls already queued always join (they would wait anyway). The worker
         waits up to ``merge_window_us`` for more only while calls are arriving
         together -- the previous batch merged several -- so a lone caller never
         pays the window. A window of zero disables merging.
         """
-        batch = [first]
         if self.merge_window_s <= 0:
-            return batch
+            return
+        first = batch[0]
         rows, key, limit = first.rows, self._key(first), self._limit(first)
         wait = self._last_batch_calls > 1
         close_at = time.monotonic() + self.merge_window_s
@@ -719,7 +725,6 @@ class Engine:
                     break
                 self._cv.wait(left)
         self._last_batch_calls = len(batch)
-        return batch
 
     @staticmethod
     def _wake_threadsafe(call) -> None:

@@ -570,3 +570,31 @@ def test_a_small_call_that_expires_waiting_for_the_worker_does_not_stop_it():
     got = _run(engine, scenario)
     assert isinstance(got[2], DeadlineExceeded)
     assert all(not isinstance(g, BaseException) for i, g in enumerate(got) if i != 2), got
+
+
+def test_a_failure_while_collecting_a_batch_fails_its_calls_not_the_worker():
+    """A bug met while the worker merges calls (here the key of one call) answers the calls
+    it concerns with ``internal`` and leaves the worker serving the others."""
+    from moegemm.client._errors import InternalError
+
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    bad, good, after = _calls(gen, [ws], 3, rows=lambda i: SMALL_ROWS + 10)
+    engine = _engine(loop=True, max_bucket_m=1024)
+    real = engine._executor.batch_key
+
+    def batch_key(call):
+        if call is bad:
+            raise RuntimeError("a bug")
+        return real(call)
+
+    engine._executor.batch_key = batch_key
+
+    async def scenario():
+        got = await _gather(engine, [bad, good])
+        got.append(await asyncio.wait_for(engine.submit(after), 10))
+        return got
+
+    got = _run(engine, scenario)  # the old worker died: the first gather never ended
+    assert isinstance(got[0], InternalError)
+    assert not isinstance(got[1], BaseException) and not isinstance(got[2], BaseException)
