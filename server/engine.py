@@ -10,12 +10,12 @@ pending:
   the server's only request and the device is free (``alone``: nothing could
   merge with it) and no call ran at once in this turn of the loop, else in the
   loop's next turn, merged with the calls that arrived in this one (a "loop
-  batch"); when a worker batch or job holds the device, the worker runs the
-  calls that came meanwhile as soon as that one ends, before its next item
-  (fair turns). (The transport counts a request
-  when it has read its head, and the requests whose bytes arrive in one turn
-  are read one after another, each run before the next is read: only the
-  first of them can find itself alone, and the others merge behind it.)
+  batch"); when a worker batch or job holds the device, they wait on the
+  loop and get the device as soon as that one ends, before the worker's next
+  item (fair turns). (The transport counts a request when it has read its
+  head, and the requests whose bytes arrive in one turn are read one after
+  another, each run before the next is read: only the first of them can find
+  itself alone, and the others merge behind it.)
 - a larger call queues for the worker thread, which loops "collect a batch,
   run it, wake the callers", merging the calls for the same weight set that
   arrive within ``merge_window_us`` while calls are arriving together.
@@ -26,11 +26,10 @@ interval to win it back from the busy loop, every time. On the H200 at 32
 clients a merged batch of 9 small calls took 6.7 ms on the worker for
 ~0.3 ms of device work, and 0.86 ms on the loop (``bench/SERVICE_NOTES.md``,
 v5); the 256-row bound keeps any one batch's hold on the loop to a few ms.
-Small calls that wait for a worker batch are the exception: handing them back
-to the loop cost each of them several of its turns, each several ms under
-large calls' traffic, and the worker holds the device anyway (a one-row call
-beside 31 clients of 1024-row calls waited 12-27 ms for the device, 2-5 ms when
-the worker runs it; ``bench/SERVICE_NOTES.md``, session 44).
+That holds for the small calls that wait for a worker batch too: run by the
+worker right after its batch, they were no faster than the loop's drain
+scheduled directly by the worker's release (a one-row call beside 31 clients of
+1024-row calls; ``bench/SERVICE_NOTES.md``, session 45).
 
 A call object has ``kind``, ``ws``, ``rows`` (the rows the device runs: a
 moe call's tokens times its top-k), ``deadline``, ``enqueued``, ``outcome``
@@ -253,9 +252,7 @@ class Engine:
                 # Before the worker can see it: the worker wakes the caller through it.
                 call.waiter = asyncio.get_running_loop().create_future()
                 if on_loop:
-                    self._loop_calls.append(call)  # under the lock: the worker may take them
-                    if self._busy:  # the worker's: it runs them when its batch or job ends
-                        self._loop_waiting = True
+                    self._loop_calls.append(call)
                 else:
                     self._items.append(call)
                     self._cv.notify()
@@ -321,9 +318,8 @@ class Engine:
             )
 
     def _release(self) -> None:
-        """The device is free again: small calls still waiting (come while the worker ran
-        the last ones) get it first (the loop's drain is scheduled; the worker waits for
-        it), else the worker."""
+        """The device is free again: small calls waiting on the loop get it first (their
+        drain is scheduled; the worker waits for it), else the worker."""
         with self._lock:
             self._busy = False
             yield_to_loop = self._loop_waiting
@@ -346,20 +342,21 @@ class Engine:
             return
         try:
             # The drain itself, not a callback that schedules it: under load each turn of
-            # the loop carries every connection's reads and writes, and the device waits.
+            # the loop carries every connection's reads and writes, and the device waits
+            # (bench/SERVICE_NOTES.md, session 45: a small call beside large ones waited
+            # 12 ms at p50 this way, 16-20 ms with the extra turn).
             loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # its loop is closed: nobody waits any more
             pass
 
     # Fair turns (SPEC 3: loads and large calls never hold up small calls for long):
-    # small calls that find the device held by a worker batch or job are run by the
-    # worker when that one ends, before its next item, without waiting for a turn of the
-    # loop. A large call thus delays a small one by at most its own batch, never by a
-    # queue of them.
+    # small calls that find the device held by a worker batch or job wait on the loop,
+    # and the worker lets them have the device before its next item. A large call
+    # thus delays a small one by at most its own batch, never by a queue of them.
     def _drain(self) -> None:
         """Run the calls waiting for the loop, merged per batch key (in arrival order,
         within the key's row bound), or, when the worker holds the device, leave them
-        to it: it runs them before it lets go (:meth:`_run_waiting`)."""
+        waiting for its release."""
         self._drain_handle = None
         with self._lock:
             if not self._loop_calls:
@@ -635,36 +632,8 @@ class Engine:
                 return
             try:
                 self._work(item)
-                self._run_waiting()
             finally:
                 self._release()
-
-    def _run_waiting(self) -> None:
-        """On the worker, before it lets go of the device: the small calls that came while
-        it held it, merged per key (see "Why the loop" above)."""
-        with self._lock:
-            if not self._loop_waiting or self._closed:
-                return
-            waiting, self._loop_calls = self._loop_calls, []
-            self._loop_waiting = False
-            self._pending_calls -= len(waiting)
-        self._run_and_wake(waiting)
-
-    def _run_and_wake(self, calls: list) -> None:
-        """On the worker: run ``calls`` per key and row bound (:meth:`_batches`; a collected
-        batch is one), then wake their callers. A bug here fails the calls, never the
-        device's only thread."""
-        try:
-            for part in self._batches([call for call in calls if not _gone(call)]):
-                self._run_batch(part)
-        except Exception:
-            log.exception("the engine failed a batch of %d calls", len(calls))
-            for call in calls:
-                if call.outcome is None:
-                    call.outcome = InternalError("the engine failed this call")
-        finally:
-            for call in calls:
-                self._wake_threadsafe(call)
 
     def _work(self, item) -> None:
         if isinstance(item, _Job):
@@ -677,9 +646,16 @@ class Engine:
         batch = [item]
         try:
             self._collect(batch)
-        except Exception:  # a bug: the calls collected so far still get their answers
-            log.exception("the engine failed to collect a batch")
-        self._run_and_wake(batch)
+            for part in self._batches([call for call in batch if not _gone(call)]):
+                self._run_batch(part)
+        except Exception:  # a bug here fails the calls collected so far, never the worker
+            log.exception("the engine failed a batch of %d calls", len(batch))
+            for call in batch:
+                if call.outcome is None:
+                    call.outcome = InternalError("the engine failed this call")
+        finally:
+            for call in batch:
+                self._wake_threadsafe(call)
 
     def _next(self):
         with self._cv:
