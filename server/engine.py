@@ -343,8 +343,7 @@ class Engine:
         try:
             # The drain itself, not a callback that schedules it: under load each turn of
             # the loop carries every connection's reads and writes, and the device waits
-            # (bench/SERVICE_NOTES.md, session 45: a small call beside large ones waited
-            # 12 ms at p50 this way, 16-20 ms with the extra turn).
+            # (bench/SERVICE_NOTES.md, session 45).
             loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # its loop is closed: nobody waits any more
             pass
