@@ -412,6 +412,13 @@ class WeightStore:
         chunks = [(g0, min(G, g0 + per_chunk)) for g0 in range(0, G, per_chunk)]
         staging = [torch.empty(per_chunk * group_bytes, dtype=torch.uint8, pin_memory=on_gpu)
                    .numpy() for _ in range(min(2, len(chunks)))]
+
+        def host(i: int) -> np.ndarray:
+            """Chunk ``i``'s bytes in its staging buffer (the last chunk may hold fewer
+            groups than the buffer)."""
+            g0, g1 = chunks[i]
+            return staging[i % 2][: (g1 - g0) * group_bytes]
+
         bad = torch.zeros(G, dtype=torch.bool, device=dev)
         as_is = dtype == fp8
         if dtype in FP8:
@@ -421,17 +428,16 @@ class WeightStore:
         progress = _Progress(name, G, dev, large=G * N * K >= 1 << 30)
         upload = PacedUpload(dev)
         try:
-            reading = source.start(*chunks[0], group_bytes, staging[0])
+            reading = source.start(*chunks[0], group_bytes, host(0))
             for i, (g0, g1) in enumerate(chunks):
                 reading.result()  # chunk i is in staging[i % 2]
                 if i + 1 < len(chunks):
                     # The other buffer's copies (chunk i - 1) have left it: read on into it.
                     upload.wait()
-                    reading = source.start(*chunks[i + 1], group_bytes, staging[(i + 1) % 2])
-                host = staging[i % 2][: (g1 - g0) * group_bytes]
+                    reading = source.start(*chunks[i + 1], group_bytes, host(i + 1))
                 chunk = wq[g0:g1] if as_is else torch.empty((g1 - g0, N, K), dtype=dtype,
                                                               device=dev)
-                upload.copy(chunk, host)
+                upload.copy(chunk, host(i))
                 if dtype in FP8:
                     bad[g0:g1] = _fp8_nan(chunk).flatten(1).any(1)
                     if not as_is:

@@ -67,6 +67,26 @@ def test_a_file_load_logs_the_callers_file_and_its_progress(server, files, caplo
     assert f"'logged': {G}/{G} groups on cpu" in lines, lines
 
 
+@pytest.mark.parametrize("source", ["body", "file"])
+def test_a_set_whose_last_chunk_holds_fewer_groups_loads(server, files, monkeypatch, source):
+    """A load moves the groups in chunks of ``_CHUNK_BYTES``; where G is no multiple of a
+    chunk's groups, the last chunk is shorter and is read as such. It used to be read at a
+    whole chunk's length: a body's load failed with 500 (a GPU test's G 128, H 2688, I 128
+    expert set), a file's read past its tensor, to the file's end when it came last."""
+    from moegemm.server import store
+
+    p, _, _ = files
+    monkeypatch.setattr(store, "_CHUNK_BYTES", 3 * N * K)  # G 4: a chunk of 3, then of 1
+    if source == "body":
+        r = server.put("tail", {"w": wire(p.wq), "w_scale": wire(p.w_scale)})
+    else:
+        r = server.put("tail", {"file": "sub/fp8.safetensors", "w": "w", "w_scale": "s"})
+    assert r.status_code in (200, 201), r.text
+    out = out_of(server.gemm("tail", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
+                                      "m_sizes": wire(p.m_sizes)}))
+    assert close_to(out, reference(p.xq, p.x_scale, p.wq, p.w_scale, p.m_sizes))
+
+
 def test_fnuz_file_answers_as_the_same_tensors_sent_in_the_body(server, files):
     """SPEC 1.2: a caller may send either fp8 encoding; the file form (2.1) is "the same" as the
     tensor form, so an fnuz file loads and answers bit for bit what its tensors sent over the wire
