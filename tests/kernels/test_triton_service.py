@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.gpu
 
@@ -57,6 +59,17 @@ def _service(pool, problem, family=None):
     return bufs.out(pool.launch_rows(m))[:m].clone(), how
 
 
+def _public_over(bucket: int, problem) -> torch.Tensor:
+    """The public function over the bucket's rows, the call's rows of it: what the service's
+    graph must equal bit for bit (it launches over the whole bucket, whose rows past the
+    call belong to no group, and picks the tile for that shape)."""
+    xq, wq, x_scale, w_scale, m_sizes = problem
+    m, k = xq.shape
+    pad = bucket - m
+    return grouped_gemm(torch.cat([xq, xq.new_zeros((pad, k))]), wq,
+                        torch.cat([x_scale, x_scale.new_ones((pad, k // 128))]), w_scale, m_sizes)[:m]
+
+
 @pytest.fixture
 def gen():
     g = torch.Generator(device=DEV)
@@ -89,13 +102,7 @@ def test_service_path_runs_the_public_tile_bit_for_bit(m, n, k, g, backend, gen)
     assert pool.run_table is not None
     got, how = _service(pool, problem)
     assert how == "graph"
-    # The public function over the bucket's rows (the graph launches over the whole
-    # bucket: rows past the call belong to no group) gives the same bits.
-    xq, wq, x_scale, w_scale, m_sizes = problem
-    pad = bucket - m
-    public = grouped_gemm(torch.cat([xq, xq.new_zeros((pad, k))]), wq,
-                          torch.cat([x_scale, x_scale.new_ones((pad, k // 128))]), w_scale, m_sizes)[:m]
-    assert torch.equal(got, public)
+    assert torch.equal(got, _public_over(bucket, problem))
     ref = reference_float64(*problem)
     assert torch.isfinite(got).all()
     assert rel_error(got, ref) <= SPEC_TOLERANCE
@@ -123,6 +130,59 @@ def test_every_bucket_replay_equals_eager_with_384_groups(backend, gen):
             assert torch.equal(got, want), f"bucket {bucket}, {m} rows"
             assert torch.isfinite(got).all()
             assert rel_error(got, reference_float64(*problem)) <= SPEC_TOLERANCE
+
+
+def _routed_sizes(g: int, m: int, routing: str, seed: int) -> torch.Tensor:
+    """``m`` rows over ``g`` experts as a router might send them: ragged with empty experts,
+    all on one expert, Zipf-skewed over every expert, or even."""
+    gen = torch.Generator().manual_seed(seed)
+    if routing == "ragged":
+        return random_m_sizes(g, m, generator=gen)
+    if routing == "one":
+        sizes = torch.zeros(g, dtype=torch.int64)
+        sizes[int(torch.randint(g, (1,), generator=gen))] = m
+        return sizes
+    if routing == "zipf":
+        weights = 1.0 / torch.arange(1, g + 1, dtype=torch.float64)[torch.randperm(g, generator=gen)]
+    else:
+        weights = torch.ones(g, dtype=torch.float64)
+    picks = torch.multinomial(weights, m, replacement=True, generator=gen) if m else None
+    return torch.bincount(picks, minlength=g) if m else torch.zeros(g, dtype=torch.int64)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    g=st.sampled_from([1, 2, 3, 8, 60, 128, 160, 256, 384]),
+    n_blocks=st.integers(1, 40),
+    k_blocks=st.integers(1, 40),
+    m=st.one_of(st.integers(0, 64), st.integers(65, 6000)),
+    routing=st.sampled_from(["ragged", "one", "zipf", "even"]),
+    seed=st.integers(0, 2**31),
+)
+def test_any_shape_and_routing_through_the_service_and_the_public_entry(
+        g, n_blocks, k_blocks, m, routing, seed, backend):
+    """Shapes and routings the tables above do not name (N and K any multiple of 128 up to
+    5120, 1-384 experts, 0-6000 rows, skewed, all on one expert, or even): the service's
+    graph for the call's bucket equals the public function bit for bit, within SPEC 1's
+    bound of the float64 reference and finite."""
+    n, k = 128 * n_blocks, 128 * k_blocks
+    assume(g * n * k <= 1 << 30)  # the weights' bytes a case draws
+    gen = torch.Generator(device=DEV)
+    gen.manual_seed(seed)
+    sizes = _routed_sizes(g, m, routing, seed)
+    problem = _problem(m, n, k, g, sizes, gen)
+    family = Family(g, n, k, quantize=False)
+    if m == 0:
+        assert grouped_gemm(*problem).shape == (0, n)
+        return
+    bucket = 1 << (m - 1).bit_length()
+    pool = GraphPool(backend, bucket)
+    pool.capture(family, problem[1], problem[3], only=[bucket])
+    got, how = _service(pool, problem, family)
+    assert how == "graph"
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, _public_over(bucket, problem))
+    assert rel_error(got, reference_float64(*problem)) <= SPEC_TOLERANCE
 
 
 @pytest.mark.parametrize("m,n,k,g", [(5, 1024, 2048, 8), (700, 512, 1024, 16)])
