@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from moegemm.client._wire import packb
 from moegemm.kernels import quantize_weights
 from moegemm.server import Settings
@@ -314,3 +316,46 @@ def test_failed_preload_keeps_the_server_not_ready(tmp_path):
             assert "start-up loading failed" in message and "missing.safetensors" in message, message
             assert "retry-after" not in r.headers
         assert srv.http.get("/v1/health/live").status_code == 200
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    g=st.integers(1, 12),
+    n_blocks=st.integers(1, 3),
+    k_blocks=st.integers(1, 3),
+    per_chunk=st.integers(1, 5),
+    source=st.sampled_from(["fp8 body", "bf16 body", "fp8 file", "bf16 file"]),
+    filler=st.sampled_from(["aaa", "zzz"]),
+    seed=st.integers(0, 2**31),
+)
+def test_any_set_loads_in_any_chunking(server, g, n_blocks, k_blocks, per_chunk, source, filler,
+                                       seed):
+    """Any G, N and K in chunks of any number of groups (the last one short or not), from a
+    body or from a file where the tensor comes last or not (``filler``, a byte tensor named
+    to sort before or after it): the set answers as its quantized weights do."""
+    from moegemm.kernels import quantize_weights
+    from moegemm.server import store
+
+    n, k = 128 * n_blocks, 128 * k_blocks
+    torch.manual_seed(seed)
+    p = fp8_problem(9, n, k, g)
+    if source.startswith("bf16"):
+        w16 = (torch.randn(g, n, k) * 0.3).bfloat16()
+        wq, w_scale = quantize_weights(w16.float(), p.wq.dtype)
+        tensors = {"w": w16}
+    else:
+        wq, w_scale = p.wq, p.w_scale
+        tensors = {"w": wq, "s": w_scale}
+    if source.endswith("file"):
+        tensors[filler] = torch.arange(7, dtype=torch.uint8)
+        save_file(tensors, str(server.weights_dir / "any.safetensors"))
+        body = {"file": "any.safetensors", "w": "w", **({"w_scale": "s"} if "s" in tensors else {})}
+    else:
+        body = {"w": wire(tensors["w"]), **({"w_scale": wire(tensors["s"])} if "s" in tensors else {})}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(store, "_CHUNK_BYTES", per_chunk * n * k * tensors["w"].element_size())
+        r = server.put("any", body)
+    assert r.status_code in (200, 201), r.text
+    out = out_of(server.gemm("any", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
+                                     "m_sizes": wire(p.m_sizes)}))
+    assert close_to(out, reference(p.xq, p.x_scale, wq, w_scale, p.m_sizes))
