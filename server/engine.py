@@ -297,7 +297,8 @@ class Engine:
                     self._stop_waiting()  # nothing waits for the device any more
             elif not _take(self._items, call):
                 return  # a batch has it: it runs (or has run), or fails its own check
-            self._pending_calls -= 1
+            if not self._closed:  # (close emptied the count)
+                self._pending_calls -= 1
         call.outcome = DeadlineExceeded("the request's deadline passed while it was queued")
         _wake(call)
 

@@ -345,6 +345,33 @@ def test_calls_waiting_at_close_are_refused():
         asyncio.run(engine.submit(_again(calls[0])))
 
 
+def test_a_call_that_expires_after_close_leaves_the_count_at_zero():
+    """close() refuses what is queued and counts nothing queued; a small call whose deadline
+    fires before the loop refuses it is answered DeadlineExceeded and takes nothing off that
+    count (it went to -1)."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    first = _calls(gen, [ws], 1, rows=lambda i: SMALL_ROWS + 10)[0]
+    small = _calls(gen, [ws], 1, rows=lambda i: 3, deadline=time.monotonic() + 60)[0]
+    engine = _engine(loop=True, max_bucket_m=512, merge_window_us=0)
+    _, entered, go = _gated(engine, first)
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(engine.submit(first))]
+        await _until(entered[id(first)])
+        tasks.append(asyncio.ensure_future(engine.submit(small)))
+        await asyncio.sleep(0.01)  # queued on the loop: the worker holds the device
+        engine.close(timeout=0)
+        engine._expire(small)  # its deadline, before the loop's drain refuses it
+        queued = engine.queued()
+        go[id(first)].set()
+        return await asyncio.gather(*tasks, return_exceptions=True), queued
+
+    got, queued = _run(engine, scenario)
+    assert queued == 0
+    assert isinstance(got[1], DeadlineExceeded)
+
+
 def test_small_calls_get_the_device_between_large_ones():
     """Fair turns: small calls that arrive while a large call's batch holds the device
     run on the loop as soon as it ends, before the next large call, never queued
