@@ -38,6 +38,7 @@ from moegemm.client._errors import (
     BadField,
     BadMsgpack,
     BadMSizes,
+    BadRouting,
     BadShape,
     BadTensor,
     TooLarge,
@@ -367,9 +368,10 @@ def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k
              deadline: float | None = None) -> MoeCall:
     """Check a decoded moe body against SPEC 2.2 and the expert set ``experts()``
     returns: dtypes and shapes (``x`` ``[T, H]``, ``topk_ids`` and ``topk_weights``
-    ``[T, k]`` with ``1 <= k <= G``), ``T * k <= max_m`` expert rows and ``k <=
-    max_top_k`` (what one launch holds for one token), 413 beyond. The ids and
-    weights themselves (``bad_routing``) are checked on the device."""
+    ``[T, k]`` with ``k >= 1``), ``T * k <= max_m`` expert rows and ``k <=
+    max_top_k`` (what one launch holds for one token), 413 beyond. ``k > G`` is
+    ``bad_routing`` (k distinct experts of G cannot be); the ids and weights
+    themselves are checked on the device."""
     x, ids, weights = body.x, body.topk_ids, body.topk_weights
     x_scale = None if body.x_scale is msgspec.UNSET else body.x_scale
     for t, name in ((x, "x"), (x_scale, "x_scale"), (ids, "topk_ids"),
@@ -390,8 +392,11 @@ def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k
     if len(ids.shape) != 2 or ids.shape[0] != T:
         raise BadShape(f"topk_ids has shape {shown(ids.shape)}; expected [T, k] with T={T}")
     k = ids.shape[1]
-    if not 1 <= k <= es.G:
+    if k < 1:
         raise BadShape(f"topk_ids has k={k} experts per token; expected 1 <= k <= G={es.G}")
+    if k > es.G:
+        raise BadRouting(f"topk_ids has k={k} experts per token; {k} distinct experts of "
+                         f"the set's G={es.G} cannot be")
     if weights.shape != [T, k]:
         raise BadShape(f"topk_weights has shape {shown(weights.shape)}; expected [{T}, {k}] "
                        f"([T, k], as topk_ids)")

@@ -243,7 +243,7 @@ def _bad_moe(p):
         ("k = 0", moe_body(x, ids[:, :0].contiguous(), weights[:, :0].contiguous()), 400,
          "bad_shape"),
         ("k > G", moe_body(x, torch.arange(5).repeat(t, 1), torch.ones(t, 5)), 400,
-         "bad_shape"),
+         "bad_routing"),  # SPEC 2.2: with k > G some id repeats or is outside [0, G)
         ("topk_weights of another k", moe_body(x, ids, weights[:, :1].contiguous()), 400,
          "bad_shape"),
         ("x with another H", moe_body(torch.zeros(t, 2 * H), ids, weights), 400, "bad_shape"),
