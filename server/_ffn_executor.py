@@ -141,9 +141,9 @@ class ExpertExecutor:
         """Capture ``es``'s graphs (on the caller's thread and stream: the engine's loader)."""
         return self.graphs.prepare(es, self.top_ks)
 
-    def forget(self, es, alive) -> int:
-        """Drop the graphs and buffers no set in ``alive`` needs after ``es`` went away."""
-        return self.graphs.forget(es, alive)
+    def forget(self, es) -> int:
+        """Drop the graphs and buffers no other set needs after ``es`` went away."""
+        return self.graphs.forget(es)
 
     # -- running ---------------------------------------------------------------------------------
 

@@ -58,7 +58,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -312,6 +313,9 @@ class FfnGraphs:
             self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
             self._route, self._combine = route_torch, combine_torch
         self._buffers: dict[FfnFamily, FfnBuffers] = {}
+        # Every set prepared and not forgotten (live, or about to be swapped in): a family's
+        # shape is dropped only when none of them has it.
+        self._sets: weakref.WeakSet = weakref.WeakSet()
         self._buffers_lock = threading.Lock()  # the device thread and the loader make them
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -507,6 +511,7 @@ class FfnGraphs:
         """Capture every bucket's graph for ``es``'s shape (``ffn`` with bf16 and fp8 inputs,
         ``moe`` for each of ``top_ks`` up to G) that is not there yet, on the current thread
         and stream; return how many are new. Calls of a top-k not captured run eagerly."""
+        self._sets.add(es)
         if not self.use_graphs:
             return 0
         before = len(self._graphs)
@@ -584,11 +589,13 @@ class FfnGraphs:
         self._graphs[self._graph_key(bufs.family, launched, es)] = graph
         self.captures += 1
 
-    def forget(self, es, alive: Sequence) -> int:
-        """Drop what only ``es`` (replaced or deleted) used: its own graphs (graphs bound to
-        one set), and the graphs and buffers of every family whose shape no set in
-        ``alive`` has. Returns how many graphs were dropped."""
-        shapes = {(a.G, a.H, a.I) for a in alive}
+    def forget(self, es) -> int:
+        """Drop what only ``es`` (replaced or deleted, or never swapped in) used: its own
+        graphs (graphs bound to one set), and the graphs and buffers of every family whose
+        shape no other prepared set has (one loaded meanwhile, not yet swapped in, too).
+        Returns how many graphs were dropped."""
+        self._sets.discard(es)
+        shapes = {(a.G, a.H, a.I) for a in list(self._sets)}
         before = len(self._graphs)
         for f in [f for f in self._buffers if (f.G, f.H, f.I) not in shapes]:
             with self._buffers[f].lock, self._buffers_lock:  # not while a batch uses them

@@ -638,7 +638,8 @@ class GraphPool:
         if self.run_table is not None:
             return
         ptr = wq.data_ptr()
-        for key in [k for k in self._graphs if len(k) == 4 and k[2] == ptr]:
+        # A copy of the keys first (one C call): the loader thread may be capturing.
+        for key in [k for k in list(self._graphs) if len(k) == 4 and k[2] == ptr]:
             del self._graphs[key]
             self.generation += 1
 

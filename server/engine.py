@@ -604,14 +604,15 @@ class Engine:
         """Drop graphs bound to ``ws``'s memory (after it was replaced or deleted)."""
         self._executor.pool.forget(ws.wq)
 
-    async def forget_experts(self, es: ExpertSet, alive: Sequence[ExpertSet]) -> None:
-        """After ``es`` was replaced or deleted: drop its matrices' gemm graphs, and the
-        ffn/moe graphs and buffers no set in ``alive`` (the sets loaded now) uses. On
-        the loader thread, in turn with loads and their captures."""
+    async def forget_experts(self, es: ExpertSet) -> None:
+        """After ``es`` was replaced or deleted (or failed to go live): drop its matrices'
+        gemm graphs, and the ffn/moe graphs and buffers no other loaded set uses, judged
+        on the loader thread, in turn with loads and their captures (a set of the shape
+        loaded before this runs keeps them, swapped in yet or not)."""
         self.forget(es.w13)
         self.forget(es.w2)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._loader, self._experts.forget, es, list(alive))
+        await loop.run_in_executor(self._loader, self._experts.forget, es)
 
     @property
     def graphs(self) -> bool:

@@ -105,10 +105,10 @@ async def install_experts(engine: Engine, experts: Experts, build) -> tuple[Expe
         old = experts.store.put(es)
     except (OutOfMemory, BadName):
         # The name was taken or the room used meanwhile: this set never goes live.
-        await engine.forget_experts(es, experts.store.list())
+        await engine.forget_experts(es)
         raise
     if old is not None:
-        await engine.forget_experts(old, experts.store.list())
+        await engine.forget_experts(old)
     return es, old is not None
 
 
@@ -153,7 +153,7 @@ async def delete_experts(name: str, request: Request, svc: ServicesDep) -> Respo
     """Unload an expert set and its two weight sets."""
     experts = _experts(request)
     old = experts.store.delete(check_expert_name(name))
-    await svc.engine.forget_experts(old, experts.store.list())
+    await svc.engine.forget_experts(old)
     return Response(status_code=204)
 
 

@@ -213,8 +213,9 @@ def test_graphs_are_prepared_at_load_on_the_loader_and_dropped_with_the_shape():
     gen = torch.Generator().manual_seed(torch.seed())
     engine = _engine(loop=True)
     prepared, captured = [], []
+    prepare = engine._experts.prepare
     engine._experts.prepare = lambda es: prepared.append(
-        (threading.current_thread().name, es.name)) or 0
+        (threading.current_thread().name, es.name)) or prepare(es)
     graphs = engine._experts.graphs
     graphs._capture = lambda *a: captured.append(a)
 
@@ -236,14 +237,55 @@ def test_graphs_are_prepared_at_load_on_the_loader_and_dropped_with_the_shape():
         assert len(prepared) == 2 and not captured  # calls never capture
         shapes = {(f.G, f.H, f.I) for f in graphs._buffers}
         assert shapes == {(G, H, I)}
-        await engine.forget_experts(a, [b])  # b keeps the shape: its buffers stay
+        await engine.forget_experts(a)  # b keeps the shape: its buffers stay
         assert {(f.G, f.H, f.I) for f in graphs._buffers} == shapes
-        await engine.forget_experts(b, [])
+        await engine.forget_experts(b)
         assert not graphs._buffers
 
     try:
         asyncio.run(scenario())
     finally:
+        engine.close()
+
+
+def test_a_set_loading_while_the_last_of_its_shape_goes_keeps_the_shapes_graphs():
+    """The last set of a shape deleted while a new set of that shape loads: the deletion's
+    release runs on the loader after that load, and the new set keeps the shape's graphs
+    and buffers, swapped in yet or not (the release used to judge by the sets loaded when
+    the deletion came, and dropped them: the new set's calls then ran without graphs)."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    engine = _engine(loop=True)
+    graphs = engine._experts.graphs
+    go = threading.Event()
+
+    def build(name, wait=False):
+        if wait:
+            go.wait(30)
+        ns = expert_set(G, H, I, FP8, "cpu", gen, name=name)
+        return ExpertSet(name=name, G=G, H=H, I=I, w13=ns.w13, w2=ns.w2, created="",
+                         source="test")
+
+    async def scenario():
+        a = await engine.load(lambda: build("a"))
+        x, _ = random_x(4, H, gen)
+        await engine.submit(ffn_call(a, x, None, [4] + [0] * (G - 1)))
+        shapes = {(f.G, f.H, f.I) for f in graphs._buffers}
+        assert shapes == {(G, H, I)}
+        loading = asyncio.ensure_future(engine.load(lambda: build("b", wait=True)))
+        await asyncio.sleep(0.05)  # b's load holds the loader
+        released = asyncio.ensure_future(engine.forget_experts(a))
+        await asyncio.sleep(0.05)
+        go.set()
+        b = await loading
+        await released
+        assert {(f.G, f.H, f.I) for f in graphs._buffers} == shapes
+        await engine.forget_experts(b)
+        assert not graphs._buffers
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        go.set()
         engine.close()
 
 
