@@ -6,7 +6,9 @@ import httpx
 import torch
 from moegemm.client._wire import packb
 from moegemm.kernels import testing_ffn
-from server_support import LOAD_TIMEOUT, MSGPACK, wire
+from moegemm.kernels.testing import random_m_sizes, rel_error
+from moegemm.kernels.testing_ffn import FFN_TOLERANCE, random_experts, random_routing
+from server_support import LOAD_TIMEOUT, MSGPACK, out_of, wire
 
 
 def upload_body(p, fp8: bool = True) -> dict:
@@ -50,3 +52,33 @@ def eager_ffn(p, xq, x_scale, m_sizes) -> torch.Tensor:
 def snapshot(http: httpx.Client) -> tuple[list, list]:
     """What is loaded: the expert sets and the weight sets, as listed."""
     return http.get("/v1/experts").json()["experts"], http.get("/v1/weights").json()["weights"]
+
+
+def check_any_set(srv, g: int, h: int, i: int, m: int, tokens: int, k: int, hot: int,
+                  seed: int) -> None:
+    """Load a random fp8 expert set of G ``g``, H ``h``, I ``i`` as "any" (replacing the last)
+    and check one ffn call of ``m`` ragged rows and one moe call of ``tokens`` tokens, top-``k``
+    (at most G) over all experts or, with ``hot`` > 0, over only the first ``k + hot - 1``:
+    each answer equals the server's eager chain bit for bit and meets SPEC 5's bound."""
+    from moegemm.server._ffn import FfnExecutor
+
+    k = min(k, g)
+    gen = torch.Generator().manual_seed(seed)
+    p = random_experts(g, h, i, generator=gen)
+    r = put_experts(srv.http, "any", upload_body(p))
+    assert r.status_code in (200, 201), r.text
+    es = srv.app.state.experts.store.get("any")
+    eager = FfnExecutor(srv.services.engine.backend)
+    sizes = random_m_sizes(g, m, generator=gen)
+    x = p.tokens(m, generator=gen)
+    out = out_of(post(srv.http, "any", "ffn", ffn_body(x, sizes)))
+    assert torch.equal(out, eager.ffn(es, x, None, sizes.tolist()))
+    if m:
+        assert rel_error(out, p.ffn_reference(*p.quantized(x), sizes)) <= FFN_TOLERANCE
+    experts = list(range(g))[: k + hot - 1] if hot else None
+    ids, weights = random_routing(tokens, k, g, experts=experts, generator=gen)
+    x = p.tokens(tokens, generator=gen)
+    out = out_of(post(srv.http, "any", "moe", moe_body(x, ids, weights)))
+    assert torch.equal(out, eager.moe(es, x, None, ids, weights))
+    if tokens:
+        assert rel_error(out, p.moe_reference(*p.quantized(x), ids, weights)) <= FFN_TOLERANCE

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from experts_support import (
+    check_any_set,
     eager_ffn,
     ffn_body,
     moe_body,
@@ -14,6 +15,8 @@ from experts_support import (
     snapshot,
     upload_body,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from moegemm.kernels import fn_to_fnuz, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
 from moegemm.kernels.testing_ffn import (
@@ -226,3 +229,20 @@ def test_names_are_never_clobbered(srv):
     assert srv.http.delete("/v1/experts/owned").status_code == 204
     assert srv.http.delete("/v1/weights/plain.w13").status_code == 204
     assert snapshot(srv.http) == ([], [])
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    g=st.integers(1, 12),
+    h_blocks=st.integers(1, 4),
+    i_blocks=st.integers(1, 3),
+    m=st.integers(0, 300),
+    tokens=st.integers(0, 120),
+    k=st.sampled_from([1, 2, 3, 8]),
+    hot=st.integers(0, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_any_expert_set_shape_and_routing(srv, g, h_blocks, i_blocks, m, tokens, k, hot, seed):
+    """Any G, H, I and routing on the CPU server (the GPU's twin: test_experts_gpu.py):
+    ragged ffn rows, top-k 1, 2, 3 or 8 (at most G), all experts or a few hot ones."""
+    check_any_set(srv, g, 128 * h_blocks, 128 * i_blocks, m, tokens, k, hot, seed)

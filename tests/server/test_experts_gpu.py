@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm device", allow_module_level=True)
 
-from experts_support import ffn_body, moe_body, post, put_experts, upload_body
+from experts_support import check_any_set, ffn_body, moe_body, post, put_experts, upload_body
 from moegemm.kernels.testing import random_m_sizes, rel_error
 from moegemm.kernels.testing_ffn import (
     FFN_TOLERANCE,
@@ -90,25 +90,6 @@ def test_any_expert_set_shape_and_routing(gpu_server, g, h_blocks, i_blocks, m, 
     """Shapes and routings the test above does not name: H and I any multiple of 128 (up to
     3072 and 1536), 1-256 experts, ffn rows past the largest bucket, a top-k with no
     captured graph (3), and tokens routed to only a few hot experts (``hot`` > 0) or to
-    all: each answer equals the eager chain bit for bit and meets SPEC 5's bound."""
-    srv = gpu_server
-    h, i, k = 128 * h_blocks, 128 * i_blocks, min(k, g)
-    assume(g * 3 * i * h <= 1 << 27)  # the set's fp8 bytes a case uploads
-    gen = torch.Generator().manual_seed(seed)
-    p = random_experts(g, h, i, generator=gen)
-    assert put_experts(srv.http, "any", upload_body(p)).status_code in (200, 201)
-    es = srv.app.state.experts.store.get("any")
-    eager = FfnExecutor(srv.services.engine.backend)
-    sizes = random_m_sizes(g, m, generator=gen)
-    x = p.tokens(m, generator=gen)
-    out = out_of(post(srv.http, "any", "ffn", ffn_body(x, sizes)))
-    assert torch.equal(out, eager.ffn(es, x, None, sizes.tolist()))
-    if m:
-        assert rel_error(out, p.ffn_reference(*p.quantized(x), sizes)) <= FFN_TOLERANCE
-    experts = list(range(g))[: max(k, hot + k - 1)] if hot else None
-    ids, weights = random_routing(tokens, k, g, experts=experts, generator=gen)
-    x = p.tokens(tokens, generator=gen)
-    out = out_of(post(srv.http, "any", "moe", moe_body(x, ids, weights)))
-    assert torch.equal(out, eager.moe(es, x, None, ids, weights))
-    if tokens:
-        assert rel_error(out, p.moe_reference(*p.quantized(x), ids, weights)) <= FFN_TOLERANCE
+    all (:func:`experts_support.check_any_set`)."""
+    assume(g * 3 * (128 * i_blocks) * (128 * h_blocks) <= 1 << 27)  # the fp8 bytes uploaded
+    check_any_set(gpu_server, g, 128 * h_blocks, 128 * i_blocks, m, tokens, k, hot, seed)
