@@ -141,7 +141,7 @@ class Settings(BaseSettings):
     max_m: int = Field(65536, gt=0)
     # A weight set's G, N and K (413 beyond), and the bytes of all loaded sets
     # together (507 beyond; None: as many as the device holds).
-    max_g: int = Field(1024, gt=0)
+    max_g: int = Field(1024, gt=0, le=1024)  # the GPU tiles' group table (TABLE_G_MAX)
     max_n: int = Field(65536, gt=0)
     max_k: int = Field(65536, gt=0)
     max_weight_bytes: int | None = Field(None, gt=0)

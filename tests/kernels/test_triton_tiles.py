@@ -205,6 +205,24 @@ def test_schedule_limits_and_keys():
     assert not T("persistent_ws", 128, 128, 4, 2).fits(2048, tk.PERSISTENT_G_MAX + 1)
 
 
+def test_the_table_schedules_refuse_more_groups_than_their_search_holds():
+    """Past TABLE_G_MAX groups the tile table's unrolled search stops a step short and a
+    tile would land in the group before its own: the launch is refused before anything is
+    planned, for every schedule but the decode tiles (whose lookup takes any G)."""
+    g = tk.TABLE_G_MAX + 1
+    m, n, k = 40 * g, 256, 512
+    config = tk.default_config(m, n, k, g)
+    assert not config.swap_ab  # what the table picks for this many rows a group
+    xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+    xs = torch.ones((m, k // 128))
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    ws = torch.ones((g, k // 128, n // 128))
+    sizes = torch.full((g,), 40, dtype=torch.int64)
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 1024 groups"):
+        tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, config, addrs=False)
+
+
 def test_split_workspace_is_cached_and_starts_clean():
     cpu = torch.device("cpu")
     parts, counts = tk._split_workspace(cpu, 37, 4, 16 * 64)

@@ -55,6 +55,7 @@ def test_environment(monkeypatch, tmp_path):
 @pytest.mark.parametrize("bad", [
     {"port": 70000}, {"max_body_bytes": 0}, {"max_m": -1}, {"max_bucket_m": 100},
     {"queue_size": 0}, {"merge_window_us": -1}, {"device": "gpu"}, {"log_level": "loud"},
+    {"max_g": 1025},  # the GPU tiles' group table holds 1024
     {"preload": ["nonsense"]}, {"preload": ["a=b:c"]},  # the second lacks weights_dir
     {"preload": ["bad name!=w.safetensors:w"], "weights_dir": "/w"},  # refused at start, not at load
     {"preload": ["..=w.safetensors:w"], "weights_dir": "/w"},
