@@ -25,7 +25,10 @@ driver calls gives it up; under load the worker then waits up to a switch
 interval to win it back from the busy loop, every time. On the H200 at 32
 clients a merged batch of 9 small calls took 6.7 ms on the worker for
 ~0.3 ms of device work, and 0.86 ms on the loop (``bench/SERVICE_NOTES.md``,
-v5); the 256-row bound keeps any one batch's hold on the loop to a few ms.
+v5). The 256-row bound is per call: a loop batch merges every small call of
+its key that arrived in one turn, up to the key's row bound (the largest
+bucket), so 32 calls of 256 rows hold the loop for one 8192-row launch, its
+copies included (not measured; bench/NOTES.md's next device session).
 That holds for the small calls that wait for a worker batch too: run by the
 worker right after its batch, they were no faster than the loop's drain
 scheduled directly by the worker's release (a one-row call beside 31 clients of
