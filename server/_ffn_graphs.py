@@ -559,7 +559,9 @@ class FfnGraphs:
                     bufs.ids[: bucket * f.top_k].copy_(
                         torch.arange(f.top_k, device=self.device).repeat(bucket))
                 self._capture(bufs, es, bucket)
-            bufs.host_identity = self.max_bucket
+            # The identity order was written for the largest missing bucket's rows; past them
+            # the host order is the identity only if it was already.
+            bufs.host_identity = max(bufs.host_identity, missing[0])
         if self.compile_only:
             # Its device may be nearly full: a family's buffers live only while it warms up.
             torch.cuda.synchronize(self.device)
