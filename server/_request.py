@@ -289,6 +289,7 @@ def gemm_call(body: GemmBody, weights: Callable[[], Any], *, max_m: int,
     device with the launch (``_checks.bad_rows``), not here.
     """
     ws, rows, dtype, x, x_scale, sizes = _rows_call(body, weights, max_m, _width_k)
+    _answer_fits(rows, ws.N)
     return GemmCall(ws, rows, dtype, x, x_scale, sizes, deadline)
 
 
@@ -297,7 +298,17 @@ def ffn_call(body: GemmBody, experts: Callable[[], Any], *, max_m: int,
     """An ``ffn`` body (the gemm schema) checked as a gemm call on the expert set's
     ``w13`` (K = H, G groups) that ``experts()`` returns: the call."""
     es, rows, dtype, x, x_scale, sizes = _rows_call(body, experts, max_m, _width_h)
+    _answer_fits(rows, es.H)
     return FfnCall(es, rows, dtype, x, x_scale, sizes, deadline)
+
+
+def _answer_fits(rows: int, width: int) -> None:
+    """413 before any work for an answer no msgpack bin can carry (``[rows, width]`` bf16
+    of 4 GiB or more: SPEC 2's tensors are bins, whose length is 32 bits)."""
+    size = 2 * rows * width
+    if size >= 1 << 32:
+        raise TooLarge(f"the answer would be {size} bytes ([{rows}, {width}] bf16); a msgpack "
+                       f"bin holds less than 4 GiB: send fewer rows per call")
 
 
 def _width_k(ws) -> tuple[int, str]:
@@ -407,6 +418,7 @@ def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k
         raise TooLarge(f"k={k} experts per token; this server runs at most {max_top_k} "
                        f"(its largest bucket)")
     _x_scale(x, x_scale, T, "T")
+    _answer_fits(T, es.H)
     return MoeCall(es, T, k, x.dtype, _bytes(x.data),
                    None if x_scale is None else _bytes(x_scale.data),
                    ids.dtype, _bytes(ids.data), _bytes(weights.data), deadline)

@@ -194,6 +194,26 @@ def test_rows_over_max_m(small, problem):
     assert small.gemm("base", _call(problem)).status_code == 200
 
 
+def test_an_answer_no_msgpack_bin_holds_is_refused_before_it_runs():
+    """[M, N] bf16 of 4 GiB or more cannot be one msgpack bin (a 32-bit length): 413 up front,
+    not a 500 after the work (a body of 4 MiB asked for 4 GiB: M 32768, N 65536, K 128)."""
+    m, n, k = 32768, 65536, 128
+    config = Settings(device="cpu", demo=False, max_body_bytes=64 << 20)
+    with serve(config) as srv:
+        w = torch.zeros((1, n, k), dtype=torch.float8_e4m3fn)
+        assert srv.put("wide", {"w": wire(w), "w_scale": wire(torch.ones(1, 1, n // 128))}
+                       ).status_code == 201
+        x = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+        body = {"x": wire(x), "x_scale": wire(torch.ones(m, 1)),
+                "m_sizes": wire(torch.tensor([m]))}
+        r = srv.gemm("wide", body)
+        assert_error(r, 413, "too_large")
+        assert "4 GiB" in r.json()["error"]["message"]
+        small = {"x": wire(x[:2]), "x_scale": wire(torch.ones(2, 1)),
+                 "m_sizes": wire(torch.tensor([2]))}
+        assert srv.gemm("wide", small).status_code == 200  # the set still answers
+
+
 @pytest.mark.parametrize(("g", "n", "k"), [(5, 128, 128), (1, 384, 128), (1, 128, 640)])
 def test_weight_shapes_over_the_limits(small, g, n, k):
     w = torch.randn(g, n, k).to(torch.bfloat16)
