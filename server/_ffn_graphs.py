@@ -277,6 +277,15 @@ def unpack(host, launched: int, n: int, H: int):
             host[launched : launched + n].view(np.int8))
 
 
+def _weakly(obj) -> Callable[[], object]:
+    """A weak reference to ``obj`` where it takes one (an ExpertSet does), else a strong one
+    (the tests' and benchmarks' stand-in sets)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
 class FfnGraphs:
     """SPEC 5's ``ffn`` and ``moe`` bodies on the device, one captured graph per family and
     bucket (or eager: graphs off, the CPU). Used from the engine's threads only: calls on
@@ -313,9 +322,10 @@ class FfnGraphs:
             self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
             self._route, self._combine = route_torch, combine_torch
         self._buffers: dict[FfnFamily, FfnBuffers] = {}
-        # Every set prepared and not forgotten (live, or about to be swapped in): a family's
+        # Every set prepared and not forgotten (live, or about to be swapped in), by id, held
+        # weakly (a set that failed to go live and was dropped counts no more): a family's
         # shape is dropped only when none of them has it.
-        self._sets: weakref.WeakSet = weakref.WeakSet()
+        self._sets: dict[int, Callable[[], object]] = {}
         self._buffers_lock = threading.Lock()  # the device thread and the loader make them
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -511,7 +521,7 @@ class FfnGraphs:
         """Capture every bucket's graph for ``es``'s shape (``ffn`` with bf16 and fp8 inputs,
         ``moe`` for each of ``top_ks`` up to G) that is not there yet, on the current thread
         and stream; return how many are new. Calls of a top-k not captured run eagerly."""
-        self._sets.add(es)
+        self._sets[id(es)] = _weakly(es)
         if not self.use_graphs:
             return 0
         before = len(self._graphs)
@@ -596,10 +606,11 @@ class FfnGraphs:
         graphs (graphs bound to one set), and the graphs and buffers of every family whose
         shape no other prepared set has (one loaded meanwhile, not yet swapped in, too).
         Returns how many graphs were dropped."""
-        self._sets.discard(es)
-        shapes = {(a.G, a.H, a.I) for a in list(self._sets)}
+        self._sets.pop(id(es), None)
+        shapes = {(a.G, a.H, a.I) for held in list(self._sets.values()) if (a := held())}
         before = len(self._graphs)
-        for f in [f for f in self._buffers if (f.G, f.H, f.I) not in shapes]:
+        # A copy of the families first (one C call): a batch may be adding one.
+        for f in [f for f in list(self._buffers) if (f.G, f.H, f.I) not in shapes]:
             with self._buffers[f].lock, self._buffers_lock:  # not while a batch uses them
                 for key in [key for key in self._graphs if key[0] == f]:
                     del self._graphs[key]

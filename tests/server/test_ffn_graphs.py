@@ -48,6 +48,23 @@ def _runner(max_bucket: int = 16) -> Runner:
     return Runner(reference_backend(torch.device("cpu")), max_bucket)
 
 
+def test_a_shapes_buffers_go_with_the_last_set_prepared_for_it(es):
+    """A family's buffers stay while any set prepared for its shape is not released, the
+    tests' stand-in sets (no weak references) included; they go with the last one."""
+    runner = _runner()
+    other = expert_set(G, H, I, FP8, "cpu", torch.Generator().manual_seed(1), name="other")
+    for s in (es, other):
+        runner.prepare(s)
+    x, _ = random_x(3, H, torch.Generator().manual_seed(2))
+    runner.ffn(es, x, None, [3] + [0] * (G - 1))
+    graphs = runner.executor.graphs
+    assert {(f.G, f.H, f.I) for f in graphs._buffers} == {(G, H, I)}
+    runner.executor.forget(es)
+    assert graphs._buffers  # other has the shape
+    runner.executor.forget(other)
+    assert not graphs._buffers
+
+
 def test_ffn_meets_the_bound_and_chunks_agree(es):
     gen = torch.Generator().manual_seed(torch.seed())
     small, large = _runner(16), _runner(64)
