@@ -381,8 +381,8 @@ def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k
     returns: dtypes and shapes (``x`` ``[T, H]``, ``topk_ids`` and ``topk_weights``
     ``[T, k]`` with ``k >= 1``), ``T * k <= max_m`` expert rows and ``k <=
     max_top_k`` (what one launch holds for one token), 413 beyond. ``k > G`` is
-    ``bad_routing`` (k distinct experts of G cannot be); the ids and weights
-    themselves are checked on the device."""
+    ``bad_routing`` (k distinct experts of G cannot be; ``bad_shape`` with no token);
+    the ids and weights themselves are checked on the device."""
     x, ids, weights = body.x, body.topk_ids, body.topk_weights
     x_scale = None if body.x_scale is msgspec.UNSET else body.x_scale
     for t, name in ((x, "x"), (x_scale, "x_scale"), (ids, "topk_ids"),
@@ -406,8 +406,10 @@ def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k
     if k < 1:
         raise BadShape(f"topk_ids has k={k} experts per token; expected 1 <= k <= G={es.G}")
     if k > es.G:
-        raise BadRouting(f"topk_ids has k={k} experts per token; {k} distinct experts of "
-                         f"the set's G={es.G} cannot be")
+        # Some token's ids repeat or leave [0, G) (bad_routing); with no token, only the shape.
+        raise (BadRouting if T else BadShape)(
+            f"topk_ids has k={k} experts per token; {k} distinct experts of the set's "
+            f"G={es.G} cannot be")
     if weights.shape != [T, k]:
         raise BadShape(f"topk_weights has shape {shown(weights.shape)}; expected [{T}, {k}] "
                        f"([T, k], as topk_ids)")

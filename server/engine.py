@@ -11,11 +11,11 @@ pending:
   merge with it) and no call ran at once in this turn of the loop, else in the
   loop's next turn, merged with the calls that arrived in this one (a "loop
   batch"); when a worker batch or job holds the device, they wait on the
-  loop and get the device as soon as that one ends, before the worker's next
-  item (fair turns). (The transport counts a request when it has read its
-  head, and the requests whose bytes arrive in one turn are read one after
-  another, each run before the next is read: only the first of them can find
-  itself alone, and the others merge behind it.)
+  loop and, once its next turn has seen them, get the device before the
+  worker's next item (fair turns). (The transport counts a request when it
+  has read its head, and the requests whose bytes arrive in one turn are read
+  one after another, each run before the next is read: only the first of
+  them can find itself alone, and the others merge behind it.)
 - a larger call queues for the worker thread, which loops "collect a batch,
   run it, wake the callers", merging the calls for the same weight set that
   arrive within ``merge_window_us`` while calls are arriving together.
@@ -353,9 +353,12 @@ class Engine:
             pass
 
     # Fair turns (SPEC 3: loads and large calls never hold up small calls for long):
-    # small calls that find the device held by a worker batch or job wait on the loop,
-    # and the worker lets them have the device before its next item. A large call
-    # thus delays a small one by at most its own batch, never by a queue of them.
+    # small calls that find the device held by a worker batch or job wait on the loop;
+    # once this drain has seen them (the loop's next turn), the worker lets them have the
+    # device before its next item. Until then it may start more batches: a small call
+    # waits for those its arrival's turn lets through, never for the whole queue.
+    # (Marking them at submit instead would bound it to one batch, at the price of the
+    # device idling for a loop turn after every batch; not measured, bench/NOTES.md.)
     def _drain(self) -> None:
         """Run the calls waiting for the loop, merged per batch key (in arrival order,
         within the key's row bound), or, when the worker holds the device, leave them

@@ -244,6 +244,8 @@ def _bad_moe(p):
          "bad_shape"),
         ("k > G", moe_body(x, torch.arange(5).repeat(t, 1), torch.ones(t, 5)), 400,
          "bad_routing"),  # SPEC 2.2: with k > G some id repeats or is outside [0, G)
+        ("k > G, no token", moe_body(x[:0], torch.zeros((0, 5), dtype=torch.int64),
+                                     torch.zeros((0, 5))), 400, "bad_shape"),
         ("topk_weights of another k", moe_body(x, ids, weights[:, :1].contiguous()), 400,
          "bad_shape"),
         ("x with another H", moe_body(torch.zeros(t, 2 * H), ids, weights), 400, "bad_shape"),
