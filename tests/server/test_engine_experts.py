@@ -209,6 +209,17 @@ def test_expert_calls_share_the_queue_bound_and_deadlines(es):
         engine.close()
 
 
+def _expert_set(name: str, gen) -> ExpertSet:
+    """A real ExpertSet of the module's shape, as a load builds one."""
+    ns = expert_set(G, H, I, FP8, "cpu", gen, name=name)
+    return ExpertSet(name=name, G=G, H=H, I=I, w13=ns.w13, w2=ns.w2, created="", source="test")
+
+
+def _buffered_shapes(graphs) -> set:
+    """The (G, H, I) of the ffn/moe families whose buffers ``graphs`` holds."""
+    return {(f.G, f.H, f.I) for f in graphs._buffers}
+
+
 def test_graphs_are_prepared_at_load_on_the_loader_and_dropped_with_the_shape():
     gen = torch.Generator().manual_seed(torch.seed())
     engine = _engine(loop=True)
@@ -219,14 +230,9 @@ def test_graphs_are_prepared_at_load_on_the_loader_and_dropped_with_the_shape():
     graphs = engine._experts.graphs
     graphs._capture = lambda *a: captured.append(a)
 
-    def build(name):
-        ns = expert_set(G, H, I, FP8, "cpu", gen, name=name)
-        return ExpertSet(name=name, G=G, H=H, I=I, w13=ns.w13, w2=ns.w2, created="",
-                         source="test")
-
     async def scenario():
-        a = await engine.load(lambda: build("a"))
-        b = await engine.load(lambda: build("b"))
+        a = await engine.load(lambda: _expert_set("a", gen))
+        b = await engine.load(lambda: _expert_set("b", gen))
         assert [n for _, n in prepared] == ["a", "b"]
         assert all(t.startswith("moegemm-load") for t, _ in prepared)
         x, _ = random_x(6, H, gen)
@@ -235,10 +241,9 @@ def test_graphs_are_prepared_at_load_on_the_loader_and_dropped_with_the_shape():
             await engine.submit(ffn_call(es, x, None, [6] + [0] * (G - 1)))
             await engine.submit(moe_call(es, x, None, ids, w))
         assert len(prepared) == 2 and not captured  # calls never capture
-        shapes = {(f.G, f.H, f.I) for f in graphs._buffers}
-        assert shapes == {(G, H, I)}
+        assert _buffered_shapes(graphs) == {(G, H, I)}
         await engine.forget_experts(a)  # b keeps the shape: its buffers stay
-        assert {(f.G, f.H, f.I) for f in graphs._buffers} == shapes
+        assert _buffered_shapes(graphs) == {(G, H, I)}
         await engine.forget_experts(b)
         assert not graphs._buffers
 
@@ -258,27 +263,23 @@ def test_a_set_loading_while_the_last_of_its_shape_goes_keeps_the_shapes_graphs(
     graphs = engine._experts.graphs
     go = threading.Event()
 
-    def build(name, wait=False):
-        if wait:
-            go.wait(30)
-        ns = expert_set(G, H, I, FP8, "cpu", gen, name=name)
-        return ExpertSet(name=name, G=G, H=H, I=I, w13=ns.w13, w2=ns.w2, created="",
-                         source="test")
+    def held_back(name):
+        go.wait(30)
+        return _expert_set(name, gen)
 
     async def scenario():
-        a = await engine.load(lambda: build("a"))
+        a = await engine.load(lambda: _expert_set("a", gen))
         x, _ = random_x(4, H, gen)
         await engine.submit(ffn_call(a, x, None, [4] + [0] * (G - 1)))
-        shapes = {(f.G, f.H, f.I) for f in graphs._buffers}
-        assert shapes == {(G, H, I)}
-        loading = asyncio.ensure_future(engine.load(lambda: build("b", wait=True)))
+        assert _buffered_shapes(graphs) == {(G, H, I)}
+        loading = asyncio.ensure_future(engine.load(lambda: held_back("b")))
         await asyncio.sleep(0.05)  # b's load holds the loader
         released = asyncio.ensure_future(engine.forget_experts(a))
         await asyncio.sleep(0.05)
         go.set()
         b = await loading
         await released
-        assert {(f.G, f.H, f.I) for f in graphs._buffers} == shapes
+        assert _buffered_shapes(graphs) == {(G, H, I)}
         await engine.forget_experts(b)
         assert not graphs._buffers
 
