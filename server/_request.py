@@ -78,7 +78,7 @@ class GemmBody(msgspec.Struct, forbid_unknown_fields=True):
 
     x: WireTensor
     m_sizes: WireTensor
-    x_scale: WireTensor | msgspec.UnsetType = msgspec.UNSET
+    x_scale: WireTensor | None | msgspec.UnsetType = msgspec.UNSET  # nil: absent
 
 
 class MoeBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -87,7 +87,7 @@ class MoeBody(msgspec.Struct, forbid_unknown_fields=True):
     x: WireTensor
     topk_ids: WireTensor
     topk_weights: WireTensor
-    x_scale: WireTensor | msgspec.UnsetType = msgspec.UNSET
+    x_scale: WireTensor | None | msgspec.UnsetType = msgspec.UNSET  # nil: absent
 
 
 @dataclass(frozen=True)
@@ -124,13 +124,15 @@ def _decode(body, schema: _Schema):
     if _map_len(body) != present:
         raise BadMsgpack("the body's map repeats a key")
     for name, span in _SPANS.decode(body).items():
-        if _map_len(memoryview(span)) != 3:
+        view = memoryview(span)
+        if view[0] != _NIL and _map_len(view) != 3:
             raise BadMsgpack(f"the tensor map {name!r} repeats a key")
     return decoded
 
 
 # Each top-level value of a body as its raw bytes (no copy): where its map header is.
 _SPANS = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_NIL = 0xC0  # an optional field sent as nil (the schema lets only x_scale be one)
 
 
 def _map_len(body) -> int | None:

@@ -158,9 +158,13 @@ def check_fields(body: dict, required: set[str], optional: set[str] = frozenset(
         raise problem
 
 
-def tensor_field(body: dict, key: str) -> torch.Tensor | None:
-    """``body[key]``, a SPEC 2 tensor, as a torch tensor (None: absent)."""
-    return to_torch(decode_tensor(body[key])) if key in body else None
+def tensor_field(body: dict, key: str, *, optional: bool = False) -> torch.Tensor | None:
+    """``body[key]``, a SPEC 2 tensor, as a torch tensor; an optional field may be absent or
+    nil (None), as an optional string field may (:func:`string_field`)."""
+    value = body.get(key)
+    if value is None and optional:
+        return None
+    return to_torch(decode_tensor(value))
 
 
 def string_field(body: dict, key: str, *, optional: bool = False) -> str | None:
@@ -346,7 +350,7 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
         check_fields(body, {"w"}, {"w_scale"})
         if isinstance(body["w"], str):
             raise BadField("w is a tensor; to name a tensor in a file, send 'file' too")
-        w, w_scale = tensor_field(body, "w"), tensor_field(body, "w_scale")
+        w, w_scale = tensor_field(body, "w"), tensor_field(body, "w_scale", optional=True)
         ws, replaced = await install(svc, lambda: svc.store.build(name, w, w_scale))
     return JSONResponse(ws.describe(), status_code=200 if replaced else 201)
 

@@ -90,7 +90,8 @@ def expert_upload(body: dict) -> TensorUpload | CheckpointUpload:
         if isinstance(body[key], str):
             raise BadField(f"{key} is a tensor; to load from a checkpoint send "
                            f"{{'checkpoint', 'layer'}}")
-    return TensorUpload(*(tensor_field(body, k) for k in ("w13", "w13_scale", "w2", "w2_scale")))
+    return TensorUpload(*(tensor_field(body, k, optional=k.endswith("_scale"))
+                          for k in ("w13", "w13_scale", "w2", "w2_scale")))
 
 
 # -- installing ----------------------------------------------------------------------------

@@ -106,6 +106,24 @@ def test_bad_field(server, unchanged, loaded):
                  "bad_field")
 
 
+def test_nil_optional_fields_are_absent(server, unchanged, loaded):
+    """An optional field sent as nil is absent (a router's Option<T>): float weights and bf16
+    rows with nil scales work, fp8 with a nil scale is fp8 without its scale (bad_field), and
+    nil where a tensor is required is no tensor (bad_tensor)."""
+    p = loaded
+    w = torch.randn(G, N, K, dtype=torch.bfloat16)
+    assert server.put("nil", {"w": wire(w), "w_scale": None}).status_code == 201
+    x, sizes = torch.randn(5, K, dtype=torch.bfloat16), torch.tensor([2, 0, 3])
+    plain = {"x": wire(x), "m_sizes": wire(sizes)}
+    assert torch.equal(out_of(server.gemm("nil", {**plain, "x_scale": None})),
+                       out_of(server.gemm("nil", plain)))
+    assert server.http.delete("/v1/weights/nil").status_code == 204
+    assert_error(server.gemm("base", {**call(p), "x_scale": None}), 400, "bad_field")
+    assert_error(server.put("base", {"w": wire(p.wq), "w_scale": None}), 400, "bad_field")
+    assert_error(server.gemm("base", {**call(p), "x": None}), 400, "bad_tensor")
+    assert_error(server.put("base", {"w": None, "w_scale": wire(p.w_scale)}), 400, "bad_tensor")
+
+
 def test_non_string_keys_are_unknown_fields(server, unchanged, loaded):
     """A map with an int or bin key is still one msgpack map (not bad_msgpack): at the top
     such a key is a field the endpoint does not know, in a tensor map a malformed tensor."""

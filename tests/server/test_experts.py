@@ -191,6 +191,28 @@ def test_moe_is_the_weighted_sum_of_ffn_answers(srv, experts):
         assert torch.equal(out[t], acc.to(torch.bfloat16))
 
 
+def test_nil_scales_are_no_scales(srv):
+    """Optional fields sent as nil (a router's Option<T>) are absent: float weights with nil
+    scales load, and ffn/moe calls of bf16 rows with a nil x_scale answer as without it;
+    nil where a tensor is required is bad_tensor, and fp8 weights with nil scales bad_field
+    (fp8 without its scale), each leaving what was loaded as it was."""
+    p = random_experts(3, 256, 128)
+    r = put_experts(srv.http, "nil", {**upload_body(p, fp8=False), "w13_scale": None,
+                                       "w2_scale": None})
+    assert r.status_code == 201, r.text
+    x = p.tokens(4)
+    ids, weights = random_routing(4, 2, p.G)
+    for kind, body in (("moe", moe_body(x, ids, weights)), ("ffn", ffn_body(x, [1, 0, 3]))):
+        out = out_of(post(srv.http, "nil", kind, {**body, "x_scale": None}))
+        assert torch.equal(out, out_of(post(srv.http, "nil", kind, body)))
+    before = snapshot(srv.http)
+    assert_error(put_experts(srv.http, "nil", {**upload_body(p), "w2": None}), 400, "bad_tensor")
+    assert_error(put_experts(srv.http, "nil", {**upload_body(p), "w2_scale": None}), 400,
+                 "bad_field")
+    assert snapshot(srv.http) == before
+    assert srv.http.delete("/v1/experts/nil").status_code == 204
+
+
 def test_moe_with_wrong_scales_fails_the_bound(srv):
     """A control through the server: gate and up swapped in the upload."""
     g, i = 4, 256
