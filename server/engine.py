@@ -28,7 +28,9 @@ clients a merged batch of 9 small calls took 6.7 ms on the worker for
 v5). The 256-row bound is per call: a loop batch merges every small call of
 its key that arrived in one turn, up to the key's row bound (the largest
 bucket), so 32 calls of 256 rows hold the loop for one 8192-row launch, its
-copies included (not measured; bench/NOTES.md's next device session).
+copies included: capping a loop batch at 256 or 1024 rows, the rest given to the
+worker, was no faster (mixed traffic and a one-row call beside 31 clients of
+1024-row calls; ``bench/SERVICE_NOTES.md``, session 46).
 That holds for the small calls that wait for a worker batch too: run by the
 worker right after its batch, they were no faster than the loop's drain
 scheduled directly by the worker's release (a one-row call beside 31 clients of
@@ -357,8 +359,8 @@ class Engine:
     # once this drain has seen them (the loop's next turn), the worker lets them have the
     # device before its next item. Until then it may start more batches: a small call
     # waits for those its arrival's turn lets through, never for the whole queue.
-    # (Marking them at submit instead would bound it to one batch, at the price of the
-    # device idling for a loop turn after every batch; not measured, bench/NOTES.md.)
+    # (Marking them at submit instead bounds it to one batch, at the price of the device
+    # idling for a loop turn after every batch: no faster, bench/SERVICE_NOTES.md, session 46.)
     def _drain(self) -> None:
         """Run the calls waiting for the loop, merged per batch key (in arrival order,
         within the key's row bound), or, when the worker holds the device, leave them
