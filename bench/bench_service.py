@@ -505,9 +505,11 @@ def main() -> int:
         shapes = sorted({(p[1], *sets[p[1]], p[2], p[3]) for p in points if p[2] not in ("mixed", "beside")})
         result["kernel_us"] = kernel_times(shapes, device)
 
-        # --rounds: the measured points again, in the same order, so a slow spell of the
-        # shared machine hits every server alike; the summary takes medians.
-        points = [(r, p) for r in range(args.rounds) for p in points]
+        # --rounds: the measured points again, each point's servers in an order rotated by
+        # one every round, so a slow spell of the shared machine and a place in the order
+        # (session 46: one engine read 2.8x apart first and last) hit every server alike;
+        # the summary takes medians.
+        points = rotated_rounds(points, args.rounds)
         for rnd, (server, set_name, m, kind, clients, *pace) in points:
             srv = servers[server]
             if time.monotonic() - began > args.budget_s:
@@ -655,6 +657,19 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+def rotated_rounds(points: list[tuple], rounds: int) -> list[tuple]:
+    """``(round, point)`` for every round: the points in their order, where a run of points
+    that differ only in their server (``point[0]``) starts one server later each round."""
+    runs: list[list[tuple]] = []
+    for p in points:
+        if runs and runs[-1][0][1:] == p[1:]:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [(r, p) for r in range(rounds) for run in runs
+            for p in run[r % len(run):] + run[:r % len(run)]]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
