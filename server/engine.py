@@ -11,11 +11,11 @@ pending:
   merge with it) and no call ran at once in this turn of the loop, else in the
   loop's next turn, merged with the calls that arrived in this one (a "loop
   batch"); when a worker batch or job holds the device, they wait on the
-  loop and, once its next turn has seen them, get the device before the
-  worker's next item (fair turns). (The transport counts a request when it
-  has read its head, and the requests whose bytes arrive in one turn are read
-  one after another, each run before the next is read: only the first of
-  them can find itself alone, and the others merge behind it.)
+  loop and get the device before the worker's next item (fair turns). (The
+  transport counts a request when it has read its head, and the requests
+  whose bytes arrive in one turn are read one after another, each run before
+  the next is read: only the first of them can find itself alone, and the
+  others merge behind it.)
 - a larger call queues for the worker thread, which loops "collect a batch,
   run it, wake the callers", merging the calls for the same weight set that
   arrive within ``merge_window_us`` while calls are arriving together.
@@ -29,8 +29,9 @@ v5). The 256-row bound is per call: a loop batch merges every small call of
 its key that arrived in one turn, up to the key's row bound (the largest
 bucket), so 32 calls of 256 rows hold the loop for one 8192-row launch, its
 copies included: capping a loop batch at 256 or 1024 rows, the rest given to the
-worker, was no faster (mixed traffic and a one-row call beside 31 clients of
-1024-row calls; ``bench/SERVICE_NOTES.md``, session 46).
+worker, was not faster in an A/B whose spread was wide (mixed traffic and a
+one-row call beside 31 clients of 1024-row calls; ``bench/SERVICE_NOTES.md``,
+session 46).
 That holds for the small calls that wait for a worker batch too: run by the
 worker right after its batch, they were no faster than the loop's drain
 scheduled directly by the worker's release (a one-row call beside 31 clients of
@@ -258,6 +259,9 @@ class Engine:
                 call.waiter = asyncio.get_running_loop().create_future()
                 if on_loop:
                     self._loop_calls.append(call)
+                    # Fair turns from now: the worker starts nothing more before the loop's
+                    # drain has run this call (see _drain).
+                    self._loop_waiting = self._loop_waiting or self._busy
                 else:
                     self._items.append(call)
                     self._cv.notify()
@@ -355,12 +359,13 @@ class Engine:
             pass
 
     # Fair turns (SPEC 3: loads and large calls never hold up small calls for long):
-    # small calls that find the device held by a worker batch or job wait on the loop;
-    # once this drain has seen them (the loop's next turn), the worker lets them have the
-    # device before its next item. Until then it may start more batches: a small call
-    # waits for those its arrival's turn lets through, never for the whole queue.
-    # (Marking them at submit instead bounds it to one batch, at the price of the device
-    # idling for a loop turn after every batch: no faster, bench/SERVICE_NOTES.md, session 46.)
+    # small calls that find the device held by a worker batch or job wait on the loop, and
+    # the worker starts no other item before this drain has run them, so a small call
+    # waits for one batch or job at most. Marking them waiting at submit (not when this
+    # drain first sees them, as before session 46, which let the worker start more
+    # batches in between) also ran more calls a second on the H100: small calls beside 31
+    # clients of 1024-row calls 9.4 ms p50 against 16.9, their calls/s 1256 against 1013;
+    # mixed traffic 3424 calls/s against 3165 (bench/SERVICE_NOTES.md, session 46).
     def _drain(self) -> None:
         """Run the calls waiting for the loop, merged per batch key (in arrival order,
         within the key's row bound), or, when the worker holds the device, leave them

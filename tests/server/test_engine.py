@@ -497,6 +497,36 @@ def test_a_small_call_that_expires_waiting_for_the_device_does_not_stop_the_work
     assert queued == 0
 
 
+def test_a_small_call_waits_for_one_worker_batch_at_most():
+    """A small call that arrives while a worker batch holds the device runs right after that
+    batch, before the large calls queued ahead of it, even when the batch ends before the
+    loop's next turn (the engine before session 46 marked it waiting only when its drain
+    first ran, and the worker started the queued batches in between: first, later, later,
+    later, small)."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    first, *later = _calls(gen, [ws], 4, rows=lambda i: SMALL_ROWS + 10)
+    small = _calls(gen, [ws], 1, rows=lambda i: 3)[0]
+    engine = _engine(loop=True, max_bucket_m=512, merge_window_us=0)
+    order, entered, go = _gated(engine, first)
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(engine.submit(first))]
+        await _until(entered[id(first)])
+        tasks += [asyncio.ensure_future(engine.submit(c)) for c in (*later, small)]
+        await asyncio.sleep(0)  # each submitted; the small call's drain not yet run
+        assert engine._loop_calls == [small]
+        go[id(first)].set()
+        time.sleep(0.2)  # noqa: ASYNC251 -- the loop held: the worker ends its batch first
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    got = _run(engine, scenario)
+    assert all(not isinstance(g, BaseException) for g in got), got
+    names = {id(first): "first", id(small): "small", **{id(c): "later" for c in later}}
+    assert [(names[id(c)], on_loop) for c, on_loop in order] == [
+        ("first", False), ("small", True), ("later", False), ("later", False), ("later", False)]
+
+
 def test_a_failure_while_collecting_a_batch_fails_its_calls_not_the_worker():
     """A bug met while the worker merges calls (here the key of one call) answers the calls
     it concerns with ``internal`` and leaves the worker serving the others."""
