@@ -28,10 +28,9 @@ clients a merged batch of 9 small calls took 6.7 ms on the worker for
 v5). The 256-row bound is per call: a loop batch merges every small call of
 its key that arrived in one turn, up to the key's row bound (the largest
 bucket), so 32 calls of 256 rows hold the loop for one 8192-row launch, its
-copies included: capping a loop batch at 256 or 1024 rows, the rest given to the
-worker, was not faster in an A/B whose spread was wide (mixed traffic and a
-one-row call beside 31 clients of 1024-row calls; ``bench/SERVICE_NOTES.md``,
-session 46).
+copies included: capping a loop batch at 256 rows, the rest given to the
+worker, was no faster (mixed traffic and a one-row call beside 31 clients of
+1024-row calls, rotated rounds; ``bench/SERVICE_NOTES.md``, session 46).
 That holds for the small calls that wait for a worker batch too: run by the
 worker right after its batch, they were no faster than the loop's drain
 scheduled directly by the worker's release (a one-row call beside 31 clients of
