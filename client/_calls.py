@@ -21,6 +21,7 @@ import numpy as np
 from ._errors import APIError, ArgumentDtype, BadMSizes, BadName, InternalError, error_for
 from ._media import MSGPACK_TYPES
 from ._wire import (
+    _PART_FROM,
     WireTensor,
     decode_tensor,
     encode_tensor,
@@ -37,8 +38,6 @@ _NAME = re.compile(_SET_NAME.pattern + r"(\.w13|\.w2)?")  # a set's name, or its
 # Answers this large are decoded in place (msgpack's C decoder copies bins;
 # under this size that copy costs less than walking the body in Python).
 _IN_PLACE_FROM = 64 << 10
-# Tensors this large are sent as their own parts, never copied into the body.
-_PART_FROM = 64 << 10
 
 
 @dataclass
@@ -47,7 +46,7 @@ class Call:
 
     method: str
     path: str
-    # The body: bytes, or parts to send back to back (``_wire.pack_parts``: large
+    # The body: bytes, or parts to send back to back (``_wire.pack_tensors``: large
     # tensors as views on the caller's memory, never copied into one buffer).
     body: bytes | list | None = None
     expect: str = "json"  # "json" | "gemm" | "none"
@@ -121,7 +120,7 @@ def load_call(name: str, w: Any, w_scale: Any) -> Call:
     body: dict[str, Any] = {"w": encode_tensor(w)}
     if w_scale is not None:
         body["w_scale"] = encode_tensor(w_scale)
-    return Call("PUT", weights_path(name), packb(body), load=True)
+    return Call("PUT", weights_path(name), _packed(body), load=True)
 
 
 def load_file_call(

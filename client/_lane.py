@@ -404,7 +404,7 @@ def _readable(sock: socket.socket) -> bool:
 
 
 def _parts(body: bytes | list | None) -> list:
-    """A body as parts (``_wire.pack_parts`` lists pass through)."""
+    """A body as parts (``_wire.pack_tensors`` lists pass through)."""
     if body is None:
         return []
     return body if isinstance(body, list) else [body]

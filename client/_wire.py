@@ -24,7 +24,7 @@ import numpy as np
 from ._errors import ArgumentDtype, BadDtype, BadMsgpack, BadTensor
 
 __all__ = [
-    "DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "pack_parts", "pack_tensors",
+    "DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "pack_tensors",
     "packb", "tensor_head", "unpack_in_place", "unpackb",
 ]
 
@@ -405,7 +405,7 @@ def unpack_in_place(body: bytes | bytearray | memoryview) -> dict:
     return unpackb(body)
 
 
-# Bins at least this large go out as their own part (a view, not a copy).
+# Bins at least this large go out as their own part (a view, not a copy; _calls._packed).
 _PART_FROM = 64 << 10
 
 
@@ -418,74 +418,28 @@ def bin_header(n: int) -> bytes:
     return b"\xc6" + _U32.pack(n)
 
 
-def pack_parts(obj: dict) -> list[bytes | memoryview]:
-    """``packb(obj)`` as a list of parts whose concatenation is exactly those bytes.
-
-    Bins of 64 KiB or more are parts of their own, views on the caller's memory
-    (so do not write to it before the parts are sent); everything between them
-    is packed into a few small bytes parts. A socket sends the list with one
-    scatter-gather call (``sendmsg``) and the tensor bytes are never copied.
-    """
-    if not _holds_part(obj):
-        return [packb(obj)]
-    parts: list[bytes | memoryview] = []
-    small = bytearray()
-    _pack_into(obj, small, parts, msgpack.Packer(use_bin_type=True).pack)
-    if small:
-        parts.append(bytes(small))
-    return parts
-
-
-def _holds_part(obj: Any) -> bool:
-    """Whether ``obj`` is, or as a map holds, a bin that goes out as its own part.
-
-    Only maps are searched (our bodies put tensors in maps); anything else is
-    packed whole, which is correct, only not zero-copy.
-    """
-    if type(obj) is dict:
-        for value in obj.values():
-            if _holds_part(value):
-                return True
-        return False
-    return type(obj) is memoryview and obj.nbytes >= _PART_FROM
-
-
-def _pack_into(obj: Any, small: bytearray, parts: list, pack) -> None:
-    if not _holds_part(obj):
-        small += pack(obj)  # a whole subtree without large bins: one packer call
-    elif isinstance(obj, dict):
-        n = len(obj)
-        small += bytes([0x80 | n]) if n < 16 else (b"\xde" + _U16.pack(n) if n < 1 << 16
-                                                   else b"\xdf" + _U32.pack(n))
-        for key, value in obj.items():
-            small += pack(key)
-            _pack_into(value, small, parts, pack)
-    else:  # a large bin
-        view = obj if obj.format == "B" and obj.ndim == 1 else obj.cast("B")
-        small += bin_header(view.nbytes)
-        parts.append(bytes(small))
-        small.clear()
-        parts.append(view)
-
-
 def pack_tensors(body: dict[str, dict]) -> list[bytes | memoryview]:
-    """``pack_parts(body)`` for a map of ``encode_tensor`` maps: the same bytes, less work.
+    """``packb(body)`` for a map of ``encode_tensor`` maps, as parts whose concatenation is
+    exactly those bytes.
 
     Each tensor's msgpack up to its data (key, map header, dtype, shape, bin
     header) is built once per key, dtype and shape and kept; the data goes in
-    behind it: copied when small, its own part (a view) from 64 KiB. Anything
-    but plain tensor maps with fewer than 16 keys takes ``pack_parts``.
+    behind it: copied when small, its own part (a view on the caller's memory:
+    do not write to it before the parts are sent) from 64 KiB. A socket sends
+    the list with one scatter-gather call (``sendmsg``). Anything but plain
+    tensor maps with fewer than 16 keys is packed whole (correct, only not
+    zero-copy: our bodies never are).
     """
     if len(body) >= 16:
-        return pack_parts(body)
+        return [packb(body)]
     parts: list[bytes | memoryview] = []
     small: list = [_FIXMAP[len(body)]]
     for key, tensor in body.items():
         if type(tensor) is not dict or tuple(tensor) != _TENSOR_ORDER:
-            return pack_parts(body)
+            return [packb(body)]
         data = tensor["data"]
         if type(data) is not memoryview or data.format != "B" or data.ndim != 1:
-            return pack_parts(body)
+            return [packb(body)]
         dtype, shape, size = tensor["dtype"], tensor["shape"], data.nbytes
         at = (key, dtype, tuple(shape), size)
         head = _TENSOR_HEADS.get(at)

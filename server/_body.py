@@ -14,12 +14,9 @@ transport writes both parts as they are.
 from __future__ import annotations
 
 import numpy as np
-import torch
 from moegemm.client._media import MSGPACK
 from moegemm.client._wire import bin_header, packb, unpack_in_place, unpackb
 from starlette.responses import Response
-
-from ._tensors import WIRE_NAMES
 
 # Below this, msgpack's C decoder (which copies bins) is faster than walking
 # the body in Python: a 7 KB call decodes in ~7 us instead of ~35 us, and its
@@ -42,20 +39,10 @@ def _str(s: str) -> bytes:
     return bytes([0xA0 | len(raw)]) + raw  # our keys and dtype names are < 32 bytes
 
 
-def tensor_body_parts(key: str, t: torch.Tensor) -> list[bytes | memoryview]:
-    """``{key: {"dtype", "shape", "data"}}`` as msgpack: a header, then the tensor's bytes.
-
-    ``t`` is a contiguous CPU tensor; its memory is the second part, not copied.
-    """
-    if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.detach().to("cpu").contiguous()
-    return array_body_parts(key, t.view(-1).view(torch.uint8).numpy(), WIRE_NAMES[t.dtype],
-                            tuple(t.shape))
-
-
 def array_body_parts(key: str, raw, dtype: str, shape: tuple[int, ...]) -> list:
-    """As :func:`tensor_body_parts`, for a tensor given as its bytes (a contiguous
-    numpy array of any shape whose memory is the data), its wire dtype name and shape."""
+    """``{key: {"dtype", "shape", "data"}}`` as msgpack: a header, then the tensor's bytes
+    (``raw``: a contiguous numpy array of any shape whose memory is the data; the second
+    part, not copied), with its wire dtype name and shape."""
     if len(shape) >= 16:
         raise ValueError("tensor has too many dimensions for a fixarray shape")
     data = memoryview(raw.reshape(-1).view(np.uint8))  # contiguous: a view, never a copy

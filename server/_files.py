@@ -214,7 +214,10 @@ def _walk(root: Path, file: str, relative: str, outside: BadField) -> int:
 
 def safetensors_header(handle, file: str) -> tuple[dict, int]:
     """A safetensors file's tensor entries (dtype, shape, data_offsets checked against
-    the file's size) and where its data starts."""
+    the file's size) and where its data starts. Read here, not through the safetensors
+    library: its readers memory-map the file (a truncated shard then killed the server
+    with SIGBUS), and this reads from a descriptor opened beneath the weights directory
+    with a bounded header."""
     size = os.fstat(handle.fileno()).st_size
     try:
         head = handle.read(8)

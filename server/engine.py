@@ -608,7 +608,8 @@ class Engine:
         return ws
 
     def prepare(self, ws: WeightSet) -> WeightSet:
-        """Capture the graphs ``ws``'s shape needs on this thread (start-up, tests)."""
+        """Capture the graphs ``ws``'s shape needs on this thread (tests; the server loads
+        through :meth:`load`)."""
         self._shapes.add((ws.G, ws.N, ws.K))
         return self._capture(ws)
 

@@ -318,9 +318,28 @@ def test_pack_tensors_writes_the_bytes_of_packb(body):
         assert len(views) == sum(a.nbytes >= 64 << 10 for a in arrays.values())
 
 
-def test_pack_tensors_leaves_other_maps_to_pack_parts():
+def test_pack_tensors_packs_other_maps_whole():
     big = encode_tensor(np.zeros(70000, np.uint8).view(ml_dtypes.float8_e4m3fn))
     for body in ({"a": 1, "x": big}, {"x": {**big, "extra": 1}},
                  {"x": {"shape": big["shape"], "dtype": big["dtype"], "data": big["data"]}},
                  {"x": {**big, "data": bytes(big["data"])}}, {str(i): i for i in range(20)}):
-        assert b"".join(pack_tensors(body)) == packb(body)
+        assert pack_tensors(body) == [packb(body)]
+
+
+@pytest.mark.parametrize("kind", ["weights", "experts"])
+def test_uploads_send_their_tensors_as_views(kind):
+    """A weight or expert upload's body is packb's bytes, each tensor of 64 KiB or more a view
+    on the caller's array (a 7 GB set takes no second 7 GB in the client)."""
+    from moegemm.client._calls import load_call, load_experts_call
+
+    w = np.ones((2, 256, 256), ml_dtypes.float8_e4m3fn)
+    scale = np.ones((2, 2, 2), np.float32)
+    if kind == "weights":
+        call, body = load_call("w", w, scale), {"w": w, "w_scale": scale}
+    else:
+        call = load_experts_call("e", w, w, scale, scale)
+        body = {"w13": w, "w2": w, "w13_scale": scale, "w2_scale": scale}
+    assert b"".join(call.body) == packb({k: encode_tensor(a) for k, a in body.items()})
+    views = [p for p in call.body if isinstance(p, memoryview)]
+    assert len(views) == (1 if kind == "weights" else 2)
+    assert all(np.shares_memory(np.asarray(v), w) for v in views)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from moegemm.client._errors import BadMsgpack
 from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
-from moegemm.server._body import tensor_body_parts, unpack_body, unpack_in_place
+from moegemm.server._body import array_body_parts, unpack_body, unpack_in_place
 
 scalars = (
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
@@ -101,7 +101,7 @@ def test_small_bodies_are_decoded_by_unpackb():
 @pytest.mark.parametrize("shape", [(0, 128), (1, 7), (129, 300), (3, 70000)])
 def test_tensor_response_parts_are_the_packed_map(shape):
     t = torch.randn(shape).to(torch.bfloat16)
-    header, data = tensor_body_parts("out", t)
+    header, data = array_body_parts("out", t.view(torch.uint8).numpy(), "bfloat16", shape)
     assert isinstance(data, memoryview)
     decoded = unpackb(header + data.tobytes())
     assert decoded["out"]["dtype"] == "bfloat16" and decoded["out"]["shape"] == list(shape)
