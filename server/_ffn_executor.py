@@ -40,8 +40,7 @@ from moegemm.client._errors import BadRouting
 
 from ._checks import bad_rows, not_finite_error
 from ._executor import COPY_OUT_BELOW, Launches, body_view, chunk_sizes, to_device_fp8
-from ._ffn import H_DTYPE
-from ._ffn_graphs import FfnBuffers, FfnGraphs, unpack
+from ._ffn_graphs import H_DTYPE, FfnBuffers, FfnGraphs, unpack
 from ._graphs import bucket_for
 from ._merge import group_order, plan_merge
 from ._staging import Staging

@@ -130,7 +130,7 @@ def test_default_tile_compiles_to_the_intended_isa(compiled, case):
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_the_float32_epilogue_compiles_and_stores_dwords(compiled, arch):
-    """Out float32 (the expert FFN's h, server/_ffn.py): the same kernel, its epilogue
+    """Out float32 (the expert FFN's h, server/_ffn_graphs.H_DTYPE): the same kernel, its epilogue
     storing each sum as a dword where the bf16 one stores shorts."""
     result = compiled[(arch, "f32")]
     assert result.returncode == 0, result.stderr[-4000:]

@@ -84,7 +84,7 @@ def test_emulated_kernel_on_many_groups_and_long_k(arch):
 
 @pytest.mark.parametrize("arch", sorted(DEFAULT_TILES))
 def test_the_float32_epilogue_stores_the_sums_the_bf16_one_rounds(arch):
-    """The expert FFN's h is float32 (server/_ffn.py): the f32 epilogue stores the
+    """The expert FFN's h is float32 (server/_ffn_graphs.H_DTYPE): the f32 epilogue stores the
     accumulators unrounded, and their bf16 rounding is the bf16 epilogue's bits."""
     problem = random_problem(83, 256, 512, 4, fp8_dtype=FP8_DTYPE[arch])
     tile = DEFAULT_TILES[arch]

@@ -60,7 +60,7 @@ def check_any_set(srv, g: int, h: int, i: int, m: int, tokens: int, k: int, hot:
     and check one ffn call of ``m`` ragged rows and one moe call of ``tokens`` tokens, top-``k``
     (at most G) over all experts or, with ``hot`` > 0, over only the first ``k + hot - 1``:
     each answer equals the server's eager chain bit for bit and meets SPEC 5's bound."""
-    from moegemm.server._ffn import FfnExecutor
+    from ffn_support import FfnExecutor
 
     k = min(k, g)
     gen = torch.Generator().manual_seed(seed)

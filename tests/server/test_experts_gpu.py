@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm device", allow_module_level=True)
 
 from experts_support import check_any_set, ffn_body, moe_body, post, put_experts, upload_body
+from ffn_support import FfnExecutor
 from moegemm.kernels.testing import random_m_sizes, rel_error
 from moegemm.kernels.testing_ffn import (
     FFN_TOLERANCE,
@@ -26,7 +27,6 @@ from moegemm.kernels.testing_ffn import (
     random_routing,
 )
 from moegemm.server import Settings
-from moegemm.server._ffn import FfnExecutor
 from server_support import assert_error, out_of, serve
 
 

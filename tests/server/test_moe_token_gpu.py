@@ -25,10 +25,9 @@ pytest.importorskip("triton")
 
 from types import SimpleNamespace
 
-from ffn_support import Runner, random_routing
+from ffn_support import FfnExecutor, Runner, random_routing
 from moegemm.client._errors import NotFinite
 from moegemm.kernels import get_backend, quantize_activations
-from moegemm.server._ffn import FfnExecutor
 
 DEV = torch.device("cuda")
 SHAPES = {"qwen3-30b-like": (64, 2048, 768), "deepseek-v3-like": (64, 7168, 2048),
