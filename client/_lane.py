@@ -40,13 +40,9 @@ import time
 import weakref
 from urllib.parse import urlsplit
 
+import httptools
 import httpx
 import numpy as np
-
-try:
-    import httptools
-except ImportError:  # pragma: no cover - httptools is a dependency; be safe anyway
-    httptools = None
 
 _RECV = 1 << 20
 # The first read of an answer: its head and, for small answers, the whole body.
@@ -187,7 +183,7 @@ class _Reader:
 
 def usable(url: str, transport: object, trust_env: bool = True) -> bool:
     """Whether calls to ``url`` can take the lane (else they stay on httpx)."""
-    if httptools is None or transport is not None:
+    if transport is not None:
         return False
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname or parts.username or parts.password:
