@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import httpx
 import torch
 import uvicorn
+import uvloop
 from moegemm.client._client import DEFAULT_LOAD_TIMEOUT
 from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
 from moegemm.server import Settings, create_app
@@ -23,7 +24,7 @@ MSGPACK = {"content-type": "application/vnd.msgpack"}
 @contextmanager
 def fast_server_thread(server) -> Iterator[None]:
     """Run a ``FastHttpServer`` on its own thread and event loop until the block ends."""
-    loop = asyncio.new_event_loop()
+    loop = uvloop.new_event_loop()  # the loop `moegemm serve` runs (server/cli.py)
     stop = asyncio.Event()
     thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(stop)),
                               daemon=True)
@@ -99,7 +100,7 @@ def serve(settings: Settings, wait: bool = True) -> Iterator[Running]:
     app = create_app(settings)
     server = FastHttpServer(app, "127.0.0.1", port, max_body_bytes=settings.max_body_bytes,
                             direct=DirectCalls(app), grace_s=settings.shutdown_grace_s)
-    loop = asyncio.new_event_loop()
+    loop = uvloop.new_event_loop()  # the loop `moegemm serve` runs (server/cli.py)
     stop = asyncio.Event()
     failed: list[BaseException] = []
 
