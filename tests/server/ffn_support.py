@@ -219,6 +219,7 @@ def _raised(out):
         raise out
     return out
 
+
 # -- the eager chain: the oracle the server's expert answers equal bit for bit ----------------
 #
 # SPEC 5.1/5.2 written the obvious way, one call at a time, from the backend's GEMM
