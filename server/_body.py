@@ -1,37 +1,17 @@
-"""Msgpack bodies without copying tensor bytes, in and out.
-
-``unpack_body`` decodes a request body like ``moegemm.client._wire.unpackb``
-but, for large bodies, returns every bin as a memoryview on the body instead
-of a bytes copy (``_wire.unpack_in_place``), so a body received into pinned
-memory reaches the device with no host copy at all. Anything unusual is left
-to ``unpackb``, so the fast path never changes what a bad body answers.
+"""Msgpack answers without copying the output's bytes.
 
 ``PartsResponse`` answers ``{key: tensor}`` as msgpack from a small header
 and the tensor's own memory (for example a pinned output buffer): the
-transport writes both parts as they are.
+transport writes both parts as they are. Request bodies are decoded by
+``_request.py``'s schemas.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from moegemm.client._media import MSGPACK
-from moegemm.client._wire import bin_header, packb, unpack_in_place, unpackb
+from moegemm.client._wire import bin_header, packb
 from starlette.responses import Response
-
-# Below this, msgpack's C decoder (which copies bins) is faster than walking
-# the body in Python: a 7 KB call decodes in ~7 us instead of ~35 us, and its
-# copies cost nothing next to that.
-_COPY_BELOW = 64 << 10
-
-
-def unpack_body(body: bytes | bytearray | memoryview) -> dict:
-    """One msgpack map from ``body``, bins as memoryviews on it; errors as ``unpackb``.
-
-    Bodies under 64 KiB are decoded by ``unpackb`` itself (bins then are copies).
-    """
-    if len(body) < _COPY_BELOW:
-        return unpackb(body)
-    return unpack_in_place(body)
 
 
 def _str(s: str) -> bytes:

@@ -1,25 +1,30 @@
-"""The call requests: one schema and one validator per kind, from body bytes to a call.
+"""The request bodies: one msgspec schema per kind, and one validator per call kind.
 
-Three kinds of call reach the engine: ``gemm`` (SPEC 1) and an expert set's
-``ffn`` (SPEC 5.1), which share one body, and ``moe`` (SPEC 5.2). A body is
-decoded once, by msgspec, straight into its schema -- :class:`GemmBody` (a
-map of exactly ``x``, ``m_sizes`` and optionally ``x_scale``) or
-:class:`MoeBody` (``x``, ``topk_ids``, ``topk_weights``, ``x_scale``?), each
-tensor a map of exactly ``dtype``, ``shape`` and ``data`` -- and every
-``data`` bin is a memoryview into the body (pinned memory on a GPU: the rows
-reach the device with no host copy). :func:`gemm_call`, :func:`ffn_call`
-(the gemm rules against the set's ``w13``: K = H, G groups) and
-:func:`moe_call` then check the tensors against each other and the set
-(SPEC 2.2) and return the call the engine runs: raw views and exact sizes,
-nothing torch. What tensors hold (NaN, scales, routing ids) is checked on the
-device with the launch, never here.
+Every body the server reads is decoded once, by msgspec, straight into its
+schema, each tensor a :class:`WireTensor` (a map of exactly ``dtype``,
+``shape`` and ``data``) whose ``data`` bin is a memoryview into the body
+(pinned memory on a GPU: the rows reach the device with no host copy).
+
+- Calls: ``gemm`` (SPEC 1) and an expert set's ``ffn`` (SPEC 5.1) share
+  :class:`GemmBody` (``x``, ``m_sizes``, ``x_scale``?); ``moe`` (SPEC 5.2)
+  has :class:`MoeBody` (``x``, ``topk_ids``, ``topk_weights``, ``x_scale``?).
+  :func:`gemm_call`, :func:`ffn_call` (the gemm rules against the set's
+  ``w13``: K = H, G groups) and :func:`moe_call` then check the tensors
+  against each other and the set (SPEC 2.2) and return the call the engine
+  runs: raw views and exact sizes, nothing torch. What tensors hold (NaN,
+  scales, routing ids) is checked on the device with the launch, never here.
+- Uploads, each in two forms told apart by one key: a weight set's
+  :class:`WeightsBody` (``w``, ``w_scale``?) or :class:`WeightsFileBody`
+  (``file``, ``w``, ``w_scale``? as names), an expert set's
+  :class:`ExpertsBody` (``w13``, ``w2``, their scales?) or
+  :class:`CheckpointBody` (``checkpoint``, ``layer``). The store checks the
+  tensors against each other.
 
 Every lane of the server -- the fast transport's direct route, the ASGI
-route, merged or alone, on the event loop or the worker -- takes its call
-from here; no other code checks a call's body. A refused body raises the
-contract's error. msgspec reports the first thing wrong where the old
-decoder reported the first by its own order; SPEC 2.2 fixes no order among
-a body's faults, only the code each fault gets.
+route, merged or alone, on the event loop or the worker -- takes its body
+from here; no other code decodes one. A refused body raises the contract's
+error (:func:`_diagnose`). msgspec reports the first thing wrong; SPEC 2.2
+fixes no order among a body's faults, only the code each fault gets.
 """
 
 from __future__ import annotations
@@ -90,15 +95,64 @@ class MoeBody(msgspec.Struct, forbid_unknown_fields=True):
     x_scale: WireTensor | None | msgspec.UnsetType = msgspec.UNSET  # nil: absent
 
 
+_Absent = msgspec.UnsetType
+_ABSENT = msgspec.UNSET
+
+
+class WeightsBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``PUT /v1/weights/{name}`` with tensors: ``{"w", "w_scale"?}``."""
+
+    w: WireTensor
+    w_scale: WireTensor | None | _Absent = _ABSENT  # nil: absent
+
+
+class WeightsFileBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``PUT /v1/weights/{name}`` from a file under the weights directory: ``{"file", "w",
+    "w_scale"?}``, the tensors' names in it."""
+
+    file: str
+    w: str
+    w_scale: str | None | _Absent = _ABSENT
+
+
+class ExpertsBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``PUT /v1/experts/{name}`` with tensors: ``{"w13", "w13_scale"?, "w2", "w2_scale"?}``."""
+
+    w13: WireTensor
+    w2: WireTensor
+    w13_scale: WireTensor | None | _Absent = _ABSENT
+    w2_scale: WireTensor | None | _Absent = _ABSENT
+
+
+class CheckpointBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``PUT /v1/experts/{name}`` from a checkpoint: ``{"checkpoint", "layer"}``."""
+
+    checkpoint: str
+    layer: Annotated[int, msgspec.Meta(ge=0)]
+
+
 @dataclass(frozen=True)
 class _Schema:
     decoder: msgspec.msgpack.Decoder
     required: tuple[str, ...]
     optional: tuple[str, ...] = ("x_scale",)
+    # Fields that are not tensors (names, a layer): a wrong value there is bad_field.
+    plain: tuple[str, ...] = ()
+    # For a tensor form, what to send to name tensors instead (a string given for a tensor).
+    by_name: str = ""
 
 
 _GEMM = _Schema(msgspec.msgpack.Decoder(GemmBody), ("m_sizes", "x"))
 _MOE = _Schema(msgspec.msgpack.Decoder(MoeBody), ("topk_ids", "topk_weights", "x"))
+_WEIGHTS = _Schema(msgspec.msgpack.Decoder(WeightsBody), ("w",), ("w_scale",),
+                   by_name="to name a tensor in a file, send 'file' too")
+_WEIGHTS_FILE = _Schema(msgspec.msgpack.Decoder(WeightsFileBody), ("file", "w"), ("w_scale",),
+                        plain=("file", "w", "w_scale"))
+_EXPERTS = _Schema(msgspec.msgpack.Decoder(ExpertsBody), ("w13", "w2"),
+                   ("w13_scale", "w2_scale"),
+                   by_name="to load from a checkpoint, send {'checkpoint', 'layer'}")
+_CHECKPOINT = _Schema(msgspec.msgpack.Decoder(CheckpointBody), ("checkpoint", "layer"), (),
+                      plain=("checkpoint", "layer"))
 
 
 def decode_gemm(body: bytes | bytearray | memoryview) -> GemmBody:
@@ -113,6 +167,29 @@ def decode_moe(body: bytes | bytearray | memoryview) -> MoeBody:
     return _decode(body, _MOE)
 
 
+def decode_weights(body: bytes | bytearray | memoryview) -> WeightsBody | WeightsFileBody:
+    """A weight-set upload: :class:`WeightsFileBody` when it has ``file``, else
+    :class:`WeightsBody`; the errors of :func:`decode_gemm`, and bad_field for a name
+    that is not a string."""
+    return _decode(body, _WEIGHTS_FILE if "file" in _keys(body) else _WEIGHTS)
+
+
+def decode_experts(body: bytes | bytearray | memoryview) -> ExpertsBody | CheckpointBody:
+    """An expert-set upload: :class:`CheckpointBody` when it has ``checkpoint``, else
+    :class:`ExpertsBody`; the errors of :func:`decode_weights`, and bad_field for a
+    layer that is not a non-negative integer."""
+    return _decode(body, _CHECKPOINT if "checkpoint" in _keys(body) else _EXPERTS)
+
+
+def _keys(body) -> dict:
+    """The top-level fields of a body that is one map of string keys, else none (the
+    tensor form's decoder then refuses it with the contract's error)."""
+    try:
+        return _SPANS.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return {}
+
+
 def _decode(body, schema: _Schema):
     try:
         decoded = schema.decoder.decode(body)
@@ -120,19 +197,21 @@ def _decode(body, schema: _Schema):
         raise _diagnose(body, exc, schema) from None
     # msgspec keeps the last of repeated keys; the contract's maps have unique ones: the body
     # has one entry per field it gave, each tensor map three (dtype, shape, data).
-    present = len(schema.required) + (decoded.x_scale is not msgspec.UNSET)
+    present = len(schema.required)
+    for name in schema.optional:
+        if getattr(decoded, name) is not _ABSENT:
+            present += 1
     if _map_len(body) != present:
         raise BadMsgpack("the body's map repeats a key")
     for name, span in _SPANS.decode(body).items():
-        view = memoryview(span)
-        if view[0] != _NIL and _map_len(view) != 3:
+        entries = _map_len(memoryview(span))  # None: a string, a number or nil
+        if entries is not None and entries != 3:
             raise BadMsgpack(f"the tensor map {name!r} repeats a key")
     return decoded
 
 
 # Each top-level value of a body as its raw bytes (no copy): where its map header is.
 _SPANS = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
-_NIL = 0xC0  # an optional field sent as nil (the schema lets only x_scale be one)
 
 
 def _map_len(body) -> int | None:
@@ -162,8 +241,10 @@ def field_problem(keys, required, optional) -> BadField | None:
 def _diagnose(body, exc: Exception, schema: _Schema) -> Exception:
     """The SPEC 2.2 error for a body the schema refused, in the contract's order: bytes
     that are not one msgpack map (bad_msgpack) before a missing or unknown field
-    (bad_field) before a malformed tensor map (bad_tensor, bad_dtype). Only refused
-    bodies come here, so decoding one again costs a valid call nothing."""
+    (bad_field) before a malformed field: a name or layer of the wrong kind (bad_field),
+    a string where a tensor goes (bad_field, saying how to name tensors), a malformed
+    tensor map (bad_tensor, bad_dtype). Only refused bodies come here, so decoding one
+    again costs a valid body nothing."""
     obj = unpackb(body)  # raises BadMsgpack
     problem = field_problem(obj.keys(), schema.required, schema.optional)
     if problem is not None:
@@ -172,6 +253,11 @@ def _diagnose(body, exc: Exception, schema: _Schema) -> Exception:
     path = message.rpartition(" - at `")[2].rstrip("`") if " - at `" in message else "$"
     if not isinstance(exc, msgspec.ValidationError) or path == "$":  # (unpackb took it)
         return BadMsgpack(f"the body is not one msgpack map: {message}")
+    name = path.removeprefix("$.").partition(".")[0].partition("[")[0]
+    if name in schema.plain:
+        return BadField(f"{name}: {message}")
+    if schema.by_name and isinstance(obj.get(name), str):
+        return BadField(f"{name} is a tensor; {schema.by_name}")
     if path.endswith(".dtype"):
         return BadDtype(f"dtype is one of {sorted(DTYPES)}: {message}")
     return BadTensor(f"a tensor is a map {{dtype, shape, data}} with shape a list of "
@@ -256,7 +342,7 @@ class MoeCall:
         return self.tokens, self.ws.H
 
 
-def _tensor(t: WireTensor, name: str) -> int:
+def check_tensor(t: WireTensor, name: str) -> int:
     """Check what msgspec cannot: a known dtype, byte count and torch-sized dims;
     return the element count."""
     dtype = DTYPES.get(t.dtype)
@@ -325,10 +411,10 @@ def _rows_call(body: GemmBody, target: Callable[[], Any], max_m: int, width):
     """SPEC 2.2's checks of a gemm/ffn body: ``(set, M, x dtype, x, x_scale, sizes)``."""
     x, m_sizes = body.x, body.m_sizes
     x_scale = None if body.x_scale is msgspec.UNSET else body.x_scale
-    _tensor(x, "x")
+    check_tensor(x, "x")
     if x_scale is not None:
-        _tensor(x_scale, "x_scale")
-    _tensor(m_sizes, "m_sizes")
+        check_tensor(x_scale, "x_scale")
+    check_tensor(m_sizes, "m_sizes")
     ws = target()
     _x_dtype(x)
     if m_sizes.dtype not in SIZE_DTYPES:
@@ -390,7 +476,7 @@ def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k
     for t, name in ((x, "x"), (x_scale, "x_scale"), (ids, "topk_ids"),
                     (weights, "topk_weights")):
         if t is not None:
-            _tensor(t, name)
+            check_tensor(t, name)
     es = experts()
     _x_dtype(x)
     if ids.dtype not in ID_DTYPES:

@@ -43,8 +43,9 @@ _current = threading.local()
 # Bodies above this are weight uploads, not calls: pinning them would hold page-
 # locked memory the size of a weight set for one request.
 _PIN_BODIES_UP_TO = 64 << 20
-# Below this a body is decoded by copying (``_body._COPY_BELOW``): pinning it
-# would cost a host-allocator round trip on the event loop for nothing.
+# Below this a body's rows reach the device as fast from pageable memory (the
+# driver stages them): pinning it would cost a host-allocator round trip on the
+# event loop for nothing.
 _PIN_BODIES_FROM = 64 << 10
 
 # A load's host-to-device copies (:class:`PacedUpload`) go in pieces of this many

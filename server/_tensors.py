@@ -1,17 +1,15 @@
 """Wire tensors to torch and back, and the checks every tensor input shares.
 
 The wire format itself (msgpack maps, SPEC 2) lives in ``moegemm.client._wire``;
-this module only bridges its ``WireTensor`` to torch without copying (weight
+this module only bridges a checked ``WireTensor`` to torch without copying (weight
 uploads), and holds the dtype tables and the checks the store uses. Gemm calls
 are checked by ``_request.py`` alone.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-from moegemm.client._errors import BadDtype, BadShape, BadTensor, NotFinite
+from moegemm.client._errors import BadDtype, BadShape, NotFinite
 from moegemm.client._wire import DTYPES
 
 BLOCK = 128
@@ -20,33 +18,21 @@ BLOCK = 128
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 WIRE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
-_MAX_DIM = 1 << 63  # torch sizes are int64
-
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def to_torch(wire) -> torch.Tensor:
-    """A CPU torch view of a decoded wire tensor (no copy; do not write to it).
+    """A CPU torch view of a checked wire tensor (``_request.check_tensor``: a known dtype,
+    its bytes exactly the shape's, dims torch can lay out), no copy; do not write to it.
 
     The body's bytes are immutable, so torch warns once per process that the
     tensor is not writable; nothing in the server writes to its inputs.
     """
-    dtype = TORCH_DTYPES.get(wire.dtype)
-    if dtype is None:  # _wire already refused it; this guards a seam change
-        raise BadDtype(f"dtype {wire.dtype!r} is not one of {sorted(TORCH_DTYPES)}")
-    shape = tuple(wire.shape)
-    # A zero-sized tensor passes the wire's byte count with any other dims.
-    if any(d >= _MAX_DIM for d in shape):
-        raise BadTensor(f"shape {list(shape)} has a dimension over {_MAX_DIM - 1}")
+    dtype, shape = TORCH_DTYPES[wire.dtype], tuple(wire.shape)
     if len(wire.data) == 0:
-        # torch lays out even an empty tensor: its strides, products of the
-        # dims (zeros counted as 1), must fit in int64 too.
-        if math.prod(max(d, 1) for d in shape) >= _MAX_DIM:
-            raise BadTensor(f"shape {list(shape)} is too large to lay out, even empty")
         return torch.empty(shape, dtype=dtype)
-    # The wire checked that the bytes are exactly prod(shape) elements: read
-    # them as the dtype at once (one torch call instead of three).
+    # Read the bytes as the dtype at once (one torch call instead of three).
     return torch.frombuffer(wire.data, dtype=dtype).view(shape)
 
 

@@ -1,11 +1,12 @@
 """The endpoints of SPEC 2.1: decode -> validate -> engine -> encode.
 
 Each handler reads a straight line: check the name and the media type, read the
-body within its limit, decode the msgpack map and its tensors, hand them to the
-store or the engine, encode the answer. A gemm call takes one path whatever
-its transport (:func:`run_gemm`: ``_request.py``'s schema and validator, then
-``Engine.submit``). Errors are raised as the domain
-errors of ``moegemm.client._errors``; ``app.py`` turns them into JSON.
+body within its limit, decode it into its schema (``_request.py``: every body,
+calls and uploads), hand it to the store or the engine, encode the answer. A
+gemm call takes one path whatever its transport (:func:`run_gemm`:
+``_request.py``'s schema and validator, then ``Engine.submit``). Errors are
+raised as the domain errors of ``moegemm.client._errors``; ``app.py`` turns
+them into JSON.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
+import msgspec
 import torch
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -26,15 +28,21 @@ from moegemm.client._errors import (
     TooLarge,
     UnsupportedMediaType,
 )
-from moegemm.client._wire import decode_tensor
 from starlette.convertors import Convertor, register_url_convertor
 
 import moegemm
 
-from ._body import PartsResponse, array_body_parts, unpack_body
+from ._body import PartsResponse, array_body_parts
 from ._graphs import buckets_up_to
 from ._http_gate import media_problem, secrets_of, token_refusal
-from ._request import decode_gemm, field_problem, gemm_call
+from ._request import (
+    WeightsFileBody,
+    WireTensor,
+    check_tensor,
+    decode_gemm,
+    decode_weights,
+    gemm_call,
+)
 from ._tensors import WIRE_NAMES, to_torch
 from .config import Settings
 from .engine import Engine
@@ -142,39 +150,13 @@ async def read_body(request: Request, limit: int) -> bytes | memoryview:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def read_msgpack(request: Request, limit: int) -> dict[str, Any]:
-    """The body as one msgpack map: media type checked, size bounded while reading."""
-    return unpack_body(await read_body(request, limit))
-
-
-def check_fields(body: dict, required: set[str], optional: set[str] = frozenset()) -> None:
-    """BadField unless ``body`` has every required key and no unknown one."""
-    keys = body.keys()
-    if required <= keys and len(keys) <= len(required) + len(optional) and \
-            keys <= (required | optional):
-        return
-    problem = field_problem(keys, sorted(required), sorted(optional))
-    if problem is not None:
-        raise problem
-
-
-def tensor_field(body: dict, key: str, *, optional: bool = False) -> torch.Tensor | None:
-    """``body[key]``, a SPEC 2 tensor, as a torch tensor; an optional field may be absent or
-    nil (None), as an optional string field may (:func:`string_field`)."""
-    value = body.get(key)
-    if value is None and optional:
+def upload_tensor(t: WireTensor | None | msgspec.UnsetType, name: str) -> torch.Tensor | None:
+    """An upload's tensor field, checked (SPEC 2), as a CPU torch view of the body; None
+    for an optional field sent as nil or not at all."""
+    if not isinstance(t, WireTensor):
         return None
-    return to_torch(decode_tensor(value))
-
-
-def string_field(body: dict, key: str, *, optional: bool = False) -> str | None:
-    """``body[key]``, a string; an optional field may be absent or nil (None)."""
-    value = body.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
-        raise BadField(f"{key} is a string here, got {type(value).__name__}")
-    return value
+    check_tensor(t, name)
+    return to_torch(t)
 
 
 def parse_deadline(raw: str | None) -> float | None:
@@ -336,21 +318,17 @@ def _plain_name(svc: Services, name: str) -> None:
 async def put_weights(name: str, request: Request, svc: ServicesDep):
     """Load or replace a weight set, from tensors in the body or from a file (201/200)."""
     _plain_name(svc, name)
-    body = await read_msgpack(request, svc.settings.max_body_bytes)
-    if "file" in body:
-        check_fields(body, {"file", "w"}, {"w_scale"})
-        file, w_key = string_field(body, "file"), string_field(body, "w")
-        scale_key = string_field(body, "w_scale", optional=True)
+    body = decode_weights(await read_body(request, svc.settings.max_body_bytes))
+    if isinstance(body, WeightsFileBody):
+        file, w_key = body.file, body.w
+        scale_key = body.w_scale if isinstance(body.w_scale, str) else None
         # Opened here, off the engine's thread: a slow path (800 KB, a slow disk)
         # never holds up the calls the engine runs.
         opened = await asyncio.to_thread(svc.store.resolve, file)
         ws, replaced = await install(
             svc, lambda: svc.store.build_from_file(name, opened, w_key, scale_key))
     else:
-        check_fields(body, {"w"}, {"w_scale"})
-        if isinstance(body["w"], str):
-            raise BadField("w is a tensor; to name a tensor in a file, send 'file' too")
-        w, w_scale = tensor_field(body, "w"), tensor_field(body, "w_scale", optional=True)
+        w, w_scale = upload_tensor(body.w, "w"), upload_tensor(body.w_scale, "w_scale")
         ws, replaced = await install(svc, lambda: svc.store.build(name, w, w_scale))
     return JSONResponse(ws.describe(), status_code=200 if replaced else 201)
 

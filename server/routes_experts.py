@@ -14,28 +14,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
-from moegemm.client._errors import BadField, BadName, OutOfMemory
+from moegemm.client._errors import BadName, OutOfMemory
 
 from ._body import PartsResponse, array_body_parts
-from ._request import decode_gemm, decode_moe, ffn_call, moe_call
+from ._request import CheckpointBody, decode_experts, decode_gemm, decode_moe, ffn_call, moe_call
 from .engine import Engine
 from .experts import ExpertSet, ExpertStore, check_expert_name
 from .routes import (
     DEADLINE_HEADER,
     READ,
     ServicesDep,
-    check_fields,
     parse_deadline,
     read_body,
-    read_msgpack,
     require_admin,
     require_ready,
     require_token,
-    string_field,
-    tensor_field,
+    upload_tensor,
 )
 
 
@@ -56,42 +52,6 @@ class Experts:
 
 def _experts(request: Request) -> Experts:
     return request.app.state.experts
-
-
-# -- the upload body -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorUpload:
-    w13: torch.Tensor
-    w13_scale: torch.Tensor | None
-    w2: torch.Tensor
-    w2_scale: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class CheckpointUpload:
-    checkpoint: str
-    layer: int
-
-
-def expert_upload(body: dict) -> TensorUpload | CheckpointUpload:
-    """A ``PUT /v1/experts/{name}`` body: tensors (checked further by the builder,
-    against each other) or a checkpoint directory and layer."""
-    if "checkpoint" in body:
-        check_fields(body, {"checkpoint", "layer"})
-        checkpoint = string_field(body, "checkpoint")
-        layer = body["layer"]
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise BadField(f"layer is a non-negative integer, got {layer!r:.100}")
-        return CheckpointUpload(checkpoint, layer)
-    check_fields(body, {"w13", "w2"}, {"w13_scale", "w2_scale"})
-    for key in ("w13", "w2"):
-        if isinstance(body[key], str):
-            raise BadField(f"{key} is a tensor; to load from a checkpoint send "
-                           f"{{'checkpoint', 'layer'}}")
-    return TensorUpload(*(tensor_field(body, k, optional=k.endswith("_scale"))
-                          for k in ("w13", "w13_scale", "w2", "w2_scale")))
 
 
 # -- installing ----------------------------------------------------------------------------
@@ -136,15 +96,17 @@ async def put_experts(name: str, request: Request, svc: ServicesDep):
     """Load or replace an expert set from tensors or a checkpoint layer (201/200)."""
     check_expert_name(name)
     experts = _experts(request)
-    body = await read_msgpack(request, svc.settings.max_body_bytes)
-    upload = expert_upload(body)
-    if isinstance(upload, CheckpointUpload):
+    body = decode_experts(await read_body(request, svc.settings.max_body_bytes))
+    if isinstance(body, CheckpointBody):
         def build():
-            return experts.store.build_from_checkpoint(name, upload.checkpoint, upload.layer)
+            return experts.store.build_from_checkpoint(name, body.checkpoint, body.layer)
     else:
+        # Checked and viewed here, in the body's order, before anything is built.
+        w13, w13_scale, w2, w2_scale = (upload_tensor(getattr(body, key), key) for key in
+                                        ("w13", "w13_scale", "w2", "w2_scale"))
+
         def build():
-            return experts.store.build(name, upload.w13, upload.w13_scale, upload.w2,
-                                       upload.w2_scale)
+            return experts.store.build(name, w13, w13_scale, w2, w2_scale)
     es, replaced = await install_experts(svc.engine, experts, build)
     return JSONResponse(es.describe(), status_code=200 if replaced else 201)
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from moegemm.client._errors import BadDtype, BadMsgpack, BadTensor, InvalidRequest
+from moegemm.client._errors import BadDtype, BadField, BadMsgpack, BadTensor, InvalidRequest
 from moegemm.client._wire import DTYPES, OtherKey, decode_tensor, packb, unpackb
 from moegemm.server import Settings
-from moegemm.server.routes import tensor_field
+from moegemm.server._request import decode_weights
+from moegemm.server.routes import upload_tensor
 from server_support import MSGPACK, close_to, fp8_problem, out_of, reference, serve, wire
 
 N, K, G = 128, 256, 3
@@ -170,12 +171,21 @@ def test_unpackb_returns_a_map_or_raises_bad_msgpack(body):
     assert isinstance(obj, dict) and all(isinstance(k, (str, OtherKey)) for k in obj)
 
 
+def _uploaded(obj):
+    """``obj`` as an upload's tensor ``w``, through the server's schema: a torch view."""
+    return upload_tensor(decode_weights(packb({"w": obj})).w, "w")
+
+
 @settings(max_examples=600, deadline=None)
 @given(st.one_of(tensors(), values))
 def test_tensor_maps_decode_or_raise_their_code(obj):
     try:
-        t = tensor_field({"t": obj}, "t")
+        t = _uploaded(obj)
     except (BadTensor, BadDtype):
+        assert not isinstance(obj, str)
+        return
+    except BadField:  # a string for a tensor: the name form takes 'file' too
+        assert isinstance(obj, str)
         return
     wire_t = decode_tensor(obj)
     assert tuple(t.shape) == wire_t.shape
@@ -183,9 +193,10 @@ def test_tensor_maps_decode_or_raise_their_code(obj):
 
 
 def test_routes_refuse_dims_torch_cannot_hold():
-    for shape in ([2**63, 0], [0, 2**64 - 1]):
+    for shape in ([2**63, 0], [0, 2**64 - 1], [0, 2**62, 4]):
         with pytest.raises(InvalidRequest):
-            tensor_field({"t": {"dtype": "float32", "shape": shape, "data": b""}}, "t")
+            _uploaded({"dtype": "float32", "shape": shape, "data": b""})
+    assert _uploaded({"dtype": "float32", "shape": [0, 5, 4], "data": b""}).shape == (0, 5, 4)
 
 
 # -- the endpoints, over HTTP -------------------------------------------------------------

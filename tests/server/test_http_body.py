@@ -1,4 +1,5 @@
-"""Zero-copy msgpack bodies: the same result and the same errors as the wire decoder."""
+"""Zero-copy msgpack bodies: the client's in-place decoder gives the same result and errors as
+the wire decoder; the server's schemas decode upload tensors as views on the body."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moegemm.client._errors import BadMsgpack
-from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
-from moegemm.server._body import array_body_parts, unpack_body, unpack_in_place
+from moegemm.client._wire import encode_tensor, packb, unpack_in_place, unpackb
+from moegemm.server._body import array_body_parts
+from moegemm.server._request import decode_experts, decode_weights
 
 scalars = (
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
@@ -80,22 +82,17 @@ def test_non_string_keys_decode_the_same():
         assert unpack_in_place(data) == unpackb(data)
 
 
-def test_tensor_bins_are_views_on_the_body():
-    x = torch.randn(333, 256).to(torch.bfloat16)  # over 64 KiB: decoded in place
-    body = bytearray(packb({"x": encode_tensor(x), "m_sizes": encode_tensor(torch.tensor([33]))}))
-    decoded = unpack_body(memoryview(body))
-    data = decoded["x"]["data"]
-    assert isinstance(data, memoryview) and data.obj is body
-    wire = decode_tensor(decoded["x"])
-    assert wire.shape == (333, 256) and wire.data.tobytes() == x.view(torch.uint8).numpy().tobytes()
-
-
-def test_small_bodies_are_decoded_by_unpackb():
-    x = torch.randn(3, 256).to(torch.bfloat16)
-    body = bytearray(packb({"x": encode_tensor(x), "m_sizes": encode_tensor(torch.tensor([3]))}))
-    decoded = unpack_body(memoryview(body))
-    assert decoded == unpackb(body)
-    assert decoded["x"]["data"] == unpack_in_place(body)["x"]["data"].tobytes()
+def test_upload_tensors_are_views_on_the_body():
+    w = torch.randn(3, 64, 256).to(torch.bfloat16)
+    body = bytearray(packb({"w": encode_tensor(w)}))
+    decoded = decode_weights(memoryview(body))
+    assert decoded.w.data.obj is body
+    assert decoded.w.shape == [3, 64, 256]
+    assert decoded.w.data.tobytes() == w.view(torch.uint8).numpy().tobytes()
+    w13, w2 = torch.randn(2, 512, 128), torch.randn(2, 128, 256)
+    body = bytearray(packb({"w13": encode_tensor(w13), "w2": encode_tensor(w2)}))
+    decoded = decode_experts(memoryview(body))
+    assert decoded.w13.data.obj is body and decoded.w2.data.obj is body
 
 
 @pytest.mark.parametrize("shape", [(0, 128), (1, 7), (129, 300), (3, 70000)])
@@ -110,14 +107,12 @@ def test_tensor_response_parts_are_the_packed_map(shape):
 
 
 def test_small_bodies_are_not_pinned():
-    """Bodies decoded by copying (under 64 KiB) skip the pinned allocator."""
-    from moegemm.server._body import _COPY_BELOW
+    """Bodies under 64 KiB skip the pinned allocator."""
     from moegemm.server._staging import _PIN_BODIES_FROM, pinned_body_allocator
 
-    assert _PIN_BODIES_FROM == _COPY_BELOW
-    view = pinned_body_allocator()(_COPY_BELOW - 1)
-    assert len(view) == _COPY_BELOW - 1 and not view.readonly
+    view = pinned_body_allocator()(_PIN_BODIES_FROM - 1)
+    assert len(view) == _PIN_BODIES_FROM - 1 and not view.readonly
     assert not torch.from_numpy(np.asarray(view)).is_pinned()
     if torch.cuda.is_available():
-        big = pinned_body_allocator()(_COPY_BELOW)
+        big = pinned_body_allocator()(_PIN_BODIES_FROM)
         assert torch.from_numpy(np.asarray(big)).is_pinned()

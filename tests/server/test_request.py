@@ -1,8 +1,9 @@
-"""The gemm request's one schema and validator (server/_request.py).
+"""The request schemas and the gemm validator (server/_request.py).
 
 Valid bodies decode to views into the body (no copy of the rows) with exactly
 the tensors sent; anything else raises the contract's error, with the codes of
-SPEC 2.2 and the order bad_msgpack, bad_field, bad_tensor/bad_dtype.
+SPEC 2.2 and the order bad_msgpack, bad_field, bad_tensor/bad_dtype. Uploads
+(weights, expert sets) go through the same decoder in their two forms each.
 """
 
 from __future__ import annotations
@@ -26,7 +27,17 @@ from moegemm.client._errors import (
     TooLarge,
 )
 from moegemm.client._wire import encode_tensor, packb
-from moegemm.server._request import decode_gemm, gemm_call
+from moegemm.server._request import (
+    CheckpointBody,
+    ExpertsBody,
+    WeightsBody,
+    WeightsFileBody,
+    check_tensor,
+    decode_experts,
+    decode_gemm,
+    decode_weights,
+    gemm_call,
+)
 
 G, K, N = 4, 256, 128
 WS = SimpleNamespace(name="w", G=G, K=K, N=N)
@@ -147,3 +158,83 @@ def test_any_body_is_a_call_or_a_contract_error(raw):
         return
     assert call.x.nbytes == call.rows * K * (1 if call.x_scale is not None else 2) or \
         call.dtype in ("float16", "float32")
+
+
+# -- uploads ----------------------------------------------------------------------------------
+
+_W = encode_tensor(np.ones((2, 128, 128), np.float32))
+_S = encode_tensor(np.ones((2, 1, 1), np.float32))
+
+
+@pytest.mark.parametrize(("body", "form"), [
+    ({"w": _W}, WeightsBody),
+    ({"w": _W, "w_scale": _S}, WeightsBody),
+    ({"w": _W, "w_scale": None}, WeightsBody),
+    ({"file": "a.safetensors", "w": "w"}, WeightsFileBody),
+    ({"file": "a.safetensors", "w": "w", "w_scale": None}, WeightsFileBody),
+    ({"file": "a.safetensors", "w": "w", "w_scale": "s"}, WeightsFileBody),
+])
+def test_weight_uploads_decode_to_their_form(body, form):
+    decoded = decode_weights(packb(body))
+    assert type(decoded) is form
+    if form is WeightsBody:
+        assert bytes(decoded.w.data) == bytes(_W["data"]) and decoded.w.shape == [2, 128, 128]
+    else:
+        assert (decoded.file, decoded.w) == ("a.safetensors", "w")
+
+
+@pytest.mark.parametrize(("body", "error"), [
+    ({"w": "w"}, BadField),  # a name without a file
+    ({"w": _W, "w_scale": "s"}, BadField),
+    ({"file": "a.safetensors", "w": _W}, BadField),  # a tensor where the file form names one
+    ({"file": 3, "w": "w"}, BadField),
+    ({"file": None, "w": "w"}, BadField),
+    ({"file": "a.safetensors", "w": "w", "w_scale": 1}, BadField),
+    ({"file": "a.safetensors"}, BadField),
+    ({"w": _W, "bias": _W}, BadField),
+    ({"w": 7}, BadTensor),
+    ({"w": None}, BadTensor),
+    ({"w": {**_W, "shape": [2, -1, 128]}}, BadTensor),
+    ({"w": {**_W, "dtype": "float64"}}, BadDtype),
+    ({"w": {**_W, "data": b"short"}}, BadTensor),  # the byte count: checked after decoding
+])
+def test_weight_upload_refusals_get_their_code(body, error):
+    with pytest.raises(error):
+        decoded = decode_weights(packb(body))
+        if isinstance(decoded, WeightsBody):
+            check_tensor(decoded.w, "w")
+
+
+def test_upload_bodies_repeating_a_key_are_bad_msgpack():
+    w = packb({"w": _W})
+    with pytest.raises(BadMsgpack):  # {"w": .., "w": ..}
+        decode_weights(b"\x82" + w[1:] + w[1:])
+    tensor = packb(_W)
+    with pytest.raises(BadMsgpack):  # {"w": {"dtype": "float64", "dtype": .., "shape", "data"}}
+        decode_weights(b"\x81" + packb("w") + b"\x84" + packb("dtype") + packb("float64")
+                       + tensor[1:])
+
+
+@pytest.mark.parametrize(("body", "error"), [
+    ({"w13": _W, "w2": _W}, None),
+    ({"w13": _W, "w2": _W, "w13_scale": _S, "w2_scale": None}, None),
+    ({"checkpoint": "c", "layer": 0}, None),
+    ({"checkpoint": "c", "layer": 2**40}, None),
+    ({"w13": "k", "w2": _W}, BadField),  # a name: checkpoints are loaded by directory
+    ({"w13": _W}, BadField),
+    ({"checkpoint": "c", "layer": 0, "w13": _W}, BadField),
+    ({"checkpoint": "c", "layer": -1}, BadField),
+    ({"checkpoint": "c", "layer": True}, BadField),
+    ({"checkpoint": "c", "layer": 1.0}, BadField),
+    ({"checkpoint": "c", "layer": None}, BadField),
+    ({"checkpoint": ["c"], "layer": 0}, BadField),
+    ({"w13": _W, "w2": {**_W, "extra": 1}}, BadTensor),
+    ({"w13": _W, "w2": {**_W, "dtype": 3}}, BadDtype),
+])
+def test_expert_uploads_decode_or_get_their_code(body, error):
+    if error is None:
+        decoded = decode_experts(packb(body))
+        assert type(decoded) is (CheckpointBody if "checkpoint" in body else ExpertsBody)
+        return
+    with pytest.raises(error):
+        decode_experts(packb(body))
