@@ -23,21 +23,15 @@ from ._media import MSGPACK_TYPES
 from ._wire import (
     _PART_FROM,
     WireTensor,
-    decode_tensor,
+    decode_tensors,
     encode_tensor,
     pack_tensors,
     packb,
-    tensor_head,
-    unpack_in_place,
-    unpackb,
 )
 
 # SPEC 2.1's names, and an expert set's matrices' (its name, up to 128 characters, then .w13 / .w2).
 _SET_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _NAME = re.compile(_SET_NAME.pattern + r"(\.w13|\.w2)?")  # a set's name, or its matrix's
-# Answers this large are decoded in place (msgpack's C decoder copies bins;
-# under this size that copy costs less than walking the body in Python).
-_IN_PLACE_FROM = 64 << 10
 
 
 @dataclass
@@ -291,30 +285,11 @@ def read_answer(call: Call, response: httpx.Response, request_id: str) -> Any:
 
 
 def decode_out(content: bytes | memoryview) -> WireTensor:
-    """The ``out`` tensor of a gemm answer, as a view on ``content``.
-
-    An answer whose bytes up to the data equal those of an answer of the same
-    length decoded before (the same dtype and shape: most calls) is not decoded
-    again; the first of each is decoded in full, and anything else -- another
-    layout, a malformed body -- takes that same way, with its errors.
-    """
-    size = len(content)
-    known = OUT_HEADS.get(size)
-    if known is not None:
-        head, dtype, shape = known
-        if content[:len(head)] == head:
-            return WireTensor(dtype, shape, memoryview(content)[len(head):])
-    # A large answer's tensor stays where it was received (a view, no copy).
-    body = unpack_in_place(content) if size >= _IN_PLACE_FROM else unpackb(content)
-    out = decode_tensor(body["out"])
-    head = b"\x81" + tensor_head("out", out.dtype, list(out.shape), out.nbytes)
-    if len(head) + out.nbytes == size and content[:len(head)] == head and len(OUT_HEADS) < 4096:
-        OUT_HEADS[size] = (head, out.dtype, out.shape)
-    return out
-
-
-# Gemm answers seen, by length: the bytes before their data, its dtype and shape.
-OUT_HEADS: dict[int, tuple[bytes, str, tuple[int, ...]]] = {}
+    """The ``out`` tensor of a gemm answer, checked, as a view on ``content`` (no copy)."""
+    tensors = decode_tensors(content)
+    if tensors.keys() != {"out"}:
+        raise ValueError(f"the answer holds {sorted(tensors)!r:.200}; expected ['out']")
+    return tensors["out"]
 
 
 def _to_torch(out, like: Any) -> Any:

@@ -15,17 +15,18 @@ import reprlib
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import ml_dtypes
 import msgpack
+import msgspec
 import numpy as np
 
 from ._errors import ArgumentDtype, BadDtype, BadMsgpack, BadTensor
 
 __all__ = [
-    "DTYPES", "WireTensor", "decode_tensor", "encode_tensor", "pack_tensors",
-    "packb", "tensor_head", "unpack_in_place", "unpackb",
+    "DTYPES", "WireTensor", "check_tensor", "decode_tensors", "encode_tensor", "error_path",
+    "pack_tensors", "packb", "refusal", "tensor_head", "unpackb",
 ]
 
 DTYPES: dict[str, np.dtype] = {
@@ -42,8 +43,6 @@ DTYPES: dict[str, np.dtype] = {
 # chosen to equal them, so the lookup needs no torch at import time.
 _TORCH_NAMES = tuple(DTYPES)
 
-_TENSOR_KEYS = frozenset(("dtype", "shape", "data"))
-
 # Our bodies are a few small maps around big bins: these bounds refuse
 # pathological nesting and huge containers before they cost memory. Bins are
 # bounded by the body itself (and by the server's body limit).
@@ -52,15 +51,16 @@ _MAX_ARRAY_LEN = 1 << 16
 _MAX_MAP_LEN = 1 << 12
 
 
-@dataclass(frozen=True)
-class WireTensor:
-    """A validated tensor map: its dtype name, shape and raw little-endian bytes.
+class WireTensor(msgspec.Struct, forbid_unknown_fields=True):
+    """A tensor map of SPEC 2 as decoded: its dtype name, shape and raw little-endian bytes.
 
-    ``data`` is a byte-format memoryview on the decoded body, not a copy.
+    ``data`` is a byte-format memoryview on the decoded body, not a copy. A schema
+    takes only the map's form (exactly these three keys, shape a list of non-negative
+    ints, data bin); :func:`check_tensor` checks the rest.
     """
 
     dtype: str
-    shape: tuple[int, ...]
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
     data: memoryview
 
     @property
@@ -71,6 +71,63 @@ class WireTensor:
     def numpy(self) -> np.ndarray:
         """A numpy view on ``data`` (zero-copy; read-only when the body is bytes)."""
         return np.frombuffer(self.data, dtype=DTYPES[self.dtype]).reshape(self.shape)
+
+
+_MAX_DIM = 1 << 63  # torch and numpy sizes are int64
+
+
+def check_tensor(t: WireTensor, name: str) -> int:
+    """Check what a schema cannot: a known dtype (BadDtype), data of exactly the shape's
+    bytes and dims an int64 layout can hold (BadTensor); return the element count."""
+    dtype = DTYPES.get(t.dtype)
+    if dtype is None:
+        raise BadDtype(f"{name}: dtype {t.dtype!r:.100} is not one of {sorted(DTYPES)}")
+    count = math.prod(t.shape)
+    want = count * dtype.itemsize
+    if t.data.nbytes != want:
+        raise BadTensor(f"{name}: data holds {t.data.nbytes} bytes; {t.dtype} "
+                        f"{t.shape!r:.200} needs {want}")
+    # Data that holds count > 0 elements bounds every dim by count; only an empty
+    # tensor can name huge dims, and torch lays out even that one: its dims and
+    # strides must fit int64 (the product of its non-zero dims bounds them all).
+    if count == 0 and math.prod(max(d, 1) for d in t.shape) >= _MAX_DIM:
+        raise BadTensor(f"{name}: shape {t.shape!r:.200} is too large to lay out")
+    return count
+
+
+def error_path(exc: msgspec.MsgspecError) -> str:
+    """Where in a body msgspec found ``exc`` (``$.x.dtype``); ``$`` for the body itself."""
+    message = str(exc)
+    return message.rpartition(" - at `")[2].rstrip("`") if " - at `" in message else "$"
+
+
+def refusal(exc: msgspec.MsgspecError) -> BadMsgpack | BadDtype | BadTensor:
+    """SPEC 2.2's error for a body a tensor schema refused: bytes that are not one msgpack
+    map (bad_msgpack), a tensor's dtype not a string (bad_dtype), any other malformed
+    tensor map (bad_tensor)."""
+    path = error_path(exc)
+    if not isinstance(exc, msgspec.ValidationError) or path == "$":
+        return BadMsgpack(f"the body is not one msgpack map: {exc}")
+    if path.endswith(".dtype"):
+        return BadDtype(f"dtype is one of {sorted(DTYPES)}: {exc}")
+    return BadTensor(f"a tensor is a map {{dtype, shape, data}} with shape a list of "
+                     f"non-negative ints and data bin: {exc}")
+
+
+_TENSORS = msgspec.msgpack.Decoder(dict[str, WireTensor])
+
+
+def decode_tensors(body: bytes | bytearray | memoryview) -> dict[str, WireTensor]:
+    """A body that is one map of tensors (a gemm answer: ``{"out": T}``), each checked, every
+    ``data`` a view on ``body``; :func:`refusal`'s errors and :func:`check_tensor`'s. A
+    repeated key is not refused here: the last is kept (the server's schemas refuse it)."""
+    try:
+        tensors = _TENSORS.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise refusal(exc) from None
+    for name, t in tensors.items():
+        check_tensor(t, name)
+    return tensors
 
 
 def _torch_tensor(a: Any):
@@ -137,45 +194,6 @@ def _bytes_view(arr: np.ndarray) -> memoryview:
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     return memoryview(arr.reshape(-1).view(np.uint8)).toreadonly()
-
-
-def decode_tensor(obj: Any) -> WireTensor:
-    """Validate a decoded tensor map and wrap it without copying its bytes.
-
-    Raises BadTensor for a map that is not exactly {dtype, shape, data}, a shape
-    that is not a list of non-negative ints, or data that is not bin of exactly
-    ``prod(shape) * itemsize`` bytes; BadDtype for a dtype name outside SPEC 2.
-    """
-    if not isinstance(obj, dict):
-        raise BadTensor(f"a tensor is a map {{dtype, shape, data}}, got {type(obj).__name__}")
-    if obj.keys() != _TENSOR_KEYS:
-        keys = set(obj)
-        missing = sorted(_TENSOR_KEYS - keys)
-        extra = sorted(map(repr, keys - _TENSOR_KEYS))
-        raise BadTensor(
-            f"a tensor map has exactly the keys dtype, shape, data; missing {missing}, "
-            f"unknown {extra}"
-        )
-    name = obj["dtype"]
-    if not isinstance(name, str) or name not in DTYPES:
-        raise BadDtype(f"dtype {name!r:.100} is not one of {sorted(DTYPES)}")
-    shape = obj["shape"]
-    if not isinstance(shape, (list, tuple)) or not all(
-        type(d) is int and d >= 0
-        for d in shape  # bool is an int subclass: refused
-    ):
-        raise BadTensor(f"shape must be a list of non-negative ints, got {shape!r:.200}")
-    data = obj["data"]
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise BadTensor(f"data must be bin, got {type(data).__name__}")
-    view = memoryview(data)
-    if not view.c_contiguous:
-        raise BadTensor("data must be one contiguous buffer")
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    expected = math.prod(shape) * DTYPES[name].itemsize
-    if view.nbytes != expected:
-        raise BadTensor(f"data holds {view.nbytes} bytes; {name} {list(shape)} needs {expected}")
-    return WireTensor(name, tuple(shape), view)
 
 
 def packb(obj: Any) -> bytes:
@@ -269,140 +287,9 @@ def unpackb(body: bytes | bytearray | memoryview) -> dict:
     return obj
 
 
-# -- zero-copy forms: large bodies as parts, large bins as views ---------------------
+# -- zero-copy forms: large bodies as parts ----------------------------------------------
 
-# Nesting deeper than this is left to unpackb (our bodies are three levels deep).
-_MAX_DEPTH = 16
-
-_U8, _U16, _U32, _U64 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
-_I8, _I16, _I32, _I64 = struct.Struct(">b"), struct.Struct(">h"), struct.Struct(">i"), struct.Struct(">q")
-_F32, _F64 = struct.Struct(">f"), struct.Struct(">d")
-
-
-class _Unusual(Exception):
-    """Not a plain valid body: let the standard decoder decide."""
-
-
-class _Reader:
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-        self.pos = 0
-
-    def take(self, n: int) -> memoryview:
-        end = self.pos + n
-        if end > len(self.view):
-            raise _Unusual
-        out = self.view[self.pos:end]
-        self.pos = end
-        return out
-
-    def num(self, fmt: struct.Struct):
-        end = self.pos + fmt.size
-        if end > len(self.view):
-            raise _Unusual
-        value = fmt.unpack_from(self.view, self.pos)[0]
-        self.pos = end
-        return value
-
-    def value(self, depth: int) -> Any:
-        if depth > _MAX_DEPTH:
-            raise _Unusual
-        b = self.num(_U8)
-        if b <= 0x7F:
-            return b
-        if b >= 0xE0:
-            return b - 0x100
-        if 0x80 <= b <= 0x8F:
-            return self.map(b & 0x0F, depth)
-        if 0x90 <= b <= 0x9F:
-            return self.array(b & 0x0F, depth)
-        if 0xA0 <= b <= 0xBF:
-            return self.str(b & 0x1F)
-        if b == 0xC0:
-            return None
-        if b == 0xC2:
-            return False
-        if b == 0xC3:
-            return True
-        if b == 0xC4:
-            return self.take(self.num(_U8))
-        if b == 0xC5:
-            return self.take(self.num(_U16))
-        if b == 0xC6:
-            return self.take(self.num(_U32))
-        simple = _SCALARS.get(b)
-        if simple is not None:
-            return self.num(simple)
-        if b == 0xD9:
-            return self.str(self.num(_U8))
-        if b == 0xDA:
-            return self.str(self.num(_U16))
-        if b == 0xDB:
-            return self.str(self.num(_U32))
-        if b == 0xDC:
-            return self.array(self.num(_U16), depth)
-        if b == 0xDD:
-            return self.array(self.num(_U32), depth)
-        if b == 0xDE:
-            return self.map(self.num(_U16), depth)
-        if b == 0xDF:
-            return self.map(self.num(_U32), depth)
-        raise _Unusual  # ext types and the unused byte 0xC1
-
-    def str(self, n: int) -> str:
-        if n > _MAX_STR_LEN:
-            raise _Unusual
-        try:
-            return str(self.take(n), "utf-8")
-        except UnicodeDecodeError:
-            raise _Unusual from None
-
-    def array(self, n: int, depth: int) -> list:
-        if n > _MAX_ARRAY_LEN:
-            raise _Unusual
-        return [self.value(depth + 1) for _ in range(n)]
-
-    def map(self, n: int, depth: int) -> dict:
-        if n > _MAX_MAP_LEN:
-            raise _Unusual
-        out: dict = {}
-        for _ in range(n):
-            key = self.value(depth + 1)
-            if not isinstance(key, str) or key in out:
-                raise _Unusual
-            out[key] = self.value(depth + 1)
-        return out
-
-
-_SCALARS = {
-    0xCA: _F32, 0xCB: _F64, 0xCC: _U8, 0xCD: _U16, 0xCE: _U32, 0xCF: _U64,
-    0xD0: _I8, 0xD1: _I16, 0xD2: _I32, 0xD3: _I64,
-}
-
-
-
-def unpack_in_place(body: bytes | bytearray | memoryview) -> dict:
-    """``unpackb``, but every bin is a memoryview on ``body`` instead of a bytes copy.
-
-    Walks only the plain types our bodies use (maps, arrays, str, bin, ints,
-    floats, nil, bools) and only fully valid input: anything else --
-    truncation, ext types, duplicate or non-string keys, oversize containers,
-    bad UTF-8 -- is handed to ``unpackb``, which raises exactly the error the
-    contract names (non-string keys it decodes). Used for large bodies (the
-    server's requests, the client's answers): their tensor bytes are then never
-    copied on the host.
-    """
-    view = memoryview(body)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    reader = _Reader(view)
-    try:
-        obj = reader.value(0)
-        if isinstance(obj, dict) and reader.pos == len(view):
-            return obj
-    except _Unusual:
-        pass
-    return unpackb(body)
+_U8, _U16, _U32 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I")
 
 
 # Bins at least this large go out as their own part (a view, not a copy; _calls._packed).

@@ -32,9 +32,7 @@ def array_body_parts(key: str, raw, dtype: str, shape: tuple[int, ...]) -> list:
         header = b"".join((
             b"\x81", _str(key), b"\x83",
             _str("dtype"), _str(dtype),
-            # Dims as packb writes them (the shortest form): the client recognises an
-            # answer head it has seen by its bytes (``_calls.decode_out``), and
-            # skips decoding it again only when they are packb's.
+            # Dims as packb writes them (the shortest form).
             _str("shape"), bytes([0x90 | len(shape)]), *(packb(int(d)) for d in shape),
             _str("data"), bin_header(data.nbytes),
         ))

@@ -29,7 +29,6 @@ fixes no order among a body's faults, only the code each fault gets.
 
 from __future__ import annotations
 
-import math
 import struct
 import time
 from collections.abc import Callable
@@ -45,10 +44,9 @@ from moegemm.client._errors import (
     BadMSizes,
     BadRouting,
     BadShape,
-    BadTensor,
     TooLarge,
 )
-from moegemm.client._wire import DTYPES, unpackb
+from moegemm.client._wire import WireTensor, check_tensor, error_path, refusal, unpackb
 
 from .config import shown
 
@@ -59,7 +57,6 @@ FLOAT_NAMES = ("bfloat16", "float16", "float32")
 SIZE_DTYPES = {"int64": np.dtype("<i8"), "int32": np.dtype("<i4")}
 ID_DTYPES = ("int32", "int64")
 
-_MAX_DIM = 1 << 63  # torch sizes are int64
 _MAX, _ADD = np.maximum, np.add  # their reduce, without ndarray.max's Python wrapper
 
 # Up to this many groups, m_sizes are judged as Python ints (struct-unpacked): numpy's
@@ -68,14 +65,6 @@ _MAX, _ADD = np.maximum, np.add  # their reduce, without ndarray.max's Python wr
 _PY_SIZES_MAX_G = 96
 _SIZE_FORMATS = {"int64": "q", "int32": "i"}
 _SIZE_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
-
-
-class WireTensor(msgspec.Struct, forbid_unknown_fields=True):
-    """A tensor map of SPEC 2 as decoded: ``data`` is a view into the body."""
-
-    dtype: str
-    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
-    data: memoryview
 
 
 class GemmBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -249,19 +238,12 @@ def _diagnose(body, exc: Exception, schema: _Schema) -> Exception:
     problem = field_problem(obj.keys(), schema.required, schema.optional)
     if problem is not None:
         return problem
-    message = str(exc)
-    path = message.rpartition(" - at `")[2].rstrip("`") if " - at `" in message else "$"
-    if not isinstance(exc, msgspec.ValidationError) or path == "$":  # (unpackb took it)
-        return BadMsgpack(f"the body is not one msgpack map: {message}")
-    name = path.removeprefix("$.").partition(".")[0].partition("[")[0]
+    name = error_path(exc).removeprefix("$.").partition(".")[0].partition("[")[0]
     if name in schema.plain:
-        return BadField(f"{name}: {message}")
+        return BadField(f"{name}: {exc}")
     if schema.by_name and isinstance(obj.get(name), str):
         return BadField(f"{name} is a tensor; {schema.by_name}")
-    if path.endswith(".dtype"):
-        return BadDtype(f"dtype is one of {sorted(DTYPES)}: {message}")
-    return BadTensor(f"a tensor is a map {{dtype, shape, data}} with shape a list of "
-                     f"non-negative ints and data bin: {message}")
+    return refusal(exc)
 
 
 @dataclass(eq=False)  # identity, not field-wise comparison, in queues and batches
@@ -340,25 +322,6 @@ class MoeCall:
     @property
     def out_shape(self) -> tuple[int, int]:
         return self.tokens, self.ws.H
-
-
-def check_tensor(t: WireTensor, name: str) -> int:
-    """Check what msgspec cannot: a known dtype, byte count and torch-sized dims;
-    return the element count."""
-    dtype = DTYPES.get(t.dtype)
-    if dtype is None:
-        raise BadDtype(f"{name}: dtype {t.dtype!r:.100} is not one of {sorted(DTYPES)}")
-    count = math.prod(t.shape)
-    want = count * dtype.itemsize
-    if t.data.nbytes != want:
-        raise BadTensor(f"{name}: data holds {t.data.nbytes} bytes; {t.dtype} {shown(t.shape)} "
-                        f"needs {want}")
-    # Data that holds count > 0 elements bounds every dim by count; only an empty
-    # tensor can name huge dims, and torch lays out even that one: its dims and
-    # strides must fit int64 (the product of its non-zero dims bounds them all).
-    if count == 0 and math.prod(max(d, 1) for d in t.shape) >= _MAX_DIM:
-        raise BadTensor(f"{name}: shape {shown(t.shape)} is too large to lay out")
-    return count
 
 
 def _bytes(view: memoryview) -> memoryview:

@@ -15,7 +15,7 @@ import torch
 import uvicorn
 import uvloop
 from moegemm.client._client import DEFAULT_LOAD_TIMEOUT
-from moegemm.client._wire import decode_tensor, encode_tensor, packb, unpackb
+from moegemm.client._wire import decode_tensors, encode_tensor, packb, unpackb
 from moegemm.server import Settings, create_app
 
 MSGPACK = {"content-type": "application/vnd.msgpack"}
@@ -161,7 +161,7 @@ def out_of(response: httpx.Response) -> torch.Tensor:
     """The ``out`` tensor of a gemm answer, as a torch bf16 tensor."""
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "application/vnd.msgpack"
-    wire = decode_tensor(unpackb(response.content)["out"])
+    wire = decode_tensors(response.content)["out"]
     assert wire.dtype == "bfloat16"
     return torch.from_numpy(wire.numpy().view("<i2").copy()).view(torch.bfloat16)
 

@@ -294,9 +294,9 @@ def test_uploads_read_in_place_leave_no_warning_in_the_log():
 
     script = (
         "import numpy as np\n"
-        "from moegemm.client._wire import decode_tensor, encode_tensor\n"
+        "from moegemm.client._wire import decode_tensors, encode_tensor, packb\n"
         "from moegemm.server._tensors import to_torch\n"
-        "wire = decode_tensor(encode_tensor(np.zeros((2, 128), np.float32)))\n"
+        "wire = decode_tensors(packb({{'t': encode_tensor(np.zeros((2, 128), np.float32))}}))['t']\n"
         "assert wire.data.readonly\n"
         "if {app}:\n"
         "    from moegemm.server import Settings, create_app\n"
