@@ -172,10 +172,12 @@ def decode_experts(body: bytes | bytearray | memoryview) -> ExpertsBody | Checkp
 
 def _keys(body) -> dict:
     """The top-level fields of a body that is one map of string keys, else none (the
-    tensor form's decoder then refuses it with the contract's error)."""
+    tensor form's decoder then refuses it with the contract's error). Raw spans are
+    walked to their end, so a value nested past the interpreter's recursion limit
+    raises RecursionError here (a typed schema stops at its first wrong type)."""
     try:
         return _SPANS.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return {}
 
 

@@ -211,6 +211,20 @@ def test_any_bytes_to_every_endpoint(srv, body):
     check_base_untouched(srv)
 
 
+@pytest.mark.parametrize("key", ["w", "file", "w13", "checkpoint", "x"])
+def test_values_nested_deeper_than_the_recursion_limit(srv, key):
+    """The session 47 probe's 500: an upload whose value nests 967 arrays deep (the form's key
+    lookup hit Python's recursion limit). Every endpoint answers 400, and nothing changes."""
+    for depth in (967, 5000):
+        body = b"\x81" + packb(key) + b"\x91" * depth + b"\xc0"
+        for r in (srv.http.put("/v1/weights/deep", content=body, headers=MSGPACK),
+                  srv.http.put("/v1/experts/deep", content=body, headers=MSGPACK),
+                  srv.http.post("/v1/weights/base/gemm", content=body, headers=MSGPACK)):
+            assert r.status_code == 400, (key, depth, r.status_code, r.text)
+            check_answer(r)
+    check_base_untouched(srv)
+
+
 @FUZZ
 @given(bodies(["x", "x_scale", "m_sizes"]))
 def test_msgpack_maps_to_gemm(srv, body):

@@ -238,3 +238,15 @@ def test_expert_uploads_decode_or_get_their_code(body, error):
         return
     with pytest.raises(error):
         decode_experts(packb(body))
+
+
+@pytest.mark.parametrize("decode", [decode_weights, decode_experts, decode_gemm])
+@pytest.mark.parametrize("key", ["w", "file", "checkpoint", "x"])
+@pytest.mark.parametrize("depth", [900, 5000, 100_000])
+def test_values_nested_past_the_recursion_limit_are_refused(decode, key, depth):
+    """Found by the session 47 probe: an upload of {"w": [[[...nil]]]} 967 deep answered 500
+    (the form's key lookup walked it to Python's recursion limit); every body is a 400."""
+    body = b"\x81" + packb(key) + b"\x91" * depth + b"\xc0"
+    with pytest.raises(APIError) as info:
+        decode(body)
+    assert info.value.status == 400
