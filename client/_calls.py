@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import numpy as np
 
 from ._errors import APIError, ArgumentDtype, BadMSizes, BadName, InternalError, error_for
 from ._media import MSGPACK_TYPES
+from ._names import gemm_name_problem, name_problem
 from ._wire import (
     _PART_FROM,
     WireTensor,
@@ -28,10 +28,6 @@ from ._wire import (
     pack_tensors,
     packb,
 )
-
-# SPEC 2.1's names, and an expert set's matrices' (its name, up to 128 characters, then .w13 / .w2).
-_SET_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_NAME = re.compile(_SET_NAME.pattern + r"(\.w13|\.w2)?")  # a set's name, or its matrix's
 
 
 @dataclass
@@ -64,14 +60,10 @@ def budget(deadline: float | None) -> float | None:
 def weights_path(name: str) -> str:
     # Refused here because no server can answer it well: ASGI servers decode
     # %2F before routing, so "a/b" would reach a route-level 404, not bad_name.
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise BadName(f"weight-set name {name!r:.200} does not match [A-Za-z0-9._-]{{1,128}}")
-    return "/v1/weights/" + _quoted(name)
-
-
-def _quoted(name: str) -> str:
-    # "." and ".." are valid names but dot segments in a URL: spell the dots.
-    return name.replace(".", "%2E") if name in (".", "..") else name
+    problem = gemm_name_problem(name)
+    if problem is not None:
+        raise BadName(problem)
+    return "/v1/weights/" + name
 
 
 def _m_sizes_int64(m_sizes: Any) -> Any:
@@ -131,11 +123,11 @@ def load_file_call(
 
 
 def experts_path(name: str) -> str:
-    # As weights_path: SPEC 2.1's names, up to 128 characters (its matrices' names,
-    # "{name}.w13" and "{name}.w2", may run to 132: weights_path takes them).
-    if not isinstance(name, str) or not _SET_NAME.fullmatch(name):
-        raise BadName(f"expert-set name {name!r:.200} does not match [A-Za-z0-9._-]{{1,128}}")
-    return "/v1/experts/" + _quoted(name)
+    # As weights_path, with expert-set names (up to 128 characters).
+    problem = name_problem(name, "expert-set")
+    if problem is not None:
+        raise BadName(problem)
+    return "/v1/experts/" + name
 
 
 def _like(x: Any) -> Any:

@@ -10,32 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 from moegemm.client._media import MSGPACK
-from moegemm.client._wire import bin_header, packb
+from moegemm.client._wire import tensor_head
 from starlette.responses import Response
-
-
-def _str(s: str) -> bytes:
-    raw = s.encode()
-    return bytes([0xA0 | len(raw)]) + raw  # our keys and dtype names are < 32 bytes
 
 
 def array_body_parts(key: str, raw, dtype: str, shape: tuple[int, ...]) -> list:
     """``{key: {"dtype", "shape", "data"}}`` as msgpack: a header, then the tensor's bytes
     (``raw``: a contiguous numpy array of any shape whose memory is the data; the second
     part, not copied), with its wire dtype name and shape."""
-    if len(shape) >= 16:
-        raise ValueError("tensor has too many dimensions for a fixarray shape")
     data = memoryview(raw.reshape(-1).view(np.uint8))  # contiguous: a view, never a copy
     key_of = (key, dtype, shape)
     header = _HEADERS.get(key_of)
     if header is None:
-        header = b"".join((
-            b"\x81", _str(key), b"\x83",
-            _str("dtype"), _str(dtype),
-            # Dims as packb writes them (the shortest form).
-            _str("shape"), bytes([0x90 | len(shape)]), *(packb(int(d)) for d in shape),
-            _str("data"), bin_header(data.nbytes),
-        ))
+        header = b"\x81" + tensor_head(key, dtype, [int(d) for d in shape], data.nbytes)
         if len(_HEADERS) < 4096:  # answers come in few shapes; never grow without bound
             _HEADERS[key_of] = header
     return [header, data]

@@ -72,7 +72,7 @@ class GemmBody(msgspec.Struct, forbid_unknown_fields=True):
 
     x: WireTensor
     m_sizes: WireTensor
-    x_scale: WireTensor | None | msgspec.UnsetType = msgspec.UNSET  # nil: absent
+    x_scale: WireTensor | None = None  # nil or absent: none
 
 
 class MoeBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -81,18 +81,14 @@ class MoeBody(msgspec.Struct, forbid_unknown_fields=True):
     x: WireTensor
     topk_ids: WireTensor
     topk_weights: WireTensor
-    x_scale: WireTensor | None | msgspec.UnsetType = msgspec.UNSET  # nil: absent
-
-
-_Absent = msgspec.UnsetType
-_ABSENT = msgspec.UNSET
+    x_scale: WireTensor | None = None
 
 
 class WeightsBody(msgspec.Struct, forbid_unknown_fields=True):
     """``PUT /v1/weights/{name}`` with tensors: ``{"w", "w_scale"?}``."""
 
     w: WireTensor
-    w_scale: WireTensor | None | _Absent = _ABSENT  # nil: absent
+    w_scale: WireTensor | None = None
 
 
 class WeightsFileBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -101,7 +97,7 @@ class WeightsFileBody(msgspec.Struct, forbid_unknown_fields=True):
 
     file: str
     w: str
-    w_scale: str | None | _Absent = _ABSENT
+    w_scale: str | None = None
 
 
 class ExpertsBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -109,8 +105,8 @@ class ExpertsBody(msgspec.Struct, forbid_unknown_fields=True):
 
     w13: WireTensor
     w2: WireTensor
-    w13_scale: WireTensor | None | _Absent = _ABSENT
-    w2_scale: WireTensor | None | _Absent = _ABSENT
+    w13_scale: WireTensor | None = None
+    w2_scale: WireTensor | None = None
 
 
 class CheckpointBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -124,30 +120,36 @@ class CheckpointBody(msgspec.Struct, forbid_unknown_fields=True):
 class _Schema:
     decoder: msgspec.msgpack.Decoder
     required: tuple[str, ...]
-    optional: tuple[str, ...] = ("x_scale",)
+    optional: tuple[str, ...]
+    # The tensor fields, in the order their own checks run (check_tensor).
+    tensors: tuple[str, ...] = ()
     # Fields that are not tensors (names, a layer): a wrong value there is bad_field.
     plain: tuple[str, ...] = ()
     # For a tensor form, what to send to name tensors instead (a string given for a tensor).
     by_name: str = ""
 
 
-_GEMM = _Schema(msgspec.msgpack.Decoder(GemmBody), ("m_sizes", "x"))
-_MOE = _Schema(msgspec.msgpack.Decoder(MoeBody), ("topk_ids", "topk_weights", "x"))
+_GEMM = _Schema(msgspec.msgpack.Decoder(GemmBody), ("m_sizes", "x"), ("x_scale",),
+                tensors=("x", "x_scale", "m_sizes"))
+_MOE = _Schema(msgspec.msgpack.Decoder(MoeBody), ("topk_ids", "topk_weights", "x"), ("x_scale",),
+               tensors=("x", "x_scale", "topk_ids", "topk_weights"))
 _WEIGHTS = _Schema(msgspec.msgpack.Decoder(WeightsBody), ("w",), ("w_scale",),
+                   tensors=("w", "w_scale"),
                    by_name="to name a tensor in a file, send 'file' too")
 _WEIGHTS_FILE = _Schema(msgspec.msgpack.Decoder(WeightsFileBody), ("file", "w"), ("w_scale",),
                         plain=("file", "w", "w_scale"))
 _EXPERTS = _Schema(msgspec.msgpack.Decoder(ExpertsBody), ("w13", "w2"),
-                   ("w13_scale", "w2_scale"),
+                   ("w13_scale", "w2_scale"), tensors=("w13", "w13_scale", "w2", "w2_scale"),
                    by_name="to load from a checkpoint, send {'checkpoint', 'layer'}")
 _CHECKPOINT = _Schema(msgspec.msgpack.Decoder(CheckpointBody), ("checkpoint", "layer"), (),
                       plain=("checkpoint", "layer"))
 
 
 def decode_gemm(body: bytes | bytearray | memoryview) -> GemmBody:
-    """A gemm or ffn body as a :class:`GemmBody` (bins as views into ``body``), or the
-    contract's error: bad_msgpack for bytes that are not one msgpack map, bad_field
-    for a missing or unknown field, bad_tensor / bad_dtype for a malformed tensor map."""
+    """A gemm or ffn body as a :class:`GemmBody` (bins as views into ``body``, each tensor
+    checked: :func:`check_tensor`), or the contract's error: bad_msgpack for bytes that are
+    not one msgpack map, bad_field for a missing or unknown field, bad_tensor / bad_dtype
+    for a malformed tensor map. An optional field sent as nil is absent (None)."""
     return _decode(body, _GEMM)
 
 
@@ -187,17 +189,18 @@ def _decode(body, schema: _Schema):
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _diagnose(body, exc, schema) from None
     # msgspec keeps the last of repeated keys; the contract's maps have unique ones: the body
-    # has one entry per field it gave, each tensor map three (dtype, shape, data).
-    present = len(schema.required)
-    for name in schema.optional:
-        if getattr(decoded, name) is not _ABSENT:
-            present += 1
-    if _map_len(body) != present:
+    # has as many entries as distinct fields, each tensor map three (dtype, shape, data).
+    spans = _SPANS.decode(body)
+    if _map_len(body) != len(spans):
         raise BadMsgpack("the body's map repeats a key")
-    for name, span in _SPANS.decode(body).items():
+    for name, span in spans.items():
         entries = _map_len(memoryview(span))  # None: a string, a number or nil
         if entries is not None and entries != 3:
             raise BadMsgpack(f"the tensor map {name!r} repeats a key")
+    for name in schema.tensors:
+        tensor = getattr(decoded, name)
+        if tensor is not None:
+            check_tensor(tensor, name)
     return decoded
 
 
@@ -326,10 +329,6 @@ class MoeCall:
         return self.tokens, self.ws.H
 
 
-def _bytes(view: memoryview) -> memoryview:
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
 def gemm_call(body: GemmBody, weights: Callable[[], Any], *, max_m: int,
               deadline: float | None = None) -> GemmCall:
     """Check a decoded gemm body against SPEC 2.2 and the weight set ``weights()``
@@ -374,12 +373,7 @@ def _width_h(es) -> tuple[int, str]:
 
 def _rows_call(body: GemmBody, target: Callable[[], Any], max_m: int, width):
     """SPEC 2.2's checks of a gemm/ffn body: ``(set, M, x dtype, x, x_scale, sizes)``."""
-    x, m_sizes = body.x, body.m_sizes
-    x_scale = None if body.x_scale is msgspec.UNSET else body.x_scale
-    check_tensor(x, "x")
-    if x_scale is not None:
-        check_tensor(x_scale, "x_scale")
-    check_tensor(m_sizes, "m_sizes")
+    x, x_scale, m_sizes = body.x, body.x_scale, body.m_sizes
     ws = target()
     _x_dtype(x)
     if m_sizes.dtype not in SIZE_DTYPES:
@@ -396,7 +390,7 @@ def _rows_call(body: GemmBody, target: Callable[[], Any], max_m: int, width):
     if M > max_m:
         raise TooLarge(f"x has M={M} rows; this server takes at most {max_m} per call")
     _x_scale(x, x_scale, M, "M")
-    return ws, M, x.dtype, _bytes(x.data), None if x_scale is None else _bytes(x_scale.data), \
+    return ws, M, x.dtype, x.data, None if x_scale is None else x_scale.data, \
         _sizes(m_sizes, M)
 
 
@@ -436,12 +430,7 @@ def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k
     max_top_k`` (what one launch holds for one token), 413 beyond. ``k > G`` is
     ``bad_routing`` (k distinct experts of G cannot be; ``bad_shape`` with no token);
     the ids and weights themselves are checked on the device."""
-    x, ids, weights = body.x, body.topk_ids, body.topk_weights
-    x_scale = None if body.x_scale is msgspec.UNSET else body.x_scale
-    for t, name in ((x, "x"), (x_scale, "x_scale"), (ids, "topk_ids"),
-                    (weights, "topk_weights")):
-        if t is not None:
-            check_tensor(t, name)
+    x, x_scale, ids, weights = body.x, body.x_scale, body.topk_ids, body.topk_weights
     es = experts()
     _x_dtype(x)
     if ids.dtype not in ID_DTYPES:
@@ -474,9 +463,8 @@ def moe_call(body: MoeBody, experts: Callable[[], Any], *, max_m: int, max_top_k
                        f"(its largest bucket)")
     _x_scale(x, x_scale, T, "T")
     _answer_fits(T, es.H)
-    return MoeCall(es, T, k, x.dtype, _bytes(x.data),
-                   None if x_scale is None else _bytes(x_scale.data),
-                   ids.dtype, _bytes(ids.data), _bytes(weights.data), deadline)
+    return MoeCall(es, T, k, x.dtype, x.data, None if x_scale is None else x_scale.data,
+                   ids.dtype, ids.data, weights.data, deadline)
 
 
 def _x_dtype(x: WireTensor) -> None:

@@ -23,7 +23,7 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def to_torch(wire) -> torch.Tensor:
-    """A CPU torch view of a checked wire tensor (``_request.check_tensor``: a known dtype,
+    """A CPU torch view of a checked wire tensor (``_wire.check_tensor``: a known dtype,
     its bytes exactly the shape's, dims torch can lay out), no copy; do not write to it.
 
     The body's bytes are immutable, so torch warns once per process that the

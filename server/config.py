@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple
 
+from moegemm.client._names import name_problem
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -22,26 +23,11 @@ MiB = 1 << 20
 _PRELOAD_RE = re.compile(r"(?P<name>[^=]+)=(?P<file>[^:]+):(?P<w>[^:]+)(?::(?P<w_scale>[^:]+))?")
 
 
-_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
-
-
 def shown(value: object, limit: int = 200) -> str:
     """``repr(value)``, cut to about ``limit`` characters: client input in messages
     and logs stays small whatever its size."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def name_problem(name: object) -> str | None:
-    """What is wrong with ``name`` as a weight-set name (SPEC 2.1), or None: the one rule the store
-    (400 ``bad_name``) and the preload settings (refused at start) apply."""
-    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
-        return f"weight-set name {shown(name)} must match [A-Za-z0-9._-]{{1,128}}"
-    if name in (".", ".."):
-        # They match the pattern, but name no resource in a URL path (clients and
-        # proxies resolve /v1/weights/.. to /v1/).
-        return f"weight-set name {name!r} is a path step, not a name"
-    return None
 
 
 class PreloadEntry(NamedTuple):

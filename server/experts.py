@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 
 import torch
 from moegemm.client._errors import BadField, BadName, BadShape, NoSuchWeights
+from moegemm.client._names import gemm_name_problem, name_problem
 
 from ._tensors import (
     BLOCK,
@@ -31,8 +32,7 @@ from ._tensors import (
     require_positive_finite_scales,
     require_shape,
 )
-from .config import name_problem
-from .store import WeightSet, WeightStore, _MemoryGroups, check_name, set_bytes
+from .store import WeightSet, WeightStore, _MemoryGroups, set_bytes
 
 log = logging.getLogger("moegemm.server.experts")
 
@@ -40,18 +40,20 @@ def check_expert_name(name: str) -> str:
     """Return ``name`` if it is a valid expert-set name (SPEC 2.1's rule, up to 128
     characters: its matrices' names run 4 past it, :func:`check_gemm_name`), else raise
     BadName."""
-    return check_name(name)
+    problem = name_problem(name, "expert-set")
+    if problem is not None:
+        raise BadName(problem)
+    return name
 
 
 def check_gemm_name(name: str) -> str:
     """Return ``name`` if the gemm endpoint may look it up: a weight-set name, or an expert
     set's matrix ``{name}.w13`` / ``{name}.w2`` (up to 132 characters for a 128-character
     expert set, SPEC 5), else raise BadName."""
-    stem, dot, matrix = name.rpartition(".")
-    if dot and matrix in ("w13", "w2") and name_problem(name) is not None and \
-            name_problem(stem) is None:
-        return name
-    return check_name(name)
+    problem = gemm_name_problem(name)
+    if problem is not None:
+        raise BadName(problem)
+    return name
 
 
 def matrix_names(name: str) -> tuple[str, str]:

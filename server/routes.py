@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
-import msgspec
 import torch
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -35,14 +34,7 @@ import moegemm
 from ._body import PartsResponse, array_body_parts
 from ._graphs import buckets_up_to
 from ._http_gate import media_problem, secrets_of, token_refusal
-from ._request import (
-    WeightsFileBody,
-    WireTensor,
-    check_tensor,
-    decode_gemm,
-    decode_weights,
-    gemm_call,
-)
+from ._request import WeightsFileBody, WireTensor, decode_gemm, decode_weights, gemm_call
 from ._tensors import WIRE_NAMES, to_torch
 from .config import Settings
 from .engine import Engine
@@ -150,13 +142,10 @@ async def read_body(request: Request, limit: int) -> bytes | memoryview:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def upload_tensor(t: WireTensor | None | msgspec.UnsetType, name: str) -> torch.Tensor | None:
-    """An upload's tensor field, checked (SPEC 2), as a CPU torch view of the body; None
+def upload_tensor(t: WireTensor | None) -> torch.Tensor | None:
+    """An upload's tensor field (checked by its schema) as a CPU torch view of the body; None
     for an optional field sent as nil or not at all."""
-    if not isinstance(t, WireTensor):
-        return None
-    check_tensor(t, name)
-    return to_torch(t)
+    return None if t is None else to_torch(t)
 
 
 def parse_deadline(raw: str | None) -> float | None:
@@ -320,15 +309,13 @@ async def put_weights(name: str, request: Request, svc: ServicesDep):
     _plain_name(svc, name)
     body = decode_weights(await read_body(request, svc.settings.max_body_bytes))
     if isinstance(body, WeightsFileBody):
-        file, w_key = body.file, body.w
-        scale_key = body.w_scale if isinstance(body.w_scale, str) else None
         # Opened here, off the engine's thread: a slow path (800 KB, a slow disk)
         # never holds up the calls the engine runs.
-        opened = await asyncio.to_thread(svc.store.resolve, file)
+        opened = await asyncio.to_thread(svc.store.resolve, body.file)
         ws, replaced = await install(
-            svc, lambda: svc.store.build_from_file(name, opened, w_key, scale_key))
+            svc, lambda: svc.store.build_from_file(name, opened, body.w, body.w_scale))
     else:
-        w, w_scale = upload_tensor(body.w, "w"), upload_tensor(body.w_scale, "w_scale")
+        w, w_scale = upload_tensor(body.w), upload_tensor(body.w_scale)
         ws, replaced = await install(svc, lambda: svc.store.build(name, w, w_scale))
     return JSONResponse(ws.describe(), status_code=200 if replaced else 201)
 

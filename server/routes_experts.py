@@ -101,9 +101,8 @@ async def put_experts(name: str, request: Request, svc: ServicesDep):
         def build():
             return experts.store.build_from_checkpoint(name, body.checkpoint, body.layer)
     else:
-        # Checked and viewed here, in the body's order, before anything is built.
-        w13, w13_scale, w2, w2_scale = (upload_tensor(getattr(body, key), key) for key in
-                                        ("w13", "w13_scale", "w2", "w2_scale"))
+        w13, w13_scale, w2, w2_scale = (upload_tensor(t) for t in
+                                        (body.w13, body.w13_scale, body.w2, body.w2_scale))
 
         def build():
             return experts.store.build(name, w13, w13_scale, w2, w2_scale)

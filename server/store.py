@@ -36,6 +36,7 @@ from moegemm.client._errors import (
     OutOfMemory,
     TooLarge,
 )
+from moegemm.client._names import name_problem
 from moegemm.kernels._backend import Backend
 
 from ._files import (
@@ -58,7 +59,7 @@ from ._tensors import (
     require_shape,
     to_backend_fp8,
 )
-from .config import name_problem, shown
+from .config import shown
 
 log = logging.getLogger("moegemm.server.store")
 

@@ -173,7 +173,7 @@ def test_unpackb_returns_a_map_or_raises_bad_msgpack(body):
 
 def _uploaded(obj):
     """``obj`` as an upload's tensor ``w``, through the server's schema: a torch view."""
-    return upload_tensor(decode_weights(packb({"w": obj})).w, "w")
+    return upload_tensor(decode_weights(packb({"w": obj})).w)
 
 
 @settings(max_examples=600, deadline=None)

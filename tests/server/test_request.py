@@ -32,7 +32,6 @@ from moegemm.server._request import (
     ExpertsBody,
     WeightsBody,
     WeightsFileBody,
-    check_tensor,
     decode_experts,
     decode_gemm,
     decode_weights,
@@ -200,9 +199,7 @@ def test_weight_uploads_decode_to_their_form(body, form):
 ])
 def test_weight_upload_refusals_get_their_code(body, error):
     with pytest.raises(error):
-        decoded = decode_weights(packb(body))
-        if isinstance(decoded, WeightsBody):
-            check_tensor(decoded.w, "w")
+        decode_weights(packb(body))
 
 
 def test_upload_bodies_repeating_a_key_are_bad_msgpack():
