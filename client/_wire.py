@@ -11,14 +11,11 @@ already imported by the caller (``sys.modules``), and crosses as raw bytes.
 from __future__ import annotations
 
 import math
-import reprlib
 import struct
 import sys
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import ml_dtypes
-import msgpack
 import msgspec
 import numpy as np
 
@@ -26,7 +23,7 @@ from ._errors import ArgumentDtype, BadDtype, BadMsgpack, BadTensor
 
 __all__ = [
     "DTYPES", "WireTensor", "check_tensor", "decode_tensors", "encode_tensor", "error_path",
-    "pack_tensors", "packb", "refusal", "tensor_head", "unpackb",
+    "pack_tensors", "packb", "refusal", "tensor_head",
 ]
 
 DTYPES: dict[str, np.dtype] = {
@@ -42,14 +39,6 @@ DTYPES: dict[str, np.dtype] = {
 # Torch dtypes by their attribute name on the torch module; the wire names are
 # chosen to equal them, so the lookup needs no torch at import time.
 _TORCH_NAMES = tuple(DTYPES)
-
-# Our bodies are a few small maps around big bins: these bounds refuse
-# pathological nesting and huge containers before they cost memory. Bins are
-# bounded by the body itself (and by the server's body limit).
-_MAX_STR_LEN = 1 << 20
-_MAX_ARRAY_LEN = 1 << 16
-_MAX_MAP_LEN = 1 << 12
-
 
 class WireTensor(msgspec.Struct, forbid_unknown_fields=True):
     """A tensor map of SPEC 2 as decoded: its dtype name, shape and raw little-endian bytes.
@@ -197,94 +186,12 @@ def _bytes_view(arr: np.ndarray) -> memoryview:
 
 
 def packb(obj: Any) -> bytes:
-    """Serialize a body (a map) to msgpack, bytes as bin and str as str."""
-    return msgpack.packb(obj, use_bin_type=True)
+    """Serialize a body (a map) to msgpack, bytes as bin and str as str, each value in its
+    shortest form (msgpack-python's ``packb(use_bin_type=True)`` bytes, in a third of the time)."""
+    return _ENCODER.encode(obj)
 
 
-def _refuse_ext(code: int, data: bytes) -> Any:
-    raise BadMsgpack(f"msgpack ext type {code} is not allowed")
-
-
-@dataclass(frozen=True)
-class OtherKey:
-    """A map key that is not a string (an int, a bin, ...): still one msgpack map, so a body's
-    non-string key is a field no endpoint knows (400 ``bad_field``) and a tensor map's makes it
-    malformed (``bad_tensor``), never ``bad_msgpack``. Equal as the key it holds (a container
-    key, unhashable, as its own object); shown cut, whatever the key's size."""
-
-    key: Any
-
-    def __repr__(self) -> str:
-        key = self.key
-        if isinstance(key, bytes):
-            head = repr(key[:40])
-            return head if len(key) <= 40 else f"{head}... ({len(key)} bytes)"
-        return reprlib.repr(key)
-
-
-def _other_key(key: Any) -> OtherKey:
-    try:
-        hash(key)
-    except TypeError:  # a map or an array as a key: only ever equal to itself
-        return OtherKey(_Opaque(key))
-    return OtherKey(key)
-
-
-@dataclass(frozen=True, eq=False)
-class _Opaque:
-    value: Any
-
-    def __repr__(self) -> str:
-        return reprlib.repr(self.value)
-
-
-def _pairs_to_dict(pairs: list) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if not isinstance(key, str):
-            key = _other_key(key)
-        if key in out:
-            raise BadMsgpack(f"duplicate map key {key!r:.100}")
-        out[key] = value
-    return out
-
-
-# What msgpack's FormatError and StackError leave unsaid (their messages are empty).
-_UNPACK_ERRORS = {
-    msgpack.exceptions.FormatError: "a byte that starts no msgpack value (0xC1, or garbage)",
-    msgpack.exceptions.StackError: "containers nested too deeply",
-}
-
-
-def unpackb(body: bytes | bytearray | memoryview) -> dict:
-    """Decode a body that must be exactly one msgpack map, else raise BadMsgpack.
-
-    Bins become bytes (the only copy of tensor data); keys must be unique (a non-string
-    one becomes an :class:`OtherKey`); ext types, invalid UTF-8, truncation and
-    trailing bytes are refused.
-    """
-    try:
-        obj = msgpack.unpackb(
-            body,
-            raw=False,
-            use_list=True,
-            strict_map_key=False,  # non-string keys: OtherKey
-            object_pairs_hook=_pairs_to_dict,
-            ext_hook=_refuse_ext,
-            max_str_len=_MAX_STR_LEN,
-            max_array_len=_MAX_ARRAY_LEN,
-            max_map_len=_MAX_MAP_LEN,
-            max_ext_len=0,  # every ext, the built-in timestamp (-1) included
-        )
-    except BadMsgpack:
-        raise
-    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
-        # ValueError covers ExtraData, FormatError, StackError and UnicodeDecodeError.
-        detail = _UNPACK_ERRORS.get(type(exc)) or str(exc) or type(exc).__name__
-        raise BadMsgpack(f"the body is not one msgpack map: {detail}") from exc
-    if not isinstance(obj, dict):
-        raise BadMsgpack(f"the body must be a msgpack map, got {type(obj).__name__}")
-    return obj
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 # -- zero-copy forms: large bodies as parts ----------------------------------------------

@@ -12,19 +12,19 @@ import os
 import struct
 from typing import Any
 
-import msgpack
+import msgspec
 
 _FRAME = struct.Struct("<II")
 
 
 def _frame(meta: dict, size: int) -> bytes:
-    packed = msgpack.packb(meta)
+    packed = msgspec.msgpack.encode(meta)
     return _FRAME.pack(len(packed), size) + packed
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> tuple[dict, bytes]:
     meta_size, size = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-    meta = msgpack.unpackb(await reader.readexactly(meta_size))
+    meta = msgspec.msgpack.decode(await reader.readexactly(meta_size))
     return meta, (await reader.readexactly(size) if size else b"")
 
 

@@ -46,8 +46,9 @@ from moegemm.client._errors import (
     BadShape,
     TooLarge,
 )
-from moegemm.client._wire import WireTensor, check_tensor, error_path, refusal, unpackb
+from moegemm.client._wire import WireTensor, check_tensor, error_path, refusal
 
+from ._unpack import unpackb
 from .config import shown
 
 BLOCK = 128

@@ -11,16 +11,22 @@ import uuid
 import httpx
 import ml_dtypes
 import moegemm.client as mc
+import msgspec
 import numpy as np
 import pytest
 from moegemm.client import APIError, AsyncClient, BadDtype, Client, TransportError
-from moegemm.client._wire import decode_tensors, encode_tensor, packb, unpackb
+from moegemm.client._wire import decode_tensors, encode_tensor, packb
 
 
 def decode_tensor(obj):
     """A tensor map of a request body (``unpackb``'s bins as bytes), checked as the wire
     decoder checks one."""
     return decode_tensors(packb({"t": obj}))["t"]
+
+
+def unpackb(content: bytes) -> dict:
+    """A request body as the fake server reads it: one msgpack map, bins as bytes."""
+    return msgspec.msgpack.decode(content)
 
 
 try:
@@ -203,7 +209,6 @@ def test_weights_accepts_an_envelope(fake, client):
 
 
 def test_a_checkpoint_layer_is_any_integer_and_nothing_else(fake, client):
-    from moegemm.client._wire import unpackb
 
     client.load_experts_checkpoint("e", "model", np.int64(3))
     assert unpackb(fake.requests[-1].content) == {"checkpoint": "model", "layer": 3}

@@ -52,11 +52,12 @@ def test_every_public_name_exists_and_is_public():
         assert obj.__doc__
 
 
-def test_imports_without_torch():
-    # sys.modules["torch"] = None makes any `import torch` raise ImportError.
+def test_imports_without_torch_or_msgpack():
+    # sys.modules["torch"] = None makes any `import torch` raise ImportError (msgpack likewise).
     code = (
         "import sys\n"
         "sys.modules['torch'] = None\n"
+        "sys.modules['msgpack'] = None  # a server dependency since session 47\n"
         "import numpy as np, ml_dtypes\n"
         "import moegemm.client as c\n"
         "from moegemm.client import _wire\n"
@@ -64,7 +65,7 @@ def test_imports_without_torch():
         "w = _wire.decode_tensors(_wire.packb({'t': t}))['t']\n"
         "assert w.numpy().shape == (2, 3)\n"
         "c.Client('http://127.0.0.1:1').close()\n"
-        "assert sys.modules['torch'] is None\n"
+        "assert sys.modules['torch'] is None and sys.modules['msgpack'] is None\n"
         "print('ok')\n"
     )
     proc = subprocess.run(

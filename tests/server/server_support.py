@@ -15,7 +15,7 @@ import torch
 import uvicorn
 import uvloop
 from moegemm.client._client import DEFAULT_LOAD_TIMEOUT
-from moegemm.client._wire import decode_tensors, encode_tensor, packb, unpackb
+from moegemm.client._wire import decode_tensors, encode_tensor, packb
 from moegemm.server import Settings, create_app
 
 MSGPACK = {"content-type": "application/vnd.msgpack"}

@@ -16,9 +16,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from moegemm.client._errors import BadDtype, BadField, BadMsgpack, BadTensor, InvalidRequest
-from moegemm.client._wire import DTYPES, OtherKey, packb, unpackb
+from moegemm.client._wire import DTYPES, packb
 from moegemm.server import Settings
 from moegemm.server._request import decode_weights
+from moegemm.server._unpack import OtherKey, unpackb
 from moegemm.server.routes import upload_tensor
 from server_support import MSGPACK, close_to, fp8_problem, out_of, reference, serve, wire
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from moegemm.client._wire import encode_tensor, packb, unpackb
+from moegemm.client._wire import encode_tensor, packb
 from moegemm.server._body import array_body_parts
 from moegemm.server._request import decode_experts, decode_weights
+from moegemm.server._unpack import unpackb
 
 
 def test_upload_tensors_are_views_on_the_body():

@@ -12,9 +12,10 @@ import time
 import numpy as np
 import torch
 from moegemm.client import Client
-from moegemm.client._wire import encode_tensor, packb, unpackb
+from moegemm.client._wire import encode_tensor, packb
 from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
+from moegemm.server._unpack import unpackb
 from server_support import MSGPACK, Running
 
 
