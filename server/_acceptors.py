@@ -79,6 +79,7 @@ import weakref
 from typing import Any
 
 import numpy as np
+from moegemm.client._errors import InternalError
 
 from ._acceptor import acceptor_main
 from ._acceptor_link import _byte_view, _fd_path, _frame, _read_frame
@@ -95,7 +96,8 @@ from ._acceptor_shm import (
 )
 from ._asgi import body_parts, header_lines, http_scope, whole_body_receive
 from ._http import FastHttpServer, stop_on_signals
-from ._http_conn import _Connection, _error_bytes
+from ._http_conn import _Connection
+from ._http_gate import error_parts
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -559,11 +561,11 @@ def _fill(target: np.ndarray, parts: list) -> None:
 
 
 def _internal_error() -> tuple[int, bytes, list]:
-    """``_error_bytes(500, ...)`` split as (status, header lines, body); the
+    """500 ``internal`` (``_http_gate.error_parts``) as (status, header lines, body); the
     acceptor adds the ``connection: close`` line it carries."""
-    head, _, body = _error_bytes(500, "internal", "unexpected server error").partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")[1:]
-    return 500, b"".join(line + b"\r\n" for line in lines if line != b"connection: close"), [body]
+    headers, body = error_parts(InternalError("unexpected server error"))
+    lines = [("content-type", "application/json"), ("content-length", str(len(body))), *headers]
+    return 500, "".join(f"{name}: {value}\r\n" for name, value in lines).encode(), [body]
 
 
 async def serve_with_acceptors(

@@ -218,19 +218,31 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return echoed_id(None)
 
 
+def error_parts(exc: APIError) -> tuple[list[tuple[str, str]], bytes]:
+    """SPEC 2's answer for ``exc`` but its status and framing: the headers it carries
+    (Retry-After, WWW-Authenticate; content type and length are the framer's) and the JSON
+    body, in the bytes Starlette's JSONResponse writes. Every transport renders errors from
+    here (``app.error_response``, :func:`error_bytes`, the direct and acceptor lanes)."""
+    body = json.dumps(exc.to_dict(), ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode()
+    headers = []
+    if exc.retry_after is not None:
+        headers.append(("retry-after", str(max(1, round(exc.retry_after)))))
+    if exc.status == 401:
+        headers.append(("www-authenticate", "Bearer"))
+    return headers, body
+
+
 def error_bytes(exc: APIError, *, head_only: bool = False, close: bool = True,
                 request_id: str | None = None) -> bytes:
-    """A whole HTTP/1.1 answer for ``exc``: SPEC 2 JSON, as ``app.error_response``
-    renders it (Retry-After, WWW-Authenticate); ``head_only`` for a HEAD request."""
-    body = json.dumps(exc.to_dict()).encode()
+    """A whole HTTP/1.1 answer for ``exc`` (:func:`error_parts`); ``head_only`` for a HEAD
+    request."""
+    headers, body = error_parts(exc)
     lines = [f"HTTP/1.1 {exc.status} {REASONS.get(exc.status, '')}",
              "content-type: application/json", f"content-length: {len(body)}"]
     if request_id is not None:
         lines.append(f"x-request-id: {request_id}")
-    if exc.retry_after is not None:
-        lines.append(f"retry-after: {max(1, round(exc.retry_after))}")
-    if exc.status == 401:
-        lines.append("www-authenticate: Bearer")
+    lines += [f"{name}: {value}" for name, value in headers]
     if close:
         lines.append("connection: close")
     head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")  # the request id's bytes

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from moegemm.client._errors import APIError, BadField, InternalError
 from moegemm.kernels import get_backend
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,7 +30,7 @@ from starlette.routing import Match
 
 from . import routes, routes_experts
 from ._asgi import leaf_routes
-from ._http_gate import over_budget
+from ._http_gate import error_parts, over_budget
 from ._http_gate import request_id as request_id_of
 from .config import Settings, get_settings
 from .engine import EXIT_DEVICE_LOST, Engine
@@ -69,14 +69,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    """The SPEC 2 JSON body for a domain error, with Retry-After when it has one."""
-    headers = {}
-    if exc.retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-    if exc.status == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+def error_response(exc: APIError) -> Response:
+    """The SPEC 2 JSON answer for a domain error (``_http_gate.error_parts``)."""
+    headers, body = error_parts(exc)
+    return Response(body, status_code=exc.status, headers=dict(headers),
+                    media_type="application/json")
 
 
 def _device_memory(device: torch.device):
@@ -315,11 +312,11 @@ class RequestContext:
             )
 
 
-async def _api_error(request, exc: APIError) -> JSONResponse:
+async def _api_error(request, exc: APIError) -> Response:
     return error_response(exc)
 
 
-async def _validation_error(request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_error(request, exc: RequestValidationError) -> Response:
     return error_response(BadField(f"invalid request: {exc.errors()!s:.500}"))
 
 

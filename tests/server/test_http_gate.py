@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from moegemm.client._errors import Overloaded
+from moegemm.client._errors import BadField, Overloaded, Unauthorized
 from moegemm.client._media import MSGPACK_TYPES
 from moegemm.server import Settings
 from moegemm.server._http_gate import HttpLimits, error_bytes, judge, media_problem
@@ -106,3 +106,25 @@ def test_the_connection_cap_fits_the_open_file_limit(soft, hard, cap, raised):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == [str(cap), str(raised)]
     assert (cap < 2048) == ("MOEGEMM_HTTP_MAX_CONNECTIONS" in done.stderr)
+
+
+@pytest.mark.parametrize("exc", [Overloaded("busy \u00e9", retry_after=2.4),
+                                 Unauthorized("no token"), BadField("x" * 300)])
+def test_every_lane_renders_an_error_in_the_same_bytes(exc):
+    """The transport's own answers (error_bytes), the app's (error_response) and the direct
+    lane's (_direct._error) share one renderer: the same body and the same extra headers."""
+    from moegemm.server._direct import _error
+    from moegemm.server.app import error_response
+
+    app = error_response(exc)
+    raw = error_bytes(exc, close=False)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert body == app.body == b"".join(_error(exc, "rid")[2])
+    assert json.loads(body) == {"error": {"code": exc.code, "message": str(exc.args[0])}}
+    extra = {k: v for k, v in app.raw_headers if k not in (b"content-length", b"content-type")}
+    lines = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    direct = dict(line.split(b": ", 1) for line in _error(exc, "rid")[1].split(b"\r\n")[:-1])
+    for got in (lines, direct):
+        assert {k: v for k, v in got.items() if k in extra} == extra
+        assert got[b"content-length"] == str(len(body)).encode()
+        assert got[b"content-type"] == b"application/json"
