@@ -40,6 +40,7 @@ DTYPES: dict[str, np.dtype] = {
 # chosen to equal them, so the lookup needs no torch at import time.
 _TORCH_NAMES = tuple(DTYPES)
 
+
 class WireTensor(msgspec.Struct, forbid_unknown_fields=True):
     """A tensor map of SPEC 2 as decoded: its dtype name, shape and raw little-endian bytes.
 

@@ -97,7 +97,7 @@ from ._acceptor_shm import (
 from ._asgi import body_parts, header_lines, http_scope, whole_body_receive
 from ._http import FastHttpServer, stop_on_signals
 from ._http_conn import _Connection
-from ._http_gate import error_parts
+from ._http_gate import error_head
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -561,11 +561,10 @@ def _fill(target: np.ndarray, parts: list) -> None:
 
 
 def _internal_error() -> tuple[int, bytes, list]:
-    """500 ``internal`` (``_http_gate.error_parts``) as (status, header lines, body); the
+    """500 ``internal`` (``_http_gate.error_head``) as (status, header lines, body); the
     acceptor adds the ``connection: close`` line it carries."""
-    headers, body = error_parts(InternalError("unexpected server error"))
-    lines = [("content-type", "application/json"), ("content-length", str(len(body))), *headers]
-    return 500, "".join(f"{name}: {value}\r\n" for name, value in lines).encode(), [body]
+    lines, body = error_head(InternalError("unexpected server error"))
+    return 500, lines, [body]
 
 
 async def serve_with_acceptors(

@@ -37,7 +37,7 @@ from moegemm.client._errors import APIError, InternalError, TooLarge
 
 from . import routes
 from ._body import MSGPACK
-from ._http_gate import echoed_id, error_parts, over_budget
+from ._http_gate import echoed_id, error_head, over_budget
 from .metrics import Metrics
 
 log = logging.getLogger("moegemm.server")
@@ -200,13 +200,10 @@ def _fields(headers: Headers) -> dict[str, str]:
 
 
 def _error(exc: APIError, request_id: str) -> tuple[int, bytes, list]:
-    """The SPEC 2 JSON answer for ``exc`` (``_http_gate.error_parts``) as (status, header
-    lines, body parts), its headers in the order ``app.error_response``'s Response writes."""
-    headers, body = error_parts(exc)
-    lines = [*headers, ("content-length", str(len(body))), ("content-type", "application/json"),
-             ("x-request-id", request_id)]
-    head = "".join(f"{name}: {value}\r\n" for name, value in lines).encode("latin-1")
-    return exc.status, head, [body]
+    """The SPEC 2 JSON answer for ``exc`` (``_http_gate.error_head``) as (status, header
+    lines, body parts)."""
+    lines, body = error_head(exc)
+    return exc.status, lines + f"x-request-id: {request_id}\r\n".encode("latin-1"), [body]
 
 
 def _find_budget(app: Any):

@@ -233,17 +233,24 @@ def error_parts(exc: APIError) -> tuple[list[tuple[str, str]], bytes]:
     return headers, body
 
 
+def error_head(exc: APIError) -> tuple[bytes, bytes]:
+    """:func:`error_parts` framed for HTTP/1.1: the header lines (content type, length and
+    the error's own, each ending CRLF) and the body; the status line, the request id and
+    the connection's lines are the caller's."""
+    headers, body = error_parts(exc)
+    lines = [("content-type", "application/json"), ("content-length", str(len(body))), *headers]
+    return "".join(f"{name}: {value}\r\n" for name, value in lines).encode("latin-1"), body
+
+
 def error_bytes(exc: APIError, *, head_only: bool = False, close: bool = True,
                 request_id: str | None = None) -> bytes:
-    """A whole HTTP/1.1 answer for ``exc`` (:func:`error_parts`); ``head_only`` for a HEAD
+    """A whole HTTP/1.1 answer for ``exc`` (:func:`error_head`); ``head_only`` for a HEAD
     request."""
-    headers, body = error_parts(exc)
-    lines = [f"HTTP/1.1 {exc.status} {REASONS.get(exc.status, '')}",
-             "content-type: application/json", f"content-length: {len(body)}"]
+    lines, body = error_head(exc)
+    head = [f"HTTP/1.1 {exc.status} {REASONS.get(exc.status, '')}\r\n".encode("latin-1"), lines]
     if request_id is not None:
-        lines.append(f"x-request-id: {request_id}")
-    lines += [f"{name}: {value}" for name, value in headers]
+        head.append(f"x-request-id: {request_id}\r\n".encode("latin-1"))  # the id's bytes
     if close:
-        lines.append("connection: close")
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")  # the request id's bytes
+        head.append(b"connection: close\r\n")
+    head = b"".join(head) + b"\r\n"
     return head if head_only else head + body
