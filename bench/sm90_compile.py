@@ -84,7 +84,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
               "stride_map": 2}
     # Triton specialises an int argument of 1 as a constant; none of these is 1 for real shapes.
     divisible = [a for a, t in sig.items() if t.startswith("*")] + [a for a, v in values.items() if v % 16 == 0]
-    g_pow2 = max(16, tk._next_pow2(g))
+    g_pow2 = max(16, triton.next_power_of_2(g))
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "ADDRS": addrs,
               "X_WORDS": service, "ROW_MAP": service and row_map, "G_POW2": g_pow2}
     if cfg.swap_ab:
@@ -98,7 +98,7 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
         divisible.append("flags_ptr")
         consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, PRELOAD=cfg.preload,
                       CHUNK=tk.scale_chunk(cfg, k) if cfg.preload else 16, GROUP_TILES_M=cfg.group_tiles_m,
-                      FLAGS=flags, KB_POW2=tk._next_pow2(k // 128) if flags else 1)
+                      FLAGS=flags, KB_POW2=triton.next_power_of_2(k // 128) if flags else 1)
     elif cfg.schedule == "persistent_ws":  # no check inside (triton_kernel.checks_rows)
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
     else:  # the other persistent schedules

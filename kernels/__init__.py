@@ -17,7 +17,7 @@ from ._backend import Backend, BackendUnavailable
 from ._select import get_backend
 from .activation import silu_mul_quant
 from .layout import preshuffle, unshuffle
-from .quant import fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
+from .quant import BLOCK, fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
 from .reference import ffn_reference_float64, moe_reference_float64, reference_float64
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "unshuffle",
 ]
 
-_BLOCK = 128
 _ALIGN = 16  # bytes
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
@@ -75,11 +74,11 @@ def _check_contract(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
         raise ValueError(f"wq's K ({wk}) differs from xq's K ({k})")
     if g < 1:
         raise ValueError("wq must hold at least one group (G >= 1)")
-    if n < 1 or k < 1 or n % _BLOCK or k % _BLOCK:
-        raise ValueError(f"N and K must be positive multiples of {_BLOCK}, got N={n}, K={k}")
+    if n < 1 or k < 1 or n % BLOCK or k % BLOCK:
+        raise ValueError(f"N and K must be positive multiples of {BLOCK}, got N={n}, K={k}")
     expected = {
-        "x_scale": (x_scale, (m, k // _BLOCK)),
-        "w_scale": (w_scale, (g, k // _BLOCK, n // _BLOCK)),
+        "x_scale": (x_scale, (m, k // BLOCK)),
+        "w_scale": (w_scale, (g, k // BLOCK, n // BLOCK)),
         "m_sizes": (m_sizes, (g,)),
     }
     if out is not None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .quant import BLOCK
+
 SUPPORTED_ARCHS = ("gfx942", "gfx950")
 
 # LDS one workgroup may allocate (CDNA3: 64 KiB per CU; CDNA4: 160 KiB).
@@ -56,7 +58,6 @@ WAVES_PER_EU = {
     },
 }
 
-_SCALE_BLOCK = 128
 _WAVE_N = (16, 32, 64, 128)  # columns per wave: a multiple of 16 that divides 128
 
 
@@ -75,7 +76,7 @@ class FlyTile:
     @property
     def lds_bytes(self) -> int:
         """LDS the kernel allocates: two stages of the A tile and of its FP32 x scales."""
-        x_scales = self.block_m * (self.block_k // _SCALE_BLOCK)
+        x_scales = self.block_m * (self.block_k // BLOCK)
         return 2 * (self.block_m * self.block_k + 4 * x_scales)
 
     def __str__(self) -> str:
@@ -130,8 +131,8 @@ def check_tile(tile: FlyTile, arch: str) -> FlyTile:
         raise ValueError(
             f"tile {tile}: block_n must be 64, 128, 256 or 512 (4 waves of 16..128 columns)"
         )
-    if bk < _SCALE_BLOCK or bk % _SCALE_BLOCK:
-        raise ValueError(f"tile {tile}: block_k must be a positive multiple of {_SCALE_BLOCK}")
+    if bk < BLOCK or bk % BLOCK:
+        raise ValueError(f"tile {tile}: block_k must be a positive multiple of {BLOCK}")
     budget = LDS_BUDGET[arch]
     if tile.lds_bytes > budget:
         raise TileTooLarge(
@@ -151,11 +152,11 @@ def fit_tile(tile: FlyTile, n: int, k: int) -> FlyTile:
     on a meaningless tile such as ``128x1x128``).
     """
     for what, size in (("N", n), ("K", k)):
-        if size <= 0 or size % _SCALE_BLOCK:
-            raise ValueError(f"{what} = {size} must be a positive multiple of {_SCALE_BLOCK}")
+        if size <= 0 or size % BLOCK:
+            raise ValueError(f"{what} = {size} must be a positive multiple of {BLOCK}")
     bn, bk = tile.block_n, tile.block_k
-    while n % bn and bn > _SCALE_BLOCK:
+    while n % bn and bn > BLOCK:
         bn //= 2
-    while k % bk and bk > _SCALE_BLOCK:
+    while k % bk and bk > BLOCK:
         bk //= 2
     return replace(tile, block_n=bn, block_k=bk)

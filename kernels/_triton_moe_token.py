@@ -78,14 +78,13 @@ from moegemm.kernels._triton_act import (
 )
 from moegemm.kernels._triton_gemm import _weights
 from moegemm.kernels.quant import BLOCK, fp8_max
-from moegemm.kernels.triton_kernel import default_config
+from moegemm.kernels.triton_kernel import SMS, default_config
 
 from ._triton_keys import settle
 from ._triton_route import _FLT_MAX, _check_tokens
 
-# The H200's multiprocessors: a kernel's weight tile is 128 rows where that still gives
-# every SM a program, else 64 (a 128-row tile keeps more loads in flight per program).
-_SMS = 132
+# A kernel's weight tile is 128 rows where that still gives every SM (``SMS``, the H200's)
+# a program, else 64 (a 128-row tile keeps more loads in flight per program).
 # Shared memory an SM gives the pipeline stages of the programs it holds (of its 227 KiB):
 # more stages only while every program of the grid still fits at once.
 _STAGES_SMEM = 200 * 1024
@@ -338,7 +337,7 @@ def weight_tile(top_k: int, n: int) -> tuple[int, int]:
     """(rows of a program's weight tile, warps) for ``top_k`` slots of ``n`` outputs: 128
     rows (8 warps, as the decode GEMMs' 128-row tiles) where ``top_k * n / 128`` programs
     still fill the SMs, else 64 (4 warps: one warpgroup)."""
-    return (128, 8) if top_k * n // 128 >= _SMS else (64, 4)
+    return (128, 8) if top_k * n // 128 >= SMS else (64, 4)
 
 
 def pipeline_stages(programs: int, rows: int, token_tile: int, kb: int) -> int:
@@ -350,7 +349,7 @@ def pipeline_stages(programs: int, rows: int, token_tile: int, kb: int) -> int:
     Why: each program's loop waits on memory once per ``stages - 1`` blocks, and at one
     token a program streams its whole tile (Qwen3-30B: 16 and 6 blocks) after its prologue;
     more bytes in flight per program is what the grouped GEMM has and this loop had not."""
-    per_sm = -(-programs // _SMS)
+    per_sm = -(-programs // SMS)
     fit = _STAGES_SMEM // (per_sm * (rows + token_tile) * BLOCK)
     return max(3, min(kb + 1, 7, fit))
 

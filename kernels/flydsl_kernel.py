@@ -69,6 +69,7 @@ from ._flydsl_tiles import (
     fit_tile,
 )
 from .layout import preshuffle
+from .quant import BLOCK
 
 __all__ = [
     "AUTOTUNE_TILES",
@@ -90,7 +91,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_BLOCK = 128
 _ALIGN = 16  # bytes: the kernel issues 16-byte vector loads from each base pointer
 
 _lock = threading.Lock()
@@ -197,8 +197,8 @@ def _operands(m: int, g: int, n: int, k: int, m_sizes_dtype: torch.dtype, device
     return (
         torch.empty(m, k, dtype=fp8, device=device),
         torch.empty(g, n, k, dtype=fp8, device=device),
-        torch.empty(m, k // _BLOCK, dtype=torch.float32, device=device),
-        torch.empty(g, k // _BLOCK, n // _BLOCK, dtype=torch.float32, device=device),
+        torch.empty(m, k // BLOCK, dtype=torch.float32, device=device),
+        torch.empty(g, k // BLOCK, n // BLOCK, dtype=torch.float32, device=device),
         torch.empty(g, dtype=m_sizes_dtype, device=device),
         torch.empty(m, n, dtype=out_dtype, device=device),
     )
@@ -331,13 +331,13 @@ def _check_call(xq, wq, x_scale, w_scale, m_sizes, out, fp8_dtype) -> None:
     m, k = xq.shape
     g, n, wk = wq.shape
     _check_sizes(m, n, k, g)
-    if wk != k or n % _BLOCK or k % _BLOCK:
+    if wk != k or n % BLOCK or k % BLOCK:
         raise ValueError(
-            f"need N, K multiples of {_BLOCK} and matching K, got xq {tuple(xq.shape)}, wq {tuple(wq.shape)}"
+            f"need N, K multiples of {BLOCK} and matching K, got xq {tuple(xq.shape)}, wq {tuple(wq.shape)}"
         )
     expected = {
-        "x_scale": (x_scale, (m, k // _BLOCK)),
-        "w_scale": (w_scale, (g, k // _BLOCK, n // _BLOCK)),
+        "x_scale": (x_scale, (m, k // BLOCK)),
+        "w_scale": (w_scale, (g, k // BLOCK, n // BLOCK)),
         "m_sizes": (m_sizes, (g,)),
         "out": (out, (m, n)),
     }

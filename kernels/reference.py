@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import Backend
-
-BLOCK = 128
+from .quant import BLOCK
 
 # Rows per chunk are chosen so the [K/128, rows, N] float32 block products stay
 # near this many elements (~128 MiB): fast batched matmuls without a memory blow-up

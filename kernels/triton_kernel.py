@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._backend import Backend, BackendUnavailable
+from .quant import BLOCK
 
 try:
     import triton
@@ -47,7 +48,6 @@ GLUON_SCHEDULES = {"gluon_ws": gluon_ws_kernel, "gluon_ws_store": gluon_ws_store
 SCHEDULES = {**_TRITON_SCHEDULES, **GLUON_SCHEDULES}
 """Every schedule's kernel by name: the Triton ones (``_triton_gemm.py``) and the Gluon ones."""
 
-_SCALE_BLOCK = 128
 _L2_EXPERT_BYTES = 32 << 20  # one expert's fp8 weights above this: the Gluon tile from r = 16
 # The warp-specialised schedule finds a tile's group by an unrolled walk over
 # max(16, next_pow2(G)) groups (its pass takes no table and no reduction); past this
@@ -133,10 +133,6 @@ class TileConfig:
                 f"_g{self.group_tiles_m}{extra}")
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
 def row_tile_bound(m: int, g: int, block_m: int) -> int:
     """The most row tiles ``m`` rows in ``g`` groups can need (each group rounds up)."""
     if m == 0:
@@ -144,7 +140,7 @@ def row_tile_bound(m: int, g: int, block_m: int) -> int:
     return min(m, (m + g * (block_m - 1)) // block_m, triton.cdiv(m, block_m) + g - 1)
 
 
-_SMS = 132  # the H200's multiprocessors: where "fills the SMs" rules below are measured
+SMS = 132  # the H200's multiprocessors: where "fills the SMs" rules below are measured
 
 
 def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
@@ -191,15 +187,15 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
     rows_per_group = max(1, m // max(g, 1))
     many = g >= 64 and (rows_per_group >= 32 or (rows_per_group >= 16 and n % 256 == 0 and n * k > _L2_EXPERT_BYTES))
     if rows_per_group <= 48 and not many:
-        token_tile = min(64, max(16, _next_pow2(rows_per_group * (2 if g >= 64 else 1))))
+        token_tile = min(64, max(16, triton.next_power_of_2(rows_per_group * (2 if g >= 64 else 1))))
         weight_tiles = min(g, m) * n // 128  # at most min(g, m) groups have rows
         pair = token_tile == 16 and g < 64
         ef = "evict_first"
         band = 8 if g < 64 and rows_per_group >= 16 else 1
         T = functools.partial(TileConfig, evict_w=ef, group_tiles_m=band)
-        if weight_tiles < _SMS and k >= 4096:
+        if weight_tiles < SMS and k >= 4096:
             warps = 8 if band == 1 else 4
-            if token_tile == 16 and 5 * weight_tiles >= 3 * _SMS:
+            if token_tile == 16 and 5 * weight_tiles >= 3 * SMS:
                 # Weight tiles for 60 % of the SMs, their scale products preloaded: unsplit,
                 # each program on its own SM behind a 6-slot ring, without the split's sums
                 # (bench/NOTES.md, session 35; not preloaded, the ring waits on the scales).
@@ -210,21 +206,21 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
                     return unsplit
             if token_tile <= 32:
                 split = 2
-                while split < 8 and weight_tiles * split * 2 <= 3 * _SMS:
+                while split < 8 and weight_tiles * split * 2 <= 3 * SMS:
                     split *= 2
                 return _preloaded(T("decode", token_tile, 128, warps, 3, split_k=split), k)
             return _preloaded(T("decode", token_tile, 128, 4, 3), k)
-        if pair and (weight_tiles < _SMS or k >= 2048):
-            if weight_tiles < _SMS and k < 2048:
+        if pair and (weight_tiles < SMS or k >= 2048):
+            if weight_tiles < SMS and k < 2048:
                 return T("decode_pair", token_tile, 64, 8, 3)
             return T("decode_pair", token_tile, 128, 4, 3)
-        if token_tile == 16 and g >= 64 and (weight_tiles <= 2 * _SMS or k >= 4096):
+        if token_tile == 16 and g >= 64 and (weight_tiles <= 2 * SMS or k >= 4096):
             return T("decode_pair", 16, 128, 8, 3)
-        if token_tile == 16 and g >= 64 and weight_tiles <= 8 * _SMS:
+        if token_tile == 16 and g >= 64 and weight_tiles <= 8 * SMS:
             return T("decode", 16, 128, 8, 3)
         return _preloaded(T("decode", token_tile, 128, 4, 3), k)
     if g < 64 and rows_per_group >= 128:
-        if n % 256 == 0 and (m // 128) * (n // 256) >= _SMS:
+        if n % 256 == 0 and (m // 128) * (n // 256) >= SMS:
             return TileConfig("gluon_ws", 128, 256, 4, 3, group_tiles_m=8)
         return TileConfig("persistent_ws", 128, 128, 4, 2, group_tiles_m=8)
     if g >= 64 and n % 256 == 0:
@@ -249,7 +245,7 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
     rows_per_group = max(1, m // max(g, 1))
     ef = "evict_first"
     if rows_per_group <= 48:
-        tt = min(64, max(16, _next_pow2(rows_per_group)))
+        tt = min(64, max(16, triton.next_power_of_2(rows_per_group)))
         for token in sorted({tt, min(64, 2 * tt)}):
             for block_n in (64, 128):
                 found.append(T("decode", token, block_n, 4, 3, evict_w=ef))
@@ -340,7 +336,7 @@ def grid_for(config: TileConfig, m: int, n: int, k: int, g: int, sms: int) -> tu
         return (min(tiles, sms),)
     if config.schedule == "persistent_tma":
         return (min(tiles, sms * config.per_sm),)
-    return (tiles * max(1, min(config.split_k, k // _SCALE_BLOCK)),)
+    return (tiles * max(1, min(config.split_k, k // BLOCK)),)
 
 
 FLOAT32_OUT_PREFILL = TileConfig("persistent_tma", 128, 128, 8, 4, group_tiles_m=8)
@@ -401,8 +397,8 @@ def scale_chunk(config: TileConfig, k: int) -> int:
     """K blocks whose scale products a decode program preloads at once (``preload``): every
     block of its split, a power of two, at most 2048 products per tile (16 registers a
     thread at 4 warps) so long K does not take the accumulator's registers."""
-    per_split = -(-(k // _SCALE_BLOCK) // max(1, min(config.split_k, k // _SCALE_BLOCK)))
-    return max(16, min(_next_pow2(per_split), 2048 // config.block_m))
+    per_split = -(-(k // BLOCK) // max(1, min(config.split_k, k // BLOCK)))
+    return max(16, min(triton.next_power_of_2(per_split), 2048 // config.block_m))
 
 
 def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config: TileConfig,
@@ -420,7 +416,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
     ``bench/bench_kernels.py`` compiles the plans of a run ahead with ``kernel.warmup``.
     """
     m, k = xq.shape
-    if n < _SCALE_BLOCK or k < _SCALE_BLOCK:
+    if n < BLOCK or k < BLOCK:
         # Every schedule reads at least one K block; the Gluon tiles' producer loads the first
         # before it claims the next tile, and a ring slot no consumer turns would hang them.
         # Checked here, where every entry's launch is planned.
@@ -432,8 +428,8 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
     config = tile_for_out(config, out)
     kernel = SCHEDULES[config.schedule]
     grid = grid_for(config, m, n, k, g, _sm_count(xq.device))
-    g_pow2 = max(16, _next_pow2(g))
-    consts = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": _SCALE_BLOCK,
+    g_pow2 = max(16, triton.next_power_of_2(g))
+    consts = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": BLOCK,
               "ADDRS": addrs, "X_WORDS": x_words is not None, "ROW_MAP": out_rows is not None,
               "G_POW2": g_pow2, "num_warps": config.num_warps, "num_stages": config.num_stages}
     extra = ()
@@ -446,7 +442,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         raise ValueError(f"the rows' check inside {config.schedule} needs the in-place store (no out_rows)")
     flags_arg = m_sizes if flags is None else flags  # m_sizes: a pointer FLAGS=False never reads
     if config.swap_ab:
-        split_k = max(1, min(config.split_k, k // _SCALE_BLOCK))
+        split_k = max(1, min(config.split_k, k // BLOCK))
         parts = counts = None
         if split_k > 1:
             parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
@@ -455,7 +451,7 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         # CHUNK only shapes the preloaded loop: the plain one gets one value, so one kernel.
         consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
                       CHUNK=scale_chunk(config, k) if config.preload else 16, GROUP_TILES_M=config.group_tiles_m,
-                      FLAGS=flags is not None, KB_POW2=_next_pow2(k // _SCALE_BLOCK) if flags is not None else 1)
+                      FLAGS=flags is not None, KB_POW2=triton.next_power_of_2(k // BLOCK) if flags is not None else 1)
     elif config.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule == "persistent_tma":
@@ -475,8 +471,8 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
     map_arg = m_sizes if out_rows is None else out_rows
     args = (x_arg, w_arg, xs_arg, ws_arg, m_sizes, out, map_arg, *extra,
             m, n, k, g,
-            xq.stride(0), n * k, k, x_scale.stride(0), (k // _SCALE_BLOCK) * (n // _SCALE_BLOCK),
-            n // _SCALE_BLOCK, out.stride(0), 0 if out_rows is None else out_rows.stride(0))
+            xq.stride(0), n * k, k, x_scale.stride(0), (k // BLOCK) * (n // BLOCK),
+            n // BLOCK, out.stride(0), 0 if out_rows is None else out_rows.stride(0))
     return kernel, grid, args, consts
 
 
@@ -560,7 +556,7 @@ def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
     _check_out_dtype(out)
     m, k = xq.shape
     n = out.shape[1]
-    if xq.dtype != torch.float8_e4m3fn or n % _SCALE_BLOCK or k % _SCALE_BLOCK or groups < 1:
+    if xq.dtype != torch.float8_e4m3fn or n % BLOCK or k % BLOCK or groups < 1:
         raise ValueError(f"need e4m3fn xq [M, K], N and K multiples of 128, G >= 1; got {tuple(xq.shape)}, "
                          f"N={n}, G={groups}")
     config = default_config(m, n, k, groups)
@@ -617,7 +613,7 @@ def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
     if not _rows(x_scale) or not w_scale.is_contiguous() or not m_sizes.is_contiguous():
         raise ValueError("x_scale [M, K/128] row-major, w_scale [G, K/128, N/128] contiguous")
     n, k = wq.shape[1], wq.shape[2]
-    if n % _SCALE_BLOCK or k % _SCALE_BLOCK:
+    if n % BLOCK or k % BLOCK:
         raise ValueError(f"N and K must be multiples of 128, got N={n}, K={k}")
 
 

@@ -66,6 +66,7 @@ import numpy as np
 import torch
 from moegemm.kernels import quantize_activations, silu_mul_quant
 from moegemm.kernels._backend import Backend
+from moegemm.kernels.quant import BLOCK
 
 from ._checks import bad_rows
 from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addresses
@@ -80,7 +81,6 @@ h being the cause; with float32 h and a, a median of 1.65e-3 and a maximum of 1.
 (``moegemm.kernels.activation``). GEMM(w13) writes its float32 sum unrounded (every backend's
 GEMM stores float32 when ``out`` is float32); the final output stays bf16."""
 
-BLOCK = 128
 # The most rows (tokens * k) whose gather and quantization the routing kernel does itself (one
 # kernel node less). Its programs walk their expert's rows one by one, so a hot expert's rows
 # queue behind each other; the per-row gather kernel wins from there. Measured (H200, the moe

@@ -72,12 +72,12 @@ import numpy as np
 import torch
 from moegemm.kernels import quantize_activations
 from moegemm.kernels._backend import Backend
+from moegemm.kernels.quant import BLOCK
 
 from ._checks import bad_rows
 
 log = logging.getLogger("moegemm.server.graphs")
 
-BLOCK = 128
 ADDRESS_WORDS = 2  # wq's and w_scale's base address, in meta after the sizes
 INPUT_WORDS = 3  # then the activations' and their scales' base address, and the regroup flag
 

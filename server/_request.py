@@ -47,11 +47,10 @@ from moegemm.client._errors import (
     TooLarge,
 )
 from moegemm.client._wire import WireTensor, check_tensor, error_path, refusal
+from moegemm.kernels.quant import BLOCK
 
 from ._unpack import unpackb
 from .config import shown
-
-BLOCK = 128
 
 FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz")
 FLOAT_NAMES = ("bfloat16", "float16", "float32")

@@ -12,8 +12,6 @@ import torch
 from moegemm.client._errors import BadDtype, BadShape, NotFinite
 from moegemm.client._wire import DTYPES
 
-BLOCK = 128
-
 # SPEC 2's dtype names are torch's attribute names (``client/_wire.DTYPES``).
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 WIRE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}

@@ -23,9 +23,9 @@ from datetime import datetime, timezone
 import torch
 from moegemm.client._errors import BadField, BadName, BadShape, NoSuchWeights
 from moegemm.client._names import gemm_name_problem, name_problem
+from moegemm.kernels.quant import BLOCK
 
 from ._tensors import (
-    BLOCK,
     FLOATS,
     FP8,
     require_dtype,

@@ -38,6 +38,7 @@ from moegemm.client._errors import (
 )
 from moegemm.client._names import name_problem
 from moegemm.kernels._backend import Backend
+from moegemm.kernels.quant import BLOCK
 
 from ._files import (
     SAFETENSORS_DTYPES,
@@ -50,7 +51,6 @@ from ._files import (
 from ._priority import yield_cpu
 from ._staging import PacedUpload
 from ._tensors import (
-    BLOCK,
     FLOATS,
     FP8,
     WIRE_NAMES,

@@ -172,7 +172,8 @@ def test_pipeline_stages_keep_every_program_in_shared_memory():
     than the shipped 3 only while every program of the grid fits in the SMs' shared memory at
     once (a stage is the weight block and the token tile's block)."""
     pytest.importorskip("triton")
-    from moegemm.kernels._triton_moe_token import _SMS, _STAGES_SMEM, pipeline_stages
+    from moegemm.kernels._triton_moe_token import _STAGES_SMEM, pipeline_stages
+    from moegemm.kernels.triton_kernel import SMS
 
     # Qwen3-30B-A3B t1 (64-row tiles, 193 and 256 programs): the whole w2 K (6 blocks) in
     # flight; DeepSeek-V3 (128-row tiles): 4 blocks up (257 programs), down stays at 3 (448).
@@ -183,5 +184,5 @@ def test_pipeline_stages_keep_every_program_in_shared_memory():
             for kb in (1, 2, 6, 16, 56):
                 stages = pipeline_stages(programs, rows, 16, kb)
                 assert 3 <= stages <= max(3, min(kb + 1, 7))
-                per_sm = -(-programs // _SMS)
+                per_sm = -(-programs // SMS)
                 assert stages == 3 or per_sm * stages * (rows + 16) * 128 <= _STAGES_SMEM
