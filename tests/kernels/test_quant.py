@@ -1,5 +1,7 @@
 """SPEC 1.1 quantization and the SPEC 1.2 fn <-> fnuz conversions."""
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from moegemm.kernels import fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
@@ -227,6 +229,15 @@ def test_quantized_values_round_the_exact_quotient(fp8_dtype, dtype):
         by_rounded_scale = _exact_fp8((blocks / x_scale.double()[..., None]).clamp(-limit, limit)
                                       .reshape(512, 1024), fp8_dtype)
         assert (by_rounded_scale != want).sum() > 20
+        # Rounded straight from float64 (numpy and ml_dtypes, no float32 step), the quotient
+        # by the rounded scale moves some exact ties off; ``x * FP8_MAX / amax`` does not.
+        np_fp8 = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.float8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz}[fp8_dtype]
+        b, fl = blocks.numpy(), floor.numpy()
+        codes = xq.view(torch.uint8).numpy()
+        exact_np = np.clip(b * limit / fl, -limit, limit).astype(np_fp8).reshape(512, 1024)
+        assert np.array_equal(exact_np.view(np.uint8), codes)
+        by_scale_np = np.clip(b / (fl / limit), -limit, limit).astype(np_fp8).reshape(512, 1024)
+        assert (by_scale_np.view(np.uint8) != codes).sum() > 0
     w = x.reshape(4, 128, 1024)
     wq, _ = quantize_weights(w, fp8_dtype)
     wb = w.double().reshape(4, 1, 128, 8, 128)
