@@ -221,7 +221,9 @@ def safetensors_header(handle, file: str) -> tuple[dict, int]:
     size = os.fstat(handle.fileno()).st_size
     try:
         head = handle.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if len(head) < 8:
+            raise ValueError(f"the file is {size} bytes, too short for a safetensors header")
+        n = int.from_bytes(head, "little")
         if not 0 < n <= min(size - 8, HEADER_LIMIT):
             raise ValueError(f"the header is {n} bytes; this server reads at most "
                              f"{HEADER_LIMIT} (and no more than the file holds)")

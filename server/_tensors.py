@@ -38,7 +38,7 @@ def require_dtype(t: torch.Tensor, allowed: tuple[torch.dtype, ...], what: str) 
     """Raise BadDtype unless ``t.dtype`` is one of ``allowed``."""
     if t.dtype not in allowed:
         names = ", ".join(WIRE_NAMES[d] for d in allowed)
-        raise BadDtype(f"{what} is {WIRE_NAMES.get(t.dtype, t.dtype)}; expected one of: {names}")
+        raise BadDtype(f"{what} is {str(t.dtype).removeprefix('torch.')}; expected one of: {names}")
 
 
 def require_shape(t: torch.Tensor, shape: tuple[int, ...], what: str, meaning: str) -> None:

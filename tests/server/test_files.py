@@ -259,6 +259,11 @@ def test_a_nil_scale_key_is_no_scale_key(server, files):
 def test_not_a_safetensors_file(server, files):
     (server.weights_dir / "junk.safetensors").write_bytes(os.urandom(200))
     assert_error(server.put("x", {"file": "junk.safetensors", "w": "w"}), 400, "bad_field")
+    for size in (0, 5):  # no room for the header's length
+        (server.weights_dir / "short.safetensors").write_bytes(b"\x01" * size)
+        r = server.put("x", {"file": "short.safetensors", "w": "w"})
+        assert_error(r, 400, "bad_field")
+        assert f"is {size} bytes, too short for a safetensors header" in r.json()["error"]["message"]
     # A header past what the loading thread parses (it holds the GIL: other calls stall).
     from moegemm.server._files import HEADER_LIMIT
 
@@ -279,6 +284,11 @@ def test_file_tensor_checks(server, files):
     assert_error(server.put("x", {"file": "badshape.safetensors", "w": "w"}), 400, "bad_shape")
     save_file({"w": torch.randn(2, 128, 128).double()}, str(root / "f64.safetensors"))
     assert_error(server.put("x", {"file": "f64.safetensors", "w": "w"}), 400, "bad_dtype")
+    p, _, _ = files
+    save_file({"w": p.wq, "s": p.w_scale.double()}, str(root / "f64scale.safetensors"))
+    r = server.put("x", {"file": "f64scale.safetensors", "w": "w", "w_scale": "s"})
+    assert_error(r, 400, "bad_dtype")
+    assert "w_scale is float64; expected one of: float32" in r.json()["error"]["message"]
     nan = torch.randn(2, 128, 128)
     nan[1, 3, 4] = float("nan")
     save_file({"w": nan}, str(root / "nan.safetensors"))
