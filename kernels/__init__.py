@@ -21,6 +21,7 @@ from .quant import BLOCK, fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations,
 from .reference import ffn_reference_float64, moe_reference_float64, reference_float64
 
 __all__ = [
+    "BLOCK",
     "Backend",
     "BackendUnavailable",
     "ffn_reference_float64",

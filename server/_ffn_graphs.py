@@ -64,9 +64,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from moegemm.kernels import quantize_activations, silu_mul_quant
+from moegemm.kernels import BLOCK, quantize_activations, silu_mul_quant
 from moegemm.kernels._backend import Backend
-from moegemm.kernels.quant import BLOCK
 
 from ._checks import bad_rows
 from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addresses

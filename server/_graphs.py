@@ -70,9 +70,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from moegemm.kernels import quantize_activations
+from moegemm.kernels import BLOCK, quantize_activations
 from moegemm.kernels._backend import Backend
-from moegemm.kernels.quant import BLOCK
 
 from ._checks import bad_rows
 

@@ -47,7 +47,7 @@ from moegemm.client._errors import (
     TooLarge,
 )
 from moegemm.client._wire import WireTensor, check_tensor, error_path, refusal
-from moegemm.kernels.quant import BLOCK
+from moegemm.kernels import BLOCK
 
 from ._unpack import unpackb
 from .config import shown

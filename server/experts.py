@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 import torch
 from moegemm.client._errors import BadField, BadName, BadShape, NoSuchWeights
 from moegemm.client._names import gemm_name_problem, name_problem
-from moegemm.kernels.quant import BLOCK
+from moegemm.kernels import BLOCK
 
 from ._tensors import (
     FLOATS,

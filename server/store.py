@@ -37,8 +37,8 @@ from moegemm.client._errors import (
     TooLarge,
 )
 from moegemm.client._names import name_problem
+from moegemm.kernels import BLOCK
 from moegemm.kernels._backend import Backend
-from moegemm.kernels.quant import BLOCK
 
 from ._files import (
     SAFETENSORS_DTYPES,

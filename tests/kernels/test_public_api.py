@@ -3,6 +3,7 @@
 from moegemm import kernels
 
 EXPECTED = [
+    "BLOCK",
     "Backend",
     "BackendUnavailable",
     "ffn_reference_float64",
