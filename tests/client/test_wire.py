@@ -190,7 +190,8 @@ def test_decode_refuses_malformed_maps(mutate, error):
 
 
 @pytest.mark.parametrize("body", [b"\xc1", packb({"t": _good()})[:-1], packb([1]),
-                                  packb({"t": _good()}) + b"\x00"])
+                                  packb({"t": _good()}) + b"\x00"],
+                         ids=["not msgpack", "cut short", "an array", "a byte after the map"])
 def test_decode_refuses_what_is_not_one_map(body):
     with pytest.raises(BadMsgpack):
         decode_tensors(body)
