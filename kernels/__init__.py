@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import Backend, BackendUnavailable
+from ._backend import Backend, BackendUnavailable, check_operands
 from ._select import get_backend
 from .activation import silu_mul_quant
 from .layout import preshuffle, unshuffle
@@ -60,33 +60,7 @@ def _check_contract(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
         raise TypeError(f"xq must be float8_e4m3fn or float8_e4m3fnuz, got {xq.dtype}")
     if wq.dtype != xq.dtype:
         raise TypeError(f"wq must have xq's dtype {xq.dtype}, got {wq.dtype}")
-    for what, t in (("x_scale", x_scale), ("w_scale", w_scale)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{what} must be float32, got {t.dtype}")
-    if m_sizes.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"m_sizes must be int64 or int32, got {m_sizes.dtype}")
-    if xq.dim() != 2:
-        raise ValueError(f"xq must be 2-D [M, K], got shape {tuple(xq.shape)}")
-    if wq.dim() != 3:
-        raise ValueError(f"wq must be 3-D [G, N, K], got shape {tuple(wq.shape)}")
-    m, k = xq.shape
-    g, n, wk = wq.shape
-    if wk != k:
-        raise ValueError(f"wq's K ({wk}) differs from xq's K ({k})")
-    if g < 1:
-        raise ValueError("wq must hold at least one group (G >= 1)")
-    if n < 1 or k < 1 or n % BLOCK or k % BLOCK:
-        raise ValueError(f"N and K must be positive multiples of {BLOCK}, got N={n}, K={k}")
-    expected = {
-        "x_scale": (x_scale, (m, k // BLOCK)),
-        "w_scale": (w_scale, (g, k // BLOCK, n // BLOCK)),
-        "m_sizes": (m_sizes, (g,)),
-    }
-    if out is not None:
-        expected["out"] = (out, (m, n))
-    for what, (t, shape) in expected.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{what} must have shape {list(shape)}, got {list(t.shape)}")
+    check_operands(xq, wq, x_scale, w_scale, m_sizes, out)
     if not wq.is_contiguous():
         raise ValueError("wq must be contiguous (row-major [G, N, K])")
     if out is not None:

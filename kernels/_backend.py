@@ -11,6 +11,50 @@ import torch
 
 WeightLayout = Literal["plain", "preshuffled"]
 
+BLOCK = 128
+"""Width of a scale block along K (and along N for weights): SPEC 1."""
+
+
+def check_operands(xq, wq, x_scale, w_scale, m_sizes, out=None) -> tuple[int, int, int, int]:
+    """The scales' and sizes' dtypes and :func:`operand_shapes`: ``(M, N, K, G)``, or
+    TypeError / ValueError. Every entry that launches (the public function, each backend's
+    ``run``) checks its operands here, then what only it needs (its fp8 format, the output
+    dtypes it writes, contiguity, alignment). Reads no tensor contents."""
+    for what, t in (("x_scale", x_scale), ("w_scale", w_scale)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{what} must be float32, got {t.dtype}")
+    if m_sizes.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"m_sizes must be int64 or int32, got {m_sizes.dtype}")
+    return operand_shapes(xq, wq, x_scale, w_scale, m_sizes, out)
+
+
+def operand_shapes(xq, wq, x_scale, w_scale, m_sizes, out=None) -> tuple[int, int, int, int]:
+    """SPEC 1's shapes of a grouped GEMM's operands (and ``out``'s if given): ``(M, N, K,
+    G)``, or ValueError (the float64 oracle takes scales of any float dtype)."""
+    if xq.dim() != 2:
+        raise ValueError(f"xq must be 2-D [M, K], got shape {tuple(xq.shape)}")
+    if wq.dim() != 3:
+        raise ValueError(f"wq must be 3-D [G, N, K], got shape {tuple(wq.shape)}")
+    m, k = xq.shape
+    g, n, wk = wq.shape
+    if wk != k:
+        raise ValueError(f"wq's K ({wk}) differs from xq's K ({k})")
+    if g < 1:
+        raise ValueError("wq must hold at least one group (G >= 1)")
+    if n < 1 or k < 1 or n % BLOCK or k % BLOCK:
+        raise ValueError(f"N and K must be positive multiples of {BLOCK}, got N={n}, K={k}")
+    expected = {
+        "x_scale": (x_scale, (m, k // BLOCK)),
+        "w_scale": (w_scale, (g, k // BLOCK, n // BLOCK)),
+        "m_sizes": (m_sizes, (g,)),
+    }
+    if out is not None:
+        expected["out"] = (out, (m, n))
+    for what, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{what} must have shape {list(shape)}, got {list(t.shape)}")
+    return m, n, k, g
+
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot run on this device or in this process."""

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from ._backend import Backend, BackendUnavailable
+from ._backend import Backend, BackendUnavailable, check_operands
 from ._flydsl_tiles import (
     AUTOTUNE_TILES,
     DEFAULT_TILES,
@@ -322,28 +322,9 @@ def _check_call(xq, wq, x_scale, w_scale, m_sizes, out, fp8_dtype) -> None:
     """The cheap checks a launch needs; none reads tensor contents."""
     if xq.dtype != fp8_dtype or wq.dtype != fp8_dtype:
         raise TypeError(f"this device computes in {fp8_dtype}, got xq {xq.dtype} and wq {wq.dtype}")
-    if x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32:
-        raise TypeError("x_scale and w_scale must be float32")
-    if m_sizes.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"m_sizes must be int64 or int32, got {m_sizes.dtype}")
     if out.dtype not in _OUT_DTYPES:  # float32: the expert FFN's h
         raise TypeError(f"the flydsl kernel writes bfloat16 or float32, got out {out.dtype}")
-    m, k = xq.shape
-    g, n, wk = wq.shape
-    _check_sizes(m, n, k, g)
-    if wk != k or n % BLOCK or k % BLOCK:
-        raise ValueError(
-            f"need N, K multiples of {BLOCK} and matching K, got xq {tuple(xq.shape)}, wq {tuple(wq.shape)}"
-        )
-    expected = {
-        "x_scale": (x_scale, (m, k // BLOCK)),
-        "w_scale": (w_scale, (g, k // BLOCK, n // BLOCK)),
-        "m_sizes": (m_sizes, (g,)),
-        "out": (out, (m, n)),
-    }
-    for what, (t, shape) in expected.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{what} must have shape {shape}, got {tuple(t.shape)}")
+    _check_sizes(*check_operands(xq, wq, x_scale, w_scale, m_sizes, out))
     for what, t in (
         ("xq", xq),
         ("wq", wq),

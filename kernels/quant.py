@@ -10,8 +10,7 @@ import math
 
 import torch
 
-BLOCK = 128
-"""Width of a scale block along K (and along N for weights)."""
+from ._backend import BLOCK
 
 # The SPEC names the two maxima explicitly; torch.finfo agrees, but a table keeps
 # an unsupported dtype from silently getting some other format's maximum.

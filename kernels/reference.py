@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import Backend
+from ._backend import Backend, check_operands, operand_shapes
 from .quant import BLOCK
 
 # Rows per chunk are chosen so the [K/128, rows, N] float32 block products stay
@@ -33,27 +33,11 @@ def _host_sizes(m_sizes: torch.Tensor, rows: int) -> list[int]:
     return sizes
 
 
-def _check(xq, wq, x_scale, w_scale, m_sizes) -> None:
-    # The public entry checks the full contract; this guards direct callers
-    # (tests, the server) against the mistakes that would silently give garbage.
+def _check_fp8(xq, wq) -> None:
+    # The public entry checks the full contract; the backend and the oracle guard direct
+    # callers (tests, the server) against the mistakes that would silently give garbage.
     if xq.dtype not in _FP8_DTYPES or wq.dtype not in _FP8_DTYPES:
         raise TypeError(f"xq and wq must be fp8 e4m3, got {xq.dtype} and {wq.dtype}")
-    if xq.dim() != 2 or wq.dim() != 3 or xq.shape[1] != wq.shape[2]:
-        raise ValueError(
-            f"need xq [M, K] and wq [G, N, K], got {tuple(xq.shape)}, {tuple(wq.shape)}"
-        )
-    m, k = xq.shape
-    g, n, _ = wq.shape
-    if n < 1 or k < 1 or n % BLOCK or k % BLOCK:
-        raise ValueError(f"N and K must be positive multiples of {BLOCK}, got N={n}, K={k}")
-    if tuple(x_scale.shape) != (m, k // BLOCK):
-        raise ValueError(f"x_scale must be [{m}, {k // BLOCK}], got {tuple(x_scale.shape)}")
-    if tuple(w_scale.shape) != (g, k // BLOCK, n // BLOCK):
-        raise ValueError(
-            f"w_scale must be [{g}, {k // BLOCK}, {n // BLOCK}], got {tuple(w_scale.shape)}"
-        )
-    if tuple(m_sizes.shape) != (g,):
-        raise ValueError(f"m_sizes must be [{g}], got {tuple(m_sizes.shape)}")
 
 
 def grouped_gemm(
@@ -69,7 +53,8 @@ def grouped_gemm(
     Writes into ``out`` (bf16 ``[M, N]``, or float32: the float32 sum
     unrounded) when given and returns it.
     """
-    _check(xq, wq, x_scale, w_scale, m_sizes)
+    _check_fp8(xq, wq)
+    check_operands(xq, wq, x_scale, w_scale, m_sizes, out)
     m, k = xq.shape
     _, n, _ = wq.shape
     kb = k // BLOCK
@@ -117,7 +102,8 @@ def reference_float64(
     ``wq`` is plain ``[G, N, K]``. The scales are folded into the operands before
     one float64 matmul per group: the same sum as the SPEC, at float64 rounding.
     """
-    _check(xq, wq, x_scale, w_scale, m_sizes)
+    _check_fp8(xq, wq)
+    operand_shapes(xq, wq, x_scale, w_scale, m_sizes)
     m, k = xq.shape
     _, n, _ = wq.shape
     kb = k // BLOCK

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._backend import Backend, BackendUnavailable
+from ._backend import Backend, BackendUnavailable, check_operands
 from .quant import BLOCK
 
 try:
@@ -607,14 +607,12 @@ def _check(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
     """Layout facts the kernel relies on beyond what the public entry checks."""
     if xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn:
         raise TypeError(f"the triton backend computes in float8_e4m3fn, got {xq.dtype}/{wq.dtype}")
+    check_operands(xq, wq, x_scale, w_scale, m_sizes, out)
     _check_out_dtype(out)
     if not _rows(xq) or not wq.is_contiguous() or not _rows(out):
         raise ValueError("xq and out must be row-major and wq contiguous [G, N, K]")
     if not _rows(x_scale) or not w_scale.is_contiguous() or not m_sizes.is_contiguous():
         raise ValueError("x_scale [M, K/128] row-major, w_scale [G, K/128, N/128] contiguous")
-    n, k = wq.shape[1], wq.shape[2]
-    if n % BLOCK or k % BLOCK:
-        raise ValueError(f"N and K must be multiples of 128, got N={n}, K={k}")
 
 
 def run(xq, wq, x_scale, w_scale, m_sizes, out) -> torch.Tensor:
