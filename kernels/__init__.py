@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import Backend, BackendUnavailable, check_operands
+from ._backend import BLOCK, Backend, BackendUnavailable, check_operands
 from ._select import get_backend
 from .activation import silu_mul_quant
 from .layout import preshuffle, unshuffle
-from .quant import BLOCK, fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
+from .quant import fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
 from .reference import ffn_reference_float64, moe_reference_float64, reference_float64
 
 __all__ = [

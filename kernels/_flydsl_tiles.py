@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .quant import BLOCK
+from ._backend import BLOCK
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950")
 

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from ._backend import Backend, BackendUnavailable, check_operands
+from ._backend import BLOCK, Backend, BackendUnavailable, check_operands
 from ._flydsl_tiles import (
     AUTOTUNE_TILES,
     DEFAULT_TILES,
@@ -69,7 +69,6 @@ from ._flydsl_tiles import (
     fit_tile,
 )
 from .layout import preshuffle
-from .quant import BLOCK
 
 __all__ = [
     "AUTOTUNE_TILES",

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import Backend, check_operands, operand_shapes
-from .quant import BLOCK
+from ._backend import BLOCK, Backend, check_operands, operand_shapes
 
 # Rows per chunk are chosen so the [K/128, rows, N] float32 block products stay
 # near this many elements (~128 MiB): fast batched matmuls without a memory blow-up

@@ -29,8 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._backend import Backend, BackendUnavailable, check_operands
-from .quant import BLOCK
+from ._backend import BLOCK, Backend, BackendUnavailable, check_operands
 
 try:
     import triton
