@@ -51,8 +51,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ._backend import BLOCK
 from ._triton_keys import settle
-from .quant import BLOCK, fp8_max
+from .quant import fp8_max
 
 # Triton's interpreter (TRITON_INTERPRET=1, read when a kernel is defined) runs the CPU tests.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

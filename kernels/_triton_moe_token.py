@@ -68,6 +68,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from moegemm.kernels._backend import BLOCK
 from moegemm.kernels._triton_act import (
     _FORMAT,
     _INTERPRETED,
@@ -77,7 +78,7 @@ from moegemm.kernels._triton_act import (
     silu_mul,
 )
 from moegemm.kernels._triton_gemm import _weights
-from moegemm.kernels.quant import BLOCK, fp8_max
+from moegemm.kernels.quant import fp8_max
 from moegemm.kernels.triton_kernel import SMS, default_config
 
 from ._triton_keys import settle

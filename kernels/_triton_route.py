@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from moegemm.kernels._backend import BLOCK
 from moegemm.kernels._triton_act import (
     _FORMAT,
     _round_to_bf16,
@@ -60,7 +61,7 @@ from moegemm.kernels._triton_act import (
     store_chunk,
 )
 from moegemm.kernels._triton_keys import settle
-from moegemm.kernels.quant import BLOCK, fp8_max
+from moegemm.kernels.quant import fp8_max
 
 _CHUNK = 1024
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .quant import BLOCK, fp8_max, quantize_activations
+from ._backend import BLOCK
+from .quant import fp8_max, quantize_activations
 
 H_DTYPES = (torch.float32, torch.bfloat16)
 
