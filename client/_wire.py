@@ -218,7 +218,7 @@ def pack_tensors(body: dict[str, dict]) -> list[bytes | memoryview]:
     exactly those bytes.
 
     Each tensor's msgpack up to its data (key, map header, dtype, shape, bin
-    header) is built once per key, dtype and shape and kept; the data goes in
+    header) is :func:`tensor_head`'s (built once per shape); the data goes in
     behind it: copied when small, its own part (a view on the caller's memory:
     do not write to it before the parts are sent) from 64 KiB. A socket sends
     the list with one scatter-gather call (``sendmsg``). Anything but plain
@@ -236,13 +236,7 @@ def pack_tensors(body: dict[str, dict]) -> list[bytes | memoryview]:
         if type(data) is not memoryview or data.format != "B" or data.ndim != 1:
             return [packb(body)]
         dtype, shape, size = tensor["dtype"], tensor["shape"], data.nbytes
-        at = (key, dtype, tuple(shape), size)
-        head = _TENSOR_HEADS.get(at)
-        if head is None:
-            head = tensor_head(key, dtype, shape, size)
-            if len(_TENSOR_HEADS) < 4096:  # calls come in few shapes; never grow without bound
-                _TENSOR_HEADS[at] = head
-        small.append(head)
+        small.append(tensor_head(key, dtype, shape, size))
         if size >= _PART_FROM:
             parts.append(b"".join(small))
             parts.append(data)
@@ -254,13 +248,20 @@ def pack_tensors(body: dict[str, dict]) -> list[bytes | memoryview]:
     return parts
 
 
-def tensor_head(key: Any, dtype: Any, shape: list, size: int) -> bytes:
+def tensor_head(key: Any, dtype: Any, shape, size: int) -> bytes:
     """The msgpack of ``key`` and its tensor map up to the data: the bytes ``packb``
     writes for ``{key: {"dtype", "shape", "data"}}`` inside a map, before the
-    ``size`` bytes of data."""
-    # Each piece packed by msgpack itself, so the bytes are exactly packb's.
-    return b"".join((packb(key), b"\x83", packb("dtype"), packb(dtype), packb("shape"),
-                     packb(shape), packb("data"), bin_header(size)))
+    ``size`` bytes of data. Built once per key, dtype, shape and size (calls and
+    answers come in few shapes; the cache never grows past 4096)."""
+    at = (key, dtype, tuple(shape), size)
+    head = _TENSOR_HEADS.get(at)
+    if head is None:
+        # Each piece packed by packb itself, so the bytes are exactly its.
+        head = b"".join((packb(key), b"\x83", packb("dtype"), packb(dtype), packb("shape"),
+                         packb([int(d) for d in shape]), packb("data"), bin_header(size)))
+        if len(_TENSOR_HEADS) < 4096:
+            _TENSOR_HEADS[at] = head
+    return head
 
 
 _FIXMAP = [bytes([0x80 | n]) for n in range(16)]

@@ -19,17 +19,8 @@ def array_body_parts(key: str, raw, dtype: str, shape: tuple[int, ...]) -> list:
     (``raw``: a contiguous numpy array of any shape whose memory is the data; the second
     part, not copied), with its wire dtype name and shape."""
     data = memoryview(raw.reshape(-1).view(np.uint8))  # contiguous: a view, never a copy
-    key_of = (key, dtype, shape)
-    header = _HEADERS.get(key_of)
-    if header is None:
-        header = b"\x81" + tensor_head(key, dtype, [int(d) for d in shape], data.nbytes)
-        if len(_HEADERS) < 4096:  # answers come in few shapes; never grow without bound
-            _HEADERS[key_of] = header
-    return [header, data]
+    return [b"\x81" + tensor_head(key, dtype, shape, data.nbytes), data]
 
-
-# Answer headers by (key, dtype, shape): the same few shapes answer most calls.
-_HEADERS: dict[tuple, bytes] = {}
 
 
 class PartsResponse(Response):
