@@ -140,6 +140,10 @@ def encode_tensor(a: Any) -> dict:
         name = next((n for n in _TORCH_NAMES if getattr(torch, n, None) == a.dtype), None)
         if name is None:
             raise ArgumentDtype(f"dtype {a.dtype} cannot go on the wire; it takes {sorted(DTYPES)}")
+        if a.is_meta or a.layout != torch.strided:
+            # No bytes to read: a meta tensor has none, a sparse or nested one is not row-major.
+            raise BadTensor(f"a {'meta' if a.is_meta else a.layout} tensor cannot go on the wire; "
+                            "pass a dense (strided) tensor with its data")
         t = a.detach().to("cpu").contiguous()
         shape = list(t.shape)
         # Reinterpret as bytes: numpy has no fp8/bf16 dtype torch could hand over.

@@ -150,6 +150,18 @@ def test_torch_non_contiguous_and_requires_grad():
         encode_tensor(torch.randn(2, dtype=torch.float64))
 
 
+@needs_torch
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(4, 128, dtype=torch.bfloat16, device="meta"),
+    lambda: torch.eye(4, dtype=torch.bfloat16).to_sparse(),
+], ids=["meta", "sparse"])
+def test_torch_tensor_without_dense_data_is_bad_tensor(make):
+    # A meta tensor holds no bytes and a sparse one is not row-major: the client's own error,
+    # not torch's NotImplementedError, and nothing is sent.
+    with pytest.raises(BadTensor, match="cannot go on the wire"):
+        encode_tensor(make())
+
+
 # --- decode_tensors refusals -----------------------------------------------
 
 
