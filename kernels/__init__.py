@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import BLOCK, Backend, BackendUnavailable, check_operands
-from ._select import get_backend
+from ._select import backend_refusal, get_backend
 from .activation import silu_mul_quant
 from .layout import preshuffle, unshuffle
 from .quant import fn_to_fnuz, fnuz_to_fn, fp8_max, quantize_activations, quantize_weights
@@ -24,6 +24,7 @@ __all__ = [
     "BLOCK",
     "Backend",
     "BackendUnavailable",
+    "backend_refusal",
     "ffn_reference_float64",
     "fn_to_fnuz",
     "fnuz_to_fn",

@@ -116,6 +116,19 @@ def get_backend(device: torch.device | str | int, name: str | None = None) -> Ba
         return backend
 
 
+def backend_refusal(device: torch.device | str | int, name: str | None = None) -> str | None:
+    """Why :func:`get_backend` must refuse ``device`` with this name (else ``MOEGEMM_BACKEND``),
+    found without importing a GPU library: an unknown name, or a GPU backend named for the
+    CPU. None when it may succeed (a GPU backend can still fail to import)."""
+    try:
+        requested = _requested(name)
+    except ValueError as exc:
+        return str(exc)
+    if requested in _GPU_BACKENDS and torch.device(device).type != "cuda":
+        return f"MOEGEMM_BACKEND={requested} needs a CUDA or ROCm device, got {torch.device(device)}"
+    return None
+
+
 def _clear_cache() -> None:
     """Forget every choice (for tests that change MOEGEMM_BACKEND)."""
     with _lock:

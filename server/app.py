@@ -22,7 +22,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from moegemm.client._errors import APIError, BadField, InternalError
+from moegemm.client._errors import APIError, BadField, InternalError, OutOfMemory, TooLarge
 from moegemm.kernels import get_backend
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -104,8 +104,16 @@ async def _load_startup_sets(svc: routes.Services, experts: routes_experts.Exper
             svc, lambda e=entry: store.build_from_file(e.name, e.file, e.w_key, e.w_scale_key)
         )
     if settings.wants_demo():
-        await routes.install(svc, store.build_demo)
-        log.info("loaded the random demo weight set 'demo'")
+        try:
+            await routes.install(svc, store.build_demo)
+        except (TooLarge, OutOfMemory) as exc:
+            if settings.demo:  # asked for by name: refused as any preload is
+                raise
+            # Loaded by default, so a first run answers calls; a server whose limits leave
+            # no room for it still becomes ready, for the sets it does take.
+            log.warning("the random demo weight set is not loaded: %s", exc)
+        else:
+            log.info("loaded the random demo weight set 'demo'")
     svc.ready = True
     log.info("ready in %.2f s: %d weight sets on %s", time.monotonic() - started,
              len(store.list()), engine.device)

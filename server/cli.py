@@ -19,7 +19,8 @@ from .config import Settings, shown, unknown_environment
 
 # The exit status when the address cannot be listened on (a port taken, a host not this one's).
 EXIT_CANNOT_LISTEN = 1
-EXIT_NO_DEVICE = 2  # as invalid settings: the configured device does not exist here
+EXIT_NO_DEVICE = 2  # as invalid settings: the configured device does not exist here, or the
+# backend named (MOEGEMM_BACKEND) cannot run on it
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,8 +96,9 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     args = vars(_parser().parse_args(argv))
     args.pop("command")
     # An empty flag is no flag (as an empty MOEGEMM_* variable is): `--host "$HOST"` with
-    # HOST unset must not listen on every interface.
-    return Settings(**{key: value for key, value in args.items() if value not in (None, "")})
+    # HOST unset must not listen on every interface; `--preload "$SET"` adds nothing.
+    args["preload"] = [entry for entry in args["preload"] or () if entry != ""]
+    return Settings(**{key: value for key, value in args.items() if value not in (None, "", [])})
 
 
 def serve(settings: Settings) -> int:
@@ -130,16 +132,23 @@ def _serve_fast(settings: Settings) -> int:
     """The app on the fast transport; request bodies land in pinned memory on a GPU."""
     import asyncio
 
+    from moegemm.kernels import backend_refusal
+
     from ._direct import DirectCalls
     from ._http import FastHttpServer, ListenError
     from .app import NoSuchDevice, create_app, resolve_device
 
     allocate = pin = None
     try:
-        on_gpu = resolve_device(settings.device).type == "cuda"
+        device = resolve_device(settings.device)
     except NoSuchDevice as exc:  # before anything was loaded: a message, not a traceback
         print(f"moegemm serve: {exc}", file=sys.stderr)
         return EXIT_NO_DEVICE
+    refusal = backend_refusal(device)
+    if refusal is not None:  # as an invalid setting: before anything was loaded
+        print(f"moegemm serve: {refusal}", file=sys.stderr)
+        return EXIT_NO_DEVICE
+    on_gpu = device.type == "cuda"
     acceptors = settings.acceptor_count(on_gpu)
     if on_gpu:
         from ._staging import pin_host_array, pinned_body_allocator

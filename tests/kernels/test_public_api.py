@@ -6,6 +6,7 @@ EXPECTED = [
     "BLOCK",
     "Backend",
     "BackendUnavailable",
+    "backend_refusal",
     "ffn_reference_float64",
     "fn_to_fnuz",
     "fnuz_to_fn",

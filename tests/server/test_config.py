@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,11 @@ def test_an_empty_flag_is_no_flag(monkeypatch):
     monkeypatch.delenv("MOEGEMM_HOST", raising=False)
     assert server_cli.main(["serve", "--host", "", "--log-level", "", "--device", "cpu"]) == 0
     assert seen["s"].host == "127.0.0.1" and seen["s"].log_level == Settings().log_level
+    # A repeatable flag given empty (`--preload "$SET"` with SET unset) adds no entry.
+    seen.clear()
+    monkeypatch.delenv("MOEGEMM_PRELOAD", raising=False)
+    assert server_cli.main(["serve", "--preload", "", "--device", "cpu"]) == 0
+    assert seen["s"].preload == [] and seen["s"].wants_demo()
 
 
 def test_a_weights_directory_that_is_none_is_named_at_start(monkeypatch, tmp_path, caplog):
@@ -353,3 +359,43 @@ def test_the_parts_built_without_settings_default_as_the_settings_do():
     assert (engine["queue_size"], engine["max_m"], engine["max_bucket_m"],
             engine["merge_window_us"], engine["switch_interval_us"], list(engine["moe_top_k"])) == (
         s.queue_size, s.max_m, s.max_bucket_m, s.merge_window_us, s.gil_switch_us, s.moe_top_k)
+
+
+@pytest.mark.parametrize(("backend", "said"), [
+    ("foo", "MOEGEMM_BACKEND must be one of auto, reference, triton, flydsl, got 'foo'"),
+    ("triton", "MOEGEMM_BACKEND=triton needs a CUDA or ROCm device, got cpu"),
+])
+def test_moegemm_serve_refuses_a_backend_that_cannot_run_before_loading_anything(backend, said):
+    """A backend name that is unknown, or a GPU backend on the CPU: one line and exit 2, as any
+    invalid setting (it was a traceback from the app's start, exit 1)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "moegemm.cli", "serve", "--port", "0", "--device", "cpu"],
+        env=os.environ | {"MOEGEMM_BACKEND": backend}, capture_output=True, text=True,
+        timeout=120, check=False)
+    assert done.returncode == server_cli.EXIT_NO_DEVICE == 2
+    assert f"moegemm serve: {said}" in done.stderr
+    assert "Traceback" not in done.stderr and "weight sets on" not in done.stderr
+
+
+def test_a_default_demo_set_past_the_limits_is_skipped_and_the_server_is_ready():
+    """Limits that leave no room for the random demo set (G = 8, N = 256): the server still
+    becomes ready, without it, and takes a set within the limits; asked for by name
+    (``--demo``), the demo set is refused as any preload is, and the server never becomes ready."""
+    import numpy as np
+    from server_support import serve, wire
+
+    with serve(Settings(device="cpu", max_g=4)) as srv:  # waits for ready
+        assert srv.http.get("/v1/weights").json() == {"weights": []}
+        w = np.zeros((4, 128, 128), np.float32)
+        assert srv.put("small", {"w": wire(w)}).status_code == 201
+    with serve(Settings(device="cpu", max_g=4, demo=True), wait=False) as srv:
+        deadline = time.monotonic() + 30
+        while srv.services.startup_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "G=4" in srv.services.startup_error
+        answer = srv.http.get("/v1/health/ready")
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready"
