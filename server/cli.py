@@ -111,7 +111,7 @@ def serve(settings: Settings) -> int:
     log = logging.getLogger("moegemm")
     log.info("starting moegemm on %s:%d", settings.host, settings.port)
     for name in unknown_environment(os.environ):
-        log.warning("%s is no setting of moegemm and is ignored (moegemm serve --help lists them)", name)
+        log.warning("%s is no setting of moegemm and is ignored (the README's \"Configure it\" table lists them)", name)
     if settings.weights_dir is not None:
         # Not fatal (uploads over the wire still work), but a volume that failed to mount
         # should say so now, not at the first file load.
