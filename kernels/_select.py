@@ -69,8 +69,9 @@ def _load_gpu(name: str, device: torch.device) -> Backend:
         )
     if rival in _created_gpu:
         raise BackendUnavailable(f"{name} cannot load: this process already runs {rival}")
-    if device.type != "cuda":
-        raise BackendUnavailable(f"{name} needs a CUDA or ROCm device, got {device}")
+    problem = _device_problem(name, device)
+    if problem is not None:
+        raise BackendUnavailable(problem)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -124,9 +125,13 @@ def backend_refusal(device: torch.device | str | int, name: str | None = None) -
         requested = _requested(name)
     except ValueError as exc:
         return str(exc)
-    if requested in _GPU_BACKENDS and torch.device(device).type != "cuda":
-        return f"MOEGEMM_BACKEND={requested} needs a CUDA or ROCm device, got {torch.device(device)}"
-    return None
+    problem = _device_problem(requested, torch.device(device)) if requested in _GPU_BACKENDS else None
+    return None if problem is None else f"MOEGEMM_BACKEND={problem}"
+
+
+def _device_problem(name: str, device: torch.device) -> str | None:
+    """Why GPU backend ``name`` cannot run on ``device``, or None."""
+    return None if device.type == "cuda" else f"{name} needs a CUDA or ROCm device, got {device}"
 
 
 def _clear_cache() -> None:
