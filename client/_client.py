@@ -11,6 +11,7 @@ import asyncio
 import math
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -100,6 +101,22 @@ def _capped(timeout: httpx.Timeout, left: float) -> httpx.Timeout:
     )
 
 
+def _header_value(key: str, value: str, empty: bool = True) -> str:
+    """A header (or the token) given to a client, checked now rather than at its first call:
+    a name of RFC 9110's token characters and a value of printable ASCII, as every HTTP
+    client here sends it (no CR, LF or NUL, so no header can be injected through it)."""
+    if not isinstance(key, str) or not _FIELD_NAME.fullmatch(key):
+        raise ValueError(f"a header name is letters, digits and !#$%&'*+-.^_`|~, got {key!r:.80}")
+    if not isinstance(value, str) or not value.isascii() or not value.isprintable() or \
+            value != value.strip() or not (value or empty):
+        raise ValueError(f"{key} must be {'' if empty else 'non-empty '}printable ASCII with no "
+                         f"whitespace at its ends, got {value!r:.80}")
+    return value
+
+
+_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
 class _Base:
     def __init__(
         self,
@@ -119,8 +136,8 @@ class _Base:
         self.url = url.rstrip("/")
         self._headers = {"Accept": f"{MSGPACK}, application/json"}
         if token is not None:
-            self._headers["Authorization"] = f"Bearer {token}"
-        given = dict(headers or {})
+            self._headers["Authorization"] = f"Bearer {_header_value('token', token, empty=False)}"
+        given = {key: _header_value(key, value) for key, value in (headers or {}).items()}
         # An X-Request-Id among the client's headers is the id of every call it makes (a
         # call's request_id= wins); it is sent once, never beside a generated one.
         self._request_id = request_id_of(next(

@@ -128,8 +128,8 @@ class Settings(BaseSettings):
     # A weight set's G, N and K (413 beyond), and the bytes of all loaded sets
     # together (507 beyond; None: as many as the device holds).
     max_g: int = Field(1024, gt=0, le=1024)  # the GPU tiles' group table (TABLE_G_MAX)
-    max_n: int = Field(65536, gt=0)
-    max_k: int = Field(65536, gt=0)
+    max_n: int = Field(65536, gt=0, multiple_of=128)  # N and K are multiples of 128 (SPEC 2.2)
+    max_k: int = Field(65536, gt=0, multiple_of=128)
     max_weight_bytes: int | None = Field(None, gt=0)
     # Device memory a load leaves free for the calls in flight (507 when it cannot).
     memory_headroom_bytes: int = Field(1 << 30, ge=0)
@@ -216,9 +216,9 @@ class Settings(BaseSettings):
         # Nor can a bearer carry whitespace at its ends (HTTP strips it from header values) or a
         # control character: such a token would answer every call 401 while health says 200.
         text = value.get_secret_value()
-        if text != text.strip() or not text.isprintable():
-            raise ValueError("a token must not begin or end with whitespace nor hold control characters "
-                             "(an HTTP header cannot carry them)")
+        if text != text.strip() or not text.isprintable() or not text.isascii():
+            raise ValueError("a token is printable ASCII with no whitespace at its ends (HTTP "
+                             "clients send header values as ASCII and strip their ends)")
         return value
 
     @field_validator("device")

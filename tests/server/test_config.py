@@ -57,12 +57,14 @@ def test_environment(monkeypatch, tmp_path):
     {"port": 70000}, {"max_body_bytes": 0}, {"max_m": -1}, {"max_bucket_m": 100},
     {"queue_size": 0}, {"merge_window_us": -1}, {"device": "gpu"}, {"log_level": "loud"},
     {"max_g": 1025},  # the GPU tiles' group table holds 1024
+    {"max_n": 100}, {"max_k": 200},  # every N and K is a multiple of 128
     {"preload": ["nonsense"]}, {"preload": ["a=b:c"]},  # the second lacks weights_dir
     {"preload": ["bad name!=w.safetensors:w"], "weights_dir": "/w"},  # refused at start, not at load
     {"preload": ["..=w.safetensors:w"], "weights_dir": "/w"},
     {"unknown_setting": 1},
     # Tokens no request could present (HTTP strips a header value's ends; no control characters).
     {"token": " "}, {"token": "abc "}, {"token": " abc"}, {"token": "abc\n"}, {"admin_token": "a\tb"},
+    {"token": "t\u00f6k"},  # clients send header values as ASCII
     # A timeout of inf would turn a guard off (the head timeout: slow heads held forever).
     {"http_head_timeout_s": float("inf")}, {"http_keep_alive_s": float("inf")},
     {"shutdown_grace_s": float("nan")}, {"acceptor_timeout_s": float("inf")},
