@@ -222,7 +222,8 @@ class FastHttpServer:
         self.port = self._server.sockets[0].getsockname()[1]
         self.listening.set()
         sweeping = loop.create_task(sweep(self.connections, self.limits, self.unread))
-        log.info("listening on http://%s:%d (fast HTTP transport)", self.host, self.port)
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address in a URL
+        log.info("listening on http://%s:%d (fast HTTP transport)", host, self.port)
         try:
             await stop.wait()
         finally:
