@@ -101,17 +101,34 @@ def _capped(timeout: httpx.Timeout, left: float) -> httpx.Timeout:
     )
 
 
-def _header_value(key: str, value: str, empty: bool = True) -> str:
-    """A header (or the token) given to a client, checked now rather than at its first call:
-    a name of RFC 9110's token characters and a value of printable ASCII, as every HTTP
-    client here sends it (no CR, LF or NUL, so no header can be injected through it)."""
+def _header_value(key: str, value: str) -> str:
+    """A header given to a client, checked now rather than at its first call: a name of RFC
+    9110's token characters and a value of printable ASCII with no whitespace at its ends (no
+    CR, LF or NUL, so no header can be injected through it)."""
     if not isinstance(key, str) or not _FIELD_NAME.fullmatch(key):
         raise ValueError(f"a header name is letters, digits and !#$%&'*+-.^_`|~, got {key!r:.80}")
-    if not isinstance(value, str) or not value.isascii() or not value.isprintable() or \
-            value != value.strip() or not (value or empty):
-        raise ValueError(f"{key} must be {'' if empty else 'non-empty '}printable ASCII with no "
-                         f"whitespace at its ends, got {value!r:.80}")
+    if not isinstance(value, str) or not value.isascii() or not _visible(value):
+        raise ValueError(f"header {key} must be printable ASCII with no whitespace at its ends, "
+                         f"got {value!r:.80}")
     return value
+
+
+def _bearer(token: str) -> str:
+    """The ``Authorization`` value of ``token``: its UTF-8 bytes (as the server compares a
+    token outside ASCII), held as the latin-1 text the request heads are encoded from."""
+    if not isinstance(token, str) or not token or not _visible(token):
+        raise ValueError(f"token must be non-empty and printable with no whitespace at its ends, "
+                         f"got {token!r:.80}")
+    return "Bearer " + token.encode().decode("latin-1")
+
+
+def _as_bytes(headers: dict[str, str]) -> dict[str, bytes]:
+    """``headers`` as the bytes the lane sends (httpx would encode a str value as ASCII)."""
+    return {key: value.encode("latin-1") for key, value in headers.items()}
+
+
+def _visible(value: str) -> bool:
+    return value.isprintable() and value == value.strip()
 
 
 _FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -136,7 +153,7 @@ class _Base:
         self.url = url.rstrip("/")
         self._headers = {"Accept": f"{MSGPACK}, application/json"}
         if token is not None:
-            self._headers["Authorization"] = f"Bearer {_header_value('token', token, empty=False)}"
+            self._headers["Authorization"] = _bearer(token)
         given = {key: _header_value(key, value) for key, value in (headers or {}).items()}
         # An X-Request-Id among the client's headers is the id of every call it makes (a
         # call's request_id= wins); it is sent once, never beside a generated one.
@@ -173,7 +190,7 @@ class _Base:
     def _new_http(self, transport=None):
         """An httpx client (``_HTTPX``: blocking or async) for this client's calls, on
         ``transport`` or a fresh one of ``_TRANSPORT``."""
-        return self._HTTPX(base_url=self.url, headers=self._headers, timeout=self._timeout,
+        return self._HTTPX(base_url=self.url, headers=_as_bytes(self._headers), timeout=self._timeout,
                            transport=transport or self._TRANSPORT(socket_options=_SOCKET_OPTIONS))
 
     def _pool(self):

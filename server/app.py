@@ -158,7 +158,13 @@ async def _lifespan(app: FastAPI):
         yield
     finally:
         loading.cancel()
-        await asyncio.to_thread(engine.close)
+        # The transport gave the requests in flight the grace already: a batch or load still
+        # running then (a cut-off call) holds the stop no longer than that again, and the
+        # process then exits without waiting for it (cli._serve_fast).
+        if not await asyncio.to_thread(engine.close, settings.shutdown_grace_s):
+            log.warning("stopping: a batch or load still runs after the grace period; the "
+                        "process exits without waiting for it")
+            app.state.cut_off = True
 
 
 def exit_for_restart(grace_s: float) -> None:

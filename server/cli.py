@@ -122,10 +122,7 @@ def serve(settings: Settings) -> int:
         if problem is not None:
             log.warning("the weights directory %s %s: every load from a file will fail",
                         settings.weights_dir, problem)
-    status = _serve_fast(settings)
-    from . import engine
-
-    return engine.EXIT_DEVICE_LOST if engine.DEVICE_LOST.is_set() else status
+    return _serve_fast(settings)
 
 
 def _serve_fast(settings: Settings) -> int:
@@ -179,4 +176,15 @@ def _serve_fast(settings: Settings) -> int:
     except ListenError as exc:  # before anything was loaded: a message, not a traceback
         print(f"moegemm serve: {exc.strerror}", file=sys.stderr)
         return EXIT_CANNOT_LISTEN
-    return 0
+    from . import engine
+
+    status = engine.EXIT_DEVICE_LOST if engine.DEVICE_LOST.is_set() else 0
+    if getattr(app.state, "cut_off", False):
+        # A batch or load cut off at the stop still runs on its thread: leaving through the
+        # interpreter would wait for it (a load) or abort under it (torch's thread pools at
+        # finalization). The grace is over: exit now, as a second signal does.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status

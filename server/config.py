@@ -216,9 +216,9 @@ class Settings(BaseSettings):
         # Nor can a bearer carry whitespace at its ends (HTTP strips it from header values) or a
         # control character: such a token would answer every call 401 while health says 200.
         text = value.get_secret_value()
-        if text != text.strip() or not text.isprintable() or not text.isascii():
-            raise ValueError("a token is printable ASCII with no whitespace at its ends (HTTP "
-                             "clients send header values as ASCII and strip their ends)")
+        if text != text.strip() or not text.isprintable():
+            raise ValueError("a token must not begin or end with whitespace nor hold control characters "
+                             "(an HTTP header cannot carry them)")
         return value
 
     @field_validator("device")

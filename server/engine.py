@@ -187,6 +187,7 @@ class Engine:
         # priority than the calls (_priority.yield_cpu).
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moegemm-load",
                                                              initializer=yield_cpu)
+        self._loading = 0  # loader jobs running (_on_loader); only the loader thread writes it
         self._load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Weight-set shapes whose graphs are captured (or being captured: then the
         # capture holds the family's buffers and calls of it wait).
@@ -209,8 +210,9 @@ class Engine:
                                         daemon=True)
         self._thread.start()
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Refuse new work, fail what is queued, and wait for the running batch."""
+    def close(self, timeout: float = 30.0) -> bool:
+        """Refuse new work, fail what is queued, and wait up to ``timeout`` seconds for the
+        running batch; whether nothing runs any more (False: a batch or a load still does)."""
         self._closing.set()  # a load waiting on a compiling child stops waiting
         with self._cv:
             self._closed = True
@@ -229,6 +231,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._loader.shutdown(wait=False, cancel_futures=True)
+        return not (self._thread is not None and self._thread.is_alive()) and not self._loading
 
     # -- the one entry for calls -----------------------------------------------------
 
@@ -512,7 +515,16 @@ class Engine:
         ffn and moe graphs) and capture the graphs its shapes need, off the calls'
         path: on the loader thread and its own CUDA stream, while calls go on (SPEC 3)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._loader, self._load, build)
+        return await loop.run_in_executor(self._loader, self._on_loader, self._load, build)
+
+    def _on_loader(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the loader thread, counted while it runs (``close`` tells whether
+        one still does)."""
+        self._loading += 1
+        try:
+            return fn(*args)
+        finally:
+            self._loading -= 1
 
     def _load(self, build: Callable[[], T]) -> T:
         """On the loader thread (one load at a time). A shape already served only
@@ -625,7 +637,7 @@ class Engine:
         self.forget(es.w13)
         self.forget(es.w2)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._loader, self._experts.forget, es)
+        await loop.run_in_executor(self._loader, self._on_loader, self._experts.forget, es)
 
     @property
     def graphs(self) -> bool:

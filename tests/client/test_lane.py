@@ -509,7 +509,7 @@ def test_body_until_close_interim_answers_and_reason():
 def test_headers_are_checked_and_per_call_ones_win(server):
     url, _ = server
     # A header or token that HTTP cannot carry as given is refused when the client is made.
-    for bad in ({"token": "abc\r\nX-Injected: 1"}, {"token": "t\u00f6k"}, {"token": ""},
+    for bad in ({"token": "abc\r\nX-Injected: 1"}, {"token": "abc "}, {"token": ""},
                 {"headers": {"X-Extra": "caf\u00e9"}}, {"headers": {"X Extra": "1"}},
                 {"headers": {"X-Extra": "1\r\nX-Injected: 1"}}):
         with pytest.raises(ValueError):

@@ -170,3 +170,25 @@ def test_a_token_outside_ascii_is_its_utf8_bytes_on_every_path(problem):
         assert srv.gemm("base", _call(problem), headers=raw).status_code == 200
         assert_error(srv.http.get("/v1/info", headers={"authorization": b"Bearer t\xf6k\xe9n-7"}),
                      401, "unauthorized")  # its latin-1 bytes are another token
+
+
+def test_the_client_presents_a_token_outside_ascii(problem):
+    """A probe: the project's own client failed with a bare UnicodeEncodeError on a token the
+    server takes (it compares one outside ASCII as its UTF-8 bytes). Both of the client's
+    ways (the lane for plain http, httpx for the rest) now send those bytes."""
+    import httpx
+
+    token = "t\u00f6k\u00e9n-\u2603"
+    with serve(Settings(device="cpu", demo=False, token=token)) as srv:
+        body = {"w": wire(problem.wq), "w_scale": wire(problem.w_scale)}
+        assert srv.put("base", body, headers={"authorization": b"Bearer " + token.encode()}) \
+            .status_code == 201
+        with Client(srv.url, token=token) as lane, \
+                Client(srv.url, token=token, transport=httpx.HTTPTransport()) as pooled:
+            assert lane._lane is not None and pooled._lane is None
+            for c in (lane, pooled):
+                assert [ws["name"] for ws in c.weights()] == ["base"]
+                assert c.grouped_gemm("base", problem.xq, problem.m_sizes,
+                                      problem.x_scale).shape == (12, N)
+        with Client(srv.url, token="t\u00f6k\u00e9n-") as wrong, pytest.raises(Unauthorized):
+            wrong.weights()
