@@ -160,12 +160,29 @@ def test_cli_refuses_bad_settings_naming_them_as_an_operator_sets_them(capsys, m
     assert "pydantic.dev" not in err  # no documentation links in an operator's message
 
 
+def _until_ready(proc, url: str) -> None:
+    """Wait (60 s at most) for the ``moegemm serve`` process ``proc`` to answer ready at ``url``."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(f"{url}/v1/health/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "moegemm serve did not become ready"
+        time.sleep(0.1)
+
+
 def test_moegemm_serve_runs_a_server():
     """The real command: starts, loads the demo set, answers, stops on SIGTERM."""
     import signal
     import subprocess
     import sys
-    import time
 
     import httpx
     from server_support import _free_port
@@ -177,16 +194,7 @@ def test_moegemm_serve_runs_a_server():
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "moegemm serve did not become ready"
-            time.sleep(0.1)
+        _until_ready(proc, f"http://127.0.0.1:{port}")
         weights = httpx.get(f"http://127.0.0.1:{port}/v1/weights").json()["weights"]
         assert [ws["name"] for ws in weights] == ["demo"]
     finally:
@@ -228,16 +236,7 @@ def test_a_call_cut_off_at_the_stop_does_not_hold_the_exit():
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"{url}/v1/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "moegemm serve did not become ready"
-            time.sleep(0.1)
+        _until_ready(proc, url)
         x = np.ones((512, 512), np.float32)  # the demo set: G=8, K=512
         sizes = np.array([512, 0, 0, 0, 0, 0, 0, 0], np.int32)
         body = msgpack.packb({
