@@ -9,6 +9,7 @@
 #   TILE_S   tinymoe_tiles.py: the one-token moe kernels' weight tiles    -> tinymoe_tiles.json
 #   TRACE_S  trace_service.py: a lone call's timeline, client and server   -> trace.json
 #   KERN_S   bench_kernels.py, seed + real through the service graph, peers  -> kernels.json
+#            (KERN_ONLY=seed or real: that set alone)
 #   SWEEP_S  bench_kernels.py --sweep --no-peers on the cases matching $SWEEP_MATCH (tiles: $SWEEP_KEYS;
 #            or the table's tile with the fields of $SWEEP_VARY changed, e.g. "split_k=1,2;num_stages=4,8") -> sweep.json
 #   GAP_S    gap_gluon.py --match $GAP_MATCH: the service graph's parts apart  -> gap.json
@@ -56,7 +57,7 @@ if [ -n "$TRACE_S" ]; then
 fi
 if [ -n "$KERN_S" ]; then
   timeout -k 5 $KERN_S python3 -P bench/bench_kernels.py --budget-s $(( KERN_S - 25 )) \
-    --json "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+    ${KERN_ONLY:+--only $KERN_ONLY} --json "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
   echo "kernel bench rc=$? $(el)"; tail -1 "$OUT/kernels.log" | cut -c1-1500
 fi
 if [ -n "$SWEEP_S" ]; then
