@@ -154,11 +154,14 @@ class _Base:
         self._headers = {"Accept": f"{MSGPACK}, application/json"}
         if token is not None:
             self._headers["Authorization"] = _bearer(token)
-        given = {key: _header_value(key, value) for key, value in (headers or {}).items()}
+        given = {key: _header_value(key, value) for key, value in dict(headers or {}).items()}
         # An X-Request-Id among the client's headers is the id of every call it makes (a
         # call's request_id= wins); it is sent once, never beside a generated one.
         self._request_id = request_id_of(next(
             (given.pop(k) for k in list(given) if k.lower() == "x-request-id"), None))
+        # A given header replaces the client's own of any spelling (httpx would send both).
+        named = {key.lower() for key in given}
+        self._headers = {k: v for k, v in self._headers.items() if k.lower() not in named}
         self._headers.update(given)
         self._timeout = httpx.Timeout(timeout)
         self._load_timeout = httpx.Timeout(load_timeout)

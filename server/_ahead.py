@@ -265,7 +265,7 @@ def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S,
         for mine in range(count):
             ours, theirs = ctx.Pipe(duplex=False)
             pipes.append(ours)
-            kids.append(ctx.Process(target=_child, args=(job, theirs, (mine, count)),
+            kids.append(ctx.Process(target=_child, args=(job, theirs, (mine, count), os.getpid()),
                                     name=f"moegemm-compile-{mine}", daemon=True))
             try:
                 kids[-1].start()
@@ -335,12 +335,12 @@ def _answer(pipe) -> Any:
         return ("failed", "it ended without an answer")
 
 
-def _child(job: Job, answer, share: tuple[int, int] = (0, 1)) -> None:
+def _child(job: Job, answer, share: tuple[int, int] = (0, 1), parent: int | None = None) -> None:
     """A child process: run its ``share`` of ``job``, then send ("ok", kernels compiled, the
     last of them named: ``CompileAhead.compiled_since``) or ("failed", why). It runs at the
-    loader's nice value and dies with its parent (a SIGKILLed server leaves no child holding
-    device memory)."""
-    _die_with_parent()
+    loader's nice value and dies with its parent, process ``parent`` (a SIGKILLed server leaves
+    no child holding device memory)."""
+    _die_with_parent(os.getppid() if parent is None else parent)
     yield_cpu()
     try:
         compiled, named = run_job(job, share)
@@ -352,14 +352,17 @@ def _child(job: Job, answer, share: tuple[int, int] = (0, 1)) -> None:
         answer.close()
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when its parent, process ``parent``, dies (prctl
+    PR_SET_PDEATHSIG)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # elsewhere the daemon flag ends it with a parent that exits normally
-    if os.getppid() == 1:  # the parent died before the prctl took effect
+    # The parent died before the prctl took effect: this process was handed to another. (Not
+    # "the parent is process 1": a server that is a container's first process is process 1.)
+    if os.getppid() != parent:
         os._exit(1)
 
 

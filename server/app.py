@@ -40,6 +40,9 @@ from .store import WeightLimits, WeightStore
 
 log = logging.getLogger("moegemm.server")
 
+# How long a stop waits for a batch or load that outlived the requests' grace period.
+CLOSE_WAIT_S = 5.0
+
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
@@ -159,11 +162,12 @@ async def _lifespan(app: FastAPI):
     finally:
         loading.cancel()
         # The transport gave the requests in flight the grace already: a batch or load still
-        # running then (a cut-off call) holds the stop no longer than that again, and the
-        # process then exits without waiting for it (cli._serve_fast).
-        if not await asyncio.to_thread(engine.close, settings.shutdown_grace_s):
-            log.warning("stopping: a batch or load still runs after the grace period; the "
-                        "process exits without waiting for it")
+        # running now (a cut-off call, a start-up load) has no one to answer, so the stop
+        # waits for it a few seconds at most, and the process then exits without it
+        # (cli._serve_fast).
+        if not await asyncio.to_thread(engine.close, min(settings.shutdown_grace_s, CLOSE_WAIT_S)):
+            log.warning("stopping: a batch or load still runs at the stop; the process exits "
+                        "without waiting for it")
             app.state.cut_off = True
 
 

@@ -9,6 +9,7 @@ still read from it. The transport is ``_http.py``'s, the only one that ships
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -184,7 +185,8 @@ def _serve_fast(settings: Settings) -> int:
         # interpreter would wait for it (a load) or abort under it (torch's thread pools at
         # finalization). The grace is over: exit now, as a second signal does.
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed log pipe must not stop the exit
+                stream.flush()
         os._exit(status)
     return status

@@ -187,7 +187,7 @@ class Engine:
         # priority than the calls (_priority.yield_cpu).
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moegemm-load",
                                                              initializer=yield_cpu)
-        self._loading = 0  # loader jobs running (_on_loader); only the loader thread writes it
+        self._loader_jobs: set[concurrent.futures.Future] = set()  # not yet ended (_on_loader)
         self._load_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Weight-set shapes whose graphs are captured (or being captured: then the
         # capture holds the family's buffers and calls of it wait).
@@ -231,7 +231,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._loader.shutdown(wait=False, cancel_futures=True)
-        return not (self._thread is not None and self._thread.is_alive()) and not self._loading
+        with self._lock:
+            batch = self._busy and self._thread is not None and self._thread.is_alive()
+        return not batch and not self._loader_jobs  # the cancelled ones left it as they ended
 
     # -- the one entry for calls -----------------------------------------------------
 
@@ -514,17 +516,15 @@ class Engine:
         """Build a weight set (or an expert set: its two matrices' gemm graphs, and its
         ffn and moe graphs) and capture the graphs its shapes need, off the calls'
         path: on the loader thread and its own CUDA stream, while calls go on (SPEC 3)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._loader, self._on_loader, self._load, build)
+        return await self._on_loader(self._load, build)
 
-    def _on_loader(self, fn: Callable[..., T], *args) -> T:
-        """``fn(*args)`` on the loader thread, counted while it runs (``close`` tells whether
-        one still does)."""
-        self._loading += 1
-        try:
-            return fn(*args)
-        finally:
-            self._loading -= 1
+    def _on_loader(self, fn: Callable[..., T], *args) -> asyncio.Future:
+        """``fn(*args)`` on the loader thread, to be awaited; kept in ``_loader_jobs`` until
+        it ends or is cancelled (``close`` tells whether one still runs)."""
+        job = self._loader.submit(fn, *args)
+        self._loader_jobs.add(job)
+        job.add_done_callback(self._loader_jobs.discard)
+        return asyncio.wrap_future(job)
 
     def _load(self, build: Callable[[], T]) -> T:
         """On the loader thread (one load at a time). A shape already served only
@@ -636,8 +636,7 @@ class Engine:
         loaded before this runs keeps them, swapped in yet or not)."""
         self.forget(es.w13)
         self.forget(es.w2)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._loader, self._on_loader, self._experts.forget, es)
+        await self._on_loader(self._experts.forget, es)
 
     @property
     def graphs(self) -> bool:

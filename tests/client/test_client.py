@@ -320,6 +320,18 @@ def test_no_token_no_authorization_and_custom_headers(fake):
     assert str(req.url) == URL + "/v1/info"
 
 
+def test_a_given_header_replaces_the_clients_own_of_any_spelling(fake):
+    """A review: ``headers={"authorization": ...}`` beside ``token=`` sent both headers
+    through httpx (the server read the token's) and only the given one on the lane."""
+    transport = httpx.MockTransport(fake)
+    with Client(URL, token=TOKEN, headers=[("authorization", "Bearer given"), ("accept", "*/*")],
+                transport=transport) as c:
+        c.info()
+    req = fake.requests[-1]
+    assert req.headers.get_list("authorization") == ["Bearer given"]
+    assert req.headers.get_list("accept") == ["*/*"]
+
+
 def test_async_client_mirrors_the_sync_one(fake):
     async def scenario():
         transport = httpx.MockTransport(fake)

@@ -188,7 +188,7 @@ def test_a_child_answers_the_count_and_the_names_of_what_it_compiled(monkeypatch
     kernels it compiled, their names), which the parent logs at debug level."""
     sent = []
     answer = SimpleNamespace(send=sent.append, close=lambda: None)
-    monkeypatch.setattr(_ahead, "_die_with_parent", lambda: None)
+    monkeypatch.setattr(_ahead, "_die_with_parent", lambda parent: None)
     monkeypatch.setattr(_ahead, "yield_cpu", lambda: None)
     monkeypatch.setattr(_ahead, "run_job",
                         lambda job, share: (2, ["_route_kernel(div16: ids_ptr; G=8)", "_up_kernel()"]))
@@ -199,3 +199,18 @@ def test_a_child_answers_the_count_and_the_names_of_what_it_compiled(monkeypatch
     sent.clear()
     _ahead._child(job, answer)
     assert sent == [("failed", "ZeroDivisionError: division by zero")]
+
+
+def test_a_child_of_a_server_that_is_process_1_stays(monkeypatch):
+    """A review: a child took "my parent is process 1" for "my parent died", so in a container
+    whose first process is the server (the images' exec-form ENTRYPOINT) every child left at
+    once and each load compiled in-process. It compares with its parent's pid instead."""
+    exits = []
+    monkeypatch.setattr(_ahead.ctypes, "CDLL", lambda *args, **kwargs: SimpleNamespace(
+        prctl=lambda *a: 0))
+    monkeypatch.setattr(_ahead.os, "_exit", exits.append)
+    monkeypatch.setattr(_ahead.os, "getppid", lambda: 1)
+    _ahead._die_with_parent(1)  # the server is process 1 and alive
+    assert exits == []
+    _ahead._die_with_parent(4242)  # the server died: the child was handed to process 1
+    assert exits == [1]

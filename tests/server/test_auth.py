@@ -3,11 +3,12 @@ probes, refusal before any other work, constant-time comparison."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
 import pytest
-from moegemm.client import Client, Unauthorized
+from moegemm.client import AsyncClient, Client, Unauthorized
 from moegemm.server import Settings
 from moegemm.server import _http_gate as gate
 from server_support import MSGPACK, assert_error, fp8_problem, out_of, serve, wire
@@ -192,3 +193,10 @@ def test_the_client_presents_a_token_outside_ascii(problem):
                                       problem.x_scale).shape == (12, N)
         with Client(srv.url, token="t\u00f6k\u00e9n-") as wrong, pytest.raises(Unauthorized):
             wrong.weights()
+
+        async def listed(**kwargs):
+            async with AsyncClient(srv.url, token=token, **kwargs) as c:
+                return [ws["name"] for ws in await c.weights()]
+
+        assert asyncio.run(listed()) == ["base"]
+        assert asyncio.run(listed(transport=httpx.AsyncHTTPTransport())) == ["base"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -204,10 +205,12 @@ def test_moegemm_serve_runs_a_server():
     assert b"Traceback" not in proc.stdout.read()
 
 
-def test_a_call_cut_off_at_the_stop_does_not_hold_the_exit():
+@pytest.mark.parametrize("cut_off", ["batch", "load"])
+def test_work_cut_off_at_the_stop_does_not_hold_the_exit(cut_off):
     """A probe: with a 1 s grace a CPU server took 19.5 s to exit under a long call (the engine
-    waited 30 s for its batch; the interpreter then for its threads). A batch still running
-    after the grace no longer holds the exit: the server exits 0 soon after the grace."""
+    waited 30 s for its batch). Let exit by the interpreter instead, it aborts under a running
+    torch batch (SIGABRT) or waits for a running load (a start-up load has no grace at all).
+    Now the stop waits a few seconds at most, then the process exits 0 without it."""
     import signal
     import subprocess
     import sys
@@ -220,46 +223,59 @@ def test_a_call_cut_off_at_the_stop_does_not_hold_the_exit():
     from server_support import _free_port
 
     port = _free_port()
-    code = (  # the reference backend's GEMM made to take a minute (a worker batch: > 256 rows)
-        "import sys, time\n"
-        "from moegemm.kernels import reference\n"
-        "run = reference._run\n"
-        "def slow(*args):\n"
-        "    time.sleep(60)\n"
-        "    return run(*args)\n"
-        "reference._run = slow\n"
-        "from moegemm.server import cli\n"
-        f"sys.exit(cli.main(['serve', '--port', '{port}', '--device', 'cpu', "
-        "'--shutdown-grace-s', '0.5']))\n"
+    slow = (  # a minute of torch work, announced on stdout when it starts
+        "import sys, time, torch\n"
+        "def slow(step):\n"
+        "    def run(*args, **kwargs):\n"
+        "        print('slow step started', flush=True)\n"
+        "        a, end = torch.randn(1024, 1024), time.monotonic() + 60\n"
+        "        while time.monotonic() < end:\n"
+        "            a @ a\n"
+        "        return step(*args, **kwargs)\n"
+        "    return run\n"
     )
+    if cut_off == "batch":  # the reference GEMM of a worker batch (over 256 rows)
+        slow += ("from moegemm.kernels import reference\n"
+                 "reference._run = slow(reference._run)\n")
+    else:  # the demo set's start-up load, on the loader thread
+        slow += ("from moegemm.server.store import WeightStore\n"
+                 "WeightStore.build_demo = slow(WeightStore.build_demo)\n")
+    code = slow + ("from moegemm.server import cli\n"
+                   f"sys.exit(cli.main(['serve', '--port', '{port}', '--device', 'cpu', "
+                   "'--shutdown-grace-s', '0.5']))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        _until_ready(proc, url)
-        x = np.ones((512, 512), np.float32)  # the demo set: G=8, K=512
-        sizes = np.array([512, 0, 0, 0, 0, 0, 0, 0], np.int32)
-        body = msgpack.packb({
-            "x": {"dtype": "float32", "shape": [512, 512], "data": x.tobytes()},
-            "m_sizes": {"dtype": "int32", "shape": [8], "data": sizes.tobytes()}})
+        if cut_off == "batch":
+            _until_ready(proc, url)
+            x = np.ones((512, 512), np.float32)  # the demo set: G=8, K=512
+            sizes = np.array([512, 0, 0, 0, 0, 0, 0, 0], np.int32)
+            body = msgpack.packb({
+                "x": {"dtype": "float32", "shape": [512, 512], "data": x.tobytes()},
+                "m_sizes": {"dtype": "int32", "shape": [8], "data": sizes.tobytes()}})
 
-        def call():
-            try:
-                httpx.post(f"{url}/v1/weights/demo/gemm", content=body, timeout=90,
-                           headers={"Content-Type": "application/msgpack"})
-            except httpx.TransportError:
-                pass  # cut off by the stop
+            def call():
+                with contextlib.suppress(httpx.TransportError):  # cut off by the stop
+                    httpx.post(f"{url}/v1/weights/demo/gemm", content=body, timeout=90,
+                               headers={"Content-Type": "application/msgpack"})
 
-        caller = threading.Thread(target=call, daemon=True)
-        caller.start()
-        time.sleep(1.5)  # the call is in the worker's sleeping GEMM
+            threading.Thread(target=call, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not any("slow step started" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0  # not after the minute of the cut-off batch
+        assert proc.wait(20) == 0, "".join(lines)  # not after the minute of the slow step
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    out = proc.stdout.read().decode()
+    reader.join(10)
+    out = "".join(lines)
     assert "exits without waiting" in out and "Traceback" not in out, out
 
 
