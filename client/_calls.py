@@ -69,9 +69,10 @@ def weights_path(name: str) -> str:
 def _m_sizes_int64(m_sizes: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(m_sizes, torch.Tensor):
-        if m_sizes.dtype.is_floating_point or m_sizes.dtype.is_complex:
+        if m_sizes.dtype.is_floating_point or m_sizes.dtype.is_complex or \
+                m_sizes.dtype == torch.bool:
             raise ArgumentDtype(f"m_sizes must hold integers, got {m_sizes.dtype}")
-        if m_sizes.dtype == torch.uint64 and m_sizes.numel() and \
+        if m_sizes.dtype == getattr(torch, "uint64", None) and m_sizes.numel() and \
                 int(m_sizes.max()) > np.iinfo(np.int64).max:
             raise BadMSizes(f"m_sizes holds {int(m_sizes.max())}, past int64")
         return m_sizes.to(torch.int64)
@@ -174,7 +175,8 @@ def _routing(topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
     """``topk_ids`` as int32/int64 (other integers as int64), ``topk_weights`` as float32."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(topk_ids, torch.Tensor):
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex:
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or \
+                topk_ids.dtype == torch.bool:
             raise ArgumentDtype(f"topk_ids must hold integers, got {topk_ids.dtype}")
         if topk_ids.dtype not in (torch.int32, torch.int64):
             topk_ids = topk_ids.to(torch.int64)
@@ -214,8 +216,9 @@ def request_id_of(value: str | None) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not 0 < len(value) <= 200 or not value.isascii() or \
-            not value.isprintable():
-        raise ValueError(f"request_id is 1-200 printable ASCII characters, got {value!r:.80}")
+            not value.isprintable() or value != value.strip():
+        raise ValueError(f"request_id is 1-200 printable ASCII characters, no space at its ends, "
+                         f"got {value!r:.80}")
     return value
 
 
@@ -224,14 +227,20 @@ def _retry_after(response: httpx.Response) -> float | None:
     if value is None:
         return None
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:  # an HTTP-date: rare enough not to parse
         return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _raise_for_error(response: httpx.Response, request_id: str) -> None:
-    if response.status_code < 400:
+    if response.status_code < 300:
         return
+    if response.status_code < 400:  # neither way follows a redirect: nothing was done
+        where = response.headers.get("location")
+        raise error_for(response.status_code, None,
+                        f"redirected{f' to {where}' if where else ''}; give the client the "
+                        "server's own URL", request_id=request_id)
     request_id = response.headers.get("x-request-id", request_id)
     code, message = None, response.text[:1000] or response.reason_phrase
     try:

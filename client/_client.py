@@ -80,9 +80,13 @@ class _Retry:
         else:
             return None
         # Exponential backoff with jitter, so a fleet of routers turned away
-        # together does not come back together; the server's Retry-After is a floor.
+        # together does not come back together; the server's Retry-After is a floor,
+        # and one past max_backoff (a proxy's hours) ends the retries: the 503 is raised
+        # with its retry_after.
         wait = min(self.max_backoff, self.backoff * 2**attempt) * random.uniform(0.5, 1.0)
         if hint is not None:
+            if hint > self.max_backoff:
+                return None
             wait = max(wait, hint)
         if deadline is not None and time.monotonic() + wait >= deadline:
             return None  # the retry could not be answered in time: report the 503 now
@@ -276,7 +280,8 @@ class Client(_Base):
     nothing with it) or refused at connect (nothing was sent) is sent again up to
     ``retries`` times, after an exponential backoff from ``backoff`` seconds up
     to ``max_backoff``, with jitter, and never sooner than the server's
-    ``Retry-After``. The default is 0: a `MultiClient` fails over to another
+    ``Retry-After`` (a ``Retry-After`` past ``max_backoff`` ends the retries: the
+    503 is raised with its ``retry_after``). The default is 0: a `MultiClient` fails over to another
     replica instead, which is faster than waiting.
 
     Deadlines: ``grouped_gemm(..., deadline=s)`` (or ``deadline=`` here, the

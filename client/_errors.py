@@ -309,16 +309,20 @@ def error_for(
     A known code wins (it is the contract's machine-readable part); the instance keeps
     the status the response had. Otherwise the
     class comes from the status, or is `APIError` itself for a status outside the
-    contract (a proxy's 502, ...); the instance then keeps the response's status
-    and, when one was sent, its code.
+    contract (a proxy's 502, a redirect, a gateway's 504 without the contract's body); the
+    instance then keeps the response's status and the code sent, else ``http_<status>``.
     """
     cls = _BY_CODE.get(code) if code is not None else None
     if cls is not None:
         err = cls(message, request_id=request_id, retry_after=retry_after)
         err.status = status  # as answered, should a proxy have changed it
         return err
-    err = _BY_STATUS.get(status, APIError)(message, request_id=request_id, retry_after=retry_after)
+    cls = _BY_STATUS.get(status, APIError)
+    if status == 504 and code is None:
+        cls = APIError  # a gateway's timeout, not the server's: the call may have run
+    err = cls(message, request_id=request_id, retry_after=retry_after)
     err.status = status
-    if code is not None:
-        err.code = code
+    # Without a code, a status outside the contract (a proxy's 502, a redirect) is named as
+    # such, never as the server's "internal".
+    err.code = code if code is not None else cls.code if cls is not APIError else f"http_{status}"
     return err

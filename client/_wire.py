@@ -19,7 +19,7 @@ import ml_dtypes
 import msgspec
 import numpy as np
 
-from ._errors import ArgumentDtype, BadDtype, BadMsgpack, BadTensor
+from ._errors import ArgumentDtype, BadDtype, BadMsgpack, BadTensor, TooLarge
 
 __all__ = [
     "DTYPES", "WireTensor", "check_tensor", "decode_tensors", "encode_tensor", "error_path",
@@ -144,12 +144,15 @@ def encode_tensor(a: Any) -> dict:
             # No bytes to read: a meta tensor has none, a sparse or nested one is not row-major.
             raise BadTensor(f"a {'meta' if a.is_meta else a.layout} tensor cannot go on the wire; "
                             "pass a dense (strided) tensor with its data")
+        _fits_a_bin(a.numel() * a.element_size())
         t = a.detach().to("cpu").contiguous()
         shape = list(t.shape)
         # Reinterpret as bytes: numpy has no fp8/bf16 dtype torch could hand over.
         # Torch's hosts are little-endian, so its memory is already wire order.
         raw = t.reshape(-1).view(torch.uint8).numpy()
         return {"dtype": name, "shape": shape, "data": _bytes_view(raw)}
+    if isinstance(a, np.ndarray):
+        _fits_a_bin(a.nbytes)
     if type(a) is np.ndarray and a.flags.c_contiguous:
         name = _NAMES.get(a.dtype)  # known little-endian (or byte) dtypes only
         if name is not None:  # the common case: the array's own memory as it is
@@ -164,6 +167,14 @@ def encode_tensor(a: Any) -> dict:
     # astype, not ascontiguousarray: the latter turns a 0-d array into shape [1].
     arr = arr.astype(DTYPES[name], order="C", copy=False)
     return {"dtype": name, "shape": list(arr.shape), "data": _bytes_view(arr)}
+
+
+def _fits_a_bin(nbytes: int) -> None:
+    """Refuse a tensor past the 4 GiB a msgpack bin holds (SPEC 2.1) before copying it."""
+    if nbytes >= 1 << 32:
+        raise TooLarge(f"a tensor of {nbytes} bytes is past the 4 GiB a msgpack bin holds; "
+                       "load a set this large from a file (load_weights_file, "
+                       "load_experts_checkpoint)")
 
 
 def _wire_name(dtype: np.dtype) -> str:

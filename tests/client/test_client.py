@@ -288,6 +288,43 @@ def test_non_json_error_maps_by_status(fake, client):
         client.health()
 
 
+def test_an_answer_outside_the_contract_is_named_by_its_status(fake, client):
+    """A review: a redirect (an ingress's http -> https) counted as success, so a delete
+    returned as if done; a proxy's bare 502 read code "internal"; a gateway's bare 504 read as
+    the server's `timeout`, though the call may have run."""
+    fake.reply = lambda r: httpx.Response(301, headers={"location": "https://moegemm.test/"})
+    for call in (lambda: client.delete_weights("w"), client.weights, client.info):
+        with pytest.raises(APIError) as info:
+            call()
+        assert (type(info.value), info.value.status, info.value.code) == (APIError, 301, "http_301")
+        assert "https://moegemm.test/" in info.value.message
+    fake.reply = lambda r: httpx.Response(502, text="<html>bad gateway</html>")
+    with pytest.raises(APIError) as info:
+        client.info()
+    assert (type(info.value), info.value.code) == (APIError, "http_502")
+    fake.reply = lambda r: httpx.Response(504, text="gateway timeout")
+    with pytest.raises(APIError) as info:
+        client.info()
+    assert (type(info.value), info.value.code) == (APIError, "http_504")
+
+
+def test_what_the_wire_cannot_carry_is_refused_before_sending(fake, client):
+    """A review: a tensor past a msgpack bin's 4 GiB raised struct.error; torch bools were
+    read as sizes and ids; a request id with spaces at its ends came back as another id."""
+    huge = np.broadcast_to(np.zeros(1, np.float32), (1, 32768, 32896))  # 4.02 GiB, no memory
+    with pytest.raises(mc.TooLarge, match="load_weights_file"):
+        client.load_weights("huge", huge)
+    torch = pytest.importorskip("torch")
+    x = np.random.randn(2, 128).astype(np.float32)
+    with pytest.raises(mc.ArgumentDtype):
+        client.grouped_gemm("w", x, torch.tensor([True, True]))
+    with pytest.raises(mc.ArgumentDtype):
+        client.moe("w", x, torch.ones(2, 1, dtype=torch.bool), np.ones((2, 1), np.float32))
+    with pytest.raises(ValueError, match="request_id"):
+        client.grouped_gemm("w", x, [2], request_id=" abc ")
+    assert fake.requests == []
+
+
 def test_unreadable_success_is_an_internal_error(fake, client):
     fake.reply = lambda r: httpx.Response(
         200, content=b"\x92\x01\x02", headers={"content-type": "application/vnd.msgpack"}

@@ -346,3 +346,21 @@ def test_a_trickling_answer_cannot_outlast_the_deadline_async():
         done.set()
         listener.close()
     assert time.monotonic() - start < 2
+
+
+@pytest.mark.timeout(30)  # the code before slept the day
+@pytest.mark.parametrize("hint", ["86400", "inf", "nan", "-5"])
+def test_a_retry_after_past_max_backoff_or_not_a_time_never_sleeps_on_it(hint):
+    """A review: a proxy's `Retry-After: 86400` made a retrying call sleep a day, and `inf`
+    raised OverflowError from time.sleep, outside the client's errors. A hint past
+    max_backoff ends the retries with the 503 and its hint; one that is no time is ignored."""
+    script = Script(_error(503, "overloaded", hint))
+    started = time.monotonic()
+    with _client(script, retries=2, backoff=0.001, max_backoff=0.01) as c, \
+            pytest.raises(mc.Overloaded) as info:
+        _gemm(c)
+    assert time.monotonic() - started < 5
+    if hint == "86400":
+        assert len(script.requests) == 1 and info.value.retry_after == 86400
+    else:
+        assert len(script.requests) == 3 and info.value.retry_after is None
