@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import secrets
+import time
 from typing import Any
 
 import numpy as np
@@ -75,12 +76,17 @@ class _Slots:
         self.free.insert(i, (offset, size))
 
 
+# This process's start, as far as its shared-memory files go: none of them is older.
+_STARTED = time.time()
+
+
 def sweep_stale_arenas(directory: str = _SHM_DIR) -> list[str]:
     """Remove arena files whose owner process is gone; return their names.
 
     An owner killed before its acceptors mapped their arenas (they unlink them
     once mapped) leaves the files behind; the next owner on the machine
-    removes them. A file whose pid is alive (or not ours to remove) stays.
+    removes them. A file whose pid is alive (or not ours to remove) stays, unless the pid is
+    this process's and the file older than it.
     """
     removed = []
     try:
@@ -95,11 +101,17 @@ def sweep_stale_arenas(directory: str = _SHM_DIR) -> list[str]:
         if (len(parts) < 3 or parts[0] != "moegemm" or not parts[1].isascii()
                 or not parts[1].isdigit() or len(parts[1]) > 9):
             continue
-        pid = int(parts[1])
-        if pid == os.getpid() or _pid_alive(pid):
+        pid, path = int(parts[1]), os.path.join(directory, name)
+        if pid == os.getpid():
+            # A container's server is process 1 at every restart, and its /dev/shm may outlive
+            # one (a pod's emptyDir): a file of this pid older than this process is another's.
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_mtime >= _STARTED:
+                    continue
+        elif _pid_alive(pid):
             continue
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(directory, name))
+            os.unlink(path)
             removed.append(name)
     if removed:
         log.info("removed %d shared-memory arenas of owners that are gone", len(removed))

@@ -25,12 +25,17 @@ import dataclasses
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ._asgi import leaf_routes
 from ._http_conn import _Connection, _plain_body, log, sweep
 from ._http_gate import HttpLimits, fit_to_descriptors
+
+# At a stop, the least time the answers already made get to reach their clients, even when
+# the requests used the whole grace period.
+FLUSH_S = 2.0
 
 
 def _endpoint_of(app, method: str, path: str | None) -> str:
@@ -228,6 +233,9 @@ class FastHttpServer:
             await stop.wait()
         finally:
             self._server.close()
+            # One grace for the whole drain: the requests in flight, then the answers' flush
+            # with what is left of it (a couple of seconds at least, to write what is done).
+            until = time.monotonic() + self.grace_s
             running = [c.task for c in self.connections if c.task is not None]
             if running:
                 log.info("stopping: %d request(s) in flight get up to %.1f s", len(running),
@@ -245,7 +253,7 @@ class FastHttpServer:
                     conn.transport.close()
             if closing:
                 await asyncio.wait([asyncio.ensure_future(w) for w in closing],
-                                   timeout=self.grace_s)
+                                   timeout=max(min(self.grace_s, FLUSH_S), until - time.monotonic()))
             await to_app.put({"type": "lifespan.shutdown"})
             await from_app.get()
             await task

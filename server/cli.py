@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 
 from pydantic import ValidationError
@@ -105,6 +106,11 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
 def serve(settings: Settings) -> int:
     """Run the app until interrupted; the exit status is EXIT_DEVICE_LOST when it
     stopped because its device failed for good."""
+    # Until the event loop takes the signal over (_http.stop_on_signals), SIGTERM ends the
+    # start at once, nothing being in flight: as a container's first process (both images)
+    # the server would otherwise ignore it (process 1 has no default action).
+    with contextlib.suppress(ValueError):  # not the main thread (tests): theirs to stop
+        signal.signal(signal.SIGTERM, _stop_starting)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -124,6 +130,10 @@ def serve(settings: Settings) -> int:
             log.warning("the weights directory %s %s: every load from a file will fail",
                         settings.weights_dir, problem)
     return _serve_fast(settings)
+
+
+def _stop_starting(signum: int, frame) -> None:
+    os._exit(128 + signum)  # as a shell reports a signal, like a second one while stopping
 
 
 def _serve_fast(settings: Settings) -> int:

@@ -234,6 +234,10 @@ def test_kubernetes_settings_parse_and_probes_hit_the_health_endpoints(monkeypat
         pause = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
         assert pod["terminationGracePeriodSeconds"] >= pause + 30
         assert pod["securityContext"]["runAsNonRoot"] is True
+        # A review: the kubelet's service links for the Service named moegemm are MOEGEMM_*
+        # variables (MOEGEMM_PORT=tcp://...: exit 2 without the ConfigMap's MOEGEMM_PORT).
+        _one("Service", "moegemm")
+        assert pod["enableServiceLinks"] is False
         image_user = _dockerfile(DOCKERFILES[0])["user"].split(":")[0]
         assert str(pod["securityContext"]["runAsUser"]) == image_user
         mounts = {m["mountPath"]: m for m in container["volumeMounts"]}

@@ -119,11 +119,17 @@ def test_arenas_of_owners_that_are_gone_are_swept(tmp_path):
     stale = tmp_path / f"moegemm-{gone.pid}-a0-req-0123abcd"
     alive = tmp_path / f"moegemm-{os.getppid()}-a0-req-4567cdef"
     mine = tmp_path / f"moegemm-{os.getpid()}-a1-ans-89abcdef"
+    # This pid's file from before this process: a container's server is process 1 at every
+    # restart, and a pod's /dev/shm outlives the container (a review).
+    earlier = tmp_path / f"moegemm-{os.getpid()}-a0-req-00ff00ff"
     other = tmp_path / "moegemm-notapid-x"
     # Names any local user can make that int() or kill() refuse (a start failed on them).
     odd = [tmp_path / "moegemm-\u00b2-x", tmp_path / f"moegemm-{'9' * 20}-x"]
-    for path in (stale, alive, mine, other, *odd):
+    for path in (stale, alive, mine, earlier, other, *odd):
         path.write_bytes(b"x")
-    assert _acceptor_shm.sweep_stale_arenas(str(tmp_path)) == [stale.name]
+    an_hour_ago = _acceptor_shm._STARTED - 3600
+    os.utime(earlier, (an_hour_ago, an_hour_ago))
+    assert sorted(_acceptor_shm.sweep_stale_arenas(str(tmp_path))) == sorted(
+        [stale.name, earlier.name])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in (alive, mine, other, *odd))

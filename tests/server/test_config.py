@@ -279,6 +279,40 @@ def test_work_cut_off_at_the_stop_does_not_hold_the_exit(cut_off):
     assert "exits without waiting" in out and "Traceback" not in out, out
 
 
+def test_sigterm_while_starting_stops_the_server_as_process_1_would_need():
+    """A review: both images run the server as process 1, which ignores a signal it has no
+    handler for, and the event loop's handler comes only after the imports and the app's
+    making: a stop during the start waited for SIGKILL. `serve` handles SIGTERM from its
+    first line: it exits 128 + 15 at once (the default action would read -15)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time\n"
+        "from moegemm.server import app\n"
+        "create = app.create_app\n"
+        "def slow(settings):\n"
+        "    print('making the app', flush=True)\n"
+        "    time.sleep(60)\n"
+        "    return create(settings)\n"
+        "app.create_app = slow\n"
+        "from moegemm.server import cli\n"
+        "sys.exit(cli.main(['serve', '--port', '0', '--device', 'cpu']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        while "making the app" not in proc.stdout.readline():
+            assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_moegemm_serve_refuses_a_taken_port_before_loading_anything():
     """A port something listens on: one line and EXIT_CANNOT_LISTEN, before the app starts
     (no weights loaded, no traceback)."""
