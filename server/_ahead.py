@@ -335,12 +335,12 @@ def _answer(pipe) -> Any:
         return ("failed", "it ended without an answer")
 
 
-def _child(job: Job, answer, share: tuple[int, int] = (0, 1), parent: int | None = None) -> None:
+def _child(job: Job, answer, share: tuple[int, int], parent: int) -> None:
     """A child process: run its ``share`` of ``job``, then send ("ok", kernels compiled, the
     last of them named: ``CompileAhead.compiled_since``) or ("failed", why). It runs at the
     loader's nice value and dies with its parent, process ``parent`` (a SIGKILLed server leaves
     no child holding device memory)."""
-    _die_with_parent(os.getppid() if parent is None else parent)
+    _die_with_parent(parent)
     yield_cpu()
     try:
         compiled, named = run_job(job, share)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
 from types import SimpleNamespace
 
@@ -193,11 +194,11 @@ def test_a_child_answers_the_count_and_the_names_of_what_it_compiled(monkeypatch
     monkeypatch.setattr(_ahead, "run_job",
                         lambda job, share: (2, ["_route_kernel(div16: ids_ptr; G=8)", "_up_kernel()"]))
     job = Job("triton", "cpu", 256, (8,), (Weights.of(_set(8, 256, 512)),), ())
-    _ahead._child(job, answer)
+    _ahead._child(job, answer, (0, 1), os.getpid())
     assert sent == [("ok", 2, ["_route_kernel(div16: ids_ptr; G=8)", "_up_kernel()"])]
     monkeypatch.setattr(_ahead, "run_job", lambda job, share: 1 / 0)
     sent.clear()
-    _ahead._child(job, answer)
+    _ahead._child(job, answer, (0, 1), os.getpid())
     assert sent == [("failed", "ZeroDivisionError: division by zero")]
 
 
