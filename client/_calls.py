@@ -211,12 +211,18 @@ def moe_call(name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any,
                 request_id=request_id_of(request_id))
 
 
+def visible(value: str) -> bool:
+    """Whether ``value`` can travel as a header value as given: printable, and no whitespace
+    at its ends (HTTP strips it)."""
+    return value.isprintable() and value == value.strip()
+
+
 def request_id_of(value: str | None) -> str | None:
     """A caller's request id, checked: it travels as an HTTP header value."""
     if value is None:
         return None
     if not isinstance(value, str) or not 0 < len(value) <= 200 or not value.isascii() or \
-            not value.isprintable() or value != value.strip():
+            not visible(value):
         raise ValueError(f"request_id is 1-200 printable ASCII characters, no space at its ends, "
                          f"got {value!r:.80}")
     return value

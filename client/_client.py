@@ -34,6 +34,7 @@ from ._calls import (
     moe_call,
     read_answer,
     request_id_of,
+    visible,
     weight_list,
     weights_path,
 )
@@ -111,7 +112,7 @@ def _header_value(key: str, value: str) -> str:
     CR, LF or NUL, so no header can be injected through it)."""
     if not isinstance(key, str) or not _FIELD_NAME.fullmatch(key):
         raise ValueError(f"a header name is letters, digits and !#$%&'*+-.^_`|~, got {key!r:.80}")
-    if not isinstance(value, str) or not value.isascii() or not _visible(value):
+    if not isinstance(value, str) or not value.isascii() or not visible(value):
         raise ValueError(f"header {key} must be printable ASCII with no whitespace at its ends, "
                          f"got {value!r:.80}")
     return value
@@ -120,7 +121,7 @@ def _header_value(key: str, value: str) -> str:
 def _bearer(token: str) -> str:
     """The ``Authorization`` value of ``token``: its UTF-8 bytes (as the server compares a
     token outside ASCII), held as the latin-1 text the request heads are encoded from."""
-    if not isinstance(token, str) or not token or not _visible(token):
+    if not isinstance(token, str) or not token or not visible(token):
         raise ValueError(f"token must be non-empty and printable with no whitespace at its ends, "
                          f"got {token!r:.80}")
     return "Bearer " + token.encode().decode("latin-1")
@@ -129,10 +130,6 @@ def _bearer(token: str) -> str:
 def _as_bytes(headers: dict[str, str]) -> dict[str, bytes]:
     """``headers`` as the bytes the lane sends (httpx would encode a str value as ASCII)."""
     return {key: value.encode("latin-1") for key, value in headers.items()}
-
-
-def _visible(value: str) -> bool:
-    return value.isprintable() and value == value.strip()
 
 
 _FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
