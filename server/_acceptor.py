@@ -54,6 +54,14 @@ class _ForwardConnection(_Connection):
     """A transport connection that forwards each request to the owner."""
 
     spill: Spill | None = None  # the lazy spill the body arrives in (pages reserved ahead)
+    forwarded: int | None = None  # the id of the request the owner is answering
+
+    def connection_lost(self, exc) -> None:
+        if self.state == _RUN and self.forwarded is not None:
+            # Nobody to answer: the owner cancels it if it is a call (as _Connection does
+            # here); its answer, an empty one then, still comes and frees what it holds.
+            self.server.abandon(self.forwarded)
+        super().connection_lost(exc)
 
     def _allocate(self, length: int) -> tuple[memoryview, bool]:
         # A lazy spill takes memory as its bytes arrive (counted in ``receiving``), not whole.
@@ -98,7 +106,7 @@ class _ForwardConnection(_Connection):
 
     async def _forward(self, scope: dict, body: memoryview) -> None:
         try:
-            status, head, data, close = await self.server.forward(scope, body)
+            status, head, data, close = await self.server.forward(scope, body, self)
         except Exception:  # the owner is gone, or a bug: as _run_direct answers its failures
             log.exception("forwarding %s %r failed", scope["method"], scope["path"][:200])
             self.write_answer([_error_bytes(500, "internal", "unexpected server error")])
@@ -113,6 +121,7 @@ class _ForwardConnection(_Connection):
                     parts.append(data)
                 self.write_answer(parts)
         del body
+        self.forwarded = None
         self._unreserve()
         self._finish()
 
@@ -360,13 +369,17 @@ class _Acceptor:
             del self.holders[offset]
             self.slots.give(offset)
 
-    async def forward(self, scope: dict, body: memoryview):
-        """The owner's answer to one request: (status, header lines, body, close)."""
+    async def forward(self, scope: dict, body: memoryview, conn: _ForwardConnection | None = None):
+        """The owner's answer to one request: (status, header lines, body, close); status
+        None when nothing may be written. ``conn``, the connection it came on, is given the
+        request's id (``forwarded``) to say when its client is gone (:meth:`abandon`)."""
         if self.writer is None or self.lost or self.writer.is_closing():
             # Raised, not queued: a request after the link is gone must get an
             # answer (500), not wait for a reply that cannot come.
             raise ConnectionError("not connected to the owner")
         request_id = self.next_id = self.next_id + 1
+        if conn is not None:
+            conn.forwarded = request_id
         client, server = scope["client"], scope["server"]
         meta = {
             "t": "req", "id": request_id, "m": scope["method"], "p": scope["path"],
@@ -392,6 +405,11 @@ class _Acceptor:
         finally:
             self.pending.pop(request_id, None)
         return answer["st"], answer["hd"], self._answer_bytes(answer, data), answer["cl"]
+
+    def abandon(self, request_id: int) -> None:
+        """Tell the owner that nobody waits for request ``request_id`` any more."""
+        if self.writer is not None and not self.lost and not self.writer.is_closing():
+            self.writer.write(_frame({"t": "gone", "id": request_id}, 0))
 
     def _shared(self, body: memoryview) -> tuple[tuple[str, list] | None, memoryview]:
         """Where the owner finds ``body`` (``_place``; None: inline), and the body. A large

@@ -94,7 +94,7 @@ from ._acceptor_shm import (
     _unlink,
     sweep_stale_arenas,
 )
-from ._asgi import body_parts, header_lines, http_scope, whole_body_receive
+from ._asgi import _start, body_parts, header_lines, http_scope, whole_body_receive
 from ._http import FastHttpServer, stop_on_signals
 from ._http_conn import _Connection
 from ._http_gate import error_head
@@ -144,6 +144,9 @@ class _Link:
         # Heartbeat: when the oldest unanswered ping went out (None: all answered).
         self.ping_sent: float | None = None
         self.last_ping = 0.0
+        # The calls (gemm, ffn, moe) it forwarded that are running here, by request id: the
+        # one a "gone" names is cancelled (its client left the acceptor).
+        self.calls: dict[int, asyncio.Task] = {}
 
     def unlink(self) -> None:
         """The arenas' names, if the acceptor has not removed them (it died first), and
@@ -377,9 +380,16 @@ class Owner:
                 kind = meta["t"]
                 if kind == "req":
                     self.server.active += 1  # in progress until answered (see _http)
-                    task = self.loop.create_task(self._answer(link, meta, data))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    # Started here (as the transport starts a call): a call is in
+                    # link.calls before the next frame, a "gone" for it, is read.
+                    task = _start(self._answer(link, meta, data))
+                    if not task.done():
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+                elif kind == "gone":
+                    call = link.calls.get(meta["id"])
+                    if call is not None:
+                        call.cancel()
                 elif kind == "free":
                     if "f" in meta:
                         link.spills.discard(meta["f"])
@@ -437,12 +447,17 @@ class Owner:
         name = None if direct is None else direct.match(method, path)
         close = False
         if name is not None:
+            link.calls[meta["id"]] = asyncio.current_task()
             try:
                 status, head, parts = await direct(name, headers, body)
+            except asyncio.CancelledError:  # its client left ("gone"): nothing to write
+                status, head, parts, close = None, b"", [], True
             except Exception:  # as the transport's _run_direct
                 log.exception("the direct route failed on %s %s", method, path)
                 status, head, parts = _internal_error()
                 close = True
+            finally:
+                del link.calls[meta["id"]]
         else:
             status, head, parts, close = await self._run_app(meta, headers, body)
         del body

@@ -27,6 +27,7 @@ which serves these routes through FastAPI (the benchmarks' peer, ``bench/uvicorn
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -103,6 +104,13 @@ class DirectCalls:
         request_id = echoed_id(fields.get("x-request-id"))
         try:
             status, head, parts, endpoint = await self._budgeted(route, fields, body, request_id)
+        except asyncio.CancelledError:
+            # The client went away (the transport cancels the call): nobody to answer. Counted
+            # as a body the client left is (499).
+            log.info("request POST %r: the client disconnected (request id %s)",
+                     route.name[:200], request_id)
+            self._count(route.endpoint, 499, started)
+            raise
         except Exception as exc:  # never a crash: the same last resort as RequestContext
             log.exception("request POST %r failed (request id %s)", route.name[:200],
                           request_id)
@@ -110,6 +118,11 @@ class DirectCalls:
                 f"unexpected {type(exc).__name__}; see the server log"), request_id)
             endpoint = route.endpoint
         self.metrics.bytes_out.inc(sum(len(p) for p in parts))
+        self._count(endpoint, status, started)
+        return status, head, parts
+
+    def _count(self, endpoint: str, status: int, started: float) -> None:
+        """The request's count and latency under its endpoint's label."""
         # The labelled children, looked up once each: prometheus-client's labels()
         # costs more than the update itself.
         counter = self._requests.get((endpoint, status))
@@ -122,7 +135,6 @@ class DirectCalls:
             seconds = self._request_seconds[endpoint] = \
                 self.metrics.request_seconds.labels(endpoint=endpoint)
         seconds.observe(time.perf_counter() - started)
-        return status, head, parts
 
     async def _budgeted(self, route: Route, fields, body, request_id) -> tuple[int, bytes, list, str]:
         """The answer, and the endpoint label its metrics go under."""

@@ -55,6 +55,7 @@ import fcntl
 import logging
 import mmap
 import re
+import select
 import socket
 import struct
 import time
@@ -156,6 +157,10 @@ class _Connection(asyncio.BufferedProtocol):
         self.http10 = False
         self.transport: asyncio.Transport | None = None
         self.task: asyncio.Task | None = None
+        # Whether ``task`` is a call (gemm, ffn, moe) to cancel if the client goes away: its
+        # place in the queue and its body's budget go back, and it never runs for nobody. A
+        # load, a delete or anything else the app serves runs to its end.
+        self.cancel_on_loss = False
         self.disconnected: asyncio.Event | None = None
         self.write_paused = False
         self.drained = 0
@@ -207,6 +212,8 @@ class _Connection(asyncio.BufferedProtocol):
             log.info("request %s %r: the client disconnected (request id %s)", self.method,
                      path, self._given_id())
             self.server.count_refusal(499, self.method, path, time.monotonic() - self.began, 0)
+        if self.state == _RUN and self.cancel_on_loss and self.task is not None:
+            self.task.cancel()
         self._end()
         self._unreserve()
         self.server.connections.discard(self)
@@ -320,7 +327,12 @@ class _Connection(asyncio.BufferedProtocol):
         elif state == _DRAIN:
             late = elapsed > _DRAIN_S
         else:
-            return  # the app is answering: its own deadlines apply
+            # The app is answering: its own deadlines apply. Reading is paused meanwhile, so
+            # the client's leaving is looked for here: its connection is dropped (and a call
+            # cancelled, connection_lost) instead of holding its place until answered.
+            if self.fd is not None and self.transport is not None and _hung_up(self.fd):
+                self.transport.abort()
+            return
         if late and self.transport is not None:
             # abort: nothing more is owed to a client that does not read (close
             # would wait to flush its answers first).
@@ -618,6 +630,7 @@ class _Connection(asyncio.BufferedProtocol):
         # Cleared first: the request may be answered before the call below returns, and
         # a pipelined one begun.
         self.scope, self.body, self.body_used = None, None, 0
+        self.cancel_on_loss = name is not None
         if name is None:
             task = _start(self._run(scope, body))
             if not task.done():
@@ -734,6 +747,20 @@ async def sweep(connections: set, limits: HttpLimits, unread: dict) -> None:
         now = time.monotonic()
         _check_all(connections, now)
         bound_unread(unread, limits.max_inflight_bytes, now)
+
+
+def _hung_up(fd: int) -> bool:
+    """Whether the peer of socket ``fd`` has closed its side or reset it: what reading would
+    find (EOF, an error), found without reading. A client that only shuts its sending side
+    counts as gone, as an EOF read counts (``eof_received``)."""
+    if _RDHUP is None:
+        return False
+    poller = select.poll()
+    poller.register(fd, _RDHUP)
+    return bool(poller.poll(0))
+
+
+_RDHUP = getattr(select, "POLLRDHUP", None)  # Linux
 
 
 def _check_all(connections: set, now: float) -> None:

@@ -291,7 +291,10 @@ class Engine:
             try:
                 await call.waiter
             except asyncio.CancelledError:
-                call.outcome = _GONE  # its client went away: skip it if not yet run
+                # Its client went away (the transport cancels the wait): a call still
+                # queued gives its place back now; one a batch has runs for nobody.
+                call.outcome = _GONE
+                self._withdraw(call)
                 raise
             finally:
                 if expiry is not None:
@@ -304,16 +307,22 @@ class Engine:
     def _expire(self, call) -> None:
         """On the loop, at ``call.deadline``: a call still queued is taken out of the queue (its
         place freed) and answered DeadlineExceeded now, not when its turn would have come."""
+        if self._withdraw(call):
+            call.outcome = DeadlineExceeded("the request's deadline passed while it was queued")
+            _wake(call)
+
+    def _withdraw(self, call) -> bool:
+        """Take ``call`` out of the queue, its place freed; False if a batch has it already
+        (it runs, or has run, or fails its own check)."""
         with self._lock:
             if _take(self._loop_calls, call):
                 if not self._loop_calls:
                     self._stop_waiting()  # nothing waits for the device any more
             elif not _take(self._items, call):
-                return  # a batch has it: it runs (or has run), or fails its own check
+                return False
             if not self._closed:  # (close emptied the count)
                 self._pending_calls -= 1
-        call.outcome = DeadlineExceeded("the request's deadline passed while it was queued")
-        _wake(call)
+        return True
 
     def _next_turn(self) -> None:
         """The loop's next turn: a lone call may run at once again."""

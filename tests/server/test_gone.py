@@ -1,0 +1,113 @@
+"""A call whose client went away before it ran never runs: its place in the queue and its
+body's share of the in-flight budget go back when the connection closes, with the server
+alone and through acceptor processes (which tell the owner, "gone").
+
+Real ``moegemm serve`` processes on the CPU (the demo set, G 8, N 256, K 512). One long
+call holds the device while clients send calls and hang up; the device's launches count
+(``moegemm_launches_total``) then shows which calls ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from moegemm.client._wire import encode_tensor, packb
+from test_acceptors import _read_answer, _Server
+from test_direct import TOKEN
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="SO_REUSEPORT and /proc: Linux only")
+
+G, K = 8, 512
+ROWS = 65536  # one call long enough to hold the device while the others come and go
+ABANDONED = 3
+
+
+def _body(rows: int) -> bytes:
+    x = np.random.default_rng(rows).standard_normal((rows, K), dtype=np.float32)
+    sizes = np.full(G, rows // G, dtype=np.int64)
+    return packb({"x": encode_tensor(x), "m_sizes": encode_tensor(sizes)})
+
+
+def _head(length: int) -> bytes:
+    return (f"POST /v1/weights/demo/gemm HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n"
+            f"content-type: application/msgpack\r\ncontent-length: {length}\r\n\r\n").encode()
+
+
+def _metric(port: int, pattern: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics",
+                     headers={"authorization": f"Bearer {TOKEN}"}).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if re.match(pattern, line))
+
+
+@pytest.mark.parametrize("acceptors", [0, 2])
+def test_a_call_whose_client_left_never_runs_and_frees_its_budget(acceptors):
+    body = _body(ROWS)
+    request = _head(len(body)) + body
+    # Room for two bodies in flight: the long call's and one more.
+    args = ("--max-body-bytes", str(len(body)), "--max-m", str(ROWS),
+            "--max-inflight-bytes", str(len(body) * 5 // 2))
+    env = {"MOEGEMM_OWNER_CONNECTIONS": "0"} if acceptors else {}
+    server = _Server(acceptors, args, **env)
+    try:
+        server.wait_ready()
+        launches = r"moegemm_launches_total"
+        before = _metric(server.port, launches)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=120) as sock:
+            sock.sendall(request)
+            assert _answer_status(sock) == 200
+        one_call = _metric(server.port, launches) - before
+        assert one_call >= 1
+
+        first = {}
+
+        def long_call() -> None:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=120) as sock:
+                sock.sendall(request)
+                first["status"] = _answer_status(sock)
+                first["done"] = time.monotonic()
+
+        before = _metric(server.port, launches)
+        runner = threading.Thread(target=long_call)
+        runner.start()
+        time.sleep(0.3)  # the long call runs
+        left = []
+        for _ in range(ABANDONED):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+            left.append(sock)
+            with contextlib.suppress(OSError):  # past the budget: refused, and closed
+                sock.sendall(request)
+        time.sleep(0.5)  # the server has them (queued, or refused for the budget)
+        for sock in left:
+            sock.close()
+        gone_at = time.monotonic()
+        # Reading is paused while a call runs: the server's sweep (once a second) sees them go.
+        deadline = time.monotonic() + 10
+        while _metric(server.port, r'moegemm_requests_total\{.*status="499"') < 1:
+            assert time.monotonic() < deadline, "no call was counted as left by its client"
+            time.sleep(0.1)
+        # A live call of the same size after them: the budget the gone calls held is back.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=120) as sock:
+            sock.sendall(request)
+            assert _answer_status(sock) == 200
+        runner.join(120)
+        assert first["status"] == 200
+        assert first["done"] > gone_at, "the long call ended before the others left: too short"
+        # Only the long call and the live one ran.
+        assert _metric(server.port, launches) - before == 2 * one_call
+    finally:
+        assert server.stop() == 0
+
+
+def _answer_status(sock: socket.socket) -> int:
+    head, _ = _read_answer(sock)
+    return int(head.split(b" ", 2)[1])
