@@ -177,11 +177,13 @@ class ExpertExecutor:
         rows = offsets[-1]
         if not 0 < rows <= g.max_bucket:
             return None
-        bufs = g.buffers(g.family(es, calls[0].dtype == "bfloat16"))
+        bufs = g.held(g.family(es, calls[0].dtype == "bfloat16"))
+        if bufs is None:
+            return None
         launched = g.launch_rows(rows)
         with bufs.lock:
             graph = g.graph(bufs.family, launched, es)
-            if graph is None:
+            if graph is None or not g.holds(bufs):  # (forgotten while this batch waited)
                 return None
             sizes, gather = group_order([c.m_sizes for c in calls])
             lane = self._lane(bufs)
@@ -204,14 +206,14 @@ class ExpertExecutor:
         k = calls[0].top_k
         starts = [0, *itertools.accumulate(c.tokens for c in calls)]
         tokens = starts[-1]
-        bufs = g.buffers(g.family(es, calls[0].dtype == "bfloat16", k))
-        if not 0 < tokens <= bufs.units:
+        bufs = g.held(g.family(es, calls[0].dtype == "bfloat16", k))
+        if bufs is None or not 0 < tokens <= bufs.units:
             return None
         launched = g.launch_rows(tokens)
         id_bytes = 8 if calls[0].ids_dtype == "int64" else 4
         with bufs.lock:
             graph = g.graph(bufs.family, launched, es)
-            if graph is None:
+            if graph is None or not g.holds(bufs):  # (forgotten while this batch waited)
                 return None
             lane = self._lane(bufs)
             for call, t0 in zip(calls, starts):
@@ -282,8 +284,8 @@ class ExpertExecutor:
         g = self.graphs
         plan = plan_merge([c.m_sizes for c in calls])
         x, xs, raw = self._inputs(es, calls, [c.rows for c in calls])
-        bufs = g.buffers(g.family(es, x.dtype == torch.bfloat16))
         rows = plan.total
+        bufs = g.batch_buffers(g.family(es, x.dtype == torch.bfloat16), rows)
         with bufs.lock:
             if rows <= g.max_bucket:
                 # One launch: the body regroups the rows per expert and puts them back.
@@ -343,7 +345,7 @@ class ExpertExecutor:
         id_dtype = torch.int64 if calls[0].ids_dtype == "int64" else torch.int32
         ids = torch.cat([body_view(c.ids, id_dtype, (c.rows,)) for c in calls])
         weights = torch.cat([body_view(c.weights, torch.float32, (c.rows,)) for c in calls])
-        bufs = g.buffers(g.family(es, x.dtype == torch.bfloat16, k))
+        bufs = g.batch_buffers(g.family(es, x.dtype == torch.bfloat16, k), tokens)
         out = np.empty((tokens, 2 * es.H), dtype=np.uint8)
         x_flags = np.zeros(tokens, dtype=np.int8)
         routing = np.zeros(tokens, dtype=np.int8)

@@ -357,8 +357,30 @@ class FfnGraphs:
         """What one launch of ``f`` holds: rows (ffn) or tokens (moe)."""
         return self.max_tokens(f.top_k) if f.top_k else self.max_bucket
 
+    def held(self, f: FfnFamily) -> FfnBuffers | None:
+        """The family's static buffers, if a set's :meth:`prepare` made them (its graphs
+        use them)."""
+        return self._buffers.get(f)
+
+    def holds(self, bufs: FfnBuffers) -> bool:
+        """Whether ``bufs`` are still their family's static buffers (not forgotten)."""
+        return self._buffers.get(bufs.family) is bufs
+
+    def batch_buffers(self, f: FfnFamily, units: int) -> FfnBuffers:
+        """Buffers for one eager batch over ``units`` rows (ffn) or tokens (moe): the
+        family's static ones where a set prepared it, else buffers of the batch's own size,
+        freed with it. A family nobody prepared (a top-k without graphs, or the shape of
+        a set deleted while its calls waited) never holds device memory past its batch:
+        callers choosing new top-ks cannot pile up static buffers."""
+        bufs = self._buffers.get(f)
+        if bufs is not None:
+            return bufs
+        units = self.launch_rows(min(units, self.units(f)))
+        x_dtype = torch.bfloat16 if f.quantize else self.fp8
+        return FfnBuffers(f, units * max(f.top_k, 1), units, x_dtype, self.device)
+
     def buffers(self, f: FfnFamily) -> FfnBuffers:
-        """The family's static buffers, allocated on first use."""
+        """The family's static buffers, allocated on first use (by :meth:`prepare`)."""
         bufs = self._buffers.get(f)
         if bufs is None:
             with self._buffers_lock:

@@ -220,9 +220,23 @@ def _buffered_shapes(graphs) -> set:
     return {(f.G, f.H, f.I) for f in graphs._buffers}
 
 
+def _buffers_at_prepare(engine) -> None:
+    """A set's prepare makes its families' static buffers, as its captures do on a GPU (no
+    graphs on the CPU: only captures make them; batches never do)."""
+    prepare, graphs = engine._experts.prepare, engine._experts.graphs
+
+    def prepare_and_buffer(es):
+        done = prepare(es)
+        graphs.buffers(graphs.family(es, True))
+        return done
+
+    engine._experts.prepare = prepare_and_buffer
+
+
 def test_graphs_are_prepared_at_load_on_the_loader_and_dropped_with_the_shape():
     gen = torch.Generator().manual_seed(torch.seed())
     engine = _engine(loop=True)
+    _buffers_at_prepare(engine)
     prepared, captured = [], []
     prepare = engine._experts.prepare
     engine._experts.prepare = lambda es: prepared.append(
@@ -260,6 +274,7 @@ def test_a_set_loading_while_the_last_of_its_shape_goes_keeps_the_shapes_graphs(
     the deletion came, and dropped them: the new set's calls then ran without graphs)."""
     gen = torch.Generator().manual_seed(torch.seed())
     engine = _engine(loop=True)
+    _buffers_at_prepare(engine)
     graphs = engine._experts.graphs
     go = threading.Event()
 

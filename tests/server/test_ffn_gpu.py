@@ -277,6 +277,8 @@ def test_prepare_captures_every_bucket_ahead(backend, fp8):
     ids3, w3 = random_routing(3, 4, 3, gen)
     got = runner.moe(es, x, None, ids3, w3)
     assert runner.graphs.eager_runs == 2 and runner.graphs.graph_count() == 14
+    # ... on buffers of its own, gone with the batch: only prepared families hold any.
+    assert {f.top_k for f in runner.graphs._buffers} == {0, 2}
     assert torch.equal(_bits(got), _bits(Runner(backend, 8, graphs=False).moe(es, x, None, ids3,
                                                                               w3)))
 

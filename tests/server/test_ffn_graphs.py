@@ -55,14 +55,34 @@ def test_a_shapes_buffers_go_with_the_last_set_prepared_for_it(es):
     other = expert_set(G, H, I, FP8, "cpu", torch.Generator().manual_seed(1), name="other")
     for s in (es, other):
         runner.prepare(s)
+    graphs = runner.executor.graphs
+    graphs.buffers(graphs.family(es, True))  # as a capture makes them (no graphs on the CPU)
     x, _ = random_x(3, H, torch.Generator().manual_seed(2))
     runner.ffn(es, x, None, [3] + [0] * (G - 1))
-    graphs = runner.executor.graphs
     assert {(f.G, f.H, f.I) for f in graphs._buffers} == {(G, H, I)}
     runner.executor.forget(es)
     assert graphs._buffers  # other has the shape
     runner.executor.forget(other)
     assert not graphs._buffers
+
+
+def test_batches_of_families_nobody_prepared_hold_no_buffers(es):
+    """Only a set's prepare (its captures) makes a family's static buffers. A batch of a
+    family without them (a top-k with no graphs, any call on the CPU, the calls of a set
+    deleted while they waited) runs on buffers of its own size, freed with it: a caller
+    trying every top-k up to G cannot pile up device memory (each family's buffers are
+    ``max_bucket_m`` rows of H)."""
+    runner = _runner()
+    runner.prepare(es)
+    gen = torch.Generator().manual_seed(3)
+    for k in range(1, G + 1):
+        x, xs = random_x(2, H, gen, FP8 if k % 2 else None)
+        ids, w = random_routing(2, G, k, gen)
+        want = moe_float64(es, *quantized(x, xs, FP8), ids, w, FP8)
+        assert pooled_error([(runner.moe(es, x, xs, ids, w), want)]) <= FFN_TOLERANCE
+    x, _ = random_x(20, H, gen)  # 20 rows: chunks of the largest bucket (16)
+    runner.ffn(es, x, None, random_m_sizes(G, 20, generator=gen).tolist())
+    assert not runner.executor.graphs._buffers
 
 
 def test_ffn_meets_the_bound_and_chunks_agree(es):
@@ -294,6 +314,7 @@ def _padded_runner(graph_path: bool) -> Runner:
     steps._gemm = gemm
     if graph_path:
         steps.graph = lambda f, launched, es: _EagerGraph(steps, f, launched, es)
+        steps.held = steps.buffers  # every family "prepared": its static buffers made on use
     return runner
 
 
