@@ -10,8 +10,8 @@ and the shards it names, or one ``model.safetensors``. Two namings:
     model.layers.{L}.mlp.experts.{E}.{gate_proj,up_proj,down_proj}.weight   DeepSeek-V3/R1, Qwen3-MoE
     model.layers.{L}.block_sparse_moe.experts.{E}.{w1,w3,w2}.weight         Mixtral (w1 gate, w3 up)
 
-fp8 e4m3fn weights come with ``<same>.weight_scale_inv`` float32 ``[N/128,
-K/128]`` (the dequant scale of each 128x128 block of the ``[N, K]`` weight,
+fp8 e4m3fn weights come with ``<same>.weight_scale_inv`` float32 (or bf16, fp16:
+widened exactly) ``[N/128, K/128]`` (the dequant scale of each 128x128 block of the ``[N, K]`` weight,
 transposed relative to SPEC 1's ``w_scale``); bf16/fp16/fp32 weights are
 quantized by the server. Every name, shape and dtype is checked from the
 headers before a byte of weights is read; then each expert is read from the
@@ -151,19 +151,42 @@ def _naming(names, layer: int) -> tuple[str, tuple[str, str, str], set[int]]:
     raise NoSuchFile(f"the checkpoint holds no experts of layer {layer}: no tensor {expected}")
 
 
-def _expert_keys(where: dict, checkpoint: str, layer: int) -> list[list[str]]:
+def _expert_keys(store, where: dict, checkpoint: str, layer: int) -> list[list[str]]:
     """Layer ``layer``'s expert keys (gate, up, down of each), each present in the tensor
-    map ``where`` (no tensor read)."""
+    map ``where`` (no tensor read; the router's header, where there is one)."""
     prefix, projections, experts = _naming(where.keys(), layer)
-    # G is the count of expert numbers named, not the largest + 1: a lone tensor of expert
-    # 10**8 made 3 * 10**8 keys before the first missing one was found. With experts
+    # G is what the layer's router declares (its rows, one per expert): a layer whose last
+    # experts are missing from the index is a missing tensor, not a smaller set. Without a
+    # router, the count of expert numbers named, not the largest + 1: a lone tensor of
+    # expert 10**8 made 3 * 10**8 keys before the first missing one was found. With experts
     # 0 .. G-1 all named these are every key; where one is missing, the loop names it.
-    keys = [[f"{prefix}{e}.{p}.weight" for p in projections] for e in range(len(experts))]
-    for expert_keys in keys:
+    router = prefix.removesuffix("experts.") + "gate.weight"
+    if router in where:
+        G = _router_rows(store, where, router)
+        if max(experts) >= G:
+            raise BadShape(f"checkpoint {checkpoint!r} names expert {max(experts)} of layer "
+                           f"{layer}; its router {router!r} has {G} rows, one per expert")
+    else:
+        G = len(experts)
+    keys = []
+    for e in range(G):  # (a missing expert is found by len(experts) + 1: no long list first)
+        expert_keys = [f"{prefix}{e}.{p}.weight" for p in projections]
         for key in expert_keys:
             if key not in where:
                 raise NoSuchFile(f"checkpoint {checkpoint!r} has no tensor {key!r}")
+        keys.append(expert_keys)
     return keys
+
+
+def _router_rows(store, where: dict, router: str) -> int:
+    """The experts a layer's router ``[G, H]`` declares, from its shard's header."""
+    with _opened(store.resolve(where[router]), where[router]) as shard:
+        if router not in shard.entries:
+            raise NoSuchFile(f"{where[router]!r} holds no tensor {router!r} (the index names it)")
+        shape = shard.get_slice(router).get_shape()
+    if len(shape) != 2 or shape[0] < 1:
+        raise BadShape(f"tensor {router!r} has shape {list(shape)}; a router is [G, H]")
+    return shape[0]
 
 
 def check_layers(store, checkpoint: str, layers: list[int]) -> None:
@@ -173,14 +196,14 @@ def check_layers(store, checkpoint: str, layers: list[int]) -> None:
     after minutes of loading the layers before it)."""
     where, _ = _tensor_map(store, checkpoint)
     for layer in layers:
-        _expert_keys(where, checkpoint, layer)
+        _expert_keys(store, where, checkpoint, layer)
 
 
 def read_layer(experts: ExpertStore, name: str, checkpoint: str, layer: int) -> ExpertSet:
     """Build expert set ``name`` from layer ``layer`` of ``checkpoint`` (device work)."""
     store = experts.weights
     where, read_from = _tensor_map(store, checkpoint)
-    keys = _expert_keys(where, checkpoint, layer)
+    keys = _expert_keys(store, where, checkpoint, layer)
     G = len(keys)
     shards = sorted({where[key] for expert_keys in keys for key in expert_keys})
     log.info("expert set %r: layer %d of %s (%s, %d experts, %d shard files)", name, layer,
@@ -266,17 +289,23 @@ def _header(key: str, sl) -> tuple[torch.dtype, tuple[int, ...]]:
     return dtype, shape
 
 
+# The dtypes a ``weight_scale_inv`` may be stored in: float32, and the 16-bit floats some
+# releases use (Qwen3's FP8 checkpoints store them as BF16), widened to float32 exactly.
+_SCALE_DTYPES = ("F32", "BF16", "F16")
+
+
 def _scale_inv(weight_key: str, lookup, shape: tuple[int, int]) -> torch.Tensor:
-    """``<weight>_scale_inv`` float32 ``[N/128, K/128]`` of an fp8 weight ``[N, K]``."""
+    """``<weight>_scale_inv`` ``[N/128, K/128]`` of an fp8 weight ``[N, K]``, as float32."""
     key = weight_key + "_scale_inv"
     sl = lookup(key)
-    if sl.get_dtype() != "F32":
-        raise BadDtype(f"tensor {key!r} is {sl.get_dtype()}; fp8 weights' scales are F32")
+    if sl.get_dtype() not in _SCALE_DTYPES:
+        raise BadDtype(f"tensor {key!r} is {sl.get_dtype()}; fp8 weights' scales are F32 "
+                       f"(or BF16, F16)")
     want = (shape[0] // 128, shape[1] // 128)
     if tuple(sl.get_shape()) != want:
         raise BadShape(f"tensor {key!r} has shape {list(sl.get_shape())}; expected "
                        f"{list(want)} ([N/128, K/128] of its [{shape[0]}, {shape[1]}] weight)")
-    scale = sl[:]
+    scale = sl[:].float()
     require_positive_finite_scales(scale, repr(key))  # named here: the store sees [G, ...]
     return scale
 

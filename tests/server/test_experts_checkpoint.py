@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from experts_support import eager_ffn, ffn_body, moe_body, post, put_experts, snapshot
+from moegemm.client._errors import NoSuchFile
 from moegemm.kernels import quantize_weights
 from moegemm.kernels.testing import random_m_sizes, rel_error
 from moegemm.kernels.testing_ffn import FFN_TOLERANCE, ExpertProblem, random_routing
@@ -40,7 +41,9 @@ def write_checkpoint(root: Path, naming: str, dtype: torch.dtype, *, layers=(0, 
     for layer in layers:
         prefix = f"model.layers.{layer}."
         tensors[prefix + "self_attn.q_proj.weight"] = torch.randn(H, H).to(torch.bfloat16)
-        tensors[prefix + "mlp.gate.weight"] = torch.randn(G, H).to(torch.bfloat16)
+        # The layer's router [G, H], beside its experts: it declares how many there are.
+        tensors[prefix + family.removesuffix("experts") + "gate.weight"] = \
+            torch.randn(G, H).to(torch.bfloat16)
         w13s, w2s, quantized = [], [], []
         for e in range(G):
             gate = torch.randn(I, H) / H ** 0.5 * (1 + e)
@@ -176,17 +179,38 @@ def test_an_e4m3fnuz_checkpoint_loads_with_its_scales(srv):
     assert srv.http.delete("/v1/experts/nuz").status_code == 204
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_fp8_scales_stored_in_another_dtype_are_refused_naming_them(srv, dtype):
-    """SPEC 5.3: an fp8 weight's ``weight_scale_inv`` is float32; 2.2 answers other fp8 scales
-    400 ``bad_dtype``, as the upload of the same scales is (and nothing is loaded)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_scales_stored_in_16_bits_load_widened(srv, dtype):
+    """Qwen3's FP8 releases store ``weight_scale_inv`` as BF16 (some as F16): such scales
+    are taken, widened to float32 exactly, and answer as the float32 ones would."""
     from safetensors.torch import load_file
 
     root = srv.weights_dir / f"scales-{str(dtype)[6:]}"
+    problem = write_checkpoint(root, "deepseek", FP8, layers=(0,), sharded=False)[0]
+    tensors = load_file(str(root / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith("weight_scale_inv")]:
+        tensors[key] = tensors[key].to(dtype)
+    save_file(tensors, str(root / "model.safetensors"))
+    # What the server holds: the scales as the checkpoint stores them, widened.
+    narrow = ExpertProblem(problem.w13, problem.w2, problem.w13q,
+                           problem.w13_scale.to(dtype).float(), problem.w2q,
+                           problem.w2_scale.to(dtype).float(), problem.fp8_dtype)
+    r = put_experts(srv.http, "scales16", {"checkpoint": root.name, "layer": 0})
+    assert r.status_code == 201, r.text
+    _check_answers(srv, "scales16", narrow)
+    assert srv.http.delete("/v1/experts/scales16").status_code == 204
+
+
+def test_fp8_scales_stored_in_another_dtype_are_refused_naming_them(srv):
+    """Scales in float64 (or any other dtype but F32, BF16, F16): 400 ``bad_dtype``, as the
+    upload of the same scales is (and nothing is loaded)."""
+    from safetensors.torch import load_file
+
+    root = srv.weights_dir / "scales-float64"
     write_checkpoint(root, "deepseek", FP8, layers=(0,), sharded=False)
     tensors = load_file(str(root / "model.safetensors"))
     key = "model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"
-    tensors[key] = tensors[key].to(dtype)
+    tensors[key] = tensors[key].to(torch.float64)
     save_file(tensors, str(root / "model.safetensors"))
     r = put_experts(srv.http, "scales", {"checkpoint": root.name, "layer": 0})
     assert_error(r, 400, "bad_dtype")
@@ -307,9 +331,41 @@ def test_an_expert_number_far_past_the_layers_names_the_gap(srv):
     index["weight_map"]["model.layers.0.mlp.experts.999999999.gate_proj.weight"] = shard
     index_path.write_text(json.dumps(index))
     r = put_experts(srv.http, "far", {"checkpoint": "far", "layer": 0})
+    # Past the router's 4 rows: the checkpoint disagrees with itself.
+    assert_error(r, 400, "bad_shape")
+    assert "999999999" in r.json()["error"]["message"]
+    # Without a router, the count of experts named: expert 4 is missing.
+    del index["weight_map"]["model.layers.0.mlp.gate.weight"]
+    index_path.write_text(json.dumps(index))
+    r = put_experts(srv.http, "far", {"checkpoint": "far", "layer": 0})
     assert_error(r, 404, "no_such_file")
     assert "'model.layers.0.mlp.experts.4.gate_proj.weight'" in r.json()["error"]["message"]
     assert snapshot(srv.http) == before
+
+
+@pytest.mark.parametrize("naming", sorted(NAMINGS))
+def test_a_layer_missing_its_last_experts_is_refused_naming_them(srv, naming):
+    """The router declares 4 experts and the index names 3: 404 naming expert 3's first
+    tensor, at a load and in the start-up check, and the set of that name is kept (it
+    loaded as a smaller set, replacing a good one: a review's finding)."""
+    from moegemm.server._checkpoint import check_layers
+
+    root = srv.weights_dir / f"short-{naming}"
+    p = write_checkpoint(root, naming, torch.bfloat16, layers=(0,))[0]
+    assert put_experts(srv.http, "short", {"checkpoint": root.name, "layer": 0}).status_code == 201
+    family, projections = NAMINGS[naming]
+    for projection in projections:
+        _rewrite(root, drop=f"model.layers.0.{family}.3.{projection}.weight")
+    before = snapshot(srv.http)
+    r = put_experts(srv.http, "short", {"checkpoint": root.name, "layer": 0})
+    assert_error(r, 404, "no_such_file")
+    first = f"'model.layers.0.{family}.3.{projections[0]}.weight'"
+    assert first in r.json()["error"]["message"]
+    assert snapshot(srv.http) == before
+    _check_answers(srv, "short", p)
+    with pytest.raises(NoSuchFile, match=first):
+        check_layers(srv.services.store, root.name, [0])
+    assert srv.http.delete("/v1/experts/short").status_code == 204
 
 
 def test_a_shard_cut_short_while_it_loads_is_bad_field_not_a_crash(tmp_path):
