@@ -255,7 +255,7 @@ def read_tensor(handle, entry: dict, data_start: int, key: str) -> torch.Tensor:
     """A tensor of the file (a weight set's scales, a checkpoint's expert matrix), on the
     host, read with ``pread`` (never mapped: a file cut short while it is read is a short
     read, not a SIGBUS)."""
-    dtype = _ST_TORCH.get(entry["dtype"])
+    dtype = READABLE_DTYPES.get(entry["dtype"])
     if dtype is None:
         raise BadDtype(f"tensor {key!r:.200} is {entry['dtype']!r:.100}, which this server "
                        "does not read")
@@ -286,7 +286,9 @@ def pread_fully(fd: int, view: memoryview, offset: int) -> bool:
 HEADER_LIMIT = 16 << 20
 INDEX_LIMIT = 32 << 20
 
-_ST_TORCH = {**SAFETENSORS_DTYPES, "F64": torch.float64, "I32": torch.int32, "I64": torch.int64}
+# What read_tensor reads: the weights' dtypes, and a few a scale or a wrong key may have.
+READABLE_DTYPES = {**SAFETENSORS_DTYPES, "F64": torch.float64, "I32": torch.int32,
+                   "I64": torch.int64}
 _ST_ITEMSIZE = {"F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "BF16": 2,
                 "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "I16": 2,
                 "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}

@@ -41,6 +41,7 @@ from moegemm.kernels import BLOCK
 from moegemm.kernels._backend import Backend
 
 from ._files import (
+    READABLE_DTYPES,
     SAFETENSORS_DTYPES,
     OpenedFile,
     open_file,
@@ -315,7 +316,8 @@ class WeightStore:
                                "expected [G, N, K]")
             w_scale = None
             if w_scale_key is not None:
-                w_scale = read_tensor(handle, entries[w_scale_key], data_start, w_scale_key)
+                w_scale = _scale_from_file(handle, entries[w_scale_key], data_start, w_scale_key,
+                                           shape)
             log.info("loading %r from %r (%s %s)", name, path, WIRE_NAMES[dtype], list(shape))
             source = _FileGroups(handle.fileno(), data_start + w_entry["data_offsets"][0])
             return self._assemble(name, shape, dtype, source, w_scale)
@@ -536,6 +538,22 @@ class _CallableGroups(_Groups):
             if len(one) != group_bytes:
                 raise BadShape(f"group {g} holds {len(one)} bytes; expected {group_bytes}")
             dst[(g - g0) * group_bytes:(g - g0 + 1) * group_bytes] = one
+
+
+def _scale_from_file(handle, entry: dict, data_start: int, key: str,
+                     w_shape: tuple[int, ...]) -> torch.Tensor:
+    """A file's ``w_scale`` tensor, read only if it has the one dtype and shape a set of
+    ``w_shape`` takes (float32 ``[G, K/128, N/128]``); else a tensor of its header's dtype
+    and shape without data, which ``_assemble`` refuses as it refuses an upload. A key
+    naming another large tensor (a swapped key: a layer's w2 is gigabytes) is never read
+    into host memory to be refused."""
+    dtype = READABLE_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise BadDtype(f"tensor {key!r:.200} is {entry['dtype']!r:.100}; w_scale is float32")
+    G, N, K = w_shape
+    if dtype == torch.float32 and list(entry["shape"]) == [G, K // BLOCK, N // BLOCK]:
+        return read_tensor(handle, entry, data_start, key)
+    return torch.empty(entry["shape"], dtype=dtype, device="meta")
 
 
 class _FileGroups(_Groups):

@@ -295,6 +295,31 @@ def test_file_tensor_checks(server, files):
     assert_error(server.put("x", {"file": "nan.safetensors", "w": "w"}), 400, "not_finite")
 
 
+def test_a_scale_key_naming_another_tensor_is_refused_unread(server, files, monkeypatch):
+    """A ``w_scale`` key naming a tensor of another shape or dtype (a swapped key names a
+    layer's weights: gigabytes) is refused from its header, as the same tensor uploaded
+    is, without reading it into host memory."""
+    from moegemm.server import store
+
+    root = server.weights_dir
+    p, _, _ = files
+    save_file({"w": p.wq, "s": p.w_scale, "big": torch.zeros(G, N, K)},
+              str(root / "swapped.safetensors"))
+    read = []
+    real_read = store.read_tensor
+    monkeypatch.setattr(store, "read_tensor", lambda h, e, d, key: read.append(key) or
+                        real_read(h, e, d, key))
+    r = server.put("x", {"file": "swapped.safetensors", "w": "w", "w_scale": "big"})
+    assert_error(r, 400, "bad_shape")
+    assert "w_scale" in r.json()["error"]["message"]
+    assert_error(server.put("x", {"file": "swapped.safetensors", "w": "w", "w_scale": "w"}),
+                 400, "bad_dtype")
+    assert read == []
+    r = server.put("x", {"file": "swapped.safetensors", "w": "w", "w_scale": "s"})
+    assert r.status_code == 201 and read == ["s"]
+    assert server.http.delete("/v1/weights/x").status_code == 204
+
+
 def test_no_weights_dir():
     with serve(Settings(device="cpu", demo=False)) as srv:
         assert_error(srv.put("x", {"file": "w.safetensors", "w": "w"}), 400, "bad_field")
