@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from moegemm.client._errors import (
     BadField,
+    BadName,
     NotReady,
     OutOfMemory,
     TooLarge,
@@ -187,8 +188,9 @@ async def install(svc: Services, build: Callable[[], WeightSet]) -> tuple[Weight
     ws = await svc.engine.load(build)
     try:
         old = svc.store.put(ws)
-    except OutOfMemory:
-        # Another load took the room meanwhile: this set never goes live.
+    except (OutOfMemory, BadName):
+        # The room or the name (an expert set's matrix) was taken meanwhile: this set
+        # never goes live.
         svc.engine.forget(ws)
         raise
     if old is not None:

@@ -179,3 +179,25 @@ def test_client_round_trip(server):
         assert "via-client" in [ws["name"] for ws in client.weights()]
         client.delete_weights("via-client")
         assert "via-client" not in [ws["name"] for ws in client.weights()]
+
+
+def test_a_set_whose_name_was_taken_while_it_loaded_leaves_nothing(server, monkeypatch):
+    """The swap-in refuses a name an expert set took meanwhile (``{set}.w13``, a race with
+    its load): 400 ``bad_name``, and what the load prepared for the set (its graphs) is
+    dropped, as for a set refused for the room."""
+    from moegemm.client._errors import BadName
+
+    svc = server.services
+    forgotten = []
+    real_forget = svc.engine.forget
+    monkeypatch.setattr(svc.engine, "forget", lambda ws: forgotten.append(ws.name) or
+                        real_forget(ws))
+
+    def taken(ws):
+        raise BadName(f"{ws.name!r} is an expert set's matrix")
+
+    monkeypatch.setattr(svc.store, "put", taken)
+    p = fp8_problem(4, 128, 128, 2)
+    r = server.put("raced", {"w": wire(p.wq), "w_scale": wire(p.w_scale)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_name"
+    assert forgotten == ["raced"]
