@@ -211,6 +211,8 @@ class Executor:
         if not 0 < rows <= pool.max_bucket:
             return None
         route = self._route(ws, first.dtype)
+        if route is None:
+            return None
         launched = pool.launch_rows(rows)
         merged = gather is not None
         graph = route.graphs.get((launched, merged), _UNKNOWN)
@@ -240,24 +242,43 @@ class Executor:
         return [(host[at + a * row_bytes: at + b * row_bytes].reshape(b - a, row_bytes),
                  host[a:b].view(np.int8)) for a, b in itertools.pairwise(offsets)]
 
-    def _lane(self, family: Family) -> _Lane:
+    def _lane(self, family: Family) -> _Lane | None:
+        """The lane of the family's static buffers; None where no capture made them."""
+        bufs = self.pool.held(family)
         lane = self._lanes.get(family)
-        if lane is None:
-            lane = self._lanes[family] = _Lane(self.pool.buffers(family), family)
+        if bufs is None:
+            self._lanes.pop(family, None)
+            return None
+        if lane is None or lane.bufs is not bufs:  # (released and captured again)
+            lane = self._lanes[family] = _Lane(bufs, family)
         return lane
 
-    def _route(self, ws, dtype: str) -> _Route:
-        """The memoised lookups of ``ws``'s graph-path calls in wire dtype ``dtype``."""
+    def _route(self, ws, dtype: str) -> _Route | None:
+        """The memoised lookups of ``ws``'s graph-path calls in wire dtype ``dtype``; None
+        where its family has no captures."""
         key = (id(ws), dtype)
         route = self._routes.get(key)
         if (route is None or route.generation != self.pool.generation
                 or route.wq() is not ws.wq or route.w_scale() is not ws.w_scale):
+            lane = self._lane(self.family(ws.G, ws.N, ws.K, dtype))
+            if lane is None:
+                return None
             if len(self._routes) >= _ROUTES_MAX:  # sets come and go: drop the dead ones
                 self._routes = {k: r for k, r in self._routes.items() if r.wq() is not None}
             route = self._routes[key] = _Route(
-                ws, self.pool.generation, self._lane(self.family(ws.G, ws.N, ws.K, dtype)),
+                ws, self.pool.generation, lane,
                 table_words(ws.wq, ws.w_scale) if self.pool.run_table is not None else None)
         return route
+
+    def release(self, G: int, N: int, K: int) -> None:
+        """Drop shape ``(G, N, K)``'s graphs, buffers and lanes (its last set is gone)."""
+        self.pool.release(G, N, K)
+        families = {Family(G, N, K, quantize) for quantize in (False, True)}
+        for f in families:
+            self._lanes.pop(f, None)
+        # Routes hold their lane and graphs: a dead set's would keep them alive.
+        self._routes = {k: r for k, r in list(self._routes.items())
+                        if r.lane.family not in families}
 
     def _download(self, lane: _Lane, launched: int, out_elems: int):
         """The packed result (flags, then ``out_elems`` bf16) on the host after the
@@ -309,7 +330,7 @@ class Executor:
             gather = torch.from_numpy(plan.gather).to(self.device, non_blocking=True)
             x_dev = x_dev.index_select(0, gather)
             xs_dev = None if xs_dev is None else xs_dev.index_select(0, gather)
-        bufs = self.pool.buffers(family)
+        bufs = self.pool.batch_buffers(family, rows)
         out_dev = torch.empty((rows, ws.N), dtype=torch.bfloat16, device=self.device)
         step = self.pool.max_bucket
         for start in range(0, rows, step):
@@ -319,7 +340,8 @@ class Executor:
             if xs_dev is not None:
                 bufs.x_scale[:n].copy_(xs_dev[start:stop])
             sizes = chunk_sizes(plan.m_sizes, start, stop)
-            launches.add(self.pool.launch(family, ws.wq, ws.w_scale, sizes, fresh_host=True))
+            launches.add(self.pool.launch(family, ws.wq, ws.w_scale, sizes, fresh_host=True,
+                                          bufs=bufs))
             out_dev[start:stop].copy_(bufs.out(self.pool.launch_rows(n))[:n])
         if not plan.is_identity:  # back to the callers' order
             scatter = torch.from_numpy(plan.scatter).to(self.device, non_blocking=True)

@@ -238,15 +238,45 @@ class GraphPool:
     # -- buffers ------------------------------------------------------------------
 
     def buffers(self, family: Family) -> Buffers:
-        """The family's static buffers, allocated on first use."""
+        """The family's static buffers, allocated on first use (by :meth:`capture`, which
+        binds its graphs to them)."""
         bufs = self._buffers.get(family)
         if bufs is None:
             bufs = self._allocate(family)
             self._buffers[family] = bufs
         return bufs
 
-    def _allocate(self, f: Family) -> Buffers:
-        dev, rows = self.device, self.max_bucket
+    def held(self, family: Family) -> Buffers | None:
+        """The family's static buffers, if a capture made them."""
+        return self._buffers.get(family)
+
+    def batch_buffers(self, family: Family, rows: int) -> Buffers:
+        """Buffers for one eager batch of ``rows`` rows (launched in chunks of at most the
+        largest bucket): the family's static ones where captured, else buffers of the
+        batch's own size, freed with it. A family with no captures (the CPU, or the
+        shape of a set deleted while its calls waited) holds no device memory between
+        batches."""
+        bufs = self._buffers.get(family)
+        if bufs is not None:
+            return bufs
+        return self._allocate(family, self.launch_rows(min(rows, self.max_bucket)))
+
+    def release(self, G: int, N: int, K: int) -> None:
+        """Drop the graphs and buffers of shape ``(G, N, K)`` (its last set is gone): the
+        device memory returns to the pool (SPEC 2.1's DELETE). A batch holding them
+        finishes on them."""
+        families = {Family(G, N, K, quantize) for quantize in (False, True)}
+        # Copies of the keys first (one C call each): lookups run on other threads.
+        for key in [key for key in list(self._graphs) if key[0] in families]:
+            del self._graphs[key]
+        for key in [key for key in list(self._variants) if key[0] in families]:
+            del self._variants[key]
+        for f in families:
+            self._buffers.pop(f, None)
+        self.generation += 1
+
+    def _allocate(self, f: Family, rows: int | None = None) -> Buffers:
+        dev, rows = self.device, rows or self.max_bucket
         x_dtype = torch.bfloat16 if f.quantize else self.backend.fp8_dtype
         # Zeros at first. Rows past a call's end (up to its bucket) are read and
         # quantized but belong to no group and are never stored; rows are
@@ -298,8 +328,8 @@ class GraphPool:
             found = self._variants[(family, bucket)] = (False, True) if split else (False,)
         return found
 
-    def _body(self, family: Family, rows: int, wq: torch.Tensor, w_scale: torch.Tensor,
-              merged: bool = True) -> None:
+    def _body(self, bufs: Buffers, family: Family, rows: int, wq: torch.Tensor,
+              w_scale: torch.Tensor, merged: bool = True) -> None:
         """Check the inputs' contents, regroup and quantize them where needed and run the GEMM
         over the first ``rows`` buffer rows, its output in the callers' order in ``bufs.out``.
 
@@ -315,7 +345,6 @@ class GraphPool:
         beside = (in_place and not inside and not family.quantize and self._beside is not None
                   and torch.cuda.is_current_stream_capturing())
         here = torch.cuda.current_stream(self.device) if beside else None  # forked and joined
-        bufs = self._buffers[family]
         gather, scatter = bufs.order(rows)
         x = bufs.x[:rows]
         xs = None if family.quantize else bufs.x_scale[:rows]
@@ -486,6 +515,7 @@ class GraphPool:
         gather: np.ndarray | None = None,
         *,
         fresh_host: bool = False,
+        bufs: Buffers | None = None,
     ) -> str:
         """Run the family's GEMM over the buffers' first ``sum(sizes)`` rows; "graph",
         "eager" or "none".
@@ -498,9 +528,11 @@ class GraphPool:
         unless ``fresh_host`` (several launches in one batch: the previous copy
         may not have run yet); the engine waits for each batch before the next
         reuses it. The result is in ``bufs.out(launched)[:rows]``, in the callers'
-        order (flags in ``bufs.flags(launched)[:rows]``), ``launched = launch_rows(rows)``.
+        order (flags in ``bufs.flags(launched)[:rows]``), ``launched = launch_rows(rows)``;
+        ``bufs``: the family's static buffers unless given (:meth:`batch_buffers`).
         """
-        bufs = self.buffers(family)
+        if bufs is None:
+            bufs = self.buffers(family)
         self._check_table(family, wq, w_scale)
         rows = int(sizes.sum())
         launched = self.launch_rows(rows)
@@ -520,7 +552,7 @@ class GraphPool:
             graph.replay()
             self.replays += 1
             return "graph"
-        self._body(family, launched, wq, w_scale, merged)
+        self._body(bufs, family, launched, wq, w_scale, merged)
         self.eager_runs += 1
         return "eager"
 
@@ -607,7 +639,7 @@ class GraphPool:
                 scatter.copy_(gather)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
-                    self._body(family, bucket, wq, w_scale, merged)  # warm-up: compiles
+                    self._body(bufs, family, bucket, wq, w_scale, merged)  # warm-up: compiles
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 if self.compile_only:
                     continue
@@ -616,7 +648,7 @@ class GraphPool:
                 # buffers during a capture, which "global" mode would turn into errors.
                 with _no_gc(), torch.cuda.graph(graph, pool=self._mempool,
                                                 capture_error_mode="thread_local"):
-                    self._body(family, bucket, wq, w_scale, merged)
+                    self._body(bufs, family, bucket, wq, w_scale, merged)
                 self._graphs[key] = graph
                 self.generation += 1
                 new += 1

@@ -62,6 +62,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -192,6 +193,9 @@ class Engine:
         # Weight-set shapes whose graphs are captured (or being captured: then the
         # capture holds the family's buffers and calls of it wait).
         self._shapes: set[tuple[int, int, int]] = set()
+        # Per shape, the sets (their wq, weakly, by id) loaded with it, registered on the
+        # loader as each loads: its graphs and buffers go when the last is forgotten.
+        self._holders: dict[tuple[int, int, int], dict[int, weakref.ref]] = {}
         # Set once the device fails for good (see _device_alive); on_lost is called then.
         self.lost: str | None = None
         self.on_lost: Callable[[str], None] | None = None
@@ -549,13 +553,22 @@ class Engine:
             with torch.cuda.stream(self._load_stream):
                 built = build()
             self._load_stream.synchronize()
-        ahead = self._compile_ahead(built)
-        if ahead is not None:
-            compiled = self.backend.ahead.compiles()
-        for ws in getattr(built, "weight_sets", (built,)):
-            self._graphs_for(ws)
-        if isinstance(built, ExpertSet):
-            self._expert_graphs(built)
+        try:
+            ahead = self._compile_ahead(built)
+            if ahead is not None:
+                compiled = self.backend.ahead.compiles()
+            for ws in getattr(built, "weight_sets", (built,)):
+                self._graphs_for(ws)
+            if isinstance(built, ExpertSet):
+                self._expert_graphs(built)
+        except BaseException:
+            # It never goes live: what it captured goes if no other set has its shapes.
+            for ws in getattr(built, "weight_sets", (built,)):
+                self._unhold(ws)
+                self._release_if_unused((ws.G, ws.N, ws.K))
+            if isinstance(built, ExpertSet):
+                self._experts.forget(built)
+            raise
         if ahead is not None and (late := self.backend.ahead.compiles() - compiled):
             log.warning("%d kernels compiled in the serving process while capturing %s, after "
                         "compiling them ahead: the ahead specialisations differ (%s)", late,
@@ -598,6 +611,7 @@ class Engine:
     def _graphs_for(self, ws: WeightSet) -> None:
         """On the loader thread: the graphs of ``ws``'s shape, captured if need be."""
         shape = (ws.G, ws.N, ws.K)
+        self._holders.setdefault(shape, {})[id(ws.wq)] = weakref.ref(ws.wq)
         if self._executor.captured(*shape, ws.wq, ws.w_scale):
             self._shapes.add(shape)
             return
@@ -632,11 +646,36 @@ class Engine:
         """Capture the graphs ``ws``'s shape needs on this thread (tests; the server loads
         through :meth:`load`)."""
         self._shapes.add((ws.G, ws.N, ws.K))
+        self._holders.setdefault((ws.G, ws.N, ws.K), {})[id(ws.wq)] = weakref.ref(ws.wq)
         return self._capture(ws)
 
     def forget(self, ws: WeightSet) -> None:
-        """Drop graphs bound to ``ws``'s memory (after it was replaced or deleted)."""
+        """After ``ws`` was replaced or deleted (or failed to go live): drop graphs bound to
+        its memory, and, on the loader in turn with loads, its shape's graphs and buffers
+        if no other set has the shape (a set of it loaded before this runs keeps them)."""
         self._executor.pool.forget(ws.wq)
+        self._unhold(ws)
+        try:
+            job = self._loader.submit(self._release_if_unused, (ws.G, ws.N, ws.K))
+        except RuntimeError:  # the engine is closed: nothing serves the shape any more
+            return
+        self._loader_jobs.add(job)
+        job.add_done_callback(self._loader_jobs.discard)
+
+    def _unhold(self, ws: WeightSet) -> None:
+        holders = self._holders.get((ws.G, ws.N, ws.K))
+        if holders is not None and (ref := holders.get(id(ws.wq))) is not None \
+                and ref() is ws.wq:
+            del holders[id(ws.wq)]
+
+    def _release_if_unused(self, shape: tuple[int, int, int]) -> None:
+        """On the loader thread: drop ``shape``'s graphs and buffers if no set holds it."""
+        holders = self._holders.get(shape, {})
+        if any(ref() is not None for ref in holders.values()):
+            return
+        self._holders.pop(shape, None)
+        self._shapes.discard(shape)
+        self._executor.release(*shape)
 
     async def forget_experts(self, es: ExpertSet) -> None:
         """After ``es`` was replaced or deleted (or failed to go live): drop its matrices'

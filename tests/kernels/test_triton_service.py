@@ -356,17 +356,19 @@ def test_a_lone_calls_gemm_checks_its_rows_and_flags_bad_ones(m, n, k, g, backen
     pool.check_and_gather = lambda *a, **kw: (checks.append(torch.cuda.current_stream(DEV)),
                                               real_check(*a, **kw))
     here = torch.cuda.current_stream(DEV)
-    pool._body(family, bucket, wq, w_scale, merged=False)  # what a lone call's graph runs, eagerly
+    bufs = pool.buffers(family)
+    pool._body(bufs, family, bucket, wq, w_scale, merged=False)  # a lone call's graph, eagerly
     assert checks == ([] if inside else [here])  # eagerly, in order on the caller's stream
     checks.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # captured (what the pool's graphs hold): beside the GEMM
-        pool._body(family, bucket, wq, w_scale, merged=False)
+        pool._body(bufs, family, bucket, wq, w_scale, merged=False)
     assert checks == ([] if inside else [pool._beside])
     assert pool._beside != here
     del graph
     checks.clear()
-    pool._body(family, bucket, wq, w_scale)  # merged calls': the check kernel regroups first
+    # merged calls': the check kernel regroups first
+    pool._body(bufs, family, bucket, wq, w_scale)
     assert checks == [here]
     pool.check_and_gather = real_check
     bad_x, bad_scale = m // 2, m - 1
@@ -413,9 +415,10 @@ def test_the_service_and_the_public_function_pick_one_tile(m, n, k, g, backend, 
     family = Family(g, n, k, quantize=False)
     pool.capture(family, problem[1], problem[3], only=[bucket])
     launched.clear()
-    pool._body(family, bucket, problem[1], problem[3])  # what the merged calls' graph runs, eagerly
-    pool._body(family, bucket, problem[1], problem[3], merged=False)  # and a lone call's
     bufs = pool.buffers(family)
+    # What the merged calls' graph runs, eagerly, and a lone call's:
+    pool._body(bufs, family, bucket, problem[1], problem[3])
+    pool._body(bufs, family, bucket, problem[1], problem[3], merged=False)
     bufs.x[:m].copy_(problem[0])
     bufs.x_scale[:m].copy_(problem[2])
     got, _ = _service(pool, problem, family)

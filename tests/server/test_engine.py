@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from moegemm.client._errors import DeadlineExceeded, NotFinite, NotReady
+from moegemm.client._errors import DeadlineExceeded, NotFinite, NotReady, OutOfMemory
 from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import random_m_sizes, random_problem
 from moegemm.server._priority import LOADER_NICE
@@ -553,3 +553,35 @@ def test_a_failure_while_collecting_a_batch_fails_its_calls_not_the_worker():
     got = _run(engine, scenario)  # the old worker died: the first gather never ended
     assert isinstance(got[0], InternalError)
     assert not isinstance(got[1], BaseException) and not isinstance(got[2], BaseException)
+
+
+def test_a_shape_is_released_with_its_last_set_and_with_a_load_that_failed():
+    """``forget`` releases a shape (graphs, buffers, lanes: ``Executor.release``) on the
+    loader once no set of it is left; a set of it loaded before keeps it. A load whose
+    captures fail releases what it took."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    engine = _engine(loop=True)
+    released = []
+    real_release = engine._executor.release
+    engine._executor.release = lambda *shape: released.append(shape) or real_release(*shape)
+
+    async def scenario():
+        a = await engine.load(lambda: _set(gen, "a"))
+        b = await engine.load(lambda: _set(gen, "b"))
+        settled = lambda: asyncio.wrap_future(engine._loader.submit(lambda: None))
+        engine.forget(a)
+        await settled()
+        assert released == [] and (G, N, K) in engine._shapes
+        engine.forget(b)
+        await settled()
+        assert released == [(G, N, K)] and (G, N, K) not in engine._shapes
+
+        def failing_capture(ws):
+            raise OutOfMemory("no room for its graphs")
+
+        engine._capture = failing_capture
+        with pytest.raises(OutOfMemory):
+            await engine.load(lambda: _set(gen, "c"))
+        assert released == [(G, N, K)] * 2 and not engine._holders
+
+    _run(engine, scenario)

@@ -298,3 +298,43 @@ def test_a_load_and_its_capture_never_hold_the_calls(backend, gen):
     assert answered >= 20, answered  # the calls went on during the load and capture
     assert engine._executor.captured(b.G, N, K, b.wq, b.w_scale)
     _check_spec(b, part_b, bf16_rows(out_b))
+
+
+def test_the_last_set_of_a_shape_takes_its_graphs_and_buffers_with_it(backend, gen):
+    """SPEC 2.1's DELETE returns a set's memory: when the last set of a shape is forgotten,
+    the shape's graphs, static buffers and lanes go (on the loader, after loads already
+    queued); while another set has the shape they stay. A later set of it captures anew and
+    answers right."""
+    import asyncio
+
+    from moegemm.server.engine import Engine
+
+    engine = Engine(backend, max_bucket_m=256)
+    engine.start()
+    pool = engine._executor.pool
+    try:
+        async def scenario():
+            a, b = _weights(8, gen, "a"), _weights(8, gen, "b")
+            for ws in (a, b):
+                await engine.load(lambda ws=ws: ws)
+            part = _part(8, 16, "bf16", gen)
+            await engine.submit(gemm_call(a, *part))
+            captured, held = pool.graph_count(), torch.cuda.memory_allocated(DEV)
+            assert captured > 0 and len(pool._buffers) == 2
+            engine.forget(a)
+            # (a job on the loader: its jobs before it, the release's, have run)
+            await asyncio.wrap_future(engine._loader.submit(lambda: None))
+            assert pool.graph_count() == captured and len(pool._buffers) == 2  # b has it
+            engine.forget(b)
+            await asyncio.wrap_future(engine._loader.submit(lambda: None))
+            assert pool.graph_count() == 0 and not pool._buffers and not engine._executor._lanes
+            torch.cuda.synchronize(DEV)
+            assert torch.cuda.memory_allocated(DEV) < held  # (a and b's weights still held)
+            c = await engine.load(lambda: _weights(8, gen, "c"))
+            assert pool.graph_count() == captured
+            out = await engine.submit(gemm_call(c, *part))
+            _check_spec(c, part, bf16_rows(out))
+
+        asyncio.run(scenario())
+    finally:
+        engine.close()

@@ -61,6 +61,7 @@ def _setup(table: bool = True):
 
     missing: set[tuple] = set()
     pool.graph = graph
+    pool.held = pool.buffers  # every family "captured": its static buffers made on use
     staging = Staging(torch.device("cpu"))
     staging._copies = _NoCopies()
     return Executor(pool, staging), graphs, looked, missing

@@ -141,13 +141,24 @@ def test_empty_call_beside_others():
     _check(ws, parts[1], outs[1])
 
 
-def test_static_buffers_are_shared_per_family():
+def test_static_buffers_come_from_captures_alone_and_go_with_their_shape():
+    """A family's static buffers are made by its captures (one per family, shared by its
+    sets) and go when its shape is released; an eager batch without them (the CPU: no
+    captures) runs on buffers of its own size, so none stay between batches."""
     gen = torch.Generator().manual_seed(torch.seed())
     ex = _executor()
     a, b = _weights(gen), _weights(gen)
-    _run(ex, a, [_fp8_part(a, 5, gen)])
-    _run(ex, b, [_fp8_part(b, 40, gen)])
-    assert list(ex.pool._buffers) == [Family(G, N, K, quantize=False)]
+    parts = [_fp8_part(a, 5, gen)], [_fp8_part(b, 40, gen)], [_fp8_part(b, 70, gen)]
+    for ws, part in zip((a, b, b), parts):  # (70 rows: two launches of the 64-row bucket)
+        _check(ws, part[0], _run(ex, ws, part)[0][0])
+    assert not ex.pool._buffers
+    family = Family(G, N, K, quantize=False)
+    bufs = ex.pool.buffers(family)  # as a capture makes them
+    for ws, part in zip((a, b, b), parts):
+        _check(ws, part[0], _run(ex, ws, part)[0][0])
+    assert ex.pool._buffers == {family: bufs}
+    ex.release(G, N, K)
+    assert not ex.pool._buffers and not ex._lanes
 
 
 def test_address_words_hold_the_weight_sets_bases():
@@ -252,9 +263,11 @@ def test_the_graph_path_by_address_copies_equals_the_general_path():
             self.family, self.rows, self.merged = family, rows, merged
 
         def replay(self):
-            pool._body(self.family, self.rows, ws.wq, ws.w_scale, self.merged)
+            pool._body(pool.buffers(self.family), self.family, self.rows, ws.wq, ws.w_scale,
+                       self.merged)
 
     pool.graph = lambda family, launched, wq, w_scale, merged=False: Eager(family, launched, merged)
+    pool.held = pool.buffers  # every family "captured": its static buffers made on use
     for kind in ("fp8", "bf16"):
         parts = []
         for m in (3, 0, 17, 1, 30):
