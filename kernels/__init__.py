@@ -11,6 +11,8 @@ A server that keeps weights resident should prepare them once with
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._backend import BLOCK, Backend, BackendUnavailable, check_operands
@@ -83,14 +85,17 @@ def _dispatch(backend: Backend, xq, wq_prepared, x_scale, w_scale, m_sizes, out)
     if into is None:
         dtype = torch.bfloat16 if out is None else out.dtype
         into = torch.empty(shape, dtype=dtype, device=xq.device)
-    backend.run(
-        _aligned(xq),
-        _aligned(wq_prepared),
-        _aligned(x_scale),
-        _aligned(w_scale),
-        _aligned(m_sizes),
-        into,
-    )
+    # The kernels launch on the current device and its stream: the operands' device, whatever
+    # device the calling thread has current (one without peer access would fault).
+    with torch.cuda.device(xq.device) if xq.device.type == "cuda" else contextlib.nullcontext():
+        backend.run(
+            _aligned(xq),
+            _aligned(wq_prepared),
+            _aligned(x_scale),
+            _aligned(w_scale),
+            _aligned(m_sizes),
+            into,
+        )
     if out is None or out is into:
         return into
     return out.copy_(into)
@@ -121,8 +126,10 @@ def grouped_gemm(
 
     ``xq`` ``[M, K]`` fp8 e4m3, ``wq`` ``[G, N, K]`` plain row-major in the same
     dtype, ``x_scale`` ``[M, K/128]`` and ``w_scale`` ``[G, K/128, N/128]``
-    float32, ``m_sizes`` ``[G]`` int64/int32 (rows per group, summing to M; not
-    checked here, because that would read the device). Returns bf16 ``[M, N]``,
+    float32, ``m_sizes`` ``[G]`` int64/int32 (rows per group, summing to M; the GPU
+    backends do not check it, because that would read the device: there, rows past the
+    sum are not written and the sizes are taken clamped to ``[0, M]``; the CPU reference
+    raises ValueError). Returns bf16 ``[M, N]``,
     written into ``out`` when given; a float32 ``out`` receives the same sum
     unrounded (what the expert FFN keeps as ``h``). ``xq`` and the scales may have any
     strides (copied contiguous), and an operand or ``out`` that does not start on a 16-byte

@@ -15,8 +15,9 @@ the two GEMMs of an expert-FFN graph. It is the torch definition
 
 - ``silu(v) = v / (1 + exp(-v))`` with IEEE division (``div_rn``: Triton's
   ``/`` is an approximate division on NVIDIA) and the math library's ``expf``
-  (libdevice/ocml, what torch's kernels call); the product is rounded once to
-  bf16 (with integer operations, exact in the interpreter too);
+  (libdevice/ocml, what torch's kernels call); the product stays float32, quantized
+  as it is (not rounded to bf16 first: a rounding there moves codes across fp8
+  midpoints);
 - the scale is ``max(amax, 1e-12) / FP8_MAX`` with IEEE division, NaN
   propagated as torch's ``amax``/``clamp`` propagate it, and each code the exact
   quotient ``a * FP8_MAX / max(amax, 1e-12)`` rounded to nearest even

@@ -120,7 +120,7 @@ def quantize_activations(
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     floor, scale = _scale_of(amax, limit)
-    xq = _in_slices(blocks, floor, fp8_dtype).reshape(m, k)
+    xq = _in_slices(blocks, floor, fp8_dtype).reshape(m, k).contiguous()  # (row-major, SPEC 1)
     return xq, scale.reshape(m, k // BLOCK).contiguous()
 
 
@@ -146,7 +146,7 @@ def quantize_weights(
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)  # [..., nb, 1, kb, 1]
     floor, scale = _scale_of(amax, limit)
     wq = _in_slices(blocks.reshape(-1, BLOCK, kb, BLOCK), floor.reshape(-1, 1, kb, 1),
-                    fp8_dtype).reshape(w.shape)
+                    fp8_dtype).reshape(w.shape).contiguous()  # (row-major: what grouped_gemm takes)
     w_scale = scale.reshape(*lead, nb, kb).transpose(-1, -2).contiguous()
     return wq, w_scale
 

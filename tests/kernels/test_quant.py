@@ -264,3 +264,20 @@ def test_slices_give_the_bits_of_one_pass(fp8_dtype, monkeypatch):
             got_q, got_s = f(t, fp8_dtype)
             assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8)), (elements, t.shape)
             assert torch.equal(got_s, s)
+
+
+def test_quantizers_answer_row_major_codes_for_any_strides():
+    """A transposed view (a ``[G, K, N]`` checkpoint read as ``[G, N, K]``) quantizes to
+    row-major codes, which ``grouped_gemm`` takes, with the bits of the contiguous input's."""
+    from moegemm.kernels import grouped_gemm
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(2, 256, 128, generator=gen).transpose(1, 2)  # [2, 128, 256], strided
+    wq, w_scale = quantize_weights(w)
+    assert wq.is_contiguous()
+    assert torch.equal(wq.view(torch.uint8), quantize_weights(w.contiguous())[0].view(torch.uint8))
+    x = torch.randn(256, 3, generator=gen).t()  # [3, 256], strided
+    xq, x_scale = quantize_activations(x)
+    assert xq.is_contiguous()
+    out = grouped_gemm(xq, wq, x_scale, w_scale, torch.tensor([3, 0]))
+    assert out.shape == (3, 128)
