@@ -183,7 +183,8 @@ class ExpertStore:
                 # Answered before any reading; WeightStore.register settles races.
                 raise BadName(f"the name {matrix!r} is taken by another weight set; "
                               f"delete it first")
-        self.weights.check_room(w13_name, G, 2 * I, H)
+        # Both matrices at once on the device (w2 is read after all of w13 is up).
+        self.weights.check_room(w13_name, G, 2 * I, H, alongside=set_bytes(G, H, I))
         self.weights.check_room(w2_name, G, H, I)
         old = self._sets.get(name)
         self.weights.check_total(f"expert set {name!r}", set_bytes(G, 2 * I, H) + set_bytes(G, H, I),

@@ -241,10 +241,12 @@ class WeightStore:
                 f"of this server's {limit} (MOEGEMM_MAX_WEIGHT_BYTES)"
             )
 
-    def check_room(self, name: str, G: int, N: int, K: int) -> None:
+    def check_room(self, name: str, G: int, N: int, K: int, alongside: int = 0) -> None:
         """Refuse a set before any of it is read: G/N/K over the limits (TooLarge),
         or more bytes than the total limit or the device's free memory allow
-        (OutOfMemory). Loaded sets and calls in flight are not touched."""
+        (OutOfMemory); ``alongside``: device bytes another set loaded with this one
+        will need too (an expert set's other matrix). Loaded sets and calls in flight
+        are not touched."""
         lim = self.limits
         if G > lim.max_g or N > lim.max_n or K > lim.max_k:
             raise TooLarge(
@@ -262,10 +264,11 @@ class WeightStore:
         # The preshuffle holds a second copy while it works; the headroom stays free
         # for the calls in flight and their buffers.
         copies = 2 if self.backend.weight_layout == "preshuffled" else 1
-        need = copies * nbytes + lim.headroom_bytes
+        need = copies * nbytes + alongside + lim.headroom_bytes
         if need > free + cached:
+            beside = f" with the {alongside} bytes loaded beside it" if alongside else ""
             raise OutOfMemory(
-                f"weight set {name!r} ([{G}, {N}, {K}], {nbytes} bytes) does not fit: "
+                f"weight set {name!r} ([{G}, {N}, {K}], {nbytes} bytes){beside} does not fit: "
                 f"{free + cached} bytes of device memory are free, {lim.headroom_bytes} of "
                 f"them kept for calls"
             )

@@ -267,6 +267,27 @@ def test_a_set_that_would_not_leave_the_headroom_is_refused_unread(monkeypatch, 
         store.check_room("too-wide", 1025, 128, 128)
 
 
+def test_an_expert_set_whose_two_matrices_do_not_fit_together_is_refused_unread(monkeypatch):
+    """An expert set's w13 and w2 are checked against the free memory together: each fitting
+    alone is not enough (w2 was read after all of w13 was uploaded, then refused)."""
+    from moegemm.kernels import get_backend
+    from moegemm.server.experts import ExpertStore
+    from moegemm.server.store import WeightLimits, WeightStore, set_bytes
+
+    backend = dataclasses.replace(get_backend(torch.device("cpu")),
+                                  device=torch.device("cuda", 0), weight_layout="plain")
+    experts = ExpertStore(WeightStore(backend, limits=WeightLimits(headroom_bytes=0)))
+    G, H, I = 8, 1024, 512
+    both = set_bytes(G, 2 * I, H) + set_bytes(G, H, I)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (both, 1 << 40))
+    experts.check_room("fits", G, H, I)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (both - 1, 1 << 40))
+    with pytest.raises(OutOfMemory):  # each matrix alone would fit
+        experts.check_room("one-byte-short", G, H, I)
+
+
 # -- the queue, deadlines, device memory ------------------------------------------------------
 
 
