@@ -475,3 +475,20 @@ def test_checkpoint_settings_are_checked(tmp_path):
         with pytest.raises(ValueError):
             Settings(weights_dir=tmp_path, checkpoint="ck", layers=bad)
     assert Settings(weights_dir=tmp_path, checkpoint="ck", layers="7").checkpoint_layers() == [7]
+
+
+def test_an_index_is_parsed_once_and_again_when_it_changes(srv):
+    """Each layer's load reads the checkpoint's index: parsed once (a Kimi-K2-sized one held the
+    GIL ~100 ms per layer), and again when the file changes."""
+    from moegemm.server._checkpoint import _tensor_map
+
+    root = srv.weights_dir / "once"
+    write_checkpoint(root, "deepseek", torch.bfloat16, layers=(0, 1))
+    store = srv.services.store
+    first, _ = _tensor_map(store, "once")
+    again, _ = _tensor_map(store, "once")
+    assert again is first
+    dropped = "model.layers.1.mlp.experts.2.up_proj.weight"
+    _rewrite(root, drop=dropped)
+    changed, _ = _tensor_map(store, "once")
+    assert dropped in first and dropped not in changed
