@@ -45,7 +45,7 @@ from ._http_conn import (
     _plain_body,
     sweep,
 )
-from ._http_gate import HttpLimits, fit_to_descriptors
+from ._http_gate import HttpLimits, call_route, fit_to_descriptors
 
 log = logging.getLogger("moegemm.server.acceptors")
 
@@ -57,7 +57,7 @@ class _ForwardConnection(_Connection):
     forwarded: int | None = None  # the id of the request the owner is answering
 
     def connection_lost(self, exc) -> None:
-        if self.state == _RUN and self.forwarded is not None:
+        if self.state == _RUN and self.cancel_on_loss and self.forwarded is not None:
             # Nobody to answer: the owner cancels it if it is a call (as _Connection does
             # here); its answer, an empty one then, still comes and frees what it holds.
             self.server.abandon(self.forwarded)
@@ -101,6 +101,7 @@ class _ForwardConnection(_Connection):
         # The body stays reserved (``_Acceptor.held``) until the owner has answered.
         self.transport.pause_reading()
         self.state = _RUN
+        self.cancel_on_loss = call_route(self.scope["method"], self.scope["path"]) is not None
         self.task = asyncio.get_running_loop().create_task(self._forward(self.scope, self.body))
         self.scope, self.body, self.body_used, self.spill = None, None, 0, None
 

@@ -144,9 +144,10 @@ class _Link:
         # Heartbeat: when the oldest unanswered ping went out (None: all answered).
         self.ping_sent: float | None = None
         self.last_ping = 0.0
-        # The calls (gemm, ffn, moe) it forwarded that are running here, by request id: the
-        # one a "gone" names is cancelled (its client left the acceptor).
-        self.calls: dict[int, asyncio.Task] = {}
+        # The requests it forwarded that are not yet answered, by id: a call (gemm, ffn, moe)
+        # running here by its task, which a "gone" cancels (its client left the acceptor);
+        # None until then, or _GONE once a "gone" came first.
+        self.calls: dict[int, asyncio.Task | object | None] = {}
 
     def unlink(self) -> None:
         """The arenas' names, if the acceptor has not removed them (it died first), and
@@ -380,16 +381,19 @@ class Owner:
                 kind = meta["t"]
                 if kind == "req":
                     self.server.active += 1  # in progress until answered (see _http)
+                    link.calls[meta["id"]] = None
                     # Started here (as the transport starts a call): a call is in
                     # link.calls before the next frame, a "gone" for it, is read.
                     task = _start(self._answer(link, meta, data))
                     if not task.done():
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
-                elif kind == "gone":
-                    call = link.calls.get(meta["id"])
-                    if call is not None:
+                elif kind == "gone" and meta["id"] in link.calls:
+                    call = link.calls[meta["id"]]
+                    if isinstance(call, asyncio.Task):
                         call.cancel()
+                    else:  # not begun yet (a task is eager only from Python 3.12)
+                        link.calls[meta["id"]] = _GONE
                 elif kind == "free":
                     if "f" in meta:
                         link.spills.discard(meta["f"])
@@ -438,6 +442,7 @@ class Owner:
             link.send({"t": "res", "id": meta["id"], "st": status, "hd": head, "cl": True}, parts)
         finally:
             self.server.active -= 1
+            link.calls.pop(meta["id"], None)
 
     async def _answer_or_fail(self, link: _Link, meta: dict, data: bytes) -> None:
         body = self._request_body(link, meta, data)
@@ -446,7 +451,9 @@ class Owner:
         direct = self.server.direct
         name = None if direct is None else direct.match(method, path)
         close = False
-        if name is not None:
+        if name is not None and link.calls.get(meta["id"]) is _GONE:
+            status, head, parts, close = None, b"", [], True  # its client left before it began
+        elif name is not None:
             link.calls[meta["id"]] = asyncio.current_task()
             try:
                 status, head, parts = await direct(name, headers, body)
@@ -456,8 +463,6 @@ class Owner:
                 log.exception("the direct route failed on %s %s", method, path)
                 status, head, parts = _internal_error()
                 close = True
-            finally:
-                del link.calls[meta["id"]]
         else:
             status, head, parts, close = await self._run_app(meta, headers, body)
         del body
@@ -564,6 +569,9 @@ class Owner:
             if link.writer is not None:
                 link.writer.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_GONE = object()  # a forwarded call whose client left before it began (_Link.calls)
 
 
 def _fill(target: np.ndarray, parts: list) -> None:

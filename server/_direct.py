@@ -29,35 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from moegemm.client._errors import APIError, InternalError, TooLarge
 
 from . import routes
 from ._body import MSGPACK
-from ._http_gate import echoed_id, error_head, over_budget
+from ._http_gate import GEMM_ENDPOINT, Route, call_route, echoed_id, error_head, over_budget
 from .metrics import Metrics
 
 log = logging.getLogger("moegemm.server")
 
-# Starlette matches "/v1/weights/{name:wsname}/gemm" with this (wsname takes
-# anything, so check_name answers bad_name); POST is the only method there.
-_PATH = re.compile(r"/v1/weights/([\s\S]*)/gemm")
-_ENDPOINT = "/v1/weights/{name}/gemm"  # the route's path_format: the metrics label
-# The expert sets' two calls (routes_experts.py), served the same way: their bodies
-# are as large as gemm's, and the ASGI body path costs milliseconds per megabyte.
-_EXPERTS = re.compile(r"/v1/experts/([\s\S]*)/(ffn|moe)")
-
-
-class Route(NamedTuple):
-    """A request this module answers: its kind, the set's name, its metrics label."""
-
-    kind: str  # "gemm", "ffn" or "moe"
-    name: str
-    endpoint: str
 _MSGPACK = MSGPACK.encode()
 
 Headers = list[tuple[bytes, bytes]]
@@ -74,25 +58,13 @@ class DirectCalls:
         # route's latency is in the exposition from the start.
         self._requests: dict[tuple[str, int], Any] = {}
         self._request_seconds: dict[str, Any] = {
-            _ENDPOINT: self.metrics.request_seconds.labels(endpoint=_ENDPOINT)}
+            GEMM_ENDPOINT: self.metrics.request_seconds.labels(endpoint=GEMM_ENDPOINT)}
         # The transport sets this: how many requests it has begun and not yet
         # answered (``FastHttpServer.active``). A call that is the only one may
         # run on the loop's thread when the engine allows it (``Engine.submit``).
         self.in_progress: Callable[[], int] = lambda: 2  # unknown: not alone
 
-    @staticmethod
-    def match(method: str, path: str) -> Route | None:
-        """The route when this request is a gemm, ffn or moe call, else None."""
-        if method != "POST":
-            return None
-        found = _PATH.fullmatch(path)
-        if found is not None:
-            return Route("gemm", found.group(1), _ENDPOINT)
-        found = _EXPERTS.fullmatch(path)
-        if found is not None:
-            kind = found.group(2)
-            return Route(kind, found.group(1), "/v1/experts/{name}/" + kind)
-        return None
+    match = staticmethod(call_route)  # the route when this request is a call, else None
 
     async def __call__(
         self, route: Route, headers: Headers, body: memoryview

@@ -140,7 +140,6 @@ class Executor:
         self.backend = pool.backend
         self.device = pool.device
         self._fp8_name = next(n for n, d in TORCH_DTYPES.items() if d == self.backend.fp8_dtype)
-        self._lanes: dict[Family, _Lane] = {}
         self._routes: dict[tuple[int, str], _Route] = {}  # by (id(ws), wire dtype)
 
     def family(self, G: int, N: int, K: int, x_dtype: str) -> Family:
@@ -243,15 +242,14 @@ class Executor:
                  host[a:b].view(np.int8)) for a, b in itertools.pairwise(offsets)]
 
     def _lane(self, family: Family) -> _Lane | None:
-        """The lane of the family's static buffers; None where no capture made them."""
+        """The lane of the family's static buffers (kept on them); None where no capture
+        made them."""
         bufs = self.pool.held(family)
-        lane = self._lanes.get(family)
         if bufs is None:
-            self._lanes.pop(family, None)
             return None
-        if lane is None or lane.bufs is not bufs:  # (released and captured again)
-            lane = self._lanes[family] = _Lane(bufs, family)
-        return lane
+        if bufs.lane is None:
+            bufs.lane = _Lane(bufs, family)
+        return bufs.lane
 
     def _route(self, ws, dtype: str) -> _Route | None:
         """The memoised lookups of ``ws``'s graph-path calls in wire dtype ``dtype``; None
@@ -262,6 +260,7 @@ class Executor:
                 or route.wq() is not ws.wq or route.w_scale() is not ws.w_scale):
             lane = self._lane(self.family(ws.G, ws.N, ws.K, dtype))
             if lane is None:
+                self._routes.pop(key, None)
                 return None
             if len(self._routes) >= _ROUTES_MAX:  # sets come and go: drop the dead ones
                 self._routes = {k: r for k, r in self._routes.items() if r.wq() is not None}
@@ -271,14 +270,12 @@ class Executor:
         return route
 
     def release(self, G: int, N: int, K: int) -> None:
-        """Drop shape ``(G, N, K)``'s graphs, buffers and lanes (its last set is gone)."""
+        """Drop shape ``(G, N, K)``'s graphs and buffers (its last set is gone); between
+        batches (a worker job)."""
         self.pool.release(G, N, K)
-        families = {Family(G, N, K, quantize) for quantize in (False, True)}
-        for f in families:
-            self._lanes.pop(f, None)
         # Routes hold their lane and graphs: a dead set's would keep them alive.
-        self._routes = {k: r for k, r in list(self._routes.items())
-                        if r.lane.family not in families}
+        families = {Family(G, N, K, quantize) for quantize in (False, True)}
+        self._routes = {k: r for k, r in self._routes.items() if r.lane.family not in families}
 
     def _download(self, lane: _Lane, launched: int, out_elems: int):
         """The packed result (flags, then ``out_elems`` bf16) on the host after the

@@ -375,8 +375,13 @@ class FfnGraphs:
         bufs = self._buffers.get(f)
         if bufs is not None:
             return bufs
-        units = self.launch_rows(min(units, self.units(f)))
+        return self._allocate(f, self.launch_rows(min(units, self.units(f))))
+
+    def _allocate(self, f: FfnFamily, units: int | None = None) -> FfnBuffers:
+        """Buffers for launches of up to ``units`` rows or tokens (default: the largest)."""
         x_dtype = torch.bfloat16 if f.quantize else self.fp8
+        if units is None:
+            return FfnBuffers(f, self.max_bucket, self.units(f), x_dtype, self.device)
         return FfnBuffers(f, units * max(f.top_k, 1), units, x_dtype, self.device)
 
     def buffers(self, f: FfnFamily) -> FfnBuffers:
@@ -386,9 +391,7 @@ class FfnGraphs:
             with self._buffers_lock:
                 bufs = self._buffers.get(f)
                 if bufs is None:
-                    x_dtype = torch.bfloat16 if f.quantize else self.fp8
-                    bufs = FfnBuffers(f, self.max_bucket, self.units(f), x_dtype, self.device)
-                    self._buffers[f] = bufs
+                    bufs = self._buffers[f] = self._allocate(f)
         return bufs
 
     def launch_rows(self, n: int) -> int:
@@ -424,8 +427,9 @@ class FfnGraphs:
 
     def launch(self, bufs: FfnBuffers, es, launched: int) -> str:
         """Run the family's body over ``launched`` units on the buffers as the caller wrote
-        them: "graph" (its captured graph replayed) or "eager"."""
-        graph = self.graph(bufs.family, launched, es)
+        them: "graph" (its captured graph replayed: on the family's static buffers only) or
+        "eager"."""
+        graph = self.graph(bufs.family, launched, es) if self.holds(bufs) else None
         if graph is not None:
             graph.replay()
             self.replays += 1
@@ -572,7 +576,12 @@ class FfnGraphs:
             for f in self.families(es, top_ks) for b in self.buckets if b <= self.units(f))
 
     def _prepare_family(self, f: FfnFamily, es) -> None:
-        bufs = self.buffers(f)
+        # A new family's buffers are published with its graphs, at the end: until then no
+        # batch sees them (a deleted set's calls of a forgotten shape may still be running).
+        bufs = self._buffers.get(f)
+        fresh = bufs is None
+        if fresh:
+            bufs = self._allocate(f)
         top = bufs.units
         missing = [b for b in reversed(self.buckets)
                    if b <= top and self._graph_key(f, b, es) not in self._graphs]
@@ -604,7 +613,10 @@ class FfnGraphs:
             # Its device may be nearly full: a family's buffers live only while it warms up.
             torch.cuda.synchronize(self.device)
             with self._buffers_lock:
-                del self._buffers[f]
+                self._buffers.pop(f, None)
+        elif fresh:
+            with self._buffers_lock:
+                self._buffers[f] = bufs
         log.info("captured %d ffn graphs for %s in %.2f s", len(missing), f,
                  time.monotonic() - started)
 

@@ -122,6 +122,7 @@ class Buffers:
     # it carries, whether its input words are the regrouped ones (None: not
     # written yet), and how many leading rows of its order are the identity.
     host_known: tuple = (None, None, 0)
+    lane: object = None  # the executor's byte views and addresses of these buffers
 
     @staticmethod
     def out_offset(rows: int) -> int:
@@ -529,10 +530,12 @@ class GraphPool:
         may not have run yet); the engine waits for each batch before the next
         reuses it. The result is in ``bufs.out(launched)[:rows]``, in the callers'
         order (flags in ``bufs.flags(launched)[:rows]``), ``launched = launch_rows(rows)``;
-        ``bufs``: the family's static buffers unless given (:meth:`batch_buffers`).
+        ``bufs``: the family's static buffers unless given (:meth:`batch_buffers`); only
+        those replay its graphs (others, e.g. a batch's own, run eagerly).
         """
+        static = self._buffers.get(family)
         if bufs is None:
-            bufs = self.buffers(family)
+            bufs = static
         self._check_table(family, wq, w_scale)
         rows = int(sizes.sum())
         launched = self.launch_rows(rows)
@@ -547,7 +550,8 @@ class GraphPool:
         if rows == 0:
             return "none"  # nothing ran: neither a replay nor an eager run (SPEC 2.3 counts)
         merged = gather is not None
-        graph = self._graphs.get(self._graph_key(family, launched, wq, w_scale, merged))
+        graph = self._graphs.get(self._graph_key(family, launched, wq, w_scale, merged)) \
+            if bufs is static else None
         if graph is not None:
             graph.replay()
             self.replays += 1
@@ -619,7 +623,12 @@ class GraphPool:
         """
         if not self.use_graphs:
             return 0
-        bufs = self.buffers(family)
+        # A new family's buffers are published with its graphs, at the end: until then no
+        # call sees them (a deleted set's calls of a released shape may still be running).
+        bufs = self._buffers.get(family)
+        fresh = bufs is None
+        if fresh:
+            bufs = self._allocate(family)
         self._check_table(family, wq, w_scale)
         if self.run_table is not None:
             self._set_table(bufs, wq, w_scale)  # and a lone call's input words
@@ -658,7 +667,10 @@ class GraphPool:
         torch.cuda.synchronize(self.device)
         if self.compile_only:
             # Its device may be nearly full: a family's buffers live only while it warms up.
-            del self._buffers[family]
+            self._buffers.pop(family, None)
+        elif fresh:
+            self._buffers[family] = bufs
+            self.generation += 1
         if new:
             log.info("graphs for %s ready: %d captured in %.1f s", _describe(family), new,
                      time.monotonic() - started)

@@ -328,9 +328,11 @@ class _Connection(asyncio.BufferedProtocol):
             late = elapsed > _DRAIN_S
         else:
             # The app is answering: its own deadlines apply. Reading is paused meanwhile, so
-            # the client's leaving is looked for here: its connection is dropped (and a call
-            # cancelled, connection_lost) instead of holding its place until answered.
-            if self.fd is not None and self.transport is not None and _hung_up(self.fd):
+            # a call's client leaving is looked for here: its connection is dropped and the
+            # call cancelled (connection_lost) instead of holding its place until answered.
+            # (Anything else runs to its end and answers a client that only shut its side.)
+            if (self.cancel_on_loss and self.fd is not None and self.transport is not None
+                    and _hung_up(self.fd)):
                 self.transport.abort()
             return
         if late and self.transport is not None:
@@ -751,8 +753,8 @@ async def sweep(connections: set, limits: HttpLimits, unread: dict) -> None:
 
 def _hung_up(fd: int) -> bool:
     """Whether the peer of socket ``fd`` has closed its side or reset it: what reading would
-    find (EOF, an error), found without reading. A client that only shuts its sending side
-    counts as gone, as an EOF read counts (``eof_received``)."""
+    find (EOF, an error), found without reading. A call's client that only shuts its sending
+    side counts as gone, as an EOF read counts (``eof_received``)."""
     if _RDHUP is None:
         return False
     poller = select.poll()

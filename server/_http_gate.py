@@ -23,8 +23,10 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from moegemm.client._errors import (
     APIError,
@@ -55,6 +57,38 @@ def media_problem(media: str) -> str | None:
         return None
     others = ", ".join(sorted(MSGPACK_TYPES - {MSGPACK}))
     return f"send the body as {MSGPACK} (or {others}), got {media[:100] or 'none'!r}"
+
+
+# The calls (gemm, an expert set's ffn and moe): what DirectCalls serves without the ASGI
+# stack, and what the transport cancels when its client leaves. Starlette matches
+# "/v1/weights/{name:wsname}/gemm" with this (wsname takes anything, so check_name answers
+# bad_name); POST is the only method there. The expert sets' two calls are served the same
+# way: their bodies are as large as gemm's, and the ASGI body path costs milliseconds per MB.
+_GEMM = re.compile(r"/v1/weights/([\s\S]*)/gemm")
+GEMM_ENDPOINT = "/v1/weights/{name}/gemm"  # the route's path_format: the metrics label
+_EXPERTS = re.compile(r"/v1/experts/([\s\S]*)/(ffn|moe)")
+
+
+class Route(NamedTuple):
+    """A call: its kind, the set's name, its metrics label."""
+
+    kind: str  # "gemm", "ffn" or "moe"
+    name: str
+    endpoint: str
+
+
+def call_route(method: str, path: str) -> Route | None:
+    """The route when this request is a gemm, ffn or moe call, else None."""
+    if method != "POST":
+        return None
+    found = _GEMM.fullmatch(path)
+    if found is not None:
+        return Route("gemm", found.group(1), GEMM_ENDPOINT)
+    found = _EXPERTS.fullmatch(path)
+    if found is not None:
+        kind = found.group(2)
+        return Route(kind, found.group(1), "/v1/experts/{name}/" + kind)
+    return None
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import sys
 import threading
@@ -543,7 +544,8 @@ class Engine:
         """On the loader thread (one load at a time). A shape already served only
         checks its graphs are there (sets of one shape share them through the
         weight table); a new shape is captured here, in thread-local capture mode,
-        its family's buffers used by no call yet. Only a served shape whose graphs
+        on buffers no call sees until its graphs are captured (a deleted set's calls of a
+        released shape run on buffers of their own). Only a served shape whose graphs
         are bound to each set's own memory (no weight table) captures as a worker
         job, between batches, since calls use that family's buffers."""
         if self._load_stream is None:
@@ -619,7 +621,11 @@ class Engine:
             self._capture(ws)
             self._shapes.add(shape)
             return
-        job = _Job(lambda: self._capture(ws))
+        self._between_batches(lambda: self._capture(ws))
+
+    def _between_batches(self, fn: Callable[[], Any]) -> None:
+        """On the loader thread: ``fn`` run by the worker between batches, waited for."""
+        job = _Job(fn)
         with self._cv:
             if self._closed:
                 raise NotReady("the server is shutting down")
@@ -669,13 +675,15 @@ class Engine:
             del holders[id(ws.wq)]
 
     def _release_if_unused(self, shape: tuple[int, int, int]) -> None:
-        """On the loader thread: drop ``shape``'s graphs and buffers if no set holds it."""
+        """On the loader thread: drop ``shape``'s graphs and buffers if no set holds it,
+        between batches (the worker's lanes and routes are not being made meanwhile)."""
         holders = self._holders.get(shape, {})
-        if any(ref() is not None for ref in holders.values()):
+        if self._closed or any(ref() is not None for ref in list(holders.values())):
             return
         self._holders.pop(shape, None)
         self._shapes.discard(shape)
-        self._executor.release(*shape)
+        with contextlib.suppress(NotReady):  # closed meanwhile: nothing runs any more
+            self._between_batches(lambda: self._executor.release(*shape))
 
     async def forget_experts(self, es: ExpertSet) -> None:
         """After ``es`` was replaced or deleted (or failed to go live): drop its matrices'

@@ -181,7 +181,7 @@ def test_client_round_trip(server):
         assert "via-client" not in [ws["name"] for ws in client.weights()]
 
 
-def test_a_set_whose_name_was_taken_while_it_loaded_leaves_nothing(server, monkeypatch):
+def test_a_set_whose_name_was_taken_while_it_loaded_is_forgotten(server, monkeypatch):
     """The swap-in refuses a name an expert set took meanwhile (``{set}.w13``, a race with
     its load): 400 ``bad_name``, and what the load prepared for the set (its graphs) is
     dropped, as for a set refused for the room."""

@@ -327,7 +327,7 @@ def test_the_last_set_of_a_shape_takes_its_graphs_and_buffers_with_it(backend, g
             assert pool.graph_count() == captured and len(pool._buffers) == 2  # b has it
             engine.forget(b)
             await asyncio.wrap_future(engine._loader.submit(lambda: None))
-            assert pool.graph_count() == 0 and not pool._buffers and not engine._executor._lanes
+            assert pool.graph_count() == 0 and not pool._buffers and not engine._executor._routes
             torch.cuda.synchronize(DEV)
             assert torch.cuda.memory_allocated(DEV) < held  # (a and b's weights still held)
             c = await engine.load(lambda: _weights(8, gen, "c"))

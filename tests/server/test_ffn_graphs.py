@@ -378,3 +378,23 @@ def test_the_padded_triton_path_in_the_interpreter():
                           check=False, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
+
+
+def test_only_the_familys_own_buffers_replay_its_graphs(es):
+    """As the gemm pool's: a batch on buffers of its own runs eagerly on them, whatever
+    graph the family has meanwhile; its static buffers replay it."""
+    graphs = _runner().executor.graphs
+    f = graphs.family(es, True)
+    replays = []
+
+    class Stand:
+        def replay(self):
+            replays.append(1)
+
+    graphs._graphs[graphs._graph_key(f, 4, es)] = Stand()
+    own = graphs.batch_buffers(f, 4)
+    own.meta[0] = 4  # the four rows in the first expert (the rest of the words as made)
+    assert graphs.launch(own, es, 4) == "eager" and not replays
+    static = graphs.buffers(f)
+    assert graphs.launch(own, es, 4) == "eager" and not replays
+    assert graphs.launch(static, es, 4) == "graph" and replays == [1]

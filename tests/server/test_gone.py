@@ -56,7 +56,10 @@ def test_a_call_whose_client_left_never_runs_and_frees_its_budget(acceptors):
     # Room for two bodies in flight: the long call's and one more.
     args = ("--max-body-bytes", str(len(body)), "--max-m", str(ROWS),
             "--max-inflight-bytes", str(len(body) * 5 // 2))
-    env = {"MOEGEMM_OWNER_CONNECTIONS": "0"} if acceptors else {}
+    # A keep-alive of 2 s: the sweep that looks for clients gone runs every 0.5 s.
+    env = {"MOEGEMM_HTTP_KEEP_ALIVE_S": "2"}
+    if acceptors:
+        env["MOEGEMM_OWNER_CONNECTIONS"] = "0"
     server = _Server(acceptors, args, **env)
     try:
         server.wait_ready()
@@ -94,7 +97,8 @@ def test_a_call_whose_client_left_never_runs_and_frees_its_budget(acceptors):
         deadline = time.monotonic() + 10
         while _metric(server.port, r'moegemm_requests_total\{.*status="499"') < 1:
             assert time.monotonic() < deadline, "no call was counted as left by its client"
-            time.sleep(0.1)
+            time.sleep(0.05)
+        assert runner.is_alive(), "the long call ended before the others were seen gone"
         # A live call of the same size after them: the budget the gone calls held is back.
         with socket.create_connection(("127.0.0.1", server.port), timeout=120) as sock:
             sock.sendall(request)
@@ -111,3 +115,28 @@ def test_a_call_whose_client_left_never_runs_and_frees_its_budget(acceptors):
 def _answer_status(sock: socket.socket) -> int:
     head, _ = _read_answer(sock)
     return int(head.split(b" ", 2)[1])
+
+
+@pytest.mark.parametrize("acceptors", [0, 2])
+def test_a_load_whose_client_only_shut_its_side_is_answered(acceptors):
+    """A client that sends a load and shuts its sending side (``shutdown(SHUT_WR)``, as
+    ``nc -N`` does) still gets its answer: only calls are dropped when their client goes."""
+    w = np.random.default_rng(0).standard_normal((16, 1024, 2048), dtype=np.float32)
+    body = packb({"w": encode_tensor(w)})
+    head = (f"PUT /v1/weights/halfway HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n"
+            f"content-type: application/msgpack\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+    env = {"MOEGEMM_HTTP_KEEP_ALIVE_S": "2"}  # the sweep every 0.5 s
+    if acceptors:
+        env["MOEGEMM_OWNER_CONNECTIONS"] = "0"
+    server = _Server(acceptors, ("--max-body-bytes", str(len(body))), **env)
+    try:
+        server.wait_ready()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=120) as sock:
+            sock.sendall(head + body)
+            sent = time.monotonic()
+            sock.shutdown(socket.SHUT_WR)
+            status = _answer_status(sock)
+        assert time.monotonic() - sent > 0.6, "the load was too short to meet a sweep"
+        assert status == 201
+    finally:
+        assert server.stop() == 0

@@ -158,7 +158,7 @@ def test_static_buffers_come_from_captures_alone_and_go_with_their_shape():
         _check(ws, part[0], _run(ex, ws, part)[0][0])
     assert ex.pool._buffers == {family: bufs}
     ex.release(G, N, K)
-    assert not ex.pool._buffers and not ex._lanes
+    assert not ex.pool._buffers and not ex._routes
 
 
 def test_address_words_hold_the_weight_sets_bases():
@@ -306,3 +306,30 @@ def test_launch_words_say_where_the_gemm_reads_each_launch():
     pool.fill_words(bufs, meta, sizes, None, 6, 8, table_words(ws.wq, ws.w_scale))
     assert tuple(meta[at:at + 3]) == (bufs.x.data_ptr(), bufs.x_scale.data_ptr(), 0)
     assert pairs[:, 0].tolist() == list(range(8))
+
+
+def test_only_the_familys_own_buffers_replay_its_graphs():
+    """A batch on buffers of its own (a deleted set's calls of a shape released, then captured
+    again for a new set) runs eagerly on them: a replay would compute on the static buffers
+    while the batch reads its own (zeros, or another caller's rows). A capture publishes a new
+    family's buffers only with its graphs."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ex, ws = _executor(max_bucket=16), _weights(gen)
+    pool = ex.pool
+    family = Family(G, N, K, quantize=False)
+    replays = []
+
+    class Stand:  # a captured graph of the family
+        def replay(self):
+            replays.append(1)
+
+    sizes = np.array([3, 1, 0, 0, 0])
+    key = pool._graph_key(family, pool.launch_rows(4), ws.wq, ws.w_scale, False)
+    pool._graphs[key] = Stand()
+    own = pool.batch_buffers(family, 4)  # no static buffers yet: its own
+    assert pool.held(family) is None
+    assert pool.launch(family, ws.wq, ws.w_scale, sizes, bufs=own) == "eager" and not replays
+    static = pool.buffers(family)
+    assert pool.batch_buffers(family, 4) is static and own is not static
+    assert pool.launch(family, ws.wq, ws.w_scale, sizes, bufs=own) == "eager" and not replays
+    assert pool.launch(family, ws.wq, ws.w_scale, sizes) == "graph" and replays == [1]
