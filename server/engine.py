@@ -533,12 +533,16 @@ class Engine:
         return await self._on_loader(self._load, build)
 
     def _on_loader(self, fn: Callable[..., T], *args) -> asyncio.Future:
-        """``fn(*args)`` on the loader thread, to be awaited; kept in ``_loader_jobs`` until
-        it ends or is cancelled (``close`` tells whether one still runs)."""
+        """``fn(*args)`` on the loader thread, to be awaited (:meth:`_loader_job`)."""
+        return asyncio.wrap_future(self._loader_job(fn, *args))
+
+    def _loader_job(self, fn: Callable[..., T], *args) -> concurrent.futures.Future:
+        """``fn(*args)`` on the loader thread, kept in ``_loader_jobs`` until it ends or is
+        cancelled (``close`` tells whether one still runs)."""
         job = self._loader.submit(fn, *args)
         self._loader_jobs.add(job)
         job.add_done_callback(self._loader_jobs.discard)
-        return asyncio.wrap_future(job)
+        return job
 
     def _load(self, build: Callable[[], T]) -> T:
         """On the loader thread (one load at a time). A shape already served only
@@ -613,7 +617,7 @@ class Engine:
     def _graphs_for(self, ws: WeightSet) -> None:
         """On the loader thread: the graphs of ``ws``'s shape, captured if need be."""
         shape = (ws.G, ws.N, ws.K)
-        self._holders.setdefault(shape, {})[id(ws.wq)] = weakref.ref(ws.wq)
+        self._hold(ws)
         if self._executor.captured(*shape, ws.wq, ws.w_scale):
             self._shapes.add(shape)
             return
@@ -652,7 +656,7 @@ class Engine:
         """Capture the graphs ``ws``'s shape needs on this thread (tests; the server loads
         through :meth:`load`)."""
         self._shapes.add((ws.G, ws.N, ws.K))
-        self._holders.setdefault((ws.G, ws.N, ws.K), {})[id(ws.wq)] = weakref.ref(ws.wq)
+        self._hold(ws)
         return self._capture(ws)
 
     def forget(self, ws: WeightSet) -> None:
@@ -661,12 +665,12 @@ class Engine:
         if no other set has the shape (a set of it loaded before this runs keeps them)."""
         self._executor.pool.forget(ws.wq)
         self._unhold(ws)
-        try:
-            job = self._loader.submit(self._release_if_unused, (ws.G, ws.N, ws.K))
-        except RuntimeError:  # the engine is closed: nothing serves the shape any more
-            return
-        self._loader_jobs.add(job)
-        job.add_done_callback(self._loader_jobs.discard)
+        with contextlib.suppress(RuntimeError):  # closed: nothing serves the shape any more
+            self._loader_job(self._release_if_unused, (ws.G, ws.N, ws.K))
+
+    def _hold(self, ws: WeightSet) -> None:
+        """Register ``ws`` (weakly) as a set of its shape."""
+        self._holders.setdefault((ws.G, ws.N, ws.K), {})[id(ws.wq)] = weakref.ref(ws.wq)
 
     def _unhold(self, ws: WeightSet) -> None:
         holders = self._holders.get((ws.G, ws.N, ws.K))
