@@ -58,9 +58,11 @@ class _ForwardConnection(_Connection):
 
     def connection_lost(self, exc) -> None:
         if self.state == _RUN and self.cancel_on_loss and self.forwarded is not None:
-            # Nobody to answer: the owner cancels it if it is a call (as _Connection does
-            # here); its answer, an empty one then, still comes and frees what it holds.
+            # Nobody to answer: the owner cancels the call. The forwarding itself is not
+            # cancelled here (as _Connection cancels a call): it waits for the owner's
+            # answer, an empty one then, and only then lets the body (its spill) go.
             self.server.abandon(self.forwarded)
+        self.cancel_on_loss = False
         super().connection_lost(exc)
 
     def _allocate(self, length: int) -> tuple[memoryview, bool]:
