@@ -385,7 +385,8 @@ class FfnGraphs:
         return FfnBuffers(f, units * max(f.top_k, 1), units, x_dtype, self.device)
 
     def buffers(self, f: FfnFamily) -> FfnBuffers:
-        """The family's static buffers, allocated on first use (by :meth:`prepare`)."""
+        """The family's static buffers, made and published now if no :meth:`prepare` made
+        them (tests and profiles that write them by hand)."""
         bufs = self._buffers.get(f)
         if bufs is None:
             with self._buffers_lock:

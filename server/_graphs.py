@@ -239,8 +239,8 @@ class GraphPool:
     # -- buffers ------------------------------------------------------------------
 
     def buffers(self, family: Family) -> Buffers:
-        """The family's static buffers, allocated on first use (by :meth:`capture`, which
-        binds its graphs to them)."""
+        """The family's static buffers, made and published now if no capture made them
+        (tests and benchmarks that write them by hand before a capture)."""
         bufs = self._buffers.get(family)
         if bufs is None:
             bufs = self._allocate(family)
