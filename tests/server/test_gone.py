@@ -140,3 +140,72 @@ def test_a_load_whose_client_only_shut_its_side_is_answered(acceptors):
         assert status == 201
     finally:
         assert server.stop() == 0
+
+
+def test_the_owner_drops_a_call_whose_gone_came_with_it():
+    """An acceptor's "gone" read in the same turn as its request (before the call began, where
+    tasks do not start eagerly; or just after, where they do): the call never completes, and
+    the owner still answers the request, empty, so the acceptor's wait ends."""
+    import asyncio
+
+    from moegemm.server._acceptor_link import _frame, _read_frame
+    from moegemm.server._acceptors import Owner, _Link
+    from moegemm.server._http_gate import call_route
+
+    completed = []
+
+    class Direct:  # the owner's DirectCalls: a call that waits long
+        match = staticmethod(call_route)
+
+        async def __call__(self, route, headers, body):
+            await asyncio.sleep(30)
+            completed.append(route)
+            return 200, b"", [b"x"]
+
+    class Writer:
+        def __init__(self):
+            self.sent = bytearray()
+
+        def write(self, data):
+            self.sent += data
+
+        def writelines(self, parts):
+            for part in parts:
+                self.sent += part
+
+        def is_closing(self):
+            return False
+
+        def close(self):
+            pass
+
+    async def scenario():
+        server = type("Server", (), {"active": 0, "direct": Direct(), "grace_s": 1.0})()
+        owner = Owner(server, 0, "warning")
+        owner.loop = asyncio.get_running_loop()
+        owner.links.append(_Link(0))
+        try:
+            reader, writer = asyncio.StreamReader(), Writer()
+            request = {"t": "req", "id": 1, "m": "POST", "p": "/v1/weights/w/gemm", "r": b"",
+                       "q": b"", "v": "1.1", "h": [], "c": None, "sv": None}
+            reader.feed_data(_frame({"t": "hello", "i": 0}, 0) + _frame(request, 1) + b"x"
+                             + _frame({"t": "gone", "id": 1}, 0))
+            serving = asyncio.ensure_future(owner._serve_link(reader, writer))
+            for _ in range(500):  # (the answer, before the link ends)
+                await asyncio.sleep(0.01)
+                if writer.sent:
+                    break
+            reader.feed_eof()
+            await serving
+            answers = asyncio.StreamReader()
+            answers.feed_data(bytes(writer.sent))
+            answers.feed_eof()
+            meta, _ = await _read_frame(answers)
+            return meta, server.active, owner.links[0].calls
+        finally:
+            owner.links[0].unlink()
+            owner.close()
+
+    meta, active, calls = asyncio.run(scenario())
+    assert (meta["t"], meta["id"], meta["st"]) == ("res", 1, None)
+    assert not completed and active == 0 and not calls
