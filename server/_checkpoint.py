@@ -11,8 +11,8 @@ and the shards it names, or one ``model.safetensors``. Two namings:
     model.layers.{L}.block_sparse_moe.experts.{E}.{w1,w3,w2}.weight         Mixtral (w1 gate, w3 up)
 
 fp8 e4m3fn weights come with ``<same>.weight_scale_inv`` float32 (or bf16, fp16:
-widened exactly) ``[N/128, K/128]`` (the dequant scale of each 128x128 block of the ``[N, K]`` weight,
-transposed relative to SPEC 1's ``w_scale``); bf16/fp16/fp32 weights are
+widened exactly) ``[N/128, K/128]`` (the dequant scale of each 128x128 block of the
+``[N, K]`` weight, transposed relative to SPEC 1's ``w_scale``); bf16/fp16/fp32 weights are
 quantized by the server. Every name, shape and dtype is checked from the
 headers before a byte of weights is read; then each expert is read from the
 open shards with ``pread`` (never memory-mapped: a shard cut short during a
