@@ -73,7 +73,7 @@ def _check_contract(xq, wq, x_scale, w_scale, m_sizes, out) -> None:
             raise ValueError("out must be contiguous")
 
 
-def _dispatch(backend: Backend, xq, wq_prepared, x_scale, w_scale, m_sizes, out):
+def _dispatch(backend: Backend, run, xq, wq_prepared, x_scale, w_scale, m_sizes, out):
     if backend.name != "reference" and xq.dtype != backend.fp8_dtype:
         # The reference decodes either format; a GPU kernel computes in one.
         raise TypeError(
@@ -88,7 +88,7 @@ def _dispatch(backend: Backend, xq, wq_prepared, x_scale, w_scale, m_sizes, out)
     # The kernels launch on the current device and its stream: the operands' device, whatever
     # device the calling thread has current (one without peer access would fault).
     with torch.cuda.device(xq.device) if xq.device.type == "cuda" else contextlib.nullcontext():
-        backend.run(
+        run(
             _aligned(xq),
             _aligned(wq_prepared),
             _aligned(x_scale),
@@ -140,10 +140,13 @@ def grouped_gemm(
     """
     _check_contract(xq, wq, x_scale, w_scale, m_sizes, out)
     backend = get_backend(xq.device)
+    run = backend.run
     if backend.weight_layout == "preshuffled":
-        # Correct but slow: the weights are reshuffled on every call.
-        wq = preshuffle(wq)
-    return _dispatch(backend, xq, wq, x_scale, w_scale, m_sizes, out)
+        if backend.run_plain is not None:  # the same kernel reads plain weights (flydsl)
+            run = backend.run_plain
+        else:  # correct but slow: the weights are reshuffled on every call
+            wq = preshuffle(wq)
+    return _dispatch(backend, run, xq, wq, x_scale, w_scale, m_sizes, out)
 
 
 def grouped_gemm_preshuffled(
@@ -161,4 +164,4 @@ def grouped_gemm_preshuffled(
     if backend.weight_layout == "plain":
         # Correct but slow: the weights are unshuffled on every call.
         wq_shuffled = unshuffle(wq_shuffled)
-    return _dispatch(backend, xq, wq_shuffled, x_scale, w_scale, m_sizes, out)
+    return _dispatch(backend, backend.run, xq, wq_shuffled, x_scale, w_scale, m_sizes, out)

@@ -111,7 +111,10 @@ class Backend:
     ``prepare_weights`` runs once when a weight set is loaded and returns the
     weights in ``weight_layout``. ``run`` computes SPEC 1 into ``out`` and
     returns it; on a GPU it reads no tensor contents on the host, launches no
-    helper kernels, and may be captured into a CUDA/HIP graph.
+    helper kernels, and may be captured into a CUDA/HIP graph. ``run_plain`` (None where
+    ``weight_layout`` is already plain, or the kernel takes only its own layout): ``run`` on
+    plain ``[G, N, K]`` weights, what the public ``grouped_gemm`` runs instead of preparing
+    the weights on every call.
 
     Optional, for a server's graphs (None where the backend has none):
 
@@ -161,6 +164,7 @@ class Backend:
     run: Callable[..., torch.Tensor]
     # run(xq, wq_prepared, x_scale, w_scale, m_sizes, out) -> out; out bf16 or float32
     capture_safe: bool = False
+    run_plain: Callable[..., torch.Tensor] | None = None
     run_addressed: Callable[..., torch.Tensor] | None = None
     check_and_gather: Callable[..., None] | None = None
     gather_quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None

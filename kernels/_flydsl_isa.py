@@ -130,6 +130,51 @@ def k_loop(text: str) -> LoopFacts | None:
     return dataclasses.replace(loop, after=_mix(lines[end + 1 : last_mfma + 1]))
 
 
+_INSTRUCTION = re.compile(r"^\s+([a-z][a-z0-9_]*)\s+(.*?)\s*(?:;.*)?$")
+_MODIFIER = re.compile(r"\s+([a-z_]+):(\[[^\]]*\]|\S+)")
+_VREG = re.compile(r"^v(\d+)$|^v\[(\d+):(\d+)\]$")
+
+
+def _vregs(operand: str) -> range:
+    """The VGPRs an operand names (``v7``, ``v[4:11]``); empty for anything else."""
+    match = _VREG.match(operand)
+    if match is None:
+        return range(0)
+    if match.group(1) is not None:
+        return range(int(match.group(1)), int(match.group(1)) + 1)
+    return range(int(match.group(2)), int(match.group(3)) + 1)
+
+
+def mfma_operands(text: str) -> tuple[Counter, Counter]:
+    """Each MFMA's modifiers (``cbsz:1``: the A operand's data format, ``blgp``, ``abid``,
+    ``op_sel_hi:[...]``), counted, and the instruction that last wrote each scale operand
+    of a scaled MFMA (gfx950's ``v_mfma_scale_*``: its fifth and sixth operands) before it
+    in the text, counted (``"v_mov_b32_e32 0x7f"``: the constant E8M0 2^0). In text order:
+    the kernel sets its scale registers once, ahead of the loop."""
+    lines = text.split(".amdgpu_metadata", 1)[0].splitlines()
+    written: dict[int, str] = {}  # VGPR -> its last writer, as "mnemonic sources"
+    modifiers, scale_sources = Counter(), Counter()
+    for line in lines:
+        match = _INSTRUCTION.match(line)
+        if match is None or match.group(1).startswith("."):
+            continue
+        mnemonic, rest = match.groups()
+        found = _MODIFIER.findall(rest)
+        operands = [o.strip() for o in _MODIFIER.sub("", rest).split(",")]
+        if mnemonic.startswith("v_mfma"):
+            modifiers.update(f"{name}:{value}" for name, value in found)
+            if mnemonic.startswith("v_mfma_scale"):
+                for operand in operands[4:6]:
+                    regs = _vregs(operand)
+                    scale_sources.update(
+                        [written.get(regs[0], "unwritten") if len(regs) == 1 else operand]
+                    )
+        if not ("store" in mnemonic or "write" in mnemonic) and operands:
+            for reg in _vregs(operands[0]):  # the destination
+                written[reg] = " ".join([mnemonic, *operands[1:]])
+    return modifiers, scale_sources
+
+
 def _mix(lines: list[str]) -> Counter:
     return Counter(m for m in _MNEMONIC.findall("\n".join(lines)) if not m.startswith("."))
 
@@ -191,6 +236,9 @@ class IsaFacts:
     vgprs: int
     agprs: int
     loop: LoopFacts | None = None  # the K loop; None if the ISA has none
+    # Each MFMA's modifiers and each scaled MFMA's scale sources (:func:`mfma_operands`).
+    mfma_modifiers: Counter = dataclasses.field(default_factory=Counter)
+    mfma_scale_sources: Counter = dataclasses.field(default_factory=Counter)
     code_bytes: int | None = None  # .text of the code object, when the child saved it
     compile_seconds: float | None = None  # trace + compile, in the child
 
@@ -223,6 +271,7 @@ def parse_isa(text: str) -> IsaFacts:
     """Read the instruction mix and the resource metadata of one kernel's ISA."""
     body = text.split(".amdgpu_metadata", 1)[0]
     instructions = Counter(m for m in _MNEMONIC.findall(body) if not m.startswith("."))
+    modifiers, scale_sources = mfma_operands(text)
     return IsaFacts(
         instructions=instructions,
         lds_bytes=_metadata_int(text, "group_segment_fixed_size"),
@@ -232,6 +281,8 @@ def parse_isa(text: str) -> IsaFacts:
         vgprs=_metadata_int(text, "vgpr_count"),
         agprs=_metadata_int(text, "agpr_count"),
         loop=k_loop(text),
+        mfma_modifiers=modifiers,
+        mfma_scale_sources=scale_sources,
     )
 
 

@@ -8,8 +8,9 @@ the reference is the last resort, with a warning. An explicitly named GPU backen
 that cannot load raises :class:`BackendUnavailable` instead of falling back.
 
 GPU backend modules are imported only when tried, and never both: FlyDSL and
-Triton each bring their own LLVM, and one process holding both crashes. Once
-either library is imported, or either backend created, the other is not tried.
+Triton each bring their own LLVM, and MSLK reported one process holding both
+crashing (not reproduced in compile-only runs here; kept apart as a precaution).
+Once either library is imported, or either backend created, the other is not tried.
 """
 
 from __future__ import annotations

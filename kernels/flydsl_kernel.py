@@ -17,8 +17,11 @@ found inside the kernel, so a launch reads nothing on the host and can be
 captured into a HIP graph. The kernel itself is in ``_flydsl_gemm.py``.
 
 FlyDSL is imported lazily, on the first compile, and never into a process
-that already imported Triton (each brings its own LLVM; one process holding
-both crashes). :func:`create` is what the backend selector calls.
+that already imported Triton (each brings its own LLVM; MSLK reported one process
+holding both crashing, which compile-only runs here with flydsl 0.5.0 and triton 3.6.0 do
+not reproduce: they are kept apart as a precaution). :func:`create` is what the backend
+selector calls. The backend's weights are preshuffled at load (the faster layout); the
+public ``grouped_gemm`` runs the same kernel on plain weights (``Backend.run_plain``).
 
 Tiles: :data:`DEFAULT_TILES` per arch; with ``MOEGEMM_AUTOTUNE=1`` the first
 call of each (nextPow2(M), N, K, G, device) times :data:`AUTOTUNE_TILES` and
@@ -93,7 +96,9 @@ log = logging.getLogger(__name__)
 _ALIGN = 16  # bytes: the kernel issues 16-byte vector loads from each base pointer
 
 _lock = threading.Lock()
-_launchers: dict[tuple, object] = {}  # (KernelShape, m_sizes dtype) -> CompiledFunction
+# (KernelShape, m_sizes dtype, device) -> CompiledFunction: FlyDSL loads the code object into the
+# device current when it compiles, so each device has its own.
+_launchers: dict[tuple, object] = {}
 _arch_of: dict[torch.device, str] = {}
 _tuned: dict[str, dict[str, FlyTile]] = {}  # layout -> autotune key -> winner
 
@@ -107,7 +112,11 @@ def _compile_only_mode() -> bool:
 
 
 def _import_kernel_module():
-    """Import FlyDSL and the kernel module, or raise BackendUnavailable."""
+    """Import FlyDSL and the kernel module, or raise BackendUnavailable. Once it is loaded, a
+    later import of Triton by the caller changes nothing: the kernel module stays in use."""
+    module = sys.modules.get("moegemm.kernels._flydsl_gemm")
+    if module is not None:
+        return module
     if "triton" in sys.modules:
         raise BackendUnavailable("flydsl cannot load: triton is already imported in this process")
     try:
@@ -354,7 +363,7 @@ def _run(layout: str, xq, wq, x_scale, w_scale, m_sizes, out, tile: FlyTile | No
     shape = _kernel_shape(module, arch, layout, tile, n, k, out.dtype)
     args = tuple(_jit_tensor(flyc, t) for t in (xq, wq, x_scale, w_scale, m_sizes, out))
     stream = fx.Stream(torch.cuda.current_stream(xq.device))
-    _launch((shape, m_sizes.dtype), module, flyc, args, m, g, stream)
+    _launch((shape, m_sizes.dtype, xq.device), module, flyc, args, m, g, stream)
     return out
 
 
@@ -399,9 +408,10 @@ def _load_tuned(layout: str) -> dict[str, FlyTile]:
     if tuned is None:
         try:
             raw = json.loads(_cache_file(layout).read_text())
-            if not all(isinstance(value, list) and all(type(size) is int for size in value)
+            if not all(isinstance(value, list) and len(value) == 3
+                       and all(type(size) is int and size > 0 for size in value)
                        for value in raw.values()):
-                raise TypeError("a tile is a list of int sizes")
+                raise TypeError("a tile is a list of three positive int sizes")
             tuned = {key: FlyTile(*value) for key, value in raw.items()}
         except (OSError, ValueError, TypeError, AttributeError, RecursionError):
             # Unreadable, not a map of tiles, or nested past the parser: tuned again.
@@ -488,5 +498,6 @@ def create(device: torch.device) -> Backend:
         weight_layout="preshuffled",
         prepare_weights=_prepare_weights,
         run=run,
+        run_plain=run_plain,
         capture_safe=True,
     )

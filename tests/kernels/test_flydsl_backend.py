@@ -10,12 +10,13 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
 from moegemm.kernels import BackendUnavailable
 from moegemm.kernels import flydsl_kernel as fk
-from moegemm.kernels._flydsl_isa import parse_isa
+from moegemm.kernels._flydsl_isa import mfma_operands, parse_isa
 from moegemm.kernels._flydsl_tiles import (
     AUTOTUNE_TILES,
     DEFAULT_TILES,
@@ -247,6 +248,28 @@ def test_parse_isa_reads_instructions_and_resources():
         parse_isa(_ISA.replace(".group_segment_fixed_size", ".other"))
 
 
+_SCALED = """\
+grouped_fp8_gemm_kernel:
+\tv_mov_b32_e32 v28, 0x7f
+\tv_mov_b32_e32 v29, v3
+\tv_mfma_scale_f32_16x16x128_f8f6f4 v[0:3], v[4:11], v[12:19], 0, v28, v28 op_sel_hi:[0,0,0]
+\tv_mfma_scale_f32_16x16x128_f8f6f4 v[0:3], v[4:11], v[12:19], 0, v28, v29 op_sel_hi:[0,0,0] cbsz:1 blgp:1
+\tv_mov_b32_e32 v28, v5
+\tv_mfma_scale_f32_16x16x128_f8f6f4 v[0:3], v[4:11], v[12:19], 0, v28, v28 op_sel_hi:[0,0,0]
+\ts_endpgm
+"""
+
+
+def test_parse_isa_reads_each_scaled_mfmas_format_and_scale_source():
+    """What the ISA test pins on gfx950: modifiers that would read e5m2 (``cbsz``/``blgp``) and a
+    scale register last written with anything but the constant 0x7f are told apart."""
+    modifiers, sources = mfma_operands(_SCALED)
+    assert modifiers == Counter({"op_sel_hi:[0,0,0]": 3, "cbsz:1": 1, "blgp:1": 1})
+    assert sources == Counter({"v_mov_b32_e32 0x7f": 3, "v_mov_b32_e32 v3": 1,
+                               "v_mov_b32_e32 v5": 2})
+    assert mfma_operands(_ISA) == (Counter(), Counter())  # gfx942's MFMA takes no scales
+
+
 def test_fit_tile_names_an_n_or_k_off_the_128_grid():
     """Not "tile 128x1x128": the dimension that is wrong, by name."""
     with pytest.raises(ValueError, match="N = 100 must be a positive multiple of 128"):
@@ -279,3 +302,38 @@ def test_call_checks_refuse_extents_past_int32():
             torch.empty(m, 128, dtype=torch.bfloat16, device="meta"))
     with pytest.raises(ValueError, match="grid's int32 arithmetic"):
         fk._check_call(*args, torch.float8_e4m3fnuz)
+
+
+def test_a_triton_imported_after_the_kernel_leaves_the_kernel_in_use(monkeypatch):
+    """Once the kernel module is loaded, a caller's later ``import triton`` (vLLM,
+    ``torch.compile``) must not make every launch refuse: FlyDSL is in the process already."""
+    kernel = object()
+    monkeypatch.setitem(sys.modules, "moegemm.kernels._flydsl_gemm", kernel)
+    monkeypatch.setitem(sys.modules, "triton", object())
+    assert fk._import_kernel_module() is kernel
+
+
+def test_the_backend_runs_plain_weights_with_its_own_kernel(monkeypatch):
+    """The public ``grouped_gemm`` gives plain weights to ``run_plain`` (the kernel's plain
+    layout), not a preshuffled copy made on every call; the loaded sets stay preshuffled."""
+    monkeypatch.setenv("COMPILE_ONLY", "1")
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx942")
+    monkeypatch.setattr(fk, "pin_target", lambda arch: None)
+    monkeypatch.setattr(fk, "_import_kernel_module", lambda: None)
+    layouts = []
+    monkeypatch.setattr(fk, "_run", lambda layout, *args: layouts.append(layout))
+    backend = fk.create(torch.device("cuda", 0))
+    assert backend.weight_layout == "preshuffled"
+    backend.run_plain(*_call_args())
+    backend.run(*_call_args())
+    assert layouts == ["plain", "preshuffled"]
+
+
+@pytest.mark.parametrize("text", ['{"1:512:1024:8:bf16:x": [128, 0, 128]}',
+                                  '{"1:512:1024:8:bf16:x": [128, 128, 128, 1]}'])
+def test_an_autotune_cache_with_a_tile_of_no_size_is_tuned_again(monkeypatch, tmp_path, text):
+    """A zero size raised ZeroDivisionError on every autotuned call of that shape."""
+    monkeypatch.setenv("MOEGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fk, "_tuned", {})
+    (tmp_path / "flydsl_preshuffled_tiles.json").write_text(text)
+    assert fk._load_tuned("preshuffled") == {}

@@ -3,7 +3,8 @@
 No AMD GPU is needed: FlyDSL compiles with ``COMPILE_ONLY=1`` and writes the
 final ISA, one subprocess per case (``moegemm.kernels._flydsl_isa``). What this
 proves: each (arch x layout) kernel with its default tile compiles, issues the
-arch's MFMA and not the other arch's, uses no scratch and spills nothing, and
+arch's MFMA and no other (on gfx950 with no data-format modifier, so e4m3 on
+both sides, and both scale operands the constant E8M0 2^0), uses no scratch and spills nothing, and
 allocates exactly the LDS the budget check accounts for; its K loop issues at
 most 5 VALU instructions per MFMA, its last K step loads nothing, and its
 occupancy is the pinned waves-per-EU at two values of K; the arguments of a
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -108,15 +110,26 @@ def _mfma_per_step(arch: str, tile: FlyTile) -> int:
     return tiles * (4 if arch == "gfx942" else 1)
 
 
+def _assert_intended_mfma(isa, arch: str, tile: FlyTile) -> None:
+    """Every MFMA is the arch's, at least a K step's worth; on gfx950 each reads e4m3 on both
+    sides (no ``cbsz``/``blgp``: those pick e5m2 or fp6/fp4) with the neutral E8M0 scale (the
+    float32 scales are applied in software), a register set to 0x7f for both operands."""
+    mfmas = sum(n for m, n in isa.instructions.items() if m.startswith("v_mfma"))
+    assert isa.count(MFMA_INSTRUCTION[arch]) == mfmas >= _mfma_per_step(arch, tile)
+    if arch == "gfx950":
+        assert isa.mfma_modifiers == Counter({"op_sel_hi:[0,0,0]": mfmas})
+        assert isa.mfma_scale_sources == Counter({"v_mov_b32_e32 0x7f": 2 * mfmas})
+    else:
+        assert not isa.mfma_modifiers and not isa.mfma_scale_sources
+
+
 @pytest.mark.parametrize("case", DEFAULT_CASES, ids=_case_id)
 def test_default_tile_compiles_to_the_intended_isa(compiled, case):
     arch, _, tile = case
     result = compiled[case]
     assert result.returncode == 0, result.stderr[-4000:]
     isa = result.isa
-    (other,) = [a for a in SUPPORTED_ARCHS if a != arch]
-    assert isa.count(MFMA_INSTRUCTION[arch]) >= _mfma_per_step(arch, tile)
-    assert isa.count(MFMA_INSTRUCTION[other]) == 0
+    _assert_intended_mfma(isa, arch, tile)
     assert isa.scratch_bytes == 0
     assert (isa.vgpr_spills, isa.sgpr_spills) == (0, 0)
     assert not [m for m in isa.instructions if m.startswith("scratch_")]
@@ -163,7 +176,7 @@ def test_large_launches_pack_and_compile(compiled, case):
     arch = case[0]
     result = compiled[case]
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.isa.count(MFMA_INSTRUCTION[arch]) >= _mfma_per_step(arch, DEFAULT_TILES[arch])
+    _assert_intended_mfma(result.isa, arch, DEFAULT_TILES[arch])
     assert result.isa.scratch_bytes == 0
 
 
@@ -245,7 +258,7 @@ def test_autotune_candidate_compiles_or_is_rejected_by_the_budget(compiled, case
         assert f"{tile.lds_bytes} bytes of LDS" in result.stderr
         return
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.isa.count(MFMA_INSTRUCTION[arch]) >= _mfma_per_step(arch, tile)
+    _assert_intended_mfma(result.isa, arch, tile)
     assert result.isa.lds_bytes == tile.lds_bytes
     assert (result.isa.scratch_bytes, result.isa.vgpr_spills) == (0, 0)
 

@@ -1,5 +1,7 @@
 """The reference backend against the float64 SPEC formula, and the public entry points."""
 
+import dataclasses
+
 import pytest
 import torch
 from moegemm.kernels import (
@@ -8,6 +10,7 @@ from moegemm.kernels import (
     grouped_gemm_preshuffled,
     preshuffle,
     reference_float64,
+    unshuffle,
 )
 from moegemm.kernels.testing import (
     SPEC_TOLERANCE,
@@ -294,3 +297,40 @@ def test_the_public_entries_hand_a_backend_aligned_operands(monkeypatch, entry, 
     answer = entry(*(_misaligned(t) for t in args), out=out)
     assert answer is out and torch.equal(out, expected)  # float32: the sums unrounded
     assert seen == [[0] * 6, [0] * 6]
+
+
+def test_a_preshuffled_backend_runs_plain_weights_without_copying_them(monkeypatch):
+    """A backend whose loaded weights are preshuffled (flydsl) but whose kernel also reads plain
+    ones runs the public ``grouped_gemm`` on the caller's weights as they are (a DeepSeek-V3
+    layer's preshuffle is a 7.5 GB copy); ``grouped_gemm_preshuffled`` runs its usual entry."""
+    from moegemm.kernels import reference
+
+    from moegemm import kernels
+
+    seen = []
+
+    def recorder(layout):
+        def run(xq, wq, *rest):
+            seen.append((layout, wq.data_ptr()))
+            plain = unshuffle(wq) if layout == "preshuffled" else wq
+            return reference.grouped_gemm(xq, plain, *rest)
+        return run
+
+    backend = kernels.Backend(name="recording", device=torch.device("cpu"),
+                              fp8_dtype=torch.float8_e4m3fn, weight_layout="preshuffled",
+                              prepare_weights=lambda w, s: (preshuffle(w), s),
+                              run=recorder("preshuffled"), run_plain=recorder("plain"))
+    monkeypatch.setattr(kernels, "get_backend", lambda device: backend)
+    p = random_problem(37, 256, 384, 3)
+    xq, wq, x_scale, w_scale, m_sizes = p.args()
+    expected = reference.grouped_gemm(xq, wq, x_scale, w_scale, m_sizes)
+    assert torch.equal(grouped_gemm(xq, wq, x_scale, w_scale, m_sizes), expected)
+    shuffled = preshuffle(wq)
+    assert torch.equal(grouped_gemm_preshuffled(xq, shuffled, x_scale, w_scale, m_sizes), expected)
+    assert seen == [("plain", wq.data_ptr()), ("preshuffled", shuffled.data_ptr())]
+    # Without a plain entry the weights are shuffled for the backend's run, as before.
+    monkeypatch.setattr(kernels, "get_backend", lambda device: dataclasses.replace(
+        backend, run_plain=None))
+    seen.clear()
+    assert torch.equal(grouped_gemm(xq, wq, x_scale, w_scale, m_sizes), expected)
+    assert [layout for layout, _ in seen] == ["preshuffled"] and seen[0][1] != wq.data_ptr()
