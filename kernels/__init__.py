@@ -140,12 +140,8 @@ def grouped_gemm(
     """
     _check_contract(xq, wq, x_scale, w_scale, m_sizes, out)
     backend = get_backend(xq.device)
-    run = backend.run
-    if backend.weight_layout == "preshuffled":
-        if backend.run_plain is not None:  # the same kernel reads plain weights (flydsl)
-            run = backend.run_plain
-        else:  # correct but slow: the weights are reshuffled on every call
-            wq = preshuffle(wq)
+    # A backend that loads its weights preshuffled (flydsl) runs its kernel's plain layout here.
+    run = backend.run if backend.weight_layout == "plain" else backend.run_plain
     return _dispatch(backend, run, xq, wq, x_scale, w_scale, m_sizes, out)
 
 

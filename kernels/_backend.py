@@ -111,10 +111,10 @@ class Backend:
     ``prepare_weights`` runs once when a weight set is loaded and returns the
     weights in ``weight_layout``. ``run`` computes SPEC 1 into ``out`` and
     returns it; on a GPU it reads no tensor contents on the host, launches no
-    helper kernels, and may be captured into a CUDA/HIP graph. ``run_plain`` (None where
-    ``weight_layout`` is already plain, or the kernel takes only its own layout): ``run`` on
-    plain ``[G, N, K]`` weights, what the public ``grouped_gemm`` runs instead of preparing
-    the weights on every call.
+    helper kernels, and may be captured into a CUDA/HIP graph. ``run_plain``, required where
+    ``weight_layout`` is preshuffled (None where it is plain): ``run`` on plain ``[G, N, K]``
+    weights, what the public ``grouped_gemm`` runs instead of preparing the weights on every
+    call.
 
     Optional, for a server's graphs (None where the backend has none):
 
@@ -173,3 +173,10 @@ class Backend:
     checks_rows: Callable[[int, int, int, int], bool] | None = None
     ffn: FfnKernels | None = None
     ahead: CompileAhead | None = None
+
+    def __post_init__(self) -> None:
+        if (self.run_plain is None) != (self.weight_layout == "plain"):
+            raise ValueError(
+                f"backend {self.name!r}: run_plain is required with preshuffled weights and "
+                "only with them"
+            )

@@ -300,9 +300,9 @@ def test_the_public_entries_hand_a_backend_aligned_operands(monkeypatch, entry, 
 
 
 def test_a_preshuffled_backend_runs_plain_weights_without_copying_them(monkeypatch):
-    """A backend whose loaded weights are preshuffled (flydsl) but whose kernel also reads plain
-    ones runs the public ``grouped_gemm`` on the caller's weights as they are (a DeepSeek-V3
-    layer's preshuffle is a 7.5 GB copy); ``grouped_gemm_preshuffled`` runs its usual entry."""
+    """A backend whose loaded weights are preshuffled (flydsl) runs the public ``grouped_gemm``
+    on the caller's weights as they are, through its kernel's plain layout (a preshuffled copy
+    per call was 7.5 GB for a DeepSeek-V3 layer); ``grouped_gemm_preshuffled`` runs ``run``."""
     from moegemm.kernels import reference
 
     from moegemm import kernels
@@ -328,9 +328,9 @@ def test_a_preshuffled_backend_runs_plain_weights_without_copying_them(monkeypat
     shuffled = preshuffle(wq)
     assert torch.equal(grouped_gemm_preshuffled(xq, shuffled, x_scale, w_scale, m_sizes), expected)
     assert seen == [("plain", wq.data_ptr()), ("preshuffled", shuffled.data_ptr())]
-    # Without a plain entry the weights are shuffled for the backend's run, as before.
-    monkeypatch.setattr(kernels, "get_backend", lambda device: dataclasses.replace(
-        backend, run_plain=None))
-    seen.clear()
-    assert torch.equal(grouped_gemm(xq, wq, x_scale, w_scale, m_sizes), expected)
-    assert [layout for layout, _ in seen] == ["preshuffled"] and seen[0][1] != wq.data_ptr()
+    # The pairing is the backend's invariant: a preshuffled backend without a plain entry (its
+    # weights would reach a kernel reading another layout) is refused, as is a plain one with.
+    with pytest.raises(ValueError, match="run_plain is required with preshuffled weights"):
+        dataclasses.replace(backend, run_plain=None)
+    with pytest.raises(ValueError, match="run_plain"):
+        dataclasses.replace(backend, weight_layout="plain")

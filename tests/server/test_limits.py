@@ -250,8 +250,9 @@ def test_a_set_that_would_not_leave_the_headroom_is_refused_unread(monkeypatch, 
     from moegemm.kernels import get_backend
     from moegemm.server.store import WeightLimits, WeightStore, set_bytes
 
-    backend = dataclasses.replace(get_backend(torch.device("cpu")),
-                                  device=torch.device("cuda", 0), weight_layout=layout)
+    cpu = get_backend(torch.device("cpu"))
+    backend = dataclasses.replace(cpu, device=torch.device("cuda", 0), weight_layout=layout,
+                                  run_plain=cpu.run if layout == "preshuffled" else None)
     headroom = 1 << 20
     store = WeightStore(backend, limits=WeightLimits(headroom_bytes=headroom))
     nbytes = set_bytes(8, 1024, 2048)
