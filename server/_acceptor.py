@@ -387,7 +387,7 @@ class _Acceptor:
         meta = {
             "t": "req", "id": request_id, "m": scope["method"], "p": scope["path"],
             "r": scope["raw_path"], "q": scope["query_string"], "v": scope["http_version"],
-            "h": scope["headers"],
+            "h": scope["headers"], "a": scope["state"]["arrived"],
             "c": list(client[:2]) if client else None, "sv": list(server[:2]) if server else None,
         }
         where, body = self._shared(body)

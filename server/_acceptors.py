@@ -456,7 +456,7 @@ class Owner:
         elif name is not None:
             link.calls[meta["id"]] = asyncio.current_task()
             try:
-                status, head, parts = await direct(name, headers, body)
+                status, head, parts = await direct(name, headers, body, meta["a"])
             except asyncio.CancelledError:  # its client left ("gone"): nothing to write
                 status, head, parts, close = None, b"", [], True
             except Exception:  # as the transport's _run_direct
@@ -502,7 +502,8 @@ class Owner:
         when nothing may be written (as ``_http_conn._Connection._run``)."""
         scope = http_scope(meta["v"], meta["m"], meta["p"], meta["r"], meta["q"], headers,
                            tuple(meta["c"]) if meta["c"] else None,
-                           tuple(meta["sv"]) if meta["sv"] else None, self.server.state)
+                           tuple(meta["sv"]) if meta["sv"] else None, self.server.state,
+                           meta["a"])
         out: dict = {"status": None, "head": [], "parts": [], "chunked": False, "ends": False,
                      "done": False}
         receive = whole_body_receive(body, self.never)

@@ -27,8 +27,10 @@ _STATUS_LINES: dict[int, bytes] = {}
 
 
 def http_scope(version: str, method: str, path: str, raw_path: bytes, query: bytes,
-               headers: list, client, server, state: dict) -> dict:
-    """An ASGI 3 ``http`` scope (``path`` decoded, ``raw_path`` as sent)."""
+               headers: list, client, server, state: dict, arrived: float) -> dict:
+    """An ASGI 3 ``http`` scope (``path`` decoded, ``raw_path`` as sent); its state holds
+    ``arrived``, when the request's head arrived (``time.monotonic()``: a call's deadline
+    counts from there)."""
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -42,7 +44,7 @@ def http_scope(version: str, method: str, path: str, raw_path: bytes, query: byt
         "headers": headers,
         "client": client,
         "server": server,
-        "state": dict(state),
+        "state": {**state, "arrived": arrived},
     }
 
 

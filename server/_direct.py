@@ -67,15 +67,17 @@ class DirectCalls:
     match = staticmethod(call_route)  # the route when this request is a call, else None
 
     async def __call__(
-        self, route: Route, headers: Headers, body: memoryview
+        self, route: Route, headers: Headers, body: memoryview, arrived: float | None = None
     ) -> tuple[int, bytes, list]:
         """Answer one call: the status, the header lines (each ending in CRLF, without
-        the status line and the blank line) and the body parts."""
+        the status line and the blank line) and the body parts. ``arrived``: when its head
+        arrived (``time.monotonic()``), where its deadline counts from."""
         started = time.perf_counter()
         fields = _fields(headers)
         request_id = echoed_id(fields.get("x-request-id"))
         try:
-            status, head, parts, endpoint = await self._budgeted(route, fields, body, request_id)
+            status, head, parts, endpoint = await self._budgeted(route, fields, body, request_id,
+                                                                 arrived)
         except asyncio.CancelledError:
             # The client went away (the transport cancels the call): nobody to answer. Counted
             # as a body the client left is (499).
@@ -108,7 +110,8 @@ class DirectCalls:
                 self.metrics.request_seconds.labels(endpoint=endpoint)
         seconds.observe(time.perf_counter() - started)
 
-    async def _budgeted(self, route: Route, fields, body, request_id) -> tuple[int, bytes, list, str]:
+    async def _budgeted(self, route: Route, fields, body, request_id,
+                        arrived: float | None) -> tuple[int, bytes, list, str]:
         """The answer, and the endpoint label its metrics go under."""
         # BodyBudget's rule over the body it now holds whole (the transport counted its bytes as
         # they arrived and judged its head): a body over the body limit was never read
@@ -123,9 +126,9 @@ class DirectCalls:
         budget.held += size
         try:
             if route.kind == "gemm":
-                parts = await self._gemm(route.name, fields, body)
+                parts = await self._gemm(route.name, fields, body, arrived)
             else:
-                parts = await self._expert(route, fields, body)
+                parts = await self._expert(route, fields, body, arrived)
         except APIError as exc:
             return (*_error(exc, request_id), route.endpoint)
         finally:
@@ -144,7 +147,7 @@ class DirectCalls:
         return budget
 
     def _admit(self, fields: dict[str, str], body: memoryview, check_name: Callable[[str], Any],
-               name: str):
+               name: str, arrived: float | None):
         """What every route does before its body, in the app's order: the router's
         dependencies (token, readiness), the name, the deadline, the media type and
         size. Returns the services and the deadline."""
@@ -152,22 +155,25 @@ class DirectCalls:
         routes.check_token(svc.settings, fields.get("authorization"))
         routes.check_ready(svc)
         check_name(name)
-        deadline = routes.parse_deadline(fields.get(routes.DEADLINE_HEADER))
+        deadline = routes.parse_deadline(fields.get(routes.DEADLINE_HEADER), arrived)
         limit = svc.settings.max_body_bytes
         routes.check_body_head(fields.get("content-type"), fields.get("content-length"), limit)
         if len(body) > limit:
             raise TooLarge(f"the body is over {limit} bytes, the limit of this server")
         return svc, deadline
 
-    async def _gemm(self, name: str, fields: dict[str, str], body: memoryview):
-        svc, deadline = self._admit(fields, body, routes.check_gemm_name, name)
+    async def _gemm(self, name: str, fields: dict[str, str], body: memoryview,
+                    arrived: float | None):
+        svc, deadline = self._admit(fields, body, routes.check_gemm_name, name, arrived)
         return await routes.run_gemm(svc, name, body, deadline, alone=self.in_progress() <= 1)
 
-    async def _expert(self, route: Route, fields: dict[str, str], body: memoryview):
+    async def _expert(self, route: Route, fields: dict[str, str], body: memoryview,
+                      arrived: float | None):
         """``routes_experts.ffn`` / ``moe``: the same steps, the same one path."""
         from . import routes_experts
 
-        svc, deadline = self._admit(fields, body, routes_experts.check_expert_name, route.name)
+        svc, deadline = self._admit(fields, body, routes_experts.check_expert_name, route.name,
+                                    arrived)
         return await routes_experts.run_expert_call(
             svc, self.app.state.experts, route.kind, route.name, body, deadline,
             alone=self.in_progress() <= 1)

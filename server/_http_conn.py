@@ -447,7 +447,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         decoded = unquote(path.decode("latin-1"))
         self.scope = http_scope(version, method, decoded, path, query, self.headers, self.peer,
-                                self.local, self.server.state)
+                                self.local, self.server.state, self.began)
         self._begin()
         if length != 0:
             # Judged by the bodies held now; this one counts as its bytes arrive (_count).
@@ -648,7 +648,8 @@ class _Connection(asyncio.BufferedProtocol):
     async def _run_direct(self, name: str, scope: dict, body: memoryview) -> None:
         """A route the server answers without the ASGI app (``_direct.py``)."""
         try:
-            status, head, parts = await self.server.direct(name, scope["headers"], body)
+            status, head, parts = await self.server.direct(name, scope["headers"], body,
+                                                           scope["state"]["arrived"])
         except Exception:  # the handler answers its own errors; this is a bug in it
             log.exception("the direct route failed on %s %r", scope["method"],
                           scope["path"][:200])

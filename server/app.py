@@ -271,7 +271,10 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         request_id = request_id_of(scope["headers"])
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        # Uvicorn runs the app once the head is in: the arrival (our transports stamp their own).
+        state.setdefault("arrived", time.monotonic())
         started = time.perf_counter()
         status = 500
         response_started = False

@@ -149,8 +149,10 @@ def upload_tensor(t: WireTensor | None) -> torch.Tensor | None:
     return None if t is None else to_torch(t)
 
 
-def parse_deadline(raw: str | None) -> float | None:
-    """The ``X-Deadline-Ms`` header value as a ``time.monotonic()`` instant (None: none)."""
+def parse_deadline(raw: str | None, arrived: float | None) -> float | None:
+    """The ``X-Deadline-Ms`` header value as a ``time.monotonic()`` instant (None: none),
+    counted from ``arrived``, when the request's head arrived (``request_arrival``): a slow
+    upload spends the call's time too. None: from now."""
     if raw is None:
         return None
     try:
@@ -159,11 +161,17 @@ def parse_deadline(raw: str | None) -> float | None:
         ms = -1.0
     if not ms > 0 or ms == float("inf"):
         raise BadField(f"{DEADLINE_HEADER} is a positive number of milliseconds, got {raw!r}")
-    return time.monotonic() + ms / 1000
+    return (time.monotonic() if arrived is None else arrived) + ms / 1000
+
+
+def request_arrival(request: Request) -> float | None:
+    """When the request's head arrived (``time.monotonic()``), as the transport or the app's
+    outer middleware stamped it in the scope's state."""
+    return request.scope.get("state", {}).get("arrived")
 
 
 def _deadline(request: Request) -> float | None:
-    return parse_deadline(request.headers.get(DEADLINE_HEADER))
+    return parse_deadline(request.headers.get(DEADLINE_HEADER), request_arrival(request))
 
 
 async def run_gemm(svc: Services, name: str, body, deadline: float | None,

@@ -28,6 +28,7 @@ from .routes import (
     ServicesDep,
     parse_deadline,
     read_body,
+    request_arrival,
     require_admin,
     require_ready,
     require_token,
@@ -141,7 +142,7 @@ async def run_expert_call(svc, experts: Experts, kind: str, name: str, body,
 async def _answer(kind: str, name: str, request: Request, svc) -> Response:
     """An ffn or moe route: the name, the deadline, the body, then run_expert_call."""
     check_expert_name(name)
-    deadline = parse_deadline(request.headers.get(DEADLINE_HEADER))
+    deadline = parse_deadline(request.headers.get(DEADLINE_HEADER), request_arrival(request))
     body = await read_body(request, svc.settings.max_body_bytes)
     return PartsResponse(await run_expert_call(svc, _experts(request), kind, name, body,
                                                deadline))

@@ -170,7 +170,16 @@ def servers():
                 server.process.wait(10)
 
 
-def _via_acceptor(server: _Server, data: bytes) -> tuple[int, bytes, bytes]:
+def _send(sock: socket.socket, data: bytes | list[bytes], pause: float) -> None:
+    """``data``, or its parts with ``pause`` seconds between them (a slow upload)."""
+    for i, part in enumerate([data] if isinstance(data, bytes) else data):
+        if i:
+            time.sleep(pause)
+        sock.sendall(part)
+
+
+def _via_acceptor(server: _Server, data: bytes | list[bytes],
+                  pause: float = 0) -> tuple[int, bytes, bytes]:
     """Send ``data`` on fresh connections until an acceptor served one; its answer."""
     acceptors = set(server.children())
     for _ in range(60):
@@ -178,9 +187,27 @@ def _via_acceptor(server: _Server, data: bytes) -> tuple[int, bytes, bytes]:
             pid = server.owner_of(sock)
             if pid not in acceptors:
                 continue
-            sock.sendall(data)
+            _send(sock, data, pause)
             return pid, *_read_answer(sock)
     raise AssertionError("no connection reached an acceptor")
+
+
+@pytest.mark.parametrize(("deadline_ms", "status"), [(b"300", b"504"), (b"30000", b"200")])
+def test_a_calls_deadline_counts_from_its_arrival(servers, deadline_ms, status):
+    """``X-Deadline-Ms`` counts from the request's arrival (README), through an acceptor and on
+    the server alone: a call whose body took longer to come than its deadline answers 504
+    ``timeout`` instead of running late (it ran, 200, before)."""
+    data = dict(CASES)["good deadline"].replace(b"x-deadline-ms: 60000",
+                                                b"x-deadline-ms: " + deadline_ms)
+    parts = [data[:-100], data[-100:]]  # the head and most of the body, then the rest
+    server, alone = servers
+    _, via_head, via_body = _via_acceptor(server, parts, pause=0.6)
+    with socket.create_connection(("127.0.0.1", alone.port), timeout=30) as sock:
+        _send(sock, parts, 0.6)
+        alone_head, alone_body = _read_answer(sock)
+    for head, body in ((via_head, via_body), (alone_head, alone_body)):
+        assert head.startswith(b"HTTP/1.1 " + status), head[:200]
+        assert (b'"timeout"' in body) == (status == b"504")
 
 
 def test_acceptors_do_not_load_torch(servers):

@@ -61,9 +61,9 @@ class _Spy:
     def match(self, method, path):
         return self.inner.match(method, path)
 
-    async def __call__(self, name, headers, body):
+    async def __call__(self, name, headers, body, arrived=None):
         self.calls += 1
-        return await self.inner(name, headers, body)
+        return await self.inner(name, headers, body, arrived)
 
 
 def _request(method: str, path: str, body: bytes, headers: dict | None = None,

@@ -25,6 +25,7 @@ from server_support import (
     out_of,
     reference,
     serve,
+    serve_uvicorn,
     wire,
 )
 
@@ -351,6 +352,27 @@ def test_a_deadline_that_passes_in_the_queue_is_504(problem):
                                deadline=0.2)
         for t in threads:
             t.join(30)
+
+
+@pytest.mark.parametrize("serving", [serve, serve_uvicorn], ids=["shipped", "uvicorn"])
+def test_a_deadline_counts_from_the_calls_arrival_under_either_transport(problem, serving):
+    """The app's routes (uvicorn, and the shipped transport's) count ``X-Deadline-Ms`` from the
+    head's arrival: a call whose body came after its deadline answers 504, not 200 late."""
+    body = packb(_call(problem))
+    with serving(Settings(device="cpu", demo=False)) as srv:
+        assert srv.put("base", _weights(problem)).status_code == 201
+        host, port = srv.url.removeprefix("http://").split(":")
+        for deadline_ms, status in ((300, b"504"), (30000, b"200")):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(b"POST /v1/weights/base/gemm HTTP/1.1\r\nhost: x\r\n"
+                             b"content-type: application/vnd.msgpack\r\n"
+                             b"x-deadline-ms: %d\r\ncontent-length: %d\r\n\r\n"
+                             % (deadline_ms, len(body)) + body[:-10])
+                time.sleep(0.6)
+                sock.sendall(body[-10:])
+                answer = sock.recv(1 << 16)
+            assert answer.startswith(b"HTTP/1.1 " + status), answer[:300]
+            assert (b'"timeout"' in answer) == (status == b"504")
 
 
 def test_507_leaves_every_set_and_every_call_in_flight_untouched(problem):
