@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple
@@ -99,10 +100,13 @@ def _comma_list(value: object, convert) -> object:
         return [convert(part) for part in (p.strip() for p in text.split(",")) if part]
     return value
 
+_EMPTY_TOKEN = "a token must not be empty (unset it to serve without a token)"
+
+
 class Settings(BaseSettings):
     """Everything the server reads from its environment, validated once."""
 
-    # An empty variable (MOEGEMM_TOKEN= in an env file) means "not set".
+    # An empty variable (MOEGEMM_PORT= in an env file) means "not set"; but a token's is refused.
     model_config = SettingsConfigDict(env_prefix="MOEGEMM_", extra="forbid", env_ignore_empty=True)
 
     host: str = "127.0.0.1"
@@ -196,8 +200,10 @@ class Settings(BaseSettings):
     @field_validator("preload")
     @classmethod
     def _check_preload(cls, value: list[str]) -> list[str]:
-        for entry in value:
-            parse_preload(entry)
+        names = [parse_preload(entry).name for entry in value]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:  # else the last load would silently replace the others
+            raise ValueError(f"preload names each set once; given more than once: {twice}")
         return value
 
     @field_validator("layers")
@@ -210,9 +216,12 @@ class Settings(BaseSettings):
     @field_validator("token", "admin_token")
     @classmethod
     def _no_empty_token(cls, value: SecretStr | None) -> SecretStr | None:
-        # An empty token would lock every client out (no bearer can be empty).
-        if value is None or not value.get_secret_value():
+        # An empty token is refused, not read as none: the server would serve every caller
+        # without one (an unset shell variable in -e MOEGEMM_TOKEN="$TOKEN", an empty secret).
+        if value is None:
             return None
+        if not value.get_secret_value():
+            raise ValueError(_EMPTY_TOKEN)
         # Nor can a bearer carry whitespace at its ends (HTTP strips it from header values) or a
         # control character: such a token would answer every call 401 while health says 200.
         text = value.get_secret_value()
@@ -246,6 +255,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_combination(self) -> Settings:
+        # env_ignore_empty drops an empty variable before the token's own check sees it.
+        for field in ("token", "admin_token"):
+            variable = f"MOEGEMM_{field.upper()}"
+            if getattr(self, field) is None and os.environ.get(variable) == "":
+                raise ValueError(f"{variable} is set but empty: {_EMPTY_TOKEN}")
         if self.preload and self.weights_dir is None:
             raise ValueError("preload needs weights_dir (files are resolved under it)")
         if (self.checkpoint is None) != (self.layers is None):

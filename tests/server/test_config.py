@@ -43,13 +43,22 @@ def test_environment(monkeypatch, tmp_path):
     assert not s.wants_demo()
     monkeypatch.setenv("MOEGEMM_PRELOAD", '["l2=c.safetensors:w"]')
     assert Settings().preload == ["l2=c.safetensors:w"]
-    # Empty variables mean "not set".
-    for key in ("MOEGEMM_TOKEN", "MOEGEMM_PRELOAD", "MOEGEMM_WEIGHTS_DIR", "MOEGEMM_PORT"):
+    # Empty variables mean "not set", but for the tokens: an empty token (an unset shell
+    # variable passed on, an empty secret) is refused rather than served without one.
+    monkeypatch.delenv("MOEGEMM_TOKEN")
+    for key in ("MOEGEMM_PRELOAD", "MOEGEMM_WEIGHTS_DIR", "MOEGEMM_PORT"):
         monkeypatch.setenv(key, "")
     monkeypatch.setenv("MOEGEMM_DEMO", "")
     s = Settings()
     assert (s.token, s.preload, s.weights_dir, s.port, s.demo) == (None, [], None, 8000, None)
-    assert Settings(token="").token is None
+    for key in ("MOEGEMM_TOKEN", "MOEGEMM_ADMIN_TOKEN"):
+        monkeypatch.setenv(key, "")
+        with pytest.raises(ValidationError, match=f"{key} is set but empty"):
+            Settings()
+        assert Settings(**{key.removeprefix("MOEGEMM_").lower(): "t0k"})  # given another way
+        monkeypatch.delenv(key)
+    with pytest.raises(ValidationError, match="a token must not be empty"):
+        Settings(token="")
     # Keyword arguments win over the environment.
     assert Settings(port=1).port == 1
 
@@ -62,6 +71,7 @@ def test_environment(monkeypatch, tmp_path):
     {"preload": ["nonsense"]}, {"preload": ["a=b:c"]},  # the second lacks weights_dir
     {"preload": ["bad name!=w.safetensors:w"], "weights_dir": "/w"},  # refused at start, not at load
     {"preload": ["..=w.safetensors:w"], "weights_dir": "/w"},
+    {"preload": ["a=x.safetensors:w", "a=y.safetensors:w"], "weights_dir": "/w"},  # which one?
     {"unknown_setting": 1},
     # Tokens no request could present (HTTP strips a header value's ends; no control characters).
     {"token": " "}, {"token": "abc "}, {"token": " abc"}, {"token": "abc\n"}, {"admin_token": "a\tb"},
