@@ -452,11 +452,11 @@ async def _handler_us(m: int, calls: int) -> float:
                    (b"content-length", str(len(body)).encode())]
         route = direct.match("POST", "/v1/weights/main/gemm")
         for _ in range(500):
-            status, _, _ = await direct(route, headers, body)
+            status, _, _ = await direct(route, headers, body, time.monotonic())
             assert status == 200, status
         t0 = time.perf_counter_ns()
         for _ in range(calls):
-            await direct(route, headers, body)
+            await direct(route, headers, body, time.monotonic())
         return (time.perf_counter_ns() - t0) / calls / 1e3
 
 
@@ -500,7 +500,7 @@ async def _transport_us(calls: int) -> float:
     class Canned:
         match = staticmethod(DirectCalls.match)
 
-        async def __call__(self, route, headers, body):
+        async def __call__(self, route, headers, body, arrived):
             return 200, (b"content-type: application/vnd.msgpack\r\ncontent-length: 10\r\n"
                          b"x-request-id: 0123456789abcdef0123456789abcdef\r\n"), [b"0" * 10]
 

@@ -132,6 +132,8 @@ def k_loop(text: str) -> LoopFacts | None:
 
 _INSTRUCTION = re.compile(r"^\s+([a-z][a-z0-9_]*)\s+(.*?)\s*(?:;.*)?$")
 _MODIFIER = re.compile(r"\s+([a-z_]+):(\[[^\]]*\]|\S+)")
+# Memory stores: their first operand is an address or data, not a register they write.
+_STORES = ("ds_write", "ds_store", "global_store", "buffer_store", "scratch_store", "flat_store")
 _VREG = re.compile(r"^v(\d+)$|^v\[(\d+):(\d+)\]$")
 
 
@@ -169,7 +171,7 @@ def mfma_operands(text: str) -> tuple[Counter, Counter]:
                     scale_sources.update(
                         [written.get(regs[0], "unwritten") if len(regs) == 1 else operand]
                     )
-        if not ("store" in mnemonic or "write" in mnemonic) and operands:
+        if not mnemonic.startswith(_STORES) and operands:
             for reg in _vregs(operands[0]):  # the destination
                 written[reg] = " ".join([mnemonic, *operands[1:]])
     return modifiers, scale_sources

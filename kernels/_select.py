@@ -64,7 +64,8 @@ def _load_gpu(name: str, device: torch.device) -> Backend:
     module_name, _ = _GPU_BACKENDS[name]
     rival = _RIVAL[name]
     rival_library = _GPU_BACKENDS[rival][1]
-    if rival_library in sys.modules:
+    if rival_library in sys.modules and name not in _created_gpu:
+        # (Once this backend runs here, a caller's later import of the rival changes nothing.)
         raise BackendUnavailable(
             f"{name} cannot load: {rival_library} is already imported in this process"
         )

@@ -440,15 +440,13 @@ def _tile_for(layout, arch, xq, wq, x_scale, w_scale, m_sizes, out) -> FlyTile:
     g, n, k = wq.shape
     key = autotune_key(xq.shape[0], n, k, g, torch.cuda.get_device_name(xq.device), out.dtype)
     tuned = _load_tuned(layout)
-    if key in tuned:
+    if key in tuned and _runs(tuned[key], n, k, arch):  # else a file's bad entry: tuned again
         return tuned[key]
     if torch.cuda.is_current_stream_capturing():
         return default  # never benchmark inside a graph capture
     best, best_ms = default, float("inf")
     for tile in AUTOTUNE_TILES:
-        try:
-            check_tile(fit_tile(tile, n, k), arch)
-        except ValueError:  # TileTooLarge included: this arch cannot hold it
+        if not _runs(tile, n, k, arch):
             continue
         ms = _time_tile(layout, tile, xq, wq, x_scale, w_scale, m_sizes, out)
         log.info("flydsl autotune %s: tile %s %.4f ms", key, tile, ms)
@@ -457,6 +455,15 @@ def _tile_for(layout, arch, xq, wq, x_scale, w_scale, m_sizes, out) -> FlyTile:
     tuned[key] = best
     _save_tuned(layout)
     return best
+
+
+def _runs(tile: FlyTile, n: int, k: int, arch: str) -> bool:
+    """Whether ``tile``, fitted to N and K, is well formed and fits ``arch``'s LDS."""
+    try:
+        check_tile(fit_tile(tile, n, k), arch)
+    except ValueError:  # TileTooLarge included
+        return False
+    return True
 
 
 def _time_tile(layout, tile, xq, wq, x_scale, w_scale, m_sizes, out, reps: int = 5) -> float:

@@ -67,7 +67,7 @@ class DirectCalls:
     match = staticmethod(call_route)  # the route when this request is a call, else None
 
     async def __call__(
-        self, route: Route, headers: Headers, body: memoryview, arrived: float | None = None
+        self, route: Route, headers: Headers, body: memoryview, arrived: float
     ) -> tuple[int, bytes, list]:
         """Answer one call: the status, the header lines (each ending in CRLF, without
         the status line and the blank line) and the body parts. ``arrived``: when its head
@@ -111,7 +111,7 @@ class DirectCalls:
         seconds.observe(time.perf_counter() - started)
 
     async def _budgeted(self, route: Route, fields, body, request_id,
-                        arrived: float | None) -> tuple[int, bytes, list, str]:
+                        arrived: float) -> tuple[int, bytes, list, str]:
         """The answer, and the endpoint label its metrics go under."""
         # BodyBudget's rule over the body it now holds whole (the transport counted its bytes as
         # they arrived and judged its head): a body over the body limit was never read
@@ -147,7 +147,7 @@ class DirectCalls:
         return budget
 
     def _admit(self, fields: dict[str, str], body: memoryview, check_name: Callable[[str], Any],
-               name: str, arrived: float | None):
+               name: str, arrived: float):
         """What every route does before its body, in the app's order: the router's
         dependencies (token, readiness), the name, the deadline, the media type and
         size. Returns the services and the deadline."""
@@ -163,12 +163,12 @@ class DirectCalls:
         return svc, deadline
 
     async def _gemm(self, name: str, fields: dict[str, str], body: memoryview,
-                    arrived: float | None):
+                    arrived: float):
         svc, deadline = self._admit(fields, body, routes.check_gemm_name, name, arrived)
         return await routes.run_gemm(svc, name, body, deadline, alone=self.in_progress() <= 1)
 
     async def _expert(self, route: Route, fields: dict[str, str], body: memoryview,
-                      arrived: float | None):
+                      arrived: float):
         """``routes_experts.ffn`` / ``moe``: the same steps, the same one path."""
         from . import routes_experts
 

@@ -256,9 +256,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_combination(self) -> Settings:
         # env_ignore_empty drops an empty variable before the token's own check sees it.
+        # (Names are matched without case, as the settings read them.)
+        empty = {name.upper() for name, value in os.environ.items() if value == ""}
         for field in ("token", "admin_token"):
             variable = f"MOEGEMM_{field.upper()}"
-            if getattr(self, field) is None and os.environ.get(variable) == "":
+            if getattr(self, field) is None and variable in empty:
                 raise ValueError(f"{variable} is set but empty: {_EMPTY_TOKEN}")
         if self.preload and self.weights_dir is None:
             raise ValueError("preload needs weights_dir (files are resolved under it)")

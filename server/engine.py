@@ -115,6 +115,9 @@ _RETRY_AFTER_S = 1
 DEVICE_LOST = threading.Event()
 EXIT_DEVICE_LOST = 70
 
+# X-Deadline-Ms counts from the request's arrival: it can pass during the upload too.
+_PASSED = "the request's deadline passed before it ran (while its body arrived or it was queued)"
+
 
 @dataclass(eq=False)
 class _Job:
@@ -313,7 +316,7 @@ class Engine:
         """On the loop, at ``call.deadline``: a call still queued is taken out of the queue (its
         place freed) and answered DeadlineExceeded now, not when its turn would have come."""
         if self._withdraw(call):
-            call.outcome = DeadlineExceeded("the request's deadline passed while it was queued")
+            call.outcome = DeadlineExceeded(_PASSED)
             _wake(call)
 
     def _withdraw(self, call) -> bool:
@@ -447,7 +450,7 @@ class Engine:
         live = []
         for call in batch:
             if call.deadline is not None and started > call.deadline:
-                call.outcome = DeadlineExceeded("the request's deadline passed while it was queued")
+                call.outcome = DeadlineExceeded(_PASSED)
             else:
                 live.append(call)
         if not live:

@@ -164,14 +164,11 @@ def parse_deadline(raw: str | None, arrived: float | None) -> float | None:
     return (time.monotonic() if arrived is None else arrived) + ms / 1000
 
 
-def request_arrival(request: Request) -> float | None:
-    """When the request's head arrived (``time.monotonic()``), as the transport or the app's
-    outer middleware stamped it in the scope's state."""
-    return request.scope.get("state", {}).get("arrived")
-
-
-def _deadline(request: Request) -> float | None:
-    return parse_deadline(request.headers.get(DEADLINE_HEADER), request_arrival(request))
+def call_deadline(request: Request) -> float | None:
+    """An app route's call deadline: ``X-Deadline-Ms`` from when the request's head arrived,
+    as the transport or the app's outer middleware stamped it in the scope's state."""
+    return parse_deadline(request.headers.get(DEADLINE_HEADER),
+                          request.scope.get("state", {}).get("arrived"))
 
 
 async def run_gemm(svc: Services, name: str, body, deadline: float | None,
@@ -343,7 +340,7 @@ async def delete_weights(name: str, svc: ServicesDep) -> Response:
 async def gemm(name: str, request: Request, svc: ServicesDep) -> Response:
     """SPEC 1 on a loaded weight set: msgpack {x, x_scale?, m_sizes} -> {out}."""
     check_gemm_name(name)
-    deadline = _deadline(request)
+    deadline = call_deadline(request)
     body = await read_body(request, svc.settings.max_body_bytes)
     # The header, then the output rows as they are: no msgpack copy.
     return PartsResponse(await run_gemm(svc, name, body, deadline))

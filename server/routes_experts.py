@@ -23,12 +23,10 @@ from ._request import CheckpointBody, decode_experts, decode_gemm, decode_moe, f
 from .engine import Engine
 from .experts import ExpertSet, ExpertStore, check_expert_name
 from .routes import (
-    DEADLINE_HEADER,
     READ,
     ServicesDep,
-    parse_deadline,
+    call_deadline,
     read_body,
-    request_arrival,
     require_admin,
     require_ready,
     require_token,
@@ -142,7 +140,7 @@ async def run_expert_call(svc, experts: Experts, kind: str, name: str, body,
 async def _answer(kind: str, name: str, request: Request, svc) -> Response:
     """An ffn or moe route: the name, the deadline, the body, then run_expert_call."""
     check_expert_name(name)
-    deadline = parse_deadline(request.headers.get(DEADLINE_HEADER), request_arrival(request))
+    deadline = call_deadline(request)
     body = await read_body(request, svc.settings.max_body_bytes)
     return PartsResponse(await run_expert_call(svc, _experts(request), kind, name, body,
                                                deadline))

@@ -184,8 +184,8 @@ def test_autotune_looks_up_the_winner_of_the_calls_output_dtype(monkeypatch):
         fk.autotune_key(5, 256, 256, 3, "MI300X"): bf16,
         fk.autotune_key(5, 256, 256, 3, "MI300X", torch.float32): f32}})
     xq, wq, xs, ws, ms, out = _call_args()
-    assert fk._tile_for("plain", "gfx942", xq, wq, xs, ws, ms, out) == bf16
-    assert fk._tile_for("plain", "gfx942", xq, wq, xs, ws, ms, out.float()) == f32
+    assert fk._tile_for("plain", "gfx950", xq, wq, xs, ws, ms, out) == bf16
+    assert fk._tile_for("plain", "gfx950", xq, wq, xs, ws, ms, out.float()) == f32
 
 
 def _call_args(fp8=torch.float8_e4m3fnuz, m=5, n=256, k=256, g=3):
@@ -337,3 +337,19 @@ def test_an_autotune_cache_with_a_tile_of_no_size_is_tuned_again(monkeypatch, tm
     monkeypatch.setattr(fk, "_tuned", {})
     (tmp_path / "flydsl_preshuffled_tiles.json").write_text(text)
     assert fk._load_tuned("preshuffled") == {}
+
+
+@pytest.mark.parametrize("bad", [FlyTile(48, 128, 128), FlyTile(128, 128, 64),
+                                 FlyTile(512, 128, 1024)])  # the last: past gfx942's LDS
+def test_an_autotune_winner_the_arch_cannot_run_is_tuned_again(monkeypatch, bad):
+    """A cached tile that is malformed or does not fit the arch's LDS failed every call of its
+    shape in ``check_tile``; it is timed afresh instead, among the candidates that fit."""
+    monkeypatch.setenv("MOEGEMM_AUTOTUNE", "1")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "MI300X")
+    monkeypatch.setattr(fk, "_tuned", {"plain": {fk.autotune_key(5, 256, 256, 3, "MI300X"): bad}})
+    monkeypatch.setattr(fk, "_save_tuned", lambda layout: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timed = []
+    monkeypatch.setattr(fk, "_time_tile", lambda layout, tile, *args: timed.append(tile) or 1.0)
+    tile = fk._tile_for("plain", "gfx942", *_call_args())
+    assert timed and tile == timed[0] and check_tile(fit_tile(tile, 256, 256), "gfx942")

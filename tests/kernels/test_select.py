@@ -130,3 +130,15 @@ def test_a_second_device_never_gets_the_rival(fake_gpu, monkeypatch):
     available.discard("flydsl")
     assert get_backend("cuda:1").name == "reference"
     assert imported == ["flydsl", "flydsl"]
+
+
+def test_a_triton_imported_after_flydsl_runs_keeps_flydsl_on_other_devices(fake_gpu, monkeypatch):
+    """A caller's late ``import triton`` (vLLM, ``torch.compile``) once FlyDSL runs here: the
+    next device still gets FlyDSL, not the slow reference (it did, with only a warning)."""
+    imported, available = fake_gpu
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    available.add("flydsl")
+    assert get_backend("cuda:0").name == "flydsl"
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    assert get_backend("cuda:1").name == "flydsl"
+    assert imported == ["flydsl", "flydsl"]

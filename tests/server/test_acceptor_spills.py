@@ -44,7 +44,7 @@ class _Echo:
     def match(self, method: str, path: str):
         return "echo"
 
-    async def __call__(self, name, headers, body):
+    async def __call__(self, name, headers, body, arrived):
         data = np.frombuffer(body, dtype=np.uint8)[::-1]
         self.seen.append(len(body))
         parts = [data.tobytes()] * self.times
@@ -105,7 +105,8 @@ async def _close(acceptor, unix, reading) -> None:
 
 
 _SCOPE = {"method": "POST", "path": "/echo", "raw_path": b"/echo", "query_string": b"",
-          "http_version": "1.1", "headers": [], "client": None, "server": None}
+          "http_version": "1.1", "headers": [], "client": None, "server": None,
+          "state": {"arrived": 0.0}}
 
 
 def test_a_body_that_finds_the_arena_full_goes_in_a_spill(frames, tmp_path):

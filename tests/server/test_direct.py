@@ -61,7 +61,7 @@ class _Spy:
     def match(self, method, path):
         return self.inner.match(method, path)
 
-    async def __call__(self, name, headers, body, arrived=None):
+    async def __call__(self, name, headers, body, arrived):
         self.calls += 1
         return await self.inner(name, headers, body, arrived)
 

@@ -157,7 +157,7 @@ def test_the_owner_drops_a_call_whose_gone_came_with_it():
     class Direct:  # the owner's DirectCalls: a call that waits long
         match = staticmethod(call_route)
 
-        async def __call__(self, route, headers, body):
+        async def __call__(self, route, headers, body, arrived):
             await asyncio.sleep(30)
             completed.append(route)
             return 200, b"", [b"x"]
@@ -187,7 +187,7 @@ def test_the_owner_drops_a_call_whose_gone_came_with_it():
         try:
             reader, writer = asyncio.StreamReader(), Writer()
             request = {"t": "req", "id": 1, "m": "POST", "p": "/v1/weights/w/gemm", "r": b"",
-                       "q": b"", "v": "1.1", "h": [], "c": None, "sv": None}
+                       "q": b"", "v": "1.1", "h": [], "a": 0.0, "c": None, "sv": None}
             reader.feed_data(_frame({"t": "hello", "i": 0}, 0) + _frame(request, 1) + b"x"
                              + _frame({"t": "gone", "id": 1}, 0))
             serving = asyncio.ensure_future(owner._serve_link(reader, writer))

@@ -35,7 +35,7 @@ class _Probe:
     def match(self, method: str, path: str) -> str | None:
         return path.removeprefix("/") if method == "POST" else None
 
-    async def __call__(self, name, headers, body):
+    async def __call__(self, name, headers, body, arrived):
         if self.later is None:
             self.later = asyncio.Event()
         self.seen.append((name, self.in_progress()))

@@ -74,7 +74,7 @@ class _Route:
         self.gate: asyncio.Future | None = None
         self.in_task: list[bool] = []
 
-    async def __call__(self, route, headers, body):
+    async def __call__(self, route, headers, body, arrived):
         self.in_task.append(asyncio.current_task() is not None)
         if self.gate is not None:
             await self.gate
@@ -133,7 +133,7 @@ async def test_a_route_that_fails_answers_500_and_closes():
     """A direct route that raises (a bug in it) gets the client a 500 ``internal`` through the
     one answer path, and the connection closes."""
 
-    async def failing(route_name, headers, body):
+    async def failing(route_name, headers, body, arrived):
         raise RuntimeError("a bug")
 
     failing.match = _Route.match
