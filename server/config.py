@@ -100,6 +100,7 @@ def _comma_list(value: object, convert) -> object:
         return [convert(part) for part in (p.strip() for p in text.split(",")) if part]
     return value
 
+
 _EMPTY_TOKEN = "a token must not be empty (unset it to serve without a token)"
 
 

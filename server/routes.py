@@ -12,7 +12,6 @@ them into JSON.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
@@ -149,10 +148,10 @@ def upload_tensor(t: WireTensor | None) -> torch.Tensor | None:
     return None if t is None else to_torch(t)
 
 
-def parse_deadline(raw: str | None, arrived: float | None) -> float | None:
+def parse_deadline(raw: str | None, arrived: float) -> float | None:
     """The ``X-Deadline-Ms`` header value as a ``time.monotonic()`` instant (None: none),
-    counted from ``arrived``, when the request's head arrived (``request_arrival``): a slow
-    upload spends the call's time too. None: from now."""
+    counted from ``arrived``, when the request's head arrived: a slow upload spends the
+    call's time too."""
     if raw is None:
         return None
     try:
@@ -161,14 +160,13 @@ def parse_deadline(raw: str | None, arrived: float | None) -> float | None:
         ms = -1.0
     if not ms > 0 or ms == float("inf"):
         raise BadField(f"{DEADLINE_HEADER} is a positive number of milliseconds, got {raw!r}")
-    return (time.monotonic() if arrived is None else arrived) + ms / 1000
+    return arrived + ms / 1000
 
 
 def call_deadline(request: Request) -> float | None:
     """An app route's call deadline: ``X-Deadline-Ms`` from when the request's head arrived,
     as the transport or the app's outer middleware stamped it in the scope's state."""
-    return parse_deadline(request.headers.get(DEADLINE_HEADER),
-                          request.scope.get("state", {}).get("arrived"))
+    return parse_deadline(request.headers.get(DEADLINE_HEADER), request.scope["state"]["arrived"])
 
 
 async def run_gemm(svc: Services, name: str, body, deadline: float | None,
