@@ -4,8 +4,8 @@ No AMD GPU is needed: FlyDSL compiles with ``COMPILE_ONLY=1`` and writes the
 final ISA, one subprocess per case (``moegemm.kernels._flydsl_isa``). What this
 proves: each (arch x layout) kernel with its default tile compiles, issues the
 arch's MFMA and no other (on gfx950 with no data-format modifier, so e4m3 on
-both sides, and both scale operands the constant E8M0 2^0), uses no scratch and spills nothing, and
-allocates exactly the LDS the budget check accounts for; its K loop issues at
+both sides, and both scale operands the constant E8M0 2^0), uses no scratch and
+spills nothing, and allocates exactly the LDS the budget check accounts for; its K loop issues at
 most 5 VALU instructions per MFMA, its last K step loads nothing, and its
 occupancy is the pinned waves-per-EU at two values of K; the arguments of a
 DeepSeek-V3-sized launch (G=256, N=4096, K=7168, M=32768) and of one with
