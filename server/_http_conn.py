@@ -58,6 +58,7 @@ import re
 import select
 import socket
 import struct
+import sys
 import time
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
@@ -78,6 +79,13 @@ from ._http_gate import HttpLimits, echoed_id, error_bytes, judge, over_budget, 
 
 if TYPE_CHECKING:
     from ._http import FastHttpServer
+
+# The standard library's socket transport on Python 3.12+ (the loop where uvloop is missing)
+# writes a list without pausing its protocol (its writelines never checks the high-water
+# mark), so answers a client does not read would pile up past every bound here; its write()
+# pauses, and keeps the parts uncopied. uvloop's writelines pauses.
+_UNPAUSED_WRITELINES = (asyncio.selector_events._SelectorSocketTransport.writelines
+                        if sys.version_info >= (3, 12) else None)
 
 log = logging.getLogger("moegemm.server.http")
 
@@ -251,7 +259,11 @@ class _Connection(asyncio.BufferedProtocol):
             self.largest_part = 0
         self.largest_part = max(self.largest_part,
                                 max((memoryview(part).nbytes for part in parts), default=0))
-        transport.writelines(parts)
+        if type(transport).writelines is _UNPAUSED_WRITELINES:
+            for part in parts:  # each write() pauses the protocol past the high-water mark
+                transport.write(part)
+        else:
+            transport.writelines(parts)
 
     def held(self) -> int:
         """The answer bytes this connection holds, at most (:meth:`write_answer`); none once
