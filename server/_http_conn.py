@@ -187,6 +187,7 @@ class _Connection(asyncio.BufferedProtocol):
         # Once per connection: each lookup can be a system call.
         self.peer = transport.get_extra_info("peername")
         self.local = transport.get_extra_info("sockname")
+        self.write_by_part = type(transport).writelines is _UNPAUSED_WRITELINES
         self.disconnected = asyncio.Event()
         self.since = time.monotonic()
         full = len(self.server.connections) >= self.limits.max_connections
@@ -259,7 +260,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.largest_part = 0
         self.largest_part = max(self.largest_part,
                                 max((memoryview(part).nbytes for part in parts), default=0))
-        if type(transport).writelines is _UNPAUSED_WRITELINES:
+        if self.write_by_part:
             for part in parts:  # each write() pauses the protocol past the high-water mark
                 transport.write(part)
         else:
