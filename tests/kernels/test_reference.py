@@ -92,10 +92,25 @@ def test_ragged_groups_land_on_their_own_rows():
         start += rows
 
 
-def test_large_k_uses_row_chunks():
+def test_large_k_at_a_real_shape():
     p = random_problem(300, 1024, 7168, 2)
     out = grouped_gemm(*p.args())
     assert rel_error(out, reference_float64(*p.args())) <= SPEC_TOLERANCE
+
+
+def test_rows_in_chunks_give_the_bits_of_one_chunk(monkeypatch):
+    """Groups larger than a chunk (7 rows here; 146 at K=7168, N=4096), chunk edges inside
+    groups: each chunk takes its own rows' scales, and the bits do not depend on the chunk."""
+    from moegemm.kernels import reference
+
+    sizes = torch.tensor([23, 0, 5, 40, 1])
+    p = random_problem(69, 256, 512, 5, m_sizes=sizes)
+    whole = grouped_gemm(*p.args())
+    kb, n = 512 // 128, 256
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", kb * n * 7)
+    chunked = grouped_gemm(*p.args())
+    assert torch.equal(chunked, whole)
+    assert rel_error(chunked, reference_float64(*p.args())) <= SPEC_TOLERANCE
 
 
 def test_int32_m_sizes_and_many_groups():
@@ -179,11 +194,15 @@ def test_bad_out_buffer_raises():
         grouped_gemm(*args, out=torch.empty(4, 128, dtype=torch.bfloat16))
 
 
-def test_m_sizes_that_do_not_sum_to_m_raise_in_the_reference():
+@pytest.mark.parametrize("sizes", [[3, 0], [-1, 5], [5, -1]])
+def test_m_sizes_that_are_negative_or_do_not_sum_to_m_raise_in_the_reference(sizes):
     args = _args()
-    args[4] = torch.tensor([3, 0])
+    assert args[0].shape[0] == 4
+    args[4] = torch.tensor(sizes)
     with pytest.raises(ValueError, match="sum to M"):
         grouped_gemm(*args)
+    with pytest.raises(ValueError, match="sum to M"):
+        reference_float64(*args)
 
 
 @pytest.mark.gpu

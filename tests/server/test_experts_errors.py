@@ -15,10 +15,11 @@ from server_support import MSGPACK, assert_error, out_of, serve, wire
 G, H, I = 4, 384, 128
 
 
-def limited_settings(root) -> Settings:
+def limited_settings(root, **changes) -> Settings:
     """The server these tests talk to: small limits, to be passed."""
-    return Settings(device="cpu", weights_dir=root, demo=False, max_body_bytes=8 << 20,
-                    max_m=256, max_bucket_m=256, max_g=16, max_weight_bytes=4 << 20)
+    limits = dict(max_body_bytes=8 << 20, max_m=256, max_bucket_m=256, max_g=16,
+                  max_weight_bytes=4 << 20)
+    return Settings(device="cpu", weights_dir=root, demo=False, **{**limits, **changes})
 
 
 def with_experts(running):
@@ -291,6 +292,21 @@ def test_bad_calls_get_their_codes_and_change_nothing(srv):
                  "no_such_weights")
     assert snapshot(srv.http) == before
     assert torch.equal(out_of(post(srv.http, "e", "ffn", ffn_body(x, sizes))), good)
+
+
+def test_more_experts_per_token_than_the_largest_bucket_is_too_large(tmp_path):
+    """k past ``max_bucket_m`` (one token's k rows are one launch) with T*k within ``max_m``:
+    413 too_large naming the bucket, nothing changed, and k at the bucket still answers."""
+    p = random_experts(16, H, I)
+    with serve(limited_settings(tmp_path, max_bucket_m=8)) as s:
+        assert put_experts(s.http, "e16", upload_body(p)).status_code == 201
+        before = snapshot(s.http)
+        x = p.tokens(1)
+        r = post(s.http, "e16", "moe", moe_body(x, *random_routing(1, 12, 16)))
+        assert_error(r, 413, "too_large")
+        assert "k=12" in r.json()["error"]["message"], r.text
+        assert snapshot(s.http) == before
+        assert post(s.http, "e16", "moe", moe_body(x, *random_routing(1, 8, 16))).status_code == 200
 
 
 def test_auth_and_readiness(tmp_path):
