@@ -79,7 +79,9 @@ def test_leaves_sit_under_their_status_class():
 
 @pytest.mark.parametrize(
     ("status", "cls"),
-    [(400, InvalidRequest), (404, NotFound), (503, Unavailable), (401, Unauthorized)],
+    [(400, InvalidRequest), (404, NotFound), (503, Unavailable), (401, Unauthorized),
+     (413, TooLarge), (415, UnsupportedMediaType), (500, InternalError),
+     (504, DeadlineExceeded), (507, OutOfMemory)],
 )
 def test_unknown_code_falls_back_by_status(status, cls):
     err = error_for(status, "something_new", "msg")

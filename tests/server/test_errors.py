@@ -102,8 +102,9 @@ def test_bad_field(server, unchanged, loaded):
     assert_error(server.put("base", {"w_scale": wire(p.w_scale)}), 400, "bad_field")
     assert_error(server.put("base", {"w": "key"}), 400, "bad_field")  # a key without a file
     assert_error(server.put("base", {"file": "f.safetensors", "w": 3}), 400, "bad_field")
-    assert_error(server.gemm("base", call(p), headers={"X-Deadline-Ms": "soon"}), 400,
-                 "bad_field")
+    for deadline in ("soon", "0", "-0", "-3", "nan", "inf", "1e400", ""):  # not a positive number
+        assert_error(server.gemm("base", call(p), headers={"X-Deadline-Ms": deadline}), 400,
+                     "bad_field")
 
 
 def test_nil_optional_fields_are_absent(server, unchanged, loaded):
@@ -240,15 +241,21 @@ def test_too_large(server, unchanged, loaded):
     body = {"x": wire(x), "m_sizes": wire(torch.tensor([x.shape[0], 0, 0]))}
     assert_error(server.gemm("base", body), 413, "too_large")
 
-    # Without Content-Length (chunked upload) the limit holds while streaming.
+    # Without Content-Length (a chunked upload) the body limit holds too: a body over it whose
+    # rows are within max_m, padded by a field the decoder would refuse (400). That it holds
+    # while streaming, before the body's end: test_hostile.py.
+    small = fp8_problem(64, N, K, G)
+    padded = {**call(small), "padding": b"\0" * (limit + (1 << 20))}
+
     def chunks():
-        data = packb(body)
+        data = packb(padded)
         step = 1 << 20
         for i in range(0, len(data), step):
             yield data[i:i + step]
 
     r = server.http.post("/v1/weights/base/gemm", content=chunks(), headers=MSGPACK)
     assert_error(r, 413, "too_large")
+    assert f"over {limit} bytes" in r.json()["error"]["message"], r.text
     # More rows than max_m in a body under the limit.
     rows = server.services.settings.max_m + 1
     p = fp8_problem(rows, N, K, G)

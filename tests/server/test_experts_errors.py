@@ -56,6 +56,11 @@ def _bad_uploads(p):
     nan_scale[0, 1, 0] = float("nan")
     nan_fp8 = p.w2q.clone()
     nan_fp8.view(torch.uint8)[3, 2, 1] = 0x7F
+    negative_nan = p.w2q.clone()
+    negative_nan.view(torch.uint8)[1, 0, 3] = 0xFF  # fn's other NaN code
+    # fnuz on the wire (halved codes, doubled scales: the same values), its NaN code 0x80.
+    fnuz = (p.w2q.float() / 2).to(torch.float8_e4m3fnuz)
+    fnuz.view(torch.uint8)[2, 7, 0] = 0x80
     return [
         ("w2 missing", _upload(p, w2=None), "bad_field"),
         ("unknown field", {**upload_body(p), "bias": wire(torch.zeros(4))}, "bad_field"),
@@ -84,6 +89,9 @@ def _bad_uploads(p):
                                                            .contiguous())), "bad_shape"),
         ("w13 holds NaN", {**upload_body(f32, fp8=False), "w13": wire(nan_w)}, "not_finite"),
         ("w2 holds an fp8 NaN", _upload(p, w2=wire(nan_fp8)), "not_finite"),
+        ("w2 holds fn's NaN 0xFF", _upload(p, w2=wire(negative_nan)), "not_finite"),
+        ("fnuz w2 holds NaN 0x80", _upload(p, w2=wire(fnuz), w2_scale=wire(p.w2_scale * 2)),
+         "not_finite"),
         ("a w2 scale is 0", _upload(p, w2_scale=wire(zero_scale)), "not_finite"),
         ("a w13 scale is NaN", _upload(p, w13_scale=wire(nan_scale)), "not_finite"),
         ("checkpoint not a string", {"checkpoint": 3, "layer": 0}, "bad_field"),
