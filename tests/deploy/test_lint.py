@@ -31,7 +31,7 @@ def _tool(name: str) -> str:
     found = str(local) if local.exists() else shutil.which(name)
     if found is None:
         message = f"{name} is not installed: run .ci/deploy-tools.sh"
-        if os.environ.get("CI"):
+        if os.environ.get("CI") or os.environ.get("MOEGEMM_REQUIRE_DEPLOY_TOOLS") == "1":
             pytest.fail(message)
         pytest.skip(message)
     return found

@@ -155,8 +155,9 @@ def test_any_body_is_a_call_or_a_contract_error(raw):
     except APIError as exc:
         assert exc.status in (400, 413) and exc.code
         return
-    assert call.x.nbytes == call.rows * K * (1 if call.x_scale is not None else 2) or \
-        call.dtype in ("float16", "float32")
+    width = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1}
+    assert call.x.nbytes == call.rows * K * width[call.dtype]
+    assert (call.x_scale is not None) == call.dtype.startswith("float8")
 
 
 # -- uploads ----------------------------------------------------------------------------------
