@@ -17,8 +17,8 @@ G, H, I = 4, 384, 128
 
 def limited_settings(root, **changes) -> Settings:
     """The server these tests talk to: small limits, to be passed."""
-    limits = dict(max_body_bytes=8 << 20, max_m=256, max_bucket_m=256, max_g=16,
-                  max_weight_bytes=4 << 20)
+    limits = {"max_body_bytes": 8 << 20, "max_m": 256, "max_bucket_m": 256, "max_g": 16,
+              "max_weight_bytes": 4 << 20}
     return Settings(device="cpu", weights_dir=root, demo=False, **{**limits, **changes})
 
 
