@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from ._wire import (
     encode_tensor,
     pack_tensors,
     packb,
+    torch_of,
 )
 
 
@@ -67,8 +67,8 @@ def weights_path(name: str) -> str:
 
 
 def _m_sizes_int64(m_sizes: Any) -> Any:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(m_sizes, torch.Tensor):
+    torch = torch_of(m_sizes)
+    if torch is not None:
         if m_sizes.dtype.is_floating_point or m_sizes.dtype.is_complex or \
                 m_sizes.dtype == torch.bool:
             raise ArgumentDtype(f"m_sizes must hold integers, got {m_sizes.dtype}")
@@ -132,8 +132,7 @@ def experts_path(name: str) -> str:
 
 
 def _like(x: Any) -> Any:
-    torch = sys.modules.get("torch")
-    return x if torch is not None and isinstance(x, torch.Tensor) else None
+    return x if torch_of(x) is not None else None
 
 
 def _packed(body: dict[str, Any]) -> bytes | list:
@@ -173,8 +172,8 @@ def ffn_call(name: str, x: Any, m_sizes: Any, x_scale: Any, deadline: float | No
 
 def _routing(topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
     """``topk_ids`` as int32/int64 (other integers as int64), ``topk_weights`` as float32."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(topk_ids, torch.Tensor):
+    torch = torch_of(topk_ids)
+    if torch is not None:
         if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or \
                 topk_ids.dtype == torch.bool:
             raise ArgumentDtype(f"topk_ids must hold integers, got {topk_ids.dtype}")
@@ -186,7 +185,8 @@ def _routing(topk_ids: Any, topk_weights: Any) -> tuple[Any, Any]:
             raise ArgumentDtype(f"topk_ids must hold integers, got {topk_ids.dtype}")
         if topk_ids.dtype not in (np.int32, np.int64):
             topk_ids = topk_ids.astype(np.int64)
-    if torch is not None and isinstance(topk_weights, torch.Tensor):
+    torch = torch_of(topk_weights)
+    if torch is not None:
         if not topk_weights.dtype.is_floating_point:
             raise ArgumentDtype(f"topk_weights must be floats, got {topk_weights.dtype}")
         topk_weights = topk_weights.to(torch.float32)

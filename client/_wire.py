@@ -120,11 +120,12 @@ def decode_tensors(body: bytes | bytearray | memoryview) -> dict[str, WireTensor
     return tensors
 
 
-def _torch_tensor(a: Any):
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(a, torch.Tensor):
-        return torch
-    return None
+def torch_of(a: Any):
+    """The torch module when ``a`` is a torch tensor, else None; torch is never imported
+    here. While another thread is still importing torch, the module in ``sys.modules`` has
+    no ``Tensor`` yet, and ``a`` (which exists) is no tensor of it."""
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return sys.modules["torch"] if tensor is not None and isinstance(a, tensor) else None
 
 
 def encode_tensor(a: Any) -> dict:
@@ -135,7 +136,7 @@ def encode_tensor(a: Any) -> dict:
     little-endian on the CPU, so do not write to ``a`` before packing. Torch fp8
     and bf16 cross through a uint8 view, never through a float conversion.
     """
-    torch = _torch_tensor(a)
+    torch = torch_of(a)
     if torch is not None:
         name = next((n for n in _TORCH_NAMES if getattr(torch, n, None) == a.dtype), None)
         if name is None:

@@ -130,6 +130,26 @@ def test_grouped_gemm_numpy_sends_the_wire_and_returns_bf16(fake, client):
     assert out.tobytes() == fake.outputs[0].tobytes()
 
 
+def test_numpy_calls_work_while_another_thread_is_importing_torch(fake, client, monkeypatch):
+    """Mid-import, ``sys.modules["torch"]`` is a module without ``Tensor`` yet (a library
+    importing torch lazily in another thread): numpy calls neither look into it nor fail."""
+    import sys
+    import types
+
+    from moegemm.client._calls import moe_call
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    m_sizes = np.array([3, 0, 5, 1])
+    x, x_scale = _fp8_inputs(m_sizes.tolist())
+    out = client.grouped_gemm("layer.0", x, m_sizes, x_scale)
+    assert out.tobytes() == fake.outputs[0].tobytes()
+    call = moe_call("e", x[:2], np.array([[0, 1], [2, 3]]), np.full((2, 2), 0.5, np.float32),
+                    x_scale[:2], None)
+    body = unpackb(call.body)
+    assert decode_tensor(body["topk_ids"]).numpy().tolist() == [[0, 1], [2, 3]]
+    assert call.like_torch is None
+
+
 def test_request_ids_are_fresh_and_x_scale_is_optional(fake, client):
     x = np.random.randn(4, 128).astype(np.float32)
     client.grouped_gemm("w", x, np.array([4], dtype=np.int32))
