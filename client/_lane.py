@@ -643,7 +643,11 @@ class AsyncLane:
             if keep:
                 self._give_back(conn)
             else:
-                conn[1].close()
+                # Not close(), which sends what the transport still buffers: a body whose
+                # write timed out would go on in the background, and a load the caller was
+                # told failed could land later (after a delete, say). Cut short, the server
+                # sees the body end early and refuses it.
+                conn[1].transport.abort()
 
     async def _send(self, writer, data, parts, timeout, deadline) -> OSError | None:
         try:

@@ -86,13 +86,24 @@ def _naming(endpoint: str, exc: APIError, context: str = "") -> APIError:
     return named
 
 
-def _on_endpoint(name: str, url: str, rank: int, of: int, exc: MoegemmError) -> MoegemmError:
-    """A failure of a weight-set change on one endpoint of the placement, named."""
+def _on_endpoints(name: str, placed: list[str], failed: list[tuple[str, BaseException]],
+                  stale: bool) -> BaseException:
+    """The failure of a weight-set change on endpoints of the placement: the first one's
+    class, its message naming every endpoint that failed (``stale``: others took the change,
+    so this client's calls now avoid the failed ones)."""
+    url, exc = failed[0]
+    if not isinstance(exc, MoegemmError):
+        return exc
+    others = "; ".join(f"{u}: {e}" for u, e in failed[1:])
+    context = (f" (also failed: {others})" if others else "") + (
+        "; calls on this client avoid the endpoints that failed until the set's next load "
+        "or delete succeeds there" if stale else "")
     if isinstance(exc, APIError):
-        return _naming(url, exc)
+        return _naming(url, exc, context)
     return TransportError(
-        f"weight set {name!r} is placed on {url} (replica {rank} of {of}), "
-        f"which did not answer: {exc}", request_id=getattr(exc, "request_id", None)
+        f"weight set {name!r} is placed on {url} (replica {placed.index(url) + 1} of "
+        f"{len(placed)}), which did not answer: {exc}{context}",
+        request_id=getattr(exc, "request_id", None),
     )
 
 
@@ -140,6 +151,11 @@ class _Fleet(Generic[C]):
         # set pinned each set to one replica when calls of several sets alternate. next()
         # on an itertools.count is atomic under the GIL, so threads may share them.
         self._turns: dict[str, itertools.count] = {}
+        # Per set, the endpoints where its last change (load, replace, delete) failed while
+        # another endpoint took it: they may hold another version (a replace that timed out
+        # on a hung server), so calls leave them out until a change succeeds there. Replaced
+        # whole, never mutated: threads read it without a lock.
+        self._stale: dict[str, frozenset[str]] = {}
         self._clients: dict[str, C] = {url: make_client(url) for url in urls}
 
     @property
@@ -157,13 +173,35 @@ class _Fleet(Generic[C]):
 
     def _turn(self, name: str) -> list[str]:
         # This call's order: the placement rotated by one per call of this set, so calls
-        # on a replicated set spread over its replicas.
+        # on a replicated set spread over its replicas; stale replicas left out (an expert
+        # set's are its matrices' too).
         placed = self.placement(name)
+        stale = self._stale.get(name, frozenset()) | self._stale.get(_owner(name), frozenset())
+        placed = [url for url in placed if url not in stale] or placed
         turns = self._turns.get(name)
         if turns is None:
             turns = self._turns.setdefault(name, itertools.count())
         first = next(turns) % len(placed)
         return placed[first:] + placed[:first]
+
+    def _settle(self, name: str, placed: list[str],
+                failed: list[tuple[str, BaseException]]) -> None:
+        """After a change of ``name`` on ``placed``: the endpoints where it failed become
+        stale when another took it, those where it succeeded fresh; then, if any failed,
+        the error naming every failure is raised."""
+        bad = {url for url, _ in failed}
+        took = [url for url in placed if url not in bad]
+        if took:
+            stale = (self._stale.get(name, frozenset()) - set(took)) | bad
+            if stale:
+                self._stale[name] = frozenset(stale)
+            else:
+                self._stale.pop(name, None)
+        if failed:
+            error, first = _on_endpoints(name, placed, failed, bool(took)), failed[0][1]
+            if error is first:  # not one of ours (a cancellation, a bug): as it came
+                raise error
+            raise error from first
 
     def _forget(self, *names: str) -> None:
         # A deleted set's turn counts go with it: names that come and go (a set reloaded
@@ -203,8 +241,11 @@ class MultiClient(_Fleet[Client]):
     matter.
 
     - ``load_weights`` / ``load_weights_file`` load on every endpoint of the
-      placement; an unreachable one raises `TransportError` naming it, once the
-      others have the set (calls fail over to them).
+      placement; an unreachable one raises `TransportError` naming it (every
+      endpoint that failed), once the others have the set. An endpoint where a
+      load, replace or delete failed while another took it may hold another
+      version: this client's calls leave it out until a later load or delete of
+      the set succeeds there (other clients do not know: repeat the load).
     - ``grouped_gemm`` takes turns over the placement's endpoints and moves
       on to the next one on `TransportError`, 503 (`Unavailable`) or
       `NoSuchWeights` (a restarted server that lost its sets). Other errors
@@ -301,15 +342,13 @@ class MultiClient(_Fleet[Client]):
         fail over to them while the others are down."""
         results: dict[str, T] = {}
         placed = self.placement(name)
-        failed: list[tuple[int, str, MoegemmError]] = []
-        for rank, url in enumerate(placed, start=1):
+        failed: list[tuple[str, BaseException]] = []
+        for url in placed:
             try:
                 results[url] = action(self._clients[url])
             except MoegemmError as exc:
-                failed.append((rank, url, exc))
-        if failed:
-            rank, url, exc = failed[0]
-            raise _on_endpoint(name, url, rank, len(placed), exc) from exc
+                failed.append((url, exc))
+        self._settle(name, placed, failed)
         return results
 
     def grouped_gemm(
@@ -486,11 +525,8 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
         answers = await asyncio.gather(
             *(action(self._clients[url]) for url in placed), return_exceptions=True
         )
-        for rank, (url, answer) in enumerate(zip(placed, answers), start=1):
-            if isinstance(answer, MoegemmError):
-                raise _on_endpoint(name, url, rank, len(placed), answer) from answer
-            if isinstance(answer, BaseException):
-                raise answer
+        failed = [(url, a) for url, a in zip(placed, answers) if isinstance(a, BaseException)]
+        self._settle(name, placed, failed)
         return dict(zip(placed, answers))
 
     async def grouped_gemm(

@@ -8,6 +8,7 @@ the client's error tree, a deadline bounding the whole exchange.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.server
 import json
@@ -466,6 +467,50 @@ def _raw_server(respond) -> str:
 
     threading.Thread(target=serve, daemon=True).start()
     return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_upload_that_timed_out_is_not_sent_on_afterwards(kind):
+    """A load whose write timed out (a server that stopped reading: a GC pause, SIGSTOP)
+    raises, and the rest of its body is not sent on once the server reads again: the
+    server sees the body end early, so a load the caller was told failed never lands
+    (the async lane's close() sent what its transport still buffered)."""
+    from moegemm.client import AsyncClient
+
+    w = np.ones((4, 1024, 4096), np.float32)  # 64 MiB, far past the socket buffers
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    accepted: list = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    try:
+        if kind == "sync":
+            with Client(url, load_timeout=0.5) as c, pytest.raises(TransportError):
+                c.load_weights("w", w)
+        else:
+            async def load():
+                async with AsyncClient(url, load_timeout=0.5) as c:
+                    with pytest.raises(TransportError):
+                        await c.load_weights("w", w)
+                    await asyncio.sleep(0.5)  # the loop runs on: nothing more must go out
+
+            asyncio.run(load())
+        (conn,) = accepted
+        conn.settimeout(5)
+        received = 0
+        with conn:
+            while True:
+                try:
+                    chunk = conn.recv(1 << 20)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                received += len(chunk)
+        assert 0 < received < w.nbytes // 2, received
+    finally:
+        listener.close()
 
 
 def test_an_early_answer_to_a_large_upload_is_read():

@@ -12,6 +12,7 @@ import socket
 
 import httpx
 import ml_dtypes
+import msgspec
 import numpy as np
 import pytest
 from moegemm.client import Client, DeadlineExceeded, NoSuchWeights, TransportError
@@ -408,3 +409,131 @@ def test_async_multi_client_places_calls_and_fails_over(servers):
     asyncio.run(scenario())
     with Client(servers[0].url, token=token) as live:
         live.delete_weights(replicated)
+
+
+def _versioned_servers(log: list, failing: set[int]) -> httpx.MockTransport:
+    """Servers that keep, per port, the version each set was last loaded with (the load's
+    first weight value) and answer gemm calls with rows filled with it; a load or delete
+    sent to a port in ``failing`` times out there and changes nothing."""
+    held: dict[tuple[int, str], float] = {}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        port, path = request.url.port, request.url.path
+        name = path.split("/")[3]
+        if request.method in ("PUT", "DELETE"):
+            if port in failing:
+                raise httpx.WriteTimeout("the server stopped reading", request=request)
+            if request.method == "DELETE":
+                held.pop((port, name), None)
+                return httpx.Response(204)
+            version = _wire_first(request.content)
+            held[(port, name)] = version
+            if path.startswith("/v1/experts/"):
+                held[(port, f"{name}.w13")] = held[(port, f"{name}.w2")] = version
+            return httpx.Response(201, json={"name": name})
+        log.append(port)
+        if (port, name) not in held:
+            return httpx.Response(404, json={"error": {"code": "no_such_weights",
+                                                       "message": name}})
+        out = np.full((9, N), held[(port, name)], ml_dtypes.bfloat16)
+        return httpx.Response(200, content=packb({"out": encode_tensor(out)}),
+                              headers={"content-type": MSGPACK})
+
+    return httpx.MockTransport(handle)
+
+
+def _wire_first(content: bytes) -> float:
+    """The first value of a load's weights (bf16 on the wire)."""
+    body = msgspec.msgpack.decode(content)
+    tensor = body.get("w", body.get("w13"))
+    assert tensor["dtype"] == "bfloat16"
+    return float(np.frombuffer(tensor["data"], ml_dtypes.bfloat16)[0])
+
+
+def _versions(multi, name: str, calls: int) -> list[float]:
+    x, m_sizes = _call(np.random.default_rng())
+    return [float(multi.grouped_gemm(name, x, m_sizes)[0, 0]) for _ in range(calls)]
+
+
+def test_a_replica_that_missed_a_change_is_left_out_of_calls_until_one_succeeds_there():
+    """A replace that timed out on one replica (a hung server) while the other took it:
+    raised naming that replica, and this client's calls then go to the replica that has
+    the new version only, never alternating new and old answers; a later load that
+    succeeds there brings it back. The same for an expert set (its matrices too) and a
+    delete."""
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002, 9003)]
+    log: list = []
+    failing: set[int] = set()
+    w = np.full((G, N, K), 1.0, ml_dtypes.bfloat16)
+    with MultiClient(urls, hot={"s": 2, "e": 2},
+                     transport=_versioned_servers(log, failing)) as multi:
+        a, b = (int(u.rsplit(":", 1)[1]) for u in multi.placement("s"))
+        multi.load_weights("s", w)
+        assert _versions(multi, "s", 4) == [1.0] * 4
+        failing.add(b)
+        with pytest.raises(TransportError, match=f"127.0.0.1:{b}.*avoid the endpoints"):
+            multi.load_weights("s", w * 2)
+        failing.clear()
+        log.clear()
+        assert _versions(multi, "s", 4) == [2.0] * 4 and set(log) == {a}
+        multi.load_weights("s", w * 3)  # succeeds on both: b is fresh again
+        log.clear()
+        assert _versions(multi, "s", 4) == [3.0] * 4 and set(log) == {a, b}
+
+        # Both fail: nothing took the change, every failure named, nothing left out.
+        failing.update({a, b})
+        with pytest.raises(TransportError) as raised:
+            multi.load_weights("s", w * 4)
+        assert f":{a}" in str(raised.value) and f":{b}" in str(raised.value)
+        assert "avoid" not in str(raised.value)
+        failing.clear()
+        log.clear()
+        assert _versions(multi, "s", 4) == [3.0] * 4 and set(log) == {a, b}
+
+        # A delete that reaches one replica only: the other, still holding the set, is
+        # left out, so calls find the set gone.
+        failing.add(b)
+        with pytest.raises(TransportError):
+            multi.delete_weights("s")
+        failing.clear()
+        with pytest.raises(NoSuchWeights):
+            multi.grouped_gemm("s", *_call(np.random.default_rng()))
+
+        # An expert set's matrices follow it.
+        e1, e2 = (int(u.rsplit(":", 1)[1]) for u in multi.placement("e"))
+        w13 = np.full((G, 256, 128), 1.0, ml_dtypes.bfloat16)
+        w2 = np.full((G, 128, 128), 1.0, ml_dtypes.bfloat16)
+        multi.load_experts("e", w13, w2)
+        failing.add(e1)
+        with pytest.raises(TransportError):
+            multi.load_experts("e", w13 * 5, w2)
+        failing.clear()
+        log.clear()
+        assert _versions(multi, "e.w13", 4) == [5.0] * 4 and set(log) == {e2}
+
+
+def test_an_async_replica_that_missed_a_change_is_left_out_of_calls():
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002)]
+    log: list = []
+    failing: set[int] = set()
+    w = np.full((G, N, K), 1.0, ml_dtypes.bfloat16)
+    x, m_sizes = _call(np.random.default_rng())
+
+    async def run():
+        async with AsyncMultiClient(urls, hot={"s": 2},
+                                    transport=_versioned_servers(log, failing)) as multi:
+            a, b = (int(u.rsplit(":", 1)[1]) for u in multi.placement("s"))
+            await multi.load_weights("s", w)
+            failing.add(a)
+            with pytest.raises(TransportError, match=f"127.0.0.1:{a}.*avoid the endpoints"):
+                await multi.load_weights("s", w * 2)
+            failing.clear()
+            log.clear()
+            got = [float((await multi.grouped_gemm("s", x, m_sizes))[0, 0]) for _ in range(4)]
+            assert got == [2.0] * 4 and set(log) == {b}
+            await multi.load_weights("s", w * 3)
+            log.clear()
+            got = [float((await multi.grouped_gemm("s", x, m_sizes))[0, 0]) for _ in range(4)]
+            assert got == [3.0] * 4 and set(log) == {a, b}
+
+    asyncio.run(run())
