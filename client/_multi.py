@@ -50,6 +50,12 @@ C = TypeVar("C", Client, AsyncClient)
 # never fail over.
 _FAIL_OVER = (TransportError, Unavailable, NoSuchWeights)
 
+
+def _gateway(exc: APIError) -> bool:
+    """An answer from something in front of the server (a proxy's 502 or 504, no contract
+    code: ``http_<status>``), not the server's: like no answer, it fails over."""
+    return exc.status >= 500 and exc.code == f"http_{exc.status}"
+
 # An expert set's matrices are weight sets named after it (SPEC 5): they live where it does.
 _MATRICES = (".w13", ".w2")
 
@@ -247,8 +253,9 @@ class MultiClient(_Fleet[Client]):
       version: this client's calls leave it out until a later load or delete of
       the set succeeds there (other clients do not know: repeat the load).
     - ``grouped_gemm`` takes turns over the placement's endpoints and moves
-      on to the next one on `TransportError`, 503 (`Unavailable`) or
-      `NoSuchWeights` (a restarted server that lost its sets). Other errors
+      on to the next one on `TransportError`, 503 (`Unavailable`),
+      `NoSuchWeights` (a restarted server that lost its sets) or a proxy's 5xx
+      without the contract's error body (a 502). Other errors
       (bad input, a passed deadline) are raised at once: every replica would
       answer the same. When no endpoint answers, the error names each
       endpoint and what went wrong there.
@@ -406,7 +413,9 @@ class MultiClient(_Fleet[Client]):
             except _FAIL_OVER as exc:
                 failures.append((url, exc))
             except APIError as exc:
-                raise _naming(url, exc) from exc
+                if not _gateway(exc):
+                    raise _naming(url, exc) from exc
+                failures.append((url, exc))
         raise _exhausted(name, self.placement(name), len(self._clients), failures) from (
             failures[-1][1]
         )
@@ -577,7 +586,9 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
             except _FAIL_OVER as exc:
                 failures.append((url, exc))
             except APIError as exc:
-                raise _naming(url, exc) from exc
+                if not _gateway(exc):
+                    raise _naming(url, exc) from exc
+                failures.append((url, exc))
         raise _exhausted(name, self.placement(name), len(self._clients), failures) from (
             failures[-1][1]
         )

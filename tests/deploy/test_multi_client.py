@@ -15,7 +15,7 @@ import ml_dtypes
 import msgspec
 import numpy as np
 import pytest
-from moegemm.client import Client, DeadlineExceeded, NoSuchWeights, TransportError
+from moegemm.client import Client, DeadlineExceeded, InternalError, NoSuchWeights, TransportError
 from moegemm.client._client import DEADLINE_HEADER
 from moegemm.client._media import MSGPACK
 from moegemm.client._multi import AsyncMultiClient, MultiClient
@@ -537,3 +537,33 @@ def test_an_async_replica_that_missed_a_change_is_left_out_of_calls():
             assert got == [3.0] * 4 and set(log) == {a, b}
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("status", [502, 504])
+def test_a_proxys_error_fails_over_and_the_servers_own_do_not(status):
+    """A 5xx without the contract's body comes from a proxy in front of one replica: the
+    call goes on to the next. The server's own errors (here 500 internal) are raised."""
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002)]
+    log: list = []
+    good = _fake_servers(log)
+    x, m_sizes = _call(np.random.default_rng())
+    own = False
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.port == first:
+            log.append((request.url.port, None))
+            if own:
+                return httpx.Response(500, json={"error": {"code": "internal",
+                                                           "message": "a bug"}})
+            return httpx.Response(status, text="<html>Bad Gateway</html>")
+        return good.handle_request(request)
+
+    with MultiClient(urls, hot={"s": 2}, transport=httpx.MockTransport(handle)) as multi:
+        first = int(multi.placement("s")[0].rsplit(":", 1)[1])
+        for _ in range(4):
+            assert multi.grouped_gemm("s", x, m_sizes).shape == (9, N)
+        assert sum(port == first for port, _ in log) == 2  # tried on its turns, failed over
+        own = True
+        with pytest.raises(InternalError):
+            for _ in range(2):
+                multi.grouped_gemm("s", x, m_sizes)
