@@ -110,7 +110,14 @@ class _ForwardConnection(_Connection):
     async def _forward(self, scope: dict, body: memoryview) -> None:
         try:
             status, head, data, close = await self.server.forward(scope, body, self)
-        except Exception:  # the owner is gone, or a bug: as _run_direct answers its failures
+        except ConnectionError as exc:
+            # The owner is gone (killed, or a second signal while stopping): no answer, the
+            # connection closed, as the server itself would leave it. Not a 500: a client
+            # sees no answer and may try another server (MultiClient fails over).
+            log.warning("forwarding %s %r: %s; closing without an answer", scope["method"],
+                        scope["path"][:200], exc)
+            self.keep_alive = False
+        except Exception:  # a bug: as _run_direct answers its failures
             log.exception("forwarding %s %r failed", scope["method"], scope["path"][:200])
             self.write_answer([_error_bytes(500, "internal", "unexpected server error")])
             self.keep_alive = False
@@ -377,8 +384,8 @@ class _Acceptor:
         None when nothing may be written. ``conn``, the connection it came on, is given the
         request's id (``forwarded``) to say when its client is gone (:meth:`abandon`)."""
         if self.writer is None or self.lost or self.writer.is_closing():
-            # Raised, not queued: a request after the link is gone must get an
-            # answer (500), not wait for a reply that cannot come.
+            # Raised, not queued: a request after the link is gone must end (closed
+            # without an answer), not wait for a reply that cannot come.
             raise ConnectionError("not connected to the owner")
         request_id = self.next_id = self.next_id + 1
         if conn is not None:
