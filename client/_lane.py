@@ -644,9 +644,10 @@ class AsyncLane:
                 self._give_back(conn)
             else:
                 # Not close(), which sends what the transport still buffers: a body whose
-                # write timed out would go on in the background, and a load the caller was
-                # told failed could land later (after a delete, say). Cut short, the server
-                # sees the body end early and refuses it.
+                # write failed or timed out (or was cancelled) would go on in the background,
+                # and a load the caller was told failed could land later (after a delete,
+                # say). Cut short, the server sees the body end early and refuses it. (An
+                # answer that closes the connection leaves nothing buffered: the same.)
                 conn[1].transport.abort()
 
     async def _send(self, writer, data, parts, timeout, deadline) -> OSError | None:

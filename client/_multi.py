@@ -51,10 +51,16 @@ C = TypeVar("C", Client, AsyncClient)
 _FAIL_OVER = (TransportError, Unavailable, NoSuchWeights)
 
 
-def _gateway(exc: APIError) -> bool:
-    """An answer from something in front of the server (a proxy's 502 or 504, no contract
-    code: ``http_<status>``), not the server's: like no answer, it fails over."""
-    return exc.status >= 500 and exc.code == f"http_{exc.status}"
+def _fails_over(exc: MoegemmError) -> bool:
+    """Whether another replica may answer after ``exc``: `_FAIL_OVER`, or a 5xx of a status
+    the contract does not use and without its error body (``http_<status>``: a proxy's 502,
+    a gateway's 504), which is something in front of the server, like no answer."""
+    return isinstance(exc, _FAIL_OVER) or (
+        isinstance(exc, APIError) and exc.status >= 500 and exc.code == f"http_{exc.status}")
+
+# The two kinds of set, in the server's two namespaces (a weight set and an expert set may
+# share a name), as errors name them.
+_KIND = {"weights": "weight set", "experts": "expert set"}
 
 # An expert set's matrices are weight sets named after it (SPEC 5): they live where it does.
 _MATRICES = (".w13", ".w2")
@@ -92,14 +98,13 @@ def _naming(endpoint: str, exc: APIError, context: str = "") -> APIError:
     return named
 
 
-def _on_endpoints(name: str, placed: list[str], failed: list[tuple[str, BaseException]],
-                  stale: bool) -> BaseException:
-    """The failure of a weight-set change on endpoints of the placement: the first one's
-    class, its message naming every endpoint that failed (``stale``: others took the change,
-    so this client's calls now avoid the failed ones)."""
+def _on_endpoints(kind: str, name: str, placed: list[str],
+                  failed: list[tuple[str, MoegemmError]], stale: bool) -> MoegemmError:
+    """The failure of a change of set ``name`` (``kind``: "weights" or "experts") on
+    endpoints of the placement: the first one's class, its message naming every endpoint
+    that failed (``stale``: others took the change, so this client's calls now avoid the
+    failed ones)."""
     url, exc = failed[0]
-    if not isinstance(exc, MoegemmError):
-        return exc
     others = "; ".join(f"{u}: {e}" for u, e in failed[1:])
     context = (f" (also failed: {others})" if others else "") + (
         "; calls on this client avoid the endpoints that failed until the set's next load "
@@ -107,7 +112,7 @@ def _on_endpoints(name: str, placed: list[str], failed: list[tuple[str, BaseExce
     if isinstance(exc, APIError):
         return _naming(url, exc, context)
     return TransportError(
-        f"weight set {name!r} is placed on {url} (replica {placed.index(url) + 1} of "
+        f"{_KIND[kind]} {name!r} is placed on {url} (replica {placed.index(url) + 1} of "
         f"{len(placed)}), which did not answer: {exc}{context}",
         request_id=getattr(exc, "request_id", None),
     )
@@ -157,11 +162,11 @@ class _Fleet(Generic[C]):
         # set pinned each set to one replica when calls of several sets alternate. next()
         # on an itertools.count is atomic under the GIL, so threads may share them.
         self._turns: dict[str, itertools.count] = {}
-        # Per set, the endpoints where its last change (load, replace, delete) failed while
-        # another endpoint took it: they may hold another version (a replace that timed out
-        # on a hung server), so calls leave them out until a change succeeds there. Replaced
-        # whole, never mutated: threads read it without a lock.
-        self._stale: dict[str, frozenset[str]] = {}
+        # Per set (kind, name), the endpoints where its last change (load, replace, delete)
+        # failed or was cut short while another endpoint took it: they may hold another
+        # version (a replace that timed out on a hung server), so calls leave them out until
+        # a change succeeds there. Each entry is replaced whole (threads read without a lock).
+        self._stale: dict[tuple[str, str], frozenset[str]] = {}
         self._clients: dict[str, C] = {url: make_client(url) for url in urls}
 
     @property
@@ -177,37 +182,46 @@ class _Fleet(Generic[C]):
         count = self._hot.get(_owner(name), self._hot.get(name, self._replicas))
         return place(_placed_by(name), self._clients, count)
 
-    def _turn(self, name: str) -> list[str]:
+    def _turn(self, name: str, kind: str) -> list[str]:
         # This call's order: the placement rotated by one per call of this set, so calls
         # on a replicated set spread over its replicas; stale replicas left out (an expert
         # set's are its matrices' too).
         placed = self.placement(name)
-        stale = self._stale.get(name, frozenset()) | self._stale.get(_owner(name), frozenset())
-        placed = [url for url in placed if url not in stale] or placed
+        stale = self._stale.get((kind, name), frozenset())
+        if kind == "weights" and _owner(name) != name:
+            stale |= self._stale.get(("experts", _owner(name)), frozenset())
+        fresh = [url for url in placed if url not in stale]
+        if not fresh:
+            raise TransportError(
+                f"every endpoint holding {_KIND[kind]} {name!r} missed a change of it "
+                f"({', '.join(placed)}): load it again")
         turns = self._turns.get(name)
         if turns is None:
             turns = self._turns.setdefault(name, itertools.count())
-        first = next(turns) % len(placed)
-        return placed[first:] + placed[:first]
+        first = next(turns) % len(fresh)
+        return fresh[first:] + fresh[:first]
 
-    def _settle(self, name: str, placed: list[str],
-                failed: list[tuple[str, BaseException]]) -> None:
-        """After a change of ``name`` on ``placed``: the endpoints where it failed become
-        stale when another took it, those where it succeeded fresh; then, if any failed,
-        the error naming every failure is raised."""
-        bad = {url for url, _ in failed}
-        took = [url for url in placed if url not in bad]
-        if took:
-            stale = (self._stale.get(name, frozenset()) - set(took)) | bad
-            if stale:
-                self._stale[name] = frozenset(stale)
-            else:
-                self._stale.pop(name, None)
+    def _mark(self, kind: str, name: str, placed: list[str], missed: list[str]) -> None:
+        """After a change of set ``name`` on ``placed`` that ``missed`` did not take (failed or
+        cut short): they become stale when another endpoint took it, those that took it
+        fresh."""
+        took = [url for url in placed if url not in missed]
+        if not took:
+            return  # nothing changed anywhere (as far as any answer says)
+        stale = (self._stale.get((kind, name), frozenset()) - set(took)) | set(missed)
+        if stale:
+            self._stale[(kind, name)] = frozenset(stale)
+        else:
+            self._stale.pop((kind, name), None)
+
+    def _settle(self, kind: str, name: str, placed: list[str],
+                failed: list[tuple[str, MoegemmError]]) -> None:
+        """Mark what a finished change missed; then, if any endpoint failed, raise the error
+        naming every failure."""
+        self._mark(kind, name, placed, [url for url, _ in failed])
         if failed:
-            error, first = _on_endpoints(name, placed, failed, bool(took)), failed[0][1]
-            if error is first:  # not one of ours (a cancellation, a bug): as it came
-                raise error
-            raise error from first
+            took = len(failed) < len(placed)
+            raise _on_endpoints(kind, name, placed, failed, took) from failed[0][1]
 
     def _forget(self, *names: str) -> None:
         # A deleted set's turn counts go with it: names that come and go (a set reloaded
@@ -249,13 +263,15 @@ class MultiClient(_Fleet[Client]):
     - ``load_weights`` / ``load_weights_file`` load on every endpoint of the
       placement; an unreachable one raises `TransportError` naming it (every
       endpoint that failed), once the others have the set. An endpoint where a
-      load, replace or delete failed while another took it may hold another
-      version: this client's calls leave it out until a later load or delete of
-      the set succeeds there (other clients do not know: repeat the load).
+      load, replace or delete failed (or was cut short by the caller) while
+      another took it may hold another version: this client's calls leave it
+      out until a later load or delete of the set succeeds there (other clients
+      do not know: repeat the load).
     - ``grouped_gemm`` takes turns over the placement's endpoints and moves
       on to the next one on `TransportError`, 503 (`Unavailable`),
-      `NoSuchWeights` (a restarted server that lost its sets) or a proxy's 5xx
-      without the contract's error body (a 502). Other errors
+      `NoSuchWeights` (a restarted server that lost its sets) or a 5xx of a
+      status the contract does not use, without its error body (a proxy's 502, a
+      gateway's 504). Other errors
       (bad input, a passed deadline) are raised at once: every replica would
       answer the same. When no endpoint answers, the error names each
       endpoint and what went wrong there.
@@ -301,14 +317,14 @@ class MultiClient(_Fleet[Client]):
         none of them did.
         """
         self._forget(name)
-        self._delete(name, lambda c: c.delete_weights(name))
+        self._delete(name, lambda c: c.delete_weights(name), "weights")
 
     def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
                      w2_scale: Any = None) -> dict[str, dict]:
         """Load or replace expert set ``name`` on each endpoint of its placement (placed
         by the expert-set name, as weight sets are); arguments as `Client.load_experts`."""
         return self._on_placement(
-            name, lambda c: c.load_experts(name, w13, w2, w13_scale, w2_scale)
+            name, lambda c: c.load_experts(name, w13, w2, w13_scale, w2_scale), kind="experts"
         )
 
     def load_experts_checkpoint(self, name: str, checkpoint: str | os.PathLike,
@@ -316,21 +332,21 @@ class MultiClient(_Fleet[Client]):
         """Load expert set ``name`` from a checkpoint layer on each endpoint of its
         placement (the servers share the checkpoint directory)."""
         return self._on_placement(
-            name, lambda c: c.load_experts_checkpoint(name, checkpoint, layer)
+            name, lambda c: c.load_experts_checkpoint(name, checkpoint, layer), kind="experts"
         )
 
     def delete_experts(self, name: str) -> None:
         """Unload expert set ``name`` from each endpoint of its placement (as
         `delete_weights`)."""
         self._forget(name, f"{name}.w13", f"{name}.w2")
-        self._delete(name, lambda c: c.delete_experts(name))
+        self._delete(name, lambda c: c.delete_experts(name), "experts")
 
     def experts(self) -> dict[str, list[dict]]:
         """Each endpoint's loaded expert sets (as `Client.experts`); raises as `weights`
         does."""
         return self._on_all(lambda c: c.experts())
 
-    def _delete(self, name: str, delete_one: Callable[[Client], None]) -> None:
+    def _delete(self, name: str, delete_one: Callable[[Client], None], kind: str) -> None:
         missing: list[NoSuchWeights] = []
 
         def delete(client: Client) -> None:
@@ -339,23 +355,28 @@ class MultiClient(_Fleet[Client]):
             except NoSuchWeights as exc:
                 missing.append(exc)
 
-        placed = self._on_placement(name, delete)
+        placed = self._on_placement(name, delete, kind)
         if len(missing) == len(placed):
             raise _naming(", ".join(placed), missing[-1]) from missing[-1]
 
-    def _on_placement(self, name: str, action: Callable[[Client], T]) -> dict[str, T]:
+    def _on_placement(self, name: str, action: Callable[[Client], T],
+                      kind: str = "weights") -> dict[str, T]:
         """``action`` on every endpoint of the placement (as the async class does), then
         the first failure, named: the endpoints that answered have the change, so calls
         fail over to them while the others are down."""
         results: dict[str, T] = {}
         placed = self.placement(name)
-        failed: list[tuple[str, BaseException]] = []
-        for url in placed:
-            try:
-                results[url] = action(self._clients[url])
-            except MoegemmError as exc:
-                failed.append((url, exc))
-        self._settle(name, placed, failed)
+        failed: list[tuple[str, MoegemmError]] = []
+        try:
+            for url in placed:
+                try:
+                    results[url] = action(self._clients[url])
+                except MoegemmError as exc:
+                    failed.append((url, exc))
+        except BaseException:  # cut short (Ctrl-C): where it was, and what it had not reached
+            self._mark(kind, name, placed, [url for url in placed if url not in results])
+            raise
+        self._settle(kind, name, placed, failed)
         return results
 
     def grouped_gemm(
@@ -387,7 +408,7 @@ class MultiClient(_Fleet[Client]):
         `grouped_gemm` (placement by the expert-set name)."""
         return self._failing_over(
             name, deadline, lambda c, budget: c.expert_ffn(name, x, m_sizes, x_scale, **budget),
-            request_id,
+            request_id, kind="experts",
         )
 
     def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any, x_scale: Any = None,
@@ -396,24 +417,22 @@ class MultiClient(_Fleet[Client]):
         return self._failing_over(
             name, deadline,
             lambda c, budget: c.moe(name, x, topk_ids, topk_weights, x_scale, **budget),
-            request_id,
+            request_id, kind="experts",
         )
 
     def _failing_over(self, name: str, deadline: float | None,
                       call: Callable[[Client, dict[str, Any]], T],
-                      request_id: str | None = None) -> T:
+                      request_id: str | None = None, kind: str = "weights") -> T:
         until = deadline_instant(deadline)
         failures: list[tuple[str, MoegemmError]] = []
-        for url in self._turn(name):
+        for url in self._turn(name, kind):
             budget: dict[str, Any] = self._budget(name, deadline, until, failures)
             if request_id is not None:  # one id for every replica tried
                 budget["request_id"] = request_id
             try:
                 return call(self._clients[url], budget)
-            except _FAIL_OVER as exc:
-                failures.append((url, exc))
-            except APIError as exc:
-                if not _gateway(exc):
+            except (TransportError, APIError) as exc:
+                if not _fails_over(exc):
                     raise _naming(url, exc) from exc
                 failures.append((url, exc))
         raise _exhausted(name, self.placement(name), len(self._clients), failures) from (
@@ -488,33 +507,33 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
     async def delete_weights(self, name: str) -> None:
         """See `MultiClient.delete_weights`."""
         self._forget(name)
-        await self._delete(name, lambda c: c.delete_weights(name))
+        await self._delete(name, lambda c: c.delete_weights(name), "weights")
 
     async def load_experts(self, name: str, w13: Any, w2: Any, w13_scale: Any = None,
                            w2_scale: Any = None) -> dict[str, dict]:
         """See `MultiClient.load_experts`."""
         return await self._on_placement(
-            name, lambda c: c.load_experts(name, w13, w2, w13_scale, w2_scale)
+            name, lambda c: c.load_experts(name, w13, w2, w13_scale, w2_scale), kind="experts"
         )
 
     async def load_experts_checkpoint(self, name: str, checkpoint: str | os.PathLike,
                                       layer: int) -> dict[str, dict]:
         """See `MultiClient.load_experts_checkpoint`."""
         return await self._on_placement(
-            name, lambda c: c.load_experts_checkpoint(name, checkpoint, layer)
+            name, lambda c: c.load_experts_checkpoint(name, checkpoint, layer), kind="experts"
         )
 
     async def delete_experts(self, name: str) -> None:
         """See `MultiClient.delete_experts`."""
         self._forget(name, f"{name}.w13", f"{name}.w2")
-        await self._delete(name, lambda c: c.delete_experts(name))
+        await self._delete(name, lambda c: c.delete_experts(name), "experts")
 
     async def experts(self) -> dict[str, list[dict]]:
         """See `MultiClient.experts`."""
         return await self._on_all(lambda c: c.experts())
 
-    async def _delete(self, name: str,
-                      delete_one: Callable[[AsyncClient], Awaitable[None]]) -> None:
+    async def _delete(self, name: str, delete_one: Callable[[AsyncClient], Awaitable[None]],
+                      kind: str) -> None:
         async def delete(client: AsyncClient) -> NoSuchWeights | None:
             try:
                 await delete_one(client)
@@ -522,20 +541,30 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
                 return exc
             return None
 
-        answers = await self._on_placement(name, delete)
+        answers = await self._on_placement(name, delete, kind)
         missing = [exc for exc in answers.values() if exc is not None]
         if len(missing) == len(answers):
             raise _naming(", ".join(answers), missing[-1]) from missing[-1]
 
     async def _on_placement(
-        self, name: str, action: Callable[[AsyncClient], Awaitable[T]]
+        self, name: str, action: Callable[[AsyncClient], Awaitable[T]], kind: str = "weights"
     ) -> dict[str, T]:
         placed = self.placement(name)
-        answers = await asyncio.gather(
-            *(action(self._clients[url]) for url in placed), return_exceptions=True
-        )
-        failed = [(url, a) for url, a in zip(placed, answers) if isinstance(a, BaseException)]
-        self._settle(name, placed, failed)
+        tasks = [asyncio.ensure_future(action(self._clients[url])) for url in placed]
+        try:
+            answers = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:  # cancelled (a caller's timeout): what had not finished missed it
+            for task in tasks:
+                task.cancel()
+            self._mark(kind, name, placed, [
+                url for url, task in zip(placed, tasks)
+                if not task.done() or task.cancelled() or task.exception() is not None])
+            raise
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, MoegemmError):
+                raise answer  # not one of ours (a bug): as it came
+        failed = [(url, a) for url, a in zip(placed, answers) if isinstance(a, MoegemmError)]
+        self._settle(kind, name, placed, failed)
         return dict(zip(placed, answers))
 
     async def grouped_gemm(
@@ -559,7 +588,7 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
         """See `MultiClient.expert_ffn`."""
         return await self._failing_over(
             name, deadline, lambda c, budget: c.expert_ffn(name, x, m_sizes, x_scale, **budget),
-            request_id,
+            request_id, kind="experts",
         )
 
     async def moe(self, name: str, x: Any, topk_ids: Any, topk_weights: Any,
@@ -569,24 +598,22 @@ class AsyncMultiClient(_Fleet[AsyncClient]):
         return await self._failing_over(
             name, deadline,
             lambda c, budget: c.moe(name, x, topk_ids, topk_weights, x_scale, **budget),
-            request_id,
+            request_id, kind="experts",
         )
 
     async def _failing_over(self, name: str, deadline: float | None,
                             call: Callable[[AsyncClient, dict[str, Any]], Awaitable[T]],
-                            request_id: str | None = None) -> T:
+                            request_id: str | None = None, kind: str = "weights") -> T:
         until = deadline_instant(deadline)
         failures: list[tuple[str, MoegemmError]] = []
-        for url in self._turn(name):
+        for url in self._turn(name, kind):
             budget: dict[str, Any] = self._budget(name, deadline, until, failures)
             if request_id is not None:  # one id for every replica tried
                 budget["request_id"] = request_id
             try:
                 return await call(self._clients[url], budget)
-            except _FAIL_OVER as exc:
-                failures.append((url, exc))
-            except APIError as exc:
-                if not _gateway(exc):
+            except (TransportError, APIError) as exc:
+                if not _fails_over(exc):
                     raise _naming(url, exc) from exc
                 failures.append((url, exc))
         raise _exhausted(name, self.placement(name), len(self._clients), failures) from (

@@ -124,8 +124,9 @@ def torch_of(a: Any):
     """The torch module when ``a`` is a torch tensor, else None; torch is never imported
     here. While another thread is still importing torch, the module in ``sys.modules`` has
     no ``Tensor`` yet, and ``a`` (which exists) is no tensor of it."""
-    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
-    return sys.modules["torch"] if tensor is not None and isinstance(a, tensor) else None
+    torch = sys.modules.get("torch")
+    tensor = getattr(torch, "Tensor", None)
+    return torch if tensor is not None and isinstance(a, tensor) else None
 
 
 def encode_tensor(a: Any) -> dict:

@@ -482,33 +482,38 @@ def test_an_upload_that_timed_out_is_not_sent_on_afterwards(kind):
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    accepted: list = []
-    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    failed = threading.Event()  # the server reads again once the client gave up
+    received: list[int] = []
+
+    def serve():
+        conn, _ = listener.accept()
+        failed.wait(30)
+        conn.settimeout(2)  # no byte for 2 s: nothing more comes
+        got = 0
+        with conn, contextlib.suppress(ConnectionResetError, TimeoutError):
+            while chunk := conn.recv(1 << 20):
+                got += len(chunk)
+        received.append(got)
+
+    reader = threading.Thread(target=serve, daemon=True)
+    reader.start()
     try:
         if kind == "sync":
             with Client(url, load_timeout=0.5) as c, pytest.raises(TransportError):
                 c.load_weights("w", w)
+            failed.set()
         else:
             async def load():
                 async with AsyncClient(url, load_timeout=0.5) as c:
                     with pytest.raises(TransportError):
                         await c.load_weights("w", w)
-                    await asyncio.sleep(0.5)  # the loop runs on: nothing more must go out
+                    failed.set()
+                    # The loop runs on while the server reads: nothing more must go out.
+                    await asyncio.to_thread(reader.join, 30)
 
             asyncio.run(load())
-        (conn,) = accepted
-        conn.settimeout(5)
-        received = 0
-        with conn:
-            while True:
-                try:
-                    chunk = conn.recv(1 << 20)
-                except ConnectionResetError:
-                    break
-                if not chunk:
-                    break
-                received += len(chunk)
-        assert 0 < received < w.nbytes // 2, received
+        reader.join(30)
+        assert received and 0 < received[0] < w.nbytes // 2, received
     finally:
         listener.close()
 

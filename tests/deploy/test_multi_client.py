@@ -411,35 +411,50 @@ def test_async_multi_client_places_calls_and_fails_over(servers):
         live.delete_weights(replicated)
 
 
-def _versioned_servers(log: list, failing: set[int]) -> httpx.MockTransport:
+def _versioned_servers(log: list, failing: set[int], slow: set[int] = frozenset()):
     """Servers that keep, per port, the version each set was last loaded with (the load's
-    first weight value) and answer gemm calls with rows filled with it; a load or delete
-    sent to a port in ``failing`` times out there and changes nothing."""
-    held: dict[tuple[int, str], float] = {}
+    first weight value), weight sets and expert sets apart as the server keeps them (an
+    expert set's matrices are weight sets), and answer calls with rows filled with it. A
+    load or delete sent to a port in ``failing`` times out there and changes nothing; one
+    sent to a port in ``slow`` takes 5 s (async clients only)."""
+    held: dict[tuple[int, str, str], float] = {}
 
-    def handle(request: httpx.Request) -> httpx.Response:
+    def change(request: httpx.Request) -> httpx.Response:
         port, path = request.url.port, request.url.path
-        name = path.split("/")[3]
-        if request.method in ("PUT", "DELETE"):
-            if port in failing:
-                raise httpx.WriteTimeout("the server stopped reading", request=request)
+        kind, name = path.split("/")[2:4]
+        if port in failing:
+            raise httpx.WriteTimeout("the server stopped reading", request=request)
+        keys = [(port, kind, name)]
+        if kind == "experts":
+            keys += [(port, "weights", f"{name}.w13"), (port, "weights", f"{name}.w2")]
+        for key in keys:
             if request.method == "DELETE":
-                held.pop((port, name), None)
-                return httpx.Response(204)
-            version = _wire_first(request.content)
-            held[(port, name)] = version
-            if path.startswith("/v1/experts/"):
-                held[(port, f"{name}.w13")] = held[(port, f"{name}.w2")] = version
-            return httpx.Response(201, json={"name": name})
+                held.pop(key, None)
+            else:
+                held[key] = _wire_first(request.content)
+        return httpx.Response(204 if request.method == "DELETE" else 201, json={"name": name})
+
+    def call(request: httpx.Request) -> httpx.Response:
+        port, path = request.url.port, request.url.path
+        kind, name = path.split("/")[2:4]
         log.append(port)
-        if (port, name) not in held:
+        if (port, kind, name) not in held:
             return httpx.Response(404, json={"error": {"code": "no_such_weights",
                                                        "message": name}})
-        out = np.full((9, N), held[(port, name)], ml_dtypes.bfloat16)
+        rows = 9 if kind == "weights" else 6
+        out = np.full((rows, N), held[(port, kind, name)], ml_dtypes.bfloat16)
         return httpx.Response(200, content=packb({"out": encode_tensor(out)}),
                               headers={"content-type": MSGPACK})
 
-    return httpx.MockTransport(handle)
+    def handle(request: httpx.Request) -> httpx.Response:
+        return change(request) if request.method in ("PUT", "DELETE") else call(request)
+
+    async def handle_async(request: httpx.Request) -> httpx.Response:
+        if request.method in ("PUT", "DELETE") and request.url.port in slow:
+            await asyncio.sleep(5)
+        return handle(request)
+
+    return httpx.MockTransport(handle), httpx.MockTransport(handle_async)
 
 
 def _wire_first(content: bytes) -> float:
@@ -466,7 +481,7 @@ def test_a_replica_that_missed_a_change_is_left_out_of_calls_until_one_succeeds_
     failing: set[int] = set()
     w = np.full((G, N, K), 1.0, ml_dtypes.bfloat16)
     with MultiClient(urls, hot={"s": 2, "e": 2},
-                     transport=_versioned_servers(log, failing)) as multi:
+                     transport=_versioned_servers(log, failing)[0]) as multi:
         a, b = (int(u.rsplit(":", 1)[1]) for u in multi.placement("s"))
         multi.load_weights("s", w)
         assert _versions(multi, "s", 4) == [1.0] * 4
@@ -521,7 +536,7 @@ def test_an_async_replica_that_missed_a_change_is_left_out_of_calls():
 
     async def run():
         async with AsyncMultiClient(urls, hot={"s": 2},
-                                    transport=_versioned_servers(log, failing)) as multi:
+                                    transport=_versioned_servers(log, failing)[1]) as multi:
             a, b = (int(u.rsplit(":", 1)[1]) for u in multi.placement("s"))
             await multi.load_weights("s", w)
             failing.add(a)
@@ -567,3 +582,54 @@ def test_a_proxys_error_fails_over_and_the_servers_own_do_not(status):
         with pytest.raises(InternalError):
             for _ in range(2):
                 multi.grouped_gemm("s", x, m_sizes)
+
+
+def test_a_weight_set_and_an_expert_set_of_one_name_are_marked_apart():
+    """The server keeps weight sets and expert sets apart, so one name may be both: a
+    change of weight set ``e`` that succeeds everywhere leaves expert set ``e``'s stale
+    replica (and its matrices') out still; ffn calls on ``e`` avoid it too."""
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002)]
+    log: list = []
+    failing: set[int] = set()
+    w13 = np.full((G, 256, 128), 1.0, ml_dtypes.bfloat16)
+    w2 = np.full((G, 128, 128), 1.0, ml_dtypes.bfloat16)
+    with MultiClient(urls, hot={"e": 2}, transport=_versioned_servers(log, failing)[0]) as multi:
+        a, b = (int(u.rsplit(":", 1)[1]) for u in multi.placement("e"))
+        multi.load_experts("e", w13, w2)
+        failing.add(b)
+        with pytest.raises(TransportError, match="expert set 'e'"):
+            multi.load_experts("e", w13 * 5, w2)
+        failing.clear()
+        multi.load_weights("e", np.full((G, N, K), 7.0, ml_dtypes.bfloat16))  # both take it
+        log.clear()
+        assert _versions(multi, "e.w13", 4) == [5.0] * 4 and set(log) == {a}
+        assert _versions(multi, "e", 4) == [7.0] * 4  # the weight set: on both, fresh
+        x = np.ones((6, 128), ml_dtypes.bfloat16)
+        log.clear()
+        for _ in range(4):
+            assert float(multi.expert_ffn("e", x, [6, 0, 0])[0, 0]) == 5.0
+        assert set(log) == {a}
+
+
+def test_a_change_cut_short_by_the_callers_timeout_marks_what_it_did_not_reach():
+    """An async load bounded by the caller (``asyncio.wait_for``) that one replica took
+    and another had not finished: calls then avoid the unfinished one."""
+    urls = [f"http://127.0.0.1:{port}" for port in (9001, 9002)]
+    log: list = []
+    slow: set[int] = set()
+    w = np.full((G, N, K), 1.0, ml_dtypes.bfloat16)
+    x, m_sizes = _call(np.random.default_rng())
+
+    async def run():
+        transport = _versioned_servers(log, set(), slow)[1]
+        async with AsyncMultiClient(urls, hot={"s": 2}, transport=transport) as multi:
+            a, b = (int(u.rsplit(":", 1)[1]) for u in multi.placement("s"))
+            await multi.load_weights("s", w)
+            slow.add(b)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(multi.load_weights("s", w * 2), 0.5)
+            log.clear()
+            got = [float((await multi.grouped_gemm("s", x, m_sizes))[0, 0]) for _ in range(4)]
+            assert got == [2.0] * 4 and set(log) == {a}
+
+    asyncio.run(run())
