@@ -43,6 +43,7 @@ from ._http_conn import (
     _Connection,
     _error_bytes,
     _plain_body,
+    drain,
     sweep,
 )
 from ._http_gate import HttpLimits, call_route, fit_to_descriptors
@@ -158,6 +159,7 @@ class _Acceptor:
         self.receiving = 0
         self.committed = 0
         self.grace_s = grace_s
+        self.stopping = False  # as FastHttpServer's
         self.app = self.direct = None
         self.active = 0  # what _Connection counts (the owner counts forwarded requests)
         self.state: dict = {}
@@ -525,6 +527,7 @@ class _Acceptor:
         self._listen()
         log.debug("acceptor %d listening on %s:%d", self.index, self.host, self.port)
         await stop.wait()
+        self.stopping = True
         listeners, self.listeners = self.listeners, []
         for listener in listeners:
             loop.remove_reader(listener)
@@ -532,9 +535,7 @@ class _Acceptor:
         await self._settle_offers(min(1.0, self.grace_s))
         if self.handing:  # connections just handed back: counted below once connected
             await asyncio.wait(list(self.handing), timeout=min(1.0, self.grace_s))
-        running = [c.task for c in self.connections if c.task is not None]
-        if running:
-            await asyncio.wait(running, timeout=self.grace_s)
+        await drain(self, time.monotonic() + self.grace_s)
         closing = [asyncio.ensure_future(c.disconnected.wait()) for c in list(self.connections)]
         for conn in list(self.connections):
             if conn.transport is not None:

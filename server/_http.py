@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._asgi import leaf_routes
-from ._http_conn import _Connection, _plain_body, log, sweep
+from ._http_conn import _Connection, _plain_body, drain, log, sweep
 from ._http_gate import HttpLimits, fit_to_descriptors
 
 # At a stop, the least time the answers already made get to reach their clients, even when
@@ -153,6 +153,9 @@ class FastHttpServer:
         self._budget = None
         self.allocate = allocate or _plain_body
         self.grace_s = grace_s
+        # Set at the stop: requests begun after it are refused (503 not_ready) and answers
+        # close their connection, so no request is read that the drain would then drop.
+        self.stopping = False
         # SO_REUSEPORT: other processes may bind the same port (``_acceptors.py``).
         self.reuse_port = reuse_port
         # Set once the port is bound (``self.port`` is then the real one).
@@ -233,17 +236,13 @@ class FastHttpServer:
             await stop.wait()
         finally:
             self._server.close()
+            self.stopping = True
             # One grace for the whole drain: the requests in flight, then the answers' flush
             # with what is left of it (a couple of seconds at least, to write what is done).
             until = time.monotonic() + self.grace_s
-            running = [c.task for c in self.connections if c.task is not None]
-            if running:
-                log.info("stopping: %d request(s) in flight get up to %.1f s", len(running),
-                         self.grace_s)
-                _, cut = await asyncio.wait(running, timeout=self.grace_s)
-                if cut:
-                    log.warning("stopping: %d request(s) still running after %.1f s are cut off",
-                                len(cut), self.grace_s)
+            if await drain(self, until):
+                log.warning("stopping: %d request(s) still running after %.1f s are cut off",
+                            self.active, self.grace_s)
             sweeping.cancel()
             # close() flushes what is still buffered, asynchronously: wait for
             # every connection to be gone, or an answer in flight is cut short.

@@ -65,7 +65,14 @@ from urllib.parse import unquote
 
 import httptools
 import numpy as np
-from moegemm.client._errors import APIError, BadField, Overloaded, TooLarge, error_for
+from moegemm.client._errors import (
+    APIError,
+    BadField,
+    NotReady,
+    Overloaded,
+    TooLarge,
+    error_for,
+)
 
 from ._asgi import (
     Response,
@@ -462,6 +469,10 @@ class _Connection(asyncio.BufferedProtocol):
         self.scope = http_scope(version, method, decoded, path, query, self.headers, self.peer,
                                 self.local, self.server.state, self.began)
         self._begin()
+        if self.server.stopping:
+            self._refuse(NotReady("the server is stopping: send the request to another "
+                                  "server, or again once this one is back"))
+            return
         if length != 0:
             # Judged by the bodies held now; this one counts as its bytes arrive (_count).
             refusal = judge(self.limits, method, decoded, self.headers, length,
@@ -654,6 +665,8 @@ class _Connection(asyncio.BufferedProtocol):
             self.task = _run_now(self._run_direct(name, scope, body))
 
     def _connection_line(self) -> bytes:
+        if self.server.stopping:  # the last answer on this connection
+            self.keep_alive = False
         if not self.keep_alive:
             return b"connection: close\r\n"
         return b"connection: keep-alive\r\n" if self.http10 else b""
@@ -752,6 +765,18 @@ class _Connection(asyncio.BufferedProtocol):
             with contextlib.suppress(OSError):
                 unread += struct.unpack("i", fcntl.ioctl(self.fd, _SIOCOUTQNSD, _INT))[0]
         return unread
+
+
+async def drain(server, until: float) -> bool:
+    """Wait until ``until`` for ``server``'s requests in progress (``active``: from a head
+    read, or forwarded, to its answer; a body still arriving included) to be answered.
+    Whether some are left (to be cut off). The sweep still ends bodies that stall."""
+    if server.active:
+        log.info("stopping: %d request(s) in flight get up to %.1f s", server.active,
+                 max(0.0, until - time.monotonic()))
+    while server.active and time.monotonic() < until:
+        await asyncio.sleep(0.02)
+    return bool(server.active)
 
 
 async def sweep(connections: set, limits: HttpLimits, unread: dict) -> None:

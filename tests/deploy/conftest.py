@@ -28,7 +28,7 @@ class Server:
 
     token = TOKEN
 
-    def __init__(self) -> None:
+    def __init__(self, **env_extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGEMM_")}
@@ -39,6 +39,7 @@ class Server:
             MOEGEMM_DEMO="false",
             MOEGEMM_TOKEN=TOKEN,
             MOEGEMM_LOG_LEVEL="warning",
+            **env_extra,
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moegemm.cli", "serve"],
@@ -75,12 +76,13 @@ class Server:
 
 @pytest.fixture(scope="session")
 def start_servers() -> Iterator[Callable[[int], list[Server]]]:
-    """Start ``count`` servers in parallel and wait until all are ready; every
+    """Start ``count`` servers in parallel (``env``: more MOEGEMM_* settings) and wait until
+    all are ready; every
     server still running is stopped at the end of the session."""
     started: list[Server] = []
 
-    def start(count: int) -> list[Server]:
-        servers = [Server() for _ in range(count)]
+    def start(count: int, **env: str) -> list[Server]:
+        servers = [Server(**env) for _ in range(count)]
         started.extend(servers)
         for server in servers:
             server.wait_ready()
