@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -19,10 +20,11 @@ from pydantic import ValidationError
 
 from .config import Settings, shown, unknown_environment
 
-# The exit status when the address cannot be listened on (a port taken, a host not this one's).
+# The exit status when the address cannot be listened on now (a port taken, not allowed).
 EXIT_CANNOT_LISTEN = 1
 EXIT_NO_DEVICE = 2  # as invalid settings: the configured device does not exist here, or the
 # backend named (MOEGEMM_BACKEND) cannot run on it
+EXIT_BAD_HOST = 2  # as invalid settings: a host that does not resolve, or is not this machine's
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -186,7 +188,9 @@ def _serve_fast(settings: Settings) -> int:
         run(main)
     except ListenError as exc:  # before anything was loaded: a message, not a traceback
         print(f"moegemm serve: {exc.strerror}", file=sys.stderr)
-        return EXIT_CANNOT_LISTEN
+        # getaddrinfo's failures have negative numbers; EADDRNOTAVAIL: another machine's.
+        bad_host = exc.errno is not None and (exc.errno < 0 or exc.errno == errno.EADDRNOTAVAIL)
+        return EXIT_BAD_HOST if bad_host else EXIT_CANNOT_LISTEN
     from . import engine
 
     status = engine.EXIT_DEVICE_LOST if engine.DEVICE_LOST.is_set() else 0

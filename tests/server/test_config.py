@@ -342,6 +342,21 @@ def test_moegemm_serve_refuses_a_taken_port_before_loading_anything():
     assert "Traceback" not in done.stderr and "weight sets on" not in done.stderr  # the app never started
 
 
+@pytest.mark.parametrize("host", ["999.1.1.1", "not a host", "192.0.2.1"])
+def test_moegemm_serve_refuses_a_host_that_is_not_this_machines_as_a_bad_setting(host):
+    """A host that does not resolve, or is another machine's address (192.0.2.1: TEST-NET-1):
+    exit 2, as every bad setting (README), naming it; a taken port stays 1."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "moegemm.cli", "serve", "--host", host, "--port", "18999",
+         "--device", "cpu", "--demo"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == server_cli.EXIT_BAD_HOST == 2, done.stderr
+    assert f"moegemm serve: cannot listen on {host}:18999" in done.stderr
+    assert "Traceback" not in done.stderr and "weight sets on" not in done.stderr
+
+
 def test_moegemm_serve_refuses_a_gpu_it_cannot_see_before_loading_anything():
     """A GPU named that this process does not see (a container started without its
     GPU): one line and EXIT_NO_DEVICE, not a traceback and not the CPU in its place."""
