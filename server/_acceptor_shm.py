@@ -26,6 +26,9 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
+import stat
+import tempfile
 import time
 from typing import Any
 
@@ -89,33 +92,59 @@ def sweep_stale_arenas(directory: str = _SHM_DIR) -> list[str]:
     this process's and the file older than it.
     """
     removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name.split("-")
-        # ASCII digits only, few enough for a pid: str.isdigit() also takes '²', which int()
-        # refuses, and 20 digits overflow the kill() this leads to (any local user can name
-        # a file in /dev/shm; a start must not fail on one).
-        if (len(parts) < 3 or parts[0] != "moegemm" or not parts[1].isascii()
-                or not parts[1].isdigit() or len(parts[1]) > 9):
-            continue
-        pid, path = int(parts[1]), os.path.join(directory, name)
-        if pid == os.getpid():
-            # A container's server is process 1 at every restart, and its /dev/shm may outlive
-            # one (a pod's emptyDir): a file of this pid older than this process is another's.
-            with contextlib.suppress(OSError):
-                if os.stat(path).st_mtime >= _STARTED:
-                    continue
-        elif _pid_alive(pid):
-            continue
+    for name, path in _stale(directory, "moegemm-"):
         with contextlib.suppress(OSError):
             os.unlink(path)
             removed.append(name)
     if removed:
         log.info("removed %d shared-memory arenas of owners that are gone", len(removed))
     return removed
+
+
+def sweep_stale_owner_directories(directory: str | None = None) -> list[str]:
+    """Remove the private directories (``moegemm-owner-<pid>-*``: the owner's Unix sockets)
+    of owners that are gone with their acceptors (a SIGKILL of every process at once: an OOM
+    kill, ``docker kill``); return their names. Only directories (not links) of this user."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    for name, path in _stale(directory, "moegemm-owner-"):
+        with contextlib.suppress(OSError):
+            info = os.lstat(path)
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+                shutil.rmtree(path)
+                removed.append(name)
+    if removed:
+        log.info("removed %d socket directories of owners that are gone", len(removed))
+    return removed
+
+
+def _stale(directory: str, prefix: str) -> list[tuple[str, str]]:
+    """The entries ``<prefix><pid>-...`` of ``directory`` whose process is gone, or is this
+    one's pid and older than this process; (name, path) each."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        rest = name[len(prefix):].split("-") if name.startswith(prefix) else []
+        # ASCII digits only, few enough for a pid: str.isdigit() also takes '²', which int()
+        # refuses, and 20 digits overflow the kill() this leads to (any local user can name
+        # a file in /dev/shm or /tmp; a start must not fail on one).
+        if (len(rest) < 2 or not rest[0].isascii() or not rest[0].isdigit()
+                or len(rest[0]) > 9):
+            continue
+        pid, path = int(rest[0]), os.path.join(directory, name)
+        if pid == os.getpid():
+            # A container's server is process 1 at every restart, and its /dev/shm may outlive
+            # one (a pod's emptyDir): an entry of this pid older than this process is another's.
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_mtime >= _STARTED:
+                    continue
+        elif _pid_alive(pid):
+            continue
+        found.append((name, path))
+    return found
 
 
 def _pid_alive(pid: int) -> bool:

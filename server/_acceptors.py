@@ -93,6 +93,7 @@ from ._acceptor_shm import (
     _Slots,
     _unlink,
     sweep_stale_arenas,
+    sweep_stale_owner_directories,
 )
 from ._asgi import _start, body_parts, header_lines, http_scope, whole_body_receive
 from ._http import FastHttpServer, stop_on_signals
@@ -188,7 +189,10 @@ class Owner:
         self.count = count
         self.log_level = log_level
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.directory = tempfile.mkdtemp(prefix="moegemm-owner-")
+        sweep_stale_owner_directories()
+        # Named by this pid, so that the next owner removes it should every process of this
+        # server be killed at once (the acceptors remove it when the owner alone dies).
+        self.directory = tempfile.mkdtemp(prefix=f"moegemm-owner-{os.getpid()}-")
         self.socket_path = os.path.join(self.directory, "owner.sock")
         self.links: list[_Link] = []
         self.stopping = False

@@ -108,6 +108,28 @@ def test_answers_sent_before_the_owner_dropped_the_channel_are_honoured():
     asyncio.run(scenario())
 
 
+def test_socket_directories_of_owners_that_are_gone_are_swept(tmp_path):
+    """Every process of a server killed at once leaves its private directory (the owner's
+    Unix sockets): the next owner removes those of owners that are gone, directories only."""
+    import os
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"moegemm-owner-{gone.pid}-q5w8cc_v"
+    alive = tmp_path / f"moegemm-owner-{os.getppid()}-abc"
+    unnamed = tmp_path / "moegemm-owner-x1y2z3"  # an older server's name, without a pid
+    for path in (stale, alive, unnamed):
+        path.mkdir()
+        (path / "owner.sock").write_bytes(b"")
+    link = tmp_path / f"moegemm-owner-{gone.pid}-link"
+    link.symlink_to(alive)
+    assert _acceptor_shm.sweep_stale_owner_directories(str(tmp_path)) == [stale.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (alive, unnamed, link))
+    assert (alive / "owner.sock").exists()
+
+
 def test_arenas_of_owners_that_are_gone_are_swept(tmp_path):
     """An owner killed before its acceptors mapped their arenas leaves the files;
     the next owner removes those whose process is gone, and nothing else."""
