@@ -187,19 +187,27 @@ class _Fleet(Generic[C]):
         # on a replicated set spread over its replicas; stale replicas left out (an expert
         # set's are its matrices' too).
         placed = self.placement(name)
+        if self._stale:  # (a call's path stays as it was while no change failed)
+            placed = self._fresh(placed, name, kind)
+        turns = self._turns.get(name)
+        if turns is None:
+            turns = self._turns.setdefault(name, itertools.count())
+        first = next(turns) % len(placed)
+        return placed[first:] + placed[:first]
+
+    def _fresh(self, placed: list[str], name: str, kind: str) -> list[str]:
+        """``placed`` without the endpoints stale for this call's set; raises when none is
+        left."""
         stale = self._stale.get((kind, name), frozenset())
-        if kind == "weights" and _owner(name) != name:
-            stale |= self._stale.get(("experts", _owner(name)), frozenset())
+        owner = _owner(name)
+        if kind == "weights" and owner != name:
+            stale |= self._stale.get(("experts", owner), frozenset())
         fresh = [url for url in placed if url not in stale]
         if not fresh:
             raise TransportError(
                 f"every endpoint holding {_KIND[kind]} {name!r} missed a change of it "
                 f"({', '.join(placed)}): load it again")
-        turns = self._turns.get(name)
-        if turns is None:
-            turns = self._turns.setdefault(name, itertools.count())
-        first = next(turns) % len(fresh)
-        return fresh[first:] + fresh[:first]
+        return fresh
 
     def _mark(self, kind: str, name: str, placed: list[str], missed: list[str]) -> None:
         """After a change of set ``name`` on ``placed`` that ``missed`` did not take (failed or
