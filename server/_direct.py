@@ -71,8 +71,7 @@ class DirectCalls:
     ) -> tuple[int, bytes, list]:
         """Answer one call: the status, the header lines (each ending in CRLF, without
         the status line and the blank line) and the body parts. ``arrived``: when its head
-        arrived (``time.monotonic()``), where its deadline counts from."""
-        started = time.perf_counter()
+        arrived (``time.monotonic()``), where its deadline and its total time count from."""
         fields = _fields(headers)
         request_id = echoed_id(fields.get("x-request-id"))
         try:
@@ -83,7 +82,7 @@ class DirectCalls:
             # as a body the client left is (499).
             log.info("request POST %r: the client disconnected (request id %s)",
                      route.name[:200], request_id)
-            self._count(route.endpoint, 499, started)
+            self._count(route.endpoint, 499, arrived)
             raise
         except Exception as exc:  # never a crash: the same last resort as RequestContext
             log.exception("request POST %r failed (request id %s)", route.name[:200],
@@ -92,11 +91,12 @@ class DirectCalls:
                 f"unexpected {type(exc).__name__}; see the server log"), request_id)
             endpoint = route.endpoint
         self.metrics.bytes_out.inc(sum(len(p) for p in parts))
-        self._count(endpoint, status, started)
+        self._count(endpoint, status, arrived)
         return status, head, parts
 
-    def _count(self, endpoint: str, status: int, started: float) -> None:
-        """The request's count and latency under its endpoint's label."""
+    def _count(self, endpoint: str, status: int, arrived: float) -> None:
+        """The request's count and total time (from its head's arrival) under its endpoint's
+        label."""
         # The labelled children, looked up once each: prometheus-client's labels()
         # costs more than the update itself.
         counter = self._requests.get((endpoint, status))
@@ -108,7 +108,7 @@ class DirectCalls:
         if seconds is None:
             seconds = self._request_seconds[endpoint] = \
                 self.metrics.request_seconds.labels(endpoint=endpoint)
-        seconds.observe(time.perf_counter() - started)
+        seconds.observe(time.monotonic() - arrived)
 
     async def _budgeted(self, route: Route, fields, body, request_id,
                         arrived: float) -> tuple[int, bytes, list, str]:

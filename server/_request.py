@@ -272,6 +272,7 @@ class GemmCall:
     m_sizes: np.ndarray
     deadline: float | None = None
     enqueued: float = field(default_factory=time.monotonic)
+    taken: float | None = None  # when a batch took it from the queue (``time.monotonic()``)
     outcome: Any = None
     waiter: Any = None  # the engine's asyncio future for it, while it waits
 
@@ -317,6 +318,7 @@ class MoeCall:
     weights: memoryview
     deadline: float | None = None
     enqueued: float = field(default_factory=time.monotonic)
+    taken: float | None = None
     outcome: Any = None
     waiter: Any = None
 

@@ -274,8 +274,7 @@ class RequestContext:
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         # Uvicorn runs the app once the head is in: the arrival (our transports stamp their own).
-        state.setdefault("arrived", time.monotonic())
-        started = time.perf_counter()
+        arrived = state.setdefault("arrived", time.monotonic())
         status = 500
         response_started = False
         metrics = self.metrics
@@ -328,9 +327,7 @@ class RequestContext:
             route = scope.get("route")
             endpoint = getattr(route, "path_format", "unmatched")
             metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-            metrics.request_seconds.labels(endpoint=endpoint).observe(
-                time.perf_counter() - started
-            )
+            metrics.request_seconds.labels(endpoint=endpoint).observe(time.monotonic() - arrived)
 
 
 async def _api_error(request, exc: APIError) -> Response:

@@ -37,8 +37,8 @@ scheduled directly by the worker's release (a one-row call beside 31 clients of
 1024-row calls; ``bench/SERVICE_NOTES.md``, session 45).
 
 A call object has ``kind``, ``ws``, ``rows`` (the rows the device runs: a
-moe call's tokens times its top-k), ``deadline``, ``enqueued``, ``outcome``
-and ``waiter``; its kind's executor (``_executor.py`` for gemm,
+moe call's tokens times its top-k), ``deadline``, ``enqueued``, ``taken``,
+``outcome`` and ``waiter``; its kind's executor (``_executor.py`` for gemm,
 ``_ffn_executor.py`` for ffn and moe) gives its batch key and a batch's row
 bound, and runs a batch (calls of one key) through its graph path or, when
 the calls need a conversion or chunks, its general path. The batching here
@@ -285,6 +285,7 @@ class Engine:
                 self._release()
             if self.metrics is not None:
                 self.metrics.inline_batches.inc()
+                self.metrics.queue_seconds.observe(call.taken - call.enqueued)
         else:
             if on_loop:
                 loop = self._loop = call.waiter.get_loop()
@@ -307,6 +308,12 @@ class Engine:
             finally:
                 if expiry is not None:
                     expiry.cancel()
+                if self.metrics is not None:
+                    # On the loop's thread, once for every call that waited: those that left
+                    # the queue unrun (deadline, client gone) waited too, the longest often.
+                    taken = call.taken
+                    self.metrics.queue_seconds.observe(
+                        (time.monotonic() if taken is None else taken) - call.enqueued)
         out = call.outcome
         if isinstance(out, BaseException):
             raise out
@@ -449,6 +456,7 @@ class Engine:
         started = time.monotonic()
         live = []
         for call in batch:
+            call.taken = started
             if call.deadline is not None and started > call.deadline:
                 call.outcome = DeadlineExceeded(_PASSED)
             else:
@@ -473,8 +481,6 @@ class Engine:
                 self._graph_launches.inc(launches.graph)
             if launches.eager:
                 self._eager_launches.inc(launches.eager)
-            for call in live:
-                m.queue_seconds.observe(started - call.enqueued)
             m.kernel_seconds.observe(time.monotonic() - started)
             m.batch_calls.observe(len(live))
         for call, outcome in zip(live, outcomes):

@@ -82,9 +82,11 @@ class FastHistogram(Histogram):
             self._buckets[bisect_left(self._upper_bounds, amount)].value += 1
 
 
-# Seconds: from 50 us (a small call on a GPU) to 10 s (a long queue).
+# Seconds: from 10 us (a one-token call's device time on a GPU) to 5 minutes (an expert set
+# loaded from a checkpoint: 33-103 s for a DeepSeek-V3 layer on the H200, README).
 _LATENCY_BUCKETS = (
-    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 10,
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+    0.5, 1, 2.5, 10, 30, 120, 300,
 )
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
@@ -102,15 +104,21 @@ class Metrics:
             ["endpoint", "status"], registry=r,
         )
         self.request_seconds = FastHistogram(
-            "moegemm_request_seconds", "Total time of a request in the server",
+            "moegemm_request_seconds",
+            "Total time of a request in the server, from its head's first bytes (its body's "
+            "upload included, as its deadline counts) to its answer",
             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.queue_seconds = FastHistogram(
-            "moegemm_queue_seconds", "Time a gemm call waited for the engine",
+            "moegemm_queue_seconds",
+            "Time a call (gemm, ffn or moe) waited for the engine: until a batch took it, or "
+            "until it left the queue unrun (its deadline passed, its client went away)",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.kernel_seconds = FastHistogram(
-            "moegemm_kernel_seconds", "Device time of one batch (launches and copies back)",
+            "moegemm_kernel_seconds",
+            "Device time of one batch (launches and copies back); calls the device's check "
+            "refuses (not_finite, bad_routing) ran too",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.batch_calls = FastHistogram(
@@ -118,16 +126,20 @@ class Metrics:
             buckets=_BATCH_BUCKETS, registry=r,
         )
         self.bytes_in = FastCounter("moegemm_bytes_in", "Request body bytes received", registry=r)
-        self.bytes_out = FastCounter("moegemm_bytes_out", "Response body bytes sent", registry=r)
+        self.bytes_out = FastCounter("moegemm_bytes_out",
+                                     "Response body bytes sent (/metrics answers included)", registry=r)
         self.launches = FastCounter(
-            "moegemm_launches", "Kernel launches: CUDA graph replays vs eager runs",
+            "moegemm_launches",
+            "Batch runs on the device, one per chunk of the largest bucket: CUDA graph "
+            "replays (an ffn or moe chunk's kernels in one graph) vs eager runs",
             ["mode"], registry=r,
         )
         for mode in ("graph", "eager"):
             self.launches.labels(mode=mode)
         self.inline_batches = FastCounter(
             "moegemm_inline_batches",
-            "Calls run at once on the event loop's thread (alone, the device free)", registry=r,
+            "Calls run at once on the event loop's thread (alone, the device free; GPU only)",
+            registry=r,
         )
         self.weight_bytes = Gauge(
             "moegemm_weight_bytes", "Device bytes held by loaded weight sets", registry=r
@@ -139,7 +151,7 @@ class Metrics:
         )
 
         self.queue_depth = Gauge(
-            "moegemm_queue_depth", "Gemm calls waiting for the engine", registry=r
+            "moegemm_queue_depth", "Calls (gemm, ffn or moe) waiting for the engine", registry=r
         )
 
     def watch(

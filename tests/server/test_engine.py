@@ -23,6 +23,7 @@ from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import random_m_sizes, random_problem
 from moegemm.server._priority import LOADER_NICE
 from moegemm.server.engine import SMALL_ROWS, Engine
+from moegemm.server.metrics import Metrics
 from server_support import bf16_rows, gemm_call
 
 N, K, G = 256, 256, 4
@@ -92,6 +93,58 @@ def _one_by_one(calls):
         return asyncio.run(each())
     finally:
         ref.close()
+
+
+def _queue_seconds(metrics) -> tuple[float, float]:
+    """``moegemm_queue_seconds``' count and sum."""
+    samples = {s.name: s.value for s in metrics.queue_seconds.collect()[0].samples}
+    return samples["moegemm_queue_seconds_count"], samples["moegemm_queue_seconds_sum"]
+
+
+@pytest.mark.parametrize("rows", [5, SMALL_ROWS + 1], ids=["loop", "worker"])
+def test_the_queue_time_counts_the_calls_that_left_the_queue_unrun(rows):
+    """Every call that waited is in ``queue_seconds``, with the time it waited: one that ran,
+    one whose deadline passed in the queue and one whose caller went away from it (those two
+    are the calls that waited longest; counting only the calls that ran hid them)."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    ws = _set(gen)
+    metrics = Metrics()
+    engine = Engine(reference_backend(torch.device("cpu")), max_bucket_m=512, metrics=metrics)
+    engine._loop_rows = SMALL_ROWS  # as on a GPU
+    engine.start()
+    release = threading.Event()
+    late, gone, patient = _calls(gen, [ws], 3, rows=lambda i: rows)
+    late.deadline = time.monotonic() + 3600  # set for real below, once the device is held
+
+    async def scenario():
+        hold = asyncio.ensure_future(engine.run(lambda: release.wait(30)))
+        while not engine._busy:
+            await asyncio.sleep(0.001)
+        late.deadline = time.monotonic() + 0.2
+        tasks = [asyncio.ensure_future(engine.submit(c)) for c in (late, gone, patient)]
+        await asyncio.sleep(0.3)
+        tasks[1].cancel()
+        await asyncio.wait(tasks[:2], timeout=5)
+        counted = _queue_seconds(metrics)
+        await asyncio.sleep(0.2)
+        release.set()
+        await hold
+        return counted, await asyncio.gather(*tasks, return_exceptions=True)
+
+    (count_unrun, sum_unrun), got = _run(engine, scenario)
+    assert isinstance(got[0], DeadlineExceeded) and isinstance(got[1], asyncio.CancelledError)
+    assert not isinstance(got[2], BaseException)
+    assert count_unrun == 2 and 0.5 <= sum_unrun < 5  # 0.2 s and 0.3 s in the queue
+    count, total = _queue_seconds(metrics)
+    assert count == 3 and total - sum_unrun >= 0.5  # the patient call: 0.5 s or more
+    # A lone call run at once on the loop's thread waited for nothing, and counts too.
+    engine = Engine(reference_backend(torch.device("cpu")), metrics=metrics)
+    engine._loop_rows = SMALL_ROWS
+    engine.start()
+    alone = _calls(gen, [ws], 1, rows=lambda i: 5)[0]
+    _run(engine, lambda: engine.submit(alone, alone=True))
+    assert metrics.inline_batches._value.get() == 1
+    assert _queue_seconds(metrics)[0] == 4 and _queue_seconds(metrics)[1] - total < 0.5
 
 
 @pytest.mark.parametrize("loop", [True, False])

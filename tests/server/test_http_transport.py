@@ -239,3 +239,54 @@ def test_bytes_in_counts_a_body_the_call_reads_once(server):
         r = server.http.request(method, path, content=body, headers=MSGPACK)
         assert r.status_code == status, (path, r.text)
     assert _bytes_in(server) - before == sum(len(body) for _, _, body, _ in calls)
+
+
+def _request_seconds(server, endpoint: str) -> tuple[float, float]:
+    """``moegemm_request_seconds``' count and sum under ``endpoint``."""
+    text = server.http.get("/metrics").text
+    got = {}
+    for line in text.splitlines():
+        for part in ("count", "sum"):
+            if line.startswith(f'moegemm_request_seconds_{part}{{endpoint="{endpoint}"}} '):
+                got[part] = float(line.split()[-1])
+    return got.get("count", 0.0), got.get("sum", 0.0)
+
+
+def _slow_send(server: Running, head: bytes, body: bytes, stall: float) -> bytes:
+    """Send ``head`` and half of ``body``, wait ``stall`` seconds, send the rest; the answer."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(head + body[:len(body) // 2])
+        time.sleep(stall)
+        sock.sendall(body[len(body) // 2:])
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            got += chunk
+        return got
+
+
+def test_the_total_time_counts_from_the_head_so_a_slow_upload_shows(server):
+    """``moegemm_request_seconds`` starts where the deadline does, at the head's first bytes:
+    a body that took 0.5 s to arrive shows as at least 0.5 s, on the direct route (a gemm
+    call) and on the app's (a weight upload). It started once the body was in, so slow
+    uploads (and the 504s they end in) showed as fast answers."""
+    gen = torch.Generator().manual_seed(9)
+    body = _demo_body(64, gen)[0]
+    upload = packb({"w": encode_tensor(torch.randn(1, 128, 128).to(torch.bfloat16))})
+    cases = [("/v1/weights/{name}/gemm", _gemm_request(body)[:-len(body)], body, b"200"),
+             ("/v1/weights/{name}", (
+                 "PUT /v1/weights/slow-upload HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                 f"application/vnd.msgpack\r\ncontent-length: {len(upload)}\r\n\r\n").encode(),
+              upload, b"201")]
+    try:
+        for endpoint, head, data, status in cases:
+            count, total = _request_seconds(server, endpoint)
+            answer = _slow_send(server, head, data, 0.5)
+            assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
+            after = _request_seconds(server, endpoint)
+            assert after[0] == count + 1 and after[1] - total >= 0.5, (endpoint, after, total)
+    finally:
+        server.http.delete("/v1/weights/slow-upload")

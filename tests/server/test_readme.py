@@ -34,3 +34,17 @@ def test_readme_client_example(server):
     got = torch.from_numpy(out.astype(np.float32))
     assert rel_error(got, ref) <= SPEC_TOLERANCE
     server.http.delete("/v1/weights/experts")
+
+
+def test_the_metrics_the_readme_names_are_served(server):
+    """Every ``moegemm_*`` metric the README names is in ``/metrics`` (after one call, which
+    the request counts need), and the README names every family served."""
+    server.http.get("/v1/info")
+    named = set(re.findall(r"`(moegemm_[a-z_]+)", README.read_text()))
+    served = {line.split()[2].removesuffix("_total")
+              for line in server.http.get("/metrics").text.splitlines()
+              if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")}
+    assert {"moegemm_requests_total", "moegemm_queue_seconds"} <= named
+    families = {name.removesuffix("_total") for name in named}
+    assert families <= served, families - served
+    assert served <= families, served - families
