@@ -101,6 +101,14 @@ _HEAD_LIMIT = 64 * 1024
 # 64 KiB read of one-byte chunks is ~11,000 Python callbacks (~15 ms with the other
 # connections waiting); 16 KiB bounds a turn near 4 ms whatever the chunks.
 _CHUNKED_TURN = 16 * 1024
+# A chunked body's framing is bounded as its head is: at most _HEAD_LIMIT bytes decoded in a
+# row without a body byte (chunk-size lines, extensions, the trailers, which are read and
+# dropped; llhttp hands a trailer to Python whole, so an unbounded one grew the process by 12
+# times its size), and past _FREE_CHUNKS chunks an average of _MIN_CHUNK body bytes a chunk
+# (each chunk is a Python callback: a body in one-byte chunks held the loop and the GIL for
+# seconds, every caller waiting; session 54's probe).
+_FREE_CHUNKS = 4096
+_MIN_CHUNK = 64
 _SOCKET_BUFFER = 4 << 20
 # A refused connection: the answer is sent, our side half-closed, and what the
 # client still sends is read and dropped for this long (or this much), so the
@@ -160,6 +168,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.body: memoryview | None = None
         self.body_used = 0
         self.chunked: bytearray | None = None
+        self.pieces = self.framing = 0  # a chunked body's on_body calls, framing bytes in a row
         # The body's rate window (``check``): when it began and the body's bytes then.
         self.window_at = 0.0
         self.window_got = 0
@@ -380,7 +389,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value.strip(b" \t")))
+        if not self.headers_done:  # (a chunked body's trailers are dropped)
+            self.headers.append((name.lower(), value.strip(b" \t")))
 
     def on_headers_complete(self) -> None:
         # Read here: llhttp clears its flags once the message is complete.
@@ -395,6 +405,7 @@ class _Connection(asyncio.BufferedProtocol):
             raise _Pipelined
 
     def on_body(self, data: bytes) -> None:
+        self.pieces += 1
         chunked = self.chunked
         if len(chunked) + len(data) > self.limits.max_body_bytes:
             raise TooLarge(f"the body is over {self.limits.max_body_bytes} bytes, the limit "
@@ -485,6 +496,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.state, self.since = _CHUNKED, time.monotonic()
             self.window_at, self.window_got = self.since, 0
             self.chunked = bytearray()
+            self.pieces = self.framing = 0
             self.start = start
             if expect_continue:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -564,6 +576,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.start = self.head_used = 0
         else:
             self.start = stop
+        decoded = len(self.chunked)
         try:
             self.parser.feed_data(self.head_view[start:stop])
         except httptools.HttpParserCallbackError as exc:
@@ -578,6 +591,15 @@ class _Connection(asyncio.BufferedProtocol):
             self._refuse(BadField(f"malformed chunked body: {exc}"))
             return
         refusal = self._count(len(self.chunked) - self.received)  # the bytes decoded this turn
+        self.framing = 0 if len(self.chunked) > decoded else self.framing + stop - start
+        if refusal is None and self.framing > _HEAD_LIMIT:
+            refusal = TooLarge(f"the chunked body has over {_HEAD_LIMIT} bytes of framing "
+                               f"(chunk-size lines, extensions, trailers) with no body byte")
+        if (refusal is None and self.pieces > _FREE_CHUNKS
+                and len(self.chunked) < self.pieces * _MIN_CHUNK):
+            refusal = BadField(f"malformed chunked body: {self.pieces} chunks for "
+                               f"{len(self.chunked)} bytes; past {_FREE_CHUNKS} chunks, they "
+                               f"must hold {_MIN_CHUNK} bytes each on average")
         if refusal is not None:
             self._refuse(refusal)
             return
