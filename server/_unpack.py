@@ -80,13 +80,73 @@ _UNPACK_ERRORS = {
 }
 
 
+# At most this many values in a body decoded here (a contract body holds a few dozen): each
+# becomes a Python object, so a 16 MiB body of empty maps took 1 GB and 2.5 s of the loop
+# (session 54's probe), and one at the body limit would have taken ~18 GB.
+_MAX_VALUES = 1 << 16
+
+# The bytes after a msgpack type byte in 0xC0-0xDF: (length field's size, fixed payload size,
+# what the length counts: 0 payload bytes, 1 values (an array), 2 pairs (a map)).
+_C0_DF = {
+    0xC0: (0, 0, 0), 0xC2: (0, 0, 0), 0xC3: (0, 0, 0),                  # nil, false, true
+    0xC4: (1, 0, 0), 0xC5: (2, 0, 0), 0xC6: (4, 0, 0),                  # bin 8/16/32
+    0xC7: (1, 1, 0), 0xC8: (2, 1, 0), 0xC9: (4, 1, 0),                  # ext 8/16/32
+    0xCA: (0, 4, 0), 0xCB: (0, 8, 0),                                   # float 32/64
+    0xCC: (0, 1, 0), 0xCD: (0, 2, 0), 0xCE: (0, 4, 0), 0xCF: (0, 8, 0),  # uint 8-64
+    0xD0: (0, 1, 0), 0xD1: (0, 2, 0), 0xD2: (0, 4, 0), 0xD3: (0, 8, 0),  # int 8-64
+    0xD4: (0, 2, 0), 0xD5: (0, 3, 0), 0xD6: (0, 5, 0), 0xD7: (0, 9, 0),  # fixext 1-8
+    0xD8: (0, 17, 0),                                                   # fixext 16
+    0xD9: (1, 0, 0), 0xDA: (2, 0, 0), 0xDB: (4, 0, 0),                  # str 8/16/32
+    0xDC: (2, 0, 1), 0xDD: (4, 0, 1), 0xDE: (2, 0, 2), 0xDF: (4, 0, 2),  # array, map 16/32
+}
+
+
+def _few_values(body: bytes | bytearray | memoryview, limit: int) -> bool:
+    """Whether the first msgpack value in ``body`` holds at most ``limit`` values (itself,
+    and every key and element inside it), found without decoding any: bins and strings are
+    stepped over by their lengths. A byte that starts no value, or the body's end, stops the
+    count (the decoder then says what is wrong)."""
+    view = memoryview(body).cast("B")
+    size, at, pending, count = len(view), 0, 1, 0
+    while pending and at < size:
+        pending -= 1
+        count += 1
+        if count > limit:
+            return False
+        first = view[at]
+        at += 1
+        if first <= 0x7F or first >= 0xE0:  # fixint
+            continue
+        if first <= 0x8F:  # fixmap
+            pending += 2 * (first & 0x0F)
+        elif first <= 0x9F:  # fixarray
+            pending += first & 0x0F
+        elif first <= 0xBF:  # fixstr
+            at += first & 0x1F
+        else:
+            step = _C0_DF.get(first)
+            if step is None:  # 0xC1
+                return True
+            width, fixed, counts = step
+            length = int.from_bytes(view[at:at + width], "big")
+            at += width + fixed
+            if counts:
+                pending += counts * length
+            else:
+                at += length
+    return True
+
+
 def unpackb(body: bytes | bytearray | memoryview) -> dict:
     """Decode a body that must be exactly one msgpack map, else raise BadMsgpack.
 
     Bins become bytes; keys must be unique (a non-string one becomes an
     :class:`OtherKey`); ext types, invalid UTF-8, truncation and trailing bytes are
-    refused.
+    refused, and so is a body of more than ``_MAX_VALUES`` values (before any is decoded).
     """
+    if not _few_values(body, _MAX_VALUES):
+        raise BadMsgpack(f"the body holds over {_MAX_VALUES} msgpack values; the endpoints "
+                         f"take a map of a few fields, each tensor a map of three")
     try:
         obj = msgpack.unpackb(
             body,

@@ -1,5 +1,8 @@
 """The strict msgpack decoder of refused bodies (server/_unpack.py), and packb's bytes."""
 
+import struct
+import tracemalloc
+
 import msgpack
 import numpy as np
 import pytest
@@ -7,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from moegemm.client import BadMsgpack, BadTensor
 from moegemm.client._wire import decode_tensors, encode_tensor, packb
-from moegemm.server._unpack import OtherKey, unpackb
+from moegemm.server._unpack import _MAX_VALUES, OtherKey, _few_values, unpackb
 
 
 def test_unpackb_gives_the_map():
@@ -113,3 +116,46 @@ def test_unpackb_round_trips_any_string_keyed_map(msg):
 def test_packb_writes_msgpack_pythons_bytes(msg):
     """packb (msgspec's encoder) writes what msgpack-python writes with use_bin_type."""
     assert packb(msg) == msgpack.packb(msg, use_bin_type=True)
+
+
+def _values(obj) -> int:
+    """How many msgpack values ``obj`` packs to (itself and everything inside)."""
+    if isinstance(obj, dict):
+        return 1 + sum(_values(k) + _values(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return 1 + sum(_values(v) for v in obj)
+    return 1
+
+
+_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
+                    st.floats(allow_nan=False), st.text(max_size=300), st.binary(max_size=70000))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(_LEAVES, lambda inner: st.lists(inner, max_size=20)
+                    | st.dictionaries(st.text(max_size=5), inner, max_size=17), max_leaves=60))
+def test_the_value_count_is_exact_without_decoding(obj):
+    body = msgpack.packb({"a": obj})
+    n = _values({"a": obj})
+    assert _few_values(body, n) and not _few_values(body, n - 1)
+
+
+def test_a_body_of_many_small_values_is_refused_before_it_is_decoded():
+    """A body of a few bytes a value would become millions of Python objects: a 16 MiB body
+    of empty maps took 1 GB and 2.5 s of the event loop to diagnose. Past 65536 values it is
+    bad_msgpack at once, with no object made; a body at the bound is still decoded."""
+    inner = b"\xdc\xff\xff" + b"\x80" * 65535  # an array of 65535 empty maps
+    bomb = b"\x82\xa1x\xdd" + struct.pack(">I", 256) + inner * 256 + b"\xa7m_sizes\xc0"
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadMsgpack, match="over 65536 msgpack values"):
+            unpackb(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    # The map, its key and its array are 3 values: the array may hold the rest.
+    at_bound = msgpack.packb({"x": [None] * (_MAX_VALUES - 3)})
+    assert len(unpackb(at_bound)["x"]) == _MAX_VALUES - 3
+    with pytest.raises(BadMsgpack, match="msgpack values"):
+        unpackb(msgpack.packb({"x": [None] * (_MAX_VALUES - 2)}))
