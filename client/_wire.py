@@ -45,12 +45,14 @@ class WireTensor(msgspec.Struct, forbid_unknown_fields=True):
     """A tensor map of SPEC 2 as decoded: its dtype name, shape and raw little-endian bytes.
 
     ``data`` is a byte-format memoryview on the decoded body, not a copy. A schema
-    takes only the map's form (exactly these three keys, shape a list of non-negative
-    ints, data bin); :func:`check_tensor` checks the rest.
+    takes only the map's form (exactly these three keys, shape a list of at most 64
+    non-negative ints, data bin); :func:`check_tensor` checks the rest.
     """
 
     dtype: str
-    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    # At most 64 dims (numpy's and torch's limit): a longer list is refused at its header,
+    # not read into a Python int per entry.
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=64)]
     data: memoryview
 
     @property
@@ -101,7 +103,7 @@ def refusal(exc: msgspec.MsgspecError) -> BadMsgpack | BadDtype | BadTensor:
     if path.endswith(".dtype"):
         return BadDtype(f"dtype is one of {sorted(DTYPES)}: {exc}")
     return BadTensor(f"a tensor is a map {{dtype, shape, data}} with shape a list of "
-                     f"non-negative ints and data bin: {exc}")
+                     f"non-negative ints (at most 64) and data bin: {exc}")
 
 
 _TENSORS = msgspec.msgpack.Decoder(dict[str, WireTensor])

@@ -447,6 +447,8 @@ class Owner:
 
     async def _answer(self, link: _Link, meta: dict, data: bytes) -> None:
         try:
+            if meta.get("s") is not None and link.requests is None:
+                return  # sent as its acceptor died: released, its arena and client are gone
             await self._answer_or_fail(link, meta, data)
         except Exception:  # a bug here: the acceptor must not wait forever
             log.exception("answering a forwarded %s %s failed", meta.get("m"), meta.get("p"))

@@ -80,10 +80,11 @@ _UNPACK_ERRORS = {
 }
 
 
-# At most this many values in a body decoded here (a contract body holds a few dozen): each
-# becomes a Python object, so a 16 MiB body of empty maps took 1 GB and 2.5 s of the loop
-# (session 54's probe), and one at the body limit would have taken ~18 GB.
-_MAX_VALUES = 1 << 16
+# At most this many values in a body decoded here (a contract body holds a few dozen, a
+# tensor's shape at most 64 dims): each becomes a Python object, so a 16 MiB body of empty
+# maps took 1 GB and 2.5 s of the loop (session 54's probe), and one at the body limit would
+# have taken ~18 GB. Counting them costs ~0.4 us a value, so the bound is kept low.
+_MAX_VALUES = 4096
 
 # The bytes after a msgpack type byte in 0xC0-0xDF: (length field's size, fixed payload size,
 # what the length counts: 0 payload bytes, 1 values (an array), 2 pairs (a map)).
@@ -144,7 +145,7 @@ def unpackb(body: bytes | bytearray | memoryview) -> dict:
     :class:`OtherKey`); ext types, invalid UTF-8, truncation and trailing bytes are
     refused, and so is a body of more than ``_MAX_VALUES`` values (before any is decoded).
     """
-    if not _few_values(body, _MAX_VALUES):
+    if len(body) > _MAX_VALUES and not _few_values(body, _MAX_VALUES):  # (a value: a byte or more)
         raise BadMsgpack(f"the body holds over {_MAX_VALUES} msgpack values; the endpoints "
                          f"take a map of a few fields, each tensor a map of three")
     try:

@@ -287,6 +287,7 @@ def test_the_total_time_counts_from_the_head_so_a_slow_upload_shows(server):
             answer = _slow_send(server, head, data, 0.5)
             assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
             after = _request_seconds(server, endpoint)
-            assert after[0] == count + 1 and after[1] - total >= 0.5, (endpoint, after, total)
+            # (0.4: the server may read the head a little after it was sent)
+            assert after[0] == count + 1 and after[1] - total >= 0.4, (endpoint, after, total)
     finally:
         server.http.delete("/v1/weights/slow-upload")
