@@ -17,6 +17,7 @@ import uvloop
 from moegemm.client._client import DEFAULT_LOAD_TIMEOUT
 from moegemm.client._wire import decode_tensors, encode_tensor, packb
 from moegemm.server import Settings, create_app
+from prometheus_client.parser import text_string_to_metric_families
 
 MSGPACK = {"content-type": "application/vnd.msgpack"}
 
@@ -218,3 +219,12 @@ def bf16_rows(out) -> torch.Tensor:
     if not rows.numel():
         return torch.empty((out.shape[0], out.shape[1] // 2), dtype=torch.bfloat16)
     return rows.view(torch.bfloat16)
+
+
+def metric_sum(text: str, sample: str, **labels: str) -> float:
+    """The sum of the ``sample`` series (e.g. ``moegemm_requests_total``,
+    ``moegemm_queue_seconds_count``) in the ``/metrics`` text ``text`` whose labels include
+    ``labels``; 0 when there is none (a series appears with its first update)."""
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))

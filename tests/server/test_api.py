@@ -6,7 +6,7 @@ import torch
 from moegemm.client import Client
 from moegemm.kernels import quantize_activations, quantize_weights
 from moegemm.kernels.testing import random_m_sizes
-from server_support import close_to, fp8_problem, out_of, reference, wire
+from server_support import close_to, fp8_problem, metric_sum, out_of, reference, wire
 
 
 def test_health_and_info(server):
@@ -141,17 +141,13 @@ def test_metrics(server):
                  "moegemm_weight_bytes", "moegemm_device_memory_bytes", "moegemm_queue_depth",
                  'moegemm_launches_total{mode="eager"}', 'moegemm_launches_total{mode="graph"}'):
         assert name in text, name
-    weight_bytes = next(float(line.split()[-1]) for line in text.splitlines()
-                        if line.startswith("moegemm_weight_bytes "))
-    assert weight_bytes == server.services.store.total_bytes() > 0
+    assert metric_sum(text, "moegemm_weight_bytes") == server.services.store.total_bytes() > 0
 
 
 def _bytes_out(server) -> tuple[float, int]:
     """``moegemm_bytes_out_total`` and the size of the /metrics body that told it."""
     r = server.http.get("/metrics")
-    value = next(float(line.split()[-1]) for line in r.text.splitlines()
-                 if line.startswith("moegemm_bytes_out_total "))
-    return value, len(r.content)
+    return metric_sum(r.text, "moegemm_bytes_out_total"), len(r.content)
 
 
 def test_bytes_out_counts_the_bodies_sent_and_only_those(server):

@@ -10,7 +10,6 @@ call holds the device while clients send calls and hang up; the device's launche
 from __future__ import annotations
 
 import contextlib
-import re
 import socket
 import sys
 import threading
@@ -20,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 from moegemm.client._wire import encode_tensor, packb
+from server_support import metric_sum
 from test_acceptors import _read_answer, _Server
 from test_direct import TOKEN
 
@@ -42,11 +42,10 @@ def _head(length: int) -> bytes:
             f"content-type: application/msgpack\r\ncontent-length: {length}\r\n\r\n").encode()
 
 
-def _metric(port: int, pattern: str) -> float:
+def _metric(port: int, sample: str, **labels: str) -> float:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics",
                      headers={"authorization": f"Bearer {TOKEN}"}).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if re.match(pattern, line))
+    return metric_sum(text, sample, **labels)
 
 
 @pytest.mark.parametrize("acceptors", [0, 2])
@@ -63,7 +62,7 @@ def test_a_call_whose_client_left_never_runs_and_frees_its_budget(acceptors):
     server = _Server(acceptors, args, **env)
     try:
         server.wait_ready()
-        launches = r"moegemm_launches_total"
+        launches = "moegemm_launches_total"
         before = _metric(server.port, launches)
         with socket.create_connection(("127.0.0.1", server.port), timeout=120) as sock:
             sock.sendall(request)
@@ -95,7 +94,7 @@ def test_a_call_whose_client_left_never_runs_and_frees_its_budget(acceptors):
         gone_at = time.monotonic()
         # Reading is paused while a call runs: the server's sweep (once a second) sees them go.
         deadline = time.monotonic() + 10
-        while _metric(server.port, r'moegemm_requests_total\{.*status="499"') < 1:
+        while _metric(server.port, "moegemm_requests_total", status="499") < 1:
             assert time.monotonic() < deadline, "no call was counted as left by its client"
             time.sleep(0.05)
         assert runner.is_alive(), "the long call ended before the others were seen gone"

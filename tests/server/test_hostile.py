@@ -41,7 +41,7 @@ from moegemm.client._wire import encode_tensor, packb
 from moegemm.server import Settings, create_app
 from moegemm.server._direct import DirectCalls
 from moegemm.server._http import FastHttpServer
-from server_support import _free_port
+from server_support import _free_port, metric_sum
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="SO_REUSEPORT and /proc: Linux only")
@@ -334,12 +334,8 @@ def _metric(target: Target, status: str | None, endpoint: str = "/v1/weights/{na
     """``name`` (moegemm_requests_total) for ``endpoint`` (the gemm route) and ``status``
     (None: a metric without one, such as moegemm_request_seconds_count)."""
     _, _, text = _exchange(target.port, f"GET /metrics HTTP/1.1\r\nhost: x\r\n{AUTH}\r\n".encode())
-    total = 0.0
-    for line in text.decode().splitlines():
-        if line.startswith(name + "{") and f'endpoint="{endpoint}"' in line and \
-                (status is None or f'status="{status}"' in line):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    labels = {"endpoint": endpoint} if status is None else {"endpoint": endpoint, "status": status}
+    return metric_sum(text.decode(), name, **labels)
 
 
 def test_a_request_refused_from_its_head_is_counted_and_timed(target):
@@ -1116,9 +1112,8 @@ def test_small_answers_to_a_client_that_never_reads_are_made_as_it_reads():
         def made() -> float:
             _, _, text = _exchange(port, b"GET /metrics HTTP/1.1\r\nhost: x\r\n" + AUTH.encode()
                                    + b"\r\n")
-            return sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
-                       if line.startswith("moegemm_requests_total{")
-                       and 'endpoint="/metrics"' in line and 'status="200"' in line)
+            return metric_sum(text.decode(), "moegemm_requests_total", endpoint="/metrics",
+                              status="200")
 
         before = made()
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:

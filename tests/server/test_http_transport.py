@@ -16,7 +16,7 @@ from moegemm.client._wire import encode_tensor, packb
 from moegemm.kernels import quantize_activations, reference_float64
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, rel_error
 from moegemm.server._unpack import unpackb
-from server_support import MSGPACK, Running
+from server_support import MSGPACK, Running, metric_sum
 
 
 def _raw(server: Running, data: bytes, reads: int = 1, timeout: float = 20) -> bytes:
@@ -203,9 +203,7 @@ def test_the_timeout_sweep_keeps_no_connection_alive():
 
 
 def _bytes_in(server) -> float:
-    text = server.http.get("/metrics").text
-    return next(float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith("moegemm_bytes_in_total "))
+    return metric_sum(server.http.get("/metrics").text, "moegemm_bytes_in_total")
 
 
 def test_bytes_in_counts_bodies_refused_before_they_are_read(server):
@@ -244,12 +242,8 @@ def test_bytes_in_counts_a_body_the_call_reads_once(server):
 def _request_seconds(server, endpoint: str) -> tuple[float, float]:
     """``moegemm_request_seconds``' count and sum under ``endpoint``."""
     text = server.http.get("/metrics").text
-    got = {}
-    for line in text.splitlines():
-        for part in ("count", "sum"):
-            if line.startswith(f'moegemm_request_seconds_{part}{{endpoint="{endpoint}"}} '):
-                got[part] = float(line.split()[-1])
-    return got.get("count", 0.0), got.get("sum", 0.0)
+    return tuple(metric_sum(text, f"moegemm_request_seconds_{part}", endpoint=endpoint)
+                 for part in ("count", "sum"))
 
 
 def _slow_send(server: Running, head: bytes, body: bytes, stall: float) -> bytes:

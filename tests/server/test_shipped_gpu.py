@@ -23,7 +23,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm device", allow_module_level=True)
 
 from moegemm.client._wire import encode_tensor, packb
-from server_support import MSGPACK, assert_error, close_to, fp8_problem, out_of, reference, wire
+from server_support import (
+    MSGPACK, assert_error, close_to, fp8_problem, metric_sum, out_of, reference, wire,
+)
 
 N, K, G = 256, 512, 8
 
@@ -316,12 +318,9 @@ def test_a_load_from_a_file_never_stops_the_calls(shipped, general, weights_dir)
 # -- expert calls on what ships: merged or alone, the same bits -----------------------------
 
 
-def _metric(http, name: str) -> float:
+def _metric(http, sample: str, **labels: str) -> float:
     """One sample of the server's /metrics (0 when absent)."""
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+    return metric_sum(http.get("/metrics").text, sample, **labels)
 
 
 def test_expert_calls_merged_or_alone_answer_the_same_bits(shipped):
@@ -359,7 +358,7 @@ def test_expert_calls_merged_or_alone_answer_the_same_bits(shipped):
 
     with Client(shipped.url, timeout=300) as c:
         c.load_experts("shipx", p.w13q, p.w2q, w13_scale=p.w13_scale, w2_scale=p.w2_scale)
-        eager_before = _metric(shipped, 'moegemm_launches_total{mode="eager"}')
+        eager_before = _metric(shipped, "moegemm_launches_total", mode="eager")
         alone = [one(c, call) for call in calls]
     for (kind, x, a, b), out in zip(calls, alone):
         xq, xs = (x, b) if kind == "ffn" and b is not None else p.quantized(x)
@@ -382,6 +381,6 @@ def test_expert_calls_merged_or_alone_answer_the_same_bits(shipped):
     batches = _metric(shipped, "moegemm_batch_calls_count") - batches
     merged = _metric(shipped, "moegemm_batch_calls_sum") - merged
     assert merged == 16 * len(calls) and batches < merged  # some calls shared a launch
-    assert _metric(shipped, 'moegemm_launches_total{mode="eager"}') == eager_before
+    assert _metric(shipped, "moegemm_launches_total", mode="eager") == eager_before
     with Client(shipped.url, timeout=300) as c:
         c.delete_experts("shipx")
