@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ -z "$NO_BENCH" ]; then
   export KERN_S=330
 else
-  export TESTS_S=360 WORKERS=12 TEST_TIMEOUT=240
+  export TESTS_S=${TESTS_S:-360} WORKERS=12 TEST_TIMEOUT=240
   export TESTS="tests/server/test_engine_gpu.py tests/server/test_server_gpu.py tests/server/test_shipped_gpu.py tests/server/test_acceptors.py tests/server/test_acceptors_handover.py tests/server/test_engine.py tests/server/test_http_transport.py tests/server/test_readme.py tests/server/test_api.py tests/server/test_metrics.py tests/server/test_gone.py tests/server/test_hostile.py tests/server/test_unpack.py tests/server/test_errors.py tests/deploy tests/client"
 fi
 exec bash bench/device_stages.sh
