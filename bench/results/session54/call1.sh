@@ -4,7 +4,9 @@
 # another card: the GPU runs of the code changed since session 53's GPU tests (which ran on
 # the code before them): session 53's client, acceptor and drain changes and session 54's
 # metrics (the engine's queue time, the total time from the head), with the shipped defaults'
-# suites (the real server process, its transport and acceptors). Carry .whl/server, .whl/mslk.
+# suites (the real server process, its transport and acceptors), and the hostile-client mends.
+# TESTS_S (default 360 s) bounds the tests: with less budget, set it lower and timeout_s about
+# 60 s above it. Carry .whl/server, .whl/mslk.
 nvidia-smi --query-gpu=name --format=csv,noheader
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ -z "$NO_BENCH" ]; then
   export KERN_S=330
