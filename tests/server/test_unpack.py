@@ -131,7 +131,7 @@ def _values(obj) -> int:
 
 
 _LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
-                    st.floats(allow_nan=False), st.text(max_size=70000),
+                    st.floats(allow_nan=False, width=32), st.text(max_size=70000),
                     st.binary(max_size=70000),
                     st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=300)))
 
