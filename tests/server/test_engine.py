@@ -121,6 +121,8 @@ def test_the_queue_time_counts_the_calls_that_left_the_queue_unrun(rows):
         while not engine._busy:
             await asyncio.sleep(0.001)
         late.deadline = time.monotonic() + 0.2
+        for call in (late, gone, patient):  # made just before they are sent, as the server does
+            call.enqueued = time.monotonic()
         tasks = [asyncio.ensure_future(engine.submit(c)) for c in (late, gone, patient)]
         await asyncio.sleep(0.3)
         tasks[1].cancel()
