@@ -19,9 +19,16 @@ from moegemm.server._unpack import unpackb
 from server_support import MSGPACK, Running, metric_sum
 
 
-def _raw(server: Running, data: bytes, reads: int = 1, timeout: float = 20) -> bytes:
+def _raw(server: Running, data: bytes, reads: int = 1, timeout: float = 20,
+         stall: float = 0.0) -> bytes:
+    """Send ``data`` (with ``stall``: its first half, a wait of that many seconds, the rest)
+    and read until ``reads`` answers have begun (or the server closes, or ``timeout``)."""
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        if stall:
+            sock.sendall(data[:len(data) // 2])
+            time.sleep(stall)
+            data = data[len(data) // 2:]
         sock.sendall(data)
         got = b""
         deadline = time.monotonic() + timeout
@@ -246,22 +253,6 @@ def _request_seconds(server, endpoint: str) -> tuple[float, float]:
                  for part in ("count", "sum"))
 
 
-def _slow_send(server: Running, head: bytes, body: bytes, stall: float) -> bytes:
-    """Send ``head`` and half of ``body``, wait ``stall`` seconds, send the rest; the answer."""
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=20) as sock:
-        sock.sendall(head + body[:len(body) // 2])
-        time.sleep(stall)
-        sock.sendall(body[len(body) // 2:])
-        got = b""
-        while b"\r\n\r\n" not in got:
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                break
-            got += chunk
-        return got
-
-
 def test_the_total_time_counts_from_the_head_so_a_slow_upload_shows(server):
     """``moegemm_request_seconds`` starts where the deadline does, at the head's first bytes:
     a body that took 0.5 s to arrive shows as at least 0.5 s, on the direct route (a gemm
@@ -278,7 +269,7 @@ def test_the_total_time_counts_from_the_head_so_a_slow_upload_shows(server):
     try:
         for endpoint, head, data, status in cases:
             count, total = _request_seconds(server, endpoint)
-            answer = _slow_send(server, head, data, 0.5)
+            answer = _raw(server, head + data, stall=0.5)
             assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
             after = _request_seconds(server, endpoint)
             # (0.4: the server may read the head a little after it was sent)
