@@ -286,9 +286,10 @@ def read_answer(call: Call, response: httpx.Response, request_id: str) -> Any:
             f"malformed {response.status_code} response to {call.method} {call.path}: {exc}",
             request_id=request_id,
         ) from exc
-    if call.like_torch is None:
-        return out.numpy()  # a read-only view on the response body; .copy() to write
-    return _to_torch(out, call.like_torch)
+    arr = out.numpy()  # a view on the answer's buffer, writable when the lane read it into one
+    if not arr.flags.writeable:  # a small answer, read as bytes
+        arr = arr.copy()
+    return arr if call.like_torch is None else _to_torch(arr, call.like_torch)
 
 
 def decode_out(content: bytes | memoryview) -> WireTensor:
@@ -299,14 +300,12 @@ def decode_out(content: bytes | memoryview) -> WireTensor:
     return tensors["out"]
 
 
-def _to_torch(out, like: Any) -> Any:
+def _to_torch(arr: np.ndarray, like: Any) -> Any:
+    """The bf16 answer ``arr`` (writable) as a torch tensor on ``like``'s device, sharing
+    ``arr``'s memory on the CPU."""
     import torch  # already imported by the caller: `like` is a torch tensor
 
-    dtype = getattr(torch, out.dtype)
-    # One copy into a writable tensor (torch refuses read-only memory without a warning).
-    result = torch.empty(out.shape, dtype=dtype)
-    if out.nbytes:
-        result.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(out.data, np.uint8)
+    result = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return result if like.device.type == "cpu" else result.to(like.device)
 
 def expert_list(payload: Any) -> list[dict]:

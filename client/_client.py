@@ -371,7 +371,7 @@ class Client(_Base):
         ``x`` is fp8 ``[M, K]`` with ``x_scale`` float32 ``[M, K/128]``, or
         bf16/fp16/fp32 ``[M, K]`` that the server quantizes. ``m_sizes`` (list,
         numpy or torch ints) are the rows of each group, sent as int64. The
-        result is numpy (``ml_dtypes.bfloat16``, read-only) for numpy input, or
+        result is numpy (``ml_dtypes.bfloat16``, writable) for numpy input, or
         a torch bfloat16 tensor on ``x``'s device for torch input. ``deadline``
         is this call's budget in seconds (see the class); ``request_id`` its
         ``X-Request-Id`` (the server's logs and answer carry it; default: the

@@ -474,7 +474,7 @@ class _Parse:
 
     A final answer that declares a length of 64 KiB or more has its body
     received into one buffer of that size (``body``; :class:`Lane` reads into it with
-    ``recv_into``), which the answer then holds as a read-only view: the
+    ``recv_into``), which the answer then holds (the caller's array is a view on it): the
     body's bytes are copied once, by the kernel. Chunked answers and answers
     that run until close go through httptools whole.
     """
@@ -549,7 +549,7 @@ class _Parse:
     def answer(self, send_error: OSError | None) -> tuple[Answer, bool]:
         reader = self.reader
         if self.body is not None:
-            content = memoryview(self.body).toreadonly()
+            content = memoryview(self.body)  # the answer's own buffer: the caller's to write
         else:
             content = reader.chunks[0] if len(reader.chunks) == 1 else b"".join(reader.chunks)
         answer = Answer(self.parser.get_status_code(), AnswerHeaders(reader.headers), content,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
 import torch
 from moegemm.client import Client
 from moegemm.kernels import quantize_activations, quantize_weights
@@ -175,6 +177,27 @@ def test_client_round_trip(server):
         assert "via-client" in [ws["name"] for ws in client.weights()]
         client.delete_weights("via-client")
         assert "via-client" not in [ws["name"] for ws in client.weights()]
+
+
+def test_client_answers_are_the_callers_to_write(server):
+    """Answers under and over the lane's 64 KiB (read as bytes, or into a buffer of their
+    own) come back writable, numpy and torch alike, each in memory of its own."""
+    with Client(server.url) as client:
+        for m in (3, 200):  # 1.5 KiB and 100 KiB answers
+            p = fp8_problem(m, 256, 256, 2)
+            client.load_weights("writable", p.wq, p.w_scale)
+            x = p.xq.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+            args = (p.m_sizes.numpy(), p.x_scale.numpy())
+            first = client.grouped_gemm("writable", x, args[0], x_scale=args[1])
+            second = client.grouped_gemm("writable", x, args[0], x_scale=args[1])
+            as_torch = client.grouped_gemm("writable", p.xq, p.m_sizes, x_scale=p.x_scale)
+            assert first.flags.writeable and second.flags.writeable
+            assert np.array_equal(first.view(np.int16), as_torch.view(torch.int16).numpy())
+            first += first  # in place, as a caller adding a residual would
+            as_torch.add_(1)
+            again = client.grouped_gemm("writable", p.xq, p.m_sizes, x_scale=p.x_scale)
+            assert np.array_equal(second.view(np.int16), again.view(torch.int16).numpy())
+        client.delete_weights("writable")
 
 
 def test_a_set_whose_name_was_taken_while_it_loaded_is_forgotten(server, monkeypatch):
