@@ -70,7 +70,15 @@ def _to_fp8(values: torch.Tensor, floor: torch.Tensor, fp8_dtype: torch.dtype) -
     with a float32 division and an exact float64 comparison.
     """
     limit = fp8_max(fp8_dtype)
-    exact = values.double().mul_(limit).div_(floor.double())
+    return fp8_nearest(values.double().mul_(limit).div_(floor.double()), fp8_dtype)
+
+
+def fp8_nearest(exact: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """float64 ``exact`` rounded once to ``fp8_dtype``, to nearest even, clamped to the
+    format's maximum (NaN stays NaN). torch's cast from float64 rounds through float32 and so
+    twice: rounding to odd in float32 first (20 bits more than fp8 keeps) makes the second
+    rounding the only one."""
+    limit = fp8_max(fp8_dtype)
     v = exact.float()
     over = v.double().sub_(exact)  # v's side of the quotient: exact (two close float64 values)
     bits = v.view(torch.int32)

@@ -124,13 +124,12 @@ def reference_float64(
 
 def _quantize_float64(a: torch.Tensor, fp8_dtype: torch.dtype):
     """SPEC 1.1 activation quantization of float64 ``a`` ``[M, K]``, scales in float64."""
-    from .quant import fp8_max
+    from .quant import fp8_max, fp8_nearest
 
-    limit = fp8_max(fp8_dtype)
     m, k = a.shape
     blocks = a.reshape(m, k // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / limit
-    aq = (blocks / scale).clamp(-limit, limit).to(fp8_dtype).reshape(m, k)
+    scale = blocks.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / fp8_max(fp8_dtype)
+    aq = fp8_nearest(blocks / scale, fp8_dtype).reshape(m, k)
     return aq, scale.reshape(m, k // BLOCK)
 
 

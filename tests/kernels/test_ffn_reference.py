@@ -197,3 +197,30 @@ def test_moe_reference_empty():
     ref = moe_reference_float64(xq, x_scale, p.w13q, p.w13_scale, p.w2q, p.w2_scale, ids,
                                 torch.zeros((0, 2)), p.fp8_dtype)
     assert ref.shape == (0, 256)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+def test_the_oracle_rounds_a_once(fp8):
+    """The float64 chain's ``aq``: each value rounded once, to nearest even. Just past a
+    midpoint between two fp8 codes (by 2^-40 of it: float32 cannot hold that, so torch's cast,
+    through float32, sees the midpoint and takes the even code) the value goes up; at the
+    midpoint itself, to the even code."""
+    from moegemm.kernels.quant import fp8_max
+    from moegemm.kernels.reference import _quantize_float64
+
+    codes = torch.arange(0x00, 0x7F, dtype=torch.uint8).view(fp8).double()  # 0 up, ascending
+    mid = (codes[:-1] + codes[1:]) / 2
+    limit = fp8_max(fp8)
+    # Blocks of 128 whose amax is the format's maximum, so the scale is exactly 1.
+    a = torch.full((mid.numel(), 128), limit, dtype=torch.float64)
+    a[:, 0] = mid * (1 + 2.0**-40)
+    a[:, 1] = mid
+    a[:, 2] = -mid * (1 + 2.0**-40)
+    aq, scale = _quantize_float64(a, fp8)
+    assert (scale == 1).all()
+    got = aq.double()
+    assert torch.equal(got[:, 0], codes[1:])
+    # codes[i] is the code of bits i: the even one of each pair is the one of even index.
+    even = torch.where(torch.arange(len(mid)) % 2 == 0, codes[:-1], codes[1:])
+    assert torch.equal(got[:, 1], even)
+    assert torch.equal(got[:, 2], -codes[1:])
