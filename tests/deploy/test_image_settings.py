@@ -1,7 +1,7 @@
 """The images, the Compose file and the manifests agree with the server.
 
-Every MOEGEMM_* name they set is a field of `Settings`, every value they set
-parses, the port, entry point, probes and user line up, and the ROCm and CUDA
+Every MOEGEMM_* name they set is a field of `Settings` (or a variable read where it applies,
+`config.OTHER_ENVIRONMENT`: the images name their backend), every value they set parses, the port, entry point, probes and user line up, and the ROCm and CUDA
 variants differ only where the vendor does. Plain file parsing: no tools.
 """
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from moegemm.server.config import Settings
+from moegemm.kernels._select import BACKEND_NAMES
+from moegemm.server.config import OTHER_ENVIRONMENT, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = [ROOT / "Dockerfile", ROOT / "deploy" / "Dockerfile.cuda"]
@@ -133,8 +134,9 @@ def test_every_env_name_is_a_settings_field():
     fields = set(Settings.model_fields)
     for where, names in _all_env_names().items():
         assert names or where.startswith("compose "), f"{where} sets no MOEGEMM_ variable"
-        unknown = {n for n in names if not n.startswith(PREFIX) or _field(n) not in fields}
-        assert not unknown, f"{where} sets {sorted(unknown)}, which Settings does not read"
+        unknown = {n for n in names if not n.startswith(PREFIX)
+                   or (_field(n) not in fields and n not in OTHER_ENVIRONMENT)}
+        assert not unknown, f"{where} sets {sorted(unknown)}, which nothing reads"
 
 
 def test_env_names_are_checked_against_real_fields():
@@ -173,8 +175,12 @@ def test_entry_point_is_moegemm_serve_with_a_device_flag(capsys):
 
 def test_images_agree_with_each_other_and_run_unprivileged():
     rocm, cuda = (_dockerfile(p) for p in DOCKERFILES)
-    cuda_env = {k: v for k, v in cuda["env"].items() if k.startswith(PREFIX)}
-    rocm_env = {k: v for k, v in rocm["env"].items() if k.startswith(PREFIX)}
+    # Each names its vendor's kernel: one that cannot load stops the server (no silent
+    # fallback to the reference), as MOEGEMM_DEVICE=cuda stops one without its GPU.
+    assert rocm["env"]["MOEGEMM_BACKEND"] == "flydsl" and cuda["env"]["MOEGEMM_BACKEND"] == "triton"
+    assert {"flydsl", "triton"} <= set(BACKEND_NAMES)
+    cuda_env = {k: v for k, v in cuda["env"].items() if k.startswith(PREFIX) and k != "MOEGEMM_BACKEND"}
+    rocm_env = {k: v for k, v in rocm["env"].items() if k.startswith(PREFIX) and k != "MOEGEMM_BACKEND"}
     assert rocm_env == cuda_env
     for image in (rocm, cuda):
         assert image["expose"] == rocm["expose"]

@@ -3,14 +3,14 @@
 The closest honest check without AMD hardware: ``moegemm serve`` runs with the
 ROCm Dockerfile's own ``ENV`` defaults, in FlyDSL's compile-only mode for each
 arch, with the image's own ``MOEGEMM_DEVICE=cuda`` (which compile-only mode lets through
-with no GPU: elsewhere a GPU that is not there stops the server at once) and one
-stand-in for the ROCm host this box is not: ``MOEGEMM_BACKEND=flydsl`` (what the
-image's unset backend, ``auto``, tries under a ROCm build of torch; this box's
-torch is a CPU build, under which ``auto`` picks the reference).
+with no GPU: elsewhere a GPU that is not there stops the server at once) and its own
+``MOEGEMM_BACKEND=flydsl``.
 The server must get through its settings, the backend selector and FlyDSL's
 import, log the FlyDSL backend with the arch's fp8 encoding and the preshuffled
 weight layout, and then fail only at its first device call (the graph pool),
 exiting non-zero. What it cannot show: anything after that first device call.
+And where FlyDSL cannot load, the image's server stops, naming why, instead of serving
+from the reference.
 
 Skips when FlyDSL or ld.lld is missing, unless MOEGEMM_REQUIRE_ROCM_TOOLCHAIN=1.
 """
@@ -62,13 +62,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve(arch: str, tmp: Path) -> subprocess.CompletedProcess:
+def _serve(arch: str, tmp: Path, before: str = "") -> subprocess.CompletedProcess:
+    """``moegemm serve`` with the image's settings, after the Python statement ``before``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGEMM_")}
     env.update(_image_env())
     env.update(
         MOEGEMM_HOST="127.0.0.1",  # the image listens on 0.0.0.0:8000; a test may not
         MOEGEMM_PORT=str(_free_port()),
-        MOEGEMM_BACKEND="flydsl",  # what "auto" tries under a ROCm torch
         MOEGEMM_WEIGHTS_DIR=str(tmp),
         MOEGEMM_CACHE_DIR=str(tmp / "cache"),
         COMPILE_ONLY="1",
@@ -76,13 +76,26 @@ def _serve(arch: str, tmp: Path) -> subprocess.CompletedProcess:
         ROCM_PATH=str(rocm_path()),
         PYTHONUNBUFFERED="1",
     )
-    argv = [sys.executable, "-m", "moegemm.cli", "serve"]  # the entry point, `moegemm serve`
+    # The entry point, `moegemm serve`.
+    code = f"{before}\nimport sys\nfrom moegemm.cli import main\nsys.exit(main(['serve']))"
+    argv = [sys.executable, "-c", code]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240, check=False)
 
 
 def test_the_image_env_names_the_defaults_this_test_relies_on():
     env = _image_env()
-    assert env["MOEGEMM_DEVICE"] == "cuda" and "MOEGEMM_BACKEND" not in env  # auto: FlyDSL first
+    assert env["MOEGEMM_DEVICE"] == "cuda" and env["MOEGEMM_BACKEND"] == "flydsl"
+
+
+def test_the_image_stops_where_flydsl_cannot_load(tmp_path):
+    """Triton already in the process (a plugin's import, say) keeps FlyDSL out (_select.py):
+    the image's server exits naming that, where ``auto`` would serve from the reference."""
+    pytest.importorskip("triton")
+    proc = _serve(SUPPORTED_ARCHS[0], tmp_path, before="import triton")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "flydsl cannot load: triton is already imported" in log, log[-4000:]
+    assert "backend reference" not in log and "graph_pool_handle" not in log
 
 
 def test_rocm_image_defaults_start_on_the_flydsl_backend(tmp_path):
