@@ -226,6 +226,25 @@ def code_object(ir_text: str) -> bytes:
     return bytes(out)
 
 
+_VMEM = re.compile(r"^\s+((?:global|buffer|flat)_[a-z0-9_]+)\s+([^;\n]*)", re.MULTILINE)
+_PAIR = re.compile(r"^v\[(\d+):(\d+)\]$")
+
+
+def narrow_addresses(text: str) -> list[str]:
+    """The vector memory instructions of ``text`` whose address has fewer than 64 bits a lane:
+    ``buffer_*`` (32-bit offsets), ``flat_*``, and ``global_*`` with an SGPR base (a 32-bit VGPR
+    offset on it). A ``global_*`` whose address is a VGPR pair with no SGPR base (``off``) is
+    64-bit: where an extent passes 2^31 elements, only that form reaches it."""
+    narrow = []
+    for mnemonic, operands in _VMEM.findall(text.split(".amdgpu_metadata", 1)[0]):
+        parts = [p.strip() for p in operands.split(",")]
+        at = 0 if "_store" in mnemonic else 1  # stores: address, data, base; loads: dest first
+        pair = _PAIR.match(parts[at]) if len(parts) > 2 and mnemonic.startswith("global_") else None
+        if pair is None or int(pair[2]) != int(pair[1]) + 1 or parts[2].split()[0] != "off":
+            narrow.append(f"{mnemonic} {operands.strip()}")
+    return narrow
+
+
 @dataclass(frozen=True)
 class IsaFacts:
     """What CI asserts about one compiled kernel, read from its ``.s`` file."""
@@ -241,6 +260,7 @@ class IsaFacts:
     # Each MFMA's modifiers and each scaled MFMA's scale sources (:func:`mfma_operands`).
     mfma_modifiers: Counter = dataclasses.field(default_factory=Counter)
     mfma_scale_sources: Counter = dataclasses.field(default_factory=Counter)
+    narrow_addresses: list = dataclasses.field(default_factory=list)  # :func:`narrow_addresses`
     code_bytes: int | None = None  # .text of the code object, when the child saved it
     compile_seconds: float | None = None  # trace + compile, in the child
 
@@ -285,6 +305,7 @@ def parse_isa(text: str) -> IsaFacts:
         loop=k_loop(text),
         mfma_modifiers=modifiers,
         mfma_scale_sources=scale_sources,
+        narrow_addresses=narrow_addresses(text),
     )
 
 

@@ -250,6 +250,29 @@ def test_parse_isa_reads_instructions_and_resources():
         parse_isa(_ISA.replace(".group_segment_fixed_size", ".other"))
 
 
+def test_narrow_addresses_are_the_forms_that_cannot_reach_past_2_31():
+    """A global load or store through a 64-bit VGPR address with no SGPR base is 64-bit; a
+    buffer one (32-bit offsets), a flat one, or a global one on an SGPR base (a 32-bit VGPR
+    offset) is named."""
+    wide = [
+        "\tglobal_load_dwordx4 v[0:3], v[4:5], off",
+        "\tglobal_load_dword v9, v[4:5], off offset:64",
+        "\tglobal_store_short_d16_hi v[38:39], v36, off offset:32",
+        "\tglobal_store_dword v[2:3], v1, off",
+    ]
+    narrow = [
+        "\tbuffer_load_dwordx4 v[0:3], v4, s[8:11], 0 offen",
+        "\tglobal_load_dwordx4 v[0:3], v4, s[2:3]",
+        "\tglobal_store_short v5, v6, s[2:3] offset:32",
+        "\tglobal_load_dword v9, v[4:6], off",
+        "\tflat_load_dword v9, v[4:5]",
+    ]
+    isa = _ISA.replace("\ts_endpgm", "\n".join([*wide, *narrow, "\ts_endpgm"]))
+    found = parse_isa(isa).narrow_addresses
+    assert [f.split()[0] for f in found] == [n.split()[0] for n in narrow]
+    assert parse_isa(_ISA).narrow_addresses == []
+
+
 _SCALED = """\
 grouped_fp8_gemm_kernel:
 \tv_mov_b32_e32 v28, 0x7f

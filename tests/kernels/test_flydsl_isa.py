@@ -133,6 +133,7 @@ def test_default_tile_compiles_to_the_intended_isa(compiled, case):
     assert isa.scratch_bytes == 0
     assert (isa.vgpr_spills, isa.sgpr_spills) == (0, 0)
     assert not [m for m in isa.instructions if m.startswith("scratch_")]
+    assert not isa.narrow_addresses  # every load and store through a 64-bit address
     assert isa.lds_bytes == tile.lds_bytes <= LDS_BUDGET[arch]
     # 16-byte moves: global A/B loads, the swizzled LDS stores and the MFMA operand reads.
     assert isa.count("global_load_dwordx4") > 0
@@ -150,6 +151,7 @@ def test_the_float32_epilogue_compiles_and_stores_dwords(compiled, arch):
     isa, bf16 = result.isa, compiled[(arch, "preshuffled", DEFAULT_TILES[arch])].isa
     assert isa.scratch_bytes == 0 and (isa.vgpr_spills, isa.sgpr_spills) == (0, 0)
     assert isa.count("global_store_dword") > 0 and bf16.count("global_store_dword") == 0
+    assert not isa.narrow_addresses
     assert not [m for m in isa.instructions if m.startswith("global_store_short")]
     assert isa.count(MFMA_INSTRUCTION[arch]) == bf16.count(MFMA_INSTRUCTION[arch])
     assert isa.lds_bytes == bf16.lds_bytes
@@ -178,6 +180,8 @@ def test_large_launches_pack_and_compile(compiled, case):
     assert result.returncode == 0, result.stderr[-4000:]
     _assert_intended_mfma(result.isa, arch, DEFAULT_TILES[arch])
     assert result.isa.scratch_bytes == 0
+    # Past 2^31 elements: int64 offsets only reach memory through 64-bit addresses.
+    assert not result.isa.narrow_addresses
 
 
 @pytest.mark.parametrize("case", DEFAULT_CASES, ids=_case_id)
