@@ -143,7 +143,9 @@ def check_tile(tile: FlyTile, arch: str) -> FlyTile:
 
 
 def fit_tile(tile: FlyTile, n: int, k: int) -> FlyTile:
-    """Shrink ``tile`` until ``block_n`` divides N and ``block_k`` divides K.
+    """Shrink ``tile`` until ``block_n`` divides N and ``block_k`` divides K: ``block_n``
+    halved (a power of two), ``block_k`` to the largest multiple of 128 below it that divides
+    K (halving 384 would give 192, no tile).
 
     N and K must be positive multiples of 128 (SPEC 1), so 128 always fits (and
     a ``block_n`` of 64 divides any such N); a smaller tile never needs more
@@ -157,6 +159,6 @@ def fit_tile(tile: FlyTile, n: int, k: int) -> FlyTile:
     bn, bk = tile.block_n, tile.block_k
     while n % bn and bn > BLOCK:
         bn //= 2
-    while k % bk and bk > BLOCK:
-        bk //= 2
+    while k % bk:
+        bk -= BLOCK
     return replace(tile, block_n=bn, block_k=bk)

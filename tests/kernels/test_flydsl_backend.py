@@ -87,6 +87,9 @@ def test_fit_tile_shrinks_to_divide_n_and_k():
     assert fit_tile(FlyTile(64, 256, 256), 384, 384) == FlyTile(64, 128, 128)
     assert fit_tile(FlyTile(64, 256, 256), 512, 1024) == FlyTile(64, 256, 256)
     assert fit_tile(FlyTile(32, 512, 128), 640, 128) == FlyTile(32, 128, 128)
+    # block_k steps down by 128 blocks: 384 over K = 1024 is 256 (halving gave 96, no tile).
+    assert fit_tile(FlyTile(32, 128, 384), 128, 1024) == FlyTile(32, 128, 256)
+    assert fit_tile(FlyTile(32, 128, 384), 128, 640) == FlyTile(32, 128, 128)
 
 
 def test_device_arch_in_compile_only_mode(monkeypatch):
