@@ -9,7 +9,8 @@
 # MOEGEMM_DEVICE defaults to "cuda" (torch's name for the ROCm GPU too): a container
 # started without its GPU exits at once with a message, instead of serving from the
 # CPU. MOEGEMM_BACKEND=flydsl, for the same reason: a FlyDSL that cannot load stops the
-# server, naming why, where "auto" would serve from the slow reference with a warning. Where the host's /dev/dri/renderD* belong to a "render" group, also pass
+# server, naming why, where "auto" would serve from the slow reference with a warning.
+# Where the host's /dev/dri/renderD* belong to a "render" group, also pass
 # --group-add "$(getent group render | cut -d: -f3)".
 #
 # Why this base: rocm/pytorch:rocm7.14.1_ubuntu24.04_py3.12_pytorch_release_2.12.0

@@ -287,7 +287,7 @@ def read_answer(call: Call, response: httpx.Response, request_id: str) -> Any:
             request_id=request_id,
         ) from exc
     arr = out.numpy()  # a view on the answer's buffer, writable when the lane read it into one
-    if not arr.flags.writeable:  # a small answer, read as bytes
+    if not (arr.flags.writeable and arr.flags.aligned):  # read as bytes, or at an odd offset
         arr = arr.copy()
     return arr if call.like_torch is None else _to_torch(arr, call.like_torch)
 
@@ -301,8 +301,8 @@ def decode_out(content: bytes | memoryview) -> WireTensor:
 
 
 def _to_torch(arr: np.ndarray, like: Any) -> Any:
-    """The bf16 answer ``arr`` (writable) as a torch tensor on ``like``'s device, sharing
-    ``arr``'s memory on the CPU."""
+    """The bf16 answer ``arr`` (writable, aligned) as a torch tensor on ``like``'s device,
+    sharing ``arr``'s memory on the CPU."""
     import torch  # already imported by the caller: `like` is a torch tensor
 
     result = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)

@@ -226,22 +226,31 @@ def code_object(ir_text: str) -> bytes:
     return bytes(out)
 
 
-_VMEM = re.compile(r"^\s+((?:global|buffer|flat)_[a-z0-9_]+)\s+([^;\n]*)", re.MULTILINE)
-_PAIR = re.compile(r"^v\[(\d+):(\d+)\]$")
+_VMEM = tuple(f"{space}_{op}" for space in ("global", "buffer", "flat")
+              for op in ("load", "store", "atomic"))
 
 
 def narrow_addresses(text: str) -> list[str]:
-    """The vector memory instructions of ``text`` whose address has fewer than 64 bits a lane:
-    ``buffer_*`` (32-bit offsets), ``flat_*``, and ``global_*`` with an SGPR base (a 32-bit VGPR
-    offset on it). A ``global_*`` whose address is a VGPR pair with no SGPR base (``off``) is
-    64-bit: where an extent passes 2^31 elements, only that form reaches it."""
+    """The vector loads, stores and atomics of ``text`` whose instruction form addresses with
+    fewer than 64 bits a lane: ``buffer_*`` (32-bit offsets), ``global_*`` on an SGPR base (a
+    32-bit VGPR offset on it), and any form this does not read (``flat_*``, atomics,
+    LDS-direct loads), for a person to look at. A ``global_*`` load or store through a VGPR
+    pair with no SGPR base (``off``) passes. What this cannot see: a 64-bit address computed
+    from a 32-bit product; the emulator's int64 extents and the IR stand for that."""
     narrow = []
-    for mnemonic, operands in _VMEM.findall(text.split(".amdgpu_metadata", 1)[0]):
-        parts = [p.strip() for p in operands.split(",")]
-        at = 0 if "_store" in mnemonic else 1  # stores: address, data, base; loads: dest first
-        pair = _PAIR.match(parts[at]) if len(parts) > 2 and mnemonic.startswith("global_") else None
-        if pair is None or int(pair[2]) != int(pair[1]) + 1 or parts[2].split()[0] != "off":
-            narrow.append(f"{mnemonic} {operands.strip()}")
+    for line in text.split(".amdgpu_metadata", 1)[0].splitlines():
+        match = _INSTRUCTION.match(line)
+        if match is None or not match.group(1).startswith(_VMEM):
+            continue
+        mnemonic, rest = match.groups()
+        parts = [p.strip() for p in rest.split(",")]
+        at = 0 if mnemonic.startswith(_STORES) else 1  # a load's destination comes first
+        pair = _VREG.match(parts[at]) if len(parts) > 2 and mnemonic.startswith(
+            ("global_load", "global_store")) and "lds" not in mnemonic else None
+        wide = pair is not None and pair.group(2) is not None and (
+            int(pair.group(3)) == int(pair.group(2)) + 1 and parts[2].split()[0] == "off")
+        if not wide:
+            narrow.append(f"{mnemonic} {rest}")
     return narrow
 
 

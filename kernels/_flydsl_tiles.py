@@ -159,6 +159,6 @@ def fit_tile(tile: FlyTile, n: int, k: int) -> FlyTile:
     bn, bk = tile.block_n, tile.block_k
     while n % bn and bn > BLOCK:
         bn //= 2
-    while k % bk:
+    while k % bk and bk > BLOCK:
         bk -= BLOCK
     return replace(tile, block_n=bn, block_k=bk)

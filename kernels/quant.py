@@ -48,7 +48,7 @@ def _scale_of(amax: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Ten
     return floor, floor / torch.full_like(floor, limit)
 
 
-# float32 NaN bits with the sign clear: :func:`_to_fp8`'s NaN, 0x7F in e4m3fn (0x80 in fnuz).
+# float32 NaN bits with the sign clear: :func:`fp8_nearest`'s NaN, 0x7F in e4m3fn (0x80 in fnuz).
 _POSITIVE_NAN = 0x7FC00000
 
 
@@ -83,7 +83,8 @@ def fp8_nearest(exact: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     over = v.double().sub_(exact)  # v's side of the quotient: exact (two close float64 values)
     bits = v.view(torch.int32)
     down = ((over > 0) == (v > 0)).to(torch.int32)  # above the quotient in magnitude
-    odd = torch.where((over != 0) & (v != 0), (bits - down) | 1, bits)
+    # Past float32's range v is infinite: kept, so the clamp saturates it as any large value.
+    odd = torch.where((over != 0) & (v != 0) & v.isfinite(), (bits - down) | 1, bits)
     # One NaN code whatever the NaN's sign: a float64 NaN made on CUDA (``inf / inf``) is
     # negative, a float32 one positive, and x86's are negative.
     odd.masked_fill_(v.isnan(), _POSITIVE_NAN)

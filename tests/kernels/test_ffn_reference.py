@@ -2,6 +2,8 @@
 the 3e-2 bound on every call, M = 1 included, and the classic mistakes (gate and up
 swapped, a scale on the wrong block) fail it."""
 
+import math
+
 import pytest
 import torch
 from moegemm.kernels import (
@@ -224,3 +226,15 @@ def test_the_oracle_rounds_a_once(fp8):
     even = torch.where(torch.arange(len(mid)) % 2 == 0, codes[:-1], codes[1:])
     assert torch.equal(got[:, 1], even)
     assert torch.equal(got[:, 2], -codes[1:])
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+def test_fp8_nearest_saturates_both_infinities(fp8):
+    """Past the format's range, either sign and past float32's too, a value is the format's
+    maximum (the clamp's); NaN stays NaN."""
+    from moegemm.kernels.quant import fp8_max, fp8_nearest
+
+    limit = fp8_max(fp8)
+    got = fp8_nearest(torch.tensor([math.inf, -math.inf, 1e300, -1e300, math.nan],
+                                   dtype=torch.float64), fp8).double()
+    assert got[:4].tolist() == [limit, -limit, limit, -limit] and got[4].isnan()

@@ -90,6 +90,12 @@ def test_fit_tile_shrinks_to_divide_n_and_k():
     # block_k steps down by 128 blocks: 384 over K = 1024 is 256 (halving gave 96, no tile).
     assert fit_tile(FlyTile(32, 128, 384), 128, 1024) == FlyTile(32, 128, 256)
     assert fit_tile(FlyTile(32, 128, 384), 128, 640) == FlyTile(32, 128, 128)
+    # A block_k off the 128 grid (a damaged tuning cache) comes back as it was, for
+    # check_tile to refuse: never a loop without end, never a negative size.
+    for bad in (100, 96):
+        assert fit_tile(FlyTile(32, 128, bad), 128, 1024).block_k == bad
+        with pytest.raises(ValueError, match="block_k"):
+            check_tile(fit_tile(FlyTile(32, 128, bad), 128, 1024), "gfx942")
 
 
 def test_device_arch_in_compile_only_mode(monkeypatch):

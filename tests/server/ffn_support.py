@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from moegemm.client._errors import BadRouting
-from moegemm.kernels import quantize_activations, reference_float64, silu_mul_quant
+from moegemm.kernels import ffn_reference_float64, quantize_activations, silu_mul_quant
 from moegemm.kernels._backend import Backend
 from moegemm.kernels.testing import random_problem
 from moegemm.server._checks import bad_rows, not_finite_error
@@ -32,29 +32,12 @@ def expert_set(G: int, H: int, I: int, fp8, device, gen: torch.Generator, name: 
                            w2=ws(p2, "w2", H, I))
 
 
-def _quantize64(a: torch.Tensor, fp8):
-    limit = 448.0 if fp8 == torch.float8_e4m3fn else 240.0
-    m, k = a.shape
-    blocks = a.reshape(m, k // 128, 128)
-    scale = blocks.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / limit
-    return (blocks / scale).clamp(-limit, limit).to(fp8).reshape(m, k), scale.reshape(m, -1)
-
-
 def ffn_float64(es, xq, x_scale, m_sizes, fp8) -> torch.Tensor:
     """SPEC 5.1 in float64 (h and a unrounded, aq quantized from the float64 a)."""
-    try:
-        from moegemm.kernels import ffn_reference_float64
-    except ImportError:
-        ffn_reference_float64 = None
     w13q, w13s = es.w13.wq.cpu(), es.w13.w_scale.cpu()
     w2q, w2s = es.w2.wq.cpu(), es.w2.w_scale.cpu()
     sizes = torch.as_tensor(m_sizes, dtype=torch.int64)
-    if ffn_reference_float64 is not None:
-        return ffn_reference_float64(xq.cpu(), x_scale.cpu(), w13q, w13s, w2q, w2s, sizes, fp8)
-    h = reference_float64(xq.cpu(), w13q, x_scale.cpu(), w13s, sizes)
-    gate, up = h[:, : es.I], h[:, es.I :]
-    aq, a_scale = _quantize64(gate / (1.0 + torch.exp(-gate)) * up, fp8)
-    return reference_float64(aq, w2q, a_scale, w2s, sizes)
+    return ffn_reference_float64(xq.cpu(), x_scale.cpu(), w13q, w13s, w2q, w2s, sizes, fp8)
 
 
 def moe_float64(es, xq, x_scale, topk_ids, topk_weights, fp8) -> torch.Tensor:

@@ -183,7 +183,8 @@ def test_client_answers_are_the_callers_to_write(server):
     """Answers under and over the lane's 64 KiB (read as bytes, or into a buffer of their
     own) come back writable, numpy and torch alike, each in memory of its own."""
     with Client(server.url) as client:
-        for m in (3, 200):  # 1.5 KiB and 100 KiB answers
+        # 1.5 KiB, then 100 and 150 KiB, their data at an odd and an even offset in the body
+        for m in (3, 200, 300):
             p = fp8_problem(m, 256, 256, 2)
             client.load_weights("writable", p.wq, p.w_scale)
             x = p.xq.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
@@ -191,12 +192,17 @@ def test_client_answers_are_the_callers_to_write(server):
             first = client.grouped_gemm("writable", x, args[0], x_scale=args[1])
             second = client.grouped_gemm("writable", x, args[0], x_scale=args[1])
             as_torch = client.grouped_gemm("writable", p.xq, p.m_sizes, x_scale=p.x_scale)
-            assert first.flags.writeable and second.flags.writeable
-            assert np.array_equal(first.view(np.int16), as_torch.view(torch.int16).numpy())
+            t = as_torch.view(torch.int16).numpy()
+            assert first.flags.writeable and second.flags.writeable and first.flags.aligned
+            assert not np.shares_memory(first, second) and not np.shares_memory(first, t)
+            kept = first.view(np.int16).copy()
+            assert np.array_equal(kept, second.view(np.int16)) and np.array_equal(kept, t)
             first += first  # in place, as a caller adding a residual would
             as_torch.add_(1)
+            assert np.array_equal(second.view(np.int16), kept)  # written through no other answer
             again = client.grouped_gemm("writable", p.xq, p.m_sizes, x_scale=p.x_scale)
-            assert np.array_equal(second.view(np.int16), again.view(torch.int16).numpy())
+            assert np.array_equal(again.view(torch.int16).numpy(), kept)
+            assert not np.shares_memory(again.view(torch.int16).numpy(), t)
         client.delete_weights("writable")
 
 

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Session 55, call 1 (timeout_s 420). On an H200: the full kernel bench on the shipped code
 # (issue 15's figures of record; sessions 43-54 got no H200). On another card: the GPU suites
-# that session 55's changes touch (the client's writable answers, torch answers on the caller's
-# device; the float64 FFN oracle's single rounding, which the ffn/moe GPU tests compare against)
+# that session 55's changes touch (the client's writable answers; the float64 FFN oracle's
+# single rounding, which the ffn/moe GPU tests compare against)
 # with the shipped server's suites. TESTS_S (default 360 s) bounds the tests: with less budget,
 # set it lower and timeout_s about 60 s above it. Carry .whl/server, .whl/mslk.
 nvidia-smi --query-gpu=name --format=csv,noheader
