@@ -236,7 +236,7 @@ def narrow_addresses(text: str) -> list[str]:
     32-bit VGPR offset on it), and any form this does not read (``flat_*``, atomics,
     LDS-direct loads), for a person to look at. A ``global_*`` load or store through a VGPR
     pair with no SGPR base (``off``) passes. What this cannot see: a 64-bit address computed
-    from a 32-bit product; the emulator's int64 extents and the IR stand for that."""
+    from a 32-bit product (the CPU emulator's int64 extents stand for that)."""
     narrow = []
     for line in text.split(".amdgpu_metadata", 1)[0].splitlines():
         match = _INSTRUCTION.match(line)
