@@ -109,7 +109,17 @@ def matching_cases(match: str) -> list[dict]:
 
 
 def bucket_of(m: int) -> int:
-    return 1 << max(0, (m - 1).bit_length())
+    """The graph bucket the server at its defaults runs an ``m``-row call in (one launch)."""
+    from moegemm.server.config import Settings
+
+    bucket = 1 << max(0, (m - 1).bit_length())
+    largest = Settings.model_fields["max_bucket_m"].default
+    if bucket > largest:
+        # The server would run it in chunks of its largest bucket: a graph it never builds
+        # times nothing it serves (sessions up to 55 timed such graphs for 26 cases; the
+        # default bucket was 8192 then).
+        raise ValueError(f"{m} rows are past the server's largest bucket ({largest}): it runs them in chunks")
+    return bucket
 
 
 def floor_us(m, n, k, sizes, ceilings=FLOOR_CEILINGS) -> float:

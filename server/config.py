@@ -138,7 +138,13 @@ class Settings(BaseSettings):
     max_weight_bytes: int | None = Field(None, gt=0)
     # Device memory a load leaves free for the calls in flight (507 when it cannot).
     memory_headroom_bytes: int = Field(1 << 30, ge=0)
-    max_bucket_m: int = Field(8192, gt=0)
+    # The largest CUDA-graph bucket: calls up to this many rows are one launch of one graph; longer
+    # ones run in chunks of it, each reading the weights again (a prefill of 8192 tokens at top-8
+    # in 8192-row chunks read a DeepSeek-V3 layer's 7.5 GB of w13 eight times). The default is
+    # max_m's, so every call the server takes is one launch: the kernel and tile the public
+    # function runs for its shape (SPEC 3). Its cost is device memory per expert-set shape: the
+    # families' static buffers and the largest graphs' temporaries grow with it (README).
+    max_bucket_m: int = Field(65536, gt=0)
     # The moe top-k whose graphs each expert set captures at load (engine.MOE_TOP_K);
     # calls of another k run eagerly. From the environment a JSON list or "1,2,8".
     moe_top_k: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [1, 2, 8])

@@ -136,7 +136,7 @@ class Engine:
         *,
         queue_size: int = 256,
         max_m: int = 65536,
-        max_bucket_m: int = 8192,
+        max_bucket_m: int = 65536,
         merge_window_us: int = MERGE_WINDOW_US,
         graphs: bool = True,
         metrics: Any = None,

@@ -28,6 +28,21 @@ def test_defaults():
     assert s.wants_demo()  # nothing preloaded
 
 
+def test_every_call_the_defaults_take_is_one_launch_of_one_graph():
+    """SPEC 3: a call past the largest bucket runs in chunks of it, each chunk reading every
+    weight its groups name again (a prefill of 8192 tokens at top-8 over 8192-row chunks read
+    a DeepSeek-V3 layer's w13 eight times, and ran the chunk's tile, not the call's). At the
+    defaults the largest bucket holds the largest call the server takes, in rows and in moe
+    tokens at every captured top-k (``FfnGraphs.max_tokens``)."""
+    from moegemm.kernels import get_backend
+    from moegemm.server._ffn_graphs import FfnGraphs
+
+    s = Settings()
+    assert s.max_bucket_m >= s.max_m
+    graphs = FfnGraphs(get_backend("cpu", "reference"), s.max_bucket_m)
+    assert all(graphs.max_tokens(k) * k >= s.max_m for k in s.moe_top_k)
+
+
 def test_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("MOEGEMM_PORT", "9123")
     monkeypatch.setenv("MOEGEMM_WEIGHTS_DIR", str(tmp_path))

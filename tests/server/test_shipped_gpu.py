@@ -323,6 +323,28 @@ def _metric(http, sample: str, **labels: str) -> float:
     return metric_sum(http.get("/metrics").text, sample, **labels)
 
 
+def test_a_call_past_8192_rows_is_one_launch_with_the_public_bits(shipped):
+    """SPEC 3 at the defaults (the largest bucket holds ``max_m`` rows): a call of 20000 rows,
+    past the 8192-row bucket that was the default before session 56 (then three chunks, run
+    eagerly, each reading the weights again), is one replay of the 32768-row graph and answers
+    the public ``grouped_gemm``'s bits on the same inputs (its kernel and tile, issue 15)."""
+    from moegemm.kernels import grouped_gemm
+
+    p = fp8_problem(20000, N, K, G)
+    r = shipped.put("/v1/weights/long", content=packb({"w": wire(p.wq), "w_scale": wire(p.w_scale)}),
+                    headers=MSGPACK)
+    assert r.status_code == 201, r.text
+    graph = _metric(shipped, "moegemm_launches_total", mode="graph")
+    eager = _metric(shipped, "moegemm_launches_total", mode="eager")
+    out = out_of(_gemm(shipped, "long", {"x": wire(p.xq), "x_scale": wire(p.x_scale),
+                                         "m_sizes": wire(p.m_sizes)}))
+    assert _metric(shipped, "moegemm_launches_total", mode="graph") == graph + 1
+    assert _metric(shipped, "moegemm_launches_total", mode="eager") == eager
+    want = grouped_gemm(*(t.cuda() for t in p.args())).cpu()
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert shipped.delete("/v1/weights/long").status_code == 204
+
+
 def test_expert_calls_merged_or_alone_answer_the_same_bits(shipped):
     """ffn and moe calls through the shipped server (fast transport, acceptors, the loop's
     merges) on G=8, H=4096, I=256, where the w13 GEMM's split-K changes between the 128-
