@@ -5,10 +5,8 @@ order: call 0's rows, then call 1's, ...). The kernel needs rows grouped per
 expert (the *merged* order: group 0 of every call, then group 1 of every call,
 ...). A :class:`MergePlan` holds the permutation between the two orders, built
 from the ``m_sizes`` alone (host data that came with the requests; no tensor
-contents are read), and the row ranges that give each caller its rows back.
-
-Everything here is a pure function of its arguments and works on numpy arrays
-and on torch tensors of any device.
+contents are read), and the row ranges that give each caller its rows back; the
+executors apply it on the device (the graphs' gather words, ``index_select``).
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 # Rows a launch may hold: the kernels index rows in int32.
 _MAX_ROWS = 2**31 - 1
@@ -109,24 +106,3 @@ def group_order(m_sizes: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray |
         return m_sizes[0], None
     plan = plan_merge(m_sizes)
     return plan.m_sizes, None if plan.is_identity else plan.gather
-
-
-def _index(rows: np.ndarray, like: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-    if isinstance(like, torch.Tensor):
-        return torch.from_numpy(rows).to(like.device, non_blocking=True)
-    return rows
-
-
-def regroup(concatenated: torch.Tensor | np.ndarray, plan: MergePlan):
-    """Rows of the concatenated calls in merged (per-expert) order: ``x[gather]``."""
-    if concatenated.shape[0] != plan.total:
-        raise ValueError(f"expected {plan.total} rows, got {concatenated.shape[0]}")
-    return concatenated[_index(plan.gather, concatenated)]
-
-
-def split(merged_out: torch.Tensor | np.ndarray, plan: MergePlan) -> list:
-    """Each call's own rows of the merged output, in the call's own order."""
-    if merged_out.shape[0] != plan.total:
-        raise ValueError(f"expected {plan.total} rows, got {merged_out.shape[0]}")
-    back = merged_out[_index(plan.scatter, merged_out)]
-    return [back[a:b] for a, b in zip(plan.offsets[:-1], plan.offsets[1:])]
