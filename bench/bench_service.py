@@ -279,7 +279,10 @@ class Server:
 
 
 def kernel_times(shapes: list[tuple], device: str) -> dict:
-    """The kernel's own time (graph replay median, us) per (set, G, N, K, M, kind)."""
+    """The kernels' own time (graph replay median, us) per (set, G, N, K, M, kind): the GEMM for
+    fp8 rows; for bf16 rows the kernels the server's graph runs, the fused check-and-quantize
+    (``Backend.gather_quantize``) and the GEMM (torch's quantization where the backend has no
+    fused kernel)."""
     import torch
     from moegemm.kernels import get_backend, quantize_activations
 
@@ -300,7 +303,17 @@ def kernel_times(shapes: list[tuple], device: str) -> dict:
         x = torch.randn((m, k), device=dev).to(torch.bfloat16)
         xq, xs = quantize_activations(x, backend.fp8_dtype)
         o = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
-        if kind == "bf16":
+        if kind == "bf16" and backend.gather_quantize is not None:
+            # The server's bf16 graph: the rows checked and quantized in one kernel, then the GEMM.
+            rows = torch.arange(m, device=dev)
+            flags = torch.zeros(m, dtype=torch.int8, device=dev)
+            q = torch.empty_like(xq)
+            s = torch.empty_like(xs)
+
+            def step(x=x, rows=rows, flags=flags, q=q, s=s, wq=wq, ws=ws, sizes=sizes, o=o):
+                backend.gather_quantize(x, rows, flags, (q, s))
+                backend.run(q, wq, s, ws, sizes, o)
+        elif kind == "bf16":
             def step(x=x, wq=wq, ws=ws, sizes=sizes, o=o):
                 q, s = quantize_activations(x, backend.fp8_dtype)
                 backend.run(q, wq, s, ws, sizes, o)
