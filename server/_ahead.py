@@ -150,6 +150,17 @@ class Job:
         top_k = self.top_k if isinstance(item, Experts) else ()
         return self.backend, self.device, self.max_bucket_m, top_k, item
 
+    def child_bytes(self) -> int:
+        """The device memory one child needs: its CUDA context and, one family at a time, the
+        largest family's static buffers at the largest bucket with its warm-up's temporaries
+        (a gemm family: rows of x, its regrouped copy or quantized rows, and the output, about
+        3K + 2N bytes a row; an expert family: x, the output and the chain between, about 7H +
+        5I). At 65536 rows: ~5 GiB for a DeepSeek-V3 expert-set shape, 7 for Mixtral-8x7B's."""
+        rows = self.max_bucket_m
+        largest = max([rows * (3 * w.K + 2 * w.N) for w in self.gemm]
+                      + [rows * (7 * e.H + 5 * e.I) for e in self.experts], default=0)
+        return max(MIN_FREE_BYTES, CONTEXT_BYTES + largest)
+
     def describe(self) -> str:
         shapes = [f"G={w.G} N={w.N} K={w.K}" for w in self.gemm]
         shapes += [f"experts G={e.G} H={e.H} I={e.I}" for e in self.experts]
@@ -192,10 +203,11 @@ def make_job(backend, max_bucket_m: int, top_k, weight_sets, expert_sets) -> Job
     return Job(job.backend, job.device, max_bucket_m, job.top_k, gemm, experts)
 
 
-# A child needs a CUDA context and one family's static buffers at a time (a few hundred MB at
-# most): below this much free device memory per child it would take memory the calls may
-# need, so fewer children share the job, or none and the loader compiles in-process.
+# A child needs a CUDA context and one family's static buffers at a time (Job.child_bytes, at
+# least this much): below that much free device memory per child it would take memory the
+# calls may need, so fewer children share the job, or none and the loader compiles in-process.
 MIN_FREE_BYTES = 2 << 30
+CONTEXT_BYTES = 1 << 30
 
 # The most children one job is shared by.
 MAX_CHILDREN = 8
@@ -226,11 +238,11 @@ def cpu_quota() -> float | None:
     return cpus if cpus > 0 else None
 
 
-def children(device: torch.device) -> int:
+def children(device: torch.device, need: int = MIN_FREE_BYTES) -> int:
     """How many children share a job: half the CPUs this process may run on (the other half
     serves the calls; its affinity and its cgroup's CPU limit both bound them), at most
-    MAX_CHILDREN, and no more than the device's free memory holds (0: too little free memory
-    for one)."""
+    MAX_CHILDREN, and no more than the device's free memory holds at ``need`` bytes a child
+    (``Job.child_bytes``; 0: too little free memory for one)."""
     try:
         cpus = float(len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
@@ -240,7 +252,7 @@ def children(device: torch.device) -> int:
         cpus = min(cpus, quota)
     count = max(1, min(MAX_CHILDREN, int(cpus // 2)))
     if device.type == "cuda" and torch.cuda.is_available():
-        count = min(count, torch.cuda.mem_get_info(device)[0] // MIN_FREE_BYTES)
+        count = min(count, torch.cuda.mem_get_info(device)[0] // need)
     return count
 
 
@@ -252,10 +264,11 @@ def compile_ahead(job: Job, timeout_s: float = TIMEOUT_S,
     in-process what the others left). ``stop`` set (the engine closing) ends the wait within a
     second and kills the children."""
     started = time.monotonic()
-    count = children(torch.device(job.device))
+    need = job.child_bytes()
+    count = children(torch.device(job.device), need)
     if count == 0:
         log.info("compiling %s in-process: less than %d MiB free on the device", job.describe(),
-                 MIN_FREE_BYTES >> 20)
+                 need >> 20)
         return None
     kids: list[Any] = []
     pipes: list[Any] = []

@@ -96,13 +96,26 @@ def test_children_sharing_a_job_that_fails_are_all_ended_and_logged_once(caplog,
     child left running."""
     import multiprocessing
 
-    monkeypatch.setattr(_ahead, "children", lambda device: 3)
+    monkeypatch.setattr(_ahead, "children", lambda device, need: 3)
     job = Job("triton", "cpu", 256, (8,), (Weights.of(_set(8, 256, 512)),), ())
     with caplog.at_level(logging.WARNING, logger="moegemm.server.ahead"):
         assert _ahead.compile_ahead(job, timeout_s=120) is None
     [record] = [r for r in caplog.records if r.name == "moegemm.server.ahead"]
     assert "of 3" in record.getMessage() and "compiling in-process" in record.getMessage()
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("moegemm-compile")]
+
+
+def test_a_child_counts_the_largest_familys_buffers_at_the_largest_bucket():
+    """A child holds one family's static buffers at the largest bucket while it warms it up: at
+    65536 rows a DeepSeek-V3 expert-set shape's take ~4 GiB (the children sharing a job are
+    bounded by free memory at that much each), at 8192 rows the floor of 2 GiB holds them."""
+    from moegemm.server._ahead import Experts
+
+    ds = Experts(256, 7168, 2048, Weights(256, 4096, 7168, None, None), Weights(256, 7168, 2048, None, None))
+    big = Job("triton", "cuda:0", 65536, (8,), (ds.w13, ds.w2), (ds,))
+    assert 4 << 30 < big.child_bytes() < 6 << 30
+    assert Job("triton", "cuda:0", 8192, (8,), (ds.w13,), (ds,)).child_bytes() == _ahead.MIN_FREE_BYTES
+    assert Job("triton", "cuda:0", 65536, (8,), (ds.w2,), ()).child_bytes() < big.child_bytes()
 
 
 @pytest.mark.parametrize(("cpus", "count"), [(1, 1), (2, 1), (6, 3), (16, 8), (64, 8)])
