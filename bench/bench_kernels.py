@@ -113,7 +113,7 @@ def bucket_of(m: int) -> int:
     from moegemm.server.config import Settings
 
     bucket = 1 << max(0, (m - 1).bit_length())
-    largest = Settings.model_fields["max_bucket_m"].default
+    largest = Settings().max_bucket_m
     if bucket > largest:
         # The server would run it in chunks of its largest bucket: a graph it never builds
         # times nothing it serves (sessions up to 55 timed such graphs for 26 cases; the

@@ -155,7 +155,7 @@ class Job:
         largest family's static buffers at the largest bucket with its warm-up's temporaries
         (a gemm family: rows of x, its regrouped copy or quantized rows, and the output, about
         3K + 2N bytes a row; an expert family: x, the output and the chain between, about 7H +
-        5I). At 65536 rows: ~5 GiB for a DeepSeek-V3 expert-set shape, 7 for Mixtral-8x7B's."""
+        5I). At 65536 rows: ~4.7 GiB for a DeepSeek-V3 expert-set shape, 7.1 for Mixtral-8x7B's."""
         rows = self.max_bucket_m
         largest = max([rows * (3 * w.K + 2 * w.N) for w in self.gemm]
                       + [rows * (7 * e.H + 5 * e.I) for e in self.experts], default=0)

@@ -140,11 +140,11 @@ class Settings(BaseSettings):
     memory_headroom_bytes: int = Field(1 << 30, ge=0)
     # The largest CUDA-graph bucket: calls up to this many rows are one launch of one graph; longer
     # ones run in chunks of it, each reading the weights again (a prefill of 8192 tokens at top-8
-    # in 8192-row chunks read a DeepSeek-V3 layer's 7.5 GB of w13 eight times). The default is
-    # max_m's, so every call the server takes is one launch: the kernel and tile the public
-    # function runs for its shape (SPEC 3). Its cost is device memory per expert-set shape: the
+    # in 8192-row chunks read a DeepSeek-V3 layer's 7.5 GB of w13 eight times). Unset: max_m's
+    # power of two or the next, so every call the server takes is one launch, the kernel and tile
+    # the public function runs for its shape (SPEC 3). Its cost is device memory per shape: the
     # families' static buffers and the largest graphs' temporaries grow with it (README).
-    max_bucket_m: int = Field(65536, gt=0)
+    max_bucket_m: int = Field(None, gt=0, validate_default=False)
     # The moe top-k whose graphs each expert set captures at load (engine.MOE_TOP_K);
     # calls of another k run eagerly. From the environment a JSON list or "1,2,8".
     moe_top_k: Annotated[list[int], NoDecode] = Field(default_factory=lambda: [1, 2, 8])
@@ -259,6 +259,12 @@ class Settings(BaseSettings):
         if value & (value - 1):
             raise ValueError("max_bucket_m is a power of two (buckets are powers of two)")
         return value
+
+    @model_validator(mode="after")
+    def _largest_call_in_one_bucket(self) -> Settings:
+        if self.max_bucket_m is None:
+            self.max_bucket_m = 1 << (self.max_m - 1).bit_length()
+        return self
 
     @model_validator(mode="after")
     def _check_combination(self) -> Settings:

@@ -107,7 +107,7 @@ def test_children_sharing_a_job_that_fails_are_all_ended_and_logged_once(caplog,
 
 def test_a_child_counts_the_largest_familys_buffers_at_the_largest_bucket():
     """A child holds one family's static buffers at the largest bucket while it warms it up: at
-    65536 rows a DeepSeek-V3 expert-set shape's take ~4 GiB (the children sharing a job are
+    65536 rows a DeepSeek-V3 expert-set shape's take ~4.7 GiB (the children sharing a job are
     bounded by free memory at that much each), at 8192 rows the floor of 2 GiB holds them."""
     from moegemm.server._ahead import Experts
 

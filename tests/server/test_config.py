@@ -41,6 +41,9 @@ def test_every_call_the_defaults_take_is_one_launch_of_one_graph():
     assert s.max_bucket_m >= s.max_m
     graphs = FfnGraphs(get_backend("cpu", "reference"), s.max_bucket_m)
     assert all(graphs.max_tokens(k) * k >= s.max_m for k in s.moe_top_k)
+    # Unset, it follows max_m (up to a power of two); set, it is the operator's.
+    assert (Settings(max_m=5000).max_bucket_m, Settings(max_m=4096).max_bucket_m) == (8192, 4096)
+    assert Settings(max_m=65536, max_bucket_m=8192).max_bucket_m == 8192
 
 
 def test_environment(monkeypatch, tmp_path):
