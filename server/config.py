@@ -139,8 +139,9 @@ class Settings(BaseSettings):
     # Device memory a load leaves free for the calls in flight (507 when it cannot).
     memory_headroom_bytes: int = Field(1 << 30, ge=0)
     # The largest CUDA-graph bucket: calls up to this many rows are one launch of one graph; longer
-    # ones run in chunks of it, each reading the weights again (a prefill of 8192 tokens at top-8
-    # in 8192-row chunks read a DeepSeek-V3 layer's 7.5 GB of w13 eight times). Unset: max_m's
+    # ones run in chunks of it, eagerly, each with the tile for its row count over all G groups
+    # (gemm, ffn), and a moe call's token chunks each read most of the layer's weights (an
+    # 8192-token prefill at top-8 in 1024-token chunks: eight times). Unset: max_m's
     # power of two or the next, so every call the server takes is one launch, the kernel and tile
     # the public function runs for its shape (SPEC 3). Its cost is device memory per shape: the
     # families' static buffers and the largest graphs' temporaries grow with it (README).

@@ -29,9 +29,10 @@ def test_defaults():
 
 
 def test_every_call_the_defaults_take_is_one_launch_of_one_graph():
-    """SPEC 3: a call past the largest bucket runs in chunks of it, each chunk reading every
-    weight its groups name again (a prefill of 8192 tokens at top-8 over 8192-row chunks read
-    a DeepSeek-V3 layer's w13 eight times, and ran the chunk's tile, not the call's). At the
+    """SPEC 3: a call past the largest bucket runs in chunks of it, each with the tile for its
+    own row count, not the call's (a Kimi-K2 8192-row chunk: a decode tile), and a moe call's
+    token chunks each read most of the layer's weights (an 8192-token prefill at top-8 in
+    1024-token chunks: eight times). At the
     defaults the largest bucket holds the largest call the server takes, in rows and in moe
     tokens at every captured top-k (``FfnGraphs.max_tokens``)."""
     from moegemm.kernels import get_backend

@@ -326,7 +326,7 @@ def _metric(http, sample: str, **labels: str) -> float:
 def test_a_call_past_8192_rows_is_one_launch_with_the_public_bits(shipped):
     """SPEC 3 at the defaults (the largest bucket holds ``max_m`` rows): a call of 20000 rows,
     past the 8192-row bucket that was the default before session 56 (then three chunks, run
-    eagerly, each reading the weights again), is one replay of the 32768-row graph and answers
+    eagerly, each with its own tile), is one replay of the 32768-row graph and answers
     the public ``grouped_gemm``'s bits on the same inputs (its kernel and tile, issue 15)."""
     from moegemm.kernels import grouped_gemm
 
