@@ -6,15 +6,14 @@ G; a chunk of a grouped call holds a run of consecutive groups).
     python bench/chunked_calls.py [--match a,b] [--chunk 8192]
 
 The public ``grouped_gemm`` for each launch (the server's kernel and tile for that many rows),
-eager, timed with CUDA events around the whole call (the chunks back to back), median of 7
-after a warm-up; bench_kernels' real cases (their routing, fresh random data). Never collected
-by pytest.
+timed as ``bench_kernels.time_us`` (median over CUDA-graph replays; the chunks back to back in
+one graph, so the old path's eager launches and copies are not counted); bench_kernels' real
+cases (their routing, fresh random data). Never collected by pytest.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,20 +39,6 @@ def chunked(xq, wq, xs, ws, sizes, out, chunk: int):
     return run
 
 
-def timed_us(fn, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--match", default="DeepSeek-V3 w13 prefill t8192,Kimi-K2 w13 prefill t8192,"
@@ -77,8 +62,8 @@ def one_case(case: dict, chunk: int) -> str:
     sizes = case["sizes"].to(bk.DEV)
     one_out = torch.empty((m, n), dtype=torch.bfloat16, device=bk.DEV)
     split_out = torch.empty_like(one_out)
-    one = timed_us(lambda: grouped_gemm(xq, wq, xs, ws, sizes, out=one_out))
-    split = timed_us(chunked(xq, wq, xs, ws, sizes, split_out, chunk))
+    one = bk.time_us(lambda: grouped_gemm(xq, wq, xs, ws, sizes, out=one_out))
+    split = bk.time_us(chunked(xq, wq, xs, ws, sizes, split_out, chunk))
     diff = (one_out.float() - split_out.float()).abs().max().item()
     return (f"{case['name']:44s} one launch ({tk.default_config(m, n, k, g).key()}) {one:9.1f} us; "
             f"{-(-m // chunk)} chunks ({tk.default_config(chunk, n, k, g).key()}) {split:9.1f} us: "
