@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe import MODELS, TOP_K, _call, expert_set, routing  # noqa: E402
+from bench_moe import MODELS, TOP_K, _call, expert_set, routing
 
 
 def one_bucket(model: str, bucket: int, tokens: list[int], reps: int) -> None:

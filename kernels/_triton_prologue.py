@@ -109,14 +109,17 @@ def check_and_gather(
 ) -> None:
     """``x_out = x[gather]``, ``scale_out = x_scale[gather]``, ``flags = bad_rows(x, x_scale)``.
 
-    ``x`` ``[rows, K]`` (fp8 of either format, bf16 or fp16) and ``x_scale``
-    ``[rows, K/128]`` float32 (or None) are contiguous CUDA tensors; ``gather``
-    is ``[rows]`` int64 (any stride), a permutation of ``range(rows)``;
-    ``flags`` ``[rows]`` int8 is indexed like ``x`` (input order). No host
-    reads: capture-safe. ``regroup``: an int64 device word read at run time; 0 means
-    only the flags are written (``gather`` is the identity and ``x_out`` unused).
+    ``x`` ``[n, K]`` (fp8 of either format, bf16 or fp16) and ``x_scale``
+    ``[n, K/128]`` float32 (or None) are contiguous CUDA tensors; ``gather``
+    is ``[rows]`` int64 (any stride) indexing ``x``'s rows: a permutation of
+    ``range(n)`` (a gemm or ffn launch), or each routed row's token, ``k`` rows a
+    token (a moe launch; every token's flag is then written by each of its rows,
+    alike); ``x_out`` and ``scale_out`` have ``rows`` rows; ``flags`` ``[n]`` int8
+    is indexed like ``x`` (input order). No host reads: capture-safe.
+    ``regroup``: an int64 device word read at run time; 0 means only the flags are
+    written (``gather`` is the identity and ``x_out`` unused).
     """
-    rows, K = x.shape
+    rows, K = gather.shape[0], x.shape[1]
     if rows == 0:
         return
     float16 = x.dtype in _EXPONENT

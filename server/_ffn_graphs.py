@@ -176,11 +176,10 @@ class FfnBuffers:
         G = f.G
         self.family, self.rows, self.units = f, rows, units
         self.lock = threading.Lock()
-        # moe's x keeps ``rows`` rows too: its row check runs one program per expert row
-        # over ``x[:rows]`` and reads the token rows it gathers.
-        self.x = torch.zeros((rows, f.H), dtype=x_dtype, device=device)
+        # The callers' rows (ffn) or tokens (moe): ``units`` of them.
+        self.x = torch.zeros((units, f.H), dtype=x_dtype, device=device)
         self.x_scale = None if f.quantize else \
-            torch.ones((rows, f.H // BLOCK), dtype=torch.float32, device=device)
+            torch.ones((units, f.H // BLOCK), dtype=torch.float32, device=device)
         self.words = G + _HEAD + 2 * rows
         self.meta = torch.zeros(self.words, dtype=torch.int64, device=device)
         host = torch.zeros(self.words, dtype=torch.int64)
@@ -474,9 +473,7 @@ class FfnGraphs:
             xg = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=self.device)
             xsg = None if xs is None else torch.empty((rows, xs.shape[1]), dtype=xs.dtype,
                                                       device=self.device)
-            # The kernel runs one program per row of its x argument and reads rows ``src``.
-            self.check_and_gather(bufs.x[:rows], None if xs is None else bufs.x_scale[:rows],
-                                  src, xg, xsg, flags)
+            self.check_and_gather(x, xs, src, xg, xsg, flags)
             x, xs = xg, xsg
         else:
             flags.copy_(bad_rows(x, xs))

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,6 +84,21 @@ def test_batches_of_families_nobody_prepared_hold_no_buffers(es):
     x, _ = random_x(20, H, gen)  # 20 rows: chunks of the largest bucket (16)
     runner.ffn(es, x, None, random_m_sizes(G, 20, generator=gen).tolist())
     assert not runner.executor.graphs._buffers
+
+
+def test_a_moe_familys_buffers_hold_its_tokens_rows_of_x():
+    """A moe family's x (and scales) hold the tokens a launch takes, ``max_bucket_m / k``,
+    not its routed rows: at the default bucket that is 1.8 GiB less for a DeepSeek-V3
+    expert-set shape. The routed rows' buffers hold ``max_bucket_m`` rows."""
+    graphs = _runner(64).executor.graphs
+    for k, quantize in ((0, True), (0, False), (1, False), (2, True), (4, False)):
+        family = graphs.family(SimpleNamespace(G=G, H=H, I=I), quantize, k)
+        bufs = graphs.buffers(family)
+        tokens = 64 // max(k, 1)
+        assert bufs.units == tokens and bufs.x.shape == (tokens, H)
+        assert bufs.x_scale is None if quantize else bufs.x_scale.shape == (tokens, H // 128)
+        if k:
+            assert bufs.ids.shape == bufs.pos.shape == bufs.src.shape == (64,)
 
 
 def test_ffn_meets_the_bound_and_chunks_agree(es):

@@ -89,6 +89,31 @@ def test_check_and_gather_equals_the_torch_ops(dtype, rows, k):
     assert (want.any() or (fp8 and rows < 3)) and (rows == 1 or not want.all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("tokens,k", [(37, 8), (8192, 8)])
+def test_check_and_gather_reads_each_routed_row_from_its_token(dtype, tokens, k):
+    """A moe launch's gather: ``k`` rows a token in expert order, read from ``x``'s tokens
+    alone (the launch's rows outnumber them); every token's flag as ``bad_rows`` sets it."""
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    width = 2048
+    x = _rows_with_bad_values(dtype, tokens, width, gen)
+    fp8 = dtype == torch.float8_e4m3fn
+    xs = _scales_with_bad_values(tokens, width // 128, gen) if fp8 else None
+    gather = torch.arange(tokens, device=DEV).repeat_interleave(k)
+    gather = gather[torch.randperm(tokens * k, generator=gen, device=DEV)]
+    xg = torch.empty((tokens * k, width), dtype=dtype, device=DEV)
+    xsg = None if xs is None else torch.empty((tokens * k, width // 128), device=DEV)
+    flags = torch.full((tokens,), 99, dtype=torch.int8, device=DEV)
+    check_and_gather(x, xs, gather, xg, xsg, flags)
+    torch.cuda.synchronize()
+    bits = torch.uint8 if fp8 else torch.int16
+    assert torch.equal(xg.view(bits), x.view(bits).index_select(0, gather))
+    if xs is not None:
+        assert torch.equal(xsg.view(torch.int32), xs.index_select(0, gather).view(torch.int32))
+    want = _bad_rows_torch(x, xs)
+    assert torch.equal(flags, want) and want.any() and not want.all()
+
+
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("merged", [True, False])
 def test_executors_with_and_without_it_answer_alike(kind, merged):

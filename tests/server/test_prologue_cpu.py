@@ -32,6 +32,37 @@ def compare_on_cpu() -> None:
         _triton_prologue.PROGRAMS = programs
         assert tuple(_triton_prologue.block_sizes(r, 256, 2)[0] for r in (1, 7, 33)) == block_rows
         compare_blocks()
+        compare_routed()
+
+
+def compare_routed() -> None:
+    """A moe launch's gather: each routed row's token, ``k`` rows a token, over ``x``'s
+    tokens alone (the launch's rows outnumber them)."""
+    from moegemm.kernels._triton_prologue import check_and_gather
+    from moegemm.server._checks import _bad_rows_torch
+
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        tokens, k, width = 9, 4, 256
+        if dtype == torch.bfloat16:
+            x, xs = torch.randn((tokens, width), generator=gen).to(dtype), None
+            x[3, 17] = float("inf")
+        else:
+            bits = torch.randint(0, 256, (tokens, width), generator=gen).to(torch.uint8)
+            bits[(bits & 0x7F) == 0x7F] = 0x11
+            x = bits.view(dtype)
+            xs = torch.rand((tokens, width // 128), generator=gen) + 1e-3
+            xs[3, 1] = float("nan")
+        gather = torch.arange(tokens).repeat_interleave(k)[torch.randperm(tokens * k, generator=gen)]
+        xg = torch.empty((tokens * k, width), dtype=dtype)
+        xsg = None if xs is None else torch.empty((tokens * k, width // 128))
+        flags = torch.full((tokens,), 99, dtype=torch.int8)
+        check_and_gather(x, xs, gather, xg, xsg, flags)
+        bits_dtype = torch.int16 if dtype == torch.bfloat16 else torch.uint8
+        assert torch.equal(xg.view(bits_dtype), x.view(bits_dtype).index_select(0, gather))
+        if xs is not None:
+            assert torch.equal(xsg.view(torch.int32), xs.index_select(0, gather).view(torch.int32))
+        assert torch.equal(flags, _bad_rows_torch(x, xs)) and flags.nonzero().tolist() == [[3]]
 
 
 def compare_blocks() -> None:
