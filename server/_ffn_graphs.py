@@ -68,7 +68,7 @@ from moegemm.kernels import BLOCK, quantize_activations, silu_mul_quant
 from moegemm.kernels._backend import Backend
 
 from ._checks import bad_rows
-from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addresses
+from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addresses, meta_bytes
 
 log = logging.getLogger("moegemm.server.ffn_graphs")
 
@@ -376,12 +376,30 @@ class FfnGraphs:
             return bufs
         return self._allocate(f, self.launch_rows(min(units, self.units(f))))
 
-    def _allocate(self, f: FfnFamily, units: int | None = None) -> FfnBuffers:
+    def _allocate(self, f: FfnFamily, units: int | None = None, device=None) -> FfnBuffers:
         """Buffers for launches of up to ``units`` rows or tokens (default: the largest)."""
         x_dtype = torch.bfloat16 if f.quantize else self.fp8
+        device = device or self.device
         if units is None:
-            return FfnBuffers(f, self.max_bucket, self.units(f), x_dtype, self.device)
-        return FfnBuffers(f, units * max(f.top_k, 1), units, x_dtype, self.device)
+            return FfnBuffers(f, self.max_bucket, self.units(f), x_dtype, device)
+        return FfnBuffers(f, units * max(f.top_k, 1), units, x_dtype, device)
+
+    def shape_bytes(self, es, top_ks: Iterable[int]) -> int:
+        """The device memory an expert set of ``es``'s shape (``G``, ``H``, ``I``) adds beside
+        its matrices and their gemm graphs when it loads (0 where a loaded set has the shape,
+        or with graphs off): the static buffers of every family :meth:`prepare` captures, at
+        the largest bucket, and the largest launch's temporaries (per routed row: its rows
+        gathered in fp8 with scales, ``h`` in float32, the activation's fp8 rows and scales,
+        ``y`` in bf16)."""
+        families = self.families(es, top_ks)
+        if not self.use_graphs or any(f in self._buffers for f in families):
+            return 0
+        meta = torch.device("meta")
+        static = sum(meta_bytes(self._allocate(f, device=meta)) for f in families)
+        H, I = es.H, es.I
+        row = (H + H // BLOCK * 4 + 2 * I * H_DTYPE.itemsize + I + I // BLOCK * 4
+               + 2 * H)
+        return static + self.max_bucket * row
 
     def buffers(self, f: FfnFamily) -> FfnBuffers:
         """The family's static buffers, made and published now if no :meth:`prepare` made

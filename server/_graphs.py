@@ -276,8 +276,19 @@ class GraphPool:
             self._buffers.pop(f, None)
         self.generation += 1
 
-    def _allocate(self, f: Family, rows: int | None = None) -> Buffers:
-        dev, rows = self.device, rows or self.max_bucket
+    def shape_bytes(self, G: int, N: int, K: int) -> int:
+        """The device memory a weight set of this shape adds beside its weights when it loads
+        (0 where a loaded set has the shape, or with graphs off): both families' static
+        buffers at the largest bucket, and the largest graph's temporaries (a bf16 call's
+        quantized rows and scales)."""
+        families = [Family(G, N, K, quantize) for quantize in (False, True)]
+        if not self.use_graphs or any(f in self._buffers for f in families):
+            return 0
+        static = sum(meta_bytes(self._allocate(f, device=torch.device("meta"))) for f in families)
+        return static + self.max_bucket * (K + K // BLOCK * 4)
+
+    def _allocate(self, f: Family, rows: int | None = None, device=None) -> Buffers:
+        dev, rows = device or self.device, rows or self.max_bucket
         x_dtype = torch.bfloat16 if f.quantize else self.backend.fp8_dtype
         # Zeros at first. Rows past a call's end (up to its bucket) are read and
         # quantized but belong to no group and are never stored; rows are
@@ -717,6 +728,13 @@ def _describe(f: Family) -> str:
 
 # Row indices 0..n-1, for identity orders without a fresh arange per launch.
 _IDENTITY = np.arange(1 << 16, dtype=np.int64)
+
+
+def meta_bytes(buffers) -> int:
+    """The bytes of a buffer object's tensors made on the ``meta`` device (its sizes, nothing
+    allocated; host tensors are not counted)."""
+    return sum(t.nbytes for t in vars(buffers).values()
+               if isinstance(t, torch.Tensor) and t.device.type == "meta")
 
 
 def _identity_meta(G: int, rows: int, device) -> torch.Tensor:

@@ -145,12 +145,12 @@ async def _lifespan(app: FastAPI):
         max_total_bytes=settings.max_weight_bytes,
         headroom_bytes=settings.memory_headroom_bytes,
     )
-    store = WeightStore(backend, settings.weights_dir, limits)
+    store = WeightStore(backend, settings.weights_dir, limits, engine.weight_graph_bytes)
     metrics.watch(store.total_bytes, _device_memory(device), engine.queued)
     engine.on_lost = lambda reason: exit_for_restart(settings.shutdown_grace_s)
     svc = routes.Services(settings=settings, engine=engine, store=store, metrics=metrics)
     app.state.services = svc
-    app.state.experts = routes_experts.Experts(ExpertStore(store))
+    app.state.experts = routes_experts.Experts(ExpertStore(store, engine.expert_graph_bytes))
     engine.start()
     loading = asyncio.create_task(_load_startup_sets(svc, app.state.experts))
     # A failed start-up load is final: the server stays live but never ready, and every call

@@ -67,6 +67,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -540,6 +541,17 @@ class Engine:
         ffn and moe graphs) and capture the graphs its shapes need, off the calls'
         path: on the loader thread and its own CUDA stream, while calls go on (SPEC 3)."""
         return await self._on_loader(self._load, build)
+
+    def weight_graph_bytes(self, G: int, N: int, K: int) -> int:
+        """The device memory a weight set of this shape adds beside its weights when it loads:
+        its graphs' buffers and temporaries (0 for a shape a loaded set has). The weight
+        store counts it before anything is read (507 ``out_of_memory``, SPEC 2)."""
+        return self._executor.pool.shape_bytes(G, N, K)
+
+    def expert_graph_bytes(self, G: int, H: int, I: int) -> int:
+        """The same for an expert set's ffn and moe graphs (its matrices' gemm graphs count
+        as weight sets')."""
+        return self._experts.graphs.shape_bytes(SimpleNamespace(G=G, H=H, I=I), self.moe_top_k)
 
     def _on_loader(self, fn: Callable[..., T], *args) -> asyncio.Future:
         """``fn(*args)`` on the loader thread, to be awaited (:meth:`_loader_job`)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -127,8 +128,11 @@ def expert_shapes(w13_shape, w2_shape) -> tuple[int, int, int]:
 class ExpertStore:
     """Name -> ExpertSet, its matrices registered in the weight store."""
 
-    def __init__(self, weights: WeightStore) -> None:
+    def __init__(self, weights: WeightStore,
+                 graph_bytes: Callable[[int, int, int], int] | None = None) -> None:
         self.weights = weights
+        # The device memory a new shape's ffn and moe graphs take (Engine.expert_graph_bytes).
+        self.graph_bytes = graph_bytes or (lambda G, H, I: 0)
         self._sets: dict[str, ExpertSet] = {}
         self._lock = threading.Lock()
 
@@ -183,8 +187,10 @@ class ExpertStore:
                 # Answered before any reading; WeightStore.register settles races.
                 raise BadName(f"the name {matrix!r} is taken by another weight set; "
                               f"delete it first")
-        # Both matrices at once on the device (w2 is read after all of w13 is up).
-        self.weights.check_room(w13_name, G, 2 * I, H, alongside=set_bytes(G, H, I))
+        # Both matrices at once on the device (w2 is read after all of w13 is up), with the
+        # graphs a new shape captures: w2's gemm graphs and the set's own.
+        alongside = set_bytes(G, H, I) + self.weights.graph_bytes(G, H, I) + self.graph_bytes(G, H, I)
+        self.weights.check_room(w13_name, G, 2 * I, H, alongside=alongside)
         self.weights.check_room(w2_name, G, H, I)
         old = self._sets.get(name)
         self.weights.check_total(f"expert set {name!r}", set_bytes(G, 2 * I, H) + set_bytes(G, H, I),

@@ -124,11 +124,15 @@ class WeightStore:
         backend: Backend,
         weights_dir: Path | None = None,
         limits: WeightLimits | None = None,
+        graph_bytes: Callable[[int, int, int], int] | None = None,
     ) -> None:
         self.backend = backend
         self.device = backend.device
         self.weights_dir = weights_dir
         self.limits = limits or WeightLimits()
+        # The device memory a new shape's graphs take when its first set loads
+        # (Engine.weight_graph_bytes), counted with the set's own bytes.
+        self.graph_bytes = graph_bytes or (lambda G, N, K: 0)
         self._sets: dict[str, WeightSet] = {}
         # Names held by an expert set's matrices (server/experts.py): name -> its owner.
         self._owners: dict[str, str] = {}
@@ -264,13 +268,15 @@ class WeightStore:
         # The preshuffle holds a second copy while it works; the headroom stays free
         # for the calls in flight and their buffers.
         copies = 2 if self.backend.weight_layout == "preshuffled" else 1
-        need = copies * nbytes + alongside + lim.headroom_bytes
+        graphs = self.graph_bytes(G, N, K)
+        need = copies * nbytes + alongside + graphs + lim.headroom_bytes
         if need > free + cached:
             beside = f" with the {alongside} bytes loaded beside it" if alongside else ""
+            new = f" and {graphs} bytes for its new shape's graphs" if graphs else ""
             raise OutOfMemory(
-                f"weight set {name!r} ([{G}, {N}, {K}], {nbytes} bytes){beside} does not fit: "
-                f"{free + cached} bytes of device memory are free, {lim.headroom_bytes} of "
-                f"them kept for calls"
+                f"weight set {name!r} ([{G}, {N}, {K}], {nbytes} bytes){beside}{new} does not "
+                f"fit: {free + cached} bytes of device memory are free, {lim.headroom_bytes} "
+                f"of them kept for calls"
             )
 
     def total_bytes(self) -> int:

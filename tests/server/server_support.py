@@ -228,3 +228,12 @@ def metric_sum(text: str, sample: str, **labels: str) -> float:
     return sum(s.value for family in text_string_to_metric_families(text)
                for s in family.samples
                if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def device_used() -> int:
+    """The device memory in use, the caching allocator's free blocks released first (graph
+    pools stay: their graphs hold them)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free

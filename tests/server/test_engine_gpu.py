@@ -27,7 +27,7 @@ from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_probl
 from moegemm.server._executor import Executor
 from moegemm.server._graphs import Family, GraphPool
 from moegemm.server._staging import Staging
-from server_support import bf16_rows, gemm_call
+from server_support import bf16_rows, device_used, gemm_call
 
 DEV = torch.device("cuda")
 FP8 = torch.float8_e4m3fn
@@ -86,6 +86,22 @@ def _run(ex, ws, parts):
 @pytest.fixture
 def gen():
     return torch.Generator(device=DEV).manual_seed(torch.seed())
+
+
+def test_a_new_shapes_graph_memory_is_within_its_estimate(backend, gen):
+    """What the weight store counts for a new shape before a load (``GraphPool.shape_bytes``)
+    covers what its captures take: at least the static buffers, at most the estimate with
+    the allocator's rounding and the kernels' modules."""
+    g, max_bucket = 8, 16384
+    ws = _weights(g, gen)
+    ex = _executor(backend, graphs=True, max_bucket=max_bucket)
+    estimate = ex.pool.shape_bytes(g, N, K)
+    temporaries = max_bucket * (K + K // 128 * 4)
+    before = device_used()
+    ex.prepare(g, N, K, ws.wq, ws.w_scale)
+    grown = device_used() - before
+    assert estimate - temporaries <= grown <= estimate + (64 << 20), (grown, estimate)
+    assert ex.pool.shape_bytes(g, N, K) == 0
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])

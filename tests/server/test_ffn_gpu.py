@@ -205,6 +205,24 @@ def test_bad_routing_is_refused_and_changes_nothing(graphs, es, fp8):
     assert torch.equal(_bits(graphs.moe(es, x, None, ids, w)), _bits(want))
 
 
+def test_a_new_expert_shapes_graph_memory_is_within_its_estimate(backend, fp8):
+    """What the store counts for a new expert-set shape's ffn and moe graphs
+    (``FfnGraphs.shape_bytes``) covers what its captures take: at least the static
+    buffers, at most the estimate with the allocator's rounding and the kernels' modules."""
+    from server_support import device_used
+
+    g, h, i, max_bucket = 8, 1024, 512, 16384
+    es = expert_set(g, h, i, fp8, DEV, _gen())
+    runner = Runner(backend, max_bucket, top_ks=(2,))
+    estimate = runner.graphs.shape_bytes(es, (2,))
+    chain = max_bucket * (h + h // 128 * 4 + 2 * i * 4 + i + i // 128 * 4 + 2 * h)
+    before = device_used()
+    runner.prepare(es)
+    grown = device_used() - before
+    assert estimate - chain <= grown <= estimate + (64 << 20), (grown, estimate)
+    assert runner.graphs.shape_bytes(es, (2,)) == 0
+
+
 def test_route_and_combine_kernels_equal_their_torch_definitions():
     gen = _gen()
     for g, k, bucket, tokens, wide in ((5, 2, 4, 3, 1), (256, 8, 256, 200, 0), (128, 8, 1, 1, 1),

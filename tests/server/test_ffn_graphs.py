@@ -101,6 +101,26 @@ def test_a_moe_familys_buffers_hold_its_tokens_rows_of_x():
             assert bufs.ids.shape == bufs.pos.shape == bufs.src.shape == (64,)
 
 
+def test_a_new_expert_shapes_graph_memory_is_its_buffers_and_largest_chain():
+    """What a load of a new expert-set shape adds for its ffn and moe graphs: every captured
+    family's static buffers at the largest bucket and the chain's temporaries over its rows;
+    nothing for a held shape or with graphs off."""
+    graphs = _runner(64).executor.graphs
+    shape = SimpleNamespace(G=G, H=H, I=I)
+    assert not graphs.use_graphs and graphs.shape_bytes(shape, (1, 2)) == 0
+    graphs.use_graphs = True  # the GPU's accounting, on the CPU's buffers
+    made = 0
+    for f in graphs.families(shape, (1, 2, G + 1)):  # a top-k past G captures nothing
+        bufs = graphs._allocate(f)
+        made += sum(t.nbytes for t in vars(bufs).values()
+                    if isinstance(t, torch.Tensor) and t is not bufs.meta_host)
+    assert len(graphs.families(shape, (1, 2, G + 1))) == 6
+    chain = H + H // 128 * 4 + 2 * I * 4 + I + I // 128 * 4 + 2 * H
+    assert graphs.shape_bytes(shape, (1, 2, G + 1)) == made + 64 * chain
+    graphs.buffers(graphs.family(shape, True, 2))
+    assert graphs.shape_bytes(shape, (1, 2)) == 0
+
+
 def test_ffn_meets_the_bound_and_chunks_agree(es):
     gen = torch.Generator().manual_seed(torch.seed())
     small, large = _runner(16), _runner(64)

@@ -290,6 +290,52 @@ def test_an_expert_set_whose_two_matrices_do_not_fit_together_is_refused_unread(
         experts.check_room("one-byte-short", G, H, I)
 
 
+def test_a_new_shapes_graphs_count_with_its_weights(monkeypatch):
+    """The graphs a new shape captures when its first set loads (static buffers of up to
+    ``max_bucket_m`` rows: gigabytes at the default) are counted with the weights before
+    anything is read, for a weight set and for an expert set (its matrices' gemm graphs and
+    its own ffn and moe graphs); a shape already served counts nothing (the engine answers
+    0)."""
+    from moegemm.kernels import get_backend
+    from moegemm.server.experts import ExpertStore
+    from moegemm.server.store import WeightLimits, WeightStore, set_bytes
+
+    backend = dataclasses.replace(get_backend(torch.device("cpu")),
+                                  device=torch.device("cuda", 0), weight_layout="plain")
+    G, H, I = 8, 1024, 512
+    gemm_graphs = {(G, 2 * I, H): 3000, (G, H, I): 2000}
+    store = WeightStore(backend, limits=WeightLimits(headroom_bytes=0),
+                        graph_bytes=lambda *shape: gemm_graphs.get(shape, 0))
+    experts = ExpertStore(store, graph_bytes=lambda *shape: 700 if shape == (G, H, I) else 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+
+    def free(nbytes):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (nbytes, 1 << 40))
+
+    one = set_bytes(G, 2 * I, H)
+    free(one + 3000)
+    store.check_room("fits", G, 2 * I, H)
+    free(one + 2999)
+    with pytest.raises(OutOfMemory, match="3000 bytes for its new shape's graphs"):
+        store.check_room("one-byte-short", G, 2 * I, H)
+    both = one + set_bytes(G, H, I) + 3000 + 2000 + 700
+    free(both)
+    experts.check_room("fits", G, H, I)
+    free(both - 1)
+    with pytest.raises(OutOfMemory):
+        experts.check_room("one-byte-short", G, H, I)
+    gemm_graphs.clear()  # the shapes are served: their sets' bytes alone
+    free(one)
+    store.check_room("served", G, 2 * I, H)
+    # The server's stores ask its engine (which answers 0 on the CPU: no graphs).
+    with serve(Settings(device="cpu", demo=False)) as srv:
+        engine = srv.services.engine
+        assert srv.services.store.graph_bytes == engine.weight_graph_bytes
+        assert srv.app.state.experts.store.graph_bytes == engine.expert_graph_bytes
+        assert engine.weight_graph_bytes(G, 2 * I, H) == engine.expert_graph_bytes(G, H, I) == 0
+
+
 # -- the queue, deadlines, device memory ------------------------------------------------------
 
 
