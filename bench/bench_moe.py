@@ -113,7 +113,7 @@ def _call(kind, es, body):
 
 def measure_kernels(executor, es, T, gen, flush, reps) -> dict:
     """One row: the moe, ffn and two-GEMM graphs' replay medians for ``T`` tokens."""
-    from moegemm.server._ffn_graphs import FfnFamily
+    from moegemm.server._ffn_graphs import H_DTYPE, FfnFamily
     from moegemm.server._graphs import bucket_for
 
     graphs = executor.graphs
@@ -132,7 +132,7 @@ def measure_kernels(executor, es, T, gen, flush, reps) -> dict:
     aq = random_fp8((rows, I), fp8, dev)
     a_s = torch.rand((rows, I // 128), device=dev) + 0.5
     m_sizes = sizes.to(dev)
-    h = torch.empty((rows, 2 * I), dtype=graphs.h_dtype, device=dev)  # as the graphs keep h
+    h = torch.empty((rows, 2 * I), dtype=H_DTYPE, device=dev)  # as the graphs keep h
     y = torch.empty((rows, H), dtype=torch.bfloat16, device=dev)
     run = graphs.backend.run  # the address launcher's kernel and tile (Backend.run_addressed)
 

@@ -63,7 +63,7 @@ def kernel_sum_us(graph, flush, reps) -> tuple[float, dict]:
 
 
 def steps(executor, es, T, gen, flush, reps) -> dict:
-    from moegemm.server._ffn_graphs import FfnFamily
+    from moegemm.server._ffn_graphs import H_DTYPE, FfnFamily
 
     graphs = executor.graphs
     ids, w = routing(T, es.G, TOP_K, gen)
@@ -80,7 +80,7 @@ def steps(executor, es, T, gen, flush, reps) -> dict:
         return graphs._route_gather(bufs, es, T)
 
     xq, xs = route()  # (also the GEMM steps' rows and sizes, for one token too)
-    h = torch.empty((rows, 2 * es.I), dtype=graphs.h_dtype, device="cuda")
+    h = torch.empty((rows, 2 * es.I), dtype=H_DTYPE, device="cuda")
     y = torch.empty((rows, es.H), dtype=torch.bfloat16, device="cuda")
     graphs._gemm(xq, xs, bufs.table13(), es.w13, bufs.m_sizes(), h)
     aq, a_s = graphs._act(h, bufs.live_dev)

@@ -385,12 +385,14 @@ class FfnGraphs:
         return FfnBuffers(f, units * max(f.top_k, 1), units, x_dtype, device)
 
     def shape_bytes(self, es, top_ks: Iterable[int]) -> int:
-        """The device memory an expert set of ``es``'s shape (``G``, ``H``, ``I``) adds beside
-        its matrices and their gemm graphs when it loads (0 where a loaded set has the shape,
-        or with graphs off): the static buffers of every family :meth:`prepare` captures, at
-        the largest bucket, and the largest launch's temporaries (per routed row: its rows
-        gathered in fp8 with scales, ``h`` in float32, the activation's fp8 rows and scales,
-        ``y`` in bf16)."""
+        """The device memory an expert set of ``es``'s shape (``G``, ``H``, ``I``) takes beside
+        its matrices and their gemm graphs while it loads (0 where a loaded set has the
+        shape, or with graphs off): the static buffers of every family :meth:`prepare`
+        captures, at the largest bucket, and the largest launch's temporaries twice (its
+        eager warm-up's stay in the allocator's cache while the capture takes its own), a
+        routed row's being its rows gathered in fp8 with scales, ``h`` in float32, the
+        activation's fp8 rows and scales, and ``y`` in bf16. (A backend without the Triton
+        steps runs torch's routing and activation, whose own temporaries are not counted.)"""
         families = self.families(es, top_ks)
         if not self.use_graphs or any(f in self._buffers for f in families):
             return 0
@@ -399,7 +401,7 @@ class FfnGraphs:
         H, I = es.H, es.I
         row = (H + H // BLOCK * 4 + 2 * I * H_DTYPE.itemsize + I + I // BLOCK * 4
                + 2 * H)
-        return static + self.max_bucket * row
+        return static + 2 * self.max_bucket * row
 
     def buffers(self, f: FfnFamily) -> FfnBuffers:
         """The family's static buffers, made and published now if no :meth:`prepare` made

@@ -277,15 +277,22 @@ class GraphPool:
         self.generation += 1
 
     def shape_bytes(self, G: int, N: int, K: int) -> int:
-        """The device memory a weight set of this shape adds beside its weights when it loads
+        """The device memory a weight set of this shape takes beside its weights while it loads
         (0 where a loaded set has the shape, or with graphs off): both families' static
-        buffers at the largest bucket, and the largest graph's temporaries (a bf16 call's
-        quantized rows and scales)."""
+        buffers at the largest bucket, and the largest graph's temporaries twice (its eager
+        warm-up's stay in the allocator's cache, which a capture cannot release, while the
+        capture takes its own; the graphs keep one copy)."""
         families = [Family(G, N, K, quantize) for quantize in (False, True)]
         if not self.use_graphs or any(f in self._buffers for f in families):
             return 0
         static = sum(meta_bytes(self._allocate(f, device=torch.device("meta"))) for f in families)
-        return static + self.max_bucket * (K + K // BLOCK * 4)
+        return static + 2 * self.max_bucket * self._temporary_row_bytes(N, K)
+
+    def _temporary_row_bytes(self, N: int, K: int) -> int:
+        """What :meth:`_body` allocates a row at most (a bf16 call's): its quantized rows and
+        scales, and, without the address launcher, the output before its scatter. (Without
+        the fused prologue, torch's regrouping and quantization allocate more: not counted.)"""
+        return K + K // BLOCK * 4 + (0 if self.run_table is not None else 2 * N)
 
     def _allocate(self, f: Family, rows: int | None = None, device=None) -> Buffers:
         dev, rows = device or self.device, rows or self.max_bucket

@@ -4,6 +4,7 @@ thread; the shipped transport, or uvicorn), raw requests, and the SPEC 1 accurac
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
 import time
@@ -230,10 +231,10 @@ def metric_sum(text: str, sample: str, **labels: str) -> float:
                if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def device_used() -> int:
-    """The device memory in use, the caching allocator's free blocks released first (graph
-    pools stay: their graphs hold them)."""
+def device_held() -> int:
+    """The device memory this process's allocator holds, its free blocks released first
+    (graph pools stay: their graphs hold them); other processes' memory is not counted."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
+    return torch.cuda.memory_reserved()
