@@ -264,7 +264,7 @@ class WeightStore:
         if self.device.type != "cuda":
             return
         free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        cached = reusable_cache(self.device)
         # The preshuffle holds a second copy while it works; the headroom stays free
         # for the calls in flight and their buffers.
         copies = 2 if self.backend.weight_layout == "preshuffled" else 1
@@ -624,3 +624,11 @@ def _quantize_groups(w: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, t
     return quantize_weights(w, fp8)
 
 
+def reusable_cache(device: torch.device) -> int:
+    """Device memory the caching allocator holds free for any new tensor: the free blocks of
+    its own pool. A CUDA graph pool's free blocks (the graphs' temporaries between
+    replays) serve only its graphs, so they are not counted."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return sum(s["total_size"] - s["active_size"]
+               for s in torch.cuda.memory_snapshot()
+               if s["device"] == index and tuple(s["segment_pool_id"]) == (0, 0))

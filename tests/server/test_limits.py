@@ -259,11 +259,16 @@ def test_a_set_that_would_not_leave_the_headroom_is_refused_unread(monkeypatch, 
     nbytes = set_bytes(8, 1024, 2048)
     free = copies * nbytes + headroom  # exactly enough
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free - 4096, 1 << 40))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 8192)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4096)
-    store.check_room("fits", 8, 1024, 2048)  # cached blocks count as free
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4097)
-    with pytest.raises(OutOfMemory):
+
+    def segments(used):  # the allocator's pool holds 8192 bytes (used in use); a graph pool 1 MiB
+        return [{"device": 0, "segment_pool_id": (0, 0), "total_size": 8192, "active_size": used},
+                {"device": 0, "segment_pool_id": (1, 0), "total_size": 1 << 20, "active_size": 0},
+                {"device": 1, "segment_pool_id": (0, 0), "total_size": 1 << 20, "active_size": 0}]
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments(4096))
+    store.check_room("fits", 8, 1024, 2048)  # the allocator's free blocks count as free
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments(4097))
+    with pytest.raises(OutOfMemory):  # a graph pool's or another device's free blocks do not
         store.check_room("one-byte-short", 8, 1024, 2048)
     with pytest.raises(TooLarge):
         store.check_room("too-wide", 1025, 128, 128)
@@ -281,8 +286,7 @@ def test_an_expert_set_whose_two_matrices_do_not_fit_together_is_refused_unread(
     experts = ExpertStore(WeightStore(backend, limits=WeightLimits(headroom_bytes=0)))
     G, H, I = 8, 1024, 512
     both = set_bytes(G, 2 * I, H) + set_bytes(G, H, I)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", list)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (both, 1 << 40))
     experts.check_room("fits", G, H, I)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (both - 1, 1 << 40))
@@ -307,8 +311,7 @@ def test_a_new_shapes_graphs_count_with_its_weights(monkeypatch):
     store = WeightStore(backend, limits=WeightLimits(headroom_bytes=0),
                         graph_bytes=lambda *shape: gemm_graphs.get(shape, 0))
     experts = ExpertStore(store, graph_bytes=lambda *shape: 700 if shape == (G, H, I) else 0)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", list)
 
     def free(nbytes):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (nbytes, 1 << 40))
