@@ -631,4 +631,4 @@ def reusable_cache(device: torch.device) -> int:
     index = torch.cuda.current_device() if device.index is None else device.index
     return sum(s["total_size"] - s["active_size"]
                for s in torch.cuda.memory_snapshot()
-               if s["device"] == index and tuple(s["segment_pool_id"]) == (0, 0))
+               if s["device"] == index and tuple(s.get("segment_pool_id", (0, 0))) == (0, 0))
