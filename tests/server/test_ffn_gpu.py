@@ -209,7 +209,8 @@ def test_a_new_expert_shapes_graph_memory_is_within_its_estimate(backend, fp8):
     """What the store counts for a new expert-set shape's ffn and moe graphs
     (``FfnGraphs.shape_bytes``: the static buffers and the largest launch's chain twice, the
     warm-up's and the capture's) covers what its graphs hold after the load: the static
-    buffers and one copy of the chain, up to the allocator's rounding."""
+    buffers and their pool, which holds the chain and what the families' captures leave
+    fragmented (H100, session 57: 344 MB held against 179 static and 127 of chain)."""
     from server_support import device_held
 
     g, h, i, max_bucket = 8, 1024, 512, 16384
@@ -221,7 +222,7 @@ def test_a_new_expert_shapes_graph_memory_is_within_its_estimate(backend, fp8):
     before = device_held()
     runner.prepare(es)
     grown = device_held() - before
-    assert static <= grown <= static + chain + (16 << 20), (grown, static, chain)
+    assert static + chain <= grown <= estimate, (grown, static, chain)
     assert runner.graphs.shape_bytes(es, (2,)) == 0
 
 
