@@ -171,7 +171,7 @@ def test_a_new_shapes_graph_memory_is_its_buffers_and_largest_temporaries():
     pool.use_graphs = True  # the GPU's accounting, on the CPU's buffers
     made = 0
     for quantize in (False, True):
-        bufs = GraphPool._allocate(pool, Family(G, N, K, quantize))
+        bufs = pool._allocate(Family(G, N, K, quantize))
         made += sum(t.nbytes for t in (bufs.x, bufs.x_scale, bufs.xg, bufs.xsg, bufs.meta,
                                         bufs.result) if t is not None)
     # (the CPU launches without the address table: the output before its scatter too)
