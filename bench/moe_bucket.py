@@ -7,7 +7,8 @@ Per bucket, the server's expert executor as the engine builds it (``FfnGraphs`` 
 engine's captured top-ks, the engine's staging), its set's graphs captured by
 ``ExpertExecutor.prepare`` on a side stream as the loader does (timed: the load's captures,
 Triton's compiles included on the first bucket of a fresh process); the device memory the
-allocator holds after it beside the weights'; then moe calls at top-8 through
+allocator holds beside the weights after it and at its peak, against what a load's room check
+counts for the shape (``FfnGraphs.shape_bytes``); then moe calls at top-8 through
 ``ExpertExecutor.run_calls`` (what a batch of one call runs: the upload, one graph replay, or
 at the old bucket the eager token chunks, and the download), wall-clock medians of fresh
 random inputs with uniform random routing. Never collected by pytest.
@@ -16,6 +17,7 @@ random inputs with uniform random routing. Never collected by pytest.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -43,16 +45,22 @@ def one_bucket(model: str, bucket: int, tokens: list[int], reps: int) -> None:
     weights = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     executor = ExpertExecutor(FfnGraphs(backend, bucket), Staging(dev), MOE_TOP_K)
+    estimate = executor.graphs.shape_bytes(es, MOE_TOP_K)  # what a load's room check counts
+    held = torch.cuda.memory_reserved()
     t0 = time.perf_counter()
     with torch.cuda.stream(torch.cuda.Stream(dev)):
         captured = executor.prepare(es)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_reserved() - held
+    gc.collect()
+    torch.cuda.empty_cache()
     gib = 1 << 30
     print(f"{model} bucket {bucket}: {captured} graphs in {load_s:.1f} s; weights "
-          f"{weights / gib:.2f} GiB, allocated beside them {(torch.cuda.memory_allocated() - weights) / gib:.2f}"
-          f" GiB, reserved {torch.cuda.memory_reserved() / gib:.2f} GiB, peak "
-          f"{torch.cuda.max_memory_allocated() / gib:.2f} GiB", flush=True)
+          f"{weights / gib:.2f} GiB; beside them: allocated "
+          f"{(torch.cuda.memory_allocated() - weights) / gib:.2f} GiB, held after the load "
+          f"{(torch.cuda.memory_reserved() - held) / gib:.2f} GiB, at its peak {peak / gib:.2f} GiB, "
+          f"the room check's estimate {estimate / gib:.2f} GiB", flush=True)
     gen = torch.Generator().manual_seed(0)
     executor.staging.enter()
     for T in tokens:
