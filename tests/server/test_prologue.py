@@ -61,6 +61,23 @@ def _scales_with_bad_values(rows, kb, gen):
     return s
 
 
+def _gather_as_torch(x, xs, gather):
+    """``check_and_gather`` over ``gather``; asserts the rows and scales it copies are
+    ``index_select``'s, bit for bit; returns its flags and ``bad_rows``' (the torch ops')."""
+    fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+    rows = gather.shape[0]
+    xg = torch.full((rows, x.shape[1]), 0xEE, dtype=torch.uint8, device=DEV).view(x.dtype)
+    xsg = None if xs is None else torch.full((rows, xs.shape[1]), float("nan"), device=DEV)
+    flags = torch.full((x.shape[0],), 99, dtype=torch.int8, device=DEV)
+    check_and_gather(x, xs, gather, xg, xsg, flags)
+    torch.cuda.synchronize()
+    bits = torch.uint8 if fp8 else torch.int16
+    assert torch.equal(xg.view(bits), x.view(bits).index_select(0, gather))
+    if xs is not None:
+        assert torch.equal(xsg.view(torch.int32), xs.index_select(0, gather).view(torch.int32))
+    return flags, _bad_rows_torch(x, xs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz,
                                    torch.bfloat16, torch.float16])
 # 4999 and 70000 rows: blocks of 8 and 64 rows a program, the last one partly past the rows.
@@ -73,17 +90,7 @@ def test_check_and_gather_equals_the_torch_ops(dtype, rows, k):
     # The meta buffer's layout: (gather, scatter) pairs, so gather has stride 2.
     pairs = torch.empty((rows, 2), dtype=torch.int64, device=DEV)
     pairs[:, 0] = torch.randperm(rows, generator=gen, device=DEV)
-    gather = pairs[:, 0]
-    xg = torch.full_like(x.view(torch.uint8), 0xEE).view(dtype)
-    xsg = None if xs is None else torch.full_like(xs, float("nan"))
-    flags = torch.full((rows,), 99, dtype=torch.int8, device=DEV)
-    check_and_gather(x, xs, gather, xg, xsg, flags)
-    torch.cuda.synchronize()
-    bits = torch.uint8 if fp8 else torch.int16
-    assert torch.equal(xg.view(bits), x.view(bits).index_select(0, gather))
-    if xs is not None:
-        assert torch.equal(xsg.view(torch.int32), xs.index_select(0, gather).view(torch.int32))
-    want = _bad_rows_torch(x, xs)
+    flags, want = _gather_as_torch(x, xs, pairs[:, 0])
     assert torch.equal(flags, want)
     # Both kinds of rows were there (fp8: bad scales from row 2; a NaN code is no flag).
     assert (want.any() or (fp8 and rows < 3)) and (rows == 1 or not want.all())
@@ -100,17 +107,7 @@ def test_check_and_gather_reads_each_routed_row_from_its_token(dtype, tokens, k)
     fp8 = dtype == torch.float8_e4m3fn
     xs = _scales_with_bad_values(tokens, width // 128, gen) if fp8 else None
     gather = torch.arange(tokens, device=DEV).repeat_interleave(k)
-    gather = gather[torch.randperm(tokens * k, generator=gen, device=DEV)]
-    xg = torch.empty((tokens * k, width), dtype=dtype, device=DEV)
-    xsg = None if xs is None else torch.empty((tokens * k, width // 128), device=DEV)
-    flags = torch.full((tokens,), 99, dtype=torch.int8, device=DEV)
-    check_and_gather(x, xs, gather, xg, xsg, flags)
-    torch.cuda.synchronize()
-    bits = torch.uint8 if fp8 else torch.int16
-    assert torch.equal(xg.view(bits), x.view(bits).index_select(0, gather))
-    if xs is not None:
-        assert torch.equal(xsg.view(torch.int32), xs.index_select(0, gather).view(torch.int32))
-    want = _bad_rows_torch(x, xs)
+    flags, want = _gather_as_torch(x, xs, gather[torch.randperm(tokens * k, generator=gen, device=DEV)])
     assert torch.equal(flags, want) and want.any() and not want.all()
 
 
