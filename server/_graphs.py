@@ -201,8 +201,7 @@ class GraphPool:
     """Static buffers and captured graphs, by family and bucket; eager when graphs are off."""
 
     def __init__(
-        self, backend: Backend, max_bucket: int, *, graphs: bool = True, weight_table: bool = True,
-        fused_prologue: bool = True, compile_only: bool = False,
+        self, backend: Backend, max_bucket: int, *, graphs: bool = True, compile_only: bool = False,
     ) -> None:
         self.backend = backend
         self.device = backend.device
@@ -211,15 +210,16 @@ class GraphPool:
         is_gpu = self.device.type == "cuda"
         self.use_graphs = bool(graphs and is_gpu and backend.capture_safe)
         # The checks and the regrouping as one kernel, where the backend has one.
-        self.check_and_gather = backend.check_and_gather if is_gpu and fused_prologue else None
+        self.check_and_gather = backend.check_and_gather if is_gpu else None
         # bf16 rows: the checks, the regrouping and the quantization as one kernel.
-        self.gather_quantize = backend.gather_quantize if is_gpu and fused_prologue else None
+        self.gather_quantize = backend.gather_quantize if is_gpu else None
         self.pad_to_bucket = bool(is_gpu and backend.capture_safe)
         # The weights by address (graphs shared by the weight sets of a family), where
-        # the backend launches so; the name is the pool's interface (weight_table=).
+        # the backend launches so (each seam is the backend's: a test drops one with
+        # dataclasses.replace).
         # Such a launcher also reads the activations by address and stores through a
         # row map (Backend.run_addressed's inputs= and out_rows=).
-        self.run_table: Callable | None = backend.run_addressed if is_gpu and weight_table else None
+        self.run_table: Callable | None = backend.run_addressed if is_gpu else None
         # A lone call's check beside its GEMM where the GEMM does not check the rows (_body).
         self._beside = torch.cuda.Stream(self.device) if self.run_table is not None \
             and self.check_and_gather is not None else None

@@ -9,6 +9,7 @@ Hopper GPU and triton.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -43,7 +44,11 @@ def backend():
 
 
 def _executor(backend, *, graphs: bool, table: bool = True, max_bucket: int = MAX_BUCKET):
-    pool = GraphPool(backend, max_bucket, graphs=graphs, weight_table=table)
+    """Without ``table``, the backend as one without an address launcher (FlyDSL's way:
+    the weights' own pointers, one graph per weight set)."""
+    if not table:
+        backend = dataclasses.replace(backend, run_addressed=None)
+    pool = GraphPool(backend, max_bucket, graphs=graphs)
     return Executor(pool, Staging(DEV))
 
 

@@ -9,6 +9,7 @@ GPU and triton.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -138,7 +139,8 @@ def test_executors_with_and_without_it_answer_alike(kind, merged):
     got = {}
     for fused in (True, False):
         for graphs in (True, False):
-            pool = GraphPool(backend, 64, graphs=graphs, fused_prologue=fused)
+            unfused = dataclasses.replace(backend, check_and_gather=None, gather_quantize=None)
+            pool = GraphPool(backend if fused else unfused, 64, graphs=graphs)
             assert (pool.check_and_gather is not None) == fused
             ex = Executor(pool, Staging(DEV))
             ex.prepare(g, n, k, ws.wq, ws.w_scale)
