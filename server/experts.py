@@ -22,18 +22,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import torch
-from moegemm.client._errors import BadField, BadName, BadShape, NoSuchWeights
+from moegemm.client._errors import BadName, BadShape, NoSuchWeights
 from moegemm.client._names import gemm_name_problem, name_problem
 from moegemm.kernels import BLOCK
 
-from ._tensors import (
-    FLOATS,
-    FP8,
-    require_dtype,
-    require_positive_finite_scales,
-    require_shape,
-)
-from .store import WeightSet, WeightStore, _MemoryGroups, set_bytes
+from ._tensors import FLOATS, FP8, require_dtype
+from .store import WeightSet, WeightStore, _MemoryGroups, check_matrix, set_bytes
 
 log = logging.getLogger("moegemm.server.experts")
 
@@ -209,23 +203,9 @@ class ExpertStore:
         require_dtype(w13, FP8 + FLOATS, "w13")
         require_dtype(w2, FP8 + FLOATS, "w2")
         G, H, I = expert_shapes(tuple(w13.shape), tuple(w2.shape))
-        scale_shapes = {
-            "w13": ((G, H // BLOCK, 2 * I // BLOCK), "[G, H/128, 2I/128]"),
-            "w2": ((G, I // BLOCK, H // BLOCK), "[G, I/128, H/128]"),
-        }
-        for what, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
-            if w.dtype in FP8 and scale is None:
-                raise BadField(f"fp8 {what} needs {what}_scale (float32, SPEC 5)")
-            if w.dtype not in FP8 and scale is not None:
-                raise BadField(
-                    f"{what}_scale is only for fp8 {what}; bf16/fp16/fp32 weights are "
-                    f"quantized by the server"
-                )
-            if scale is not None:
-                require_dtype(scale, (torch.float32,), f"{what}_scale")
-                require_shape(scale, *scale_shapes[what][:1], f"{what}_scale",
-                              scale_shapes[what][1])
-                require_positive_finite_scales(scale, f"{what}_scale")
+        # Both checked before either is read.
+        check_matrix((G, 2 * I, H), w13.dtype, w13_scale, "w13", "[G, H/128, 2I/128]")
+        check_matrix((G, H, I), w2.dtype, w2_scale, "w2", "[G, I/128, H/128]")
         return self.assemble(
             name, G, H, I,
             w13=(w13.dtype, _MemoryGroups(w13), w13_scale),
@@ -241,8 +221,10 @@ class ExpertStore:
         w13_name, w2_name = matrix_names(name)
         dtype13, group13, scale13 = w13
         dtype2, group2, scale2 = w2
-        # The weight store's assembly: validation, fn/fnuz conversion or quantization,
-        # the backend's layout, progress logged (its check_room runs again: cheap).
+        # The weight store's assembly (the caller checked both matrices: build's
+        # check_matrix, a checkpoint's own checks of its tensors): fn/fnuz conversion or
+        # quantization, the backend's layout, progress logged (its check_room runs again:
+        # cheap).
         ws13 = self.weights._assemble(w13_name, (G, 2 * I, H), dtype13, group13, scale13,
                                       "w13")
         ws2 = self.weights._assemble(w2_name, (G, H, I), dtype2, group2, scale2, "w2")

@@ -293,6 +293,7 @@ class WeightStore:
         require_dtype(w, FP8 + FLOATS, "w")
         if w.dim() != 3:
             raise BadShape(f"w has shape {list(w.shape)}; expected 3-D [G, N, K]")
+        check_matrix(tuple(w.shape), w.dtype, w_scale)
         return self._assemble(name, tuple(w.shape), w.dtype, _MemoryGroups(w), w_scale)
 
     def build_from_file(
@@ -327,6 +328,7 @@ class WeightStore:
             if w_scale_key is not None:
                 w_scale = _scale_from_file(handle, entries[w_scale_key], data_start, w_scale_key,
                                            shape)
+            check_matrix(shape, dtype, w_scale)
             log.info("loading %r from %r (%s %s)", name, path, WIRE_NAMES[dtype], list(shape))
             source = _FileGroups(handle.fileno(), data_start + w_entry["data_offsets"][0])
             return self._assemble(name, shape, dtype, source, w_scale)
@@ -362,28 +364,14 @@ class WeightStore:
         w_scale: torch.Tensor | None,
         label: str = "w",
     ) -> WeightSet:
-        """``label``: the matrix as the client named it, in messages (``w``, ``w13``, ...)."""
+        """The matrix on the device in the backend's layout; ``shape``, ``dtype`` and
+        ``w_scale`` passed :func:`check_matrix` (its caller's one check, before any
+        reading). ``label``: the matrix as the client named it, in messages (``w``,
+        ``w13``, ...)."""
         if not isinstance(source, _Groups):
             source = _CallableGroups(source)
         G, N, K = shape
-        if G < 1 or N < 1 or K < 1 or N % BLOCK or K % BLOCK:
-            raise BadShape(
-                f"w has shape [G={G}, N={N}, K={K}]; need G >= 1 and N, K positive "
-                f"multiples of {BLOCK}"
-            )
         self.check_room(name, G, N, K)
-        scale_shape = (G, K // BLOCK, N // BLOCK)
-        if dtype in FP8:
-            if w_scale is None:
-                raise BadField("fp8 weights need w_scale (float32 [G, K/128, N/128])")
-            require_dtype(w_scale, (torch.float32,), "w_scale")
-            require_shape(w_scale, scale_shape, "w_scale", "[G, K/128, N/128]")
-            require_positive_finite_scales(w_scale, f"{label}_scale")
-        elif w_scale is not None:
-            raise BadField(
-                "w_scale is only for fp8 weights; bf16/fp16/fp32 weights are quantized "
-                "by the server"
-            )
         try:
             wq, scales = self._upload(name, shape, dtype, source, w_scale, label)
             wq, scales = self.backend.prepare_weights(wq, scales)
@@ -549,11 +537,36 @@ class _CallableGroups(_Groups):
             dst[(g - g0) * group_bytes:(g - g0 + 1) * group_bytes] = one
 
 
+def check_matrix(shape: tuple[int, ...], dtype: torch.dtype, w_scale: torch.Tensor | None,
+                 label: str = "w", scale_text: str = "[G, K/128, N/128]") -> None:
+    """The one check of a matrix ``shape`` ``(G, N, K)`` of ``dtype`` and its scales (fp8
+    needs float32 ``[G, K/128, N/128]``, finite and > 0; other dtypes take none), before
+    any of it is read: ``label`` and ``scale_text`` name them as the client did (an expert
+    set's ``w13`` scales are ``[G, H/128, 2I/128]``)."""
+    G, N, K = shape
+    if G < 1 or N < 1 or K < 1 or N % BLOCK or K % BLOCK:
+        raise BadShape(
+            f"{label} has shape [G={G}, N={N}, K={K}]; need G >= 1 and N, K positive "
+            f"multiples of {BLOCK}"
+        )
+    if dtype in FP8:
+        if w_scale is None:
+            raise BadField(f"fp8 {label} needs {label}_scale (float32 {scale_text})")
+        require_dtype(w_scale, (torch.float32,), f"{label}_scale")
+        require_shape(w_scale, (G, K // BLOCK, N // BLOCK), f"{label}_scale", scale_text)
+        require_positive_finite_scales(w_scale, f"{label}_scale")
+    elif w_scale is not None:
+        raise BadField(
+            f"{label}_scale is only for fp8 {label}; bf16/fp16/fp32 weights are quantized "
+            f"by the server"
+        )
+
+
 def _scale_from_file(handle, entry: dict, data_start: int, key: str,
                      w_shape: tuple[int, ...]) -> torch.Tensor:
     """A file's ``w_scale`` tensor, read only if it has the one dtype and shape a set of
     ``w_shape`` takes (float32 ``[G, K/128, N/128]``); else a tensor of its header's dtype
-    and shape without data, which ``_assemble`` refuses as it refuses an upload. A key
+    and shape without data, which :func:`check_matrix` refuses as it refuses an upload. A key
     naming another large tensor (a swapped key: a layer's w2 is gigabytes) is never read
     into host memory to be refused."""
     dtype = READABLE_DTYPES.get(entry["dtype"])

@@ -391,3 +391,39 @@ def test_random_bad_bodies_never_crash(srv):
         assert r.status_code in (400, 413), r.text
         assert r.json()["error"]["code"] in CONTRACT_400 | {"too_large"}, r.text
     assert snapshot(srv.http) == before
+
+
+def test_an_expert_sets_scales_are_checked_once_before_either_matrix_is_read(monkeypatch):
+    """One check per matrix (``store.check_matrix``, with the expert set's names): each scale
+    tensor is scanned once, not again by the weight store's assembly, and a bad ``w2_scale``
+    is refused before any of w13 is read."""
+    from moegemm.client import BadField, BadShape, NotFinite
+    from moegemm.kernels import get_backend
+    from moegemm.server import store as store_module
+    from moegemm.server.experts import ExpertStore
+    from moegemm.server.store import WeightStore
+
+    experts = ExpertStore(WeightStore(get_backend(torch.device("cpu"))))
+    p = random_experts(G, H, I)
+    scanned, assembled = [], []
+    scan = store_module.require_positive_finite_scales
+    monkeypatch.setattr(store_module, "require_positive_finite_scales",
+                        lambda scale, what: (scanned.append(what), scan(scale, what))[1])
+    assemble = WeightStore._assemble
+    monkeypatch.setattr(WeightStore, "_assemble",
+                        lambda self, name, *rest: (assembled.append(name),
+                                                   assemble(self, name, *rest))[1])
+    es = experts.build("e", p.w13q, p.w13_scale, p.w2q, p.w2_scale)
+    assert (es.G, es.H, es.I) == (G, H, I)
+    assert scanned == ["w13_scale", "w2_scale"] and assembled == ["e.w13", "e.w2"]
+
+    scanned.clear(), assembled.clear()
+    bad = p.w2_scale.clone()
+    bad[1, 0, 2] = float("inf")
+    with pytest.raises(NotFinite, match="w2_scale"):
+        experts.build("e", p.w13q, p.w13_scale, p.w2q, bad)
+    assert scanned == ["w13_scale", "w2_scale"] and assembled == []
+    with pytest.raises(BadField, match=r"fp8 w13 needs w13_scale \(float32 \[G, H/128, 2I/128\]\)"):
+        experts.build("e", p.w13q, None, p.w2q, p.w2_scale)
+    with pytest.raises(BadShape, match=r"w2_scale .*\[G, I/128, H/128\]"):
+        experts.build("e", p.w13q, p.w13_scale, p.w2q, p.w2_scale.transpose(1, 2).contiguous())
