@@ -91,12 +91,6 @@ ROUTE_QUANTIZES_UP_TO = 8
 # -- the torch definitions of the graph's own steps ------------------------------------------
 
 
-def silu_mul_quant_torch(h: torch.Tensor, fp8_dtype: torch.dtype):
-    """SPEC 5.1's activation as the server computes it: ``a = silu(h[:, :I]) * h[:, I:]`` in
-    float32 (not rounded to bf16), quantized (SPEC 1.1): ``kernels.activation``."""
-    return silu_mul_quant(h, fp8_dtype)
-
-
 def expert_ids_torch(ids: torch.Tensor, wide: torch.Tensor, rows: int) -> torch.Tensor:
     """The first ``rows`` expert ids of int32 words ``ids`` (int32 ids, or int64 ids as
     (low, high) pairs when the device scalar ``wide`` is 1), int64; an int64 id whose
@@ -324,7 +318,7 @@ class FfnGraphs:
         else:
             self._moe_token = None
             self._quantize_scatter = None
-            self._act = lambda h, rows: silu_mul_quant_torch(h, self.fp8)
+            self._act = lambda h, rows: silu_mul_quant(h, self.fp8)
             self._route, self._combine = route_torch, combine_torch
         self._buffers: dict[FfnFamily, FfnBuffers] = {}
         # Every set prepared and not forgotten (live, or about to be swapped in), by id, held

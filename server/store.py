@@ -37,7 +37,7 @@ from moegemm.client._errors import (
     TooLarge,
 )
 from moegemm.client._names import name_problem
-from moegemm.kernels import BLOCK
+from moegemm.kernels import BLOCK, quantize_weights
 from moegemm.kernels._backend import Backend
 
 from ._files import (
@@ -446,7 +446,7 @@ class WeightStore:
                         scales[g0:g1].copy_(s)
                 else:
                     bad[g0:g1] = ~torch.isfinite(chunk).flatten(1).all(1)
-                    q, s = _quantize_groups(chunk, fp8)
+                    q, s = quantize_weights(chunk, fp8)
                     wq[g0:g1].copy_(q)
                     scales[g0:g1].copy_(s)
                 progress.sent(g0, g1)
@@ -629,12 +629,6 @@ def _fp8_nan(q: torch.Tensor) -> torch.Tensor:
     if q.dtype == torch.float8_e4m3fn:
         return (bits & 0x7F) == 0x7F
     return bits == 0x80
-
-
-def _quantize_groups(w: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from moegemm.kernels import quantize_weights
-
-    return quantize_weights(w, fp8)
 
 
 def reusable_cache(device: torch.device) -> int:
