@@ -7,7 +7,8 @@ For every real decode case (t1/t16/t64/t256 of ``real_models.json``, the routing
 schedule: the table's tile for the call's rows (``default_config``, the public entry's
 launch) as it ships, the same tile at 4 and 5 stages, and with ``preload`` (every K
 block's scale products taken before the loop, ``_triton_gemm._scale_products``) at 3, 4
-and 5 stages. Each variant's output must equal the shipped tile's bit for bit (outputs
+and 5 stages where the tile takes it (``TileConfig.fits``: the single-block tiles, not the
+pairs). Each variant's output must equal the shipped tile's bit for bit (outputs
 NaN-poisoned first). Times: medians of CUDA-graph replays (graphs of about 1 ms of calls,
 as ``bench_kernels.time_us``), fresh random data per case, the variants interleaved over
 ``--rounds`` rounds. Prints floor/time per variant and the geomeans over the cases every
@@ -40,8 +41,13 @@ VARIANTS = [("shipped", False, None), ("s4", False, 4), ("s5", False, 5),
 V17 = Path(__file__).resolve().parent / "results" / "kernels_v17_session9.json"
 
 
-def variant_config(cfg, preload: bool, stages):
-    return cfg if stages is None else dataclasses.replace(cfg, preload=preload, num_stages=stages)
+def variant_config(cfg, preload: bool, stages, n: int, g: int):
+    """``cfg`` as a variant of :data:`VARIANTS` runs it, or None where the tile has no such form
+    (``TileConfig.fits``: a pair takes no preload)."""
+    if stages is None:
+        return cfg
+    varied = dataclasses.replace(cfg, preload=preload, num_stages=stages)
+    return varied if varied.fits(n, g) else None
 
 
 def decode_cases() -> list[dict]:
@@ -79,7 +85,9 @@ def compile_jobs(cases) -> list[tuple]:
         m, n, k, g = c["m"], c["n"], c["k"], c["g"]
         cfg = tk.default_config(m, n, k, g)
         for _, preload, stages in VARIANTS:
-            jobs.add((variant_config(cfg, preload, stages), bk._stand_in_rows(m), n, k, g, False))
+            varied = variant_config(cfg, preload, stages, n, g)
+            if varied is not None:
+                jobs.add((varied, bk._stand_in_rows(m), n, k, g, False))
     # One job per compiled kernel, as bench_kernels.compile_jobs keys them.
     by_class = {}
     for job in sorted(jobs, key=repr):
@@ -102,7 +110,9 @@ def run_case(case, problem, rounds: int) -> dict:
     want = None
     timed = []
     for name, preload, stages in VARIANTS:
-        cfg = variant_config(shipped, preload, stages)
+        cfg = variant_config(shipped, preload, stages, n, g)
+        if cfg is None:
+            continue
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
         entry = {"config": cfg.key()}
         row["variants"][name] = entry

@@ -88,16 +88,17 @@ def compile_config(cfg, m: int, n: int, k: int, g: int, addrs: bool = False, ser
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "ADDRS": addrs,
               "X_WORDS": service, "ROW_MAP": service and row_map, "G_POW2": g_pow2}
     if cfg.swap_ab:
-        split_k = max(1, min(cfg.split_k, k // 128))
-        if split_k > 1:
-            sig.update({"part_ptr": "*fp32", "count_ptr": "*i32"})
-            divisible += ["part_ptr", "count_ptr"]
-        else:
-            consts.update({"part_ptr": None, "count_ptr": None})
+        if cfg.schedule == "decode":  # split-K and preloading: the single-block kernel's only
+            split_k = max(1, min(cfg.split_k, k // 128))
+            if split_k > 1:
+                sig.update({"part_ptr": "*fp32", "count_ptr": "*i32"})
+                divisible += ["part_ptr", "count_ptr"]
+            else:
+                consts.update({"part_ptr": None, "count_ptr": None})
+            consts.update(SPLIT_K=split_k, PRELOAD=cfg.preload, CHUNK=tk.scale_chunk(cfg, k) if cfg.preload else 16)
         sig["flags_ptr"] = "*i8" if flags else "*i64"  # a lone call's graph: the check inside
         divisible.append("flags_ptr")
-        consts.update(EVICT_W=cfg.evict_w, SPLIT_K=split_k, PRELOAD=cfg.preload,
-                      CHUNK=tk.scale_chunk(cfg, k) if cfg.preload else 16, GROUP_TILES_M=cfg.group_tiles_m,
+        consts.update(EVICT_W=cfg.evict_w, GROUP_TILES_M=cfg.group_tiles_m,
                       FLAGS=flags, KB_POW2=triton.next_power_of_2(k // 128) if flags else 1)
     elif cfg.schedule == "persistent_ws":  # no check inside (triton_kernel.checks_rows)
         consts.update(GROUP_TILES_M=cfg.group_tiles_m)
@@ -235,7 +236,9 @@ def main() -> None:
 
         for cfg, (m, n, k, g) in decode_sweep.tile_classes():
             for _, preload, stages in decode_sweep.VARIANTS:
-                c = decode_sweep.variant_config(cfg, preload, stages)
+                c = decode_sweep.variant_config(cfg, preload, stages, n, g)
+                if c is None:
+                    continue
                 print(f"m{m} n{n} k{k} g{g}", report(c, m, n, k, g, service=True), flush=True)
         return
 

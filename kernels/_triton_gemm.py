@@ -38,10 +38,11 @@ The schedules:
   A and B swapped, ``acc[BLOCK_N, BLOCK_M] += dot(w, x^T)``: the weight tile
   (64/128 rows) is the MMA's M side, the group's few tokens (16-64) its N
   side. The pair kernel runs two K blocks per iteration with each pair's
-  scales loaded a pair ahead (the pipeliner does not stage scale loads).
+  scales loaded a pair ahead (the pipeliner does not stage scale loads),
+  each program over a whole tile's K range. The single-block kernel takes
   ``PRELOAD`` (the table's choice per tile): every K block's scale products
   taken into registers before the loop (``CHUNK`` blocks at a time), none on
-  the loop's path; the same bits. Both take ``SPLIT_K``: that many programs
+  the loop's path; the same bits. And ``SPLIT_K``: that many programs
   share an output tile, each over its own K range, reduced by the last to
   arrive (float32 slots, counters that reset themselves).
 - :func:`persistent_ws_kernel` (prefill, G <= 64): one program per SM walking
@@ -422,104 +423,66 @@ def decode_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, p
 
 
 @triton.jit
-def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, part_ptr, count_ptr,
-                       flags_ptr,
+def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_ptr, flags_ptr,
                        M, N, K, G, stride_xm, stride_wg, stride_wn, stride_xsm, stride_wsg, stride_wsk, stride_om,
                        stride_map,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr,
-                       EVICT_W: tl.constexpr, SPLIT_K: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr,
-                       ROW_MAP: tl.constexpr, PRELOAD: tl.constexpr = False, CHUNK: tl.constexpr = 16,
-                       GROUP_TILES_M: tl.constexpr = 1, FLAGS: tl.constexpr = False,
-                       KB_POW2: tl.constexpr = 1):
+                       EVICT_W: tl.constexpr, ADDRS: tl.constexpr, X_WORDS: tl.constexpr, ROW_MAP: tl.constexpr,
+                       GROUP_TILES_M: tl.constexpr = 1, FLAGS: tl.constexpr = False, KB_POW2: tl.constexpr = 1):
     """Decode, two K blocks per iteration, each pair's scales loaded one iteration ahead.
 
     The scale loads are not staged by the software pipeliner; waiting on
     them right after the first dot delays the second dot's issue by whatever
     of the L2 latency the first dot does not cover (v9 in bench/NOTES.md).
-    An odd last block pairs with itself, its copy scaled by 0.
+    An odd last block pairs with itself, its copy scaled by 0. Each program
+    runs a whole tile's K range (no split) with its scales loaded in the loop
+    (no preload): the forms the table gives a pair.
     """
     w_base, ws_base = _weights(w_ptr, ws_ptr, ADDRS)  # beside m_sizes's load: see _present
     x_base, xs_base = _inputs(x_ptr, xs_ptr, X_WORDS)
-    split, tile_id, tile_n, group, first_row, row_stop, valid = _grid_tile(
-        m_sizes_ptr, M, N, G, SPLIT_K, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
+    split, _, tile_n, group, first_row, row_stop, valid = _grid_tile(
+        m_sizes_ptr, M, N, G, 1, BLOCK_M, BLOCK_N, GROUP_TILES_M, G_POW2)
     if valid & _present(w_base, ws_base, x_base, xs_base, ADDRS, X_WORDS):
         rows = first_row + tl.arange(0, BLOCK_M)
         rows_in = tl.minimum(rows, M - 1).to(tl.int64)
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         group64 = group.to(tl.int64)
-        k_lo, k_hi = _k_range(K, split, SPLIT_K, BLOCK_K)
+        num_k = K // BLOCK_K  # >= 1: the launcher refuses K < 128
         if FLAGS:
             _row_flags(xs_base, rows, rows_in, row_stop, map_ptr, stride_map, flags_ptr, stride_xsm, tile_n, split,
                        K, BLOCK_K, KB_POW2, ROW_MAP)
-        x_ptrs = x_base + rows_in[:, None] * stride_xm + (k_lo * BLOCK_K + offs_k)[None, :]
-        w_ptrs = (w_base + group64 * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wn
-                  + (k_lo * BLOCK_K + offs_k)[None, :])
+        x_ptrs = x_base + rows_in[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = w_base + group64 * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         xs_row = xs_base + rows_in * stride_xsm
         ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if PRELOAD:
-            # The pairs' scale products taken before the loop, as in decode_kernel; an odd
-            # last block after it, with its own loads and the shipped tail's products.
-            k_even = k_lo + ((k_hi - k_lo) // 2) * 2
-            blk, scales = _scale_products(xs_row, ws_col, stride_wsk, k_lo, k_even, CHUNK)
-            for kb in range(k_lo, k_even, 2):
-                if kb - k_lo >= CHUNK and (kb - k_lo) % CHUNK == 0:
-                    blk, scales = _scale_products(xs_row, ws_col, stride_wsk, kb, k_even, CHUNK)
-                x0 = tl.load(x_ptrs)
-                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
-                x1 = tl.load(x_ptrs + BLOCK_K)
-                w1 = tl.load(w_ptrs + BLOCK_K, eviction_policy=EVICT_W)
-                part0 = tl.dot(w0, tl.trans(x0))
-                part1 = tl.dot(w1, tl.trans(x1))
-                acc += part0 * _pick(blk, scales, kb)[None, :]
-                acc += part1 * _pick(blk, scales, kb + 1)[None, :]
-                x_ptrs += 2 * BLOCK_K
-                w_ptrs += 2 * BLOCK_K
-            if k_even < k_hi:
-                # The shipped loop pairs an odd last block with itself, the copy scaled by
-                # xs * (ws * 0) (NaN where ws is infinite, as there).
-                x0 = tl.load(x_ptrs)
-                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
-                xs0 = tl.load(xs_row + k_even)
-                ws0 = tl.load(ws_col + k_even * stride_wsk)
-                part0 = tl.dot(w0, tl.trans(x0))
-                acc += part0 * (xs0 * ws0)[None, :]
-                acc += part0 * (xs0 * (ws0 * 0.0))[None, :]
-        else:
-            # The first pair's scales; a split with no block (the last of SPLIT_K can be empty)
-            # reads block k_hi - 1's, unused, rather than past the scales' end.
-            k0 = tl.minimum(k_lo, k_hi - 1)
-            step = tl.minimum(1, k_hi - 1 - k0)
-            s0 = tl.load(xs_row + k0) * tl.load(ws_col + k0 * stride_wsk)
-            s1 = tl.load(xs_row + k0 + step) * (tl.load(ws_col + (k0 + step) * stride_wsk) * step.to(tl.float32))
-            for kb in range(k_lo, k_hi, 2):
-                step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
-                x0 = tl.load(x_ptrs)
-                w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
-                x1 = tl.load(x_ptrs + step * BLOCK_K)
-                w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
-                # The next pair's scales (clamped in range; unused after the last pair).
-                kn = tl.minimum(kb + 2, k_hi - 1)
-                step_n = tl.minimum(1, k_hi - 1 - kn)
-                xs0_n = tl.load(xs_row + kn)
-                ws0_n = tl.load(ws_col + kn * stride_wsk)
-                xs1_n = tl.load(xs_row + kn + step_n)
-                ws1_n = tl.load(ws_col + (kn + step_n) * stride_wsk) * step_n.to(tl.float32)
-                part0 = tl.dot(w0, tl.trans(x0))
-                part1 = tl.dot(w1, tl.trans(x1))
-                acc += part0 * s0[None, :]
-                acc += part1 * s1[None, :]
-                s0 = xs0_n * ws0_n
-                s1 = xs1_n * ws1_n
-                x_ptrs += 2 * BLOCK_K
-                w_ptrs += 2 * BLOCK_K
-        if SPLIT_K > 1:
-            acc, last = _split_k_finish(acc, part_ptr, count_ptr, tile_id.to(tl.int64), split, SPLIT_K,
-                                        BLOCK_N, BLOCK_M)
-        else:
-            last = True
-        keep = (rows < row_stop) & last
+        # The first pair's scales (a lone block pairs with itself).
+        step = tl.minimum(1, num_k - 1)
+        s0 = tl.load(xs_row) * tl.load(ws_col)
+        s1 = tl.load(xs_row + step) * (tl.load(ws_col + step * stride_wsk) * step.to(tl.float32))
+        for kb in range(0, num_k, 2):
+            step = tl.minimum(1, num_k - 1 - kb)  # 0 on an odd last block
+            x0 = tl.load(x_ptrs)
+            w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
+            x1 = tl.load(x_ptrs + step * BLOCK_K)
+            w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
+            # The next pair's scales (clamped in range; unused after the last pair).
+            kn = tl.minimum(kb + 2, num_k - 1)
+            step_n = tl.minimum(1, num_k - 1 - kn)
+            xs0_n = tl.load(xs_row + kn)
+            ws0_n = tl.load(ws_col + kn * stride_wsk)
+            xs1_n = tl.load(xs_row + kn + step_n)
+            ws1_n = tl.load(ws_col + (kn + step_n) * stride_wsk) * step_n.to(tl.float32)
+            part0 = tl.dot(w0, tl.trans(x0))
+            part1 = tl.dot(w1, tl.trans(x1))
+            acc += part0 * s0[None, :]
+            acc += part1 * s1[None, :]
+            s0 = xs0_n * ws0_n
+            s1 = xs1_n * ws1_n
+            x_ptrs += 2 * BLOCK_K
+            w_ptrs += 2 * BLOCK_K
+        keep = rows < row_stop
         dest = _out_rows(rows, rows_in, map_ptr, stride_map, ROW_MAP)
         out_ptrs = out_ptr + dest[None, :] * stride_om + offs_n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep[None, :])

@@ -63,9 +63,10 @@ class TileConfig:
     """One schedule (a kernel of :data:`SCHEDULES`) and its tile.
 
     ``decode`` / ``decode_pair``: ``block_m`` is the token tile (16-64),
-    ``block_n`` the weight tile (64 or 128) on the MMA's M side; ``split_k``
-    programs share an output tile; ``evict_w`` the weights' cache policy;
-    ``group_tiles_m`` row tiles walked side by side per weight tile (a band).
+    ``block_n`` the weight tile (64 or 128) on the MMA's M side; ``evict_w`` the
+    weights' cache policy; ``group_tiles_m`` row tiles walked side by side per
+    weight tile (a band). ``decode`` only: ``split_k`` programs share an output
+    tile; ``preload`` takes the scale products before the K loop.
     ``persistent_ws``: 128 x 128 (pairs of K blocks), 4 warps (warp-specialised:
     a producer and two 64-row consumers), ``group_tiles_m`` row tiles per band.
     ``persistent_tma``: 64 (4 warps) or 128 (8 warps) rows x 128, ``group_tiles_m``
@@ -104,11 +105,9 @@ class TileConfig:
         """Whether this tile divides N and the schedule takes G groups (K is a multiple of 128)."""
         if self.schedule not in SCHEDULES or n % self.block_n:
             return False
-        if self.split_k > 1 and not self.swap_ab:
+        if (self.split_k > 1 or self.preload) and self.schedule != "decode":
             return False
         if self.per_sm != 1 and self.schedule != "persistent_tma":
-            return False
-        if self.preload and not self.swap_ab:
             return False
         if self.swap_ab:
             return self.block_n in (64, 128) and self.block_m in (16, 32, 64)
@@ -229,9 +228,9 @@ def default_config(m: int, n: int, k: int, g: int) -> TileConfig:
 
 def _preloaded(config: TileConfig, k: int) -> TileConfig:
     """``config`` with its scale products preloaded where the table's rule says so: 16- and
-    32-token tiles whose chunk holds at most 1024 products; the unsplit pairs never."""
-    unsplit_pair = config.schedule == "decode_pair" and config.split_k == 1
-    if unsplit_pair or config.block_m > 32 or config.block_m * scale_chunk(config, k) > 1024:
+    32-token ``decode`` tiles whose chunk holds at most 1024 products (a pair never: it loads
+    each pair's scales a pair ahead)."""
+    if config.schedule != "decode" or config.block_m > 32 or config.block_m * scale_chunk(config, k) > 1024:
         return config
     return replace(config, preload=True)
 
@@ -253,8 +252,7 @@ def candidate_configs(m: int, n: int, k: int, g: int) -> list[TileConfig]:
                         found.append(T("decode", token, block_n, 4, 3, split_k=split, evict_w=ef))
             if token == 16:
                 for block_n in (64, 128):
-                    for split in (1, 2):
-                        found.append(T("decode_pair", token, block_n, 4, 3, split_k=split, evict_w=ef))
+                    found.append(T("decode_pair", token, block_n, 4, 3, evict_w=ef))
                 found.append(T("decode_pair", token, 128, 8, 3, evict_w=ef))
         found += [_preloaded(c, k) for c in found if c.swap_ab]
         if n % 256 == 0:  # 128-row tiles read a hot expert's weights once for more of its rows
@@ -424,6 +422,9 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         # The tile table's binary search is unrolled for TABLE_G_MAX groups: past it a tile
         # would land in the group before its own.
         raise ValueError(f"{config.schedule} takes at most {TABLE_G_MAX} groups, got G={g}")
+    if config.schedule == "decode_pair" and (config.split_k > 1 or config.preload):
+        # The pair kernel takes neither: a pair's scales load a pair ahead, over a whole tile's K.
+        raise ValueError(f"{config.key()}: split_k and preload are decode's, not decode_pair's")
     config = tile_for_out(config, out)
     kernel = SCHEDULES[config.schedule]
     grid = grid_for(config, m, n, k, g, _sm_count(xq.device))
@@ -441,16 +442,19 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         raise ValueError(f"the rows' check inside {config.schedule} needs the in-place store (no out_rows)")
     flags_arg = m_sizes if flags is None else flags  # m_sizes: a pointer FLAGS=False never reads
     if config.swap_ab:
-        split_k = max(1, min(config.split_k, k // BLOCK))
-        parts = counts = None
-        if split_k > 1:
-            parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
-                                             config.block_m * config.block_n)
-        extra = (parts, counts, flags_arg)
-        # CHUNK only shapes the preloaded loop: the plain one gets one value, so one kernel.
-        consts.update(EVICT_W=config.evict_w, SPLIT_K=split_k, PRELOAD=config.preload,
-                      CHUNK=scale_chunk(config, k) if config.preload else 16, GROUP_TILES_M=config.group_tiles_m,
-                      FLAGS=flags is not None, KB_POW2=triton.next_power_of_2(k // BLOCK) if flags is not None else 1)
+        consts.update(EVICT_W=config.evict_w, GROUP_TILES_M=config.group_tiles_m, FLAGS=flags is not None,
+                      KB_POW2=triton.next_power_of_2(k // BLOCK) if flags is not None else 1)
+        extra = (flags_arg,)
+        if config.schedule == "decode":
+            split_k = max(1, min(config.split_k, k // BLOCK))
+            parts = counts = None
+            if split_k > 1:
+                parts, counts = _split_workspace(xq.device, grid[0] // split_k, split_k,
+                                                 config.block_m * config.block_n)
+            extra = (parts, counts, flags_arg)
+            # CHUNK only shapes the preloaded loop: the plain one gets one value, so one kernel.
+            consts.update(SPLIT_K=split_k, PRELOAD=config.preload,
+                          CHUNK=scale_chunk(config, k) if config.preload else 16)
     elif config.schedule == "persistent_ws":
         consts.update(GROUP_TILES_M=config.group_tiles_m)
     elif config.schedule == "persistent_tma":

@@ -2,9 +2,10 @@
 plain loop's bits, on an NVIDIA Hopper GPU (bench/decode_sweep.py times them).
 
 Preloading changes only what the loop waits on and how many blocks are in flight, so for
-every decode tile the table uses (single blocks, pairs with an odd last block, split-K;
+every single-block decode tile the table uses (unsplit and split-K, banded or not;
 preloaded or not as the table ships it) the preloaded form at every depth must give the
-same bits as the plain loop (scales loaded block by block, 3 stages)."""
+same bits as the plain loop (scales loaded block by block, 3 stages). The pair tiles take
+no preload: they load each pair's scales a pair ahead."""
 
 from __future__ import annotations
 
@@ -25,18 +26,13 @@ from moegemm.kernels import triton_kernel as tk
 from moegemm.kernels.testing import random_m_sizes
 
 DEV = torch.device("cuda")
-# (m, n, k, g): each decode tile the table gives (key in the comment), K blocks odd and even.
-SHAPES = [(8, 2048, 768, 128),     # decode_pair m16 n128 w8 (6 blocks)
-          (8, 2048, 1152, 128),    # the same, 9 blocks: an odd last pair
-          (8, 7168, 2048, 256),    # decode m16 n128 w8 (16 blocks)
+# (m, n, k, g): each single-block decode tile the table gives (key in the comment).
+SHAPES = [(8, 7168, 2048, 256),    # decode m16 n128 w8 (16 blocks)
           (1, 5120, 8192, 64),     # decode m16 n128 w8 sk8
           (2, 4096, 14336, 8),     # decode m16 n128 w8 sk4 (112 blocks)
           (2, 1024, 4224, 8),      # decode n128 w8 sk8, 33 blocks: uneven splits, the last empty
           (128, 8192, 1024, 8),    # decode m16 n128, bands of 8
           (2048, 2048, 768, 128),  # decode m32 n128
-          (128, 4096, 4096, 8),    # decode_pair m16 n128 w4, bands of 8
-          (256, 5120, 8192, 128),  # decode_pair m16 n128 w8, 64 blocks
-          (32, 4096, 14336, 8),    # decode_pair n128 w4, 112 blocks: chunks of 64-128
           (192, 1280, 8192, 8),    # decode m32 n128 sk4, bands of 8
           (32, 1280, 8192, 8)]     # decode m16 n128 w8 s6, unsplit (64 blocks)
 
@@ -58,7 +54,7 @@ def test_preloaded_scales_give_the_shipped_bits(m, n, k, g, stages):
     ws = torch.exp(torch.randn((g, k // 128, n // 128), generator=gen, device=DEV)) / 256
     sizes = random_m_sizes(g, m, generator=torch.Generator().manual_seed(m + g)).to(DEV)
     shipped = tk.default_config(m, n, k, g)
-    assert shipped.swap_ab
+    assert shipped.schedule == "decode"
     plain = dataclasses.replace(shipped, preload=False, num_stages=3)
     variant = dataclasses.replace(shipped, preload=True, num_stages=stages or shipped.num_stages)
     for out_dtype in (torch.bfloat16, torch.float32):

@@ -179,8 +179,13 @@ def test_schedule_limits_and_keys():
     assert not T("persistent_ws", 128, 256, 4, 2).fits(2048)
     assert not T("persistent_ws", 128, 128, 4, 3).fits(2048)  # deeper buffers: NaN column (v8, v9)
     assert not T("persistent_ws", 128, 128, 8).fits(2048)  # 4 warps: a producer and two consumers
-    # Preloaded scales: a decode-loop variant only, with a key of its own.
-    assert T("decode_pair", 16, 128, 8, 5, preload=True).fits(2048)
+    # Preloaded scales: a decode-loop variant only, with a key of its own; split-K and
+    # preloading on the single-block decode tile only (the pair loads its scales a pair ahead).
+    assert T("decode", 16, 128, 8, 5, preload=True).fits(2048)
+    assert T("decode", 16, 128, 8, 3, split_k=4, preload=True).fits(2048)
+    assert T("decode_pair", 16, 128, 8, 5).fits(2048)
+    assert not T("decode_pair", 16, 128, 8, 5, preload=True).fits(2048)
+    assert not T("decode_pair", 16, 64, 4, 3, split_k=2).fits(2048)
     assert not T("persistent_tma", 64, 128, preload=True).fits(2048)
     assert T("decode", 16, 128, preload=True).key() != T("decode", 16, 128).key()
     assert not T("nonesuch", 64, 128).fits(2048)
@@ -221,6 +226,23 @@ def test_the_table_schedules_refuse_more_groups_than_their_search_holds():
     out = torch.empty((m, n), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at most 1024 groups"):
         tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, config, addrs=False)
+
+
+def test_a_pair_is_never_launched_split_or_preloaded():
+    """The pair kernel takes neither split-K nor preloaded scales (the table never gives a pair
+    them; ``fits`` keeps them from the sweeps): a launch asking for either is refused before
+    anything is planned, not run as something its key does not say."""
+    m, n, k, g = 8, 256, 1152, 2
+    xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
+    xs = torch.ones((m, k // 128))
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    ws = torch.ones((g, k // 128, n // 128))
+    sizes = torch.full((g,), m // g, dtype=torch.int64)
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    for config in (tk.TileConfig("decode_pair", 16, 64, 4, 3, split_k=2),
+                   tk.TileConfig("decode_pair", 16, 128, 4, 3, preload=True)):
+        with pytest.raises(ValueError, match="decode's, not decode_pair's"):
+            tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, config, addrs=False)
 
 
 def test_split_workspace_is_cached_and_starts_clean():
