@@ -358,6 +358,7 @@ def form_plan(form: str, ops: dict, out: torch.Tensor, config):
     identity row map: the server's merged calls) or ``lone`` (a lone call's graph: the rows'
     check inside, with the row map on a decode tile, stored in place on a persistent one)."""
     from moegemm.kernels import triton_kernel as tk
+    from moegemm.kernels._backend import weight_addresses
 
     xq, wq, x_scale, w_scale, sizes = ops["xq"], ops["wq"], ops["x_scale"], ops["w_scale"], ops["sizes"]
     g, n, _ = wq.shape
@@ -367,7 +368,8 @@ def form_plan(form: str, ops: dict, out: torch.Tensor, config):
     mapped = form == "map" or (form == "lone" and config.swap_ab)
     rows = torch.arange(xq.shape[0], dtype=torch.int64, device=DEV) if mapped else None
     flags = torch.zeros(xq.shape[0], dtype=torch.int8, device=DEV) if form == "lone" else None
-    return tk.launch_plan(xq, tk.weight_addresses(wq, w_scale), x_scale, w_scale, sizes, out, n, g, config,
+    table = torch.tensor(weight_addresses(wq, w_scale), device=DEV)
+    return tk.launch_plan(xq, table, x_scale, w_scale, sizes, out, n, g, config,
                           addrs=True, x_words=words, out_rows=rows, flags=flags)
 
 

@@ -63,6 +63,7 @@ def _scale_check_first_trigger(xs_ptr, flags_ptr, rows, KB: tl.constexpr, BLOCK_
 def main() -> None:
     from moegemm.kernels import _triton_prologue as pro
     from moegemm.kernels import triton_kernel as tk
+    from moegemm.kernels._backend import weight_addresses
     from moegemm.server._checks import bad_rows
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -103,9 +104,9 @@ def main() -> None:
             # takes flags (TileConfig.checks_rows).
             if not planned:
                 words = torch.tensor([xq.data_ptr(), xs.data_ptr()], dtype=torch.int64, device=bk.DEV)
-                planned["plan"] = tk.launch_plan(
-                    xq, tk.weight_addresses(ops["wq"], ops["w_scale"]), xs, ops["w_scale"], ops["sizes"], out, n,
-                    g, config, addrs=True, x_words=words, flags=flags)
+                table = torch.tensor(weight_addresses(ops["wq"], ops["w_scale"]), device=bk.DEV)
+                planned["plan"] = tk.launch_plan(xq, table, xs, ops["w_scale"], ops["sizes"], out, n, g, config,
+                                                 addrs=True, x_words=words, flags=flags)
             ikernel, igrid, iargs, iconsts = planned["plan"]
             ikernel[igrid](*iargs, **iconsts)
 

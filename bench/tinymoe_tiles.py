@@ -31,14 +31,14 @@ VARIANTS = ((64, 4), (128, 8), (128, 4))
 def token_buffers(es, ids, w, H: int, dev) -> dict:
     """The one-token kernels' device inputs for expert set ``es``: the routing as int64 words,
     the weights, the token count, the two address tables, the combine's parts and counters."""
+    from moegemm.kernels._backend import weight_addresses
     from moegemm.kernels._triton_moe_token import counts_words
-    from moegemm.kernels.triton_kernel import weight_addresses
 
     return {"ids": ids.reshape(-1).to(torch.int64).view(torch.int32).to(dev),
             "wide": torch.tensor(1, device=dev), "w": w.reshape(-1).to(dev),
             "tokens": torch.tensor(1, device=dev),
-            "t13": weight_addresses(es.w13.wq, es.w13.w_scale),
-            "t2": weight_addresses(es.w2.wq, es.w2.w_scale),
+            "t13": torch.tensor(weight_addresses(es.w13.wq, es.w13.w_scale), device=dev),
+            "t2": torch.tensor(weight_addresses(es.w2.wq, es.w2.w_scale), device=dev),
             "parts": torch.zeros((TOP_K, H), device=dev),
             "counts": torch.zeros(counts_words(H), dtype=torch.int32, device=dev)}
 

@@ -56,6 +56,26 @@ def operand_shapes(xq, wq, x_scale, w_scale, m_sizes, out=None) -> tuple[int, in
     return m, n, k, g
 
 
+def weight_addresses(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]:
+    """``wq``'s and ``w_scale``'s base addresses: the two int64 words ``Backend.run_addressed``
+    reads a weight set from. A server writes them into its graphs' buffers; a test or benchmark
+    puts them on the device itself (``torch.tensor(weight_addresses(wq, w_scale), device=...)``).
+
+    ``wq`` fp8 ``[G, N, K]`` (either e4m3 format, in the backend's weight layout) and
+    ``w_scale`` float32 ``[G, K/128, N/128]``, both contiguous, on one device: a weight set as a
+    server's store holds it (the kernel finds group g at g strides past each base). Raw
+    addresses: the caller keeps the tensors alive while the words are in use.
+    """
+    shape = wq.shape  # once: a server checks the words at each launch
+    if (wq.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) or len(shape) != 3 or not wq.is_contiguous()
+            or w_scale.dtype != torch.float32 or not w_scale.is_contiguous()
+            or w_scale.shape != (shape[0], shape[2] // BLOCK, shape[1] // BLOCK) or w_scale.device != wq.device):
+        raise ValueError("launches by address need contiguous fp8 wq [G, N, K] and float32 w_scale "
+                         f"[G, K/128, N/128] on one device, got {wq.dtype} {tuple(wq.shape)} and "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
+    return wq.data_ptr(), w_scale.data_ptr()
+
+
 class BackendUnavailable(RuntimeError):
     """The backend cannot run on this device or in this process."""
 

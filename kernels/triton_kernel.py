@@ -15,7 +15,7 @@ the host and both can be captured into a CUDA graph.
 
 ``run_addressed`` is the entry a server graph uses: the weight set's ``wq``
 and ``w_scale`` base addresses are two int64 words on the device
-(:func:`weight_addresses` makes them; a server writes them into its own
+(``_backend.weight_addresses`` gives them; a server writes them into its own
 buffer before each replay), so one graph per (G, N, K) and bucket serves
 every weight set of that shape. It runs the same kernel with the same tile
 as ``run`` for the same shape: the output is the same, bit for bit.
@@ -500,33 +500,15 @@ def launch(xq, wq, x_scale, w_scale, m_sizes, out, config: TileConfig) -> torch.
     return _launch(xq, wq, x_scale, w_scale, m_sizes, out, n, g, config, addrs=False)
 
 
-def weight_addresses(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """The int64 ``[2]`` device words :func:`run_addressed` reads: ``wq`` and ``w_scale``'s base addresses.
-
-    ``wq`` contiguous e4m3fn ``[G, N, K]``, ``w_scale`` contiguous float32
-    ``[G, K/128, N/128]`` (a weight set as the server's store holds it). Raw
-    addresses: the caller keeps the tensors alive while they are in use.
-    Building it copies to the device, so do it outside a capture; a server
-    writes the two words into its own device buffer instead.
-    """
-    if (wq.dtype != torch.float8_e4m3fn or wq.dim() != 3 or not wq.is_contiguous()
-            or w_scale.dtype != torch.float32 or not w_scale.is_contiguous()
-            or tuple(w_scale.shape) != (wq.shape[0], wq.shape[2] // 128, wq.shape[1] // 128)
-            or w_scale.device != wq.device):
-        raise ValueError("need contiguous e4m3fn wq [G, N, K] and float32 w_scale [G, K/128, N/128] "
-                         "on one device")
-    return torch.tensor([wq.data_ptr(), w_scale.data_ptr()], dtype=torch.int64).to(wq.device)
-
-
 def run_addressed(xq, addresses, x_scale, m_sizes, out, *, groups: int,
                   inputs: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
                   flags: torch.Tensor | None = None) -> torch.Tensor:
-    """SPEC 1 like :func:`run`, the weight set found through :func:`weight_addresses` words.
+    """SPEC 1 like :func:`run`, the weight set found through two address words.
 
     ``addresses`` int64 on the device, words 0 and 1 the base of a contiguous
-    ``wq [groups, N, K]`` and ``w_scale [groups, K/128, N/128]``; N is
-    ``out``'s width (bf16 or float32), K ``xq``'s. Capture-safe: a graph captures the words'
-    address, not their contents. Same kernel and tile as :func:`run`.
+    ``wq [groups, N, K]`` and ``w_scale [groups, K/128, N/128]`` (``_backend.weight_addresses``);
+    N is ``out``'s width (bf16 or float32), K ``xq``'s. Capture-safe: a graph captures the
+    words' address, not their contents. Same kernel and tile as :func:`run`.
 
     For a server graph (one graph serving lone and merged calls):
 

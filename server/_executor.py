@@ -37,9 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from moegemm.kernels import quantize_activations
+from moegemm.kernels._backend import weight_addresses
 
 from ._checks import bad_rows, not_finite_error
-from ._graphs import Buffers, Family, GraphPool, table_words
+from ._graphs import Buffers, Family, GraphPool
 from ._merge import MergePlan, group_order, plan_merge
 from ._staging import Staging
 from ._tensors import TORCH_DTYPES, to_backend_fp8
@@ -266,7 +267,7 @@ class Executor:
                 self._routes = {k: r for k, r in self._routes.items() if r.wq() is not None}
             route = self._routes[key] = _Route(
                 ws, self.pool.generation, lane,
-                table_words(ws.wq, ws.w_scale) if self.pool.run_table is not None else None)
+                weight_addresses(ws.wq, ws.w_scale) if self.pool.run_table is not None else None)
         return route
 
     def release(self, G: int, N: int, K: int) -> None:

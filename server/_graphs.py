@@ -71,7 +71,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from moegemm.kernels import BLOCK, quantize_activations
-from moegemm.kernels._backend import Backend
+from moegemm.kernels._backend import Backend, weight_addresses
 
 from ._checks import bad_rows
 
@@ -561,7 +561,7 @@ class GraphPool:
         host = bufs.meta_host[:words]
         if fresh_host:
             host = torch.empty_like(host, pin_memory=bufs.meta_host.is_pinned())
-        table = table_words(wq, w_scale) if self.run_table is not None else None
+        table = weight_addresses(wq, w_scale) if self.run_table is not None else None
         self.fill_words(bufs, host.numpy(), sizes, gather, rows, launched, table,
                         own=not fresh_host)
         bufs.meta[:words].copy_(host, non_blocking=self.device.type == "cuda")
@@ -582,7 +582,7 @@ class GraphPool:
                    rows: int, launched: int, table: tuple[int, int] | None,
                    *, own: bool = True) -> None:
         """Write a launch's words (sizes, table, input words, order) into host ``meta``;
-        ``table``: the weight set's addresses (:func:`table_words`; None without a
+        ``table``: the weight set's addresses (``_backend.weight_addresses``; None without a
         weight table).
 
         ``own``: ``meta`` is the family's ``meta_host`` (then what it already holds
@@ -709,22 +709,11 @@ class GraphPool:
         return len(self._graphs)
 
 
-def table_words(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]:
-    """``wq``'s and ``w_scale``'s base addresses, the words :meth:`GraphPool.fill_words`
-    writes (both contiguous, as :func:`fill_addresses` requires)."""
-    if not (wq.is_contiguous() and w_scale.is_contiguous()):
-        raise ValueError("launches by address need contiguous wq and w_scale")
-    return wq.data_ptr(), w_scale.data_ptr()
-
-
 def fill_addresses(words: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """Write ``wq``'s and ``w_scale``'s base addresses into host int64 ``words`` [2].
-
-    ``words`` may be a view (of a larger host buffer). Both weights must be
-    contiguous ``[G, ...]`` (the store's layout): the kernel finds group g
-    ``g`` strides after the base.
-    """
-    words.numpy()[:2] = table_words(wq, w_scale)
+    """Write ``wq``'s and ``w_scale``'s base addresses (``_backend.weight_addresses``, which
+    checks the weight set's layout) into host int64 ``words`` [2], a view of a larger host
+    buffer or not."""
+    words.numpy()[:2] = weight_addresses(wq, w_scale)
     return words
 
 

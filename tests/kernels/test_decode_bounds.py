@@ -38,6 +38,7 @@ def check_in_interpreter() -> list[str]:
     import numpy as np
     import torch
     from moegemm.kernels import triton_kernel as tk
+    from moegemm.kernels._backend import weight_addresses
     from triton.runtime import interpreter
 
     tk._sm_count = lambda device: 4  # no GPU here; only the persistent schedules use it
@@ -108,7 +109,7 @@ def check_in_interpreter() -> list[str]:
         # The shipped tile through the tables, as a server graph launches it: the operands'
         # addresses loaded from device words (and the rows' check inside).
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-        table = tk.weight_addresses(wq, ws)
+        table = torch.tensor(weight_addresses(wq, ws))
         words = torch.tensor([xq.data_ptr(), xs.data_ptr()], dtype=torch.int64)
         flags = torch.full((m,), 7, dtype=torch.int8)  # 7: a row the check did not write
         kernel, grid, args, consts = tk.launch_plan(xq, table, xs, ws, sizes, out, n, g, shipped, addrs=True,

@@ -1,7 +1,8 @@
 """One operand check (``kernels/_backend.check_operands``) for every entry that launches: the
 public function, the reference backend, and the triton and flydsl backends' run refuse the same
 wrong operands with the same error and message, before anything runs. No GPU: each refusal
-comes before a launch."""
+comes before a launch. And the one check of a weight set launched by address
+(``_backend.weight_addresses``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from moegemm.kernels import flydsl_kernel as fk
 from moegemm.kernels import grouped_gemm, reference
+from moegemm.kernels._backend import weight_addresses
 
 M, N, K, G = 5, 256, 384, 3
 FN = torch.float8_e4m3fn
@@ -85,3 +87,21 @@ def test_the_float64_oracle_checks_the_shapes_and_takes_float64_scales():
     assert got.dtype == torch.float64 and got.shape == (M, N)
     with pytest.raises(ValueError, match=r"w_scale must have shape \[3, 3, 2\]"):
         reference.reference_float64(o["xq"], o["wq"], o["x_scale"], o["w_scale"][:, :1], o["m_sizes"])
+
+
+def test_address_words_are_a_whole_weight_sets_bases():
+    """``weight_addresses`` (the words ``Backend.run_addressed`` reads, which the server writes
+    into its graphs' buffers): the bases of a contiguous fp8 ``wq [G, N, K]`` (either format)
+    and float32 ``w_scale [G, K/128, N/128]`` on one device; anything else is refused, as the
+    kernel would read it as that layout."""
+    o = _operands()
+    wq, ws = o["wq"], o["w_scale"]
+    assert weight_addresses(wq, ws) == (wq.data_ptr(), ws.data_ptr())
+    fnuz = wq.view(torch.uint8).view(torch.float8_e4m3fnuz)
+    assert weight_addresses(fnuz, ws) == (wq.data_ptr(), ws.data_ptr())
+    for bad_wq, bad_ws in ((wq.float(), ws), (wq[0], ws), (wq.transpose(1, 2), ws),
+                           (wq, ws.double()), (wq, ws[:, :1]), (wq, ws.transpose(1, 2).contiguous()),
+                           (wq, ws.transpose(1, 2).contiguous().transpose(1, 2)),
+                           (wq, torch.ones(ws.shape, device="meta"))):
+        with pytest.raises(ValueError, match="launches by address need contiguous fp8 wq"):
+            weight_addresses(bad_wq, bad_ws)

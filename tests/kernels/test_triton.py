@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 
 from moegemm.kernels import grouped_gemm, reference_float64
 from moegemm.kernels import triton_kernel as tk
+from moegemm.kernels._backend import weight_addresses
 from moegemm.kernels.quant import quantize_activations, quantize_weights
 from moegemm.kernels.testing import (
     SPEC_TOLERANCE,
@@ -184,7 +185,7 @@ def test_addressed_graph_follows_a_swapped_weight_set(gen):
     first = make_problem(m, n, k, g, sizes, gen)
     second = make_problem(m, n, k, g, sizes, gen)
     xq, _, x_scale, _, m_sizes = first
-    words = tk.weight_addresses(first[1], first[3])
+    words = torch.tensor(weight_addresses(first[1], first[3]), device=DEV)
     out = poisoned_out(m, n, DEV)
     tk.run_addressed(xq, words, x_scale, m_sizes, out, groups=g)  # compile outside the capture
     torch.cuda.synchronize()
@@ -193,7 +194,7 @@ def test_addressed_graph_follows_a_swapped_weight_set(gen):
     with torch.cuda.graph(graph):
         tk.run_addressed(xq, words, x_scale, m_sizes, out, groups=g)
     # Point the captured graph at the second weight set: only the two words change.
-    words.copy_(tk.weight_addresses(second[1], second[3]))
+    words.copy_(torch.tensor(weight_addresses(second[1], second[3])))
     out.fill_(math.nan)
     graph.replay()
     torch.cuda.synchronize()
@@ -239,7 +240,7 @@ def test_every_schedule_matches_reference_and_repeats(config, k, gen):
     assert torch.equal(run(problem, config), first)
     xq, wq, x_scale, w_scale, m_sizes = problem
     out = poisoned_out(xq.shape[0], 1280, DEV)
-    words = tk.weight_addresses(wq, w_scale)
+    words = torch.tensor(weight_addresses(wq, w_scale), device=DEV)
     tk._launch(xq, words, x_scale, words, m_sizes, out, 1280, 8, config, addrs=True)
     assert torch.equal(out, first)
 
@@ -279,7 +280,7 @@ def test_every_schedule_stores_float32_when_out_is_float32(config, gen):
     tk.launch(*problem, wide, config=config)
     xq, wq, x_scale, w_scale, m_sizes = problem
     by_address = torch.full_like(wide, float("nan"))
-    words = tk.weight_addresses(wq, w_scale)
+    words = torch.tensor(weight_addresses(wq, w_scale), device=DEV)
     tk._launch(xq, words, x_scale, words, m_sizes, by_address, n, g, config, addrs=True)
     torch.cuda.synchronize()
     assert torch.isfinite(wide).all(), "unwritten (NaN-poisoned) float32 output"

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from moegemm.kernels import quantize_activations, reference_float64
+from moegemm.kernels._backend import weight_addresses
 from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
 from moegemm.server._executor import Executor, chunk_sizes
@@ -22,7 +23,6 @@ from moegemm.server._graphs import (
     bucket_for,
     buckets_up_to,
     fill_addresses,
-    table_words,
 )
 from moegemm.server._staging import Staging
 from server_support import bf16_rows, gemm_call
@@ -314,15 +314,15 @@ def test_launch_words_say_where_the_gemm_reads_each_launch():
     meta = bufs.meta_host.numpy()
     at = G + 2
     sizes = np.array([3, 0, 2, 1, 0])
-    pool.fill_words(bufs, meta, sizes, None, 6, 8, table_words(ws.wq, ws.w_scale))
+    pool.fill_words(bufs, meta, sizes, None, 6, 8, weight_addresses(ws.wq, ws.w_scale))
     assert tuple(meta[at:at + 3]) == (bufs.x.data_ptr(), bufs.x_scale.data_ptr(), 0)
     gather = np.array([5, 0, 3, 1, 4, 2])
-    pool.fill_words(bufs, meta, sizes, gather, 6, 8, table_words(ws.wq, ws.w_scale))
+    pool.fill_words(bufs, meta, sizes, gather, 6, 8, weight_addresses(ws.wq, ws.w_scale))
     assert tuple(meta[at:at + 3]) == (bufs.xg.data_ptr(), bufs.xsg.data_ptr(), 1)
     pairs = meta[at + 3:at + 3 + 16].reshape(8, 2)
     assert pairs[:6, 0].tolist() == gather.tolist()
     assert (pairs[gather, 1] == np.arange(6)).all() and pairs[6:].tolist() == [[6, 6], [7, 7]]
-    pool.fill_words(bufs, meta, sizes, None, 6, 8, table_words(ws.wq, ws.w_scale))
+    pool.fill_words(bufs, meta, sizes, None, 6, 8, weight_addresses(ws.wq, ws.w_scale))
     assert tuple(meta[at:at + 3]) == (bufs.x.data_ptr(), bufs.x_scale.data_ptr(), 0)
     assert pairs[:, 0].tolist() == list(range(8))
 
