@@ -448,28 +448,30 @@ def decode_pair_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, m_sizes_ptr, out_ptr, map_p
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         group64 = group.to(tl.int64)
-        num_k = K // BLOCK_K  # >= 1: the launcher refuses K < 128
+        k_lo, k_hi = _k_range(K, split, 1, BLOCK_K)
         if FLAGS:
             _row_flags(xs_base, rows, rows_in, row_stop, map_ptr, stride_map, flags_ptr, stride_xsm, tile_n, split,
                        K, BLOCK_K, KB_POW2, ROW_MAP)
-        x_ptrs = x_base + rows_in[:, None] * stride_xm + offs_k[None, :]
-        w_ptrs = w_base + group64 * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = x_base + rows_in[:, None] * stride_xm + (k_lo * BLOCK_K + offs_k)[None, :]
+        w_ptrs = (w_base + group64 * stride_wg + offs_n.to(tl.int64)[:, None] * stride_wn
+                  + (k_lo * BLOCK_K + offs_k)[None, :])
         xs_row = xs_base + rows_in * stride_xsm
         ws_col = ws_base + group64 * stride_wsg + (tile_n * BLOCK_N) // 128
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         # The first pair's scales (a lone block pairs with itself).
-        step = tl.minimum(1, num_k - 1)
-        s0 = tl.load(xs_row) * tl.load(ws_col)
-        s1 = tl.load(xs_row + step) * (tl.load(ws_col + step * stride_wsk) * step.to(tl.float32))
-        for kb in range(0, num_k, 2):
-            step = tl.minimum(1, num_k - 1 - kb)  # 0 on an odd last block
+        k0 = tl.minimum(k_lo, k_hi - 1)
+        step = tl.minimum(1, k_hi - 1 - k0)
+        s0 = tl.load(xs_row + k0) * tl.load(ws_col + k0 * stride_wsk)
+        s1 = tl.load(xs_row + k0 + step) * (tl.load(ws_col + (k0 + step) * stride_wsk) * step.to(tl.float32))
+        for kb in range(k_lo, k_hi, 2):
+            step = tl.minimum(1, k_hi - 1 - kb)  # 0 on an odd last block
             x0 = tl.load(x_ptrs)
             w0 = tl.load(w_ptrs, eviction_policy=EVICT_W)
             x1 = tl.load(x_ptrs + step * BLOCK_K)
             w1 = tl.load(w_ptrs + step * BLOCK_K, eviction_policy=EVICT_W)
             # The next pair's scales (clamped in range; unused after the last pair).
-            kn = tl.minimum(kb + 2, num_k - 1)
-            step_n = tl.minimum(1, num_k - 1 - kn)
+            kn = tl.minimum(kb + 2, k_hi - 1)
+            step_n = tl.minimum(1, k_hi - 1 - kn)
             xs0_n = tl.load(xs_row + kn)
             ws0_n = tl.load(ws_col + kn * stride_wsk)
             xs1_n = tl.load(xs_row + kn + step_n)
