@@ -422,9 +422,11 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         # The tile table's binary search is unrolled for TABLE_G_MAX groups: past it a tile
         # would land in the group before its own.
         raise ValueError(f"{config.schedule} takes at most {TABLE_G_MAX} groups, got G={g}")
-    if config.schedule == "decode_pair" and (config.split_k > 1 or config.preload):
-        # The pair kernel takes neither: a pair's scales load a pair ahead, over a whole tile's K.
-        raise ValueError(f"{config.key()}: split_k and preload are decode's, not decode_pair's")
+    if not config.fits(n, g):
+        # A tile that does not divide N, more groups than its schedule's walk holds, a form its
+        # kernel does not take (a split or preloaded pair): it would compute something its key
+        # does not say. Every table tile fits; a sweep's or a caller's may not.
+        raise ValueError(f"{config.key()} does not take N={n} with G={g} (TileConfig.fits)")
     config = tile_for_out(config, out)
     kernel = SCHEDULES[config.schedule]
     grid = grid_for(config, m, n, k, g, _sm_count(xq.device))

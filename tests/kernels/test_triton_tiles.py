@@ -228,10 +228,11 @@ def test_the_table_schedules_refuse_more_groups_than_their_search_holds():
         tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, config, addrs=False)
 
 
-def test_a_pair_is_never_launched_split_or_preloaded():
+def test_a_tile_that_does_not_fit_is_never_launched():
     """The pair kernel takes neither split-K nor preloaded scales (the table never gives a pair
-    them; ``fits`` keeps them from the sweeps): a launch asking for either is refused before
-    anything is planned, not run as something its key does not say."""
+    them), persistent_ws walks at most PERSISTENT_G_MAX groups, and a tile must divide N: the
+    launcher asks ``fits``, so a launch asking for any of these is refused before anything is
+    planned, not run as something its key does not say."""
     m, n, k, g = 8, 256, 1152, 2
     xq = torch.zeros((m, k), dtype=torch.float8_e4m3fn)
     xs = torch.ones((m, k // 128))
@@ -241,8 +242,19 @@ def test_a_pair_is_never_launched_split_or_preloaded():
     out = torch.empty((m, n), dtype=torch.bfloat16)
     for config in (tk.TileConfig("decode_pair", 16, 64, 4, 3, split_k=2),
                    tk.TileConfig("decode_pair", 16, 128, 4, 3, preload=True)):
-        with pytest.raises(ValueError, match="decode's, not decode_pair's"):
+        with pytest.raises(ValueError, match=r"does not take N=256 with G=2 \(TileConfig.fits\)"):
             tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, config, addrs=False)
+    with pytest.raises(ValueError, match="does not take N=256"):  # 256 is not a multiple of 384
+        tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, tk.TileConfig("decode", 16, 384, 4, 3),
+                       addrs=False)
+    g = tk.PERSISTENT_G_MAX + 1
+    wq = torch.zeros((g, n, k), dtype=torch.float8_e4m3fn)
+    ws = torch.ones((g, k // 128, n // 128))
+    sizes = torch.zeros((g,), dtype=torch.int64)
+    sizes[0] = m
+    with pytest.raises(ValueError, match=f"does not take N=256 with G={g}"):
+        tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, tk.TileConfig("persistent_ws", 128, 128, 4, 2),
+                       addrs=False)
 
 
 def test_split_workspace_is_cached_and_starts_clean():
