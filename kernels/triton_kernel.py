@@ -418,15 +418,14 @@ def launch_plan(xq, w_arg, x_scale, ws_arg, m_sizes, out, n: int, g: int, config
         # before it claims the next tile, and a ring slot no consumer turns would hang them.
         # Checked here, where every entry's launch is planned.
         raise ValueError(f"N and K must be positive multiples of 128, got N={n}, K={k}")
-    if g > TABLE_G_MAX and not config.swap_ab:
-        # The tile table's binary search is unrolled for TABLE_G_MAX groups: past it a tile
-        # would land in the group before its own.
-        raise ValueError(f"{config.schedule} takes at most {TABLE_G_MAX} groups, got G={g}")
     if not config.fits(n, g):
-        # A tile that does not divide N, more groups than its schedule's walk holds, a form its
-        # kernel does not take (a split or preloaded pair): it would compute something its key
-        # does not say. Every table tile fits; a sweep's or a caller's may not.
-        raise ValueError(f"{config.key()} does not take N={n} with G={g} (TileConfig.fits)")
+        # A tile that does not divide N, more groups than its schedule's walk holds (the tile
+        # table's binary search is unrolled for TABLE_G_MAX groups: past it a tile would land in
+        # the group before its own; persistent_ws walks PERSISTENT_G_MAX), a form its kernel
+        # does not take (a split or preloaded pair): it would compute something its key does
+        # not say. Every table tile fits; a sweep's or a caller's may not.
+        raise ValueError(f"{config.key()} does not take N={n} with G={g} (TileConfig.fits: "
+                         f"at most {TABLE_G_MAX} groups but on the decode tiles)")
     config = tile_for_out(config, out)
     kernel = SCHEDULES[config.schedule]
     grid = grid_for(config, m, n, k, g, _sm_count(xq.device))

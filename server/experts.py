@@ -216,7 +216,10 @@ class ExpertStore:
     def assemble(self, name: str, G: int, H: int, I: int, *, w13, w2,
                  source: str) -> ExpertSet:
         """Build both matrices on the device, expert by expert (``w13``/``w2``: ``(dtype,
-        expert -> host tensor, scales or None)``), after checking the room for both."""
+        expert -> host tensor, scales or None)``), after checking the room for both. The
+        caller has checked the matrices and their scales (:meth:`build`'s
+        ``check_matrix``; a checkpoint's ``expert_shapes`` and ``_scale_inv``): nothing here
+        checks them again."""
         self.check_room(name, G, H, I)
         w13_name, w2_name = matrix_names(name)
         dtype13, group13, scale13 = w13

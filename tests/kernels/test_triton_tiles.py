@@ -224,7 +224,7 @@ def test_the_table_schedules_refuse_more_groups_than_their_search_holds():
     ws = torch.ones((g, k // 128, n // 128))
     sizes = torch.full((g,), 40, dtype=torch.int64)
     out = torch.empty((m, n), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="at most 1024 groups"):
+    with pytest.raises(ValueError, match=f"does not take N=256 with G={g} .*at most 1024 groups"):
         tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, config, addrs=False)
 
 
@@ -242,7 +242,7 @@ def test_a_tile_that_does_not_fit_is_never_launched():
     out = torch.empty((m, n), dtype=torch.bfloat16)
     for config in (tk.TileConfig("decode_pair", 16, 64, 4, 3, split_k=2),
                    tk.TileConfig("decode_pair", 16, 128, 4, 3, preload=True)):
-        with pytest.raises(ValueError, match=r"does not take N=256 with G=2 \(TileConfig.fits\)"):
+        with pytest.raises(ValueError, match=r"does not take N=256 with G=2 \(TileConfig.fits"):
             tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, config, addrs=False)
     with pytest.raises(ValueError, match="does not take N=256"):  # 256 is not a multiple of 384
         tk.launch_plan(xq, wq, xs, ws, sizes, out, n, g, tk.TileConfig("decode", 16, 384, 4, 3),
