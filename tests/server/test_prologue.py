@@ -67,7 +67,9 @@ def _gather_as_torch(x, xs, gather):
     ``index_select``'s, bit for bit; returns its flags and ``bad_rows``' (the torch ops')."""
     fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
     rows = gather.shape[0]
-    xg = torch.full((rows, x.shape[1]), 0xEE, dtype=torch.uint8, device=DEV).view(x.dtype)
+    # Poisoned bytes, as many as the rows hold (a 16-bit row is twice its width in bytes).
+    xg = torch.full((rows, x.shape[1] * x.element_size()), 0xEE, dtype=torch.uint8,
+                    device=DEV).view(x.dtype)
     xsg = None if xs is None else torch.full((rows, xs.shape[1]), float("nan"), device=DEV)
     flags = torch.full((x.shape[0],), 99, dtype=torch.int8, device=DEV)
     check_and_gather(x, xs, gather, xg, xsg, flags)
