@@ -11,7 +11,8 @@ allocator holds beside the weights after it and at its peak, against what a load
 counts for the shape (``FfnGraphs.shape_bytes``); then moe calls at top-8 through
 ``ExpertExecutor.run_calls`` (what a batch of one call runs: the upload, one graph replay, or
 at the old bucket the eager token chunks, and the download), wall-clock medians of fresh
-random inputs with uniform random routing. Never collected by pytest.
+random inputs with uniform random routing. Each model and bucket runs in a process of its own.
+Never collected by pytest.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +45,8 @@ def one_bucket(model: str, bucket: int, tokens: list[int], reps: int) -> None:
     es = expert_set(G, H, I, backend.fp8_dtype, dev)
     torch.cuda.synchronize()
     weights = torch.cuda.memory_allocated()
+    gc.collect()
+    torch.cuda.empty_cache()  # the set's making leaves blocks cached: not the load's
     torch.cuda.reset_peak_memory_stats()
     executor = ExpertExecutor(FfnGraphs(backend, bucket), Staging(dev), MOE_TOP_K)
     estimate = executor.graphs.shape_bytes(es, MOE_TOP_K)  # what a load's room check counts
@@ -88,12 +92,19 @@ def main() -> None:
     parser.add_argument("--tokens", default="2048,8192")
     parser.add_argument("--buckets", default="65536,8192")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--one", action="store_true", help="one model and bucket, in this process")
     args = parser.parse_args()
-    print(torch.cuda.get_device_name(), flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.one:
+        one_bucket(args.models, int(args.buckets), tokens, args.reps)
+        return
+    print(torch.cuda.get_device_name(), flush=True)
     for model in args.models.split(","):
-        for bucket in (int(b) for b in args.buckets.split(",")):
-            one_bucket(model, bucket, tokens, args.reps)
+        for bucket in args.buckets.split(","):
+            # Each in a process of its own: nothing of the one before stays on the device (its
+            # graphs' pool); Triton's disk cache makes the later ones' compiles hits.
+            subprocess.run([sys.executable, "-P", __file__, "--one", "--models", model, "--buckets",
+                            bucket, "--tokens", args.tokens, "--reps", str(args.reps)], check=True)
 
 
 if __name__ == "__main__":
