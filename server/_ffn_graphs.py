@@ -68,7 +68,15 @@ from moegemm.kernels import BLOCK, quantize_activations, silu_mul_quant
 from moegemm.kernels._backend import Backend
 
 from ._checks import bad_rows
-from ._graphs import ADDRESS_WORDS, _no_gc, bucket_for, buckets_up_to, fill_addresses, meta_bytes
+from ._graphs import (
+    ADDRESS_WORDS,
+    LAUNCH_ALLOWANCE,
+    _no_gc,
+    bucket_for,
+    buckets_up_to,
+    fill_addresses,
+    meta_bytes,
+)
 
 log = logging.getLogger("moegemm.server.ffn_graphs")
 
@@ -385,8 +393,9 @@ class FfnGraphs:
         captures, at the largest bucket, and the largest launch's temporaries twice (its
         eager warm-up's stay in the allocator's cache while the capture takes its own), a
         routed row's being its rows gathered in fp8 with scales, ``h`` in float32, the
-        activation's fp8 rows and scales, and ``y`` in bf16. (A backend without the Triton
-        steps runs torch's routing and activation, whose own temporaries are not counted.)"""
+        activation's fp8 rows and scales, and ``y`` in bf16, and ``_graphs.LAUNCH_ALLOWANCE``.
+        (A backend without the Triton steps runs torch's routing and activation, whose own
+        temporaries are not counted.)"""
         families = self.families(es, top_ks)
         if not self.use_graphs or any(f in self._buffers for f in families):
             return 0
@@ -395,7 +404,7 @@ class FfnGraphs:
         H, I = es.H, es.I
         row = (H + H // BLOCK * 4 + 2 * I * H_DTYPE.itemsize + I + I // BLOCK * 4
                + 2 * H)
-        return static + 2 * self.max_bucket * row
+        return static + 2 * self.max_bucket * row + LAUNCH_ALLOWANCE
 
     def buffers(self, f: FfnFamily) -> FfnBuffers:
         """The family's static buffers, made and published now if no :meth:`prepare` made

@@ -79,6 +79,12 @@ log = logging.getLogger("moegemm.server.graphs")
 
 ADDRESS_WORDS = 2  # wq's and w_scale's base address, in meta after the sizes
 INPUT_WORDS = 3  # then the activations' and their scales' base address, and the regroup flag
+# What a new shape's load takes beside its buffers and temporaries, counted by shape_bytes: the
+# kernels' own workspaces (split-K slots, the Gluon tiles' work counters, Triton's scratch for
+# TMA descriptors) and the caching allocator's 20 MiB segments for mid-size requests. Measured
+# 35-55 MiB past the buffers' rounded sizes plus the temporaries on an H100 (a DeepSeek-V3
+# expert-set shape at 65536 and at 8192 rows, session 58, bench/moe_bucket.py); counted as 128.
+LAUNCH_ALLOWANCE = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -281,12 +287,12 @@ class GraphPool:
         (0 where a loaded set has the shape, or with graphs off): both families' static
         buffers at the largest bucket, and the largest graph's temporaries twice (its eager
         warm-up's stay in the allocator's cache, which a capture cannot release, while the
-        capture takes its own; the graphs keep one copy)."""
+        capture takes its own; the graphs keep one copy), and :data:`LAUNCH_ALLOWANCE`."""
         families = [Family(G, N, K, quantize) for quantize in (False, True)]
         if not self.use_graphs or any(f in self._buffers for f in families):
             return 0
         static = sum(meta_bytes(self._allocate(f, device=torch.device("meta"))) for f in families)
-        return static + 2 * self.max_bucket * self._temporary_row_bytes(N, K)
+        return static + 2 * self.max_bucket * self._temporary_row_bytes(N, K) + LAUNCH_ALLOWANCE
 
     def _temporary_row_bytes(self, N: int, K: int) -> int:
         """What :meth:`_body` allocates a row at most (a bf16 call's): its quantized rows and
@@ -726,10 +732,17 @@ def _describe(f: Family) -> str:
 _IDENTITY = np.arange(1 << 16, dtype=np.int64)
 
 
+def allocated_bytes(nbytes: int) -> int:
+    """What the CUDA caching allocator takes for a request of ``nbytes``: a multiple of 2 MiB
+    past 1 MiB, else of 512 bytes."""
+    step = 2 << 20 if nbytes > 1 << 20 else 512
+    return -(-nbytes // step) * step
+
+
 def meta_bytes(buffers) -> int:
-    """The bytes of a buffer object's tensors made on the ``meta`` device (its sizes, nothing
-    allocated; host tensors are not counted)."""
-    return sum(t.nbytes for t in vars(buffers).values()
+    """The device bytes a buffer object's tensors made on the ``meta`` device would take (their
+    sizes as the allocator rounds them, nothing allocated; host tensors are not counted)."""
+    return sum(allocated_bytes(t.nbytes) for t in vars(buffers).values()
                if isinstance(t, torch.Tensor) and t.device.type == "meta")
 
 

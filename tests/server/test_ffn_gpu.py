@@ -41,6 +41,7 @@ from moegemm.kernels import get_backend
 from moegemm.kernels._triton_route import combine, route
 from moegemm.kernels.testing import random_m_sizes, rel_error
 from moegemm.server._ffn_graphs import combine_torch, route_torch
+from moegemm.server._graphs import LAUNCH_ALLOWANCE
 from test_ffn_graphs import _route_quantizes_as_torch, ids_words
 
 DEV = torch.device("cuda")
@@ -218,7 +219,7 @@ def test_a_new_expert_shapes_graph_memory_is_within_its_estimate(backend, fp8):
     runner = Runner(backend, max_bucket, top_ks=(2,))
     estimate = runner.graphs.shape_bytes(es, (2,))
     chain = max_bucket * (h + h // 128 * 4 + 2 * i * 4 + i + i // 128 * 4 + 2 * h)
-    static = estimate - 2 * chain
+    static = estimate - 2 * chain - LAUNCH_ALLOWANCE
     before = device_held()
     runner.prepare(es)
     grown = device_held() - before

@@ -18,8 +18,10 @@ from moegemm.kernels.reference import create as reference_backend
 from moegemm.kernels.testing import SPEC_TOLERANCE, random_m_sizes, random_problem, rel_error
 from moegemm.server._executor import Executor, chunk_sizes
 from moegemm.server._graphs import (
+    LAUNCH_ALLOWANCE,
     Family,
     GraphPool,
+    allocated_bytes,
     bucket_for,
     buckets_up_to,
     fill_addresses,
@@ -172,10 +174,13 @@ def test_a_new_shapes_graph_memory_is_its_buffers_and_largest_temporaries():
     made = 0
     for quantize in (False, True):
         bufs = pool._allocate(Family(G, N, K, quantize))
-        made += sum(t.nbytes for t in (bufs.x, bufs.x_scale, bufs.xg, bufs.xsg, bufs.meta,
-                                        bufs.result) if t is not None)
+        made += sum(allocated_bytes(t.nbytes) for t in (bufs.x, bufs.x_scale, bufs.xg, bufs.xsg,
+                                                         bufs.meta, bufs.result) if t is not None)
     # (the CPU launches without the address table: the output before its scatter too)
-    assert pool.shape_bytes(G, N, K) == made + 2 * 64 * (K + K // 128 * 4 + 2 * N)
+    assert pool.shape_bytes(G, N, K) == made + 2 * 64 * (K + K // 128 * 4 + 2 * N) + LAUNCH_ALLOWANCE
+    # The allocator's rounding: 512 bytes up to 1 MiB, 2 MiB past it.
+    assert [allocated_bytes(n) for n in (1, 512, 513, 1 << 20, (1 << 20) + 1, 5 << 20)] == \
+        [512, 512, 1024, 1 << 20, 2 << 20, 6 << 20]
     pool.buffers(Family(G, N, K, quantize=True))
     assert pool.shape_bytes(G, N, K) == 0 and pool.shape_bytes(G, N, 2 * K) > 0
 
