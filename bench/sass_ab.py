@@ -1,0 +1,120 @@
+"""The table's prefill kernels against the same binaries with yield hints on their promotion
+FFMAs (``sass_yield.patch``), in one process, on the same data: the same bits asserted, then
+CUDA-graph replay medians, the variants alternating (an experiment; never collected by pytest).
+
+    python bench/sass_ab.py [--match a,b] [--forms svc] [--rounds 4] [--json OUT]
+
+Each case whose table tile is a persistent schedule (Gluon or Triton) is launched as
+``triton_kernel.launch_plan`` plans it (``bench_kernels.form_plan``: ``svc`` is a lone prefill
+call's graph in the server); after its first launch every binary the kernel's JIT cache holds
+gets a patched copy per variant, and each variant's graph is captured with its copies in the
+cache (a graph keeps the function it captured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk
+import sass_yield
+
+# name: (first, every)
+VARIANTS = {"d916": (9 / 16, 1), "all": (1.0, 1), "e2": (1.0, 2), "e4": (1.0, 4), "q1": (0.25, 1)}
+
+
+def caches(kernel) -> list[dict]:
+    return [entry[0] for entry in kernel.device_caches.values()]
+
+
+def patched_copies(kernel, made: dict) -> None:
+    """A patched copy per variant of each binary in ``kernel``'s JIT caches not seen yet."""
+    for cache in caches(kernel):
+        for key, ck in cache.items():
+            if (id(cache), key) in made:
+                continue
+            copies = {"base": ck}
+            for name, (first, every) in VARIANTS.items():
+                cubin, changed = sass_yield.patch(ck.kernel, first, every)
+                assert changed, f"{ck.name}: no FFMA run found"
+                new = copy.copy(ck)
+                new.kernel, new.module, new.function, new._run = cubin, None, None, None
+                copies[name] = new
+            made[(id(cache), key)] = (cache, key, copies)
+
+
+def use(made: dict, variant: str) -> None:
+    for cache, key, copies in made.values():
+        cache[key] = copies[variant]
+
+
+def main() -> None:
+    from moegemm.kernels import triton_kernel as tk
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--match", default="seed,real")
+    parser.add_argument("--forms", default="svc")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    gen = torch.Generator(device=bk.DEV).manual_seed(591)
+    triton.set_allocator(tk._tma_scratch)
+    names = ["base", *VARIANTS]
+    made: dict = {}
+    rows = []
+    for case in bk.matching_cases(args.match):
+        m, n, k, g = case["m"], case["n"], case["k"], case["g"]
+        config = tk.default_config(m, n, k, g)
+        if not config.schedule.startswith(("gluon", "persistent")):
+            continue
+        ops = bk.case_operands(case, gen)
+        floor = bk.floor_us(m, n, k, case["sizes"])
+        for form in args.forms.split(","):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=bk.DEV)
+            plan = bk.form_plan(form, ops, out, config)
+            use(made, "base")
+            launch = bk.bound_launch(plan)
+            patched_copies(plan[0], made)
+            ref = out.clone()
+            graphs, same = {}, {}
+            for name in names:
+                use(made, name)
+                out.fill_(float("nan"))
+                launch()
+                torch.cuda.synchronize()
+                same[name] = torch.equal(out.view(torch.int16), ref.view(torch.int16))
+                graphs[name] = bk.graph_of(launch)
+            use(made, "base")
+            timers = {name: (lambda gr=graphs[name]: bk.graph_us(*gr)) for name in names}
+            runs = bk.alternating_timers(timers, args.rounds)
+            us = {name: statistics.median(t) for name, t in runs.items()}
+            row = {"name": case["name"], "form": form, "config": config.key(), "floor_us": floor, "us": us,
+                   "same_bits": same, "base_over": {v: us["base"] / us[v] for v in VARIANTS}}
+            rows.append(row)
+            print(f"{case['name']:46s} {form} {config.schedule:15s} floor {floor:8.1f} base {us['base']:8.1f} "
+                  f"({floor / us['base']:.3f})  base/ " + " ".join(f"{v} {r:.3f}" for v, r in row["base_over"].items())
+                  + "  bits differ: " + (",".join(v for v, s in same.items() if not s) or "none"), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+            del graphs
+        del ops
+        torch.cuda.empty_cache()
+    for v in VARIANTS:
+        ratios = [r["base_over"][v] for r in rows]
+        print(f"geomean base/{v} {bk.ratio_summary(ratios)}")
+    for v in VARIANTS:
+        pre = [r["base_over"][v] for r in rows if "prefill" in r["name"] or "m16384" in r["name"]]
+        if pre:
+            print(f"prefill geomean base/{v} {bk.ratio_summary(pre)}")
+
+
+if __name__ == "__main__":
+    main()
