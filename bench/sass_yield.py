@@ -1,17 +1,19 @@
-"""Yield hints on the block-scale promotion's FFMAs of a compiled sm_90 kernel (an experiment).
+"""Yield hints on the block-scale promotion's FFMAs of a compiled sm_90 kernel (an experiment:
+``bench/sass_ab.py`` times patched copies of the table's prefill binaries against them).
 
 A Hopper SASS instruction is 128 bits; the high 64-bit word holds its scheduling control: stall
 cycles (bits 41-44), the yield hint (bit 45, clear: let the warp scheduler switch warps after
 this instruction), barriers and wait mask (46-57) and the operand reuse-cache flags (58-61).
 ptxas emits the promotion ``acc += part * scale`` of a consumer warpgroup as runs of 64 FFMAs
-with the yield hint off (set bit 45) and the scale's register cached (reuse flags), so while one
+with the yield hint off (bit 45 set) and the scale's register cached (reuse flags), so while one
 consumer promotes, the other's wgmma issue and the producer's loads wait behind its FFMAs in
 the scheduler of each SM sub-partition. DeepGEMM's SASS pass (``deep_gemm/jit/interleave_ffma``)
-turns yield on for part of each such run; this module is our own form of the idea for timing
-it on our Gluon kernels: an FFMA given the yield hint also has its reuse flags cleared (a warp
-switch invalidates the reuse cache, so the next instruction must read the register file). The
-control bits change neither the instructions nor their dependences: the outputs' bits are the
-same (``bench/sass_ab.py`` asserts it on the device).
+turns yield on for part of each such run; this is our own form of the idea: an FFMA given the
+yield hint also has its reuse flags cleared (a warp switch invalidates the reuse cache, so the
+instruction after it reads the register file). The control bits change neither the
+instructions nor their dependences: the outputs' bits are the same (``sass_ab.py`` asserts it).
+How the pass would ship (Triton's compile-stage hook on the Gluon kernels, a constexpr for
+the cache key, its tests): ``bench/prepared/sass_yield_ship.patch``.
 
     python bench/sass_yield.py CUBIN [--first F] [--every E]   # what a patch would change
 """
@@ -31,16 +33,18 @@ MIN_RUN = 8  # FFMAs in a row: shorter runs are not the promotion
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\*\s*(0x[0-9a-f]{16})\s*\*/")
 _HIGH = re.compile(r"^\s*/\*\s*(0x[0-9a-f]{16})\s*\*/\s*$")
 
-
 def cuobjdump() -> Path:
-    import triton
+    """The cuobjdump Triton uses (``TRITON_CUOBJDUMP_PATH``, else the one its wheel ships);
+    RuntimeError if there is none."""
+    from triton import knobs
 
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return Path(knobs.nvidia.cuobjdump.path)
 
 
 def text_sections(cubin: bytes) -> dict[str, tuple[int, int]]:
     """``{function name: (file offset, size)}`` of the cubin's ``.text.<name>`` sections (ELF64)."""
-    assert cubin[:4] == b"\x7fELF" and cubin[4] == 2, "not an ELF64 cubin"
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not an ELF64 cubin")
     shoff, = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
 
@@ -74,8 +78,9 @@ def instructions(cubin: bytes) -> dict[str, list[tuple[int, str, int, int]]]:
             continue
         m = _LINE.search(line)
         if m and current is not None:
-            high = _HIGH.match(lines[i + 1])
-            assert high, f"no control word after {line!r}"
+            high = _HIGH.match(lines[i + 1]) if i + 1 < len(lines) else None
+            if high is None:
+                raise ValueError(f"cuobjdump gave no control word after {line!r}")
             current.append((int(m.group(1), 16), m.group(2).strip(), int(m.group(3), 16), int(high.group(1), 16)))
     return found
 
@@ -108,9 +113,9 @@ def patch(cubin: bytes, first: float = 9 / 16, every: int = 1, functions=None) -
         for run in ffma_runs(listing):
             for j in run[:int(len(run) * first)][::every]:
                 off, _text, lo, hi = listing[j]
-                assert off + 16 <= size
                 at = base + off
-                assert struct.unpack_from("<QQ", data, at) == (lo, hi), f"{name}+{off:#x}: bytes differ from the listing"
+                if off + 16 > size or struct.unpack_from("<QQ", data, at) != (lo, hi):
+                    raise ValueError(f"{name}+{off:#x}: the cubin's bytes differ from cuobjdump's listing")
                 new_hi = (hi & ~REUSE) & ~YIELD_OFF
                 if new_hi != hi:
                     struct.pack_into("<Q", data, at + 8, new_hi)
