@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 59, call 2 (timeout_s 200, any card; carry .whl/server and .whl/mslk).
+# Session 59, call 2 (timeout_s 170, any card; carry .whl/server and .whl/mslk).
 # 1. The yield hints on the promotion FFMAs (bench/sass_yield.py, DeepGEMM's SASS idea in our own
 #    form) against the binaries ptxas made, on every case whose table tile is persistent (Gluon
 #    128 x 256, Triton persistent_ws/tma), in the server's lone-call form; the same bits
@@ -11,7 +11,7 @@
 #    every case's error against the reference, the service's bits against the public
 #    function's, the peers in the same run.
 source bench/device_env.sh
-timeout -k 5 175 python3 -P bench/sass_ab.py --json "$OUT/sass_ab.json" > "$OUT/sass_ab.log" 2>&1
+timeout -k 5 145 python3 -P bench/sass_ab.py --json "$OUT/sass_ab.json" > "$OUT/sass_ab.log" 2>&1
 echo "sass_ab rc=$? $(el)"; tail -50 "$OUT/sass_ab.log" | cut -c1-230
 if [ -n "$WITH_BENCH" ]; then  # timeout_s 420
   git apply bench/prepared/sass_yield_ship.patch 2>/dev/null || patch -p1 < bench/prepared/sass_yield_ship.patch
