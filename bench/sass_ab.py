@@ -2,11 +2,12 @@
 FFMAs (``sass_yield.patch``), in one process, on the same data: the same bits asserted, then
 CUDA-graph replay medians, the variants alternating (an experiment; never collected by pytest).
 
-    python bench/sass_ab.py [--match a,b] [--forms svc] [--rounds 4] [--json OUT]
+    python bench/sass_ab.py [--match a,b] [--forms public] [--rounds 4] [--workers 12] [--json OUT]
 
 Each case whose table tile is a persistent schedule (Gluon or Triton) is launched as
-``triton_kernel.launch_plan`` plans it (``bench_kernels.form_plan``: ``svc`` is a lone prefill
-call's graph in the server); after its first launch every binary the kernel's JIT cache holds
+``triton_kernel.launch_plan`` plans it (``bench_kernels.form_plan``: ``public`` is the public
+function's launch, compiled ahead in ``--workers`` processes; ``svc``, a lone prefill call's graph
+in the server, compiles in the run); after its first launch every binary the kernel's JIT cache holds
 gets a patched copy per variant, and each variant's graph is captured with its copies in the
 cache (a graph keeps the function it captured).
 """
@@ -71,7 +72,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--match", default="seed,real")
-    parser.add_argument("--forms", default="svc")
+    parser.add_argument("--forms", default="public")
+    parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -80,11 +82,16 @@ def main() -> None:
     names = ["base", *VARIANTS]
     made: dict = {}
     rows = []
-    for case in bk.matching_cases(args.match):
+    cases = [c for c in bk.matching_cases(args.match)
+             if tk.default_config(c["m"], c["n"], c["k"], c["g"]).schedule.startswith(("gluon", "persistent"))]
+    # The public launches' kernels compiled ahead in parallel (bench_kernels' jobs, public only).
+    jobs = [job for job in bk.compile_jobs(cases, sweep=False)
+            if not job[5] and job[0].schedule.startswith(("gluon", "persistent"))]
+    failed = bk.compile_ahead(jobs, args.workers)
+    print(f"compiled {len(jobs)} kernels ahead, {len(failed)} failed: {failed[:3]}", flush=True)
+    for case in cases:
         m, n, k, g = case["m"], case["n"], case["k"], case["g"]
         config = tk.default_config(m, n, k, g)
-        if not config.schedule.startswith(("gluon", "persistent")):
-            continue
         ops = bk.case_operands(case, gen)
         floor = bk.floor_us(m, n, k, case["sizes"])
         for form in args.forms.split(","):

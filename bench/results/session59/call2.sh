@@ -2,7 +2,8 @@
 # Session 59, call 2 (timeout_s 170, any card; carry .whl/server and .whl/mslk).
 # 1. The yield hints on the promotion FFMAs (bench/sass_yield.py, DeepGEMM's SASS idea in our own
 #    form) against the binaries ptxas made, on every case whose table tile is persistent (Gluon
-#    128 x 256, Triton persistent_ws/tma), in the server's lone-call form; the same bits
+#    128 x 256, Triton persistent_ws/tma), in the public function's launch (compiled ahead in
+#    12 processes; the service form differs by where the words come from); the same bits
 #    asserted; CUDA-graph replay medians, five rules and the base alternating over 4 rounds.
 #    Prediction: 0-5 % on the prefill cases (DeepGEMM reports 10 %+ on some shapes; our tensor pipe is ~72 % busy at the power
 #    cap's clock, session 22), nothing on the bytes-bound ones.
