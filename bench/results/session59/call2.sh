@@ -4,9 +4,9 @@
 #    form) against the binaries ptxas made, on every case whose table tile is persistent (Gluon
 #    128 x 256, Triton persistent_ws/tma), in the public function's launch (compiled ahead in
 #    12 processes; the service form differs by where the words come from); the same bits
-#    asserted; CUDA-graph replay medians, five rules and the base alternating over 4 rounds.
-#    Prediction: 0-5 % on the prefill cases (DeepGEMM reports 10 %+ on some shapes; our tensor pipe is ~72 % busy at the power
-#    cap's clock, session 22), nothing on the bytes-bound ones.
+#    asserted; CUDA-graph replay medians, six rules and the base alternating over 4 rounds.
+#    Prediction: 0-5 % on the prefill cases (DeepGEMM reports 10 %+ on some shapes; our tensor
+#    pipe is ~72 % busy at the power cap's clock, session 22), nothing on the bytes-bound ones.
 # 2. With WITH_BENCH=1 (timeout_s 420), the full kernel bench with the pass shipped
 #    (bench/prepared/sass_yield_ship.patch applied here: rule 9/16 on the Gluon kernels):
 #    every case's error against the reference, the service's bits against the public
