@@ -47,9 +47,10 @@ def patched_copies(kernel, made: dict) -> None:
         for key, ck in list(cache.items()):
             if (id(cache), key) in made or hasattr(ck, "result"):
                 continue
+            listings = sass_yield.instructions(ck.kernel)
             copies = {"base": ck}
             for name, (first, every) in VARIANTS.items():
-                cubin, changed = sass_yield.patch(ck.kernel, first, every)
+                cubin, changed = sass_yield.patch(ck.kernel, first, every, listings=listings)
                 if not changed:
                     print(f"{ck.name}: no FFMA run to patch", flush=True)
                     copies = None

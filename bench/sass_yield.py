@@ -100,13 +100,16 @@ def ffma_runs(listing: list) -> list[list[int]]:
     return runs
 
 
-def patch(cubin: bytes, first: float = 9 / 16, every: int = 1, functions=None) -> tuple[bytes, int]:
+def patch(cubin: bytes, first: float = 9 / 16, every: int = 1, functions=None,
+          listings=None) -> tuple[bytes, int]:
     """The cubin with the yield hint on (and the reuse flags off) for every ``every``-th FFMA of
-    the first ``first`` of each FFMA run, in ``functions`` (default: all); and how many changed."""
+    the first ``first`` of each FFMA run, in ``functions`` (default: all); and how many changed.
+    ``listings``: :func:`instructions` of ``cubin``, where the caller applies several rules to
+    one binary (one cuobjdump run)."""
     data = bytearray(cubin)
     sections = text_sections(cubin)
     changed = 0
-    for name, listing in instructions(cubin).items():
+    for name, listing in (listings or instructions(cubin)).items():
         if functions is not None and name not in functions:
             continue
         base, size = sections[name]
